@@ -1,0 +1,29 @@
+# The two commands of the README: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: demo test install clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch is pinned to the CPU wheel this machine carries; installing it first keeps any
+	# dependency from pulling a different (CUDA) build.
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[test]" "torch==2.13.0"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q --durations=15
+
+demo: $(STAMP)
+	$(PY) -m autopar demo
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Cost model: compute, communication and memory per strategy (issue: cost model and search)."""

@@ -1,0 +1,1 @@
+"""The IR: captured graphs, SBP placements, op sharding rules."""

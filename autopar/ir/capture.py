@@ -1,0 +1,402 @@
+"""Capture: a model and example inputs -> the IR ``Graph`` of one training (or inference) step.
+
+Recipe (the reasons are measured, see DESIGN.md "Capture: traps measured on torch 2.13"):
+
+1. Copy the model without copying its data: ``copy.deepcopy`` with a memo that maps every
+   parameter and buffer to an empty *fake CPU* tensor of the same shape and dtype. Meta models are
+   never exported as meta (torch then silently drops every gradient, and attention is decomposed
+   into bmm + softmax); on fake CPU tensors SDPA stays fused as
+   ``aten._scaled_dot_product_flash_attention_for_cpu``. The user's model is never touched.
+2. On the copy: forward-pre/forward hooks that annotate every traced node with the module path
+   (``node.meta["custom"]["autopar_module"]``; backward nodes inherit it), and a ``forward`` that
+   returns the loss (training) or the flattened tensor outputs (inference).
+3. ``aot_export_joint_with_descriptors`` with ``_log_softmax`` (and its backward) decomposed, so a
+   vocab-split cross-entropy is a sequence of reductions. Inference exports a copy whose parameters
+   do not require grad, which gives a forward-only graph.
+4. Rewrites on the fx graph: tied parameters merged into one placeholder (gradients summed),
+   non-tensor inputs removed (they are constants), mean losses turned into sum / total_weight.
+5. Lift to the IR (``autopar.ir.lift``) and check: every trainable parameter has a gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+import warnings
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+import torch.utils._pytree as pytree
+
+from autopar import _torch_compat as tc
+from autopar.errors import CaptureError
+from autopar.ir.graph import Graph
+from autopar.ir.lift import lift
+
+__all__ = ["capture", "normalize_mean_losses"]
+
+aten = torch.ops.aten
+
+_DECOMPOSE = [aten._log_softmax.default, aten._log_softmax_backward_data.default]
+_CONSTANT_TYPES = (bool, int, float, str, type(None))
+_SUPPORTED = (
+    "tensors, (nested) lists/tuples/dicts of tensors, or top-level int/float/bool/str/None constants"
+)
+
+
+def capture(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    example_kwargs: Optional[dict] = None,
+    *,
+    training: bool = True,
+) -> Graph:
+    """Capture ``model(*example_inputs, **example_kwargs)`` as an IR Graph of aten ops.
+
+    ``training=True``: the joint forward+backward step; the model must return a loss (a scalar
+    tensor, a dict or dataclass with a ``loss`` entry, or exactly one scalar float tensor among its
+    outputs). ``training=False``: the forward only, every tensor output kept. The model's own mode
+    (``train()``/``eval()``) is used as is. Inputs may live on any device, meta included: only their
+    shapes and dtypes are used. Raises :class:`CaptureError` with a reason and a remedy.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
+    if not any(True for _ in model.parameters()):
+        raise CaptureError(
+            f"{type(model).__name__} has no parameters: there is nothing to place or train. "
+            "Register weights as nn.Parameter (buffers and plain tensor attributes are not parameters)."
+        )
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+    names, constants = _check_inputs(args, kwargs)
+
+    fm = tc.FakeTensorMode(allow_non_fake_inputs=True)
+    mc = _fake_copy(model, fm, training)
+    fargs, fkwargs = _fake_inputs(args, kwargs, fm)
+    tracker = _ModuleTracker(mc)
+    mc.forward = _wrap_forward(mc.forward, training)  # instance attribute: hooks still run
+    decomps = tc.decompositions(_DECOMPOSE)
+    with tc.preserve_node_meta():  # the tracker must close inside: it restores fx's annotation state
+        try:
+            gm = tc.export_joint(mc, fargs, fkwargs, decomps)
+        except Exception as e:  # noqa: BLE001 - re-raised as one clear message
+            where = tracker.where()
+            tracker.close()
+            raise _capture_error(e, where) from e
+        tracker.close()
+
+    const_idx = [i for i, n in enumerate(names) if n in constants]
+    _drop_constant_inputs(gm, const_idx)
+    aliases = _merge_tied(gm, mc)
+    normalize_mean_losses(gm)
+    gm.graph._codegen = torch.fx.graph.CodeGen()  # flat calling convention: gm(*placeholders) -> outputs
+    gm.graph.lint()
+    gm.recompile()
+
+    graph = lift(gm, training=training, input_names=names, constants=constants, aliases=aliases)
+    if training:
+        _check_grads(graph, mc, aliases)
+    _warn_attention_dropout(graph)
+    return graph
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and the fake copy
+
+
+def _check_inputs(args: tuple, kwargs: dict) -> tuple[list[str], dict[str, Any]]:
+    """Names of the flattened inputs (``input:0``, ``input:1[2]``, ``labels``) and the constants.
+
+    The order is pytree's flattening of ``(args, kwargs)``, which is the order of the export's
+    ``PlainAOTInput(idx)`` descriptors."""
+    for key, value in [(f"input:{i}", a) for i, a in enumerate(args)] + list(kwargs.items()):
+        if isinstance(value, _CONSTANT_TYPES) or isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, (list, tuple, dict)):
+            for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+                if not isinstance(leaf, torch.Tensor):
+                    raise CaptureError(
+                        f"example input {key!r} is a {type(value).__name__} holding a "
+                        f"{type(leaf).__name__} at {pytree.keystr(path) or 'its top'}; supported inputs are "
+                        f"{_SUPPORTED}. Pass non-tensor settings as separate top-level arguments."
+                    )
+            continue
+        raise CaptureError(
+            f"example input {key!r} has type {type(value).__module__}.{type(value).__qualname__}, which "
+            f"capture cannot handle; supported inputs are {_SUPPORTED}"
+            + (" (convert numpy arrays with torch.from_numpy)" if type(value).__module__ == "numpy" else "")
+        )
+    names, constants = [], {}
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        first = path[1]
+        head = f"input:{first.idx}" if path[0].idx == 0 else str(first.key)
+        name = head + pytree.keystr(path[2:])
+        names.append(name)
+        if not isinstance(leaf, torch.Tensor):
+            constants[name] = leaf
+    return names, constants
+
+
+def _fake_like(t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
+    """An empty tensor of ``t``'s shape, strides and dtype on CPU (called under the fake mode)."""
+    out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+    return out.requires_grad_(requires_grad) if requires_grad else out
+
+
+def _fake_copy(model: torch.nn.Module, fm, training: bool) -> torch.nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are fake CPU tensors (no data copied)."""
+    memo: dict[int, Any] = {}
+    with fm:
+        for _, p in model.named_parameters(remove_duplicate=False):
+            if id(p) not in memo:
+                memo[id(p)] = torch.nn.Parameter(_fake_like(p), requires_grad=training and p.requires_grad)
+        for _, b in model.named_buffers(remove_duplicate=False):
+            if id(b) not in memo:
+                memo[id(b)] = _fake_like(b)
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as e:  # noqa: BLE001
+        raise CaptureError(
+            f"could not copy {type(model).__name__} for capture ({type(e).__name__}: {e}); capture works on a "
+            "copy so that your model stays untouched: make the module deep-copyable"
+        ) from e
+
+
+def _fake_inputs(args: tuple, kwargs: dict, fm) -> tuple[tuple, dict]:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    with fm:
+        leaves = [_fake_like(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+    return pytree.tree_unflatten(leaves, spec)
+
+
+class _ModuleTracker:
+    """Hooks on every submodule: annotate traced nodes with the module path, and remember which
+    module is running (for error messages)."""
+
+    def __init__(self, root: torch.nn.Module):
+        self.stack: list[tuple[str, str, Any]] = []
+        self.handles = []
+        for path, mod in root.named_modules():
+            self.handles.append(mod.register_forward_pre_hook(self._pre(path)))
+            self.handles.append(mod.register_forward_hook(self._post))
+
+    def _pre(self, path: str):
+        def hook(mod, args):
+            ctx = tc.annotate({"autopar_module": path})
+            ctx.__enter__()
+            self.stack.append((path, type(mod).__name__, ctx))
+
+        return hook
+
+    def _post(self, mod, args, out):
+        self.stack.pop()[2].__exit__(None, None, None)
+
+    def where(self) -> Optional[tuple[str, str]]:
+        return (self.stack[-1][0], self.stack[-1][1]) if self.stack else None
+
+    def close(self) -> None:
+        while self.stack:  # an exception left modules open: restore fx's global annotation state
+            self.stack.pop()[2].__exit__(None, None, None)
+        for h in self.handles:
+            h.remove()
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs: what the exported function returns
+
+
+def _describe(out: Any) -> str:
+    if isinstance(out, torch.Tensor):
+        return f"a {str(out.dtype).replace('torch.', '')} tensor of shape {tuple(out.shape)}"
+    if isinstance(out, Mapping):
+        return f"a {type(out).__name__} with keys {list(out.keys())}"
+    if isinstance(out, (tuple, list)):
+        return f"a {type(out).__name__} of {len(out)}: [{', '.join(_describe(o) for o in out[:6])}]"
+    return f"a {type(out).__name__}"
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    """The loss among a model's outputs (see ``capture``)."""
+    loss = None
+    if isinstance(out, torch.Tensor):
+        loss = out
+    elif isinstance(out, Mapping):
+        loss = out.get("loss")
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point():
+        return loss
+    if loss is None and not isinstance(out, torch.Tensor):
+        scalars = [
+            t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.ndim == 0 and t.is_floating_point()
+        ]
+        if len(scalars) == 1:
+            return scalars[0]
+    raise CaptureError(
+        f"training capture needs a loss, but the model returned {_describe(out)}. Return a scalar loss "
+        "tensor (e.g. compute the loss in forward from targets passed as an input), a dict or dataclass "
+        "with a 'loss' entry, or capture with training=False for a forward-only graph."
+    )
+
+
+def _wrap_forward(forward, training: bool):
+    def loss_forward(*args, **kwargs):
+        return _loss_of(forward(*args, **kwargs))
+
+    def flat_forward(*args, **kwargs):
+        outs = tuple(t for t in pytree.tree_leaves(forward(*args, **kwargs)) if isinstance(t, torch.Tensor))
+        if not outs:
+            raise CaptureError("the model returned no tensors: nothing to capture")
+        return outs
+
+    return loss_forward if training else flat_forward
+
+
+def _capture_error(e: Exception, where: Optional[tuple[str, str]]) -> CaptureError:
+    """One clear CaptureError for an exception raised while tracing."""
+    chain, seen = [], set()
+    cur: Optional[BaseException] = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    for c in chain:
+        if isinstance(c, CaptureError):
+            return c
+    loc = "in the model's forward" if where is None else (
+        f"in module {where[0]!r} ({where[1]})" if where[0] else f"in the model's forward ({where[1]})"
+    )
+    for c in chain:
+        if isinstance(c, tc.DATA_DEPENDENT_ERRORS):
+            op = tc.data_dependent_op(c)
+            return CaptureError(
+                f"capture failed {loc}: {'op ' + op if op else 'an op'} has an output shape or value that "
+                "depends on tensor data (e.g. nonzero, boolean-mask indexing, .item(), .tolist()), which "
+                "a static graph cannot express. Use a static-shape formulation: multiply masks in instead "
+                "of indexing with them, route to a fixed capacity per expert, keep values as tensors. "
+                f"({type(c).__name__}: {str(c).strip().splitlines()[0] if str(c).strip() else ''})"
+            )
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return CaptureError(f"capture failed {loc}: {type(e).__name__}: {msg}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewrites on the exported fx graph
+
+
+def _drop_constant_inputs(gm: torch.fx.GraphModule, const_idx: list[int]) -> None:
+    """Remove the placeholders of non-tensor inputs: their values are baked into the graph."""
+    drop = set(const_idx)
+    for n in list(gm.graph.nodes):
+        desc = n.meta.get("desc")
+        if n.op == "placeholder" and isinstance(desc, tc.PlainAOTInput) and desc.idx in drop:
+            if n.users:
+                raise CaptureError(f"the non-tensor input #{desc.idx} is read by the graph; pass it as a tensor")
+            gm.graph.erase_node(n)
+
+
+def _merge_tied(gm: torch.fx.GraphModule, mc: torch.nn.Module) -> dict[str, str]:
+    """Tied parameters (one tensor under several FQNs) arrive as one placeholder per FQN: keep the
+    first FQN's placeholder, read it everywhere, and sum the gradients. Returns alias -> canonical."""
+    canon: dict[str, str] = {}
+    for named in (mc.named_parameters(remove_duplicate=False), mc.named_buffers(remove_duplicate=False)):
+        first: dict[int, str] = {}
+        for fqn, t in named:
+            canon[fqn] = first.setdefault(id(t), fqn)
+    aliases = {a: c for a, c in canon.items() if a != c}
+    if not aliases:
+        return {}
+    ph = {n.meta["desc"].target: n for n in gm.graph.nodes if n.op == "placeholder"
+          and isinstance(n.meta.get("desc"), (tc.ParamAOTInput, tc.BufferAOTInput))}
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    outs, descs = list(out.args[0]), list(out.meta["desc"])
+    grad_pos = {d.grad_of.target: i for i, d in enumerate(descs) if isinstance(d, tc.GradAOTOutput)}
+    drop = []
+    for alias, c in aliases.items():
+        if alias not in ph or c not in ph:
+            continue
+        ph[alias].replace_all_uses_with(ph[c])
+        gm.graph.erase_node(ph[alias])
+        if alias in grad_pos:
+            ga, gc = outs[grad_pos[alias]], outs[grad_pos.get(c, -1)] if c in grad_pos else None
+            if ga is not None and gc is not None:
+                with gm.graph.inserting_before(out):
+                    s = gm.graph.call_function(aten.add.Tensor, (gc, ga))
+                s.meta.update(val=gc.meta["val"], partitioner_tag="is_backward")
+                outs[grad_pos[c]] = s
+            elif gc is None and c in grad_pos:
+                outs[grad_pos[c]] = ga
+            drop.append(grad_pos[alias])
+    out.args = (tuple(o for i, o in enumerate(outs) if i not in drop),)
+    out.meta["desc"] = [d for i, d in enumerate(descs) if i not in drop]
+    return aliases
+
+
+def normalize_mean_losses(gm: torch.fx.GraphModule) -> int:
+    """Rewrite every mean-reduced ``nll_loss_forward`` as a sum divided by its total weight.
+
+    ``nll_loss_forward(x, t, w, reduction=1 (mean), ii)`` becomes ``nll_loss_forward(..., 2 (sum),
+    ii)`` followed by ``div(loss, total_weight)``; readers of the old loss read the ``div``. The
+    total weight (output 1) is the same under both reductions and ``nll_loss_backward`` with mean
+    reduction already takes it as an input, so the backward is unchanged. Why: the mean over a
+    batch-split target is not the sum of per-device means, but sum / total_weight is expressible
+    as partial sums (``P``) divided once. Returns the number of rewritten losses.
+    """
+    count = 0
+    targets = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in targets or n.args[3] != 1:
+            continue
+        gets = {u.args[1]: u for u in n.users if u.target is operator.getitem}
+        if 0 not in gets:
+            continue
+        n.args = (*n.args[:3], 2, *n.args[4:])
+        if 1 not in gets:
+            with gm.graph.inserting_after(gets[0]):
+                tw = gm.graph.call_function(operator.getitem, (n, 1))
+            tw.meta.update(n.meta, val=n.meta["val"][1])
+            gets[1] = tw
+        loss, tw = gets[0], gets[1]
+        after = loss if list(gm.graph.nodes).index(loss) > list(gm.graph.nodes).index(tw) else tw
+        with gm.graph.inserting_after(after):
+            div = gm.graph.call_function(aten.div.Tensor, (loss, tw))
+        loss.replace_all_uses_with(div, delete_user_cb=lambda u: u is not div)
+        div.meta.update({k: v for k, v in n.meta.items() if k in ("custom", "partitioner_tag", "stack_trace")})
+        div.meta["val"] = loss.meta["val"]
+        count += 1
+    return count
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks on the result
+
+
+def _check_grads(graph: Graph, mc: torch.nn.Module, aliases: dict[str, str]) -> None:
+    missing = [fqn for fqn, p in mc.named_parameters() if p.requires_grad and fqn not in graph.grads]
+    if missing:
+        shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
+        raise CaptureError(
+            f"the captured training step has no gradient for parameter(s) {shown}. Either forward does "
+            "not use them (freeze them with requires_grad_(False) or remove them), or the loss does not "
+            "depend on them, or the graph was exported on the meta device."
+        )
+
+
+_DROPOUT = ("aten.native_dropout", "aten.bernoulli")
+_SOFTMAX = ("aten._safe_softmax.default", "aten._softmax.default")
+
+
+def _warn_attention_dropout(graph: Graph) -> None:
+    """Attention with dropout_p > 0 is decomposed by torch (bmm + softmax + dropout)."""
+    drop = {n.module_path for n in graph.ops() if n.op.startswith(_DROPOUT)}
+    soft = {n.module_path for n in graph.ops() if n.op in _SOFTMAX}
+    both = sorted(drop & soft)
+    if both:
+        warnings.warn(
+            f"attention in module(s) {', '.join(repr(m or '<root>') for m in both)} uses dropout, so torch decomposed it "
+            "into bmm + softmax + dropout (batch*heads*seq^2 scores in memory); attention stays fused only "
+            "with dropout_p=0: set the attention dropout to 0 for planning",
+            stacklevel=3,
+        )

@@ -1,0 +1,185 @@
+"""The IR: a Graph of Nodes whose tensors carry shapes, dtypes and roles.
+
+A Node is one aten op (or a graph input) of the captured program. Tuple-returning ops are one Node
+with several outputs; fx's ``getitem`` nodes are folded away, so an input of a Node is a
+``Ref(node, index)``. Every pass reads this IR; nothing downstream needs the fx graph, but each Node
+keeps its fx node for lowering.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+
+
+class Role(str, enum.Enum):
+    """What a tensor is in the training step."""
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    INPUT = "input"
+    TANGENT = "tangent"  # the seed gradient of the loss (1.0)
+    ACTIVATION = "activation"
+    GRADIENT = "gradient"  # the gradient of a parameter (a graph output)
+    LOSS = "loss"
+
+
+class Phase(str, enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor (no strides: the IR is about values, not layouts)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).replace('torch.', '')}[{', '.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Output ``index`` of the node named ``node``."""
+
+    node: str
+    index: int = 0
+
+    def __str__(self) -> str:
+        return self.node if self.index == 0 else f"{self.node}[{self.index}]"
+
+
+@dataclass(eq=False)
+class Node:
+    """One op of the program.
+
+    ``args``/``kwargs`` are the op's arguments with every tensor replaced by its ``Ref``;
+    ``inputs`` lists those Refs in the order they appear (flattened), which is the order sharding
+    signatures use. ``outputs[i]`` is None for a non-tensor output.
+    """
+
+    name: str
+    op: str  # "aten.mm.default", "placeholder", "output", "autopar.hint.default"
+    target: Any  # the OpOverload (or None for placeholders/output)
+    args: tuple
+    kwargs: dict
+    inputs: list[Ref]
+    outputs: list[Optional[TensorSpec]]
+    roles: list[Role]
+    phase: Phase
+    module_path: str
+    fx_node: Optional[torch.fx.Node] = field(default=None, repr=False)
+
+    @property
+    def out(self) -> TensorSpec:
+        """The single (first) output's spec."""
+        spec = self.outputs[0]
+        assert spec is not None, f"{self.name} has no tensor output"
+        return spec
+
+    @property
+    def is_placeholder(self) -> bool:
+        return self.op == "placeholder"
+
+    def where(self) -> str:
+        """Human-readable location for error messages."""
+        return f"{self.op} (node {self.name!r}, module {self.module_path or '<root>'!r})"
+
+
+@dataclass(frozen=True)
+class Hint:
+    """A user annotation captured from ``autopar.hint``: ``ref`` must have ``placements``."""
+
+    ref: Ref
+    placements: str
+    module_path: str
+
+
+@dataclass(eq=False)
+class Graph:
+    """A captured program: Nodes in topological order plus the meaning of its inputs and outputs."""
+
+    nodes: list[Node]
+    training: bool
+    params: dict[str, str]  # FQN -> placeholder node name
+    buffers: dict[str, str]  # FQN -> placeholder node name
+    inputs: dict[str, str]  # "input:0" / keyword name -> placeholder node name
+    constants: dict[str, Any]  # non-tensor inputs ("input:2" / keyword name -> value)
+    grads: dict[str, Ref]  # parameter FQN -> its gradient
+    loss: Optional[Ref]
+    outputs: list[Optional[Ref]]  # every output of the program, in order
+    hints: list[Hint] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)  # tied parameter FQN -> canonical FQN (in params)
+    mutations: dict[str, Ref] = field(default_factory=dict)  # buffer FQN -> its new value (e.g. BatchNorm stats)
+    gm: Optional[torch.fx.GraphModule] = field(default=None, repr=False)
+    _by_name: dict[str, Node] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._by_name = {n.name: n for n in self.nodes}
+
+    def node(self, name: str) -> Node:
+        return self._by_name[name]
+
+    def spec(self, ref: Ref) -> TensorSpec:
+        spec = self._by_name[ref.node].outputs[ref.index]
+        assert spec is not None, f"{ref} is not a tensor"
+        return spec
+
+    def role(self, ref: Ref) -> Role:
+        return self._by_name[ref.node].roles[ref.index]
+
+    def ops(self) -> Iterator[Node]:
+        """Every node that computes something (not placeholders)."""
+        return (n for n in self.nodes if not n.is_placeholder)
+
+    def users(self) -> dict[str, list[str]]:
+        """Node name -> names of the nodes that read any of its outputs."""
+        out: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for r in n.inputs:
+                if n.name not in out[r.node]:
+                    out[r.node].append(n.name)
+        return out
+
+    @property
+    def param_of_grad(self) -> dict[Ref, str]:
+        return {g: p for p, g in self.grads.items()}
+
+    def op_names(self) -> list[str]:
+        """Distinct op names, sorted."""
+        return sorted({n.op for n in self.ops()})
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def summary(self) -> str:
+        lines = []
+        for n in self.nodes:
+            ins = ", ".join(str(r) for r in n.inputs)
+            outs = ", ".join(str(o) for o in n.outputs)
+            lines.append(f"{n.phase.value[:3]} {n.name} = {n.op}({ins}) -> {outs}  [{n.module_path}]")
+        return "\n".join(lines)

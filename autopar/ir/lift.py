@@ -1,0 +1,161 @@
+"""Lift an exported fx graph (with AOTAutograd descriptors) into the IR ``Graph``.
+
+One IR Node per placeholder and per ``call_function``; ``operator.getitem`` nodes are folded into
+``Ref(node, index)``; the output node becomes ``Graph.outputs``. Module paths come from
+``node.meta["custom"]["autopar_module"]`` (set by capture's hooks); nodes without one (gradient
+accumulation adds) take the common module of their inputs.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+from torch.fx.node import map_arg
+
+from autopar import _torch_compat as tc
+from autopar.errors import CaptureError
+from autopar.ir.graph import Graph, Hint, Node, Phase, Ref, Role, TensorSpec
+from autopar.ir.hint import hint as _hint  # noqa: F401  (registers autopar::hint)
+
+__all__ = ["lift", "spec_of"]
+
+
+def spec_of(val: Any) -> Optional[TensorSpec]:
+    if isinstance(val, torch.Tensor):
+        return TensorSpec(tuple(int(s) for s in val.shape), val.dtype)
+    return None
+
+
+def _common_module(paths: list[str]) -> str:
+    if not paths:
+        return ""
+    parts = [p.split(".") if p else [] for p in paths]
+    common = []
+    for level in zip(*parts):
+        if any(x != level[0] for x in level):
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _phase(n: torch.fx.Node) -> Phase:
+    return Phase.BACKWARD if n.meta.get("partitioner_tag") == "is_backward" else Phase.FORWARD
+
+
+def lift(
+    gm: torch.fx.GraphModule,
+    *,
+    training: bool,
+    input_names: list[str],
+    constants: dict[str, Any],
+    aliases: dict[str, str],
+) -> Graph:
+    """The IR of ``gm``. ``input_names[i]`` names the input with descriptor ``PlainAOTInput(i)``."""
+    hint_op = torch.ops.autopar.hint.default
+    nodes: list[Node] = []
+    by_name: dict[str, Node] = {}
+    ref_of: dict[torch.fx.Node, Ref] = {}
+    params: dict[str, str] = {}
+    buffers: dict[str, str] = {}
+    inputs: dict[str, str] = {}
+    hints: list[Hint] = []
+    out_node = None
+
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            out_node = n
+            continue
+        if n.op == "call_function" and n.target is operator.getitem:
+            src = n.args[0]
+            base = ref_of[src]
+            if base.index != 0 or not isinstance(src.meta.get("val"), (tuple, list)):
+                raise CaptureError(f"cannot lift nested getitem {n.name} of {src.name} ({src.target})")
+            ref_of[n] = Ref(base.node, n.args[1])
+            continue
+        outs_val = n.meta.get("val")
+        outputs = [spec_of(v) for v in outs_val] if isinstance(outs_val, (tuple, list)) else [spec_of(outs_val)]
+        roles = [Role.ACTIVATION] * len(outputs)
+        if n.op == "placeholder":
+            desc = n.meta.get("desc")
+            module_path = ""
+            if isinstance(desc, (tc.ParamAOTInput, tc.BufferAOTInput)):
+                is_param = isinstance(desc, tc.ParamAOTInput)
+                (params if is_param else buffers)[desc.target] = n.name
+                roles = [Role.PARAMETER if is_param else Role.BUFFER]
+                module_path = desc.target.rpartition(".")[0]
+            elif isinstance(desc, tc.PlainAOTInput):
+                inputs[input_names[desc.idx]] = n.name
+                roles = [Role.INPUT]
+            elif isinstance(desc, tc.TangentAOTInput):
+                roles = [Role.TANGENT]
+            else:
+                raise CaptureError(f"capture does not understand graph input {n.name} ({desc!r})")
+            node = Node(n.name, "placeholder", None, (), {}, [], outputs, roles, _phase(n), module_path, n)
+        elif n.op == "call_function":
+            ins: list[Ref] = []
+
+            def to_ref(a: torch.fx.Node) -> Ref:
+                r = ref_of[a]
+                ins.append(r)
+                return r
+
+            args = tuple(map_arg(n.args, to_ref))
+            kwargs = dict(map_arg(n.kwargs, to_ref))
+            custom = n.meta.get("custom") or {}
+            if "autopar_module" in custom:
+                module_path = custom["autopar_module"]
+            else:
+                module_path = _common_module(
+                    [by_name[r.node].module_path for r in ins if not by_name[r.node].is_placeholder]
+                )
+            node = Node(n.name, str(n.target), n.target, args, kwargs, ins, outputs, roles, _phase(n), module_path, n)
+            if n.target is hint_op:
+                hints.append(Hint(Ref(n.name, 0), n.args[1], module_path))
+        elif n.op == "get_attr":  # a tensor constant created in forward (e.g. torch.tensor([...]))
+            val = getattr(gm, n.target)
+            outputs = [spec_of(val)]
+            users = [(u.meta.get("custom") or {}).get("autopar_module", "") for u in n.users]
+            node = Node(n.name, "get_attr", n.target, (), {}, [], outputs, roles, _phase(n), _common_module(users), n)
+        else:
+            raise CaptureError(f"unexpected fx node {n.name} ({n.op}) in the captured graph")
+        nodes.append(node)
+        by_name[n.name] = node
+        ref_of[n] = Ref(n.name, 0)
+
+    assert out_node is not None
+    descs = out_node.meta.get("desc") or [None] * len(out_node.args[0])
+    outputs: list[Optional[Ref]] = []
+    grads: dict[str, Ref] = {}
+    mutations: dict[str, Ref] = {}
+    loss: Optional[Ref] = None
+    for o, d in zip(out_node.args[0], descs):
+        r = ref_of[o] if isinstance(o, torch.fx.Node) else None
+        outputs.append(r)
+        if r is None:
+            continue
+        if isinstance(d, tc.GradAOTOutput):
+            grads[d.grad_of.target] = r
+            by_name[r.node].roles[r.index] = Role.GRADIENT
+        elif isinstance(d, tc.InputMutationAOTOutput):
+            mutations[getattr(d.mutated_input, "target", str(d.mutated_input))] = r
+        elif isinstance(d, tc.PlainAOTOutput) and training and d.idx == 0:
+            loss = r
+            by_name[r.node].roles[r.index] = Role.LOSS
+
+    return Graph(
+        nodes=nodes,
+        training=training,
+        params=params,
+        buffers=buffers,
+        inputs=inputs,
+        constants=dict(constants),
+        grads=grads,
+        loss=loss,
+        outputs=outputs,
+        hints=hints,
+        gm=gm,
+        aliases=dict(aliases),
+        mutations=mutations,
+    )

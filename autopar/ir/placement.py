@@ -1,0 +1,260 @@
+"""SBP placements: how one tensor lies on one mesh axis, and tuples of them over a whole mesh.
+
+Per mesh axis a tensor is ``S(d)`` (split along tensor dim ``d``), ``B`` (broadcast: every device
+holds all of it) or ``P`` (partial: every device holds an addend; ``P(max)``/``P(min)`` for the other
+reductions). These are one-to-one with DTensor's ``Shard``, ``Replicate`` and ``Partial``.
+
+Uneven sizes follow DTensor's ``Shard``: every piece is ``ceil(size / n)`` long except at the end,
+which holds the remainder and then empty pieces (5 over 4 devices: 2, 2, 1, 0). ``S(0), S(0)`` on two
+axes is nested in mesh-axis order: split over axis 0, then each piece over axis 1.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+
+class PlacementError(ValueError):
+    """A placement string or object that cannot be understood."""
+
+
+@dataclass(frozen=True, order=True)
+class Split:
+    """``S(dim)``: the tensor is cut along ``dim`` across the axis's devices."""
+
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, order=True)
+class Broadcast:
+    """``B``: every device on the axis holds the whole tensor."""
+
+    def __str__(self) -> str:
+        return "B"
+
+
+REDUCE_OPS = ("sum", "max", "min")
+
+
+@dataclass(frozen=True, order=True)
+class Partial:
+    """``P``: every device holds a part; the tensor is their reduction (``sum``, ``max`` or ``min``)."""
+
+    reduce: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.reduce not in REDUCE_OPS:
+            raise PlacementError(f"Partial reduce must be one of {REDUCE_OPS}, got {self.reduce!r}")
+
+    def __str__(self) -> str:
+        return "P" if self.reduce == "sum" else f"P({self.reduce})"
+
+
+Placement = Union[Split, Broadcast, Partial]
+#: A placement over every axis of a mesh, in mesh-axis order.
+Placements = tuple[Placement, ...]
+
+B = Broadcast()
+P = Partial()
+S = Split
+
+
+def is_split(p: Placement) -> bool:
+    return isinstance(p, Split)
+
+
+def is_partial(p: Placement) -> bool:
+    return isinstance(p, Partial)
+
+
+# ---------------------------------------------------------------------------------------------
+# Text form
+
+
+_ONE = re.compile(r"^\s*(?:S\s*\(\s*(-?\d+)\s*\)|(B)|(R)|P\s*(?:\(\s*(sum|max|min)\s*\))?)\s*$")
+
+
+def parse_one(text: str) -> Placement:
+    """Parse one axis's placement: ``S(1)``, ``B`` (``R`` is accepted as DTensor's name), ``P``, ``P(max)``."""
+    m = _ONE.match(text)
+    if not m:
+        raise PlacementError(
+            f"cannot parse placement {text.strip()!r}: expected S(<dim>), B or P (or P(max), P(min))"
+        )
+    if m.group(1) is not None:
+        return Split(int(m.group(1)))
+    if m.group(2) or m.group(3):
+        return B
+    return Partial(m.group(4) or "sum")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside parentheses (``"S(0), B"`` -> ``["S(0)", " B"]``)."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return parts
+
+
+def parse(text: str | Sequence, axis_names: Sequence[str] | None = None, ndim: int | None = None) -> Placements:
+    """Parse a placement for a whole mesh.
+
+    Positional form: ``"S(0), B"``, one entry per mesh axis in mesh order. By-name form:
+    ``"dp=S(0)"`` or ``"dp=S(0), tp=S(1)"``; axes not named are ``B``, so an annotation in model code
+    does not tie the model to one mesh shape. ``axis_names`` is needed for the by-name form; ``ndim``
+    (or ``len(axis_names)``) checks the positional form's length. A sequence of placement objects or
+    DTensor placements is accepted as well.
+    """
+    if not isinstance(text, str):
+        return normalize(text, ndim if ndim is not None else (len(axis_names) if axis_names else None))
+    n = ndim if ndim is not None else (len(axis_names) if axis_names is not None else None)
+    parts = [p for p in _split_top_level(text)]
+    if not text.strip():
+        raise PlacementError("empty placement string: expected e.g. 'S(0), B' or 'dp=S(0)'")
+    named = ["=" in p for p in parts]
+    if any(named):
+        if not all(named):
+            raise PlacementError(f"placement {text!r} mixes named (axis=...) and positional entries")
+        if axis_names is None:
+            raise PlacementError(f"placement {text!r} names mesh axes, but no mesh axis names are known here")
+        out: list[Placement] = [B] * len(axis_names)
+        seen = set()
+        for p in parts:
+            name, _, value = p.partition("=")
+            name = name.strip()
+            if name not in axis_names:
+                raise PlacementError(
+                    f"placement {text!r} names mesh axis {name!r}; the mesh has axes {list(axis_names)}"
+                )
+            if name in seen:
+                raise PlacementError(f"placement {text!r} names mesh axis {name!r} twice")
+            seen.add(name)
+            out[list(axis_names).index(name)] = parse_one(value)
+        return tuple(out)
+    out = tuple(parse_one(p) for p in parts)
+    if n is not None and len(out) != n:
+        raise PlacementError(
+            f"placement {text!r} has {len(out)} entries but the mesh has {n} axes"
+            + (f" ({', '.join(axis_names)})" if axis_names else "")
+            + "; give one entry per axis, or name axes as 'axis=S(0)'"
+        )
+    return out
+
+
+def format_placements(placements: Sequence[Placement]) -> str:
+    """The positional text form, ``"S(0), B"``; ``parse`` reads it back."""
+    return ", ".join(str(p) for p in placements)
+
+
+# ---------------------------------------------------------------------------------------------
+# DTensor conversion
+
+
+def to_dtensor(placements: Sequence[Placement]) -> tuple:
+    """Our placements as DTensor placements (``Shard``, ``Replicate``, ``Partial``)."""
+    from torch.distributed.tensor import Partial as DPartial
+    from torch.distributed.tensor import Replicate, Shard
+
+    out = []
+    for p in placements:
+        if isinstance(p, Split):
+            out.append(Shard(p.dim))
+        elif isinstance(p, Broadcast):
+            out.append(Replicate())
+        elif isinstance(p, Partial):
+            out.append(DPartial(p.reduce))
+        else:
+            raise PlacementError(f"not a placement: {p!r}")
+    return tuple(out)
+
+
+def from_dtensor(placements: Sequence) -> Placements:
+    """DTensor placements as ours. ``_StridedShard`` and other exotic kinds are rejected by name."""
+    from torch.distributed.tensor import Partial as DPartial
+    from torch.distributed.tensor import Replicate, Shard
+
+    out: list[Placement] = []
+    for p in placements:
+        if type(p) is Shard:
+            out.append(Split(p.dim))
+        elif isinstance(p, Replicate):
+            out.append(B)
+        elif isinstance(p, DPartial):
+            op = p.reduce_op if isinstance(p.reduce_op, str) else str(p.reduce_op)
+            if op == "avg":
+                raise PlacementError("DTensor Partial('avg') has no SBP equivalent; use Partial('sum')")
+            out.append(Partial(op))
+        else:
+            raise PlacementError(f"DTensor placement {p!r} has no SBP equivalent (only Shard, Replicate, Partial)")
+    return tuple(out)
+
+
+def normalize(value, ndim: int | None = None) -> Placements:
+    """Accept our placements, DTensor placements or a string; return our tuple."""
+    if isinstance(value, str):
+        return parse(value, ndim=ndim)
+    items = tuple(value)
+    out: list[Placement] = []
+    for p in items:
+        if isinstance(p, (Split, Broadcast, Partial)):
+            out.append(p)
+        elif isinstance(p, str):
+            out.append(parse_one(p))
+        else:
+            out.extend(from_dtensor([p]))
+    if ndim is not None and len(out) != ndim:
+        raise PlacementError(f"placement {format_placements(out)!r} has {len(out)} entries but the mesh has {ndim} axes")
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shard geometry (DTensor's Shard semantics)
+
+
+def chunk_range(size: int, n: int, i: int) -> tuple[int, int]:
+    """Start and length of piece ``i`` of ``n`` when ``size`` elements are split as DTensor's ``Shard``."""
+    step = -(-size // n) if size else 0
+    start = min(i * step, size)
+    stop = min(start + step, size)
+    return start, stop - start
+
+
+def shard_range(size: int, splits: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """Start and length along one dim after nested splits ``[(n_axis, coord), ...]`` in mesh-axis order."""
+    start, length = 0, size
+    for n, coord in splits:
+        off, length = chunk_range(length, n, coord)
+        start += off
+    return start, length
+
+
+def local_range(
+    shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int], coords: Sequence[int]
+) -> list[tuple[int, int]]:
+    """Per tensor dim, the ``(start, length)`` of the block the device at ``coords`` holds."""
+    out = []
+    for d, size in enumerate(shape):
+        splits = [(mesh_shape[a], coords[a]) for a, p in enumerate(placements) if isinstance(p, Split) and p.dim == d]
+        out.append(shard_range(size, splits))
+    return out
+
+
+def local_shape(
+    shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int], coords: Sequence[int]
+) -> tuple[int, ...]:
+    """The shape of the block the device at ``coords`` holds."""
+    return tuple(length for _, length in local_range(shape, placements, mesh_shape, coords))

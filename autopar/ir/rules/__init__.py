@@ -1,0 +1,27 @@
+"""Op sharding rules: which SBP signatures each aten op admits, and how it runs on local blocks.
+
+Importing this package registers every rule (``generic`` for the data-only ops, ``special`` for the
+ops whose local implementation needs offsets, ``vision`` and ``moe`` for the CNN and
+mixture-of-experts ops).
+"""
+
+from autopar.ir.rules import generic, special  # noqa: F401  (registration)
+from autopar.ir.rules.base import (
+    RULES,
+    LocalCtx,
+    OpCall,
+    OpRule,
+    dimmap,
+    has_rule,
+    op_call,
+    register,
+    run_local,
+    signatures,
+    strategies,
+)
+from autopar.ir.rules.dimmap import DimMap, Linear, Signature, Strategy
+
+__all__ = [
+    "RULES", "DimMap", "Linear", "LocalCtx", "OpCall", "OpRule", "Signature", "Strategy",
+    "dimmap", "has_rule", "op_call", "register", "run_local", "signatures", "strategies",
+]

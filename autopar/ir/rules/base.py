@@ -1,0 +1,238 @@
+"""The rule registry and the objects rules work on.
+
+A rule turns one op instance (an ``OpCall``: the op, its non-tensor arguments, its tensor shapes)
+into a ``DimMap`` (the data), optionally adds special signatures, and optionally gives a rank-aware
+local implementation. ``signatures`` / ``strategies`` / ``run_local`` are what passes and the
+simulator call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch.fx.node import map_aggregate
+
+from autopar.ir.graph import Graph, Node, Ref, TensorSpec
+from autopar.ir.placement import Partial, Placement, local_range, local_shape
+from autopar.ir.rules.dimmap import (
+    DimMap,
+    Signature,
+    Strategy,
+    compose_ok,
+    enumerate_signatures,
+    replicate_signature,
+)
+
+
+@dataclass
+class OpCall:
+    """One op instance as rules see it: tensors are ``Ref``s in ``args``; their specs are listed."""
+
+    op: str
+    target: Any
+    args: tuple
+    kwargs: dict
+    in_specs: list[TensorSpec]
+    out_specs: list[Optional[TensorSpec]]
+    module_path: str = ""
+
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        """A non-tensor argument by position or keyword."""
+        if index < len(self.args):
+            return self.args[index]
+        return self.kwargs.get(name, default)
+
+    def where(self) -> str:
+        return f"{self.op} in module {self.module_path or '<root>'!r}"
+
+
+def op_call(graph: Graph, node: Node) -> OpCall:
+    return OpCall(
+        op=node.op,
+        target=node.target,
+        args=node.args,
+        kwargs=node.kwargs,
+        in_specs=[graph.spec(r) for r in node.inputs],
+        out_specs=list(node.outputs),
+        module_path=node.module_path,
+    )
+
+
+@dataclass
+class LocalCtx:
+    """What a rank-aware local implementation knows: the strategy and this device's coordinates."""
+
+    call: OpCall
+    strategy: Strategy
+    mesh_shape: tuple[int, ...]
+    coords: tuple[int, ...]
+    #: 1 normally; the mutation test sets 0 to check that offsets are really needed (and checked).
+    offset_scale: int = 1
+
+    def in_placements(self, i: int) -> tuple[Placement, ...]:
+        return tuple(sig.inputs[i] for sig in self.strategy)
+
+    def out_placements(self, j: int) -> tuple[Placement, ...]:
+        return tuple(sig.outputs[j] for sig in self.strategy)  # type: ignore[misc]
+
+    def in_range(self, i: int, dim: int) -> tuple[int, int]:
+        """``(start, length)`` of this device's block of input ``i`` along ``dim``."""
+        spec = self.call.in_specs[i]
+        start, length = local_range(spec.shape, self.in_placements(i), self.mesh_shape, self.coords)[dim]
+        return self._offset(start), length
+
+    def out_range(self, j: int, dim: int) -> tuple[int, int]:
+        spec = self.call.out_specs[j]
+        assert spec is not None
+        start, length = local_range(spec.shape, self.out_placements(j), self.mesh_shape, self.coords)[dim]
+        return self._offset(start), length
+
+    def _offset(self, start: int) -> int:
+        if start:
+            OFFSET_READS[0] += 1
+        return start * self.offset_scale
+
+    def out_shape(self, j: int = 0) -> tuple[int, ...]:
+        spec = self.call.out_specs[j]
+        assert spec is not None
+        return local_shape(spec.shape, self.out_placements(j), self.mesh_shape, self.coords)
+
+    def partial_out(self, j: int = 0) -> bool:
+        """Whether output ``j`` is partial on some axis."""
+        return any(isinstance(sig.outputs[j], Partial) for sig in self.strategy)
+
+
+#: How many non-zero offsets local implementations have read (lets the mutation test know which
+#: signatures depend on offsets at all).
+OFFSET_READS = [0]
+
+LocalFn = Callable[[LocalCtx, list], Any]
+
+
+@dataclass
+class OpRule:
+    """How to shard one op. ``dimmap`` is the data; ``extra`` adds signatures a DimMap cannot say
+    (vocab-split embedding); ``local`` replaces the plain op on local shards where the local
+    computation needs this device's offsets (``None``: the op itself, with size arguments
+    rewritten to local sizes by ``size_args``)."""
+
+    dimmap: Callable[[OpCall], DimMap]
+    extra: Optional[Callable[[OpCall, DimMap], list[Signature]]] = None
+    local: Optional[LocalFn] = None
+    size_args: tuple[tuple[int, str, int], ...] = ()  # (arg index, arg name, output index) holding a shape
+
+
+RULES: dict[str, OpRule] = {}
+_warned: set[tuple[str, str]] = set()
+
+
+def register(*ops: str, **kw) -> Callable:
+    """Decorator: register a DimMap builder for ``ops`` (names as ``str(OpOverload)``)."""
+
+    def deco(fn: Callable[[OpCall], DimMap]) -> Callable[[OpCall], DimMap]:
+        for op in ops:
+            RULES[op] = OpRule(dimmap=fn, **kw)
+        return fn
+
+    return deco
+
+
+def has_rule(op: str) -> bool:
+    return op in RULES
+
+
+def dimmap(call: OpCall) -> Optional[DimMap]:
+    rule = RULES.get(call.op)
+    return rule.dimmap(call) if rule else None
+
+
+def signatures(call: OpCall, min_size: int = 2) -> list[Signature]:
+    """The op's one-axis signatures; an op without a rule gets all-``B`` and one warning."""
+    rule = RULES.get(call.op)
+    if rule is None:
+        key = (call.op, call.module_path)
+        if key not in _warned:
+            _warned.add(key)
+            warnings.warn(
+                f"autopar: no sharding rule for {call.where()}; it will run replicated (all B). "
+                "Add a rule in autopar/ir/rules (see docs/architecture.md).",
+                stacklevel=2,
+            )
+        return [replicate_signature(len(call.in_specs), call.out_specs)]
+    dm = rule.dimmap(call)
+    sigs = enumerate_signatures(dm, min_size=min_size)
+    if rule.extra is not None:
+        sigs += rule.extra(call, dm)
+    return sigs
+
+
+def strategies(call: OpCall, mesh_shape: Sequence[int], min_size: int = 2) -> list[Strategy]:
+    """Every valid composition of one-axis signatures over the mesh's axes (axis order = mesh order)."""
+    sigs = signatures(call, min_size=min_size)
+    rule = RULES.get(call.op)
+    dm = rule.dimmap(call) if rule else None
+    out = []
+    for combo in itertools.product(sigs, repeat=len(mesh_shape)):
+        if dm is None or compose_ok(dm, combo, mesh_shape):
+            out.append(tuple(combo))
+    return out
+
+
+def substitute(call: OpCall, tensors: Sequence[Any]) -> tuple[tuple, dict]:
+    """``call``'s args and kwargs with its Refs replaced, in order, by ``tensors``."""
+    it = iter(tensors)
+
+    def sub(a):
+        return next(it) if isinstance(a, Ref) else a
+
+    args = map_aggregate(call.args, sub)
+    kwargs = map_aggregate(call.kwargs, sub)
+    return tuple(args), dict(kwargs)
+
+
+def as_list(result: Any) -> list:
+    if isinstance(result, (tuple, list)):
+        return list(result)
+    return [result]
+
+
+def run_local(ctx: LocalCtx, local_inputs: Sequence[torch.Tensor]) -> list:
+    """This device's outputs of ``ctx.call`` under ``ctx.strategy``, from its local input blocks."""
+    rule = RULES.get(ctx.call.op)
+    if rule is not None and rule.local is not None:
+        return as_list(rule.local(ctx, list(local_inputs)))
+    args, kwargs = substitute(ctx.call, local_inputs)
+    if rule is not None and rule.size_args:
+        args, kwargs = list(args), dict(kwargs)
+        for index, name, j in rule.size_args:
+            if index < len(args):
+                args[index] = list(ctx.out_shape(j))
+            elif name in kwargs:
+                kwargs[name] = list(ctx.out_shape(j))
+        args = tuple(args)
+    return as_list(ctx.call.target(*args, **kwargs))
+
+
+def op_key(op: str) -> str:
+    """The op name without its overload (``aten.mm.default`` -> ``aten.mm``)."""
+    return op.rsplit(".", 1)[0] if op.count(".") >= 2 else op
+
+
+__all__ = [
+    "DimMap",
+    "LocalCtx",
+    "OpCall",
+    "OpRule",
+    "RULES",
+    "Signature",
+    "Strategy",
+    "op_call",
+    "register",
+    "run_local",
+    "signatures",
+    "strategies",
+]

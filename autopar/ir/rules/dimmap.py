@@ -1,0 +1,276 @@
+"""Dimension maps: the data an op's sharding rule is made of.
+
+A ``DimMap`` names the *factors* of one op instance (einsum-style) and says, for every tensor dim of
+every input and output, which factors it is made of. From it the one-axis signatures follow:
+
+- split a factor: every tensor that has it is ``S(dim)``, the others ``B``; an output that lacks it
+  is ``P`` when the factor is a reduction of that kind (``m k, k n -> m n`` split on ``k``), and the
+  split is invalid otherwise (a normalised dim, a softmax dim);
+- partial propagation: the op is linear in some group of inputs, so ``P`` there (``B`` elsewhere)
+  gives ``P`` outputs (``add``: both addends; ``mul``: either factor; ``addmm``: bias with either
+  matrix);
+- everything ``B``.
+
+Merged dims (a view from ``(h, d)`` to ``h*d``) list several factors; only the leading one may be
+split, and only when the split divides it exactly, else the pieces of the merged dim and of the
+separate dim would not line up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from autopar.ir.placement import B, Partial, Placement, Split
+
+Dims = list[tuple[str, ...]]  # per tensor dim, the factors it is made of ( () for a broadcast size-1 dim)
+
+
+@dataclass(frozen=True)
+class Signature:
+    """How one op instance can run on one mesh axis: a placement per tensor input and per output.
+
+    ``tag`` names the choice (``"B"``, ``"S:k"``, ``"P:0"``, or a special rule's name) so that a
+    rank-aware local implementation can tell which factor an axis splits. ``outputs`` has ``None``
+    for a non-tensor output.
+    """
+
+    inputs: tuple[Placement, ...]
+    outputs: tuple[Optional[Placement], ...]
+    tag: str = "B"
+
+    def __str__(self) -> str:
+        ins = ", ".join(str(p) for p in self.inputs)
+        outs = ", ".join("-" if p is None else str(p) for p in self.outputs)
+        return f"({ins}) -> ({outs})"
+
+
+#: One Signature per mesh axis: a strategy for one op on an N-D mesh.
+Strategy = tuple[Signature, ...]
+
+
+@dataclass(frozen=True)
+class Linear:
+    """The op is linear (in ``kind``) in the inputs ``inputs`` taken together: ``P`` there and ``B``
+    on the other inputs gives ``P`` on ``outputs`` (``B`` on the other outputs)."""
+
+    inputs: frozenset[int]
+    outputs: frozenset[int]
+    kind: str = "sum"
+
+
+@dataclass
+class DimMap:
+    """The factors of one op instance and where they sit in each tensor."""
+
+    inputs: list[Optional[Dims]]  # per tensor input (None: a tensor the op reads whole, e.g. an index)
+    outputs: list[Optional[Dims]]  # per output (None: not a tensor)
+    sizes: dict[str, int]
+    reduce: dict[str, str] = field(default_factory=dict)  # factor -> "sum"/"max"/"min"
+    additive: frozenset[int] = frozenset()  # inputs added after the reduction (a bias): P on a reduce split
+    linear: list[Linear] = field(default_factory=list)
+    no_split: frozenset[str] = frozenset()
+    float_inputs: tuple[bool, ...] = ()  # which inputs may be P (floating dtype)
+    float_outputs: tuple[bool, ...] = ()
+
+    def factors(self) -> list[str]:
+        """Factors in first-seen order (deterministic)."""
+        seen: dict[str, None] = {}
+        for dims in list(self.outputs) + list(self.inputs):
+            for d in dims or []:
+                for f in d:
+                    seen.setdefault(f, None)
+        return list(seen)
+
+    def merged(self, factor: str) -> bool:
+        """True when ``factor`` shares a tensor dim with another non-trivial factor somewhere."""
+        for dims in list(self.inputs) + list(self.outputs):
+            for d in dims or []:
+                if factor in d and sum(1 for f in d if self.sizes[f] != 1) > 1:
+                    return True
+        return False
+
+
+def _dim_of(dims: Dims, factor: str, sizes: dict[str, int]) -> Optional[int]:
+    """The tensor dim ``factor`` leads (trivial factors before it are skipped); -1 if it sits behind another."""
+    for d, fs in enumerate(dims):
+        if factor in fs:
+            lead = [f for f in fs if sizes[f] != 1]
+            return d if lead and lead[0] == factor else -1
+    return None
+
+
+def split_signature(dm: DimMap, factor: str) -> Optional[Signature]:
+    """The one-axis signature that splits ``factor``, or None where that split is not valid."""
+    if factor in dm.no_split:
+        return None
+    ins: list[Placement] = []
+    for i, dims in enumerate(dm.inputs):
+        d = None if dims is None else _dim_of(dims, factor, dm.sizes)
+        if d == -1:
+            return None
+        if d is not None:
+            ins.append(Split(d))
+        elif i in dm.additive and factor in dm.reduce:
+            ins.append(Partial(dm.reduce[factor]))
+        else:
+            ins.append(B)
+    outs: list[Optional[Placement]] = []
+    for j, dims in enumerate(dm.outputs):
+        if dims is None:
+            outs.append(None)
+            continue
+        d = _dim_of(dims, factor, dm.sizes)
+        if d == -1:
+            return None
+        if d is not None:
+            outs.append(Split(d))
+        elif factor in dm.reduce and (not dm.float_outputs or dm.float_outputs[j]):
+            outs.append(Partial(dm.reduce[factor]))
+        else:
+            return None
+    if all(not isinstance(p, Split) for p in ins + [o for o in outs if o is not None]):
+        return None  # the factor is nowhere a real dim
+    return Signature(tuple(ins), tuple(outs), f"S:{factor}")
+
+
+def linear_signature(dm: DimMap, lin: Linear, tag: str) -> Optional[Signature]:
+    """The signature taking ``P`` in ``lin.inputs`` to ``P`` in ``lin.outputs``."""
+    if dm.float_inputs and not all(dm.float_inputs[i] for i in lin.inputs):
+        return None
+    ins = tuple(Partial(lin.kind) if i in lin.inputs else B for i in range(len(dm.inputs)))
+    outs = tuple(
+        None if dims is None else (Partial(lin.kind) if j in lin.outputs else B) for j, dims in enumerate(dm.outputs)
+    )
+    return Signature(ins, outs, tag)
+
+
+def replicate_signature(n_inputs: int, outputs: Sequence[Optional[object]]) -> Signature:
+    return Signature(tuple(B for _ in range(n_inputs)), tuple(None if o is None else B for o in outputs), "B")
+
+
+def enumerate_signatures(dm: DimMap, min_size: int = 2) -> list[Signature]:
+    """Every one-axis signature of the op: all-B, one per splittable factor, one per linear group.
+
+    Factors smaller than ``min_size`` are not split (a split of a size-1 dim leaves every device but
+    one empty and never pays).
+    """
+    out = [replicate_signature(len(dm.inputs), dm.outputs)]
+    for f in dm.factors():
+        if dm.sizes[f] < min_size:
+            continue
+        sig = split_signature(dm, f)
+        if sig is not None:
+            out.append(sig)
+    for k, lin in enumerate(dm.linear):
+        sig = linear_signature(dm, lin, f"P:{','.join(map(str, sorted(lin.inputs)))}")
+        if sig is not None:
+            out.append(sig)
+    return _dedup(out)
+
+
+def _dedup(sigs: list[Signature]) -> list[Signature]:
+    seen, out = set(), []
+    for s in sigs:
+        key = (s.inputs, s.outputs)
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
+
+
+def compose_ok(dm: DimMap, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
+    """Whether per-axis signatures compose on an N-D mesh: a split of a factor inside a merged dim
+    must divide the factor exactly by the number of pieces all axes together cut it into."""
+    pieces: dict[str, int] = {}
+    for sig, n in zip(strategy, mesh_shape):
+        if sig.tag.startswith("S:"):
+            f = sig.tag[2:]
+            pieces[f] = pieces.get(f, 1) * n
+    for f, n in pieces.items():
+        if f in dm.sizes and dm.merged(f) and dm.sizes[f] % n != 0:
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# The einsum-like notation: "m k, k n -> m n"; "(h d)" a merged dim; "1" a size-1 dim; "_" a dim
+# that must stay whole (given a unique factor that is never split).
+
+
+def parse_spec(spec: str) -> tuple[list[list[tuple[str, ...]]], list[list[tuple[str, ...]]]]:
+    lhs, _, rhs = spec.partition("->")
+
+    def tensors(side: str) -> list[list[tuple[str, ...]]]:
+        out = []
+        for t in side.split(","):
+            dims: list[tuple[str, ...]] = []
+            toks = t.replace("(", " ( ").replace(")", " ) ").split()
+            group: Optional[list[str]] = None
+            for tok in toks:
+                if tok == "(":
+                    group = []
+                elif tok == ")":
+                    assert group is not None
+                    dims.append(tuple(group))
+                    group = None
+                elif group is not None:
+                    group.append(tok)
+                else:
+                    dims.append(() if tok == "1" else (tok,))
+            out.append(dims)
+        return out
+
+    return tensors(lhs), tensors(rhs) if rhs.strip() else []
+
+
+def from_spec(
+    spec: str,
+    in_shapes: Sequence[Optional[Sequence[int]]],
+    out_shapes: Sequence[Optional[Sequence[int]]],
+    **kw,
+) -> DimMap:
+    """Build a DimMap from notation and the concrete shapes (which give every factor its size).
+
+    Each ``_`` becomes a fresh factor that is never split. A merged dim's factor sizes must be
+    known from another tensor.
+    """
+    ins, outs = parse_spec(spec)
+    counter = [0]
+
+    def fresh(dims):
+        res = []
+        for d in dims:
+            new = []
+            for f in d:
+                if f == "_":
+                    counter[0] += 1
+                    f = f"_{counter[0]}"
+                new.append(f)
+            res.append(tuple(new))
+        return res
+
+    ins = [fresh(d) for d in ins]
+    outs = [fresh(d) for d in outs]
+    sizes: dict[str, int] = {}
+    for dims_list, shapes in ((ins, in_shapes), (outs, out_shapes)):
+        for dims, shape in zip(dims_list, shapes):
+            if shape is None:
+                continue
+            assert len(dims) == len(shape), f"spec {spec!r} does not match shape {tuple(shape)}"
+            for fs, size in zip(dims, shape):
+                if len(fs) == 1:
+                    sizes.setdefault(fs[0], size)
+    for dims_list in (ins, outs):
+        for dims in dims_list:
+            for fs in dims:
+                for f in fs:
+                    sizes.setdefault(f, 1)
+    no_split = frozenset(f for f in sizes if f.startswith("_")) | frozenset(kw.pop("no_split", ()))
+    return DimMap(
+        inputs=[d if s is not None else None for d, s in zip(ins, in_shapes)],
+        outputs=[d if s is not None else None for d, s in zip(outs, out_shapes)],
+        sizes=sizes,
+        no_split=no_split,
+        **kw,
+    )

@@ -1,0 +1,1 @@
+"""Passes over the IR: fold, strategies, merge, solve, lower (see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""Running sharded programs: the single-process SPMD simulator and rule verification."""

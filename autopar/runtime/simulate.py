@@ -1,0 +1,202 @@
+"""Single-process SPMD simulation: every device of a mesh, in lock step, in one process.
+
+A tensor is *distributed* into one local block per device (``S`` slices, ``B`` copies, ``P`` random
+addends) and *collected* back (concatenate, check identical, sum/max/min). ``run_op`` executes one
+op's rule on every device's blocks; ``check_strategy`` compares the collected result with the op
+on whole tensors, which is how every rule is proven.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from autopar.ir.placement import Broadcast, Partial, Placement, Split, chunk_range
+from autopar.ir.rules.base import LocalCtx, OpCall, Strategy, run_local, substitute, as_list
+
+Coords = tuple[int, ...]
+
+
+def device_coords(mesh_shape: Sequence[int]) -> list[Coords]:
+    """All device coordinates in row-major (rank) order."""
+    return list(itertools.product(*[range(n) for n in mesh_shape]))
+
+
+def _addends(t: torch.Tensor, n: int, reduce: str, gen: torch.Generator) -> list[torch.Tensor]:
+    """``n`` tensors whose reduction is ``t``: random addends (not t/n, which lets nonlinear ops pass)."""
+    if not (t.is_floating_point() or t.is_complex()):
+        raise ValueError(f"cannot make partial addends of a {t.dtype} tensor")
+    if reduce == "sum":
+        parts = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for _ in range(n - 1)]
+        rest = t - sum(parts) if parts else t.clone()
+        return parts + [rest]
+    # max/min: every device holds a value on the far side of t; one random device holds t itself.
+    owner = torch.randint(0, n, t.shape, generator=gen)
+    sign = -1.0 if reduce == "max" else 1.0
+    out = []
+    for i in range(n):
+        off = torch.rand(t.shape, generator=gen, dtype=t.dtype) + 0.1
+        out.append(torch.where(owner == i, t, t + sign * off))
+    return out
+
+
+def _slice(t: torch.Tensor, dim: int, n: int, i: int) -> torch.Tensor:
+    start, length = chunk_range(t.shape[dim], n, i)
+    return t.narrow(dim, start, length).contiguous()  # a device holds its block densely
+
+
+def distribute(
+    t: torch.Tensor, placements: Sequence[Placement], mesh_shape: Sequence[int], gen: torch.Generator
+) -> dict[Coords, torch.Tensor]:
+    """One local block per device; nested in mesh-axis order (axis 0 first)."""
+    blocks: dict[Coords, torch.Tensor] = {(): t}
+    for axis, p in enumerate(placements):
+        n = mesh_shape[axis]
+        nxt: dict[Coords, torch.Tensor] = {}
+        for prefix, block in blocks.items():
+            if isinstance(p, Split):
+                pieces = [_slice(block, p.dim, n, i) for i in range(n)]
+            elif isinstance(p, Partial):
+                pieces = _addends(block, n, p.reduce, gen)
+            else:
+                pieces = [block] * n
+            for i, piece in enumerate(pieces):
+                nxt[prefix + (i,)] = piece
+        blocks = nxt
+    return blocks
+
+
+class Mismatch(AssertionError):
+    """Devices that should hold identical (``B``) blocks do not."""
+
+
+def collect(
+    blocks: dict[Coords, torch.Tensor],
+    placements: Sequence[Placement],
+    mesh_shape: Sequence[int],
+    rtol: float = 1e-9,
+    atol: float = 1e-9,
+) -> torch.Tensor:
+    """The whole tensor from its blocks, undoing ``distribute`` from the last axis to the first."""
+    cur = dict(blocks)
+    for axis in reversed(range(len(mesh_shape))):
+        p = placements[axis]
+        n = mesh_shape[axis]
+        groups: dict[Coords, list[torch.Tensor]] = {}
+        for coords in sorted(cur):
+            groups.setdefault(coords[:axis], []).append(cur[coords])
+        nxt = {}
+        for prefix, parts in groups.items():
+            assert len(parts) == n
+            if isinstance(p, Split):
+                nxt[prefix] = torch.cat(parts, dim=p.dim)
+            elif isinstance(p, Partial):
+                stacked = torch.stack(parts)
+                nxt[prefix] = {"sum": stacked.sum, "max": stacked.amax, "min": stacked.amin}[p.reduce](0)
+            else:
+                first = parts[0]
+                for other in parts[1:]:
+                    if other.shape != first.shape or not torch.allclose(other, first, rtol=rtol, atol=atol, equal_nan=True):
+                        raise Mismatch(f"B blocks differ between devices on mesh axis {axis}")
+                nxt[prefix] = first
+        cur = nxt
+    return cur[()]
+
+
+def run_op(
+    call: OpCall,
+    strategy: Strategy,
+    mesh_shape: Sequence[int],
+    local_inputs: dict[Coords, list[torch.Tensor]],
+    offset_scale: int = 1,
+) -> dict[Coords, list]:
+    """Every device's outputs of one op under ``strategy``."""
+    out = {}
+    for coords in device_coords(mesh_shape):
+        ctx = LocalCtx(call, strategy, tuple(mesh_shape), coords, offset_scale)
+        out[coords] = run_local(ctx, local_inputs[coords])
+    return out
+
+
+@dataclass
+class CheckResult:
+    ok: bool
+    error: str = ""
+    max_rel_err: float = 0.0
+
+
+def reference(call: OpCall, inputs: Sequence[torch.Tensor]) -> list:
+    """The op on whole tensors."""
+    args, kwargs = substitute(call, inputs)
+    return as_list(call.target(*args, **kwargs))
+
+
+def check_strategy(
+    call: OpCall,
+    strategy: Strategy,
+    mesh_shape: Sequence[int],
+    inputs: Sequence[torch.Tensor],
+    expected: Optional[Sequence] = None,
+    seed: int = 0,
+    offset_scale: int = 1,
+    tol: float = 1e-7,
+) -> CheckResult:
+    """Run ``strategy`` on every device's blocks of ``inputs`` and compare with the op on whole tensors.
+
+    Integer outputs must match exactly; floating outputs to ``tol`` relative to their norm.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    if expected is None:
+        expected = reference(call, inputs)
+    per_input = []
+    for i, t in enumerate(inputs):
+        pl = tuple(sig.inputs[i] for sig in strategy)
+        try:
+            per_input.append(distribute(t, pl, mesh_shape, gen))
+        except (ValueError, IndexError, RuntimeError) as e:
+            return CheckResult(False, f"input {i} cannot be placed {pl}: {e}")
+    local_inputs = {c: [blocks[c] for blocks in per_input] for c in device_coords(mesh_shape)}
+    try:
+        outs = run_op(call, strategy, mesh_shape, local_inputs, offset_scale)
+    except Exception as e:  # a local op that cannot run on its blocks is a wrong rule too
+        return CheckResult(False, f"local op failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    worst = 0.0
+    for j, exp in enumerate(expected):
+        if not isinstance(exp, torch.Tensor) or call.out_specs[j] is None:
+            continue
+        pl = tuple(sig.outputs[j] for sig in strategy)
+        try:
+            got = collect({c: outs[c][j] for c in outs}, pl, mesh_shape)
+        except Mismatch as e:
+            return CheckResult(False, f"output {j}: {e}")
+        except (RuntimeError, IndexError, ValueError) as e:
+            return CheckResult(False, f"output {j}: blocks do not reassemble: {str(e).splitlines()[0][:200]}")
+        if got.shape != exp.shape:
+            return CheckResult(False, f"output {j}: shape {tuple(got.shape)} != {tuple(exp.shape)}")
+        if exp.is_floating_point() or exp.is_complex():
+            denom = exp.double().norm().item()
+            err = (got.double() - exp.double()).norm().item() / max(denom, 1e-30)
+            if denom == 0.0:
+                err = (got.double() - exp.double()).norm().item()
+            if not err <= tol:  # also catches NaN
+                return CheckResult(False, f"output {j}: relative error {err:.3g}", err)
+            worst = max(worst, err)
+        elif not torch.equal(got, exp):
+            return CheckResult(False, f"output {j}: integer values differ")
+    return CheckResult(True, "", worst)
+
+
+__all__ = [
+    "Broadcast",
+    "CheckResult",
+    "Mismatch",
+    "check_strategy",
+    "collect",
+    "device_coords",
+    "distribute",
+    "reference",
+    "run_op",
+]
