@@ -97,6 +97,7 @@ FIRST_LINEAR_POINTWISE = [
     "aten.leaky_relu_backward.default", "aten.elu_backward.default", "aten.softplus_backward.default",
     "aten.mul.Scalar", "aten.div.Scalar", "aten.copy.default", "aten.contiguous.default",
     "aten.hardswish_backward.default", "aten.mish_backward.default",
+    "autopar.hint.default",  # an identity; the placement it asks for is a constraint, not a rule
 ]
 
 

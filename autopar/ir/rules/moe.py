@@ -1,0 +1,1 @@
+"""Rules for the mixture-of-experts routing ops (filled in below)."""
