@@ -8,10 +8,11 @@ Everything else in autopar imports them from here, so a torch upgrade is fixed i
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx.traceback as _fx_traceback
+import torch.utils._pytree as pytree
 from torch._decomp import get_decompositions
 from torch._functorch._aot_autograd import descriptors as _desc
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
@@ -40,6 +41,8 @@ __all__ = [
     "export_joint",
     "decompositions",
     "data_dependent_op",
+    "use_flat_calling_convention",
+    "pytree",
 ]
 
 ParamAOTInput = _desc.ParamAOTInput
@@ -72,6 +75,12 @@ def export_joint(module: torch.nn.Module, args: tuple, kwargs: dict, decomps: di
         return jd.graph_module
 
 
+def use_flat_calling_convention(gm: torch.fx.GraphModule) -> None:
+    """Make ``gm`` take its placeholders as flat positional arguments and return a flat tuple
+    (the export's pytree in/out specs no longer hold once placeholders are removed)."""
+    gm.graph._codegen = torch.fx.graph.CodeGen()
+
+
 def data_dependent_op(exc: BaseException) -> str | None:
     """The op named by a data-dependent fake-tensor exception, if it says."""
     func: Any = getattr(exc, "func", None)
@@ -79,9 +88,3 @@ def data_dependent_op(exc: BaseException) -> str | None:
         return str(func)
     return None
 
-
-def is_fake(t: Any) -> bool:
-    return isinstance(t, FakeTensor)
-
-
-Hook = Callable[..., Any]

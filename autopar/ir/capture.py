@@ -23,17 +23,19 @@ from __future__ import annotations
 import copy
 import dataclasses
 import operator
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
-import torch.utils._pytree as pytree
 
 from autopar import _torch_compat as tc
+from autopar._torch_compat import pytree
 from autopar.errors import CaptureError
 from autopar.ir.graph import Graph
-from autopar.ir.lift import lift
+from autopar.ir.lift import drop_constant_inputs, lift, merge_tied
+from autopar.ir.placement import PlacementError
 
 __all__ = ["capture", "normalize_mean_losses"]
 
@@ -42,7 +44,7 @@ aten = torch.ops.aten
 _DECOMPOSE = [aten._log_softmax.default, aten._log_softmax_backward_data.default]
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
 _SUPPORTED = (
-    "tensors, (nested) lists/tuples/dicts of tensors, or top-level int/float/bool/str/None constants"
+    "tensors, (nested) lists/tuples/dicts of tensors (and None), or top-level int/float/bool/str/None constants"
 )
 
 
@@ -68,6 +70,11 @@ def capture(
             f"{type(model).__name__} has no parameters: there is nothing to place or train. "
             "Register weights as nn.Parameter (buffers and plain tensor attributes are not parameters)."
         )
+    if training and not any(p.requires_grad for p in model.parameters()):
+        raise CaptureError(
+            f"no parameter of {type(model).__name__} requires grad, so there is no training step to capture; "
+            "capture with training=False for a forward-only graph"
+        )
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
     names, constants = _check_inputs(args, kwargs)
@@ -78,20 +85,21 @@ def capture(
     tracker = _ModuleTracker(mc)
     mc.forward = _wrap_forward(mc.forward, training)  # instance attribute: hooks still run
     decomps = tc.decompositions(_DECOMPOSE)
-    with tc.preserve_node_meta():  # the tracker must close inside: it restores fx's annotation state
+    grad_mode = torch.enable_grad() if training else torch.no_grad()
+    with grad_mode, tc.preserve_node_meta():  # the tracker closes inside: it restores fx's annotations
         try:
             gm = tc.export_joint(mc, fargs, fkwargs, decomps)
         except Exception as e:  # noqa: BLE001 - re-raised as one clear message
-            where = tracker.where()
+            where = tracker.where(e)
             tracker.close()
             raise _capture_error(e, where) from e
         tracker.close()
 
     const_idx = [i for i, n in enumerate(names) if n in constants]
-    _drop_constant_inputs(gm, const_idx)
-    aliases = _merge_tied(gm, mc)
+    drop_constant_inputs(gm, const_idx)
+    aliases = merge_tied(gm, mc)
     normalize_mean_losses(gm)
-    gm.graph._codegen = torch.fx.graph.CodeGen()  # flat calling convention: gm(*placeholders) -> outputs
+    tc.use_flat_calling_convention(gm)  # gm(*placeholders) -> tuple of outputs
     gm.graph.lint()
     gm.recompile()
 
@@ -116,7 +124,7 @@ def _check_inputs(args: tuple, kwargs: dict) -> tuple[list[str], dict[str, Any]]
             continue
         if isinstance(value, (list, tuple, dict)):
             for path, leaf in pytree.tree_flatten_with_path(value)[0]:
-                if not isinstance(leaf, torch.Tensor):
+                if not isinstance(leaf, torch.Tensor) and leaf is not None:
                     raise CaptureError(
                         f"example input {key!r} is a {type(value).__name__} holding a "
                         f"{type(leaf).__name__} at {pytree.keystr(path) or 'its top'}; supported inputs are "
@@ -139,10 +147,9 @@ def _check_inputs(args: tuple, kwargs: dict) -> tuple[list[str], dict[str, Any]]
     return names, constants
 
 
-def _fake_like(t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
+def _fake_like(t: torch.Tensor) -> torch.Tensor:
     """An empty tensor of ``t``'s shape, strides and dtype on CPU (called under the fake mode)."""
-    out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
-    return out.requires_grad_(requires_grad) if requires_grad else out
+    return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
 
 
 def _fake_copy(model: torch.nn.Module, fm, training: bool) -> torch.nn.Module:
@@ -155,6 +162,14 @@ def _fake_copy(model: torch.nn.Module, fm, training: bool) -> torch.nn.Module:
         for _, b in model.named_buffers(remove_duplicate=False):
             if id(b) not in memo:
                 memo[id(b)] = _fake_like(b)
+    odd = [f"{path + '.' if path else ''}{k} ({v.device.type})" for path, mod in model.named_modules()
+           for k, v in vars(mod).items() if isinstance(v, torch.Tensor) and id(v) not in memo and v.device.type != "cpu"]
+    if odd:  # a plain attribute is a constant of the graph: capture needs its value, on the CPU
+        raise CaptureError(
+            f"tensor attribute(s) {', '.join(odd[:5])} are neither parameters nor buffers and are not on the CPU; "
+            "capture cannot turn them into graph inputs: register them with register_buffer(name, t, "
+            "persistent=False)"
+        )
     try:
         return copy.deepcopy(model, memo)
     except Exception as e:  # noqa: BLE001
@@ -172,33 +187,53 @@ def _fake_inputs(args: tuple, kwargs: dict, fm) -> tuple[tuple, dict]:
 
 
 class _ModuleTracker:
-    """Hooks on every submodule: annotate traced nodes with the module path, and remember which
-    module is running (for error messages)."""
+    """Hooks on every submodule: annotate traced nodes with the module path, and remember in which
+    module an exception was raised (for error messages).
+
+    The forward hook is ``always_call``: it also runs when forward raises, so the annotation stack
+    stays balanced even if the model catches its own exceptions. On that path it runs inside the
+    ``except`` block of ``Module._call_impl``; the innermost module sees the exception first."""
 
     def __init__(self, root: torch.nn.Module):
-        self.stack: list[tuple[str, str, Any]] = []
+        self.stack: list[Any] = []
+        self.raised: list[tuple[BaseException, str, str]] = []
         self.handles = []
         for path, mod in root.named_modules():
             self.handles.append(mod.register_forward_pre_hook(self._pre(path)))
-            self.handles.append(mod.register_forward_hook(self._post))
+            self.handles.append(mod.register_forward_hook(self._post(path), always_call=True))
 
     def _pre(self, path: str):
         def hook(mod, args):
             ctx = tc.annotate({"autopar_module": path})
             ctx.__enter__()
-            self.stack.append((path, type(mod).__name__, ctx))
+            self.stack.append(ctx)
 
         return hook
 
-    def _post(self, mod, args, out):
-        self.stack.pop()[2].__exit__(None, None, None)
+    def _post(self, path: str):
+        def hook(mod, args, out):
+            exc = sys.exc_info()[1]
+            if exc is not None and not any(exc is r[0] for r in self.raised):
+                self.raised.append((exc, path, type(mod).__name__))
+            if self.stack:
+                self.stack.pop().__exit__(None, None, None)
 
-    def where(self) -> Optional[tuple[str, str]]:
-        return (self.stack[-1][0], self.stack[-1][1]) if self.stack else None
+        return hook
+
+    def where(self, exc: BaseException) -> Optional[tuple[str, str]]:
+        """Module path and class in which ``exc`` (or an exception it was raised from) was raised."""
+        chain = []
+        while exc is not None and exc not in chain:
+            chain.append(exc)
+            exc = exc.__cause__ or exc.__context__
+        for e, path, cls in self.raised:
+            if any(e is c for c in chain):
+                return path, cls
+        return None
 
     def close(self) -> None:
-        while self.stack:  # an exception left modules open: restore fx's global annotation state
-            self.stack.pop()[2].__exit__(None, None, None)
+        while self.stack:  # restore fx's global annotation state whatever happened
+            self.stack.pop().__exit__(None, None, None)
         for h in self.handles:
             h.remove()
 
@@ -254,7 +289,7 @@ def _wrap_forward(forward, training: bool):
     return loss_forward if training else flat_forward
 
 
-def _capture_error(e: Exception, where: Optional[tuple[str, str]]) -> CaptureError:
+def _capture_error(e: Exception, where: Optional[tuple[str, str]]) -> Exception:
     """One clear CaptureError for an exception raised while tracing."""
     chain, seen = [], set()
     cur: Optional[BaseException] = e
@@ -263,7 +298,7 @@ def _capture_error(e: Exception, where: Optional[tuple[str, str]]) -> CaptureErr
         chain.append(cur)
         cur = cur.__cause__ or cur.__context__
     for c in chain:
-        if isinstance(c, CaptureError):
+        if isinstance(c, (CaptureError, PlacementError)):  # ours, already clear: keep the type
             return c
     loc = "in the model's forward" if where is None else (
         f"in module {where[0]!r} ({where[1]})" if where[0] else f"in the model's forward ({where[1]})"
@@ -284,54 +319,6 @@ def _capture_error(e: Exception, where: Optional[tuple[str, str]]) -> CaptureErr
 
 # ---------------------------------------------------------------------------------------------
 # Rewrites on the exported fx graph
-
-
-def _drop_constant_inputs(gm: torch.fx.GraphModule, const_idx: list[int]) -> None:
-    """Remove the placeholders of non-tensor inputs: their values are baked into the graph."""
-    drop = set(const_idx)
-    for n in list(gm.graph.nodes):
-        desc = n.meta.get("desc")
-        if n.op == "placeholder" and isinstance(desc, tc.PlainAOTInput) and desc.idx in drop:
-            if n.users:
-                raise CaptureError(f"the non-tensor input #{desc.idx} is read by the graph; pass it as a tensor")
-            gm.graph.erase_node(n)
-
-
-def _merge_tied(gm: torch.fx.GraphModule, mc: torch.nn.Module) -> dict[str, str]:
-    """Tied parameters (one tensor under several FQNs) arrive as one placeholder per FQN: keep the
-    first FQN's placeholder, read it everywhere, and sum the gradients. Returns alias -> canonical."""
-    canon: dict[str, str] = {}
-    for named in (mc.named_parameters(remove_duplicate=False), mc.named_buffers(remove_duplicate=False)):
-        first: dict[int, str] = {}
-        for fqn, t in named:
-            canon[fqn] = first.setdefault(id(t), fqn)
-    aliases = {a: c for a, c in canon.items() if a != c}
-    if not aliases:
-        return {}
-    ph = {n.meta["desc"].target: n for n in gm.graph.nodes if n.op == "placeholder"
-          and isinstance(n.meta.get("desc"), (tc.ParamAOTInput, tc.BufferAOTInput))}
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    outs, descs = list(out.args[0]), list(out.meta["desc"])
-    grad_pos = {d.grad_of.target: i for i, d in enumerate(descs) if isinstance(d, tc.GradAOTOutput)}
-    drop = []
-    for alias, c in aliases.items():
-        if alias not in ph or c not in ph:
-            continue
-        ph[alias].replace_all_uses_with(ph[c])
-        gm.graph.erase_node(ph[alias])
-        if alias in grad_pos:
-            ga, gc = outs[grad_pos[alias]], outs[grad_pos.get(c, -1)] if c in grad_pos else None
-            if ga is not None and gc is not None:
-                with gm.graph.inserting_before(out):
-                    s = gm.graph.call_function(aten.add.Tensor, (gc, ga))
-                s.meta.update(val=gc.meta["val"], partitioner_tag="is_backward")
-                outs[grad_pos[c]] = s
-            elif gc is None and c in grad_pos:
-                outs[grad_pos[c]] = ga
-            drop.append(grad_pos[alias])
-    out.args = (tuple(o for i, o in enumerate(outs) if i not in drop),)
-    out.meta["desc"] = [d for i, d in enumerate(descs) if i not in drop]
-    return aliases
 
 
 def normalize_mean_losses(gm: torch.fx.GraphModule) -> int:

@@ -133,7 +133,7 @@ class Graph:
     loss: Optional[Ref]
     outputs: list[Optional[Ref]]  # every output of the program, in order
     hints: list[Hint] = field(default_factory=list)
-    aliases: dict[str, str] = field(default_factory=dict)  # tied parameter FQN -> canonical FQN (in params)
+    aliases: dict[str, str] = field(default_factory=dict)  # tied FQN -> canonical FQN (in params/buffers)
     mutations: dict[str, Ref] = field(default_factory=dict)  # buffer FQN -> its new value (e.g. BatchNorm stats)
     gm: Optional[torch.fx.GraphModule] = field(default=None, repr=False)
     _by_name: dict[str, Node] = field(default_factory=dict, repr=False)

@@ -19,12 +19,17 @@ from autopar.errors import CaptureError
 from autopar.ir.graph import Graph, Hint, Node, Phase, Ref, Role, TensorSpec
 from autopar.ir.hint import hint as _hint  # noqa: F401  (registers autopar::hint)
 
-__all__ = ["lift", "spec_of"]
+__all__ = ["lift", "spec_of", "drop_constant_inputs", "merge_tied"]
+
+aten = torch.ops.aten
 
 
 def spec_of(val: Any) -> Optional[TensorSpec]:
     if isinstance(val, torch.Tensor):
-        return TensorSpec(tuple(int(s) for s in val.shape), val.dtype)
+        shape = tuple(val.shape)  # static shapes: plain ints
+        if not all(type(s) is int for s in shape):
+            shape = tuple(int(s) for s in shape)
+        return TensorSpec(shape, val.dtype)
     return None
 
 
@@ -42,6 +47,62 @@ def _common_module(paths: list[str]) -> str:
 
 def _phase(n: torch.fx.Node) -> Phase:
     return Phase.BACKWARD if n.meta.get("partitioner_tag") == "is_backward" else Phase.FORWARD
+
+
+# ---------------------------------------------------------------------------------------------
+# fx rewrites that make the exported graph's inputs mean one thing each (run before lifting)
+
+
+def drop_constant_inputs(gm: torch.fx.GraphModule, const_idx: list[int]) -> None:
+    """Remove the placeholders of non-tensor inputs: their values are baked into the graph."""
+    drop = set(const_idx)
+    for n in list(gm.graph.nodes):
+        desc = n.meta.get("desc")
+        if n.op == "placeholder" and isinstance(desc, tc.PlainAOTInput) and desc.idx in drop:
+            if n.users:
+                raise CaptureError(f"the non-tensor input #{desc.idx} is read by the graph; pass it as a tensor")
+            gm.graph.erase_node(n)
+
+
+def merge_tied(gm: torch.fx.GraphModule, mc: torch.nn.Module) -> dict[str, str]:
+    """Tied parameters (one tensor under several FQNs) arrive as one placeholder per FQN: keep the
+    first FQN's placeholder, read it everywhere, and sum the gradients. Returns alias -> canonical."""
+    canon: dict[str, str] = {}
+    for named in (mc.named_parameters(remove_duplicate=False), mc.named_buffers(remove_duplicate=False)):
+        first: dict[int, str] = {}
+        for fqn, t in named:
+            canon[fqn] = first.setdefault(id(t), fqn)
+    aliases = {a: c for a, c in canon.items() if a != c}
+    if not aliases:
+        return {}
+    ph = {n.meta["desc"].target: n for n in gm.graph.nodes if n.op == "placeholder"
+          and isinstance(n.meta.get("desc"), (tc.ParamAOTInput, tc.BufferAOTInput))}
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    outs, descs = list(out.args[0]), list(out.meta["desc"])
+    grad_pos = {d.grad_of.target: i for i, d in enumerate(descs) if isinstance(d, tc.GradAOTOutput)}
+    drop = []
+    for alias, c in aliases.items():
+        if alias not in ph or c not in ph:
+            continue
+        ph[alias].replace_all_uses_with(ph[c])
+        gm.graph.erase_node(ph[alias])
+        if alias in grad_pos and c in grad_pos:
+            ga, gc = outs[grad_pos[alias]], outs[grad_pos[c]]
+            if ga is not None and gc is not None:
+                with gm.graph.inserting_before(out):
+                    total = gm.graph.call_function(aten.add.Tensor, (gc, ga))
+                total.meta.update(val=gc.meta["val"], partitioner_tag="is_backward")
+                outs[grad_pos[c]] = total
+            elif gc is None:
+                outs[grad_pos[c]] = ga
+            drop.append(grad_pos[alias])
+    out.args = (tuple(o for i, o in enumerate(outs) if i not in drop),)
+    out.meta["desc"] = [d for i, d in enumerate(descs) if i not in drop]
+    return aliases
+
+
+# ---------------------------------------------------------------------------------------------
+# Lifting
 
 
 def lift(
