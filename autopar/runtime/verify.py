@@ -194,6 +194,8 @@ def mutation_test(case_list: Sequence[Case], mesh_shape: Sequence[int] = (2,)) -
                     continue
                 places = list(m.inputs) + list(m.outputs)
                 if any(isinstance(p, Split) and (s is None or p.dim >= s.ndim) for p, s in zip(places, specs)):
+                    continue  # not a placement of that tensor at all
+                if not _meaningful(sig, m, specs):
                     continue
                 rep.total += 1
                 res = check_strategy(case.call, (m,), mesh_shape, case.inputs, case.expected, seed=1)
@@ -215,3 +217,21 @@ def mutation_test(case_list: Sequence[Case], mesh_shape: Sequence[int] = (2,)) -
                     else:
                         rep.caught += 1
     return rep
+
+
+def _meaningful(sig, mutant, specs) -> bool:
+    """A mutant that only touches an empty tensor, or moves a split onto a size-1 dim, is still a
+    valid signature (every placement of an empty tensor is the same; a size-1 dim's split is the
+    whole on one device), so it does not count."""
+    from autopar.ir.placement import Split
+
+    before = list(sig.inputs) + list(sig.outputs)
+    after = list(mutant.inputs) + list(mutant.outputs)
+    for a, b, spec in zip(before, after, specs):
+        if a == b:
+            continue
+        if spec is None or spec.numel == 0:
+            return False
+        if isinstance(b, Split) and spec.shape[b.dim] == 1:
+            return False
+    return True

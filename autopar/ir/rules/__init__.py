@@ -5,7 +5,7 @@ ops whose local implementation needs offsets, ``vision`` and ``moe`` for the CNN
 mixture-of-experts ops).
 """
 
-from autopar.ir.rules import generic, moe, special, vision  # noqa: F401  (registration)
+from autopar.ir.rules import generic, layout, moe, special, vision  # noqa: F401  (registration)
 from autopar.ir.rules.base import (
     RULES,
     LocalCtx,

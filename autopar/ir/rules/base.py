@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -153,6 +153,8 @@ def dimmap(call: OpCall) -> Optional[DimMap]:
 def signatures(call: OpCall, min_size: int = 2) -> list[Signature]:
     """The op's one-axis signatures; an op without a rule gets all-``B`` and one warning."""
     rule = RULES.get(call.op)
+    if call.op == "get_attr":  # a constant tensor of the graph: every device holds it
+        return [replicate_signature(0, call.out_specs)]
     if rule is None:
         key = (call.op, call.module_path)
         if key not in _warned:

@@ -18,7 +18,7 @@ import torch
 from autopar.ir.placement import B, P, Split
 from autopar.ir.rules.base import LocalCtx, OpCall, register, substitute
 from autopar.ir.rules.dimmap import DimMap, Dims, Linear, Signature
-from autopar.ir.rules.generic import _float_flags, _lin, _norm_dim
+from autopar.ir.rules.generic import float_flags, linear_in, norm_dim
 from autopar.ir.rules.special import _by_position, _masked_ids, _splits_dim, _zeros, tensor_positions
 
 # ---------------------------------------------------------------------------------------------
@@ -30,7 +30,7 @@ from autopar.ir.rules.special import _by_position, _masked_ids, _splits_dim, _ze
 def _new_factory(call: OpCall) -> DimMap:
     out = call.out_specs[0]
     names = [f"d{i}" for i in range(out.ndim)]
-    fi, fo = _float_flags(call)
+    fi, fo = float_flags(call)
     zeros = call.op == "aten.new_zeros.default" and fo[0]
     return DimMap(
         [None] * len(call.in_specs), [[(n,) for n in names]], dict(zip(names, out.shape)),
@@ -62,7 +62,7 @@ def _indexed(self_shape, dim: int, others: list, along: str) -> tuple[list[Dims]
 
 def _scatter_like(call: OpCall, others_pos: list[int], accumulate: bool, linear: list[int]) -> DimMap:
     x = call.in_specs[0]
-    dim = _norm_dim(call.arg(1, "dim"), x.ndim)
+    dim = norm_dim(call.arg(1, "dim"), x.ndim)
     names = [f"d{i}" for i in range(x.ndim)]
     pos = tensor_positions(call)
     shapes = [call.in_specs[pos[p]].shape for p in others_pos]
@@ -74,8 +74,8 @@ def _scatter_like(call: OpCall, others_pos: list[int], accumulate: bool, linear:
     sizes.update(zip(names, x.shape))
     reduce = {"t": "sum"} if accumulate and "t" in sizes else {}
     no = whole | {f for f in sizes if f.startswith("_") or f == "t" and not reduce}
-    fi, fo = _float_flags(call)
-    lin = [_lin([pos[p] for p in linear], [0])] if linear else []
+    fi, fo = float_flags(call)
+    lin = [linear_in([pos[p] for p in linear], [0])] if linear else []
     return DimMap(
         _by_position(call, {0: [(n,) for n in names], **dict(zip(others_pos, dims))}), [[(n,) for n in names]],
         sizes, reduce=reduce, additive=frozenset({0}) if accumulate else frozenset(), linear=lin,
@@ -115,7 +115,7 @@ def _index_add(call: OpCall) -> DimMap:
 
 def _rows_extra(call: OpCall, dm: DimMap) -> list[Signature]:
     x = call.in_specs[0]
-    dim = _norm_dim(call.arg(1, "dim"), x.ndim)
+    dim = norm_dim(call.arg(1, "dim"), x.ndim)
     if not x.is_float or x.ndim == 0 or x.shape[dim] < 2:
         return []
     return [Signature((Split(dim),) + (B,) * (len(call.in_specs) - 1), (P,), "rows")]
@@ -124,7 +124,7 @@ def _rows_extra(call: OpCall, dm: DimMap) -> list[Signature]:
 def _rows_local(ctx: LocalCtx, xs: list) -> torch.Tensor:
     call = ctx.call
     x, index = xs[0], xs[1]
-    dim = _norm_dim(call.arg(1, "dim"), max(call.in_specs[0].ndim, 1))
+    dim = norm_dim(call.arg(1, "dim"), max(call.in_specs[0].ndim, 1))
     if call.in_specs[0].ndim == 0 or not _splits_dim(ctx, 0, dim):
         args, kwargs = substitute(call, xs)
         return call.target(*args, **kwargs)
@@ -143,15 +143,15 @@ def _rows_local(ctx: LocalCtx, xs: list) -> torch.Tensor:
 def _gather(call: OpCall) -> DimMap:
     # gather(self, dim, index, sparse_grad) -> out shaped like index; linear in self
     x, idx = call.in_specs[0], call.in_specs[1]
-    dim = _norm_dim(call.arg(1, "dim"), max(x.ndim, 1))
+    dim = norm_dim(call.arg(1, "dim"), max(x.ndim, 1))
     names = [f"d{i}" for i in range(x.ndim)]
     # along dim the index is free; elsewhere positions match self's, so sizes must agree to split
     idims: Dims = [("i" if k == dim else names[k] if n == x.shape[k] else f"_i{k}",) for k, n in enumerate(idx.shape)]
     sizes = dict(zip(names, x.shape)) | {f: n for (f,), n in zip(idims, idx.shape)}
-    fi, fo = _float_flags(call)
+    fi, fo = float_flags(call)
     return DimMap(
         [[(n,) for n in names], idims], [idims], sizes, no_split=frozenset(f for f in sizes if f.startswith("_")),
-        linear=[_lin([0], [0])], float_inputs=fi, float_outputs=fo,
+        linear=[linear_in([0], [0])], float_inputs=fi, float_outputs=fo,
     )
 
 
@@ -159,13 +159,13 @@ def _gather(call: OpCall) -> DimMap:
 def _index_select(call: OpCall) -> DimMap:
     # index_select(self, dim, index [k]) -> self with dim replaced by k; linear in self
     x, idx = call.in_specs[0], call.in_specs[1]
-    dim = _norm_dim(call.arg(1, "dim"), max(x.ndim, 1))
+    dim = norm_dim(call.arg(1, "dim"), max(x.ndim, 1))
     names = [f"d{i}" for i in range(x.ndim)]
     out: list[tuple[str, ...]] = [(n,) if k != dim else ("i",) for k, n in enumerate(names)]
     idims: Optional[Dims] = [("i",)] if idx.ndim == 1 else []
-    fi, fo = _float_flags(call)
+    fi, fo = float_flags(call)
     return DimMap(
         [[(n,) for n in names], idims], [out], dict(zip(names, x.shape)) | {"i": idx.numel},
-        no_split=frozenset(names[dim : dim + 1]), linear=[_lin([0], [0])], float_inputs=fi, float_outputs=fo,
+        no_split=frozenset(names[dim : dim + 1]), linear=[linear_in([0], [0])], float_inputs=fi, float_outputs=fo,
     )
 

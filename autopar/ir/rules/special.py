@@ -13,7 +13,7 @@ from autopar.ir.graph import Ref
 from autopar.ir.placement import B, P, Split
 from autopar.ir.rules.base import LocalCtx, OpCall, register, substitute
 from autopar.ir.rules.dimmap import DimMap, Dims, Linear, Signature
-from autopar.ir.rules.generic import _all_outputs, _float_flags, _lin, _norm_dim, pointwise_map
+from autopar.ir.rules.generic import all_outputs, float_flags, linear_in, pointwise_map
 
 aten = torch.ops.aten
 
@@ -85,10 +85,10 @@ def _embedding(call: OpCall) -> DimMap:
     w, ids = call.in_specs
     idn = [f"i{k}" for k in range(ids.ndim)]
     sizes = {"v": w.shape[0], "e": w.shape[1], **dict(zip(idn, ids.shape))}
-    fi, fo = _float_flags(call)
+    fi, fo = float_flags(call)
     return DimMap(
         [[("v",), ("e",)], [(n,) for n in idn]], [[(n,) for n in idn] + [("e",)]], sizes,
-        no_split=frozenset({"v"}), linear=[_lin([0], [0])], float_inputs=fi, float_outputs=fo,
+        no_split=frozenset({"v"}), linear=[linear_in([0], [0])], float_inputs=fi, float_outputs=fo,
     )
 
 
@@ -112,11 +112,11 @@ def _embedding_backward(call: OpCall) -> DimMap:
     grad, ids = call.in_specs
     idn = [f"i{k}" for k in range(ids.ndim)]
     sizes = {"v": call.out_specs[0].shape[0], "e": grad.shape[-1], **dict(zip(idn, ids.shape))}
-    fi, fo = _float_flags(call)
+    fi, fo = float_flags(call)
     no = frozenset({"v"}) if call.args[4] else frozenset()  # scale_grad_by_freq counts globally
     return DimMap(
         [[(n,) for n in idn] + [("e",)], [(n,) for n in idn]], [[("v",), ("e",)]], sizes,
-        reduce={n: "sum" for n in idn}, linear=[_lin([0], [0])], no_split=no, float_inputs=fi, float_outputs=fo,
+        reduce={n: "sum" for n in idn}, linear=[linear_in([0], [0])], no_split=no, float_inputs=fi, float_outputs=fo,
     )
 
 
@@ -174,10 +174,10 @@ def _nll_forward(call: OpCall) -> DimMap:
     sizes = {"c": x.shape[-1], "n": x.shape[0] if x.ndim == 2 else 1}
     # total_weight sums over the batch too, so a batch split leaves both outputs partial.
     reduce = {"n": "sum"} if red in (0, 2) else {}
-    fi, fo = _float_flags(call)
+    fi, fo = float_flags(call)
     return DimMap(
         ins, [out, []], sizes, reduce=reduce, no_split=frozenset({"c"}) | (frozenset() if reduce else {"n"}),
-        linear=[_lin([0], [0])], float_inputs=fi, float_outputs=fo,
+        linear=[linear_in([0], [0])], float_inputs=fi, float_outputs=fo,
     )
 
 
@@ -224,10 +224,10 @@ def _nll_backward(call: OpCall) -> DimMap:
         ins.append([("c",)])
     ins.append([])  # total_weight
     sizes = {"c": x.shape[-1], "n": x.shape[0] if two else 1}
-    fi, fo = _float_flags(call)
+    fi, fo = float_flags(call)
     return DimMap(
         ins, [[batch, ("c",)] if two else [("c",)]], sizes, no_split=frozenset({"c"}),
-        linear=[_lin([0], [0])], float_inputs=fi, float_outputs=fo,
+        linear=[linear_in([0], [0])], float_inputs=fi, float_outputs=fo,
     )
 
 
@@ -243,18 +243,30 @@ def _causal_mask(q_start: int, q_len: int, kv_len: int, dtype: torch.dtype) -> t
     return torch.zeros(q_len, kv_len, dtype=dtype).masked_fill(cols > rows, float("-inf"))
 
 
-def _attention_dims(call: OpCall, n_lead: int) -> tuple[list[Optional[Dims]], dict[str, int]]:
-    q = call.in_specs[n_lead]
-    k = call.in_specs[n_lead + 1]
-    v = call.in_specs[n_lead + 2]
-    same_heads = k.shape[1] == q.shape[1]
-    kh = "h" if same_heads else "hk"
-    sizes = {"b": q.shape[0], "h": q.shape[1], "hk": k.shape[1], "s": q.shape[2], "t": k.shape[2], "d": q.shape[3], "e": v.shape[3]}
-    return [
-        [("b",), ("h",), ("s",), ("d",)],
-        [("b",), (kh,), ("t",), ("d",)],
-        [("b",), (kh,), ("t",), ("e",)],
-    ], sizes
+def _attention_dims(call: OpCall, n_lead: int, mask_index: int) -> tuple[list[Optional[Dims]], Dims, Dims, dict[str, int]]:
+    """Dims of q, k, v (and an explicit mask), the query-side ``[b heads s e]`` and key-side heads.
+
+    With grouped-query attention (k/v with fewer heads), q's heads are the merged dim
+    ``(hk g)``: splitting ``hk`` splits q and k/v heads together and keeps the grouping; ``g``
+    (the queries sharing one kv head) splits q alone, which only lines up when ``hk`` is 1.
+    """
+    q, k, v = call.in_specs[n_lead : n_lead + 3]
+    h, hk = q.shape[1], k.shape[1]
+    qh: tuple[str, ...] = ("h",) if h == hk else ("hk", "g")
+    kh: tuple[str, ...] = ("h",) if h == hk else ("hk",)
+    sizes = {"b": q.shape[0], "h": h, "hk": hk, "g": h // max(hk, 1), "s": q.shape[2], "t": k.shape[2],
+             "d": q.shape[3], "e": v.shape[3]}
+    ins: list[Optional[Dims]] = [
+        [("b",), qh, ("s",), ("d",)],
+        [("b",), kh, ("t",), ("d",)],
+        [("b",), kh, ("t",), ("e",)],
+    ]
+    if len(call.in_specs) > mask_index:  # an explicit mask, broadcast against [b heads s t]
+        m = call.in_specs[mask_index]
+        full, full_sizes = [("b",), qh, ("s",), ("t",)], [sizes["b"], h, sizes["s"], sizes["t"]]
+        off = 4 - m.ndim
+        ins.append([full[off + i] if size == full_sizes[off + i] and size != 1 else () for i, size in enumerate(m.shape)])
+    return ins, [("b",), qh, ("s",), ("e",)], [("b",), kh], sizes
 
 
 def _is_causal(call: OpCall, pos: int) -> bool:
@@ -265,10 +277,10 @@ def _attention_local_call(ctx: LocalCtx, xs: list, q_index: int, causal_pos: int
     call = ctx.call
     out_shapes_empty = any(0 in ctx.out_shape(j) for j in range(len(call.out_specs)) if call.out_specs[j] is not None)
     q = xs[q_index]
-    _check_attention_blocks(xs, q_index, backward)
     if q.numel() == 0 or xs[q_index + 1].numel() == 0 or out_shapes_empty:
         # The CPU kernel crashes (SIGFPE) on empty blocks; an empty block contributes zeros.
         return tuple(_zeros(ctx, j) for j in range(len(call.out_specs)))
+    _check_attention_blocks(xs, q_index, backward)
     args, kwargs = substitute(call, xs)
     if _is_causal(call, causal_pos) and _splits_dim(ctx, q_index, 2):
         # torch's is_causal aligns the mask top-left, i.e. assumes this block starts at query 0.
@@ -286,7 +298,8 @@ def _attention_local_call(ctx: LocalCtx, xs: list, q_index: int, causal_pos: int
 def _check_attention_blocks(xs: list, q_index: int, backward: bool) -> None:
     """The CPU kernel does not check its operands and dies (SIGFPE) on inconsistent blocks: check here."""
     q, k, v = xs[q_index : q_index + 3]
-    ok = q.ndim == k.ndim == v.ndim == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2]
+    ok = q.ndim == k.ndim == v.ndim == 4 and q.shape[0] == k.shape[0] == v.shape[0] and k.shape[1] == v.shape[1]
+    ok = ok and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0  # grouped-query attention
     ok = ok and q.shape[3] == k.shape[3] and k.shape[2] == v.shape[2]
     if backward:
         grad, out, lse = xs[0], xs[4], xs[5]
@@ -307,37 +320,25 @@ def _attention_bwd_local(ctx: LocalCtx, xs: list):
 @register("aten._scaled_dot_product_flash_attention_for_cpu.default", local=_attention_fwd_local)
 def _attention(call: OpCall) -> DimMap:
     # (q, k, v, dropout_p, is_causal, *, attn_mask, scale) -> (out [b h s e], logsumexp [b h s])
-    ins, sizes = _attention_dims(call, 0)
-    if len(call.in_specs) > 3:  # an explicit mask, broadcast against [b h s t]
-        m = call.in_specs[3]
-        full = ["b", "h", "s", "t"]
-        off = 4 - m.ndim
-        ins.append([(full[off + k],) if size == sizes[full[off + k]] and size != 1 else () for k, size in enumerate(m.shape)])
-    fi, fo = _float_flags(call)
+    ins, qside, _, sizes = _attention_dims(call, 0, 3)
+    fi, fo = float_flags(call)
     return DimMap(
-        ins, [[("b",), ("h",), ("s",), ("e",)], [("b",), ("h",), ("s",)]], sizes,
-        no_split=frozenset({"t", "d", "e", "hk"}), float_inputs=fi, float_outputs=fo,
+        ins, [qside, qside[:3]], sizes, no_split=frozenset({"t", "d", "e"}), float_inputs=fi, float_outputs=fo
     )
 
 
 @register("aten._scaled_dot_product_flash_attention_for_cpu_backward.default", local=_attention_bwd_local)
 def _attention_backward(call: OpCall) -> DimMap:
     # (grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask, scale) -> (dq, dk, dv)
-    ins, sizes = _attention_dims(call, 1)
-    bhse: Dims = [("b",), ("h",), ("s",), ("e",)]
-    all_ins: list[Optional[Dims]] = [bhse] + ins + [bhse, [("b",), ("h",), ("s",)]]
-    if len(call.in_specs) > 6:
-        m = call.in_specs[6]
-        full = ["b", "h", "s", "t"]
-        off = 4 - m.ndim
-        all_ins.append([(full[off + k],) if size == sizes[full[off + k]] and size != 1 else () for k, size in enumerate(m.shape)])
-    kh = ins[1][1]
-    fi, fo = _float_flags(call)
-    # dK and dV sum over query positions: a query split leaves them partial.
+    ins, qside, kside, sizes = _attention_dims(call, 1, 6)
+    all_ins: list[Optional[Dims]] = [qside] + ins[:3] + [qside, qside[:3]] + ins[3:]
+    fi, fo = float_flags(call)
+    # dK and dV sum over query positions (and over the query heads sharing a kv head): a split
+    # there leaves them partial.
     return DimMap(
-        all_ins, [ins[0], [("b",), kh, ("t",), ("d",)], [("b",), kh, ("t",), ("e",)]], sizes,
-        reduce={"s": "sum"}, no_split=frozenset({"t", "d", "e", "hk"}),
-        linear=[_lin([0], [0, 1, 2])], float_inputs=fi, float_outputs=fo,
+        all_ins, [ins[0], kside + [("t",), ("d",)], kside + [("t",), ("e",)]], sizes,
+        reduce={"s": "sum", "g": "sum"}, no_split=frozenset({"t", "d", "e"}),
+        linear=[linear_in([0], [0, 1, 2])], float_inputs=fi, float_outputs=fo,
     )
 
 
@@ -368,7 +369,7 @@ def _layer_norm(call: OpCall) -> DimMap:
     x, names, lead, normed, stat = _norm_layout(call, 0, 1)
     full: Dims = [(n,) for n in names]
     ins = _by_position(call, {0: full, 2: [(n,) for n in normed], 3: [(n,) for n in normed]})
-    fi, fo = _float_flags(call)
+    fi, fo = float_flags(call)
     return DimMap(
         ins, [full, stat, stat], dict(zip(names, x.shape)), no_split=frozenset(normed), float_inputs=fi, float_outputs=fo
     )
@@ -382,10 +383,10 @@ def _layer_norm_backward(call: OpCall) -> DimMap:
     w: Dims = [(n,) for n in normed]
     ins = _by_position(call, {0: full, 1: full, 3: stat, 4: stat, 5: w, 6: w})
     outs = [None if s is None else d for s, d in zip(call.out_specs, [full, w, w])]
-    fi, fo = _float_flags(call)
+    fi, fo = float_flags(call)
     return DimMap(
         ins, outs, dict(zip(names, x.shape)), reduce={n: "sum" for n in lead}, no_split=frozenset(normed),
-        linear=[_lin([0], _all_outputs(call))], float_inputs=fi, float_outputs=fo,
+        linear=[linear_in([0], all_outputs(call))], float_inputs=fi, float_outputs=fo,
     )
 
 
@@ -408,7 +409,7 @@ def _arange_local(ctx: LocalCtx, xs: list) -> torch.Tensor:
 def _factory_map(call: OpCall) -> DimMap:
     out = call.out_specs[0]
     names = [f"d{i}" for i in range(out.ndim)]
-    _, fo = _float_flags(call)
+    _, fo = float_flags(call)
     return DimMap([], [[(n,) for n in names]], dict(zip(names, out.shape)), float_outputs=fo)
 
 
@@ -426,7 +427,7 @@ def _likes_local(ctx: LocalCtx, xs: list) -> torch.Tensor:
 
 @register("aten.zeros_like.default")
 def _zeros_like(call: OpCall) -> DimMap:
-    return pointwise_map(call, [_lin([0], [0])])
+    return pointwise_map(call, [linear_in([0], [0])])
 
 
 @register("aten.ones_like.default", "aten.full_like.default", "aten.empty_like.default")
@@ -445,7 +446,7 @@ def _tri_local(ctx: LocalCtx, xs: list) -> torch.Tensor:
 
 @register("aten.tril.default", "aten.triu.default", local=_tri_local)
 def _tri(call: OpCall) -> DimMap:
-    return pointwise_map(call, [_lin([0], [0])])
+    return pointwise_map(call, [linear_in([0], [0])])
 
 
 __all__ = ["tensor_positions", "kw_position", "Linear"]

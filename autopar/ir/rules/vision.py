@@ -17,7 +17,7 @@ from autopar.ir.graph import Ref
 from autopar.ir.placement import B
 from autopar.ir.rules.base import LocalCtx, OpCall, register, substitute
 from autopar.ir.rules.dimmap import DimMap, Dims, Signature, split_signature
-from autopar.ir.rules.generic import _all_outputs, _float_flags, _lin
+from autopar.ir.rules.generic import all_outputs, float_flags, linear_in
 from autopar.ir.rules.special import _by_position, _zeros, tensor_positions
 
 
@@ -65,7 +65,7 @@ def _dm(call: OpCall, ins, outs, sizes: dict, no_split=frozenset(), **kw) -> Dim
             if len(fs) == 1:
                 sizes.setdefault(fs[0], n)
     fixed = frozenset(f for f in sizes if f.startswith("_"))
-    fi, fo = _float_flags(call)
+    fi, fo = float_flags(call)
     return DimMap(ins, outs, sizes, no_split=fixed | frozenset(no_split), float_inputs=fi, float_outputs=fo, **kw)
 
 
@@ -112,7 +112,7 @@ def _convolution(call: OpCall) -> DimMap:
     bias = [tensor_positions(call)[2]] if isinstance(call.args[2], Ref) else []
     return _dm(
         call, _by_position(call, {0: x, 1: w, 2: b}), [y], sizes, reduce={"ci": "sum"}, additive=frozenset(bias),
-        linear=[_lin([0] + bias, [0]), _lin([1] + bias, [0])],
+        linear=[linear_in([0] + bias, [0]), linear_in([1] + bias, [0])],
     )
 
 
@@ -140,9 +140,9 @@ def _convolution_backward(call: OpCall) -> DimMap:
     _, xs, ws = (s.shape for s in call.in_specs)
     x, w, y, b, sizes = _conv_layout(xs, ws, bool(call.args[7]), call.args[9])
     outs = [None if s is None else d for s, d in zip(call.out_specs, [x, w, b])]
-    lin = [_lin([0], _all_outputs(call))]
-    lin += [_lin([1], [1])] if outs[1] is not None else []
-    lin += [_lin([2], [0])] if outs[0] is not None else []
+    lin = [linear_in([0], all_outputs(call))]
+    lin += [linear_in([1], [1])] if outs[1] is not None else []
+    lin += [linear_in([2], [0])] if outs[0] is not None else []
     return _dm(call, [y, x, w], outs, sizes, reduce={"n": "sum", "co": "sum"}, linear=lin)
 
 
@@ -165,7 +165,7 @@ def _pool(call: OpCall) -> DimMap:
     ins, outs, linear = POOLS[call.op[5:].rsplit(".", 1)[0].replace(f"{k}d", "{}")]
     lead = [[(f"d{i}",) for i in range(s.ndim - k)] for s in call.in_specs + call.out_specs]
     dims: list[Optional[Dims]] = [d + _spatial(p, k) for d, p in zip(lead, ins + outs)]
-    return _dm(call, dims[: len(ins)], dims[len(ins) :], {}, linear=[_lin([0], [0])] if linear else [])
+    return _dm(call, dims[: len(ins)], dims[len(ins) :], {}, linear=[linear_in([0], [0])] if linear else [])
 
 
 def _pool_local(ctx: LocalCtx, xs: list):
@@ -211,7 +211,7 @@ def _bn_map(call: OpCall, kinds: str, out_kinds: str, batch_stats: bool, linear:
 def _bn_affine(call: OpCall) -> list:
     """``out = xhat * weight + bias``: linear in weight and bias together."""
     pos = tensor_positions(call)
-    return [_lin([pos[p] for p in (1, 2) if p in pos], [0])] if 1 in pos else []
+    return [linear_in([pos[p] for p in (1, 2) if p in pos], [0])] if 1 in pos else []
 
 
 def _bn_local(ctx: LocalCtx, xs: list):
@@ -245,4 +245,4 @@ def _batch_norm_eval(call: OpCall) -> DimMap:
 def _batch_norm_backward(call: OpCall) -> DimMap:
     # (grad_out, input, weight?, running_mean?, running_var?, save_mean?, save_invstd?, train, eps,
     #  output_mask) -> (grad_input, grad_weight, grad_bias); linear in grad_out
-    return _bn_map(call, "xxccccc", "xcc", bool(call.args[7]), [_lin([0], _all_outputs(call))], True)
+    return _bn_map(call, "xxccccc", "xcc", bool(call.args[7]), [linear_in([0], all_outputs(call))], True)
