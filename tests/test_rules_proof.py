@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import autopar.models as M
+from conftest import REPORT
 from autopar.ir.capture import capture
 from autopar.runtime.verify import Report, cases, dedupe, mutation_test, record_values, verify
 
@@ -75,10 +76,12 @@ def test_rules_proven_by_execution(family_cases):
     for name, (graph, cs) in family_cases.items():
         for mesh in [(2,), (3,), (2, 3)]:
             verify(cs, mesh, report)
-    print(
-        f"\nverified {len(report.pairs)} distinct (op, signature) pairs over {len(report.ops)} aten ops "
-        f"({report.checked} executions, meshes (2,), (3,), (2, 3))"
+    line = (
+        f"rule proof: verified {len(report.pairs)} distinct (op, signature) pairs over {len(report.ops)} aten ops "
+        f"({report.checked} executions, meshes (2,), (3,), (2, 3)), {len(report.failures)} mismatches"
     )
+    print("\n" + line)
+    REPORT.append(line)
     assert not report.failures, "\n".join(report.failures[:20])
     assert len(report.ops) >= 50
     assert len(report.pairs) >= 1000
@@ -92,6 +95,8 @@ def test_proof_catches_mutated_rules(family_cases):
         total += rep.total
         caught += rep.caught
         survivors += rep.survivors
-    print(f"\nmutants: {total}, caught: {caught} ({caught / total:.1%})")
+    line = f"rule proof mutation test: {caught} of {total} wrong mutants caught ({caught / total:.1%})"
+    print("\n" + line)
+    REPORT.append(line)
     assert total > 1000
     assert caught / total >= 0.95, "\n".join(survivors[:20])
