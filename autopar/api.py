@@ -1,0 +1,220 @@
+"""``autopar.plan``: run the passes in order — capture, fold, strategies, cost, merge, solve — and
+hand back a Plan (``autopar/plan.py``; assembled in ``autopar/passes/report.py``)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from autopar.cost_model.precision import Precision, get_precision
+from autopar.ir.capture import capture
+from autopar.ir.graph import Graph
+from autopar.mesh import Mesh
+from autopar.passes.cost import build_problem
+from autopar.passes.fold import Folding, fold
+from autopar.passes.merge import Merged, merge
+from autopar.passes.problem import Cost, Problem, evaluate
+from autopar.passes.solve import InfeasibleError, Solution, edge_var_count, greedy, solve, solve_by_axis
+from autopar.passes.strategies import node_strategies, output_placement, resolve_hints
+
+#: Above this many transport variables the full ILP is solved one mesh axis at a time.
+FULL_ILP_LIMIT = 40_000
+DEFAULT_BUDGET_FRACTION = 0.9
+
+
+@dataclass
+class Planned:
+    """Everything the passes produced, for the report (and for tests)."""
+
+    graph: Graph
+    mesh: Mesh
+    folding: Folding
+    problem: Problem
+    merged: Merged
+    precision: Precision
+    choice: list[int]
+    cost: Cost
+    source: str
+    solution: Optional[Solution]
+    baselines: dict[str, dict]
+    recipe_choices: dict[str, list[int]]
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+class _Clock:
+    def __init__(self, progress: bool):
+        self.t = time.perf_counter()
+        self.start = self.t
+        self.phases: dict[str, float] = {}
+        self.progress = progress
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = round(now - self.t, 4)
+        self.t = now
+        if self.progress:
+            print(f"autopar: {name:<10} {self.phases[name]:7.2f} s", file=sys.stderr)
+
+
+def run_passes(
+    model,
+    mesh: Mesh,
+    example_inputs=(),
+    example_kwargs=None,
+    *,
+    training: bool = True,
+    hints=None,
+    memory_budget: Optional[float] = None,
+    time_limit: Optional[float] = None,
+    precision=None,
+    optimizer: str = "adamw",
+    recipe: Optional[str] = None,
+    tensor_axis=-1,
+    deterministic_time: float = 20.0,
+    progress: Optional[bool] = None,
+    graph: Optional[Graph] = None,
+) -> Planned:
+    """The planning passes; ``recipe`` fixes that recipe's placements instead of searching."""
+    from autopar import recipes as R
+
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
+    clock = _Clock(sys.stderr.isatty() if progress is None else progress)
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    if graph is None:
+        graph = capture(model, tuple(example_inputs), example_kwargs, training=training)
+    clock.lap("capture")
+    folding = fold(graph)
+    clock.lap("fold")
+    constraints = resolve_hints(graph, mesh, hints)
+    strategies = {n.name: node_strategies(graph, n, mesh) for n in graph.nodes
+                  if folding.representative(n.name) == n.name}
+    clock.lap("strategies")
+    prec = get_precision(precision, mesh.hardware, optimizer)
+    budget = float(memory_budget) if memory_budget is not None else DEFAULT_BUDGET_FRACTION * mesh.hardware.memory
+    problem = build_problem(graph, mesh, folding, strategies, prec, budget, constraints)
+    clock.lap("cost")
+    merged = merge(problem, {n.name: n.op for n in graph.nodes})
+    clock.lap("merge")
+
+    names = [recipe] if recipe else list(R.NAMES)
+    baselines: dict[str, dict] = {}
+    choices: dict[str, list[int]] = {}
+    for name in names:
+        try:
+            allowed = R.constraints(graph, mesh, name, tensor_axis)
+            choice = _complete(merged, problem, allowed, deterministic_time / 4)
+        except (R.RecipeError, InfeasibleError, ValueError) as e:
+            if recipe:
+                raise
+            baselines[name] = {"error": str(e)}
+            continue
+        cost = evaluate(problem, choice)
+        choices[name] = choice
+        baselines[name] = {"step_time": cost.step_time, "peak_memory": int(cost.peak_memory),
+                           "fits": cost.peak_memory <= budget}
+    fitting = [n for n in choices if baselines[n]["fits"]]
+    best_recipe = min(fitting or choices, key=lambda n: (baselines[n]["step_time"], n)) if choices else None
+
+    solution = None
+    if recipe:
+        choice, source = choices[recipe], f"recipe:{recipe}"
+    else:
+        start = choices[best_recipe] if best_recipe else greedy(problem)
+        hint = [start[i] for i in merged.keep]
+        try:
+            if edge_var_count(merged.problem) <= FULL_ILP_LIMIT or mesh.ndim == 1:
+                solution = solve(merged.problem, hint, deterministic_time, time_limit)
+            else:
+                solution = solve_by_axis(merged.problem, hint, mesh.ndim, 2, deterministic_time, time_limit)
+            searched = merged.expand(solution.choice, len(problem.nodes))
+        except InfeasibleError:
+            searched = None
+        candidates = []
+        if searched is not None:
+            candidates.append((evaluate(problem, searched), 0, "search", searched))
+        for k, name in enumerate(sorted(choices)):
+            candidates.append((evaluate(problem, choices[name]), 1 + k, f"recipe:{name}", choices[name]))
+        fits = [c for c in candidates if c[0].peak_memory <= budget]
+        if not fits:
+            raise _infeasible(problem, budget, candidates)
+        best = min(fits, key=lambda c: (c[0].step_time, c[1]))
+        choice, source = best[3], best[2]
+    clock.lap("solve")
+    cost = evaluate(problem, choice)
+    clock.phases["total"] = round(time.perf_counter() - clock.start, 4)
+    return Planned(graph, mesh, folding, problem, merged, prec, choice, cost, source, solution, baselines,
+                   choices, clock.phases)
+
+
+def _complete(merged: Merged, problem: Problem, allowed: dict, deterministic_time: float) -> list[int]:
+    """The cheapest choice with the placeholders restricted to ``allowed`` placements."""
+    saved = [n.allowed for n in merged.problem.nodes]
+    try:
+        for i, n in enumerate(merged.problem.nodes):
+            if n.name in allowed:
+                ok = [s for s, st in enumerate(n.strategies) if output_placement(st, 0) in allowed[n.name]]
+                if n.allowed is not None:
+                    ok = [s for s in ok if s in n.allowed]
+                if not ok:
+                    raise InfeasibleError(f"no strategy of {n.name} has the recipe's placement")
+                n.allowed = ok
+        start = greedy(merged.problem)
+        if edge_var_count(merged.problem) <= FULL_ILP_LIMIT // 2:
+            try:
+                choice = solve(merged.problem, start, deterministic_time).choice
+            except InfeasibleError:  # over the memory budget: still a baseline, priced as it is
+                choice = _unbounded(merged.problem, start, deterministic_time)
+        else:
+            choice = start
+        return merged.expand(choice, len(problem.nodes))
+    finally:
+        for n, a in zip(merged.problem.nodes, saved):
+            n.allowed = a
+
+
+def _unbounded(problem: Problem, start, deterministic_time: float) -> list[int]:
+    budget = problem.memory_budget
+    problem.memory_budget = float("inf")
+    try:
+        return solve(problem, start, deterministic_time).choice
+    finally:
+        problem.memory_budget = budget
+
+
+def _infeasible(problem: Problem, budget: float, candidates) -> InfeasibleError:
+    """No plan fits: say how much memory the leanest one needs and what dominates it."""
+    lean = min(candidates, key=lambda c: c[0].peak_memory)
+    cost, choice = lean[0], lean[3]
+    tops = []
+    for i, n in enumerate(problem.nodes):
+        b = n.mult * n.mem_total(choice[i])
+        if b:
+            tops.append((b, n.name))
+    tops.sort(reverse=True)
+    from autopar.plan import human_bytes
+
+    top = ", ".join(f"{name} ({human_bytes(b)})" for b, name in tops[:5])
+    return InfeasibleError(
+        f"no plan fits the memory budget of {human_bytes(budget)} per device: the leanest plan found "
+        f"({lean[2]}) needs {human_bytes(cost.peak_memory)} "
+        f"(params {human_bytes(cost.memory['params'])}, grads {human_bytes(cost.memory['grads'])}, optimizer "
+        f"{human_bytes(cost.memory['optimizer'])}, activations {human_bytes(cost.memory['activations'])}); "
+        f"largest tensors: {top}. Use more devices, a smaller batch, or raise memory_budget."
+    )
+
+
+def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training: bool = True, hints=None,
+         memory_budget=None, time_limit=None, search: str = "ilp", **kw):
+    """Plan how to run ``model`` on ``mesh``: the cheapest strategy per op within the memory budget,
+    never slower than the best hand-written recipe that fits (see ``autopar.Plan``)."""
+    from autopar.passes.report import build_plan
+
+    if search != "ilp":
+        raise ValueError(f"search={search!r} is not supported yet; use 'ilp'")
+    planned = run_passes(model, mesh, example_inputs, example_kwargs, training=training, hints=hints,
+                         memory_budget=memory_budget, time_limit=time_limit, **kw)
+    return build_plan(planned)

@@ -1,0 +1,157 @@
+"""Communication cost: resharding a tensor between placements, as timed collectives per mesh axis.
+
+One axis of ``n`` devices with link (alpha, beta) and ``B`` bytes of the tensor as that axis's group
+sees it (ring algorithms, DESIGN.md "SBP"):
+
+=================  ==============  ===========================================
+from -> to         step            time
+=================  ==============  ===========================================
+S(i) -> B          all_gather      (n-1) a + (n-1)/n   B/b
+P -> B             all_reduce      2(n-1) a + 2(n-1)/n B/b
+P -> S(i)          reduce_scatter  (n-1) a + (n-1)/n   B/b
+S(i) -> S(j)       all_to_all      (n-1) a + (n-1)/n^2 B/b
+P(x) -> P(y)       all_reduce      (reduce with x, then keep one addend locally)
+B -> S(i)          slice           0 (local)
+B -> P             zero            0 (all but one device zero their copy)
+S(i) -> P          pad             0 (each device zero-pads its block to the full tensor)
+=================  ==============  ===========================================
+
+A change on several axes is a sequence of one-axis steps; the bytes a step moves depend on the
+other axes' placements at that moment, so every order is tried and the cheapest kept.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from autopar.cost_model.hardware import Link
+from autopar.ir.placement import Broadcast, Partial, Placement, Split, local_shape
+
+if TYPE_CHECKING:
+    from autopar.mesh import Mesh
+
+KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "slice", "pad", "zero")
+LOCAL_KINDS = frozenset({"slice", "pad", "zero"})
+
+
+@dataclass(frozen=True)
+class Step:
+    """One collective (or local) step of a reshard, on one mesh axis."""
+
+    kind: str  # one of KINDS
+    axis: int  # mesh axis index
+    bytes: int  # the tensor as this axis's group sees it (local block w.r.t. the other axes)
+    time: float
+    reduce: str = "sum"  # for all_reduce / reduce_scatter: the partial's reduction
+
+
+def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
+    """Ring-algorithm time of one collective over ``n`` devices (0 for local steps or ``n == 1``)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective {kind!r}; expected one of {KINDS}")
+    if n <= 1 or kind in LOCAL_KINDS:
+        return 0.0
+    a, b = link.latency, link.bandwidth
+    if kind == "all_gather" or kind == "reduce_scatter":
+        return (n - 1) * a + (n - 1) / n * nbytes / b
+    if kind == "all_reduce":
+        return 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes / b
+    return (n - 1) * a + (n - 1) / (n * n) * nbytes / b  # all_to_all
+
+
+def axis_step(src: Placement, dst: Placement) -> str | None:
+    """The step that turns ``src`` into ``dst`` on one axis (None when they are equal)."""
+    if src == dst:
+        return None
+    if isinstance(src, Split):
+        if isinstance(dst, Broadcast):
+            return "all_gather"
+        if isinstance(dst, Split):
+            return "all_to_all"
+        if isinstance(dst, Partial):
+            return "pad"
+    elif isinstance(src, Partial):
+        if isinstance(dst, Broadcast):
+            return "all_reduce"
+        if isinstance(dst, Split):
+            return "reduce_scatter"
+        if isinstance(dst, Partial):
+            return "all_reduce"
+    elif isinstance(src, Broadcast):
+        if isinstance(dst, Split):
+            return "slice"
+        if isinstance(dst, Partial):
+            return "zero"
+    raise ValueError(f"no reshard step from {src!r} to {dst!r}")
+
+
+def _steps_in_order(shape, src, dst, mesh_shape, links, elem_bytes, order) -> tuple[list[Step], float]:
+    cur = list(src)
+    zeros = (0,) * len(mesh_shape)
+    steps: list[Step] = []
+    total = 0.0
+    for a in order:
+        kind = axis_step(cur[a], dst[a])
+        assert kind is not None
+        seen = list(cur)
+        seen[a] = Broadcast()
+        nbytes = math.prod(local_shape(shape, seen, mesh_shape, zeros)) * elem_bytes
+        t = collective_time(kind, nbytes, mesh_shape[a], links[a])
+        reduce = cur[a].reduce if isinstance(cur[a], Partial) else "sum"
+        steps.append(Step(kind, a, nbytes, t, reduce))
+        total += t
+        cur[a] = dst[a]
+    return steps, total
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _best_steps(shape, src, dst, mesh_shape, links, elem_bytes) -> tuple[tuple[Step, ...], float]:
+    changing = [a for a in range(len(mesh_shape)) if src[a] != dst[a]]
+    best: tuple[tuple[Step, ...], float] | None = None
+    # permutations of a sorted list come in lexicographic order: the first of equal cost wins
+    for order in itertools.permutations(changing):
+        steps, total = _steps_in_order(shape, src, dst, mesh_shape, links, elem_bytes, order)
+        if best is None or total < best[1]:
+            best = (tuple(steps), total)
+    return best if best is not None else ((), 0.0)
+
+
+def _key(shape, src, dst, mesh: "Mesh", elem_bytes):
+    src, dst = tuple(src), tuple(dst)
+    if len(src) != mesh.ndim or len(dst) != mesh.ndim:
+        raise ValueError(f"placements {src} -> {dst} do not have one entry per axis of {mesh!r}")
+    return tuple(shape), src, dst, mesh.shape, mesh.links, int(elem_bytes)
+
+
+def reshard_steps(
+    shape: Sequence[int], src: Sequence[Placement], dst: Sequence[Placement], mesh: "Mesh", elem_bytes: int
+) -> list[Step]:
+    """The cheapest order of one-axis steps from ``src`` to ``dst`` (ties: the lexicographically
+    first order of axes). Each step's ``bytes`` is the local block of the tensor under the placements
+    at that moment with the changing axis taken as ``B`` (the largest block, coordinates 0)."""
+    return list(_best_steps(*_key(shape, src, dst, mesh, elem_bytes))[0])
+
+
+def reshard_time(
+    shape: Sequence[int], src: Sequence[Placement], dst: Sequence[Placement], mesh: "Mesh", elem_bytes: int
+) -> float:
+    """Seconds to reshard (the sum of ``reshard_steps``' times); memoized."""
+    if tuple(src) == tuple(dst):
+        return 0.0
+    return _best_steps(*_key(shape, src, dst, mesh, elem_bytes))[1]
+
+
+def cache_info():
+    """The memo's hit/miss counts (``functools.lru_cache`` statistics)."""
+    return _best_steps.cache_info()
+
+
+def cache_clear() -> None:
+    _best_steps.cache_clear()
+
+
+__all__ = ["KINDS", "Step", "axis_step", "cache_clear", "cache_info", "collective_time", "reshard_steps", "reshard_time"]

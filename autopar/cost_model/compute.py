@@ -1,0 +1,184 @@
+"""Compute cost: a roofline per op, on the local shapes one device sees under a strategy.
+
+``flops_and_bytes`` counts an op's FLOPs and the bytes it moves through memory (inputs read once,
+outputs written once); ``compute_time`` turns them into seconds on a ``Hardware``. Views and other
+ops that launch no kernel cost nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from autopar.cost_model.hardware import Hardware
+from autopar.cost_model.precision import Precision, element_bytes
+from autopar.ir.rules.base import OpCall
+
+Shape = tuple[int, ...]
+
+#: Ops that launch no kernel (views, aliases, graph plumbing), by name without overload ...
+_FREE_KEYS = frozenset(
+    {
+        "aten.view", "aten._unsafe_view", "aten.reshape", "aten.t", "aten.permute", "aten.expand",
+        "aten.unsqueeze", "aten.squeeze", "aten.detach", "aten.alias", "aten.split",
+        "aten.split_with_sizes", "aten.lift_fresh_copy", "autopar.hint",
+    }
+)
+#: ... and by full name where only some overloads are views.
+_FREE_OPS = frozenset(
+    {
+        "aten.transpose.int", "aten.slice.Tensor", "aten.select.int", "aten.unbind.int",
+        "get_attr", "placeholder", "output",
+    }
+)
+
+_ATTN_FWD = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+_ATTN_BWD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
+#: flash attention's backward recomputes the scores: about 2.5x the forward's FLOPs
+FLASH_BACKWARD_FACTOR = 2.5
+
+
+def _op_key(op: str) -> str:
+    return op.rsplit(".", 1)[0] if op.count(".") >= 2 else op
+
+
+def is_free(op: str) -> bool:
+    """Whether ``op`` (``"aten.view.default"``) launches no kernel: views, aliases, placeholders."""
+    return op in _FREE_OPS or _op_key(op) in _FREE_KEYS
+
+
+def _numel(shape: Optional[Sequence[int]]) -> int:
+    return 0 if shape is None else math.prod(shape)
+
+
+def _float_dtype(call: OpCall) -> torch.dtype:
+    for spec in list(call.out_specs) + list(call.in_specs):
+        if spec is not None and spec.dtype.is_floating_point:
+            return spec.dtype
+    return torch.float32
+
+
+def _io_bytes(call: OpCall, in_shapes, out_shapes, precision: Precision) -> float:
+    total = 0
+    for spec, shape in zip(call.in_specs, in_shapes):
+        total += _numel(shape) * element_bytes(spec.dtype, "activation", precision)
+    for spec, shape in zip(call.out_specs, out_shapes):
+        if spec is not None and shape is not None:
+            total += _numel(shape) * element_bytes(spec.dtype, "activation", precision)
+    return float(total)
+
+
+def _attention_flops(q: Shape, k: Shape, v: Shape, causal: bool) -> float:
+    """QK^T and PV: 2 b h s t (d + e) (= 4 b h s t d when d == e); halved when causal."""
+    b, h, s, d = q
+    t, e = k[2], v[3]
+    f = 2.0 * b * h * s * t * (d + e)
+    return f / 2 if causal else f
+
+
+def _conv_flops(x: Shape, w: Shape, y: Shape, transposed: bool) -> float:
+    """2 n co ho wo (ci/groups) kh kw = 2 * (n * output positions) * numel(weight); transposed
+    convolutions run the same products over the input positions."""
+    positions = x[0] * math.prod(x[2:]) if transposed else y[0] * math.prod(y[2:])
+    return 2.0 * positions * math.prod(w)
+
+
+def _flops(call: OpCall, ins: Sequence[Shape], outs: Sequence[Optional[Shape]]) -> Optional[float]:
+    """FLOPs of the ops with a formula; None for the rest (1 FLOP per output element)."""
+    key = _op_key(call.op)
+    if key == "aten.mm":
+        (m, k), (_, n) = ins[0], ins[1]
+        return 2.0 * m * k * n
+    if key == "aten.addmm":  # (bias, a, b)
+        (m, k), (_, n) = ins[1], ins[2]
+        return 2.0 * m * k * n + m * n
+    if key == "aten.bmm":
+        (bt, m, k), (_, _, n) = ins[0], ins[1]
+        return 2.0 * bt * m * k * n
+    if key == "aten.baddbmm":  # (bias, a, b)
+        (bt, m, k), (_, _, n) = ins[1], ins[2]
+        return 2.0 * bt * m * k * n + bt * m * n
+    if call.op == _ATTN_FWD:
+        return _attention_flops(ins[0], ins[1], ins[2], bool(call.arg(4, "is_causal", False)))
+    if call.op == _ATTN_BWD:
+        fwd = _attention_flops(ins[1], ins[2], ins[3], bool(call.arg(7, "is_causal", False)))
+        return FLASH_BACKWARD_FACTOR * fwd
+    if call.op == "aten.convolution.default":
+        return _conv_flops(ins[0], ins[1], outs[0], bool(call.arg(6, "transposed", False)))
+    if call.op == "aten.convolution_backward.default":
+        # (grad_out, input, weight, ...): grad_input and grad_weight each cost the forward's
+        # products; grad_bias is a reduction over grad_out.
+        g, x, w = ins[0], ins[1], ins[2]
+        mask = call.arg(10, "output_mask", [True, True, True])
+        one = _conv_flops(x, w, g, bool(call.arg(7, "transposed", False)))
+        return one * (bool(mask[0]) + bool(mask[1])) + (_numel(g) if mask[2] else 0)
+    if key == "aten.embedding":
+        return 0.0
+    return None
+
+
+def flops_and_bytes(
+    call: OpCall, in_shapes: Sequence[Shape], out_shapes: Sequence[Optional[Shape]], precision: Precision
+) -> tuple[float, float]:
+    """Local FLOPs and bytes moved by ``call`` on blocks of ``in_shapes`` -> ``out_shapes``.
+
+    Bytes: every input read and every output written once, float tensors at the precision's
+    activation size, integer/bool tensors at their own. An embedding reads only the rows it
+    gathers (ids + output-sized rows + output), not the whole table. FLOPs: mm 2mkn, addmm
+    2mkn + mn, bmm/baddbmm likewise per batch, attention 2bhst(d+e) (halved when causal; its
+    backward 2.5x the forward), convolution 2 n co ho wo (ci/groups) kh kw (backward: the same per
+    requested grad_input/grad_weight), embedding 0, anything else 1 per output element.
+    """
+    ins = [tuple(s) for s in in_shapes]
+    outs = [None if s is None else tuple(s) for s in out_shapes]
+    if is_free(call.op):
+        return 0.0, 0.0
+    flops = _flops(call, ins, outs)
+    if flops is None:
+        flops = float(sum(_numel(s) for s in outs))
+    if _op_key(call.op) == "aten.embedding":  # (weight, ids): read ids and gathered rows, write out
+        out_b = _numel(outs[0]) * element_bytes(call.out_specs[0].dtype, "activation", precision)
+        ids_b = _numel(ins[1]) * element_bytes(call.in_specs[1].dtype, "activation", precision)
+        return 0.0, float(ids_b + 2 * out_b)
+    return float(flops), _io_bytes(call, ins, outs, precision)
+
+
+def _score_bytes(call: OpCall, ins: Sequence[Shape], precision: Precision) -> float:
+    """Attention without flash: the b h s t score matrix is written and read (twice in backward)."""
+    q_at = 1 if call.op == _ATTN_BWD else 0
+    q, k = ins[q_at], ins[q_at + 1]
+    scores = q[0] * q[1] * q[2] * k[2]
+    eb = element_bytes(call.in_specs[q_at].dtype, "activation", precision)
+    return float(scores * eb * (4 if call.op == _ATTN_BWD else 2))
+
+
+def compute_time(
+    call: OpCall,
+    in_shapes: Sequence[Shape],
+    out_shapes: Sequence[Optional[Shape]],
+    hw: Hardware,
+    precision: Precision,
+) -> float:
+    """Seconds for one op on one device: 0 for ``is_free`` ops, else the roofline
+
+        max(flops / (peak[dtype] * matmul_efficiency), bytes / (hbm_bandwidth * memory_efficiency))
+        + launch_floor
+
+    with dtype = ``precision.compute_dtype`` or the op's own (first float) dtype. Non-matmul ops
+    use the same FLOP term; pointwise ops are memory-bound anyway. On hardware without flash
+    attention the fused attention ops also move their score matrix through memory.
+    """
+    if is_free(call.op):
+        return 0.0
+    flops, nbytes = flops_and_bytes(call, in_shapes, out_shapes, precision)
+    if call.op in (_ATTN_FWD, _ATTN_BWD) and not hw.flash_attention:
+        nbytes += _score_bytes(call, [tuple(s) for s in in_shapes], precision)
+    dtype = precision.compute_dtype or str(_float_dtype(call)).replace("torch.", "")
+    t_flops = flops / (hw.flops(dtype) * hw.matmul_efficiency)
+    t_bytes = nbytes / (hw.hbm_bandwidth * hw.memory_efficiency)
+    return max(t_flops, t_bytes) + hw.launch_floor
+
+
+__all__ = ["compute_time", "flops_and_bytes", "is_free"]

@@ -1,0 +1,279 @@
+"""Hardware models: per-device compute, memory and link figures that the cost model prices against.
+
+A ``Hardware`` is plain data (JSON round-trips exactly), so a plan can record what it was priced on.
+Presets hold datasheet figures; ``autopar.cost_model.calibrate`` measures this machine and writes a
+profile that ``get_hardware(..., profile=path)`` loads. Planning itself never measures.
+
+Bandwidths are ONE-WAY per device (the ring formulas' beta): half a datasheet's bidirectional
+NVLink figure. Peak FLOP/s are dense (no 2:4 sparsity) figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+#: Extra keys a profile file may carry besides the Hardware fields.
+PROFILE_META = ("autopar_profile", "base")
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Link:
+    """The link model of one mesh axis: alpha (seconds per collective step) and beta (bytes/s)."""
+
+    latency: float  # seconds per collective step (alpha)
+    bandwidth: float  # bytes/s, one-way per device (beta)
+
+    def __post_init__(self) -> None:
+        for field in ("latency", "bandwidth"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
+                raise ValueError(f"Link {field} must be a positive finite number, got {v!r}")
+
+    def to_dict(self) -> dict:
+        return {"latency": float(self.latency), "bandwidth": float(self.bandwidth)}
+
+    @staticmethod
+    def from_dict(d: Any) -> "Link":
+        """From ``{"latency":..., "bandwidth":...}``, a ``(latency, bandwidth)`` pair or a Link."""
+        if isinstance(d, Link):
+            return d
+        if isinstance(d, dict):
+            extra = set(d) - {"latency", "bandwidth"}
+            if extra or len(d) != 2:
+                raise ValueError(f"a link needs exactly the keys 'latency' and 'bandwidth', got {sorted(d)}")
+            return Link(float(d["latency"]), float(d["bandwidth"]))
+        if isinstance(d, (tuple, list)) and len(d) == 2:
+            return Link(float(d[0]), float(d[1]))
+        raise ValueError(f"cannot read a link from {d!r}: give Link(latency, bandwidth) or (latency, bandwidth)")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device kind: what the roofline, the collectives and the memory budget are priced with."""
+
+    name: str
+    peak_flops: dict[str, float]  # dtype name ("bfloat16", "float16", "float32", "float64") -> dense FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    memory: int  # bytes per device
+    intra_node: Link  # NVLink (GPU presets) / gloo between local processes (cpu)
+    inter_node: Link  # InfiniBand per GPU (GPU presets)
+    devices_per_node: int
+    matmul_efficiency: float  # fraction of peak large matmuls reach
+    memory_efficiency: float  # fraction of hbm_bandwidth memory-bound ops reach
+    launch_floor: float  # seconds per kernel
+    flash_attention: bool  # price fused attention as flash attention (no materialised scores)
+    default_precision: str  # "bf16-mixed" on GPU presets, "fp32" on cpu
+
+    def __hash__(self) -> int:  # peak_flops is a dict: hash the JSON form instead
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
+
+    def flops(self, dtype: str) -> float:
+        """Peak FLOP/s for a dtype name (``"float32"``); dtypes without a figure use float32's."""
+        dtype = dtype.replace("torch.", "")
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        return self.peak_flops.get("float32") or min(self.peak_flops.values())
+
+    def to_dict(self) -> dict:
+        """JSON-able; ``Hardware.from_dict(hw.to_dict()) == hw``."""
+        return {
+            "name": self.name,
+            "peak_flops": {k: float(v) for k, v in self.peak_flops.items()},
+            "hbm_bandwidth": float(self.hbm_bandwidth),
+            "memory": int(self.memory),
+            "intra_node": self.intra_node.to_dict(),
+            "inter_node": self.inter_node.to_dict(),
+            "devices_per_node": int(self.devices_per_node),
+            "matmul_efficiency": float(self.matmul_efficiency),
+            "memory_efficiency": float(self.memory_efficiency),
+            "launch_floor": float(self.launch_floor),
+            "flash_attention": bool(self.flash_attention),
+            "default_precision": self.default_precision,
+        }
+
+    @staticmethod
+    def from_dict(d: dict) -> "Hardware":
+        names = [f.name for f in dataclasses.fields(Hardware)]
+        missing = [n for n in names if n not in d]
+        unknown = [k for k in d if k not in names]
+        if missing or unknown:
+            raise ValueError(
+                "hardware description: "
+                + (f"missing fields {missing}" if missing else "")
+                + ("; " if missing and unknown else "")
+                + (f"unknown fields {unknown}" if unknown else "")
+                + f" (fields are {names})"
+            )
+        hw = Hardware(
+            name=str(d["name"]),
+            peak_flops={str(k): float(v) for k, v in d["peak_flops"].items()},
+            hbm_bandwidth=float(d["hbm_bandwidth"]),
+            memory=int(d["memory"]),
+            intra_node=Link.from_dict(d["intra_node"]),
+            inter_node=Link.from_dict(d["inter_node"]),
+            devices_per_node=int(d["devices_per_node"]),
+            matmul_efficiency=float(d["matmul_efficiency"]),
+            memory_efficiency=float(d["memory_efficiency"]),
+            launch_floor=float(d["launch_floor"]),
+            flash_attention=bool(d["flash_attention"]),
+            default_precision=str(d["default_precision"]),
+        )
+        hw.validate()
+        return hw
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first figure that cannot be right."""
+        if not self.peak_flops or any(not v > 0 for v in self.peak_flops.values()):
+            raise ValueError(f"{self.name}: peak_flops must be a non-empty dtype -> positive FLOP/s map")
+        for f in ("hbm_bandwidth", "memory", "devices_per_node", "matmul_efficiency", "memory_efficiency"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"{self.name}: {f} must be positive, got {getattr(self, f)!r}")
+        if self.launch_floor < 0:
+            raise ValueError(f"{self.name}: launch_floor must be >= 0, got {self.launch_floor!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets (datasheet figures)
+
+# H100 SXM5: 989 TFLOP/s dense bf16/fp16 on tensor cores. fp32 is 67 TFLOP/s, the non-tensor-core
+# figure: torch leaves TF32 matmuls off by default (allow_tf32=False), so fp32 matmuls do not reach
+# the 494 TFLOP/s TF32 figure. fp64 67 TFLOP/s (fp64 tensor core). HBM3 3.35 TB/s, 80 GB. NVLink 4:
+# 900 GB/s bidirectional -> 450 GB/s one way. One 400 Gb/s InfiniBand NIC per GPU -> 50 GB/s.
+_NVLINK4 = Link(latency=4e-6, bandwidth=450e9)
+_IB_NDR = Link(latency=10e-6, bandwidth=50e9)
+_H100_FLOPS = {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float64": 67e12}
+
+PRESETS: dict[str, Hardware] = {
+    "h100": Hardware(
+        name="h100",
+        peak_flops=dict(_H100_FLOPS),
+        hbm_bandwidth=3.35e12,
+        memory=80_000_000_000,
+        intra_node=_NVLINK4,
+        inter_node=_IB_NDR,
+        devices_per_node=8,
+        matmul_efficiency=0.7,
+        memory_efficiency=0.8,
+        launch_floor=5e-6,
+        flash_attention=True,
+        default_precision="bf16-mixed",
+    ),
+    # H200 SXM: the H100's compute and NVLink; 141 GB of HBM3e at 4.8 TB/s.
+    "h200": Hardware(
+        name="h200",
+        peak_flops=dict(_H100_FLOPS),
+        hbm_bandwidth=4.8e12,
+        memory=141_000_000_000,
+        intra_node=_NVLINK4,
+        inter_node=_IB_NDR,
+        devices_per_node=8,
+        matmul_efficiency=0.7,
+        memory_efficiency=0.8,
+        launch_floor=5e-6,
+        flash_attention=True,
+        default_precision="bf16-mixed",
+    ),
+    # A100 80GB SXM: 312 TFLOP/s dense bf16/fp16; fp32 19.5 (non-tensor-core, as for the H100);
+    # fp64 19.5 (tensor core). HBM2e 2039 GB/s. NVLink 3: 600 GB/s bidirectional -> 300 GB/s one
+    # way. One 200 Gb/s HDR InfiniBand NIC per GPU -> 25 GB/s.
+    "a100": Hardware(
+        name="a100",
+        peak_flops={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12, "float64": 19.5e12},
+        hbm_bandwidth=2.039e12,
+        memory=80_000_000_000,
+        intra_node=Link(latency=5e-6, bandwidth=300e9),
+        inter_node=Link(latency=10e-6, bandwidth=25e9),
+        devices_per_node=8,
+        matmul_efficiency=0.7,
+        memory_efficiency=0.8,
+        launch_floor=5e-6,
+        flash_attention=True,
+        default_precision="bf16-mixed",
+    ),
+    # A modest guess for local CPU processes talking over gloo (run `calibrate` for real figures):
+    # one process at ~50 GFLOP/s fp32, ~10 GB/s memory bandwidth, gloo over loopback TCP at ~50 us
+    # per step and ~2 GB/s. devices_per_node is large so every mesh axis counts as "intra".
+    "cpu": Hardware(
+        name="cpu",
+        peak_flops={"bfloat16": 25e9, "float16": 25e9, "float32": 50e9, "float64": 25e9},
+        hbm_bandwidth=10e9,
+        memory=8_000_000_000,
+        intra_node=Link(latency=50e-6, bandwidth=2e9),
+        inter_node=Link(latency=50e-6, bandwidth=2e9),
+        devices_per_node=64,
+        matmul_efficiency=0.7,
+        memory_efficiency=0.8,
+        launch_floor=10e-6,
+        flash_attention=False,
+        default_precision="fp32",
+    ),
+}
+
+
+def _preset(device: str) -> Hardware:
+    key = str(device).lower()
+    if key not in PRESETS:
+        raise ValueError(f"unknown device {device!r}: known presets are {sorted(PRESETS)} (or pass a calibrated profile)")
+    return PRESETS[key]
+
+
+def _merge(base: Hardware, fields: dict) -> Hardware:
+    """``base`` with the fields in ``fields`` replaced (links and peak_flops merged key by key)."""
+    d = base.to_dict()
+    for k, v in fields.items():
+        if k in ("peak_flops", "intra_node", "inter_node") and isinstance(v, dict) and isinstance(d.get(k), dict):
+            d[k] = {**d[k], **v}
+        else:
+            d[k] = v
+    return Hardware.from_dict(d)
+
+
+def save_profile(hw: Hardware, path: str | os.PathLike, base: Optional[str] = None) -> None:
+    """Write ``hw`` as a profile JSON file (every field, so it loads without a preset)."""
+    doc: dict[str, Any] = {"autopar_profile": PROFILE_VERSION}
+    if base is not None:
+        doc["base"] = base
+    doc.update(hw.to_dict())
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+def _read_profile(path: str | os.PathLike) -> dict:
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"hardware profile {str(path)!r} does not exist (write one with autopar's calibrate)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"hardware profile {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"hardware profile {str(path)!r} must hold a JSON object")
+    return d
+
+
+def load_profile(path: str | os.PathLike) -> Hardware:
+    """Read a profile written by ``save_profile``; a partial one is completed from its ``base`` preset."""
+    d = _read_profile(path)
+    base = d.get("base")
+    fields = {k: v for k, v in d.items() if k not in PROFILE_META}
+    if base is not None:
+        return _merge(_preset(base), fields)
+    return Hardware.from_dict(fields)
+
+
+def get_hardware(device: str = "h100", profile: str | os.PathLike | None = None) -> Hardware:
+    """The preset for ``device``; with ``profile``, the fields that profile file gives override it."""
+    hw = _preset(device)
+    if profile is None:
+        return hw
+    fields = {k: v for k, v in _read_profile(profile).items() if k not in PROFILE_META}
+    return _merge(hw, fields)
+
+
+__all__ = ["Hardware", "Link", "PRESETS", "get_hardware", "load_profile", "save_profile"]

@@ -1,0 +1,228 @@
+"""Mesh: named device axes, the hardware they run on, and a link model per axis.
+
+Ranks are laid out row-major (the last axis varies fastest, as in torch's DeviceMesh), so the
+innermost axes are the ones that stay within a node. By default an axis gets the hardware's
+``intra_node`` link (NVLink) when its devices, together with every inner axis's, fit in one node,
+and ``inter_node`` (InfiniBand) otherwise: ``Mesh({"dp": 8, "tp": 8})`` on h100 puts tp on NVLink
+and dp on InfiniBand. ``links=`` overrides any axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import operator
+import os
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from autopar.cost_model.hardware import Hardware, Link, get_hardware
+from autopar.errors import AutoparError
+
+
+class MeshError(AutoparError, ValueError):
+    """A mesh description that cannot be used (bad axes, device, links)."""
+
+
+LinkLike = Union[Link, tuple, list, dict]
+
+
+class Mesh:
+    """Named axes (``{"dp": 2, "tp": 4}``), the device kind and one ``Link`` per axis.
+
+    ``axes`` may also be a torch ``DeviceMesh`` (names from ``mesh_dim_names``, else ``dim0``, ...)
+    or a sequence of sizes (named ``dim0``, ...). ``device`` is a preset name (``h100``, ``h200``,
+    ``a100``, ``cpu``) or a ready ``Hardware``; ``profile`` a calibrated profile file overriding the
+    preset's figures; ``memory`` overrides the per-device memory budget in bytes.
+    """
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    device: str
+    hardware: Hardware
+    links: tuple[Link, ...]
+
+    def __init__(
+        self,
+        axes: Union[Mapping[str, int], Any, Sequence[int]],
+        device: str = "h100",
+        profile: Optional[Union[str, os.PathLike]] = None,
+        links: Optional[Mapping[str, LinkLike]] = None,
+        memory: Optional[int] = None,
+    ) -> None:
+        names, shape = _read_axes(axes)
+        if isinstance(device, Hardware):  # a ready Hardware object (e.g. from a plan file)
+            hw, device_name = device, device.name
+        else:
+            try:
+                hw = get_hardware(device, profile)
+            except ValueError as e:
+                raise MeshError(f"Mesh: {e}") from None
+            device_name = str(device).lower()
+        if memory is not None:
+            if isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0:
+                raise MeshError(f"Mesh: memory must be a positive number of bytes per device, got {memory!r}")
+            hw = dataclasses.replace(hw, memory=int(memory))
+        self._setup(names, shape, device_name, hw, _resolve_links(names, shape, hw, links))
+
+    def _setup(self, names, shape, device, hw, links) -> None:
+        self.names, self.shape, self.device, self.hardware = tuple(names), tuple(shape), device, hw
+        self.links = tuple(links)
+        self._dict: Optional[dict] = None
+        self._fp: Optional[str] = None
+
+    # -- geometry ---------------------------------------------------------------------------
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def axis(self, name_or_index: Union[str, int]) -> int:
+        """The index of an axis given by name or by (possibly negative) index."""
+        if isinstance(name_or_index, str):
+            if name_or_index not in self.names:
+                raise MeshError(f"the mesh has no axis {name_or_index!r}; its axes are {list(self.names)}")
+            return self.names.index(name_or_index)
+        if isinstance(name_or_index, bool) or not isinstance(name_or_index, int):
+            raise MeshError(f"a mesh axis is a name or an int index, got {name_or_index!r}")
+        if not -self.ndim <= name_or_index < self.ndim:
+            raise MeshError(f"axis index {name_or_index} is out of range for a mesh with {self.ndim} axes {list(self.names)}")
+        return name_or_index % self.ndim
+
+    def axis_size(self, name_or_index: Union[str, int]) -> int:
+        return self.shape[self.axis(name_or_index)]
+
+    def link(self, name_or_index: Union[str, int]) -> Link:
+        return self.links[self.axis(name_or_index)]
+
+    @property
+    def axes(self) -> dict[str, int]:
+        return dict(zip(self.names, self.shape))
+
+    # -- serialisation ----------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        """JSON-able; ``Mesh.from_dict(m.to_dict()) == m`` (hardware figures and links included)."""
+        if self._dict is None:
+            self._dict = {
+                "axes": dict(zip(self.names, self.shape)),
+                "device": self.device,
+                "hardware": self.hardware.to_dict(),
+                "links": {n: link.to_dict() for n, link in zip(self.names, self.links)},
+            }
+        return json.loads(json.dumps(self._dict))  # a copy the caller may change
+
+    @staticmethod
+    def from_dict(d: Mapping) -> "Mesh":
+        try:
+            names, shape = _read_axes(d["axes"])
+            hw = Hardware.from_dict(d["hardware"])
+            links = _resolve_links(names, shape, hw, d.get("links"))
+            device = str(d["device"])
+        except KeyError as e:
+            raise MeshError(f"mesh description lacks the key {e.args[0]!r} (expected axes, device, hardware, links)") from None
+        except ValueError as e:
+            if isinstance(e, MeshError):
+                raise
+            raise MeshError(f"mesh description: {e}") from None
+        m = Mesh.__new__(Mesh)
+        m._setup(names, shape, device, hw, links)
+        return m
+
+    def fingerprint(self) -> str:
+        """sha256 hex digest of the canonical JSON of ``to_dict()`` (keys sorted, axis order kept)."""
+        if self._fp is None:
+            d = self.to_dict()  # axis order matters: lists of pairs, since sort_keys would lose it
+            d["axes"], d["links"] = list(map(list, d["axes"].items())), list(map(list, d["links"].items()))
+            text = json.dumps(d, sort_keys=True, separators=(",", ":"))
+            self._fp = hashlib.sha256(text.encode()).hexdigest()
+        return self._fp
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Mesh):
+            return NotImplemented
+        return self is other or self.fingerprint() == other.fingerprint()
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint())
+
+    def __repr__(self) -> str:
+        return f"Mesh({dict(zip(self.names, self.shape))!r}, device={self.device!r})"
+
+    def describe(self) -> str:
+        """One line per axis: size and link figures."""
+        lines = [repr(self)]
+        for n, s, link in zip(self.names, self.shape, self.links):
+            lines.append(f"  {n}: {s} devices, {link.latency * 1e6:.1f} us/step, {link.bandwidth / 1e9:.1f} GB/s one-way")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _read_axes(axes: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Names and sizes from a dict, a torch DeviceMesh or a sequence of sizes; checked."""
+    if isinstance(axes, Mesh):
+        return axes.names, axes.shape
+    if isinstance(axes, Mapping):
+        names, sizes = list(axes.keys()), list(axes.values())
+    elif hasattr(axes, "mesh_dim_names") and hasattr(axes, "shape"):  # torch DeviceMesh
+        sizes = list(axes.shape)
+        names = list(axes.mesh_dim_names) if axes.mesh_dim_names else [f"dim{i}" for i in range(len(sizes))]
+    elif isinstance(axes, (list, tuple)):
+        sizes = list(axes)
+        names = [f"dim{i}" for i in range(len(sizes))]
+    else:
+        raise MeshError(
+            f"Mesh axes must be a dict of name -> size, a torch DeviceMesh or a list of sizes, got {type(axes).__name__}"
+        )
+    if not sizes:
+        raise MeshError("Mesh needs at least one axis, e.g. Mesh({'dp': 8})")
+    for n in names:
+        if not isinstance(n, str) or not n.isidentifier():
+            raise MeshError(f"mesh axis name {n!r} is not a Python identifier; use names like 'dp', 'tp'")
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise MeshError(f"mesh axis names must be distinct; {dup} appear more than once")
+    for n, s in zip(names, sizes):
+        try:
+            ok = not isinstance(s, bool) and operator.index(s) >= 1  # ints, numpy ints; not floats
+        except TypeError:
+            ok = False
+        if not ok:
+            raise MeshError(f"mesh axis {n!r} has size {s!r}; sizes are positive integers (use 1 for an unused axis)")
+    return tuple(names), tuple(operator.index(s) for s in sizes)
+
+
+def default_links(shape: Sequence[int], hw: Hardware) -> list[Link]:
+    """Innermost axes first: intra_node while the axis and all inner ones fit in one node."""
+    out: list[Link] = [hw.intra_node] * len(shape)
+    span = 1
+    for a in range(len(shape) - 1, -1, -1):
+        span *= shape[a]
+        out[a] = hw.intra_node if span <= hw.devices_per_node else hw.inter_node
+    return out
+
+
+def _resolve_links(names, shape, hw: Hardware, links: Optional[Mapping[str, LinkLike]]) -> list[Link]:
+    out = default_links(shape, hw)
+    if links is None:
+        return out
+    if not isinstance(links, Mapping):
+        raise MeshError("links must be a dict of axis name -> Link(latency, bandwidth) or (latency, bandwidth)")
+    for name, value in links.items():
+        if name not in names:
+            raise MeshError(f"links names axis {name!r}, but the mesh's axes are {list(names)}")
+        try:
+            out[list(names).index(name)] = Link.from_dict(value)
+        except (ValueError, TypeError) as e:
+            raise MeshError(f"link of axis {name!r}: {e} (latency in seconds, bandwidth in bytes/s, both > 0)") from None
+    return out
+
+
+__all__ = ["Mesh", "MeshError", "default_links"]

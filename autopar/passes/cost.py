@@ -1,0 +1,176 @@
+"""Cost: price every strategy of every node and every resharding between them, as a ``Problem``.
+
+Reads the graph, its folding, the candidate strategies and the hints; writes a ``Problem``
+(``autopar/passes/problem.py``). Folded layers are priced once and carry their multiplicity.
+Memory per device: each parameter's stored weights, gradient and optimizer state under its
+placement, and every forward activation that the backward reads (live at the peak, between
+forward and backward), in the precision's bytes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional
+
+from autopar.cost_model.comm import reshard_time
+from autopar.cost_model.compute import compute_time
+from autopar.cost_model.memory import activation_bytes, param_state_bytes
+from autopar.cost_model.precision import Precision, element_bytes
+from autopar.ir.graph import Graph, Phase, Ref, Role
+from autopar.ir.placement import B, Placements, local_shape
+from autopar.ir.rules import op_call
+from autopar.mesh import Mesh
+from autopar.passes.fold import Folding
+from autopar.passes.problem import MEMORY_KINDS, Group, PEdge, PNode, Problem
+from autopar.passes.strategies import Constraint, HintError, input_placement, output_placement
+
+
+def _local_shapes(specs, placements_per_tensor, mesh: Mesh):
+    zero = (0,) * mesh.ndim
+    return [None if s is None else local_shape(s.shape, p, mesh.shape, zero) for s, p in zip(specs, placements_per_tensor)]
+
+
+def build_problem(
+    graph: Graph,
+    mesh: Mesh,
+    folding: Folding,
+    strategies: dict[str, list],
+    precision: Precision,
+    memory_budget: float,
+    constraints: Optional[list[Constraint]] = None,
+) -> Problem:
+    """The problem over the representative nodes of ``folding`` (every node when nothing folds)."""
+    hw = mesh.hardware
+    users_backward: set[Ref] = set()
+    for n in graph.nodes:
+        if n.phase == Phase.BACKWARD:
+            users_backward.update(r for r in n.inputs if graph.node(r.node).phase == Phase.FORWARD)
+    param_node = {name: fqn for fqn, name in graph.params.items()}
+
+    groups = [Group("<outside layers>", 1)] + [Group(g.prefix, g.count) for g in folding.groups]
+    nodes: list[PNode] = []
+    index: dict[str, int] = {}
+    for n in graph.nodes:
+        rep = folding.representative(n.name)
+        if rep != n.name:
+            continue
+        strats = strategies[n.name]
+        loc = folding.where.get(n.name)
+        group = 0 if loc is None else loc[0] + 1
+        pn = PNode(n.name, strats, folding.multiplicity(n.name), group, [], [], {k: [] for k in MEMORY_KINDS})
+        in_specs = [graph.spec(r) for r in n.inputs]
+        call = None if n.is_placeholder else op_call(graph, n)
+        for s in strats:
+            mem = dict.fromkeys(MEMORY_KINDS, 0.0)
+            if n.is_placeholder:
+                pn.compute.append(0.0)
+                place = output_placement(s, 0)
+                if n.name in param_node:
+                    state = param_state_bytes(n.out.shape, place, mesh, precision)
+                    for k in ("params", "grads", "optimizer"):
+                        mem[k] = float(state[k]) if graph.training or k == "params" else 0.0
+                elif n.outputs[0] is not None and n.roles[0] != Role.TANGENT:
+                    kind = "params" if n.roles[0] == Role.BUFFER else "activations"
+                    mem[kind] = float(activation_bytes(n.out.shape, n.out.dtype, place, mesh, precision))
+            else:
+                ins = _local_shapes(in_specs, [input_placement(s, i) for i in range(len(in_specs))], mesh)
+                outs = _local_shapes(n.outputs, [output_placement(s, j) if n.outputs[j] is not None else None
+                                                 for j in range(len(n.outputs))], mesh)
+                pn.compute.append(compute_time(call, ins, outs, hw, precision))
+                for j, spec in enumerate(n.outputs):
+                    if spec is not None and Ref(n.name, j) in users_backward:
+                        mem["activations"] += activation_bytes(spec.shape, spec.dtype, output_placement(s, j), mesh, precision)
+            pn.comm.append(0.0)
+            for k in MEMORY_KINDS:
+                pn.memory[k].append(mem[k])
+        index[n.name] = len(nodes)
+        nodes.append(pn)
+
+    _apply_constraints(graph, nodes, index, folding, constraints or [])
+    edges = _edges(graph, mesh, folding, nodes, index, precision)
+    _loss_sink(graph, mesh, folding, nodes, index, precision)
+    return Problem(nodes, edges, groups, memory_budget)
+
+
+def _apply_constraints(graph, nodes, index, folding, constraints: list[Constraint]) -> None:
+    for c in constraints:
+        name = folding.representative(c.ref.node)
+        pn = nodes[index[name]]
+        ok = [i for i, s in enumerate(pn.strategies) if output_placement(s, c.ref.index) == c.placements]
+        if pn.allowed is not None:
+            ok = [i for i in ok if i in pn.allowed]
+        if not ok:
+            node = graph.node(c.ref.node)
+            raise HintError(
+                f"{c.source}: no strategy of {node.where()} produces {', '.join(map(str, c.placements))}; "
+                "the op's sharding rule does not allow that placement (or another hint excludes it)"
+            )
+        pn.allowed = ok
+
+
+def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) -> list[PEdge]:
+    """Aggregate every (producer output -> consumer input) of the graph onto representatives."""
+    count: dict[tuple, int] = defaultdict(int)
+    kinds: dict[tuple, tuple[str, Ref]] = {}
+    params = _param_views(graph)
+    for n in graph.nodes:
+        for slot, r in enumerate(n.inputs):
+            key = (folding.representative(r.node), r.index, folding.representative(n.name), slot)
+            count[key] += 1
+            kinds[key] = ("param" if r.node in params else "activation", r)
+    for fqn, g in graph.grads.items():
+        key = (folding.representative(g.node), g.index, folding.representative(graph.params[fqn]), -1)
+        count[key] += 1
+        kinds[key] = ("grad", g)
+    for fqn, m in getattr(graph, "mutations", {}).items():
+        key = (folding.representative(m.node), m.index, folding.representative(graph.buffers[fqn]), -1)
+        count[key] += 1
+        kinds[key] = ("activation", m)
+    edges = []
+    for key in sorted(count, key=lambda k: (index[k[0]], k[1], index[k[2]], k[3])):
+        src_name, out, dst_name, slot = key
+        kind, ref = kinds[key]
+        src, dst = index[src_name], index[dst_name]
+        spec = graph.spec(ref)
+        role = {"param": "gather", "grad": "grad"}.get(kind, "activation")
+        eb = element_bytes(spec.dtype, role, precision)
+        src_p = [output_placement(s, out) for s in nodes[src].strategies]
+        dst_p = [output_placement(s, 0) if slot == -1 else input_placement(s, slot) for s in nodes[dst].strategies]
+        places_out = sorted(set(src_p), key=src_p.index)
+        places_in = sorted(set(dst_p), key=dst_p.index)
+        cost = [[reshard_time(spec.shape, p, q, mesh, eb) for q in places_in] for p in places_out]
+        group = nodes[dst].group if kind == "grad" else nodes[src].group if kind == "param" else nodes[dst].group
+        e = PEdge(src, out, dst, slot, [places_out.index(p) for p in src_p], [places_in.index(q) for q in dst_p],
+                  places_out, places_in, cost, count[key], kind, group, ref, eb)
+        if src == dst:  # a layer feeding the same position of the next instance: a per-strategy cost
+            pn = nodes[src]
+            for s in range(len(pn.strategies)):
+                pn.comm[s] += e.cost[e.src_place[s]][e.dst_place[s]] * e.mult / pn.mult
+            continue
+        edges.append(e)
+    return edges
+
+
+def _param_views(graph: Graph) -> set[str]:
+    """Parameters and layout views of them (``t``, ``view``, casts): resharding one of these is a
+    parameter gather, which may run ahead under the previous compute, wherever along the chain of
+    views it happens."""
+    from autopar.passes.merge import FOLLOWERS
+
+    out = set(graph.params.values())
+    for n in graph.nodes:
+        if n.op in FOLLOWERS and len(n.inputs) == 1 and n.inputs[0].node in out:
+            out.add(n.name)
+    return out
+
+
+def _loss_sink(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) -> None:
+    """The loss is handed to the user replicated: its reduction is part of the step."""
+    if graph.loss is None:
+        return
+    pn = nodes[index[folding.representative(graph.loss.node)]]
+    spec = graph.spec(graph.loss)
+    eb = element_bytes(spec.dtype, "activation", precision)
+    target: Placements = tuple(B for _ in mesh.shape)
+    for s, strat in enumerate(pn.strategies):
+        pn.comm[s] += reshard_time(spec.shape, output_placement(strat, graph.loss.index), target, mesh, eb)

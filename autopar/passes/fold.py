@@ -1,0 +1,119 @@
+"""Fold: find the repeated layers of a graph so later passes work on one layer only.
+
+Layers are recognised by module paths of the form ``<prefix>.<i>`` (``layers.3``, ``blocks.0``,
+``model.layers.7``), forward and backward nodes alike, parameters by their FQN. Instances fold when
+their node sequences are identical (op, shapes, dtypes, non-tensor arguments, module path relative
+to the layer, and the producers of their inputs relative to the layer): every instance then has
+the same strategies and costs, and the plan gives every instance the same strategy.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Optional
+
+from torch.fx.node import map_aggregate
+
+from autopar.ir.graph import Graph, Node, Ref
+
+@dataclass
+class LayerGroup:
+    """``instances[i]`` lists the node names of layer ``i`` in graph order; all have one shape."""
+
+    prefix: str
+    indices: list[int]
+    instances: list[list[str]]
+
+    @property
+    def count(self) -> int:
+        return len(self.instances)
+
+
+@dataclass
+class Folding:
+    groups: list[LayerGroup] = field(default_factory=list)
+    #: node name -> (group index, instance index, position in the instance)
+    where: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+
+    def representative(self, name: str) -> str:
+        """The node of instance 0 that ``name`` stands for (itself when not in a layer)."""
+        loc = self.where.get(name)
+        if loc is None:
+            return name
+        g, _, pos = loc
+        return self.groups[g].instances[0][pos]
+
+    def multiplicity(self, name: str) -> int:
+        loc = self.where.get(name)
+        return 1 if loc is None else self.groups[loc[0]].count
+
+
+def _layer_of(path: str) -> Optional[tuple[str, int]]:
+    """``"model.layers.3.attn"`` -> ``("model.layers", 3)``: the first numbered module on the path."""
+    parts = path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i]), int(p)
+    return None
+
+
+def _node_layer(graph: Graph, node: Node, param_of: dict[str, str]) -> Optional[tuple[str, int]]:
+    if node.is_placeholder:
+        fqn = param_of.get(node.name)
+        return _layer_of(fqn) if fqn else None
+    return _layer_of(node.module_path) if node.module_path else None
+
+
+def _signature(node: Node, prefix: str, index: int, members: dict[str, int]) -> tuple:
+    """What must agree between instances for them to fold."""
+    here = f"{prefix}.{index}" if prefix else str(index)
+
+    def rel(path: str) -> str:
+        return path[len(here):] if path.startswith(here) else "<outside>:" + path
+
+    def ref_key(r: Ref):
+        pos = members.get(r.node)
+        return ("in", pos, r.index) if pos is not None else ("out", r.index)
+
+    args = map_aggregate(node.args, lambda a: ref_key(a) if isinstance(a, Ref) else a)
+    kwargs = map_aggregate(node.kwargs, lambda a: ref_key(a) if isinstance(a, Ref) else a)
+    outer = tuple(ref_key(r) for r in node.inputs if r.node not in members)
+    return (node.op, tuple(node.outputs), repr(args), repr(kwargs), rel(node.module_path), node.phase, len(outer))
+
+
+def fold(graph: Graph) -> Folding:
+    """Group the graph's layer instances; a group whose instances differ is left unfolded."""
+    param_of = {name: fqn for fqn, name in list(graph.params.items()) + list(graph.buffers.items())}
+    by_layer: dict[tuple[str, int], list[str]] = defaultdict(list)
+    for node in graph.nodes:
+        key = _node_layer(graph, node, param_of)
+        if key is not None:
+            by_layer[key].append(node.name)
+    prefixes: dict[str, list[int]] = defaultdict(list)
+    for prefix, idx in by_layer:
+        prefixes[prefix].append(idx)
+    folding = Folding()
+    for prefix in sorted(prefixes):
+        indices = sorted(prefixes[prefix])
+        if len(indices) < 2:
+            continue
+        instances = [by_layer[(prefix, i)] for i in indices]
+        if len({len(x) for x in instances}) != 1:
+            continue
+        sigs = []
+        for i, names in zip(indices, instances):
+            members = {n: k for k, n in enumerate(names)}
+            sigs.append([_signature(graph.node(n), prefix, i, members) for n in names])
+        if any(s != sigs[0] for s in sigs[1:]):
+            continue
+        g = len(folding.groups)
+        folding.groups.append(LayerGroup(prefix, indices, instances))
+        for inst, names in enumerate(instances):
+            for pos, n in enumerate(names):
+                folding.where[n] = (g, inst, pos)
+    return folding
+
+
+def no_folding() -> Folding:
+    return Folding()

@@ -1,0 +1,237 @@
+"""Report: turn the passes' result into a self-contained ``Plan`` — placements, per-op strategies,
+every resharding with its collectives, bucketed collective predictions, per-module summaries with
+alternatives, baselines and solver statistics."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter, defaultdict
+from typing import TYPE_CHECKING
+
+from autopar.cost_model.comm import reshard_steps
+from autopar.cost_model.precision import element_bytes
+from autopar.ir.graph import Graph, Ref
+from autopar.ir.placement import B, format_placements
+from autopar.passes.problem import MEMORY_KINDS, edge_cost
+from autopar.passes.strategies import input_placement, output_placement
+
+if TYPE_CHECKING:
+    from autopar.api import Planned
+
+#: Gradient and parameter collectives are bucketed like DDP/FSDP do (25 MiB buckets).
+BUCKET_SIZE = 25 * 2**20
+#: Alternatives kept per module in the plan (the cheapest other strategies of its ops).
+ALTERNATIVES = 4
+
+
+def graph_info(graph: Graph) -> dict:
+    params = sorted(set(graph.params) | set(getattr(graph, "aliases", {})))
+    return {
+        "nodes": len(graph.nodes),
+        "ops": len(graph.op_names()),
+        "params": len(params),
+        "fqns": params,
+        "inputs": {k: str(graph.node(v).out) for k, v in sorted(graph.inputs.items())},
+        "ops_hist": dict(sorted(Counter(n.op for n in graph.ops()).items())),
+    }
+
+
+def graph_fingerprint(graph: Graph) -> str:
+    """A hash of everything that shapes a plan: ops, shapes, dtypes, arguments, inputs' meaning."""
+    h = hashlib.sha256()
+    for n in graph.nodes:
+        h.update(repr((n.name, n.op, [str(o) for o in n.outputs], repr(n.args), repr(n.kwargs), n.roles)).encode())
+    h.update(json.dumps([sorted(graph.params.items()), sorted(graph.inputs.items()), graph.training],
+                        sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def _sha(d: dict) -> str:
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+
+def build_plan(planned: "Planned"):
+    from autopar.plan import Plan
+
+    g, mesh, prob, folding = planned.graph, planned.mesh, planned.problem, planned.folding
+    choice = planned.choice
+
+    def strat(name: str):
+        i = prob.index[folding.representative(name)]
+        return prob.nodes[i].strategies[choice[i]]
+
+    placements = {}
+    for fqn, node in list(g.params.items()) + list(g.buffers.items()) + list(g.inputs.items()):
+        placements[fqn] = format_placements(output_placement(strat(node), 0))
+    for alias, canon in getattr(g, "aliases", {}).items():
+        if canon in placements:
+            placements[alias] = placements[canon]
+
+    nodes = []
+    for n in g.ops():
+        st = strat(n.name)
+        i = prob.index[folding.representative(n.name)]
+        nodes.append({
+            "name": n.name, "op": n.op, "module": n.module_path, "phase": n.phase.value,
+            "strategy": [str(s) for s in st], "tags": [s.tag for s in st],
+            "inputs": [format_placements(input_placement(st, k)) for k in range(len(n.inputs))],
+            "outputs": [None if o is None else format_placements(output_placement(st, j)) for j, o in enumerate(n.outputs)],
+            "compute": prob.nodes[i].compute[choice[i]],
+        })
+    reshardings = _reshardings(planned, strat)
+    mesh_dict = mesh.to_dict()
+    cost = planned.cost
+    return Plan(
+        fingerprint={"graph": graph_fingerprint(g), "mesh": mesh.fingerprint(), "hardware": _sha(mesh.hardware.to_dict())},
+        mesh=mesh_dict,
+        precision=planned.precision.to_dict(),
+        training=g.training,
+        memory_budget=int(prob.memory_budget) if prob.memory_budget != float("inf") else 0,
+        step_time=cost.step_time,
+        compute_time=cost.compute_time,
+        comm_time=cost.comm_time,
+        peak_memory=int(cost.peak_memory),
+        memory={k: int(v) for k, v in cost.memory.items()},
+        placements=placements,
+        nodes=nodes,
+        reshardings=reshardings,
+        collectives=_collectives(reshardings, mesh.names),
+        bucket_size=BUCKET_SIZE,
+        baselines=planned.baselines,
+        solver=dict(planned.solution.stats) if planned.solution else {"solver": "none (recipe)"},
+        source=planned.source,
+        modules=_modules(planned, strat, reshardings),
+        phases=planned.phases,
+        graph=graph_info(g),
+    )
+
+
+def _reshardings(planned: "Planned", strat) -> list[dict]:
+    g, mesh, prec = planned.graph, planned.mesh, planned.precision
+    params = {name for name in g.params.values()}
+    fqn_of = {name: fqn for fqn, name in g.params.items()}
+    out = []
+
+    def add(ref: Ref, consumer: str, kind: str, src, dst, module: str):
+        if tuple(src) == tuple(dst):
+            return
+        spec = g.spec(ref)
+        role = {"param": "gather", "grad": "grad"}.get(kind, "activation")
+        eb = element_bytes(spec.dtype, role, prec)
+        steps = reshard_steps(spec.shape, src, dst, mesh, eb)
+        out.append({
+            "tensor": str(ref), "consumer": consumer, "kind": kind, "from": format_placements(src),
+            "to": format_placements(dst), "bytes": spec.numel * eb, "time": sum(s.time for s in steps),
+            "steps": [{"kind": s.kind, "axis": mesh.names[s.axis], "bytes": int(s.bytes), "time": s.time} for s in steps],
+            "module": module,
+        })
+
+    from autopar.passes.cost import _param_views
+
+    views = _param_views(g)
+    for n in g.ops():
+        st = strat(n.name)
+        for slot, r in enumerate(n.inputs):
+            src = output_placement(strat(r.node), r.index)
+            kind = "param" if r.node in params or r.node in views else "activation"
+            add(r, n.name, kind, src, input_placement(st, slot), n.module_path)
+    for fqn, gref in g.grads.items():
+        dst = output_placement(strat(g.params[fqn]), 0)
+        add(gref, f"param:{fqn}", "grad", output_placement(strat(gref.node), gref.index), dst,
+            g.node(gref.node).module_path)
+    if g.loss is not None:
+        add(g.loss, "loss", "activation", output_placement(strat(g.loss.node), g.loss.index),
+            tuple(B for _ in mesh.shape), g.node(g.loss.node).module_path)
+    del fqn_of
+    return out
+
+
+def _collectives(reshardings: list[dict], axis_names) -> list[dict]:
+    """Collectives per (phase-ish kind, collective, axis); gradient reductions and parameter gathers
+    are bucketed: consecutive ones of one kind fill ``BUCKET_SIZE`` buckets."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for r in reshardings:
+        for s in r["steps"]:
+            if s["kind"] in ("slice", "pad", "zero"):
+                continue
+            groups[(r["kind"], s["kind"], s["axis"])].append(s["bytes"])
+    out = []
+    for (kind, coll, axis), sizes in sorted(groups.items()):
+        if kind in ("param", "grad"):
+            buckets, cur = 0, 0
+            for b in sizes:
+                if cur and cur + b > BUCKET_SIZE:
+                    buckets += 1
+                    cur = 0
+                cur += b
+            buckets += 1 if cur else 0
+            out.append({"kind": coll, "axis": axis, "bytes": int(sum(sizes)) // max(1, buckets), "count": buckets,
+                        "phase": "backward" if kind == "grad" else "forward", "bucketed": True})
+        else:  # bytes per call (the average when calls differ in size)
+            out.append({"kind": coll, "axis": axis, "bytes": int(sum(sizes)) // len(sizes), "count": len(sizes),
+                        "phase": "any", "bucketed": False})
+    return out
+
+
+def _modules(planned: "Planned", strat, reshardings: list[dict]) -> list[dict]:
+    g, prob, folding, choice = planned.graph, planned.problem, planned.folding, planned.choice
+    rows: dict[str, dict] = {}
+
+    def row(path: str) -> dict:
+        if path not in rows:
+            rows[path] = {"path": path, "time": 0.0, "comm": 0.0, "bytes": 0, "memory": 0, "placements": {},
+                          "alternatives": []}
+        return rows[path]
+
+    for fqn, node in g.params.items():
+        path = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+        r = row(path)
+        r["placements"][fqn.rsplit(".", 1)[-1]] = format_placements(output_placement(strat(node), 0))
+        i = prob.index[folding.representative(node)]
+        r["memory"] += int(sum(prob.nodes[i].memory[k][choice[i]] for k in MEMORY_KINDS))
+    alts: dict[str, list] = defaultdict(list)
+    for n in g.ops():
+        r = row(n.module_path)
+        i = prob.index[folding.representative(n.name)]
+        pn = prob.nodes[i]
+        r["time"] += pn.compute[choice[i]]
+        r["memory"] += int(pn.memory["activations"][choice[i]])
+        if folding.representative(n.name) == n.name:
+            alts[n.module_path].extend(_alternatives(planned, i, n))
+    for rs in reshardings:
+        r = row(rs["module"])
+        r["comm"] += rs["time"]
+        r["bytes"] += int(sum(s["bytes"] for s in rs["steps"]))
+    for path, items in alts.items():
+        items.sort(key=lambda a: (a["delta"], a["name"]))
+        rows[path]["alternatives"] = items[:ALTERNATIVES]
+    return list(rows.values())
+
+
+def _alternatives(planned: "Planned", i: int, node) -> list[dict]:
+    """The other strategies of one op that look cheapest locally (its compute and reshardings,
+    everything else held), re-priced exactly by the evaluator: ``delta`` is the change in step time."""
+    from autopar.passes.problem import evaluate
+
+    prob, choice = planned.problem, planned.choice
+    pn = prob.nodes[i]
+    touching = [e for e in prob.edges if e.src == i or e.dst == i]
+
+    def local(s: int) -> float:
+        c = list(choice)
+        c[i] = s
+        return pn.compute[s] + pn.comm[s] + sum(edge_cost(e, c) for e in touching)
+
+    others = [s for s in range(len(pn.strategies))
+              if s != choice[i] and (pn.allowed is None or s in pn.allowed)]
+    others.sort(key=lambda s: (local(s), s))
+    base = planned.cost.step_time
+    out = []
+    for s in others[:2]:
+        c = list(choice)
+        c[i] = s
+        cost = evaluate(prob, c)
+        out.append({"name": f"{node.name} ({node.op.replace('aten.', '')}) as " + " | ".join(str(x) for x in pn.strategies[s]),
+                    "time": cost.compute_time, "comm": cost.comm_time, "delta": cost.step_time - base})
+    return out

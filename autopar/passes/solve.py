@@ -1,0 +1,298 @@
+"""Solve: choose one strategy per node with an integer program (OR-Tools CP-SAT).
+
+Variables and constraints, each family built in its own function below:
+
+- ``x[n, s]`` (bool): node n runs strategy s.              one-hot:  sum_s x[n, s] = 1
+  Strategies a hint excludes get no variable.
+- ``y[e, p, q]`` (bool): edge e carries its tensor from placement p (the producer's output) to
+  placement q (the consumer's input).                      transport: sum_q y[e, p, q] = sum_{s: out(s) = p} x[src, s]
+                                                                      sum_p y[e, p, q] = sum_{s: in(s) = q} x[dst, s]
+- ``exposed[g]`` (int >= 0): the part of one instance of group g's parameter gathers and gradient
+  reductions that its compute cannot hide.                  exposed[g] >= sum_{e in g} cost_e(y) - sum_{n in g} compute_n(x)
+- memory (bytes per device):                               sum_n mult_n * mem_n(x) <= budget
+
+Objective (nanoseconds): sum_n mult_n (compute_n + comm_n)(x) + sum_{e not overlappable} mult_e cost_e(y)
++ sum_g mult_g exposed[g] — exactly ``problem.evaluate`` linearised. Ties (hidden communication
+costs nothing) are broken lexicographically by a second solve that keeps the step time at the
+first solve's value and minimises hidden traffic plus memory, so among equally fast plans the one
+that moves and holds less wins.
+
+The search is deterministic: one worker, a fixed seed, and a bound on deterministic time (wall
+clock only as a cap); it starts from a hint (the best recipe), so a time limit still returns a
+plan no worse than that hint.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from autopar.errors import AutoparError
+from autopar.passes.problem import Problem
+
+NS = 1e9  # objective unit: nanoseconds
+
+
+class InfeasibleError(AutoparError):
+    """No choice of strategies fits the memory budget (or the hints)."""
+
+
+@dataclass
+class Solution:
+    choice: list[int]
+    objective: float  # seconds, as the solver saw it (rounded to ns)
+    bound: float
+    status: str
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def gap(self) -> float:
+        return 0.0 if self.objective <= 0 else max(0.0, (self.objective - self.bound) / self.objective)
+
+
+def _ns(x: float) -> int:
+    return int(round(x * NS))
+
+
+def solve(
+    problem: Problem,
+    hint: Optional[Sequence[int]] = None,
+    deterministic_time: float = 30.0,
+    time_limit: Optional[float] = None,
+) -> Solution:
+    """The cheapest choice within the memory budget; raises InfeasibleError if there is none."""
+    from ortools.sat.python import cp_model
+
+    t0 = time.perf_counter()
+    model = cp_model.CpModel()
+    x = _node_vars(model, problem)
+    primary: list = []
+    secondary: list = []
+    for i, n in enumerate(problem.nodes):
+        for s, v in x[i].items():
+            c = _ns(n.mult * (n.compute[s] + n.comm[s]))
+            if c:
+                primary.append(c * v)
+            mem = int(n.mult * n.mem_total(s) / 1e6)  # MB
+            if mem:
+                secondary.append(mem * v)
+    edge_cost = _edge_vars(model, problem, x, primary, secondary)
+    _exposed(model, problem, x, edge_cost, primary)
+    _memory(model, problem, x)
+    if hint is not None:
+        for i, vars_ in x.items():
+            for s, v in vars_.items():
+                model.AddHint(v, 1 if hint[i] == s else 0)
+
+    model.Minimize(sum(primary))
+    solver = _solver(deterministic_time, time_limit)
+    status = solver.solve(model)
+    name = solver.status_name(status)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise InfeasibleError(f"the ILP found no plan ({name})")
+    best, bound = int(round(solver.objective_value)), solver.best_objective_bound
+    det = solver.deterministic_time
+    choice = _read(solver, x)
+
+    # Lexicographic tie-break: same step time, less hidden traffic and memory.
+    if secondary:
+        model.ClearHints()
+        for i, vars_ in x.items():
+            for s, v in vars_.items():
+                model.AddHint(v, 1 if choice[i] == s else 0)
+        model.Add(sum(primary) <= best)
+        model.Minimize(sum(secondary))
+        solver2 = _solver(max(1.0, deterministic_time / 4), time_limit)
+        if solver2.solve(model) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            choice = _read(solver2, x)
+        det += solver2.deterministic_time
+    stats = {
+        "solver": "CP-SAT",
+        "variables": len(model.Proto().variables),
+        "constraints": len(model.Proto().constraints),
+        "status": name,
+        "wall_time": round(time.perf_counter() - t0, 3),
+        "deterministic_time": round(det, 3),
+    }
+    sol = Solution(choice, best / NS, bound / NS, name, stats)
+    stats["gap"] = round(sol.gap, 6)
+    return sol
+
+
+def _solver(deterministic_time: float, time_limit: Optional[float]):
+    from ortools.sat.python import cp_model
+
+    solver = cp_model.CpSolver()
+    p = solver.parameters
+    p.num_workers = 1
+    p.random_seed = 0
+    p.max_deterministic_time = deterministic_time
+    p.max_time_in_seconds = time_limit if time_limit is not None else 600.0
+    p.linearization_level = 2
+    return solver
+
+
+def _read(solver, x) -> list[int]:
+    return [next(s for s, v in x[i].items() if solver.value(v)) for i in range(len(x))]
+
+
+def _node_vars(model, problem: Problem) -> dict[int, dict[int, object]]:
+    """One-hot ``x[n, s]`` over the strategies each node's hints allow."""
+    x: dict[int, dict[int, object]] = {}
+    for i, n in enumerate(problem.nodes):
+        allowed = n.allowed if n.allowed is not None else range(len(n.strategies))
+        x[i] = {s: model.NewBoolVar(f"x{i}_{s}") for s in allowed}
+        model.AddExactlyOne(x[i].values())
+    return x
+
+
+def _edge_vars(model, problem: Problem, x, objective: list, secondary: list) -> dict[int, list]:
+    """Transport variables per edge; returns each edge's cost terms (per instance, ns)."""
+    terms: dict[int, list] = {}
+    for k, e in enumerate(problem.edges):
+        rows: dict[int, list] = {}
+        cols: dict[int, list] = {}
+        for s, v in x[e.src].items():
+            rows.setdefault(e.src_place[s], []).append(v)
+        for s, v in x[e.dst].items():
+            cols.setdefault(e.dst_place[s], []).append(v)
+        if all(e.cost[p][q] == 0 for p in rows for q in cols):
+            continue
+        y = {(p, q): model.NewBoolVar(f"y{k}_{p}_{q}") for p in rows for q in cols}
+        for p, vs in rows.items():
+            model.Add(sum(y[p, q] for q in cols) == sum(vs))
+        for q, vs in cols.items():
+            model.Add(sum(y[p, q] for p in rows) == sum(vs))
+        cost = [_ns(e.cost[p][q]) * v for (p, q), v in y.items() if e.cost[p][q]]
+        terms[k] = cost
+        if not e.overlappable():
+            objective.extend(e.mult * t for t in cost)
+        else:  # tie-break: hidden traffic, in microseconds
+            secondary.extend(int(e.mult * e.cost[p][q] * 1e6) * v for (p, q), v in y.items() if e.cost[p][q] * 1e6 >= 1)
+    return terms
+
+
+def _exposed(model, problem: Problem, x, edge_cost: dict[int, list], objective: list) -> None:
+    """exposed[g] >= one instance's parameter communication minus its compute, and >= 0."""
+    comm: dict[int, list] = {}
+    for k, e in enumerate(problem.edges):
+        if e.overlappable() and k in edge_cost:
+            scale = e.mult // problem.groups[e.group].mult or 1
+            comm.setdefault(e.group, []).extend(scale * t for t in edge_cost[k])
+    for g, terms in comm.items():
+        hide = []
+        for i, n in enumerate(problem.nodes):
+            if n.group == g:
+                hide.extend(_ns(n.compute[s]) * v for s, v in x[i].items() if n.compute[s])
+        upper = sum(max(max(r) for r in e.cost) for e in problem.edges if e.group == g and e.overlappable())
+        exposed = model.NewIntVar(0, _ns(upper) * max(1, max(e.mult for e in problem.edges)) + 1, f"exposed{g}")
+        model.Add(exposed >= sum(terms) - sum(hide))
+        objective.append(problem.groups[g].mult * exposed)
+
+
+def _memory(model, problem: Problem, x) -> None:
+    """Per-device memory of the choice within the budget."""
+    terms = []
+    for i, n in enumerate(problem.nodes):
+        for s, v in x[i].items():
+            b = int(round(n.mult * n.mem_total(s)))
+            if b:
+                terms.append(b * v)
+    if terms and problem.memory_budget < float("inf"):
+        model.Add(sum(terms) <= int(problem.memory_budget))
+
+
+# ---------------------------------------------------------------------------------------------
+# Large meshes: the full ILP grows with (strategies per node)^2 per edge; on multi-axis meshes it
+# is solved one mesh axis at a time (every other axis held at the current choice), which keeps
+# each ILP as small as a 1-D one. Each round is exact on its restricted space and starts from the
+# current choice, so the step time never gets worse.
+
+
+def greedy(problem: Problem) -> list[int]:
+    """A quick choice: op nodes in order take the strategy that is cheapest given the nodes already
+    chosen (graph inputs not yet chosen cost nothing: they will follow), then every graph input
+    takes the placement its chosen consumers want most."""
+    choice = [-1] * len(problem.nodes)
+    touching: dict[int, list] = {}
+    for e in problem.edges:
+        touching.setdefault(e.src, []).append(e)
+        touching.setdefault(e.dst, []).append(e)
+    inputs = {i for i, n in enumerate(problem.nodes) if all(len(st[0].inputs) == 0 for st in n.strategies)}
+    order = [i for i in range(len(problem.nodes)) if i not in inputs] + sorted(inputs)
+    for i in order:
+        n = problem.nodes[i]
+        best, best_cost = None, None
+        for s in (n.allowed if n.allowed is not None else range(len(n.strategies))):
+            c = n.mult * (n.compute[s] + n.comm[s])
+            for e in touching.get(i, []):
+                other = e.dst if e.src == i else e.src
+                if choice[other] < 0:
+                    continue
+                p = e.src_place[s if e.src == i else choice[e.src]]
+                q = e.dst_place[s if e.dst == i else choice[e.dst]]
+                c += e.mult * e.cost[p][q]
+            if best_cost is None or c < best_cost - 1e-15:
+                best, best_cost = s, c
+        choice[i] = best  # type: ignore[assignment]
+    return choice
+
+
+def edge_var_count(problem: Problem) -> int:
+    """How many transport variables the full ILP would have."""
+    total = 0
+    for e in problem.edges:
+        src = problem.nodes[e.src]
+        dst = problem.nodes[e.dst]
+        rows = {e.src_place[s] for s in (src.allowed if src.allowed is not None else range(len(src.strategies)))}
+        cols = {e.dst_place[s] for s in (dst.allowed if dst.allowed is not None else range(len(dst.strategies)))}
+        total += len(rows) * len(cols)
+    return total
+
+
+def solve_by_axis(
+    problem: Problem,
+    start: Sequence[int],
+    ndim: int,
+    rounds: int = 2,
+    deterministic_time: float = 30.0,
+    time_limit: Optional[float] = None,
+) -> Solution:
+    """Coordinate descent over mesh axes: re-solve the last axis (usually the fastest, tensor
+    parallel one) first, then the others, ``rounds`` times, each exactly."""
+    from autopar.passes.problem import evaluate
+
+    choice = list(start)
+    saved = [n.allowed for n in problem.nodes]
+    stats = {"solver": "CP-SAT by mesh axis", "rounds": 0, "variables": 0, "constraints": 0,
+             "deterministic_time": 0.0, "wall_time": 0.0, "status": "FEASIBLE"}
+    order = [a for r in range(rounds) for a in reversed(range(ndim))]
+    budget = deterministic_time / max(1, len(order))
+    best = evaluate(problem, choice).step_time
+    try:
+        for axis in order:
+            for i, n in enumerate(problem.nodes):
+                cur = n.strategies[choice[i]]
+                ok = [s for s, st in enumerate(n.strategies)
+                      if all(st[a] == cur[a] for a in range(ndim) if a != axis)]
+                if saved[i] is not None:
+                    ok = [s for s in ok if s in saved[i]]
+                n.allowed = ok or [choice[i]]
+            try:
+                sol = solve(problem, hint=choice, deterministic_time=budget, time_limit=time_limit)
+            except InfeasibleError:
+                continue  # nothing within the budget on this axis alone: keep the current choice
+            for k in ("variables", "constraints"):
+                stats[k] = max(stats[k], sol.stats[k])
+            stats["deterministic_time"] += sol.stats["deterministic_time"]
+            stats["wall_time"] += sol.stats["wall_time"]
+            stats["rounds"] += 1
+            value = evaluate(problem, sol.choice).step_time
+            if value <= best:
+                choice, best = sol.choice, value
+    finally:
+        for n, a in zip(problem.nodes, saved):
+            n.allowed = a
+    stats["gap"] = None  # a bound over the whole space is not known
+    return Solution(choice, best, 0.0, "FEASIBLE", stats)

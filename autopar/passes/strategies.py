@@ -1,0 +1,156 @@
+"""Strategies: the candidate SBP strategies of every node on a mesh, with the user's hints applied.
+
+Op nodes take their rule's composed strategies; graph inputs (parameters, buffers, user inputs)
+may take any placement that splits only dims at least as large as the pieces. A strategy whose
+split would leave a device with an empty block is dropped: it never pays, and lowering it would
+only waste a device. Hints (``autopar.hint`` in the graph, and the ``hints=`` argument) keep only
+the strategies that produce the hinted placement.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from autopar.errors import AutoparError
+from autopar.ir.graph import Graph, Node, Ref, Role, TensorSpec
+from autopar.ir.placement import B, Placement, PlacementError, Placements, Split, format_placements, parse
+from autopar.ir.rules import op_call, strategies as rule_strategies
+from autopar.ir.rules.dimmap import Signature, Strategy
+from autopar.mesh import Mesh
+
+
+class HintError(AutoparError, ValueError):
+    """A hint that names nothing, asks for the impossible, or contradicts another hint."""
+
+
+def fits(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> bool:
+    """Every split dim is at least as large as the number of pieces it is cut into."""
+    pieces: dict[int, int] = {}
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Split):
+            if p.dim >= len(shape):
+                return False
+            pieces[p.dim] = pieces.get(p.dim, 1) * n
+    return all(shape[d] >= k for d, k in pieces.items())
+
+
+def input_placements(spec: TensorSpec, mesh_shape: Sequence[int]) -> list[Placements]:
+    """Every placement a graph input may take: per axis B or a split of a dim that is large enough."""
+    per_axis = [[B] + [Split(d) for d in range(spec.ndim) if spec.shape[d] >= n] for n in mesh_shape]
+    return [p for p in itertools.product(*per_axis) if fits(spec.shape, p, mesh_shape)]
+
+
+def _as_strategy(placements: Placements) -> Strategy:
+    return tuple(Signature((), (p,), str(p)) for p in placements)
+
+
+def _strategy_fits(graph: Graph, node: Node, strat: Strategy, mesh_shape: Sequence[int]) -> bool:
+    for i, r in enumerate(node.inputs):
+        if not fits(graph.spec(r).shape, [s.inputs[i] for s in strat], mesh_shape):
+            return False
+    for j, spec in enumerate(node.outputs):
+        if spec is not None and not fits(spec.shape, [s.outputs[j] for s in strat], mesh_shape):
+            return False
+    return True
+
+
+def node_strategies(graph: Graph, node: Node, mesh: Mesh) -> list[Strategy]:
+    """The candidate strategies of one node (placeholders: one output placement each)."""
+    if node.is_placeholder:
+        if node.roles[0] == Role.TANGENT or node.outputs[0] is None:
+            return [_as_strategy(tuple(B for _ in mesh.shape))]
+        return [_as_strategy(p) for p in input_placements(node.outputs[0], mesh.shape)]
+    strats = rule_strategies(op_call(graph, node), mesh.shape)
+    kept = [s for s in strats if _strategy_fits(graph, node, s, mesh.shape)]
+    return kept or [s for s in strats if all(sig.tag == "B" for sig in s)]
+
+
+def output_placement(strat: Strategy, index: int) -> Placements:
+    return tuple(s.outputs[index] for s in strat)  # type: ignore[misc]
+
+
+def input_placement(strat: Strategy, index: int) -> Placements:
+    return tuple(s.inputs[index] for s in strat)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hints
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Output ``ref`` must have ``placements``; ``source`` says where the hint came from."""
+
+    ref: Ref
+    placements: Placements
+    source: str
+
+
+def resolve_hints(graph: Graph, mesh: Mesh, hints: Optional[dict[str, object]]) -> list[Constraint]:
+    """The hard constraints of the graph's ``autopar.hint`` annotations and the ``hints=`` argument.
+
+    Keys of ``hints``: a parameter or buffer FQN, with ``*`` wildcards (``"layers.*.wq.weight"``),
+    ``"input:0"``, or a keyword input's name. Values: placement strings or DTensor placements.
+    """
+    out: list[Constraint] = []
+    for h in graph.hints:
+        out.append(Constraint(h.ref, _parse(h.placements, mesh, f"autopar.hint in {h.module_path or '<root>'}"), "hint"))
+    names = dict(graph.params)
+    names.update(graph.buffers)
+    for alias, canon in getattr(graph, "aliases", {}).items():
+        if canon in names:
+            names[alias] = names[canon]
+    for key, value in (hints or {}).items():
+        where = f"hints[{key!r}]"
+        pl = _parse(value, mesh, where)
+        if key in graph.inputs:
+            targets = [graph.inputs[key]]
+        elif key.startswith("input:") or key in graph.constants:
+            raise HintError(
+                f"{where}: {key!r} is not a tensor input of the model; tensor inputs are {sorted(graph.inputs)}"
+            )
+        else:
+            targets = sorted({names[f] for f in names if fnmatch.fnmatchcase(f, key)})
+            if not targets:
+                close = sorted(names)[:8]
+                raise HintError(
+                    f"{where}: no parameter, buffer or input matches {key!r}. Parameters look like {close}; "
+                    f"inputs are {sorted(graph.inputs)}"
+                )
+        for t in targets:
+            out.append(Constraint(Ref(t), pl, where))
+    _check(graph, mesh, out)
+    return out
+
+
+def _parse(value: object, mesh: Mesh, where: str) -> Placements:
+    try:
+        return parse(value, axis_names=mesh.names, ndim=mesh.ndim)  # type: ignore[arg-type]
+    except PlacementError as e:
+        raise HintError(f"{where}: {e}") from None
+
+
+def _check(graph: Graph, mesh: Mesh, constraints: list[Constraint]) -> None:
+    seen: dict[Ref, Constraint] = {}
+    for c in constraints:
+        spec = graph.spec(c.ref)
+        for p, n, name in zip(c.placements, mesh.shape, mesh.names):
+            if isinstance(p, Split) and p.dim >= spec.ndim:
+                raise HintError(f"{c.source}: {format_placements(c.placements)} splits dim {p.dim}, "
+                                f"but the tensor {c.ref} has shape {list(spec.shape)}")
+        if not fits(spec.shape, c.placements, mesh.shape):
+            raise HintError(
+                f"{c.source}: {format_placements(c.placements)} cannot split the tensor of shape {list(spec.shape)} "
+                f"over mesh {dict(zip(mesh.names, mesh.shape))}: a split dim is smaller than the number of devices "
+                "it is cut over"
+            )
+        prev = seen.get(c.ref)
+        if prev is not None and prev.placements != c.placements:
+            raise HintError(
+                f"contradictory hints for {c.ref}: {format_placements(prev.placements)} ({prev.source}) and "
+                f"{format_placements(c.placements)} ({c.source})"
+            )
+        seen[c.ref] = c

@@ -1,0 +1,332 @@
+"""Rendering of a Plan for the terminal: ``summary``, ``explain`` and ``diff``.
+
+Everything here reads only the Plan's own data, so a saved plan can be shown, explained and compared
+without the model or a solve. Lines stay within ``WIDTH`` characters where the content allows.
+"""
+
+from __future__ import annotations
+
+import difflib
+import textwrap
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any, Iterable
+
+from autopar.plan import SOLVER_TIMING_KEYS, PlanError, _canon, human_bytes, human_time
+
+if TYPE_CHECKING:
+    from autopar.plan import Plan
+
+WIDTH = 120
+MAX_ROWS = 60
+
+
+# -- small helpers ------------------------------------------------------------------------------------
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f}"
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 3, 0)] + "..."
+
+
+def _in_scope(module: str, path: str) -> bool:
+    return path == "" or module == path or module.startswith(path + ".")
+
+
+def _rel(fqn: str, path: str) -> str:
+    return fqn[len(path) + 1:] if path and fqn.startswith(path + ".") else fqn
+
+
+def _compact(placements: dict[str, str], path: str) -> str:
+    """``{"a.wq": "B, S(0)", "a.wk": "B, S(0)"}`` under ``a`` -> ``"wq,wk: B,S(0)"``."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for fqn, p in placements.items():
+        groups[p.replace(" ", "")].append(_rel(fqn, path))
+    return "; ".join(f"{','.join(names)}: {p}" for p, names in groups.items())
+
+
+def _wrap_items(head: str, items: list[str], sep: str = ", ", tail: str = "") -> list[str]:
+    """``head`` then ``items`` joined by ``sep``, broken between items (never inside one) at WIDTH."""
+    lines, cur = [], head
+    for i, item in enumerate(items):
+        piece = item + (sep if i < len(items) - 1 else tail)
+        if len(cur) + len(piece.rstrip()) > WIDTH and cur.strip():
+            lines.append(cur.rstrip())
+            cur = "  "
+        cur += piece
+    return lines + [cur.rstrip()]
+
+
+def mesh_text(mesh: dict) -> str:
+    """``"dp=2 x tp=4 (h100)"``."""
+    axes = " x ".join(f"{k}={v}" for k, v in (mesh.get("axes") or {}).items()) or "(no axes)"
+    return f"{axes} ({mesh.get('device', '?')})"
+
+
+def _devices(mesh: dict) -> int:
+    n = 1
+    for v in (mesh.get("axes") or {}).values():
+        n *= int(v)
+    return n
+
+
+def _module_paths(plan: "Plan") -> list[str]:
+    seen: dict[str, None] = {}
+    for m in plan.modules:
+        seen.setdefault(m.get("path", ""), None)
+    for n in plan.nodes:
+        seen.setdefault(n.get("module", ""), None)
+    return list(seen)
+
+
+def _steps_text(steps: Iterable[dict]) -> str:
+    return ", ".join(f"{s.get('kind')} on {s.get('axis')} {human_bytes(s.get('bytes', 0))} {human_time(s.get('time', 0.0))}"
+                     for s in steps) or "local (no communication)"
+
+
+def _resharding_line(r: dict, indent: str, show_consumer: bool = False) -> list[str]:
+    who = f" for {r.get('consumer')}" if show_consumer else ""
+    head = (f"{indent}<- {r.get('kind', 'activation')} {r.get('tensor')}{who}: {r.get('from')} -> {r.get('to')}, "
+            f"{human_bytes(r.get('bytes', 0))} tensor, {human_time(r.get('time', 0.0))}")
+    body = textwrap.wrap(_steps_text(r.get("steps") or ()), WIDTH - len(indent) - 6)
+    return [head] + [f"{indent}     {line}" for line in body]
+
+
+# -- summary ----------------------------------------------------------------------------------------
+
+def summary(plan: "Plan", full: bool = False) -> str:
+    """Per-module table, totals, memory split, collectives, baselines, solver and planning times."""
+    prec = plan.precision.get("name", "?")
+    mode = "training" if plan.training else "inference"
+    lines = [_clip(f"autopar plan: mesh {mesh_text(plan.mesh)}, {_devices(plan.mesh)} devices, {prec}, {mode}, "
+                   f"source {plan.source}", WIDTH)]
+    mods = plan.modules
+    modw = min(max([len(m.get("path") or "(root)") for m in mods] + [6]), 36)
+    plw = WIDTH - modw - 4 * 10 - 5 * 2
+    header = f"{'module':<{modw}}  {'placements':<{plw}}  {'compute ms':>10}  {'comm ms':>10}  {'moved':>10}  {'memory':>10}"
+    lines += [header, "-" * len(header)]
+    shown = mods if full or len(mods) <= MAX_ROWS else mods[:MAX_ROWS]
+    for m in shown:
+        path = m.get("path") or "(root)"
+        path = path if len(path) <= modw else ".." + path[-(modw - 2):]
+        pl = textwrap.wrap(_compact(m.get("placements") or {}, m.get("path", "")), plw, break_on_hyphens=False) or ["-"]
+        lines.append(f"{path:<{modw}}  {pl[0]:<{plw}}  {_ms(m.get('time', 0.0)):>10}  {_ms(m.get('comm', 0.0)):>10}  "
+                     f"{human_bytes(m.get('bytes', 0)):>10}  {human_bytes(m.get('memory', 0)):>10}")
+        lines += [f"{'':<{modw}}  {extra}" for extra in pl[1:]]
+    if len(shown) < len(mods):
+        lines.append(f"... {len(mods) - len(shown)} more modules (summary(full=True) shows all)")
+    tot = [sum(m.get(k, 0) for m in mods) for k in ("time", "comm", "bytes", "memory")]
+    lines += ["-" * len(header),
+              f"{'total':<{modw}}  {'':<{plw}}  {_ms(tot[0]):>10}  {_ms(tot[1]):>10}  "
+              f"{human_bytes(tot[2]):>10}  {human_bytes(tot[3]):>10}"]
+    in_modules = {k for m in mods for k in (m.get("placements") or {})} | set(plan.graph.get("fqns") or ())
+    inputs = {k: v for k, v in plan.placements.items() if k not in in_modules}
+    if inputs:
+        lines += _wrap_items("inputs: ", [f"{k} {v}" for k, v in inputs.items()], "; ")
+    lines.append("")
+    lines.append(f"step time {human_time(plan.step_time)}  (compute {human_time(plan.compute_time)}, "
+                 f"communication {human_time(plan.comm_time)})")
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    split = [f"{k} {human_bytes(v)}" for k, v in plan.memory.items()]
+    lines += _wrap_items(f"peak memory {human_bytes(plan.peak_memory)} of {human_bytes(plan.memory_budget)} per device "
+                         f"({verdict}): ", split)
+    if plan.collectives:
+        lines += _wrap_items(f"collectives (bucket size {human_bytes(plan.bucket_size)}): ",
+                             [_collective_text(c) for c in plan.collectives], "; ")
+    lines += _baselines(plan)
+    lines.append(_clip(_solver_text(plan.solver), WIDTH))
+    if plan.phases:
+        lines += _wrap_items("planning: ", [f"{k} {human_time(v)}" for k, v in plan.phases.items()])
+    return "\n".join(lines)
+
+
+def _collective_text(c: dict) -> str:
+    b = " bucketed" if c.get("bucketed") else ""
+    return (f"{c.get('count', 1)} x {c.get('kind')} on {c.get('axis')} {c.get('phase', '')}{b} "
+            f"{human_bytes(c.get('bytes', 0))} each").replace("  ", " ")
+
+
+def _baselines(plan: "Plan") -> list[str]:
+    if not plan.baselines:
+        return ["baselines: none evaluated"]
+    w = max(max(len(k) for k in plan.baselines), len("recipe"))
+    out = ["", "baselines (vs plan: baseline step time / plan step time):",
+           f"  {'recipe':<{w}}  {'step time':>10}  {'vs plan':>8}  {'peak memory':>11}  fits"]
+    for name in sorted(plan.baselines):
+        b = plan.baselines[name]
+        if "error" in b:
+            out.append(_clip(f"  {name:<{w}}  error: {b['error']}", WIDTH))
+            continue
+        st = b.get("step_time")
+        ratio = f"{st / plan.step_time:.2f}x" if st is not None and plan.step_time else "-"
+        mark = "  <- chosen" if plan.source == f"recipe:{name}" else ""
+        out.append(f"  {name:<{w}}  {human_time(st):>10}  {ratio:>8}  {human_bytes(b.get('peak_memory', 0)):>11}  "
+                   f"{'yes' if b.get('fits') else 'no'}{mark}")
+    return out
+
+
+def _solver_text(s: dict) -> str:
+    if not s:
+        return "solver: (none)"
+    parts = [f"solver {s.get('solver', '?')}", f"status {s.get('status', '?')}"]
+    if "gap" in s:
+        parts.append(f"gap {s['gap']:.3g}" if isinstance(s["gap"], (int, float)) else f"gap {s['gap']}")
+    for k in ("variables", "constraints"):
+        if isinstance(s.get(k), int):
+            parts.append(f"{s[k]:,} {k}")
+    if isinstance(s.get("wall_time"), (int, float)):
+        parts.append(f"{human_time(s['wall_time'])} wall")
+    if isinstance(s.get("deterministic_time"), (int, float)):
+        parts.append(f"deterministic time {s['deterministic_time']:.3g}")
+    return ", ".join(parts)
+
+
+# -- explain ----------------------------------------------------------------------------------------
+
+def _resolve(plan: "Plan", path: str) -> tuple[str, str | None]:
+    """(module path, parameter FQN or None) for a module path or a parameter FQN."""
+    paths = _module_paths(plan)
+    fqns = list(dict.fromkeys(list(plan.graph.get("fqns") or ()) + [k for k in plan.placements if not k.startswith("input:")]))
+    if path == "" or path in paths or any(_in_scope(p, path) for p in paths):
+        return path, None
+    if path in fqns:
+        return (path.rsplit(".", 1)[0] if "." in path else ""), path
+    close = [c for c in paths + fqns if path and path in c][:3]
+    close += [c for c in difflib.get_close_matches(path, paths + fqns, n=5, cutoff=0.5) if c not in close]
+    hint = f"did you mean: {', '.join(close[:5])}?" if close else \
+        f"modules in this plan: {', '.join(p or '(root)' for p in paths[:8])}{' ...' if len(paths) > 8 else ''}"
+    raise PlanError(f"no module or parameter {path!r} in this plan; {hint}")
+
+
+def explain(plan: "Plan", module_path: str) -> str:
+    """Chosen strategy of each op under a module, per-op compute and incoming reshardings, the
+    parameters' placements and reshardings, and the module's alternatives."""
+    path, fqn = _resolve(plan, module_path)
+    axes = ", ".join(plan.axis_names)
+    nodes = [n for n in plan.nodes if _in_scope(n.get("module", ""), path)]
+    mods = [m for m in plan.modules if _in_scope(m.get("path", ""), path)]
+    label = path or "(root)"
+    lines: list[str] = []
+    if fqn is not None:
+        lines.append(f"parameter {fqn}: {plan.placements.get(fqn, '(no placement)')} over ({axes}), in module {label}")
+    t, c = sum(m.get("time", 0.0) for m in mods), sum(m.get("comm", 0.0) for m in mods)
+    b, mem = sum(m.get("bytes", 0) for m in mods), sum(m.get("memory", 0) for m in mods)
+    lines.append(f"module {label}: {len(nodes)} ops, compute {human_time(t)}, communication {human_time(c)}, "
+                 f"moved {human_bytes(b)}, memory {human_bytes(mem)}")
+    params = {k: v for k, v in plan.placements.items() if not k.startswith("input:") and _in_scope(k.rsplit(".", 1)[0] if "." in k else "", path)}
+    if params:
+        w = min(max(len(k) for k in params), 60)
+        lines.append(f"parameters (placement over {axes}):")
+        lines += [f"  {k:<{w}}  {v}{'   <-' if k == fqn else ''}" for k, v in params.items()]
+    by_consumer: dict[str, list[dict]] = defaultdict(list)
+    for r in plan.reshardings:
+        by_consumer[str(r.get("consumer"))].append(r)
+    names = {n.get("name") for n in nodes}
+    if nodes:
+        lines.append(f"ops (graph order; strategy per mesh axis {axes}):")
+    for n in nodes:
+        mod = f"  [{n.get('module')}]" if n.get("module") != path else ""
+        lines.append(f"  {n.get('name')}  {n.get('op')}  {n.get('phase', '')}  compute {human_time(n.get('compute', 0.0))}{mod}")
+        tags = n.get("tags") or []
+        for i, sig in enumerate(n.get("strategy") or []):
+            ax = plan.axis_names[i] if i < len(plan.axis_names) else f"axis{i}"
+            tag = f"  [{tags[i]}]" if i < len(tags) and tags[i] else ""
+            lines.append(f"      {ax}: {sig}{tag}")
+        ins = " | ".join(str(x) for x in n.get("inputs") or []) or "-"
+        outs = " | ".join("-" if x is None else str(x) for x in n.get("outputs") or []) or "-"
+        lines.append(_clip(f"      in: {ins}   out: {outs}", WIDTH))
+        for r in by_consumer.get(str(n.get("name")), []):
+            lines += _resharding_line(r, "      ")
+    others = [r for r in plan.reshardings if str(r.get("consumer")) not in names and (
+        _in_scope(str(r.get("module", "")), path) and r.get("module") is not None
+        or (str(r.get("consumer", "")).startswith("param:") and _in_scope(str(r["consumer"])[6:].rsplit(".", 1)[0], path)))]
+    if fqn is not None:
+        others = [r for r in others if str(r.get("consumer")) == f"param:{fqn}" or r.get("tensor") == fqn] + \
+                 [r for r in others if not (str(r.get("consumer")) == f"param:{fqn}" or r.get("tensor") == fqn)]
+    if others:
+        lines.append("parameter and other reshardings:")
+        for r in others:
+            lines += _resharding_line(r, "  ", show_consumer=True)
+    for m in mods:
+        alts = m.get("alternatives") or []
+        if not alts:
+            continue
+        lines.append(f"alternatives for {m.get('path') or '(root)'} (chosen: compute {human_time(m.get('time', 0.0))}, "
+                     f"communication {human_time(m.get('comm', 0.0))}; delta = change in step time):")
+        w = max(len(str(a.get("name"))) for a in alts)
+        for a in sorted(alts, key=lambda a: a.get("delta", 0.0)):
+            d = a.get("delta", 0.0)
+            lines.append(f"  {str(a.get('name')):<{w}}  {('+' if d >= 0 else '') + human_time(d):>10}  "
+                         f"(compute {human_time(a.get('time', 0.0))}, communication {human_time(a.get('comm', 0.0))})")
+    return "\n".join(lines)
+
+
+# -- diff -------------------------------------------------------------------------------------------
+
+def _same(a: Any, b: Any) -> bool:
+    return _canon(a) == _canon(b)
+
+
+def _delta(label: str, a: float, b: float, fmt) -> str:
+    pct = f", {(b - a) / a * 100:+.1f}%" if a else ""
+    sign = "+" if b >= a else "-"
+    return f"{label}: {fmt(a)} -> {fmt(b)} ({sign}{fmt(abs(b - a))}{pct})"
+
+
+def diff(a: "Plan", b: "Plan", limit: int = 40) -> str:
+    """Differences from plan ``a`` to plan ``b`` ("plans are identical" when none). Planning wall
+    times are not compared."""
+    out: list[str] = []
+    if not _same(a.fingerprint.get("graph"), b.fingerprint.get("graph")):
+        out.append("graph: the plans were made for different graphs (fingerprints differ)")
+    if a.source != b.source:
+        out.append(f"source: {a.source} -> {b.source}")
+    if not _same(a.mesh, b.mesh):
+        ma, mb = mesh_text(a.mesh), mesh_text(b.mesh)
+        out.append(f"mesh: {ma} -> {mb}" if ma != mb else f"mesh: {ma}, hardware figures or links differ")
+    if not _same(a.precision, b.precision):
+        keys = [k for k in sorted(set(a.precision) | set(b.precision)) if a.precision.get(k) != b.precision.get(k)]
+        out.append("precision: " + ", ".join(f"{k} {a.precision.get(k)} -> {b.precision.get(k)}" for k in keys))
+    if a.training != b.training:
+        out.append(f"training: {a.training} -> {b.training}")
+    for label, x, y, fmt in (("memory budget", a.memory_budget, b.memory_budget, human_bytes),
+                             ("step time", a.step_time, b.step_time, human_time),
+                             ("compute time", a.compute_time, b.compute_time, human_time),
+                             ("communication time", a.comm_time, b.comm_time, human_time),
+                             ("peak memory", a.peak_memory, b.peak_memory, human_bytes)):
+        if not _same(x, y):
+            out.append(_delta(label, x, y, fmt))
+    for k in sorted(set(a.memory) | set(b.memory)):
+        if not _same(a.memory.get(k, 0), b.memory.get(k, 0)):
+            out.append(_delta(f"  memory {k}", a.memory.get(k, 0), b.memory.get(k, 0), human_bytes))
+    if a.fits != b.fits:
+        out.append(f"fits in memory: {a.fits} -> {b.fits}")
+    changed = [k for k in sorted(set(a.placements) | set(b.placements)) if a.placements.get(k) != b.placements.get(k)]
+    if changed:
+        out.append(f"placements ({len(changed)} differ):")
+        w = min(max(len(k) for k in changed), 60)
+        out += [f"  {k:<{w}}  {a.placements.get(k, '(absent)')} -> {b.placements.get(k, '(absent)')}" for k in changed[:limit]]
+        if len(changed) > limit:
+            out.append(f"  ... {len(changed) - limit} more")
+    sa = {n.get("name"): n.get("strategy") for n in a.nodes}
+    sb = {n.get("name"): n.get("strategy") for n in b.nodes}
+    ops = [k for k in sa if k in sb and sa[k] != sb[k]]
+    if ops:
+        out.append(f"op strategies: {len(ops)} of {len(sa)} ops differ (first: {', '.join(map(str, ops[:5]))})")
+    if set(sa) != set(sb):
+        out.append(f"ops: {len(sa)} -> {len(sb)} (the graphs differ)")
+    for label, x, y in (("reshardings", a.reshardings, b.reshardings), ("collectives", a.collectives, b.collectives)):
+        if not _same(x, y):
+            out.append(f"{label}: {len(x)} -> {len(y)}" + ("" if len(x) != len(y) else " (contents differ)"))
+    if a.bucket_size != b.bucket_size:
+        out.append(f"bucket size: {human_bytes(a.bucket_size)} -> {human_bytes(b.bucket_size)}")
+    rest = [k for k in ("nodes", "modules", "baselines", "graph") if not _same(getattr(a, k), getattr(b, k))]
+    sol_a = {k: v for k, v in a.solver.items() if k not in SOLVER_TIMING_KEYS}
+    sol_b = {k: v for k, v in b.solver.items() if k not in SOLVER_TIMING_KEYS}
+    rest += ["solver"] if not _same(sol_a, sol_b) else []
+    if not out and rest:
+        out.append("decisions and estimates are equal; details differ in: " + ", ".join(rest))
+    if not out:
+        return "plans are identical"
+    return "\n".join(["plans differ (first -> second):"] + [_clip(line, WIDTH) for line in out])

@@ -1,0 +1,144 @@
+"""Hand-written parallelism recipes as fixed placements, priced by the same evaluator as a search.
+
+Each recipe fixes what users fix when they write it by hand — where parameters and inputs live —
+and lets every op follow the cheapest way consistent with that:
+
+- ``ddp``: parameters replicated; the batch split over every (data) axis.
+- ``fsdp`` (ZeRO-3): parameters split along a dim on every data axis, gathered before use.
+- ``megatron_tp``: on the tensor axis every weight matrix is split (column or row, whichever its
+  neighbours make cheaper), biases and norms replicated; data axes as DDP.
+- ``megatron_sp``: tensor parallel plus the sequence split on the tensor axis between blocks.
+- ``fsdp_tp``: FSDP on the data axes, tensor parallel on the tensor axis (needs two axes or more).
+
+``tensor_axis`` (default the last) names the tensor-parallel axis; the other axes are data axes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+from autopar.errors import AutoparError
+from autopar.ir.graph import Graph
+from autopar.ir.placement import B, Placements, Split
+from autopar.mesh import Mesh
+
+NAMES = ("ddp", "fsdp", "megatron_tp", "megatron_sp", "fsdp_tp")
+
+
+class RecipeError(AutoparError, ValueError):
+    """A recipe that does not apply to this model or mesh."""
+
+
+Allowed = dict[str, list[Placements]]  # placeholder node name -> allowed placements
+
+
+def _axes(mesh: Mesh, tensor_axis, needs_tensor: bool, name: str) -> tuple[list[int], Optional[int]]:
+    if not needs_tensor:
+        return list(range(mesh.ndim)), None
+    t = mesh.axis(tensor_axis)
+    return [a for a in range(mesh.ndim) if a != t], t
+
+
+def _batch_split(graph: Graph, mesh: Mesh, data_axes: Sequence[int], name: str) -> Allowed:
+    """Every tensor input split on dim 0 (the batch) over the data axes."""
+    out: Allowed = {}
+    pieces = 1
+    for a in data_axes:
+        pieces *= mesh.shape[a]
+    for key, node in graph.inputs.items():
+        spec = graph.node(node).out
+        if spec.ndim == 0:
+            continue
+        if spec.shape[0] < pieces:
+            raise RecipeError(
+                f"{name}: input {key!r} has batch {spec.shape[0]}, fewer than the {pieces} devices of the data "
+                f"axes {[mesh.names[a] for a in data_axes]}; use a larger batch or another recipe"
+            )
+        out[node] = [tuple(Split(0) if a in data_axes else B for a in range(mesh.ndim))]
+    return out
+
+
+def _shard_dim(shape: Sequence[int], pieces: int) -> Optional[int]:
+    """The dim FSDP splits: dim 0 when it is large enough, else the largest dim that is."""
+    if shape and shape[0] >= pieces:
+        return 0
+    fits = [d for d in range(len(shape)) if shape[d] >= pieces]
+    return max(fits, key=lambda d: (shape[d], -d)) if fits else None
+
+
+def _params(graph: Graph) -> list[tuple[str, str]]:
+    return [(fqn, node) for fqn, node in graph.params.items()]
+
+
+def _constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed:
+    tp = name in ("megatron_tp", "megatron_sp", "fsdp_tp")
+    if name == "fsdp_tp" and mesh.ndim < 2:
+        raise RecipeError("fsdp_tp needs a mesh with a data axis and a tensor axis (two axes or more)")
+    data, t = _axes(mesh, tensor_axis, tp, name)
+    allowed: Allowed = {}
+    if graph.inputs and data:
+        allowed.update(_batch_split(graph, mesh, data, name))
+    elif graph.inputs and t is not None:  # 1-D tensor parallel: every device sees the whole batch
+        for node in graph.inputs.values():
+            allowed[node] = [tuple(B for _ in mesh.shape)]
+    sharded_any = False
+    data_pieces = 1
+    for a in data:
+        data_pieces *= mesh.shape[a]
+    for fqn, node in _params(graph):
+        shape = graph.node(node).out.shape
+        base: list = [B] * mesh.ndim
+        if name in ("fsdp", "fsdp_tp") and data:
+            d = _shard_dim(shape, data_pieces)
+            if d is not None:
+                for a in data:
+                    base[a] = Split(d)
+        options = [tuple(base)]
+        if tp and t is not None and len(shape) >= 2:
+            options = []
+            for d in range(len(shape)):
+                if shape[d] >= mesh.shape[t] and all(not (isinstance(p, Split) and p.dim == d) for p in base):
+                    pl = list(base)
+                    pl[t] = Split(d)
+                    options.append(tuple(pl))
+            if options:
+                sharded_any = True
+            else:
+                options = [tuple(base)]
+        allowed[node] = options
+    if tp and not sharded_any:
+        raise RecipeError(f"{name}: the model has no weight matrix that splits over the tensor axis "
+                          f"{mesh.names[t]!r} (size {mesh.shape[t]})")
+    if name == "megatron_sp" and t is not None:
+        for key, node in graph.inputs.items():
+            spec = graph.node(node).out
+            if spec.ndim >= 2 and spec.shape[1] >= mesh.shape[t]:
+                allowed[node] = [tuple(Split(1) if a == t else p for a, p in enumerate(pl)) for pl in allowed.get(node, [tuple(B for _ in mesh.shape)])]
+    return allowed
+
+
+def constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed:
+    """The placements recipe ``name`` prescribes for the graph's parameters and inputs."""
+    if name not in NAMES:
+        raise RecipeError(f"unknown recipe {name!r}; recipes are {', '.join(NAMES)}")
+    if not graph.params:
+        raise RecipeError(f"{name}: the model has no parameters")
+    return _constraints(graph, mesh, name, tensor_axis)
+
+
+def _recipe(name: str) -> Callable:
+    def build(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, tensor_axis=-1, **kw):
+        from autopar.api import plan
+
+        return plan(model, mesh, example_inputs, example_kwargs, recipe=name, tensor_axis=tensor_axis, **kw)
+
+    build.__name__ = name
+    build.__doc__ = f"The {name} recipe as a Plan (see ``autopar.recipes``)."
+    return build
+
+
+ddp = _recipe("ddp")
+fsdp = _recipe("fsdp")
+megatron_tp = _recipe("megatron_tp")
+megatron_sp = _recipe("megatron_sp")
+fsdp_tp = _recipe("fsdp_tp")
