@@ -11,7 +11,7 @@ Variables and constraints, each family built in its own function below:
   reductions that its compute cannot hide.                  exposed[g] >= sum_{e in g} cost_e(y) - sum_{n in g} compute_n(x)
 - memory (bytes per device):                               sum_n mult_n * mem_n(x) <= budget
 
-Objective (nanoseconds): sum_n mult_n (compute_n + comm_n)(x) + sum_{e not overlappable} mult_e cost_e(y)
+Objective (picoseconds): sum_n mult_n (compute_n + comm_n)(x) + sum_{e not overlappable} mult_e cost_e(y)
 + sum_g mult_g exposed[g] — exactly ``problem.evaluate`` linearised. Ties (hidden communication
 costs nothing) are broken lexicographically by a second solve that keeps the step time at the
 first solve's value and minimises hidden traffic plus memory, so among equally fast plans the one
@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 from autopar.errors import AutoparError
 from autopar.passes.problem import Problem
 
-NS = 1e9  # objective unit: nanoseconds
+NS = 1e12  # objective unit: picoseconds (integer costs; finer units keep rounding below any real difference)
 
 
 class InfeasibleError(AutoparError):
