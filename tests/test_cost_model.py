@@ -30,11 +30,12 @@ FP32 = get_precision("fp32", H100)
 def test_collective_formulas_by_hand():
     link = Link(latency=1e-5, bandwidth=1e9)
     nb = 8e6  # bytes
-    assert collective_time("all_gather", nb, 4, link) == pytest.approx(3e-5 + 0.75 * 8e-3)
-    assert collective_time("reduce_scatter", nb, 4, link) == pytest.approx(3e-5 + 0.75 * 8e-3)
-    assert collective_time("all_reduce", nb, 4, link) == pytest.approx(6e-5 + 1.5 * 8e-3)
-    assert collective_time("all_to_all", nb, 4, link) == pytest.approx(3e-5 + 3 / 16 * 8e-3)
-    assert collective_time("all_reduce", nb, 2, link) == pytest.approx(2e-5 + 8e-3)
+    # ring steps (n - 1 or 2(n - 1) latencies) plus one latency to start the collective
+    assert collective_time("all_gather", nb, 4, link) == pytest.approx(4e-5 + 0.75 * 8e-3)
+    assert collective_time("reduce_scatter", nb, 4, link) == pytest.approx(4e-5 + 0.75 * 8e-3)
+    assert collective_time("all_reduce", nb, 4, link) == pytest.approx(7e-5 + 1.5 * 8e-3)
+    assert collective_time("all_to_all", nb, 4, link) == pytest.approx(4e-5 + 3 / 16 * 8e-3)
+    assert collective_time("all_reduce", nb, 2, link) == pytest.approx(3e-5 + 8e-3)
     for kind in ("slice", "pad", "zero"):
         assert collective_time(kind, nb, 4, link) == 0.0
     for kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all"):

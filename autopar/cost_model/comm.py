@@ -50,17 +50,21 @@ class Step:
 
 
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
-    """Ring-algorithm time of one collective over ``n`` devices (0 for local steps or ``n == 1``)."""
+    """Ring-algorithm time of one collective over ``n`` devices (0 for local steps or ``n == 1``).
+
+    Each collective also pays one ``latency`` to start (a launch and a handshake), so one
+    all-reduce is cheaper than the reduce-scatter + all-gather that moves the same bytes.
+    """
     if kind not in KINDS:
         raise ValueError(f"unknown collective {kind!r}; expected one of {KINDS}")
     if n <= 1 or kind in LOCAL_KINDS:
         return 0.0
     a, b = link.latency, link.bandwidth
     if kind == "all_gather" or kind == "reduce_scatter":
-        return (n - 1) * a + (n - 1) / n * nbytes / b
+        return n * a + (n - 1) / n * nbytes / b
     if kind == "all_reduce":
-        return 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes / b
-    return (n - 1) * a + (n - 1) / (n * n) * nbytes / b  # all_to_all
+        return (2 * (n - 1) + 1) * a + 2 * (n - 1) / n * nbytes / b
+    return n * a + (n - 1) / (n * n) * nbytes / b  # all_to_all
 
 
 def axis_step(src: Placement, dst: Placement) -> str | None:

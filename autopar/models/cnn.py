@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .common import build_on, family_make, labelled
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(in_channels=3, widths=(8, 16), blocks=(1, 1), num_classes=10, image_size=16),
@@ -111,32 +112,14 @@ class ResNet(nn.Module):
 
 def build(cfg: CNNConfig, device: torch.device | str | None = None) -> ResNet:
     """Construct a ``ResNet`` directly on ``device`` (``"meta"`` allocates nothing)."""
-    with torch.device(device) if device is not None else contextlib.nullcontext():
-        return ResNet(cfg)
+    return build_on(ResNet, cfg, device)
 
 
 def example_inputs(
     cfg: CNNConfig, batch: int = 2, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(images [batch, C, image_size, image_size] float, targets [batch] int64)``, seed 0."""
-    g = torch.Generator().manual_seed(0)
-    shape = (batch, cfg.in_channels, cfg.image_size, cfg.image_size)
-    x = torch.randn(shape, generator=g, dtype=cfg.dtype, device="cpu")
-    y = torch.randint(0, cfg.num_classes, (batch,), generator=g, device="cpu")
-    return x.to(device or "cpu"), y.to(device or "cpu")
+    return labelled((batch, cfg.in_channels, cfg.image_size, cfg.image_size), cfg.dtype, cfg.num_classes, device)
 
 
-def make(
-    size: str = "tiny",
-    batch: int = 2,
-    seq: int | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
-    input_device: torch.device | str | None = None,
-    **overrides,
-) -> tuple[ResNet, tuple[torch.Tensor, ...]]:
-    """``(model, example_inputs)`` for a preset; ``seq`` is ignored (no sequence dim)."""
-    cfg = CNNConfig.preset(size, dtype=dtype, **overrides)
-    if input_device is None:
-        input_device = "cpu" if device is not None and torch.device(device).type == "meta" else device
-    return build(cfg, device), example_inputs(cfg, batch, device=input_device)
+make = family_make(CNNConfig, build, example_inputs, has_seq=False)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .common import build_on, family_make, token_pair
 
 _GPT3 = dict(vocab_size=50304, block_size=2048)
 # GPT-3 family shapes (Brown et al. 2020, table 2.1), with head counts that divide n_embd
@@ -159,8 +160,7 @@ class GPT(nn.Module):
 
 def build(cfg: GPTConfig, device: torch.device | str | None = None) -> GPT:
     """Construct a ``GPT`` directly on ``device`` (``"meta"`` allocates nothing)."""
-    with torch.device(device) if device is not None else contextlib.nullcontext():
-        return GPT(cfg)
+    return build_on(GPT, cfg, device)
 
 
 def example_inputs(
@@ -170,23 +170,7 @@ def example_inputs(
     seq = cfg.block_size if seq is None else seq
     if seq > cfg.block_size:
         raise ValueError(f"seq {seq} exceeds block_size {cfg.block_size}")
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g, device="cpu")
-    tgt = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g, device="cpu")
-    return idx.to(device or "cpu"), tgt.to(device or "cpu")
+    return token_pair(cfg.vocab_size, batch, seq, device)
 
 
-def make(
-    size: str = "tiny",
-    batch: int = 2,
-    seq: int | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
-    input_device: torch.device | str | None = None,
-    **overrides,
-) -> tuple[GPT, tuple[torch.Tensor, ...]]:
-    """``(model, example_inputs)`` for a preset; inputs stay on CPU for a meta model."""
-    cfg = GPTConfig.preset(size, dtype=dtype, **overrides)
-    if input_device is None:
-        input_device = "cpu" if device is not None and torch.device(device).type == "meta" else device
-    return build(cfg, device), example_inputs(cfg, batch, seq, device=input_device)
+make = family_make(GPTConfig, build, example_inputs, has_seq=True)

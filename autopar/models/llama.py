@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .common import build_on, family_make, token_pair
 
 _LLAMA3 = dict(vocab_size=128256, max_seq_len=8192, norm_eps=1e-5, rope_theta=500000.0)
 # "1B"/"3B" use the Llama-3.2 body shapes, but with this model's untied output head.
@@ -175,8 +176,7 @@ class Llama(nn.Module):
 
 def build(cfg: LlamaConfig, device: torch.device | str | None = None) -> Llama:
     """Construct a ``Llama`` directly on ``device`` (``"meta"`` allocates nothing)."""
-    with torch.device(device) if device is not None else contextlib.nullcontext():
-        return Llama(cfg)
+    return build_on(Llama, cfg, device)
 
 
 def example_inputs(
@@ -186,23 +186,7 @@ def example_inputs(
     seq = cfg.max_seq_len if seq is None else seq
     if seq > cfg.max_seq_len:
         raise ValueError(f"seq {seq} exceeds max_seq_len {cfg.max_seq_len}")
-    g = torch.Generator().manual_seed(0)
-    tok = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g, device="cpu")
-    tgt = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g, device="cpu")
-    return tok.to(device or "cpu"), tgt.to(device or "cpu")
+    return token_pair(cfg.vocab_size, batch, seq, device)
 
 
-def make(
-    size: str = "tiny",
-    batch: int = 2,
-    seq: int | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
-    input_device: torch.device | str | None = None,
-    **overrides,
-) -> tuple[Llama, tuple[torch.Tensor, ...]]:
-    """``(model, example_inputs)`` for a preset; inputs stay on CPU for a meta model."""
-    cfg = LlamaConfig.preset(size, dtype=dtype, **overrides)
-    if input_device is None:
-        input_device = "cpu" if device is not None and torch.device(device).type == "meta" else device
-    return build(cfg, device), example_inputs(cfg, batch, seq, device=input_device)
+make = family_make(LlamaConfig, build, example_inputs, has_seq=True)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .common import build_on, family_make, labelled
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(in_dim=16, hidden_dim=32, n_layers=2, num_classes=4),
@@ -70,31 +71,14 @@ class MLP(nn.Module):
 
 def build(cfg: MLPConfig, device: torch.device | str | None = None) -> MLP:
     """Construct an ``MLP`` directly on ``device`` (``"meta"`` allocates nothing)."""
-    with torch.device(device) if device is not None else contextlib.nullcontext():
-        return MLP(cfg)
+    return build_on(MLP, cfg, device)
 
 
 def example_inputs(
     cfg: MLPConfig, batch: int = 2, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x [batch, in_dim] float, targets [batch] int64)``, deterministic (generator seed 0)."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, cfg.in_dim, generator=g, dtype=cfg.dtype, device="cpu")
-    y = torch.randint(0, cfg.num_classes, (batch,), generator=g, device="cpu")
-    return x.to(device or "cpu"), y.to(device or "cpu")
+    return labelled((batch, cfg.in_dim), cfg.dtype, cfg.num_classes, device)
 
 
-def make(
-    size: str = "tiny",
-    batch: int = 2,
-    seq: int | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
-    input_device: torch.device | str | None = None,
-    **overrides,
-) -> tuple[MLP, tuple[torch.Tensor, ...]]:
-    """``(model, example_inputs)`` for a preset; ``seq`` is ignored (no sequence dim)."""
-    cfg = MLPConfig.preset(size, dtype=dtype, **overrides)
-    if input_device is None:
-        input_device = "cpu" if device is not None and torch.device(device).type == "meta" else device
-    return build(cfg, device), example_inputs(cfg, batch, device=input_device)
+make = family_make(MLPConfig, build, example_inputs, has_seq=False)

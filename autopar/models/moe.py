@@ -6,13 +6,14 @@ traces under fake tensors: routing is expressed as dense ``[T, E, C]`` dispatch/
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .common import build_on, family_make, token_pair
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=64, dim=32, ffn_dim=64, n_experts=4, top_k=2, seq_len=16),
@@ -154,8 +155,7 @@ class MoEModel(nn.Module):
 
 def build(cfg: MoEConfig, device: torch.device | str | None = None) -> MoEModel:
     """Construct a ``MoEModel`` directly on ``device`` (``"meta"`` allocates nothing)."""
-    with torch.device(device) if device is not None else contextlib.nullcontext():
-        return MoEModel(cfg)
+    return build_on(MoEModel, cfg, device)
 
 
 def example_inputs(
@@ -163,23 +163,7 @@ def example_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens, targets)``, both ``[batch, seq]`` int64; ``seq`` defaults to ``cfg.seq_len``."""
     seq = cfg.seq_len if seq is None else seq
-    g = torch.Generator().manual_seed(0)
-    tok = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g, device="cpu")
-    tgt = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g, device="cpu")
-    return tok.to(device or "cpu"), tgt.to(device or "cpu")
+    return token_pair(cfg.vocab_size, batch, seq, device)
 
 
-def make(
-    size: str = "tiny",
-    batch: int = 2,
-    seq: int | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
-    input_device: torch.device | str | None = None,
-    **overrides,
-) -> tuple[MoEModel, tuple[torch.Tensor, ...]]:
-    """``(model, example_inputs)`` for a preset; inputs stay on CPU for a meta model."""
-    cfg = MoEConfig.preset(size, dtype=dtype, **overrides)
-    if input_device is None:
-        input_device = "cpu" if device is not None and torch.device(device).type == "meta" else device
-    return build(cfg, device), example_inputs(cfg, batch, seq, device=input_device)
+make = family_make(MoEConfig, build, example_inputs, has_seq=True)

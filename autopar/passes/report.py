@@ -109,8 +109,7 @@ def build_plan(planned: "Planned"):
 
 def _reshardings(planned: "Planned", strat) -> list[dict]:
     g, mesh, prec = planned.graph, planned.mesh, planned.precision
-    params = {name for name in g.params.values()}
-    fqn_of = {name: fqn for fqn, name in g.params.items()}
+    params = set(g.params.values())
     out = []
 
     def add(ref: Ref, consumer: str, kind: str, src, dst, module: str):
@@ -143,7 +142,6 @@ def _reshardings(planned: "Planned", strat) -> list[dict]:
     if g.loss is not None:
         add(g.loss, "loss", "activation", output_placement(strat(g.loss.node), g.loss.index),
             tuple(B for _ in mesh.shape), g.node(g.loss.node).module_path)
-    del fqn_of
     return out
 
 
