@@ -106,7 +106,7 @@ def run_passes(
     for name in names:
         try:
             allowed = R.constraints(graph, mesh, name, tensor_axis)
-            choice = _complete(merged, problem, allowed, deterministic_time / 4)
+            choice = _complete(merged, problem, allowed, R.pinned_axes(mesh, name, tensor_axis), deterministic_time / 4)
         except (R.RecipeError, InfeasibleError, ValueError) as e:
             if recipe:
                 raise
@@ -140,7 +140,7 @@ def run_passes(
             candidates.append((evaluate(problem, choices[name]), 1 + k, f"recipe:{name}", choices[name]))
         fits = [c for c in candidates if c[0].peak_memory <= budget]
         if not fits:
-            raise _infeasible(problem, budget, candidates)
+            raise _infeasible(graph, problem, budget)
         best = min(fits, key=lambda c: (c[0].step_time, c[1]))
         choice, source = best[3], best[2]
     clock.lap("solve")
@@ -150,10 +150,20 @@ def run_passes(
                    choices, clock.phases)
 
 
-def _complete(merged: Merged, problem: Problem, allowed: dict, deterministic_time: float) -> list[int]:
-    """The cheapest choice with the placeholders restricted to ``allowed`` placements."""
+#: Seconds added to a forbidden resharding while completing a recipe (far above any real step).
+FORBIDDEN = 1e3
+
+
+def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int], deterministic_time: float) -> list[int]:
+    """The cheapest choice with the placeholders restricted to ``allowed`` placements, and
+    parameters used where they lie on the ``pinned`` axes (no gathers there)."""
     saved = [n.allowed for n in merged.problem.nodes]
+    saved_costs = [e.cost for e in merged.problem.edges]
     try:
+        for e in merged.problem.edges:
+            if e.kind == "param" and pinned:
+                e.cost = [[c + (FORBIDDEN if any(e.places_out[p][a] != e.places_in[q][a] for a in pinned) else 0.0)
+                           for q, c in enumerate(row)] for p, row in enumerate(e.cost)]
         for i, n in enumerate(merged.problem.nodes):
             if n.name in allowed:
                 ok = [s for s, st in enumerate(n.strategies) if output_placement(st, 0) in allowed[n.name]]
@@ -174,6 +184,8 @@ def _complete(merged: Merged, problem: Problem, allowed: dict, deterministic_tim
     finally:
         for n, a in zip(merged.problem.nodes, saved):
             n.allowed = a
+        for e, c in zip(merged.problem.edges, saved_costs):
+            e.cost = c
 
 
 def _unbounded(problem: Problem, start, deterministic_time: float) -> list[int]:
@@ -185,25 +197,39 @@ def _unbounded(problem: Problem, start, deterministic_time: float) -> list[int]:
         problem.memory_budget = budget
 
 
-def _infeasible(problem: Problem, budget: float, candidates) -> InfeasibleError:
-    """No plan fits: say how much memory the leanest one needs and what dominates it."""
-    lean = min(candidates, key=lambda c: c[0].peak_memory)
-    cost, choice = lean[0], lean[3]
-    tops = []
-    for i, n in enumerate(problem.nodes):
-        b = n.mult * n.mem_total(choice[i])
-        if b:
-            tops.append((b, n.name))
-    tops.sort(reverse=True)
+def _infeasible(graph: Graph, problem: Problem, budget: float) -> InfeasibleError:
+    """No plan fits: state the smallest per-device memory any plan needs and what dominates it.
+
+    Memory is a sum over nodes with no coupling between them, so the minimum over all plans is
+    the sum of every node's leanest strategy — exact, no search needed.
+    """
+    from autopar.passes.problem import MEMORY_KINDS
     from autopar.plan import human_bytes
 
-    top = ", ".join(f"{name} ({human_bytes(b)})" for b, name in tops[:5])
+    need = dict.fromkeys(MEMORY_KINDS, 0.0)
+    tops = []
+    for n in problem.nodes:
+        s = min(range(len(n.strategies)), key=lambda k: (n.mem_total(k), k))
+        for k in MEMORY_KINDS:
+            need[k] += n.mult * n.memory[k][s]
+        if n.mem_total(s):
+            tops.append((n.mult * n.mem_total(s), n.name, n.mult))
+    tops.sort(reverse=True)
+    names = {v: k for k, v in list(graph.params.items()) + list(graph.buffers.items()) + list(graph.inputs.items())}
+
+    def label(name: str) -> str:
+        if name in names:
+            return names[name]
+        node = graph.node(name)
+        return f"{name} ({node.op.replace('aten.', '')} in {node.module_path or '<root>'})"
+
+    top = ", ".join(f"{label(name)} ({human_bytes(b)}" + (f" over {m} layers)" if m > 1 else ")") for b, name, m in tops[:5])
+    total = sum(need.values())
     return InfeasibleError(
-        f"no plan fits the memory budget of {human_bytes(budget)} per device: the leanest plan found "
-        f"({lean[2]}) needs {human_bytes(cost.peak_memory)} "
-        f"(params {human_bytes(cost.memory['params'])}, grads {human_bytes(cost.memory['grads'])}, optimizer "
-        f"{human_bytes(cost.memory['optimizer'])}, activations {human_bytes(cost.memory['activations'])}); "
-        f"largest tensors: {top}. Use more devices, a smaller batch, or raise memory_budget."
+        f"no plan fits the memory budget of {human_bytes(budget)} per device: the leanest possible plan needs "
+        f"{human_bytes(total)} per device (params {human_bytes(need['params'])}, grads {human_bytes(need['grads'])}, "
+        f"optimizer {human_bytes(need['optimizer'])}, activations {human_bytes(need['activations'])}); "
+        f"largest tensors at their leanest placement: {top}. Use more devices, a smaller batch, or raise memory_budget."
     )
 
 

@@ -117,6 +117,14 @@ def _constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed
     return allowed
 
 
+def pinned_axes(mesh: Mesh, name: str, tensor_axis=-1) -> list[int]:
+    """Mesh axes on which the recipe uses parameters where they lie: tensor parallelism computes
+    with its weight shards and never gathers them (FSDP, by contrast, gathers before use)."""
+    if name in ("megatron_tp", "megatron_sp", "fsdp_tp"):
+        return [mesh.axis(tensor_axis)]
+    return []
+
+
 def constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed:
     """The placements recipe ``name`` prescribes for the graph's parameters and inputs."""
     if name not in NAMES:
