@@ -168,3 +168,24 @@ def test_bad_hints_are_clear_errors(hints, match):
 def test_malformed_mesh_is_a_clear_error(axes, match):
     with pytest.raises(autopar.mesh.MeshError, match=match):
         autopar.Mesh(axes)
+
+
+def test_plans_are_byte_identical_across_processes(tmp_path):
+    """Different hash seeds, separate processes: the same plan file."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, warnings; warnings.simplefilter('ignore')\n"
+        "import autopar, autopar.models as M\n"
+        "m, i = M.make('gpt', batch=4, n_layer=2, device='meta')\n"
+        "autopar.plan(m, autopar.Mesh({'dp': 2, 'tp': 2}, device='h100'), i).save(sys.argv[1])\n"
+    )
+    outs = []
+    for seed in ("1", "2"):
+        path = tmp_path / f"plan{seed}.json"
+        env = dict(os.environ, PYTHONHASHSEED=seed, OMP_NUM_THREADS="1")
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env, timeout=600)
+        outs.append(path.read_bytes())
+    assert outs[0] == outs[1]
