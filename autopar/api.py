@@ -16,7 +16,7 @@ from autopar.passes.cost import build_problem
 from autopar.passes.fold import Folding, fold
 from autopar.passes.merge import Merged, merge
 from autopar.passes.problem import Cost, Problem, evaluate
-from autopar.passes.solve import InfeasibleError, Solution, edge_var_count, greedy, solve, solve_by_axis
+from autopar.passes.solve import InfeasibleError, Solution, edge_var_count, greedy, improve, solve, solve_by_axis
 from autopar.passes.strategies import node_strategies, output_placement, resolve_hints
 
 #: Above this many transport variables the full ILP is solved one mesh axis at a time.
@@ -106,7 +106,7 @@ def run_passes(
     for name in names:
         try:
             allowed = R.constraints(graph, mesh, name, tensor_axis)
-            choice = _complete(merged, problem, allowed, R.pinned_axes(mesh, name, tensor_axis), deterministic_time / 4)
+            choice = _complete(merged, problem, allowed, R.pinned_axes(mesh, name, tensor_axis))
         except (R.RecipeError, InfeasibleError, ValueError) as e:
             if recipe:
                 raise
@@ -154,9 +154,9 @@ def run_passes(
 FORBIDDEN = 1e3
 
 
-def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int], deterministic_time: float) -> list[int]:
-    """The cheapest choice with the placeholders restricted to ``allowed`` placements, and
-    parameters used where they lie on the ``pinned`` axes (no gathers there)."""
+def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int]) -> list[int]:
+    """A cheap choice with the placeholders restricted to ``allowed`` placements, and parameters
+    used where they lie on the ``pinned`` axes (no gathers there): greedy, then local search."""
     saved = [n.allowed for n in merged.problem.nodes]
     saved_costs = [e.cost for e in merged.problem.edges]
     try:
@@ -172,29 +172,13 @@ def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int]
                 if not ok:
                     raise InfeasibleError(f"no strategy of {n.name} has the recipe's placement")
                 n.allowed = ok
-        start = greedy(merged.problem)
-        if edge_var_count(merged.problem) <= FULL_ILP_LIMIT // 2:
-            try:
-                choice = solve(merged.problem, start, deterministic_time).choice
-            except InfeasibleError:  # over the memory budget: still a baseline, priced as it is
-                choice = _unbounded(merged.problem, start, deterministic_time)
-        else:
-            choice = start
+        choice = improve(merged.problem, greedy(merged.problem))
         return merged.expand(choice, len(problem.nodes))
     finally:
         for n, a in zip(merged.problem.nodes, saved):
             n.allowed = a
         for e, c in zip(merged.problem.edges, saved_costs):
             e.cost = c
-
-
-def _unbounded(problem: Problem, start, deterministic_time: float) -> list[int]:
-    budget = problem.memory_budget
-    problem.memory_budget = float("inf")
-    try:
-        return solve(problem, start, deterministic_time).choice
-    finally:
-        problem.memory_budget = budget
 
 
 def _infeasible(graph: Graph, problem: Problem, budget: float) -> InfeasibleError:

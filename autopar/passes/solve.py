@@ -60,8 +60,10 @@ def solve(
     hint: Optional[Sequence[int]] = None,
     deterministic_time: float = 30.0,
     time_limit: Optional[float] = None,
+    tiebreak: bool = True,
 ) -> Solution:
-    """The cheapest choice within the memory budget; raises InfeasibleError if there is none."""
+    """The cheapest choice within the memory budget; raises InfeasibleError if there is none.
+    ``tiebreak`` runs the second, lexicographic solve (less hidden traffic and memory)."""
     from ortools.sat.python import cp_model
 
     t0 = time.perf_counter()
@@ -96,7 +98,7 @@ def solve(
     choice = _read(solver, x)
 
     # Lexicographic tie-break: same step time, less hidden traffic and memory.
-    if secondary:
+    if secondary and tiebreak:
         model.ClearHints()
         for i, vars_ in x.items():
             for s, v in vars_.items():
@@ -237,6 +239,38 @@ def greedy(problem: Problem) -> list[int]:
             if best_cost is None or c < best_cost - 1e-15:
                 best, best_cost = s, c
         choice[i] = best  # type: ignore[assignment]
+    return choice
+
+
+def improve(problem: Problem, choice: Sequence[int], sweeps: int = 5) -> list[int]:
+    """Local search from ``choice``: each node in turn takes its best strategy with its neighbours
+    held (compute, sink communication, resharding on its edges), until a sweep changes nothing.
+    Cheap; used to complete recipes, where an exact ILP per recipe would cost more than it tells."""
+    choice = list(choice)
+    touching: dict[int, list] = {}
+    for e in problem.edges:
+        touching.setdefault(e.src, []).append(e)
+        touching.setdefault(e.dst, []).append(e)
+
+    def local(i: int, s: int) -> float:
+        n = problem.nodes[i]
+        c = n.mult * (n.compute[s] + n.comm[s])
+        for e in touching.get(i, []):
+            p = e.src_place[s if e.src == i else choice[e.src]]
+            q = e.dst_place[s if e.dst == i else choice[e.dst]]
+            c += e.mult * e.cost[p][q]
+        return c
+
+    for _ in range(sweeps):
+        changed = False
+        for i, n in enumerate(problem.nodes):
+            options = n.allowed if n.allowed is not None else range(len(n.strategies))
+            best = min(options, key=lambda s: (local(i, s), s != choice[i], s))
+            if best != choice[i] and local(i, best) < local(i, choice[i]) - 1e-15:
+                choice[i] = best
+                changed = True
+        if not changed:
+            break
     return choice
 
 
