@@ -82,31 +82,54 @@ def _signature(node: Node, prefix: str, index: int, members: dict[str, int]) -> 
     return (node.op, tuple(node.outputs), repr(args), repr(kwargs), rel(node.module_path), node.phase, len(outer))
 
 
-def fold(graph: Graph) -> Folding:
-    """Group the graph's layer instances; a group whose instances differ is left unfolded."""
+def _layers(graph: Graph, with_accumulation: bool) -> dict[tuple[str, int], list[str]]:
+    """Layer (prefix, index) -> its node names in graph order."""
     param_of = {name: fqn for fqn, name in list(graph.params.items()) + list(graph.buffers.items())}
     by_layer: dict[tuple[str, int], list[str]] = defaultdict(list)
+    layer_of: dict[str, tuple[str, int]] = {}
     for node in graph.nodes:
         key = _node_layer(graph, node, param_of)
+        if key is None and with_accumulation and not node.is_placeholder and not node.module_path:
+            # Gradient accumulation (a tensor used twice, e.g. the residual stream) has no module:
+            # it belongs to the lowest layer among its inputs' (the layer whose tensor it sums).
+            keys = [layer_of[r.node] for r in node.inputs if r.node in layer_of]
+            key = min(keys) if keys and len({k[0] for k in keys}) == 1 else None
         if key is not None:
+            layer_of[node.name] = key
             by_layer[key].append(node.name)
-    prefixes: dict[str, list[int]] = defaultdict(list)
-    for prefix, idx in by_layer:
-        prefixes[prefix].append(idx)
+    return by_layer
+
+
+def _instances(graph: Graph, by_layer, prefix: str) -> Optional[tuple[list[int], list[list[str]]]]:
+    """The largest set of alike instances of ``prefix`` (two or more), else None. The first or
+    last layer often differs (it touches the embedding or the head); the rest still fold."""
+    indices = sorted(i for p, i in by_layer if p == prefix)
+    alike: dict[tuple, list[int]] = defaultdict(list)
+    for i in indices:
+        names = by_layer[(prefix, i)]
+        members = {n: k for k, n in enumerate(names)}
+        alike[tuple(_signature(graph.node(n), prefix, i, members) for n in names)].append(i)
+    best = max(alike.values(), key=lambda ix: (len(ix) * len(by_layer[(prefix, ix[0])]), -ix[0]), default=[])
+    if len(best) < 2:
+        return None
+    return best, [by_layer[(prefix, i)] for i in best]
+
+
+def fold(graph: Graph) -> Folding:
+    """Group the graph's layer instances; a group whose instances differ is left unfolded.
+
+    Gradient-accumulation nodes are taken into their layer when that keeps the instances alike
+    (so the ILP does not grow with depth), and left outside otherwise (tied embeddings, say).
+    """
+    with_acc = _layers(graph, True)
+    without = _layers(graph, False)
     folding = Folding()
-    for prefix in sorted(prefixes):
-        indices = sorted(prefixes[prefix])
-        if len(indices) < 2:
+    for prefix in sorted({p for p, _ in with_acc}):
+        options = [f for f in (_instances(graph, with_acc, prefix), _instances(graph, without, prefix)) if f]
+        if not options:
             continue
-        instances = [by_layer[(prefix, i)] for i in indices]
-        if len({len(x) for x in instances}) != 1:
-            continue
-        sigs = []
-        for i, names in zip(indices, instances):
-            members = {n: k for k, n in enumerate(names)}
-            sigs.append([_signature(graph.node(n), prefix, i, members) for n in names])
-        if any(s != sigs[0] for s in sigs[1:]):
-            continue
+        found = max(options, key=lambda f: (len(f[0]) * len(f[1][0]), len(f[1][0])))
+        indices, instances = found
         g = len(folding.groups)
         folding.groups.append(LayerGroup(prefix, indices, instances))
         for inst, names in enumerate(instances):

@@ -305,8 +305,11 @@ def solve_by_axis(
     order = [a for r in range(rounds) for a in reversed(range(ndim))]
     budget = deterministic_time / max(1, len(order))
     best = evaluate(problem, choice).step_time
+    since_gain = 0
     try:
         for axis in order:
+            if since_gain >= ndim:  # a full cycle over the axes without a gain: a fixed point
+                break
             for i, n in enumerate(problem.nodes):
                 cur = n.strategies[choice[i]]
                 ok = [s for s, st in enumerate(n.strategies)
@@ -315,8 +318,9 @@ def solve_by_axis(
                     ok = [s for s in ok if s in saved[i]]
                 n.allowed = ok or [choice[i]]
             try:
-                sol = solve(problem, hint=choice, deterministic_time=budget, time_limit=time_limit)
+                sol = solve(problem, hint=choice, deterministic_time=budget, time_limit=time_limit, tiebreak=False)
             except InfeasibleError:
+                since_gain += 1
                 continue  # nothing within the budget on this axis alone: keep the current choice
             for k in ("variables", "constraints"):
                 stats[k] = max(stats[k], sol.stats[k])
@@ -327,8 +331,10 @@ def solve_by_axis(
                 {"axis": axis, "status": sol.status, "deterministic_time": sol.stats["deterministic_time"],
                  "variables": sol.stats["variables"]})  # no wall time here: plans on disk stay byte-identical
             value = evaluate(problem, sol.choice).step_time
-            if value <= best:
-                choice, best = sol.choice, value
+            if value < best * (1 - 1e-9):
+                choice, best, since_gain = sol.choice, value, 0
+            else:
+                since_gain += 1
     finally:
         for n, a in zip(problem.nodes, saved):
             n.allowed = a
