@@ -79,8 +79,8 @@ def solve(
             mem = int(n.mult * n.mem_total(s) / 1e6)  # MB
             if mem:
                 secondary.append(mem * v)
-    edge_cost = _edge_vars(model, problem, x, primary, secondary)
-    _exposed(model, problem, x, edge_cost, primary)
+    ys = _edge_vars(model, problem, x, primary, secondary)
+    _exposed(model, problem, x, ys, primary)
     _memory(model, problem, x)
     if hint is not None:
         for i, vars_ in x.items():
@@ -150,9 +150,9 @@ def _node_vars(model, problem: Problem) -> dict[int, dict[int, object]]:
     return x
 
 
-def _edge_vars(model, problem: Problem, x, objective: list, secondary: list) -> dict[int, list]:
-    """Transport variables per edge; returns each edge's cost terms (per instance, ns)."""
-    terms: dict[int, list] = {}
+def _edge_vars(model, problem: Problem, x, objective: list, secondary: list) -> dict[int, dict]:
+    """Transport variables per edge (only for edges that can cost something); returns them."""
+    ys: dict[int, dict] = {}
     for k, e in enumerate(problem.edges):
         rows: dict[int, list] = {}
         cols: dict[int, list] = {}
@@ -167,29 +167,33 @@ def _edge_vars(model, problem: Problem, x, objective: list, secondary: list) -> 
             model.Add(sum(y[p, q] for q in cols) == sum(vs))
         for q, vs in cols.items():
             model.Add(sum(y[p, q] for p in rows) == sum(vs))
-        cost = [_ns(e.cost[p][q]) * v for (p, q), v in y.items() if e.cost[p][q]]
-        terms[k] = cost
+        ys[k] = y
         if not e.overlappable():
-            objective.extend(e.mult * t for t in cost)
+            objective.extend(_ns(e.mult * e.cost[p][q]) * v for (p, q), v in y.items() if e.cost[p][q])
         else:  # tie-break: hidden traffic, in microseconds
             secondary.extend(int(e.mult * e.cost[p][q] * 1e6) * v for (p, q), v in y.items() if e.cost[p][q] * 1e6 >= 1)
-    return terms
+    return ys
 
 
-def _exposed(model, problem: Problem, x, edge_cost: dict[int, list], objective: list) -> None:
-    """exposed[g] >= one instance's parameter communication minus its compute, and >= 0."""
+def _exposed(model, problem: Problem, x, ys: dict[int, dict], objective: list) -> None:
+    """exposed[g] >= one instance's parameter communication minus its compute, and >= 0.
+
+    An edge's share of one instance is its total (cost x its multiplicity) over the group's
+    multiplicity, exactly as ``problem.evaluate`` counts it."""
     comm: dict[int, list] = {}
+    upper: dict[int, float] = {}
     for k, e in enumerate(problem.edges):
-        if e.overlappable() and k in edge_cost:
-            scale = e.mult // problem.groups[e.group].mult or 1
-            comm.setdefault(e.group, []).extend(scale * t for t in edge_cost[k])
+        if e.overlappable() and k in ys:
+            share = e.mult / problem.groups[e.group].mult
+            comm.setdefault(e.group, []).extend(
+                _ns(share * e.cost[p][q]) * v for (p, q), v in ys[k].items() if e.cost[p][q])
+            upper[e.group] = upper.get(e.group, 0.0) + share * max(max(r) for r in e.cost)
     for g, terms in comm.items():
         hide = []
         for i, n in enumerate(problem.nodes):
             if n.group == g:
                 hide.extend(_ns(n.compute[s]) * v for s, v in x[i].items() if n.compute[s])
-        upper = sum(max(max(r) for r in e.cost) for e in problem.edges if e.group == g and e.overlappable())
-        exposed = model.NewIntVar(0, _ns(upper) * max(1, max(e.mult for e in problem.edges)) + 1, f"exposed{g}")
+        exposed = model.NewIntVar(0, _ns(upper[g]) + 1, f"exposed{g}")
         model.Add(exposed >= sum(terms) - sum(hide))
         objective.append(problem.groups[g].mult * exposed)
 
