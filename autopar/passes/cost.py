@@ -47,7 +47,12 @@ def build_problem(
             users_backward.update(r for r in n.inputs if graph.node(r.node).phase == Phase.FORWARD)
     param_node = {name: fqn for fqn, name in graph.params.items()}
 
-    groups = [Group("<outside layers>", 1)] + [Group(g.prefix, g.count) for g in folding.groups]
+    # Overlap groups: (layer group or outside, phase). Parameter gathers for forward use run under
+    # that phase's forward compute (issued a layer ahead); gradient reductions under the backward.
+    # A gather cannot hide under compute that comes after its use, hence the split by phase.
+    groups = []
+    for name, mult in [("<outside layers>", 1)] + [(g.prefix, g.count) for g in folding.groups]:
+        groups += [Group(f"{name} (forward)", mult), Group(f"{name} (backward)", mult)]
     nodes: list[PNode] = []
     index: dict[str, int] = {}
     for n in graph.nodes:
@@ -56,7 +61,7 @@ def build_problem(
             continue
         strats = strategies[n.name]
         loc = folding.where.get(n.name)
-        group = 0 if loc is None else loc[0] + 1
+        group = 2 * (0 if loc is None else loc[0] + 1) + (n.phase == Phase.BACKWARD)
         pn = PNode(n.name, strats, folding.multiplicity(n.name), group, [], [], {k: [] for k in MEMORY_KINDS})
         in_specs = [graph.spec(r) for r in n.inputs]
         call = None if n.is_placeholder else op_call(graph, n)
@@ -139,7 +144,8 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
         places_out = sorted(set(src_p), key=src_p.index)
         places_in = sorted(set(dst_p), key=dst_p.index)
         cost = [[reshard_time(spec.shape, p, q, mesh, eb) for q in places_in] for p in places_out]
-        group = nodes[dst].group if kind == "grad" else nodes[src].group if kind == "param" else nodes[dst].group
+        # a gather runs in its consumer's layer and phase; a reduction in its producer's
+        group = nodes[src].group if kind == "grad" else nodes[dst].group
         e = PEdge(src, out, dst, slot, [places_out.index(p) for p in src_p], [places_in.index(q) for q in dst_p],
                   places_out, places_in, cost, count[key], kind, group, ref, eb)
         if src == dst:  # a layer feeding the same position of the next instance: a per-strategy cost

@@ -11,7 +11,8 @@ the two sides may take. Nodes and edges of folded layers appear once, with their
     exposed(g) = mult(g) * max(0, param_comm(g) - compute(g))
 
 where ``param_comm(g)`` is one instance of group g's parameter gathers and gradient reductions,
-which run under the same instance's compute (issued a layer ahead, reduced as buckets fill). The
+which run under the same instance's compute in the same phase (gathers issued a layer ahead
+hide under forward compute, reductions under the backward as buckets fill). The
 ILP's objective is this function, linearised; recipes and searched plans are priced by it alike.
 """
 
@@ -70,7 +71,8 @@ class PEdge:
 
 @dataclass
 class Group:
-    """An overlap group: one layer instance (``mult`` of them), or everything outside layers."""
+    """An overlap group: one phase (forward or backward) of one layer instance (``mult`` of
+    them), or of everything outside layers."""
 
     name: str
     mult: int
