@@ -117,7 +117,7 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
     """Aggregate every (producer output -> consumer input) of the graph onto representatives."""
     count: dict[tuple, int] = defaultdict(int)
     kinds: dict[tuple, tuple[str, Ref]] = {}
-    params = _param_views(graph)
+    params = param_views(graph)
     for n in graph.nodes:
         for slot, r in enumerate(n.inputs):
             key = (folding.representative(r.node), r.index, folding.representative(n.name), slot)
@@ -157,7 +157,7 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
     return edges
 
 
-def _param_views(graph: Graph) -> set[str]:
+def param_views(graph: Graph) -> set[str]:
     """Parameters and layout views of them (``t``, ``view``, casts): resharding one of these is a
     parameter gather, which may run ahead under the previous compute, wherever along the chain of
     views it happens."""

@@ -10,7 +10,7 @@ the same way), so merging loses nothing. ``u`` takes over ``v``'s costs and outg
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autopar.passes.problem import MEMORY_KINDS, PEdge, PNode, Problem
 
@@ -85,10 +85,7 @@ def merge(problem: Problem, ops: dict[str, str]) -> Merged:
             break
     keep = [i for i in range(len(nodes)) if alive[i]]
     new_index = {old: new for new, old in enumerate(keep)}
-    kept_edges = []
-    for e in edges:
-        kept_edges.append(PEdge(new_index[e.src], e.src_out, new_index[e.dst], e.dst_slot, e.src_place, e.dst_place,
-                                e.places_out, e.places_in, e.cost, e.mult, e.kind, e.group, e.ref, e.elem_bytes))
+    kept_edges = [replace(e, src=new_index[e.src], dst=new_index[e.dst]) for e in edges]
     merged = Problem([nodes[i] for i in keep], kept_edges, problem.groups, problem.memory_budget)
     return Merged(merged, keep, follow)
 
@@ -120,10 +117,9 @@ def _absorb(u: PNode, v: PNode, f: list[int]) -> None:
 
 def _resource(e: PEdge, v: int, u: int, f: list[int], nodes: list[PNode]) -> PEdge:
     """Re-express an edge leaving (or entering) the merged node v in terms of u's strategies."""
+    n_u = len(nodes[u].strategies)
     if e.src == v:
-        return PEdge(u, e.src_out, e.dst, e.dst_slot, [e.src_place[f[s]] for s in range(len(nodes[u].strategies))],
-                     e.dst_place, e.places_out, e.places_in, e.cost, e.mult, e.kind, e.group, e.ref, e.elem_bytes)
+        return replace(e, src=u, src_place=[e.src_place[f[s]] for s in range(n_u)])
     if e.dst == v:
-        return PEdge(e.src, e.src_out, u, e.dst_slot, e.src_place, [e.dst_place[f[s]] for s in range(len(nodes[u].strategies))],
-                     e.places_out, e.places_in, e.cost, e.mult, e.kind, e.group, e.ref, e.elem_bytes)
+        return replace(e, dst=u, dst_place=[e.dst_place[f[s]] for s in range(n_u)])
     return e

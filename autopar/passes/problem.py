@@ -109,6 +109,31 @@ def edge_cost(e: PEdge, choice: Sequence[int]) -> float:
     return e.cost[e.src_place[choice[e.src]]][e.dst_place[choice[e.dst]]]
 
 
+def incident_edges(problem: Problem) -> dict[int, list[PEdge]]:
+    """Node index -> the edges that start or end there."""
+    out: dict[int, list[PEdge]] = {}
+    for e in problem.edges:
+        out.setdefault(e.src, []).append(e)
+        out.setdefault(e.dst, []).append(e)
+    return out
+
+
+def local_cost(problem: Problem, incident: dict[int, list[PEdge]], choice: Sequence[int], i: int, s: int) -> float:
+    """Node ``i`` running strategy ``s`` with its neighbours held at ``choice``: its compute, sink
+    communication and the resharding on its edges (edges to neighbours not chosen yet, -1, are
+    skipped; overlappable edges count in full)."""
+    n = problem.nodes[i]
+    c = n.mult * (n.compute[s] + n.comm[s])
+    for e in incident.get(i, []):
+        other = e.dst if e.src == i else e.src
+        if choice[other] < 0:
+            continue
+        p = e.src_place[s if e.src == i else choice[e.src]]
+        q = e.dst_place[s if e.dst == i else choice[e.dst]]
+        c += e.mult * e.cost[p][q]
+    return c
+
+
 def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:
     """The estimated step time and memory of one strategy per node."""
     compute = comm = 0.0

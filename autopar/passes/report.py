@@ -13,7 +13,7 @@ from autopar.cost_model.comm import reshard_steps
 from autopar.cost_model.precision import element_bytes
 from autopar.ir.graph import Graph, Ref
 from autopar.ir.placement import B, format_placements
-from autopar.passes.problem import MEMORY_KINDS, edge_cost
+from autopar.passes.problem import MEMORY_KINDS, evaluate, incident_edges, local_cost
 from autopar.passes.strategies import input_placement, output_placement
 
 if TYPE_CHECKING:
@@ -109,7 +109,6 @@ def build_plan(planned: "Planned"):
 
 def _reshardings(planned: "Planned", strat) -> list[dict]:
     g, mesh, prec = planned.graph, planned.mesh, planned.precision
-    params = set(g.params.values())
     out = []
 
     def add(ref: Ref, consumer: str, kind: str, src, dst, module: str):
@@ -126,14 +125,14 @@ def _reshardings(planned: "Planned", strat) -> list[dict]:
             "module": module,
         })
 
-    from autopar.passes.cost import _param_views
+    from autopar.passes.cost import param_views
 
-    views = _param_views(g)
+    views = param_views(g)
     for n in g.ops():
         st = strat(n.name)
         for slot, r in enumerate(n.inputs):
             src = output_placement(strat(r.node), r.index)
-            kind = "param" if r.node in params or r.node in views else "activation"
+            kind = "param" if r.node in views else "activation"
             add(r, n.name, kind, src, input_placement(st, slot), n.module_path)
     for fqn, gref in g.grads.items():
         dst = output_placement(strat(g.params[fqn]), 0)
@@ -189,6 +188,7 @@ def _modules(planned: "Planned", strat, reshardings: list[dict]) -> list[dict]:
         i = prob.index[folding.representative(node)]
         r["memory"] += int(sum(prob.nodes[i].memory[k][choice[i]] for k in MEMORY_KINDS))
     alts: dict[str, list] = defaultdict(list)
+    incident = incident_edges(prob)
     for n in g.ops():
         r = row(n.module_path)
         i = prob.index[folding.representative(n.name)]
@@ -196,7 +196,7 @@ def _modules(planned: "Planned", strat, reshardings: list[dict]) -> list[dict]:
         r["time"] += pn.compute[choice[i]]
         r["memory"] += int(pn.memory["activations"][choice[i]])
         if folding.representative(n.name) == n.name:
-            alts[n.module_path].extend(_alternatives(planned, i, n))
+            alts[n.module_path].extend(_alternatives(planned, i, n, incident))
     for rs in reshardings:
         r = row(rs["module"])
         r["comm"] += rs["time"]
@@ -207,23 +207,14 @@ def _modules(planned: "Planned", strat, reshardings: list[dict]) -> list[dict]:
     return list(rows.values())
 
 
-def _alternatives(planned: "Planned", i: int, node) -> list[dict]:
+def _alternatives(planned: "Planned", i: int, node, incident: dict) -> list[dict]:
     """The other strategies of one op that look cheapest locally (its compute and reshardings,
     everything else held), re-priced exactly by the evaluator: ``delta`` is the change in step time."""
-    from autopar.passes.problem import evaluate
-
     prob, choice = planned.problem, planned.choice
     pn = prob.nodes[i]
-    touching = [e for e in prob.edges if e.src == i or e.dst == i]
-
-    def local(s: int) -> float:
-        c = list(choice)
-        c[i] = s
-        return pn.compute[s] + pn.comm[s] + sum(edge_cost(e, c) for e in touching)
-
     others = [s for s in range(len(pn.strategies))
               if s != choice[i] and (pn.allowed is None or s in pn.allowed)]
-    others.sort(key=lambda s: (local(s), s))
+    others.sort(key=lambda s: (local_cost(prob, incident, choice, i, s), s))
     base = planned.cost.step_time
     out = []
     for s in others[:2]:

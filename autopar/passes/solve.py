@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from autopar.errors import AutoparError
-from autopar.passes.problem import Problem
+from autopar.passes.problem import Problem, incident_edges, local_cost
 
 NS = 1e12  # objective unit: picoseconds (integer costs; finer units keep rounding below any real difference)
 
@@ -222,25 +222,15 @@ def greedy(problem: Problem) -> list[int]:
     chosen (graph inputs not yet chosen cost nothing: they will follow), then every graph input
     takes the placement its chosen consumers want most."""
     choice = [-1] * len(problem.nodes)
-    touching: dict[int, list] = {}
-    for e in problem.edges:
-        touching.setdefault(e.src, []).append(e)
-        touching.setdefault(e.dst, []).append(e)
+    incident = incident_edges(problem)
     inputs = {i for i, n in enumerate(problem.nodes) if all(len(st[0].inputs) == 0 for st in n.strategies)}
     order = [i for i in range(len(problem.nodes)) if i not in inputs] + sorted(inputs)
     for i in order:
         n = problem.nodes[i]
         best, best_cost = None, None
         for s in (n.allowed if n.allowed is not None else range(len(n.strategies))):
-            c = n.mult * (n.compute[s] + n.comm[s])
-            for e in touching.get(i, []):
-                other = e.dst if e.src == i else e.src
-                if choice[other] < 0:
-                    continue
-                p = e.src_place[s if e.src == i else choice[e.src]]
-                q = e.dst_place[s if e.dst == i else choice[e.dst]]
-                c += e.mult * e.cost[p][q]
-            if best_cost is None or c < best_cost - 1e-15:
+            c = local_cost(problem, incident, choice, i, s)
+            if best_cost is None or c < best_cost - 1e-15:  # near-ties keep the earlier strategy
                 best, best_cost = s, c
         choice[i] = best  # type: ignore[assignment]
     return choice
@@ -251,26 +241,14 @@ def improve(problem: Problem, choice: Sequence[int], sweeps: int = 5) -> list[in
     held (compute, sink communication, resharding on its edges), until a sweep changes nothing.
     Cheap; used to complete recipes, where an exact ILP per recipe would cost more than it tells."""
     choice = list(choice)
-    touching: dict[int, list] = {}
-    for e in problem.edges:
-        touching.setdefault(e.src, []).append(e)
-        touching.setdefault(e.dst, []).append(e)
-
-    def local(i: int, s: int) -> float:
-        n = problem.nodes[i]
-        c = n.mult * (n.compute[s] + n.comm[s])
-        for e in touching.get(i, []):
-            p = e.src_place[s if e.src == i else choice[e.src]]
-            q = e.dst_place[s if e.dst == i else choice[e.dst]]
-            c += e.mult * e.cost[p][q]
-        return c
-
+    incident = incident_edges(problem)
     for _ in range(sweeps):
         changed = False
         for i, n in enumerate(problem.nodes):
             options = n.allowed if n.allowed is not None else range(len(n.strategies))
-            best = min(options, key=lambda s: (local(i, s), s != choice[i], s))
-            if best != choice[i] and local(i, best) < local(i, choice[i]) - 1e-15:
+            cost = {s: local_cost(problem, incident, choice, i, s) for s in options}
+            best = min(options, key=lambda s: (cost[s], s != choice[i], s))
+            if best != choice[i] and cost[best] < cost[choice[i]] - 1e-15:
                 choice[i] = best
                 changed = True
         if not changed:

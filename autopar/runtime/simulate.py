@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from autopar.ir.placement import Broadcast, Partial, Placement, Split, chunk_range
+from autopar.ir.placement import Partial, Placement, Split, chunk_range
 from autopar.ir.rules.base import LocalCtx, OpCall, Strategy, run_local, substitute, as_list
 
 Coords = tuple[int, ...]
@@ -208,7 +208,6 @@ def check_strategy(
 
 
 __all__ = [
-    "Broadcast",
     "CheckResult",
     "Mismatch",
     "check_strategy",

@@ -145,7 +145,6 @@ def mutants(sig) -> list:
 
     out = []
     slots = [("in", i, p) for i, p in enumerate(sig.inputs)] + [("out", j, p) for j, p in enumerate(sig.outputs)]
-    return_specs = []
     for side, k, p in slots:
         repl = []
         # B is itself a valid P(max)/P(min) input (the reduction is idempotent), so only P(sum) -> B.
@@ -157,7 +156,6 @@ def mutants(sig) -> list:
             ins, outs = list(sig.inputs), list(sig.outputs)
             (ins if side == "in" else outs)[k] = r
             out.append(Signature(tuple(ins), tuple(outs), sig.tag))
-    del return_specs
     return out
 
 

@@ -219,11 +219,6 @@ def run_local(ctx: LocalCtx, local_inputs: Sequence[torch.Tensor]) -> list:
     return as_list(ctx.call.target(*args, **kwargs))
 
 
-def op_key(op: str) -> str:
-    """The op name without its overload (``aten.mm.default`` -> ``aten.mm``)."""
-    return op.rsplit(".", 1)[0] if op.count(".") >= 2 else op
-
-
 __all__ = [
     "DimMap",
     "LocalCtx",

@@ -12,7 +12,7 @@ import torch
 from autopar.ir.graph import Ref
 from autopar.ir.placement import B, P, Split
 from autopar.ir.rules.base import LocalCtx, OpCall, register, substitute
-from autopar.ir.rules.dimmap import DimMap, Dims, Linear, Signature
+from autopar.ir.rules.dimmap import DimMap, Dims, Signature
 from autopar.ir.rules.generic import all_outputs, float_flags, linear_in, pointwise_map
 
 aten = torch.ops.aten
@@ -28,18 +28,6 @@ def tensor_positions(call: OpCall) -> dict[int, int]:
         elif isinstance(a, (list, tuple)):
             k += sum(isinstance(x, Ref) for x in a)
     return out
-
-
-def kw_position(call: OpCall, name: str) -> Optional[int]:
-    """Index among the tensor inputs of a keyword tensor argument."""
-    n_pos = sum(isinstance(a, Ref) for a in call.args)
-    k = n_pos
-    for key, v in call.kwargs.items():
-        if isinstance(v, Ref):
-            if key == name:
-                return k
-            k += 1
-    return None
 
 
 def _splits_dim(ctx: LocalCtx, i: int, dim: int) -> bool:
@@ -420,11 +408,6 @@ register(
 register("aten.scalar_tensor.default")(_factory_map)
 
 
-def _likes_local(ctx: LocalCtx, xs: list) -> torch.Tensor:
-    args, kwargs = substitute(ctx.call, xs)
-    return ctx.call.target(*args, **kwargs)
-
-
 @register("aten.zeros_like.default")
 def _zeros_like(call: OpCall) -> DimMap:
     return pointwise_map(call, [linear_in([0], [0])])
@@ -449,4 +432,4 @@ def _tri(call: OpCall) -> DimMap:
     return pointwise_map(call, [linear_in([0], [0])])
 
 
-__all__ = ["tensor_positions", "kw_position", "Linear"]
+__all__ = ["tensor_positions"]
