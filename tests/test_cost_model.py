@@ -92,18 +92,31 @@ def test_reshard_partial_on_both_axes_counts_both():
 def test_reshard_single_axis_and_local_steps():
     mesh = _mesh_dp_ib_tp_nvl()
     shape = (8, 10)  # 10 over tp=4: DTensor pieces 3, 3, 3, 1 -> largest block 3
-    # tp all_to_all S(0)->S(1) with dp split on dim 0: group sees 4 rows x 10 cols
+    # tp all_to_all S(0)->S(1) with dp split on dim 0: group sees 4 rows x 10 cols, run as equal
+    # zero-padded pieces: 10 columns padded to 12
     (st,) = reshard_steps(shape, (S(0), S(0)), (S(0), S(1)), mesh, 4)
-    assert (st.kind, st.axis, st.bytes) == ("all_to_all", 1, 4 * 10 * 4)
-    assert st.time == pytest.approx(collective_time("all_to_all", 160, 4, NVL))
+    assert (st.kind, st.axis, st.bytes) == ("all_to_all", 1, 4 * 12 * 4)
+    assert st.time == pytest.approx(collective_time("all_to_all", 192, 4, NVL))
     # reduce_scatter carries the partial's reduce op
     (st,) = reshard_steps(shape, (B, Partial("max")), (B, S(1)), mesh, 4)
-    assert st.kind == "reduce_scatter" and st.reduce == "max" and st.bytes == 320
+    assert st.kind == "reduce_scatter" and st.reduce == "max" and st.bytes == 8 * 12 * 4
     # local steps cost nothing
     assert reshard_time(shape, (B, B), (S(0), P), mesh, 4) == 0.0
     assert reshard_time(shape, (S(1), B), (S(1), B), mesh, 4) == 0.0
     assert reshard_steps(shape, (S(1), B), (S(1), B), mesh, 4) == []
     assert isinstance(reshard_steps(shape, (B, B), (S(0), B), mesh, 4)[0], Step)
+
+
+def test_reshard_orders_respect_nested_splits():
+    """Splits of one dim nest (axis 0 outermost): the inner axis must be gathered first, and a
+    change with no valid direct order goes through the unsplit tensor."""
+    mesh = _mesh_dp_ib_tp_nvl()
+    shape = (16, 8)
+    steps = reshard_steps(shape, (S(0), S(0)), (B, B), mesh, 4)
+    assert [(s.kind, s.axis) for s in steps] == [("all_gather", 1), ("all_gather", 0)]
+    steps = reshard_steps(shape, (S(0), S(0)), (S(1), S(0)), mesh, 4)
+    assert [(s.kind, s.axis) for s in steps][:2] == [("all_gather", 1), ("all_gather", 0)]
+    assert [(s.kind, s.axis) for s in steps][2:] == [("slice", 0), ("slice", 1)]
 
 
 def test_reshard_is_memoized_and_deterministic():

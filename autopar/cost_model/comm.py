@@ -17,7 +17,9 @@ S(i) -> P          pad             0 (each device zero-pads its block to the ful
 =================  ==============  ===========================================
 
 A change on several axes is a sequence of one-axis steps; the bytes a step moves depend on the
-other axes' placements at that moment, so every order is tried and the cheapest kept.
+other axes' placements at that moment, so every valid order is tried and the cheapest kept (an
+order is valid when each step acts on contiguous blocks: see ``step_valid``). The lowering runs
+exactly these steps, so predicted and executed collectives agree.
 """
 
 from __future__ import annotations
@@ -93,17 +95,46 @@ def axis_step(src: Placement, dst: Placement) -> str | None:
     raise ValueError(f"no reshard step from {src!r} to {dst!r}")
 
 
-def _steps_in_order(shape, src, dst, mesh_shape, links, elem_bytes, order) -> tuple[list[Step], float]:
+def _splits_dim(p: Placement, dim: int) -> bool:
+    return isinstance(p, Split) and p.dim == dim
+
+
+def step_valid(cur: Sequence[Placement], dst: Placement, axis: int) -> bool:
+    """Whether changing ``cur[axis]`` to ``dst`` acts on contiguous blocks.
+
+    Splits of one dim nest in mesh-axis order (axis 0 outermost), so an axis may split or gather
+    a dim only while no later axis splits that dim too; otherwise the later axis's pieces would
+    interleave. Such orders are skipped (the lowering could not run them as one collective).
+    """
+    dims = {p.dim for p in (cur[axis], dst) if isinstance(p, Split)}
+    return not any(_splits_dim(cur[b], d) for d in dims for b in range(axis + 1, len(cur)))
+
+
+def step_bytes(shape: Sequence[int], cur: Sequence[Placement], dst: Placement, axis: int,
+               mesh_shape: Sequence[int], elem_bytes: int) -> int:
+    """Bytes of one step's buffer as the axis group sees it: the local block with ``axis`` taken
+    as ``B``, each dim the step splits or gathers padded to a multiple of the axis size (uneven
+    splits run as equal, zero-padded pieces)."""
+    seen = list(cur)
+    seen[axis] = Broadcast()
+    block = list(local_shape(shape, seen, mesh_shape, (0,) * len(mesh_shape)))
+    n = mesh_shape[axis]
+    for p in (cur[axis], dst):
+        if isinstance(p, Split) and n > 1:
+            block[p.dim] = -(-block[p.dim] // n) * n
+    return math.prod(block) * elem_bytes
+
+
+def _steps_in_order(shape, src, dst, mesh_shape, links, elem_bytes, order) -> tuple[list[Step], float] | None:
     cur = list(src)
-    zeros = (0,) * len(mesh_shape)
     steps: list[Step] = []
     total = 0.0
     for a in order:
         kind = axis_step(cur[a], dst[a])
         assert kind is not None
-        seen = list(cur)
-        seen[a] = Broadcast()
-        nbytes = math.prod(local_shape(shape, seen, mesh_shape, zeros)) * elem_bytes
+        if not step_valid(cur, dst[a], a):
+            return None
+        nbytes = step_bytes(shape, cur, dst[a], a, mesh_shape, elem_bytes)
         t = collective_time(kind, nbytes, mesh_shape[a], links[a])
         reduce = cur[a].reduce if isinstance(cur[a], Partial) else "sum"
         steps.append(Step(kind, a, nbytes, t, reduce))
@@ -112,15 +143,31 @@ def _steps_in_order(shape, src, dst, mesh_shape, links, elem_bytes, order) -> tu
     return steps, total
 
 
+def _via_unsplit(src) -> tuple[Placement, ...]:
+    """The midpoint of the always-valid route: every split of ``src`` gathered."""
+    return tuple(Broadcast() if isinstance(s, Split) else s for s in src)
+
+
 @functools.lru_cache(maxsize=1 << 18)
 def _best_steps(shape, src, dst, mesh_shape, links, elem_bytes) -> tuple[tuple[Step, ...], float]:
     changing = [a for a in range(len(mesh_shape)) if src[a] != dst[a]]
     best: tuple[tuple[Step, ...], float] | None = None
     # permutations of a sorted list come in lexicographic order: the first of equal cost wins
     for order in itertools.permutations(changing):
-        steps, total = _steps_in_order(shape, src, dst, mesh_shape, links, elem_bytes, order)
-        if best is None or total < best[1]:
-            best = (tuple(steps), total)
+        found = _steps_in_order(shape, src, dst, mesh_shape, links, elem_bytes, order)
+        if found is not None and (best is None or found[1] < best[1]):
+            best = (tuple(found[0]), found[1])
+    if best is None and changing:
+        # No direct order is valid (e.g. S(0),S(0) -> S(1),S(0)): gather every split from the
+        # innermost axis out, then reshard from the outermost axis in; both halves are always valid.
+        mid = _via_unsplit(src)
+        axes = range(len(mesh_shape))
+        first = _steps_in_order(shape, src, mid, mesh_shape, links, elem_bytes,
+                                [a for a in reversed(axes) if src[a] != mid[a]])
+        second = _steps_in_order(shape, mid, dst, mesh_shape, links, elem_bytes,
+                                 [a for a in axes if mid[a] != dst[a]])
+        assert first is not None and second is not None, (src, dst)
+        best = (tuple(first[0]) + tuple(second[0]), first[1] + second[1])
     return best if best is not None else ((), 0.0)
 
 
@@ -158,4 +205,4 @@ def cache_clear() -> None:
     _best_steps.cache_clear()
 
 
-__all__ = ["KINDS", "Step", "axis_step", "cache_clear", "cache_info", "collective_time", "reshard_steps", "reshard_time"]
+__all__ = ["KINDS", "Step", "axis_step", "step_bytes", "step_valid", "cache_clear", "cache_info", "collective_time", "reshard_steps", "reshard_time"]

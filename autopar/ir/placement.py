@@ -258,3 +258,17 @@ def local_shape(
 ) -> tuple[int, ...]:
     """The shape of the block the device at ``coords`` holds."""
     return tuple(length for _, length in local_range(shape, placements, mesh_shape, coords))
+
+
+def local_block(t, placements: Sequence[Placement], mesh_shape: Sequence[int], coords: Sequence[int]):
+    """The block of the whole tensor ``t`` that the device at ``coords`` holds. A ``Partial`` axis
+    keeps the value on its first device and the reduction's identity on the others."""
+    import torch
+
+    for d, (start, length) in enumerate(local_range(t.shape, placements, mesh_shape, coords)):
+        if length != t.shape[d]:
+            t = t.narrow(d, start, length)
+    for a, p in enumerate(placements):
+        if isinstance(p, Partial) and coords[a] != 0 and p.reduce == "sum":
+            t = torch.zeros_like(t)
+    return t.contiguous()

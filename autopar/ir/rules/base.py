@@ -202,11 +202,10 @@ def as_list(result: Any) -> list:
     return [result]
 
 
-def run_local(ctx: LocalCtx, local_inputs: Sequence[torch.Tensor]) -> list:
-    """This device's outputs of ``ctx.call`` under ``ctx.strategy``, from its local input blocks."""
+def local_args(ctx: LocalCtx, local_inputs: Sequence[Any]) -> tuple[tuple, dict]:
+    """The op's arguments on this device's blocks: tensors substituted, shape arguments
+    (``size_args``) rewritten to the local output shape. Only for rules without a ``local``."""
     rule = RULES.get(ctx.call.op)
-    if rule is not None and rule.local is not None:
-        return as_list(rule.local(ctx, list(local_inputs)))
     args, kwargs = substitute(ctx.call, local_inputs)
     if rule is not None and rule.size_args:
         args, kwargs = list(args), dict(kwargs)
@@ -216,6 +215,21 @@ def run_local(ctx: LocalCtx, local_inputs: Sequence[torch.Tensor]) -> list:
             elif name in kwargs:
                 kwargs[name] = list(ctx.out_shape(j))
         args = tuple(args)
+    return args, kwargs
+
+
+def has_local(op: str) -> bool:
+    """Whether ``op``'s rule replaces the op by a rank-aware local implementation."""
+    rule = RULES.get(op)
+    return rule is not None and rule.local is not None
+
+
+def run_local(ctx: LocalCtx, local_inputs: Sequence[torch.Tensor]) -> list:
+    """This device's outputs of ``ctx.call`` under ``ctx.strategy``, from its local input blocks."""
+    rule = RULES.get(ctx.call.op)
+    if rule is not None and rule.local is not None:
+        return as_list(rule.local(ctx, list(local_inputs)))
+    args, kwargs = local_args(ctx, local_inputs)
     return as_list(ctx.call.target(*args, **kwargs))
 
 
@@ -227,6 +241,8 @@ __all__ = [
     "RULES",
     "Signature",
     "Strategy",
+    "has_local",
+    "local_args",
     "op_call",
     "register",
     "run_local",

@@ -1,0 +1,418 @@
+"""Lowering: a Plan and its IR become one rank's SPMD program of local ops and collectives.
+
+``resolve`` matches every node of the graph with the strategy the plan chose for it (by the
+strategy's text and tags, so a plan made for another rule set is a loud error). ``lower`` then
+writes, for one device of the mesh, two ``fx.GraphModule``s:
+
+- ``forward(*params, *buffers, *inputs) -> (*outputs, *saved)``: the forward ops on local blocks,
+  with the loss (or the inference outputs) and buffer updates as outputs, followed by the values
+  the backward reads;
+- ``backward(*saved, tangent) -> grads``: the backward ops, each gradient resharded to its
+  parameter's placement.
+
+Every op runs its rule's local implementation: the aten op itself with shape arguments rewritten
+to local sizes, or (for rules whose local code needs this device's offsets) a ``LocalOp`` module.
+Wherever a producer's placement differs from what a consumer's strategy reads, the tensor is
+resharded by the cost model's own steps (``reshard_steps``), so the collectives that run are the
+ones the plan priced. A tensor is resharded once per target placement and phase and shared by
+every consumer that needs it; an activation resharded in forward is saved for the backward,
+while parameters are gathered again in the backward (as FSDP does, so gathered weights are not
+held between the two).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate
+
+from autopar.cost_model.comm import reshard_steps
+from autopar.cost_model.precision import Precision, element_bytes
+from autopar.errors import AutoparError
+from autopar.ir.graph import Graph, Node, Phase, Ref, Role, TensorSpec
+from autopar.ir.placement import B, Broadcast, Partial, Placements, Split, chunk_range, format_placements, local_shape
+from autopar.ir.rules import op_call
+from autopar.ir.rules.base import LocalCtx, OpCall, has_local, local_args, run_local
+from autopar.ir.rules.dimmap import Strategy
+from autopar.mesh import Mesh
+from autopar.passes.strategies import input_placement, node_strategies, output_placement
+from autopar.runtime import collectives as C
+
+#: Ops whose values depend on a random stream: a sharded program cannot reproduce them.
+RANDOM_OPS = ("aten.native_dropout", "aten.bernoulli", "aten.rand", "aten.randn", "aten.randint",
+              "aten.normal", "aten.uniform", "aten.multinomial", "aten.randperm", "aten.rand_like",
+              "aten.randn_like", "aten.randint_like")
+
+
+class LoweringError(AutoparError):
+    """A plan that cannot be turned into a program for this graph."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One input or output of a lowered program: what it is, and how it is placed."""
+
+    kind: str  # param | buffer | input | tangent | loss | output | mutation | grad
+    key: str  # FQN, input key ("input:0" / keyword), or output position
+    placements: Placements
+    spec: TensorSpec
+
+
+@dataclass
+class Program:
+    """One rank's lowered program."""
+
+    coords: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    forward: fx.GraphModule
+    inputs: list[Slot]
+    outputs: list[Slot]
+    n_saved: int
+    backward: Optional[fx.GraphModule] = None
+    grads: list[Slot] = field(default_factory=list)
+
+    @property
+    def code(self) -> str:
+        """The program's Python source (forward, then backward)."""
+        parts = ["# forward" + self.forward.code]
+        if self.backward is not None:
+            parts.append("# backward" + self.backward.code)
+        return "\n".join(parts)
+
+
+class LocalOp(torch.nn.Module):
+    """An op whose rule computes its local block with this device's offsets (vocab-split
+    embedding, sharded attention masks, ...): runs the rule's local implementation."""
+
+    def __init__(self, ctx: LocalCtx):
+        super().__init__()
+        self.ctx = ctx
+
+    def forward(self, *xs):
+        out = run_local(self.ctx, list(xs))
+        return tuple(out) if len(self.ctx.call.out_specs) > 1 else out[0]
+
+    def extra_repr(self) -> str:
+        return f"{self.ctx.call.op}, " + " | ".join(str(s) for s in self.ctx.strategy)
+
+
+# -- matching the plan -----------------------------------------------------------------------------
+
+@dataclass
+class Resolved:
+    """The rank-independent part of lowering: every node's strategy and the plan's facts."""
+
+    graph: Graph
+    mesh: Mesh
+    precision: Precision
+    strategies: dict[str, Strategy]
+    calls: dict[str, OpCall]
+
+
+def resolve(graph: Graph, plan) -> Resolved:
+    """Every node's chosen strategy, looked up in the rules by the plan's text; checks the plan
+    was made for this graph first."""
+    from autopar.passes.report import graph_fingerprint, graph_info
+
+    plan.check_graph(graph_fingerprint(graph), graph_info(graph))
+    mesh = Mesh.from_dict(plan.mesh)
+    precision = Precision.from_dict(plan.precision)
+    by_name = {n["name"]: n for n in plan.nodes}
+    strategies: dict[str, Strategy] = {}
+    calls: dict[str, OpCall] = {}
+    for node in graph.nodes:
+        if node.is_placeholder:
+            strategies[node.name] = _placeholder_strategy(graph, node, plan, mesh)
+            continue
+        entry = by_name.get(node.name)
+        if entry is None:
+            raise LoweringError(f"the plan has no strategy for {node.where()}: plan again for this model")
+        want = (list(entry["strategy"]), list(entry["tags"]))
+        found = [s for s in node_strategies(graph, node, mesh) if ([str(x) for x in s], [x.tag for x in s]) == want]
+        if not found:
+            raise LoweringError(
+                f"the plan's strategy {' | '.join(want[0])} for {node.where()} is not one autopar's rules allow "
+                "(a plan from another autopar version?): plan again"
+            )
+        strategies[node.name] = found[0]
+        calls[node.name] = op_call(graph, node)
+        if node.op.startswith(RANDOM_OPS):
+            raise LoweringError(
+                f"{node.where()} draws random numbers ({node.op}); a sharded program cannot reproduce the "
+                "single-device random stream. Set dropout probabilities to 0 (or call model.eval()) before "
+                "compiling"
+            )
+    return Resolved(graph, mesh, precision, strategies, calls)
+
+
+def _placeholder_strategy(graph: Graph, node: Node, plan, mesh: Mesh) -> Strategy:
+    key = _placeholder_key(graph, node)
+    if key is None:  # the tangent: every device holds the seed
+        return node_strategies(graph, node, mesh)[0]
+    text = plan.placements.get(key[1])
+    if text is None:
+        raise LoweringError(f"the plan does not place {key[0]} {key[1]!r}: plan again for this model")
+    for s in node_strategies(graph, node, mesh):
+        if format_placements(output_placement(s, 0)) == text:
+            return s
+    raise LoweringError(f"the plan places {key[0]} {key[1]!r} as {text!r}, which does not fit its shape {node.out}")
+
+
+def _placeholder_key(graph: Graph, node: Node) -> Optional[tuple[str, str]]:
+    role = node.roles[0]
+    if role == Role.TANGENT:
+        return None
+    table = {Role.PARAMETER: ("param", graph.params), Role.BUFFER: ("buffer", graph.buffers),
+             Role.INPUT: ("input", graph.inputs)}
+    kind, names = table[role]
+    return kind, next(k for k, v in names.items() if v == node.name)
+
+
+# -- emitting one rank's program ---------------------------------------------------------------------
+
+class _Emitter:
+    """Writes the forward and backward fx graphs of one rank."""
+
+    def __init__(self, res: Resolved, coords: Sequence[int], device: Optional[torch.device]):
+        self.res = res
+        self.g = res.graph
+        self.coords = tuple(coords)
+        self.mesh_shape = res.mesh.shape
+        self.device = device
+        self.root = torch.nn.Module()
+        self.fg, self.bg = fx.Graph(), fx.Graph()
+        # base[ref] = (fx node, phase graph, placements) of a value where it was produced
+        self.base: dict[Ref, tuple[fx.Node, fx.Graph, Placements]] = {}
+        # cache[(graph, ref, placements)] = fx node holding the value at those placements
+        self.cache: dict[tuple[int, Ref, Placements], fx.Node] = {}
+        self.saved: list[fx.Node] = []  # forward values the backward reads, in order
+        self.saved_in: dict[fx.Node, fx.Node] = {}  # forward node -> its backward placeholder
+        self.params = set(self.g.params.values())
+        self.used_names: set[str] = set()
+
+    # values ---------------------------------------------------------------------------------------
+    def value(self, ref: Ref, want: Placements, where: fx.Graph) -> fx.Node:
+        key = (id(where), ref, want)
+        if key in self.cache:
+            return self.cache[key]
+        node, home, have = self.base[ref]
+        is_param = ref.node in self.params
+        if where is self.bg and home is self.fg and not is_param:
+            fkey = (id(self.fg), ref, want)
+            if fkey in self.cache:  # resharded in forward already: save it
+                out = self._import(self.cache[fkey])
+                self.cache[key] = out
+                return out
+        if where is not home:
+            node = self._import(node)
+        out = self._reshard(node, ref, have, want, where)
+        self.cache[key] = out
+        return out
+
+    def _import(self, fnode: fx.Node) -> fx.Node:
+        if fnode not in self.saved_in:
+            self.saved.append(fnode)
+            ph = self.bg.placeholder(f"saved_{fnode.name}")
+            ph.meta.update(fnode.meta)
+            self.saved_in[fnode] = ph
+        return self.saved_in[fnode]
+
+    def _reshard(self, x: fx.Node, ref: Ref, src: Placements, dst: Placements, where: fx.Graph) -> fx.Node:
+        if tuple(src) == tuple(dst):
+            return x
+        spec = self.g.spec(ref)
+        role = "gather" if ref.node in self.params else ("grad" if self.g.role(ref) == Role.GRADIENT else "activation")
+        eb = element_bytes(spec.dtype, role, self.res.precision)
+        cur = list(src)
+        for step in reshard_steps(spec.shape, src, dst, self.res.mesh, eb):
+            a = step.axis
+            new = B if step.kind == "all_gather" else dst[a]
+            x = self._step(x, spec.shape, cur, a, new, step.kind, step.reduce, where)
+            cur[a] = new
+        assert tuple(cur) == tuple(dst), (cur, dst)
+        return x
+
+    def _step(self, x, shape, cur, a, new, kind, reduce, where: fx.Graph) -> fx.Node:
+        m, c = self.mesh_shape, self.coords
+        seen = list(cur)
+        seen[a] = B
+        group_block = local_shape(shape, seen, m, c)  # the tensor as axis a's group sees it
+        after = list(cur)
+        after[a] = new
+        mine = local_shape(shape, after, m, c)
+        call = where.call_function
+        if kind == "all_gather":
+            d = cur[a].dim
+            return self._wait(call(C.all_gather, (x, a, d, group_block[d])), where)
+        if kind == "reduce_scatter":
+            d = new.dim
+            return self._wait(call(C.reduce_scatter, (x, a, d, reduce, mine[d])), where)
+        if kind == "all_reduce":
+            out = self._wait(call(C.all_reduce, (x, a, reduce)), where)
+            if isinstance(new, Partial) and c[a] != 0:  # P(x) -> P(y): keep one addend
+                return self._fill_like(out, new, where)
+            return out
+        if kind == "all_to_all":
+            i, j = cur[a].dim, new.dim
+            return self._wait(call(C.all_to_all, (x, a, i, j, group_block[i], mine[j])), where)
+        if kind == "slice":
+            d = new.dim
+            start, length = chunk_range(group_block[d], m[a], c[a])
+            piece = call(torch.ops.aten.slice.Tensor, (x, d, start, start + length))
+            return where.call_method("contiguous", (piece,))  # a device holds its block densely
+        if kind == "zero":  # B -> P: one device keeps the value, the others hold the reduction's identity
+            if c[a] == 0 or new.reduce in ("max", "min"):
+                return x
+            return self._fill_like(x, new, where)
+        if kind == "pad":  # S(d) -> P: each device's block in place, the reduction's identity elsewhere
+            d = cur[a].dim
+            start, length = chunk_range(group_block[d], m[a], c[a])
+            full = call(torch.ops.aten.new_full.default, (x, list(group_block), _identity(new.reduce)))
+            return call(torch.ops.aten.slice_scatter.default, (full, x, d, start, start + length))
+        raise LoweringError(f"no lowering for reshard step {kind!r}")
+
+    def _fill_like(self, x: fx.Node, p: Partial, where: fx.Graph) -> fx.Node:
+        return where.call_function(torch.ops.aten.full_like.default, (x, _identity(p.reduce)))
+
+    @staticmethod
+    def _wait(n: fx.Node, where: fx.Graph) -> fx.Node:
+        return where.call_function(C.wait, (n,))
+
+    # nodes ---------------------------------------------------------------------------------------
+    def emit(self) -> None:
+        for node in self.g.nodes:
+            strat = self.res.strategies[node.name]
+            if node.is_placeholder:
+                self._placeholder(node, strat)
+            elif node.op == "get_attr":
+                self._constant(node, strat)
+            else:
+                self._op(node, strat)
+
+    def _name(self, text: str) -> str:
+        base = "".join(ch if ch.isalnum() else "_" for ch in text).strip("_") or "x"
+        if base[0].isdigit():
+            base = "_" + base
+        name, k = base, 1
+        while name in self.used_names:
+            k += 1
+            name = f"{base}_{k}"
+        self.used_names.add(name)
+        return name
+
+    def _placeholder(self, node: Node, strat: Strategy) -> None:
+        key = _placeholder_key(self.g, node)
+        where = self.bg if key is None else self.fg
+        ph = where.placeholder(self._name("tangent" if key is None else key[1]))
+        self.base[Ref(node.name, 0)] = (ph, where, output_placement(strat, 0))
+
+    def _constant(self, node: Node, strat: Strategy) -> None:
+        name = self._name(f"const_{node.name}")
+        setattr(self.root, name, getattr(self.g.gm, node.target))
+        where = self.fg if node.phase == Phase.FORWARD else self.bg
+        self.base[Ref(node.name, 0)] = (where.get_attr(name), where, output_placement(strat, 0))
+
+    def _op(self, node: Node, strat: Strategy) -> None:
+        where = self.fg if node.phase == Phase.FORWARD or not self.g.training else self.bg
+        ins = [self.value(r, input_placement(strat, k), where) for k, r in enumerate(node.inputs)]
+        call = self.res.calls[node.name]
+        ctx = LocalCtx(call, strat, self.mesh_shape, self.coords)
+        if has_local(node.op):
+            mod_name = self._name(f"{node.name}_local")
+            self.root.add_module(mod_name, LocalOp(ctx))
+            out = where.call_module(mod_name, tuple(ins))
+        else:
+            args, kwargs = local_args(ctx, ins)
+            if self.device is not None and "device" in kwargs:
+                kwargs = dict(kwargs, device=self.device)
+            out = where.call_function(node.target, tuple(args), dict(kwargs))
+        out.name = self._name(node.name)
+        tensors = [j for j, spec in enumerate(node.outputs) if spec is not None]
+        multi = len(node.outputs) > 1
+        for j in tensors:
+            val = where.call_function(operator.getitem, (out, j)) if multi else out
+            self.base[Ref(node.name, j)] = (val, where, output_placement(strat, j))
+
+    # the program's outputs ---------------------------------------------------------------------------
+    def finish(self) -> Program:
+        g, res = self.g, self.res
+        slots_in = []
+        for node in g.nodes:
+            key = _placeholder_key(g, node) if node.is_placeholder else None
+            if key is not None:
+                slots_in.append(Slot(key[0], key[1], output_placement(res.strategies[node.name], 0), node.out))
+        outs, slots_out = [], []
+        if g.training:
+            if g.loss is not None:
+                full = tuple(B for _ in self.mesh_shape)
+                outs.append(self.value(g.loss, full, self.fg))
+                slots_out.append(Slot("loss", "loss", full, g.spec(g.loss)))
+        else:
+            for i, r in enumerate(g.outputs):
+                if r is None or r in g.mutations.values():
+                    continue
+                pl = self.base[r][2]
+                outs.append(self.value(r, pl, self.fg))
+                slots_out.append(Slot("output", str(i), pl, g.spec(r)))
+        for fqn, r in sorted(g.mutations.items()):
+            pl = output_placement(res.strategies[g.buffers[fqn]], 0)
+            where = self.base[r][1]
+            if where is not self.fg:
+                raise LoweringError(f"buffer {fqn!r} is updated in the backward: autopar cannot lower that yet")
+            outs.append(self.value(r, pl, self.fg))
+            slots_out.append(Slot("mutation", fqn, pl, g.spec(r)))
+        grads, grad_slots = [], []
+        for fqn, r in sorted(g.grads.items()):
+            pl = output_placement(res.strategies[g.params[fqn]], 0)
+            grads.append(self.value(r, pl, self.bg))
+            grad_slots.append(Slot("grad", fqn, pl, g.spec(r)))
+        self.fg.output(tuple(outs) + tuple(self.saved))
+        forward = fx.GraphModule(self.root, self.fg, "forward")
+        backward = None
+        if g.training:
+            self.bg.output(tuple(grads))
+            # placeholders must come first: saved values were added as they were needed
+            _hoist_placeholders(self.bg)
+            backward = fx.GraphModule(self.root, self.bg, "backward")
+        for gm in (forward, backward):
+            if gm is not None:
+                gm.graph.lint()
+                gm.recompile()
+        return Program(self.coords, self.mesh_shape, tuple(res.mesh.names), forward, slots_in, slots_out,
+                       len(self.saved), backward, grad_slots)
+
+
+def _identity(reduce: str) -> float:
+    return {"sum": 0.0, "max": -math.inf, "min": math.inf}[reduce]
+
+
+def _hoist_placeholders(graph: fx.Graph) -> None:
+    """Move every placeholder before the first other node, keeping their order; the tangent last."""
+    phs = [n for n in graph.nodes if n.op == "placeholder"]
+    tangent = [n for n in phs if n.name.startswith("tangent")]
+    order = [n for n in phs if n not in tangent] + tangent
+    anchor = None
+    for n in order:
+        if anchor is None:
+            next(iter(graph.nodes)).prepend(n)
+        else:
+            anchor.append(n)
+        anchor = n
+
+
+def lower(res: Resolved, coords: Sequence[int], device: Optional[torch.device] = None) -> Program:
+    """The program of the device at ``coords`` (row-major over the mesh)."""
+    if len(coords) != len(res.mesh.shape):
+        raise LoweringError(f"coordinates {tuple(coords)} do not match the mesh {res.mesh.shape}")
+    em = _Emitter(res, coords, device)
+    em.emit()
+    return em.finish()
+
+
+__all__ = ["LocalOp", "LoweringError", "Program", "RANDOM_OPS", "Resolved", "Slot", "lower", "resolve"]
