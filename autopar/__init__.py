@@ -3,6 +3,7 @@
     mesh = autopar.Mesh({"dp": 2, "tp": 4}, device="h100")
     plan = autopar.plan(model, mesh, example_inputs)
     print(plan.summary())
+    model = autopar.compile(model, mesh, example_inputs)   # on every rank of a process group
 """
 
 from autopar import recipes
@@ -10,8 +11,12 @@ from autopar.errors import AutoparError, CaptureError
 from autopar.ir.hint import hint
 from autopar.mesh import Mesh
 from autopar.plan import Plan, PlanError, load_plan
+from autopar.runtime.launch import LaunchError, launch
+from autopar.runtime.spmd import simulate
 
 # Imported last: the submodule ``autopar.plan`` would otherwise shadow the function.
 from autopar.api import plan  # noqa: E402  isort: skip
+from autopar.parallel import ParallelModule, compile  # noqa: E402,A004  isort: skip
 
-__all__ = ["AutoparError", "CaptureError", "Mesh", "Plan", "PlanError", "hint", "load_plan", "plan", "recipes"]
+__all__ = ["AutoparError", "CaptureError", "LaunchError", "Mesh", "ParallelModule", "Plan", "PlanError", "compile",
+           "hint", "launch", "load_plan", "plan", "recipes", "simulate"]

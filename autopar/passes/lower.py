@@ -40,6 +40,7 @@ from autopar.ir.rules import op_call
 from autopar.ir.rules.base import LocalCtx, OpCall, has_local, local_args, run_local
 from autopar.ir.rules.dimmap import Strategy
 from autopar.mesh import Mesh
+from autopar.passes.cost import param_views
 from autopar.passes.strategies import input_placement, node_strategies, output_placement
 from autopar.runtime import collectives as C
 
@@ -81,8 +82,8 @@ class Program:
     def code(self) -> str:
         """The program's Python source (forward, then backward)."""
         parts = ["# forward" + self.forward.code]
-        if self.backward is not None:
-            parts.append("# backward" + self.backward.code)
+        if self.backward is not None:  # fx names every module's function "forward"
+            parts.append("# backward" + self.backward.code.replace("def forward(self", "def backward(self", 1))
         return "\n".join(parts)
 
 
@@ -193,7 +194,8 @@ class _Emitter:
         self.cache: dict[tuple[int, Ref, Placements], fx.Node] = {}
         self.saved: list[fx.Node] = []  # forward values the backward reads, in order
         self.saved_in: dict[fx.Node, fx.Node] = {}  # forward node -> its backward placeholder
-        self.params = set(self.g.params.values())
+        # parameters and layout views of them: resharded per phase, never saved gathered (as FSDP)
+        self.params = param_views(self.g)
         self.used_names: set[str] = set()
 
     # values ---------------------------------------------------------------------------------------

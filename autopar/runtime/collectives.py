@@ -150,12 +150,12 @@ class ProcessGroupComm:
     def all_gather(self, x, axis, dim):
         from torch.distributed import _functional_collectives as fc
 
-        return fc.all_gather_tensor(x.contiguous(), dim, self.groups[axis])
+        return fc.all_gather_single(x.contiguous(), dim, self.groups[axis])
 
     def reduce_scatter(self, x, axis, dim, reduce):
         from torch.distributed import _functional_collectives as fc
 
-        return fc.reduce_scatter_tensor(x.contiguous(), reduce, dim, self.groups[axis])
+        return fc.reduce_scatter_single(x.contiguous(), reduce, dim, self.groups[axis])
 
     def all_reduce(self, x, axis, reduce):
         from torch.distributed import _functional_collectives as fc

@@ -164,10 +164,11 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     kwargs = dict(example_kwargs or {})
     graph = capture(model, args, kwargs, training=plan.training)
     res = resolve(graph, plan)
-    first = lower(res, (0,) * len(res.mesh.shape))
+    programs = {c: lower(res, c) for c in device_coords(res.mesh.shape)}
+    first = programs[(0,) * len(res.mesh.shape)]
     values = placeholder_values(res, first.inputs, model, args, kwargs)
     run_prec = plan.precision.get("name", "model") if precision == "plan" else "model"
-    programs, results, executed = simulate_programs(res, values, run_prec, programs=None)
+    programs, results, executed = simulate_programs(res, values, run_prec, programs=programs)
     if trace is not None:
         trace.update(executed)
     shape = res.mesh.shape

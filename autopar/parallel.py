@@ -1,0 +1,285 @@
+"""``autopar.compile``: a model, a mesh and a plan become a ``ParallelModule`` on torch.distributed.
+
+Every rank calls ``compile`` with the same arguments. Rank 0 plans (or loads the given plan) and
+broadcasts it; every rank captures the model, and all ranks compare their graph fingerprints
+before any collective of the program runs, so ranks that disagree fail loudly instead of hanging.
+Each rank lowers the plan for its own mesh coordinates. Parameters and buffers become ``DTensor``s
+with the plan's placements, so optimizers, ``state_dict`` and ``torch.distributed.checkpoint``
+work on them unchanged; ``forward`` runs the lowered forward program and the loss's backward runs
+the lowered backward program, whose gradients arrive as DTensors placed like their parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import AutoparError
+from autopar.ir.graph import Graph
+from autopar.ir.placement import from_dtensor, format_placements, local_block, to_dtensor
+from autopar.mesh import Mesh
+from autopar.passes.lower import Program, Slot, lower, resolve
+from autopar.plan import Plan, load_plan
+from autopar.runtime import collectives as C
+from autopar.runtime.spmd import precision_context
+
+
+class CompileError(AutoparError):
+    """The model, mesh, plan and process group do not go together."""
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def _dtensor(local: torch.Tensor, dmesh, slot: Slot):
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, dmesh, to_dtensor(slot.placements), run_check=False,
+                              shape=torch.Size(slot.spec.shape), stride=_contiguous_stride(slot.spec.shape))
+
+
+class _Step(torch.autograd.Function):
+    """The lowered program as one autograd node: forward runs the forward program, backward the
+    backward program seeded with the loss's incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, pm: "ParallelModule", n_params: int, *locals_):
+        outs, saved = pm._run_forward(list(locals_))
+        ctx.pm, ctx.saved, ctx.n_params = pm, saved, n_params
+        return outs[0]
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        pm = ctx.pm
+        grads = pm._run_backward(ctx.saved, grad_loss)
+        ctx.saved = None
+        return (None, None, *grads, *([None] * (len(pm.program.inputs) - ctx.n_params)))
+
+
+class ParallelModule(torch.nn.Module):
+    """The user's model, run as its plan's sharded program on this rank (see ``autopar.compile``)."""
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, graph: Graph, dmesh, program: Program,
+                 precision: str):
+        super().__init__()
+        self.module = model
+        self.plan = plan
+        self.graph = graph
+        self.device_mesh = dmesh
+        self.program = program
+        self.precision = precision
+        self._comm = C.ProcessGroupComm([dmesh.get_group(i) for i in range(dmesh.ndim)], plan.axis_names)
+        self._axis_of_group = {dmesh.get_group(i).group_name: name for i, name in enumerate(plan.axis_names)}
+        self._recording: Optional[list] = None
+        self._param_slots = [s for s in program.inputs if s.kind == "param"]
+        self._grad_index = {s.key: i for i, s in enumerate(program.grads)}
+
+    # -- what users look at ---------------------------------------------------------------------
+    @property
+    def code(self) -> str:
+        """The Python source of this rank's lowered program."""
+        return self.program.code
+
+    @contextlib.contextmanager
+    def record_collectives(self) -> Iterator[list]:
+        """Lists the collectives that actually run inside the block (``Executed``: kind, mesh axis,
+        bytes as the axis group sees them), intercepted at torch's collective ops."""
+        out: list = []
+        self._recording = out
+        try:
+            yield out
+        finally:
+            self._recording = None
+
+    # -- running -------------------------------------------------------------------------------
+    def _context(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(C.use_backend(self._comm))
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(precision_context(self.precision, self._device_type()))
+        if self._recording is not None:
+            stack.enter_context(C._Recorder(self._axis_of_group, self._recording))
+        return stack
+
+    def _device_type(self) -> str:
+        return self.device_mesh.device_type
+
+    def _run_forward(self, local_inputs: list) -> tuple[list, list]:
+        with self._context():
+            res = self.program.forward(*local_inputs)
+            res = list(res) if isinstance(res, (tuple, list)) else [res]
+            n_out = len(res) - self.program.n_saved
+            outs = [C.wait(o) for o in res[:n_out]]
+        named = dict(zip([s for s in self.program.outputs], outs))
+        for slot, value in named.items():
+            if slot.kind == "mutation":
+                self._buffer_local(slot.key).copy_(value)
+        return [v for s, v in named.items() if s.kind in ("loss", "output")], res[n_out:]
+
+    def _run_backward(self, saved: list, grad_loss: torch.Tensor) -> list:
+        with self._context():
+            grads = [C.wait(g) for g in self.program.backward(*saved, grad_loss.to(self.program.grads[0].spec.dtype)
+                                                               if self.program.grads else grad_loss)]
+        return [grads[self._grad_index[s.key]].to(self._param(s.key).dtype) for s in self._param_slots]
+
+    def _param(self, fqn: str):
+        return self.module.get_parameter(fqn)
+
+    def _buffer_local(self, fqn: str) -> torch.Tensor:
+        return self.module.get_buffer(fqn).to_local()
+
+    def _local_input(self, slot: Slot, value: Any) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            got = from_dtensor(value.placements)
+            if tuple(got) != tuple(slot.placements):
+                raise CompileError(
+                    f"input {slot.key!r} is a DTensor placed {format_placements(got)!r}, but the plan places it "
+                    f"{format_placements(slot.placements)!r}: redistribute it, or pass the whole tensor")
+            return value.to_local()
+        if not isinstance(value, torch.Tensor):
+            raise CompileError(f"input {slot.key!r} must be a tensor, got {type(value).__name__}")
+        if tuple(value.shape) != tuple(slot.spec.shape):
+            raise CompileError(f"input {slot.key!r} has shape {tuple(value.shape)}, but the program was compiled for "
+                               f"{slot.spec}: compile again for this shape")
+        coords = tuple(self.program.coords)
+        return local_block(value, slot.placements, self.program.mesh_shape, coords)
+
+    def forward(self, *args, **kwargs):
+        values = []
+        for slot in self.program.inputs:
+            if slot.kind in ("param", "buffer"):
+                t = self._param(slot.key) if slot.kind == "param" else self.module.get_buffer(slot.key)
+                values.append(t.to_local())
+            elif slot.key.startswith("input:"):
+                values.append(self._local_input(slot, args[int(slot.key.split(":")[1])]))
+            else:
+                values.append(self._local_input(slot, kwargs[slot.key]))
+        if self.program.backward is not None:
+            n = len(self._param_slots)
+            # parameters first: _Step returns their gradients in the same order
+            order = [i for i, s in enumerate(self.program.inputs) if s.kind == "param"]
+            rest = [i for i, s in enumerate(self.program.inputs) if s.kind != "param"]
+            if order != list(range(n)):
+                raise CompileError("the lowered program does not list parameters first")  # lowering invariant
+            return _Step.apply(self, n, *[values[i] for i in order + rest])
+        outs, _ = self._run_forward(values)
+        slots = [s for s in self.program.outputs if s.kind == "output"]
+        wrapped = tuple(_dtensor(o, self.device_mesh, s) for o, s in zip(outs, slots))
+        return wrapped[0] if len(wrapped) == 1 else wrapped
+
+
+# -- compile ----------------------------------------------------------------------------------------
+
+def _share_plan(plan: Optional[Plan], make) -> Plan:
+    """Rank 0's plan (made by ``make`` or given) on every rank."""
+    box = [None]
+    if dist.get_rank() == 0:
+        box[0] = (plan if plan is not None else make()).to_json(timing=False)
+    dist.broadcast_object_list(box, src=0)
+    return Plan.from_dict(__import__("json").loads(box[0]))
+
+
+def _check_same_graph(fingerprint: str) -> None:
+    got: list = [None] * dist.get_world_size()
+    dist.all_gather_object(got, fingerprint)
+    bad = [r for r, f in enumerate(got) if f != got[0]]
+    if bad:
+        raise CompileError(
+            f"ranks captured different programs (rank 0 {got[0][:12]}, rank(s) {bad} differ): every rank must "
+            "call autopar.compile with the same model and example input shapes")
+
+
+def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwargs: Optional[dict] = None, *,
+            plan=None, precision: Optional[str] = None, **plan_kwargs) -> ParallelModule:
+    """Plan (or take ``plan``: a Plan or a saved plan's path) and build this rank's ParallelModule.
+
+    Call on every rank of a process group whose size is ``mesh.size`` (``autopar.launch`` or
+    ``torchrun``). ``precision`` overrides the plan's (``"fp32"``, ``"bf16-mixed"``, ``"model"``).
+    The other keywords are ``autopar.plan``'s. The model's parameters are replaced, in place, by
+    DTensors holding this rank's blocks.
+    """
+    from autopar.api import plan as make_plan
+    from autopar.ir.capture import capture
+    from autopar.passes.report import graph_fingerprint
+    from autopar.runtime.launch import ensure_process_group
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
+    ensure_process_group(mesh.size, f"mesh {mesh.axes}")
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+    if plan is not None and not isinstance(plan, Plan):
+        plan = load_plan(plan) if dist.get_rank() == 0 else None
+        given = True
+    else:
+        given = plan is not None
+    training = plan_kwargs.get("training", True) if not given else None
+    shared = _share_plan(plan, lambda: make_plan(model, mesh, args, kwargs, **plan_kwargs))
+    if tuple(shared.mesh_shape) != tuple(mesh.shape):
+        raise CompileError(f"the plan was made for mesh {dict(zip(shared.axis_names, shared.mesh_shape))}, "
+                           f"not {mesh.axes}: plan again for this mesh")
+    if training is not None and shared.training != training:
+        raise CompileError("the plan's training mode differs from training=")
+    graph = capture(model, args, kwargs, training=shared.training)
+    _check_same_graph(graph_fingerprint(graph))
+    res = resolve(graph, shared)
+    backend = dist.get_backend()
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    dmesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=tuple(mesh.names))
+    coords = tuple(int(c) for c in dmesh.get_coordinate())
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else None
+    program = lower(res, coords, device)
+    prec = precision or shared.precision.get("name", "fp32")
+    _distribute_state(model, graph, program, dmesh, device)
+    return ParallelModule(model, shared, graph, dmesh, program, prec)
+
+
+def _distribute_state(model: torch.nn.Module, graph: Graph, program: Program, dmesh, device) -> None:
+    """Replace every parameter and buffer by a DTensor holding this rank's block (tied weights stay
+    tied); meta tensors are materialized by ``materialize``."""
+    from autopar.runtime.materialize import full_value
+
+    coords = tuple(dmesh.get_coordinate())
+    done: dict[str, torch.Tensor] = {}
+    for slot in program.inputs:
+        if slot.kind not in ("param", "buffer"):
+            continue
+        owner, _, name = slot.key.rpartition(".")
+        mod = model.get_submodule(owner)
+        old = getattr(mod, name)
+        whole = full_value(model, slot.key, old)
+        block = local_block(whole, slot.placements, program.mesh_shape, coords)
+        if device is not None:
+            block = block.to(device)
+        dt = _dtensor(block, dmesh, slot)
+        if slot.kind == "param":
+            new = torch.nn.Parameter(dt, requires_grad=old.requires_grad)
+            mod._parameters[name] = new
+        else:
+            mod._buffers[name] = dt
+            new = dt
+        done[slot.key] = new
+    for alias, canon in graph.aliases.items():
+        if canon in done:
+            owner, _, name = alias.rpartition(".")
+            mod = model.get_submodule(owner)
+            if name in mod._parameters:
+                mod._parameters[name] = done[canon]
+            else:
+                mod._buffers[name] = done[canon]
+
+
+__all__ = ["CompileError", "ParallelModule", "compile"]

@@ -1,0 +1,86 @@
+"""Shared pieces of the parity tests (simulate and gloo): the cases, their plans, and the function
+every gloo rank runs. A module of its own so spawned workers can import it."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import torch
+
+#: Float64 for the MoE: top-k routing ties cannot flip there.
+FLOAT64 = ("moe",)
+#: AdamW's eps: with the default 1e-8, gradients that are zero in exact arithmetic (the attention
+#: key bias: softmax ignores a shift of every score) turn their roundoff into +-lr steps, which no
+#: two correct implementations reproduce alike.
+EPS = 1e-6
+STEPS = 3
+
+
+def build(family: str):
+    """``(model, example_inputs)``, the same on every process."""
+    from autopar.models import make
+
+    torch.manual_seed(0)
+    model, args = make(family, "tiny", batch=8)
+    if family in FLOAT64:
+        model = model.double()
+        args = tuple(a.double() if a.is_floating_point() else a for a in args)
+    return model, args
+
+
+@functools.lru_cache(maxsize=None)
+def plan_json(family: str, axes: tuple, recipe: str | None = None) -> str:
+    """The plan of one case (searched, or a recipe forced), as JSON; cached per test session."""
+    import autopar
+
+    model, args = build(family)
+    mesh = autopar.Mesh(dict(axes), device="cpu")
+    kw = {"precision": "fp64"} if family in FLOAT64 else {}
+    if recipe:
+        plan = getattr(autopar.recipes, recipe)(model, mesh, args, **kw)
+    else:
+        plan = autopar.plan(model, mesh, args, deterministic_time=0.5, progress=False, **kw)
+    return plan.to_json()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    d = (a - b).norm().item()
+    n = b.norm().item()
+    return d / n if n > 0 else d
+
+
+def train_on_rank(family: str, axes: tuple, text: str) -> dict:
+    """On every gloo rank: compile ``family`` under the plan, train ``STEPS`` AdamW steps next to
+    the single-device model and report the worst relative errors and the collectives that ran."""
+    import autopar
+    from autopar.runtime.accounting import differences
+
+    plan = autopar.Plan.from_dict(json.loads(text))
+    model, args = build(family)
+    ref, _ = build(family)
+    mesh = autopar.Mesh(dict(axes), device="cpu")
+    pm = autopar.compile(model, mesh, args, plan=plan)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=EPS)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=EPS)
+    refp = dict(ref.named_parameters())
+    out = {"loss": 0.0, "grad": 0.0, "param": 0.0, "differences": None}
+    for step in range(STEPS):
+        with pm.record_collectives() as ran:
+            loss = pm(*args)
+            loss.backward()
+        if step == 0:
+            out["differences"] = differences(plan, ran)
+        r = ref(*args)
+        r.backward()
+        out["loss"] = max(out["loss"], rel(loss, r))
+        for name, p in pm.module.named_parameters():
+            out["grad"] = max(out["grad"], rel(p.grad.full_tensor(), refp[name].grad))
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    for name, p in pm.module.named_parameters():
+        out["param"] = max(out["param"], rel(p.full_tensor(), refp[name]))
+    return out
