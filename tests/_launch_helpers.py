@@ -1,0 +1,78 @@
+"""Functions that ranks run in tests/test_launch.py.
+
+A module of its own so that spawned children can import it cheaply: it imports torch and nothing
+of pytest or autopar (``report_and_mismatch`` imports autopar's launch module when it runs).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def report(tag: str) -> dict:
+    """This rank's identity, its environment, and a real all_reduce over the group."""
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "sum": t.item(), "tag": tag,
+            "env": env, "pid": os.getpid()}
+
+
+def report_and_mismatch() -> dict:
+    """``report`` plus what ensure_process_group says for the right and a wrong world size."""
+    from autopar.runtime.launch import LaunchError, ensure_process_group
+
+    out = report("mismatch")
+    ensure_process_group(dist.get_world_size())  # the right size passes
+    try:
+        ensure_process_group(3, what="mesh {'tp': 3}")
+    except LaunchError as exc:
+        out["mismatch"] = str(exc)
+    return out
+
+
+def gather_ranks(scale: int) -> list:
+    """A second, different function for the pool: all_gather of scaled ranks, plus the pid."""
+    mine = torch.tensor([dist.get_rank() * scale])
+    parts = [torch.zeros(1, dtype=mine.dtype) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    return [int(p.item()) for p in parts] + [os.getpid()]
+
+
+def _note_pid(pid_dir: str) -> None:
+    Path(pid_dir, f"{dist.get_rank()}.pid").write_text(str(os.getpid()))
+
+
+def raise_on_rank1(pid_dir: str) -> None:
+    """Rank 1 raises; rank 0 is stuck (not in a collective, so only the launcher can stop it)."""
+    _note_pid(pid_dir)
+    if dist.get_rank() == 1:
+        raise ValueError("rank one refuses")
+    time.sleep(120)
+
+
+def exit_before_all_reduce(pid_dir: str) -> float:
+    """Rank 1 dies without raising; the others wait in an all_reduce that it never joins."""
+    _note_pid(pid_dir)
+    if dist.get_rank() == 1:
+        time.sleep(0.3)  # let the others enter the collective first
+        os._exit(3)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def raise_quickly_on_rank1() -> int:
+    """Every rank reports at once (no collective): the pool stays usable after the exception."""
+    if dist.get_rank() == 1:
+        raise KeyError("no such thing on rank 1")
+    return dist.get_rank()
+
+
+def sleep(seconds: float) -> None:
+    time.sleep(seconds)

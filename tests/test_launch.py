@@ -1,0 +1,191 @@
+"""The local-process runtime on real gloo groups (no mocks): ``launch``, ``ensure_process_group``,
+``WorkerPool`` and launch's torchrun mode.
+
+The functions the ranks run live in ``tests/_launch_helpers.py``: spawned children unpickle them by
+importing that module (pytest puts ``tests/`` on ``sys.path`` and the children inherit it), and it
+imports only torch, not this file's pytest and autopar, which would cost each child seconds. Every
+spawned process still costs about 2 s of ``import torch`` here, so each test checks several things
+per launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from _launch_helpers import (
+    exit_before_all_reduce,
+    gather_ranks,
+    raise_on_rank1,
+    raise_quickly_on_rank1,
+    report,
+    report_and_mismatch,
+    sleep,
+)
+
+from autopar.errors import AutoparError
+from autopar.runtime.launch import LaunchError, launch
+from autopar.runtime.pool import WorkerPool
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _pids(pid_dir: Path) -> dict[int, int]:
+    return {int(p.stem): int(p.read_text()) for p in pid_dir.glob("*.pid")}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with WorkerPool(2, timeout=60) as p:
+        yield p
+
+
+# ---------------------------------------------------------------------------------------------
+# launch
+
+
+def test_launch_two_ranks_rank_order_all_reduce_env_and_size_mismatch():
+    out = launch(report_and_mismatch, 2, timeout=120)
+    assert [r["rank"] for r in out] == [0, 1]
+    assert all(r["world_size"] == 2 and r["sum"] == 3.0 for r in out)  # 1 + 2
+    assert [r["env"]["RANK"] for r in out] == ["0", "1"]
+    assert all(r["env"]["WORLD_SIZE"] == "2" and r["env"]["LOCAL_RANK"] == r["env"]["RANK"] for r in out)
+    assert len({r["env"]["MASTER_PORT"] for r in out}) == 1
+    assert out[0]["pid"] != out[1]["pid"] and os.getpid() not in (out[0]["pid"], out[1]["pid"])
+    msg = out[0]["mismatch"]
+    assert msg.startswith("mesh {'tp': 3} needs 3 processes but the torch.distributed process group has 2")
+    assert "autopar.launch(fn, nprocs=3)" in msg and "\n" not in msg
+
+
+def test_launch_four_ranks_with_args_and_kwargs():
+    out = launch(report, 4, timeout=120, tag="four")
+    assert [r["rank"] for r in out] == [0, 1, 2, 3]
+    assert all(r["world_size"] == 4 and r["sum"] == 10.0 and r["tag"] == "four" for r in out)
+
+
+def test_launch_raising_rank_gives_its_traceback_and_stops_the_others(tmp_path):
+    with pytest.raises(LaunchError) as info:
+        launch(raise_on_rank1, 2, str(tmp_path), timeout=60)
+    err = info.value
+    assert isinstance(err, AutoparError) and err.rank == 1
+    text = str(err)
+    assert "rank 1 of 2 raised ValueError: rank one refuses" in text
+    assert "Traceback (most recent call last)" in text and "in raise_on_rank1" in text
+    pids = _pids(tmp_path)
+    assert sorted(pids) == [0, 1] and not any(_alive(p) for p in pids.values())
+
+
+def test_launch_rank_that_dies_fails_the_run_and_frees_ranks_blocked_in_a_collective(tmp_path):
+    with pytest.raises(LaunchError) as info:
+        launch(exit_before_all_reduce, 2, str(tmp_path), timeout=60)
+    err = info.value
+    assert err.rank == 1 and err.exitcode == 3
+    assert "rank 1 of 2 exited with code 3" in str(err)
+    pids = _pids(tmp_path)
+    assert sorted(pids) == [0, 1] and not any(_alive(p) for p in pids.values())
+
+
+def test_launch_timeout_stops_everything():
+    # Start-up alone may take seconds here; either way the run cannot finish inside the timeout.
+    with pytest.raises(LaunchError, match="timed out after 2 s"):
+        launch(sleep, 1, 120, timeout=2)
+
+
+def test_launch_rejects_unpicklable_fn_before_spawning():
+    with pytest.raises(LaunchError, match="module-level function"):
+        launch(lambda: 0, 2)
+
+
+def test_torchrun_mode_runs_in_process_and_no_group_error():
+    script = textwrap.dedent(
+        """
+        import json, os
+        import torch.distributed as dist
+        from autopar.runtime.launch import LaunchError, ensure_process_group, launch
+
+        out = {}
+        try:
+            ensure_process_group(2)
+        except LaunchError as exc:
+            out["no_group"] = str(exc)
+
+        def fn(x):  # a local function: it could not be pickled, so nothing may be spawned
+            return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "pid": os.getpid(), "x": x}
+
+        out["result"] = launch(fn, 1, 7)
+        out["pid"] = os.getpid()
+        out["initialised_after"] = dist.is_initialized()
+        print("RESULT" + json.dumps(out))
+        """
+    )
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    out = json.loads(line[len("RESULT"):])
+    assert out["result"] == [{"rank": 0, "world_size": 1, "pid": out["pid"], "x": 7}]
+    assert out["initialised_after"] is False  # launch destroys the group it created
+    msg = out["no_group"]
+    assert "no torch.distributed process group" in msg and "autopar.launch(fn, nprocs=2)" in msg
+    assert "torchrun --standalone --nproc-per-node 2" in msg and "init_process_group('gloo')" in msg
+    assert "\n" not in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# WorkerPool
+
+
+def test_pool_runs_different_functions_on_the_same_processes(pool):
+    first = pool.run(report, "one")
+    second = pool.run(gather_ranks, 5)
+    assert [r["rank"] for r in first] == [0, 1] and all(r["sum"] == 3.0 for r in first)
+    assert [r[:2] for r in second] == [[0, 5], [0, 5]]
+    assert [r["pid"] for r in first] == [r[2] for r in second] == pool.pids
+    assert os.getpid() not in pool.pids
+
+
+def test_pool_propagates_an_exception_and_stays_usable(pool):
+    with pytest.raises(LaunchError) as info:
+        pool.run(raise_quickly_on_rank1)
+    text = str(info.value)
+    assert info.value.rank == 1 and "rank 1 of 2 raised KeyError" in text and "no such thing on rank 1" in text
+    assert "Traceback (most recent call last)" in text and "in raise_quickly_on_rank1" in text
+    assert not pool.broken
+    assert [r["sum"] for r in pool.run(report, "again")] == [3.0, 3.0]
+
+
+def test_pool_worker_death_breaks_the_pool(tmp_path):
+    with WorkerPool(2, timeout=60) as p:
+        with pytest.raises(LaunchError) as info:
+            p.run(exit_before_all_reduce, str(tmp_path))
+        assert info.value.rank == 1 and info.value.exitcode == 3 and "exited with code 3" in str(info.value)
+        assert p.broken
+        with pytest.raises(LaunchError, match="broken pool"):
+            p.run(report, "after")
+        assert not any(_alive(pid) for pid in p.pids)
