@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -335,6 +336,7 @@ class _Emitter:
                 kwargs = dict(kwargs, device=self.device)
             out = where.call_function(node.target, tuple(args), dict(kwargs))
         out.name = self._name(node.name)
+        out.meta["autopar_module"] = node.module_path
         tensors = [j for j, spec in enumerate(node.outputs) if spec is not None]
         multi = len(node.outputs) > 1
         for j in tensors:
@@ -384,6 +386,7 @@ class _Emitter:
             backward = fx.GraphModule(self.root, self.bg, "backward")
         for gm in (forward, backward):
             if gm is not None:
+                schedule(gm.graph)
                 gm.graph.lint()
                 gm.recompile()
         return Program(self.coords, self.mesh_shape, tuple(res.mesh.names), forward, slots_in, slots_out,
@@ -406,6 +409,55 @@ def _hoist_placeholders(graph: fx.Graph) -> None:
         else:
             anchor.append(n)
         anchor = n
+
+
+_LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def _layer(node: fx.Node) -> Optional[str]:
+    if node.op not in ("call_function", "call_module"):
+        return None
+    m = _LAYER.match(node.meta.get("autopar_module", "") or "")
+    return m.group(1) if m else None
+
+
+def schedule(graph: fx.Graph) -> None:
+    """Issue every collective early and wait for it late, as the cost model's overlap assumes.
+
+    A collective moves up to just after the values it reads exist; one that gathers a parameter
+    (it reads a placeholder) no earlier than the start of the layer before the layer running when
+    the weight is first used, so gathered weights are not all held at once. Its ``wait`` moves
+    down to just before the first node that reads the result. Gradient reductions thus start as
+    soon as each gradient is ready, under the rest of the backward.
+    """
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    starts: list[fx.Node] = []  # first node of each layer, in program order
+    current: dict[fx.Node, int] = {}  # node -> index in ``starts`` of the layer running there
+    seen: set[str] = set()
+    for n in nodes:
+        lay = _layer(n)
+        if lay is not None and lay not in seen:
+            seen.add(lay)
+            starts.append(n)
+        current[n] = len(starts) - 1
+    last_placeholder = max((n for n in nodes if n.op == "placeholder"), key=pos.get, default=None)
+    for w in nodes:
+        if w.op != "call_function" or w.target is not C.wait:
+            continue
+        c = w.args[0]
+        users = sorted(w.users, key=pos.get)
+        producers = c.all_input_nodes
+        after = max(producers, key=pos.get) if producers else last_placeholder
+        if after is not None and after.op == "placeholder" and users:
+            k = current[users[0]]
+            after = starts[max(k - 1, 0)].prev if k >= 0 else after  # a layer ahead of its use
+        if after is not None and pos[after] < pos[c]:
+            after.append(c)
+        if users and users[0].op == "call_function" and users[0].target in C.COLLECTIVES:
+            c.append(w)  # the next step of the same reshard: keep the chain together, early
+        elif users and users[0].op != "output":
+            users[0].prepend(w)
 
 
 def lower(res: Resolved, coords: Sequence[int], device: Optional[torch.device] = None) -> Program:
