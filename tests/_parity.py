@@ -84,3 +84,41 @@ def train_on_rank(family: str, axes: tuple, text: str) -> dict:
     for name, p in pm.module.named_parameters():
         out["param"] = max(out["param"], rel(p.full_tensor(), refp[name]))
     return out
+
+
+def inference_on_rank(text: str) -> dict:
+    """An inference plan (``training=False``): the output is a DTensor equal to the model's, whether
+    the input comes whole or as a DTensor already placed as the plan wants."""
+    import autopar
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from autopar.ir.placement import parse, to_dtensor
+
+    plan = autopar.Plan.from_dict(json.loads(text))
+    model, args = build("mlp")
+    ref, _ = build("mlp")
+    with torch.no_grad():
+        want = ref(*args)
+    mesh = autopar.Mesh(dict(zip(plan.axis_names, plan.mesh_shape)), device="cpu")
+    pm = autopar.compile(model, mesh, args, plan=plan)
+    out = pm(*args)
+    placed = distribute_tensor(args[0], pm.device_mesh, to_dtensor(parse(plan.placements["input:0"])))
+    again = pm(placed, args[1])
+    return {"is_dtensor": isinstance(out, DTensor), "err": rel(out.full_tensor(), want),
+            "same": torch.equal(out.full_tensor(), again.full_tensor()), "input": plan.placements["input:0"]}
+
+
+def mismatched_shapes_on_rank() -> str:
+    """Ranks that compile with different example shapes must all fail with one clear error."""
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.models import make
+
+    torch.manual_seed(0)
+    model, args = make("mlp", "tiny", batch=8 if dist.get_rank() != 1 else 4)
+    try:
+        autopar.compile(model, autopar.Mesh({"a": 4}, device="cpu"), args, deterministic_time=0.2)
+    except autopar.AutoparError as e:
+        return str(e)
+    return "no error"

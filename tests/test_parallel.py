@@ -9,7 +9,7 @@ import pytest
 
 from autopar.runtime.pool import WorkerPool
 
-from _parity import plan_json, train_on_rank
+from _parity import inference_on_rank, mismatched_shapes_on_rank, plan_json, train_on_rank
 
 FAMILIES = ("mlp", "gpt", "llama", "cnn", "moe")
 MESHES = ((("a", 4),), (("a", 2), ("b", 2)))
@@ -41,3 +41,19 @@ def test_searched_plan_trains_like_one_device(pool, family, axes):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipes_train_like_one_device(pool, recipe):
     _check(pool, "gpt", (("a", 2), ("b", 2)), recipe)
+
+
+def test_inference_program_returns_dtensors_and_takes_placed_inputs(pool):
+    import autopar
+    from _parity import build
+
+    model, args = build("mlp")
+    mesh = autopar.Mesh({"a": 4}, device="cpu")
+    plan = autopar.plan(model, mesh, args, training=False, hints={"input:0": "S(0)"}, progress=False)
+    for r in pool.run(inference_on_rank, plan.to_json()):
+        assert r["is_dtensor"] and r["same"] and r["err"] <= 1e-5 and r["input"] == "S(0)", r
+
+
+def test_ranks_with_different_programs_fail_together(pool):
+    errors = pool.run(mismatched_shapes_on_rank)
+    assert all("ranks captured different programs" in e for e in errors), errors

@@ -41,6 +41,7 @@ from autopar.ir.rules import op_call
 from autopar.ir.rules.base import LocalCtx, OpCall, has_local, local_args, run_local
 from autopar.ir.rules.dimmap import Strategy
 from autopar.mesh import Mesh
+from autopar.passes.buckets import bucket_key, grad_buckets
 from autopar.passes.cost import param_views
 from autopar.passes.strategies import input_placement, node_strategies, output_placement
 from autopar.runtime import collectives as C
@@ -343,6 +344,81 @@ class _Emitter:
             val = where.call_function(operator.getitem, (out, j)) if multi else out
             self.base[Ref(node.name, j)] = (val, where, output_placement(strat, j))
 
+    # gradient buckets ---------------------------------------------------------------------------------
+    def _bucketed_grads(self) -> dict[str, fx.Node]:
+        """Gradients reduced together, one collective per bucket (``passes.buckets``)."""
+        g, res = self.g, self.res
+        items, steps_of = {}, {}
+        for fqn, r in g.grads.items():
+            src, dst = self.base[r][2], output_placement(res.strategies[g.params[fqn]], 0)
+            spec = g.spec(r)
+            steps = [] if tuple(src) == tuple(dst) else reshard_steps(
+                spec.shape, src, dst, res.mesh, element_bytes(spec.dtype, "grad", res.precision))
+            key = bucket_key(steps, spec.dtype)
+            items[fqn] = (key, steps[0].bytes if key else 0)
+            steps_of[fqn] = (steps, src, dst)
+        members: dict[int, list[str]] = {}
+        for fqn, b in grad_buckets(g, items).items():
+            members.setdefault(b, []).append(fqn)
+        out: dict[str, fx.Node] = {}
+        where = {n.name: i for i, n in enumerate(g.nodes)}
+        for b in sorted(members):
+            fqns = sorted(members[b], key=lambda f: (where[g.grads[f].node], f))
+            if len(fqns) < 2:
+                continue  # a bucket of one is the plain resharding
+            step = steps_of[fqns[0]][0][0]
+            xs = [self.value(g.grads[f], steps_of[f][1], self.bg) for f in fqns]
+            if step.kind == "all_reduce":
+                results = self._bucket_all_reduce(xs, [g.grads[f] for f in fqns], step)
+            else:
+                results = self._bucket_reduce_scatter(xs, [g.grads[f] for f in fqns],
+                                                       [steps_of[f][2] for f in fqns], step)
+            for f, node in zip(fqns, results):
+                out[f] = node
+                self.cache[(id(self.bg), g.grads[f], steps_of[f][2])] = node
+        return out
+
+    def _bucket_all_reduce(self, xs, refs, step) -> list[fx.Node]:
+        call = self.bg.call_function
+        shapes = [list(self._local_shape(r)) for r in refs]
+        flat = call(torch.ops.aten.cat.default, ([self.bg.call_method("reshape", (x, [-1])) for x in xs],))
+        done = self._wait(call(C.all_reduce, (flat, step.axis, step.reduce)), self.bg)
+        parts = call(torch.ops.aten.split_with_sizes.default, (done, [math.prod(s) for s in shapes]))
+        return [self.bg.call_method("reshape", (call(operator.getitem, (parts, i)), s)) for i, s in enumerate(shapes)]
+
+    def _bucket_reduce_scatter(self, xs, refs, dsts, step) -> list[fx.Node]:
+        """Each gradient's split dim moved first, padded to equal pieces and laid out as
+        ``[n, piece]`` rows; the rows of every gradient side by side are reduce-scattered at once."""
+        call, a = self.bg.call_function, step.axis
+        n = self.mesh_shape[a]
+        rows, metas = [], []
+        for x, r, dst in zip(xs, refs, dsts):
+            have = list(self._local_shape(r))
+            d = dst[a].dim
+            size = have[d]
+            piece = -(-size // n)
+            m = self.bg.call_method("movedim", (x, d, 0))
+            if piece * n != size:
+                pad = [0, 0] * (len(have) - 1) + [0, piece * n - size]
+                m = call(torch.ops.aten.constant_pad_nd.default, (m, pad, 0.0))
+            rest = [have[i] for i in range(len(have)) if i != d]
+            rows.append(self.bg.call_method("reshape", (m, [n, -1])))
+            mine = chunk_range(size, n, self.coords[a])[1]
+            metas.append((d, piece, rest, mine))
+        buf = call(torch.ops.aten.cat.default, (rows, 1))
+        done = self._wait(call(C.reduce_scatter, (buf, a, 0, step.reduce, 1)), self.bg)
+        sizes = [piece * math.prod(rest) for _, piece, rest, _ in metas]
+        parts = call(torch.ops.aten.split_with_sizes.default, (done, sizes, 1))
+        out = []
+        for i, (d, piece, rest, mine) in enumerate(metas):
+            block = self.bg.call_method("reshape", (call(operator.getitem, (parts, i)), [piece] + rest))
+            block = call(torch.ops.aten.slice.Tensor, (block, 0, 0, mine))
+            out.append(self.bg.call_method("contiguous", (self.bg.call_method("movedim", (block, 0, d)),)))
+        return out
+
+    def _local_shape(self, ref: Ref) -> tuple[int, ...]:
+        return local_shape(self.g.spec(ref).shape, self.base[ref][2], self.mesh_shape, self.coords)
+
     # the program's outputs ---------------------------------------------------------------------------
     def finish(self) -> Program:
         g, res = self.g, self.res
@@ -372,9 +448,10 @@ class _Emitter:
             outs.append(self.value(r, pl, self.fg))
             slots_out.append(Slot("mutation", fqn, pl, g.spec(r)))
         grads, grad_slots = [], []
+        bucketed = self._bucketed_grads() if g.training else {}
         for fqn, r in sorted(g.grads.items()):
             pl = output_placement(res.strategies[g.params[fqn]], 0)
-            grads.append(self.value(r, pl, self.bg))
+            grads.append(bucketed[fqn] if fqn in bucketed else self.value(r, pl, self.bg))
             grad_slots.append(Slot("grad", fqn, pl, g.spec(r)))
         self.fg.output(tuple(outs) + tuple(self.saved))
         forward = fx.GraphModule(self.root, self.fg, "forward")

@@ -4,7 +4,8 @@ A plan lists every resharding with its steps (``plan.reshardings``); the collect
 (all-gather, reduce-scatter, all-reduce, all-to-all: local slices and pads move nothing) are what
 the lowered program must run on each device. A run records what actually ran
 (``ParallelModule.record_collectives``, or ``simulate(..., trace=...)``). Both are counted per
-(kind, mesh axis, bytes as the axis group sees it).
+(kind, mesh axis, bytes as the axis group sees it); gradient reshardings that share a bucket
+(``"bucket"`` in the plan, see ``passes.buckets``) are one collective of their summed bytes.
 """
 
 from __future__ import annotations
@@ -20,10 +21,18 @@ Key = tuple[str, str, int]
 def predicted(plan) -> Counter:
     """Per (kind, axis, bytes): how many times one device runs that collective in one step."""
     out: Counter = Counter()
+    buckets: dict[int, list] = {}
     for r in plan.reshardings:
+        if r.get("bucket") is not None:  # one collective per bucket, of its members' bytes
+            (s,) = r["steps"]
+            b = buckets.setdefault(r["bucket"], [s["kind"], s["axis"], 0])
+            b[2] += int(s["bytes"])
+            continue
         for s in r["steps"]:
             if s["kind"] not in LOCAL_KINDS:
                 out[(s["kind"], s["axis"], int(s["bytes"]))] += 1
+    for kind, axis, nbytes in buckets.values():
+        out[(kind, axis, nbytes)] += 1
     return out
 
 
