@@ -92,3 +92,11 @@ def test_random_ops_are_refused_by_name():
         plan = autopar.plan(model, mesh, (x,), progress=False)
     with pytest.raises(LoweringError, match="(?s)drop.*random.*dropout"):
         autopar.simulate(model, plan, (x,))
+
+
+def test_mixed_precision_is_refused_not_run_silently_in_fp32():
+    plan = autopar.Plan.from_dict(json.loads(plan_json("mlp", (("a", 8),))))
+    plan.precision = dict(plan.precision, name="bf16-mixed")
+    model, args = build("mlp")
+    with pytest.raises(autopar.AutoparError, match="bf16-mixed.*not supported yet"):
+        autopar.simulate(model, plan, args, precision="plan")
