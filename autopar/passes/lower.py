@@ -52,6 +52,10 @@ RANDOM_OPS = ("aten.native_dropout", "aten.bernoulli", "aten.rand", "aten.randn"
               "aten.randn_like", "aten.randint_like")
 
 
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+_RESHAPE = torch.ops.aten.reshape.default
+
+
 class LoweringError(AutoparError):
     """A plan that cannot be turned into a program for this graph."""
 
@@ -335,7 +339,10 @@ class _Emitter:
             args, kwargs = local_args(ctx, ins)
             if self.device is not None and "device" in kwargs:
                 kwargs = dict(kwargs, device=self.device)
-            out = where.call_function(node.target, tuple(args), dict(kwargs))
+            # a view recorded on fake tensors may rely on strides the local blocks do not share
+            # (attention's output follows the query's layout; a sliced, collected block is dense)
+            target = _RESHAPE if node.target in _VIEWS else node.target
+            out = where.call_function(target, tuple(args), dict(kwargs))
         out.name = self._name(node.name)
         out.meta["autopar_module"] = node.module_path
         tensors = [j for j, spec in enumerate(node.outputs) if spec is not None]
