@@ -1,5 +1,8 @@
+"""``python -m autopar ...``: the same command line as the ``autopar`` console script."""
+
 import sys
 
 from autopar.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())
