@@ -1,0 +1,510 @@
+"""Lowered programs against hand-written parallelism, and predicted against measured step time,
+on 4 local gloo processes and a GPT-2-style model.
+
+One ``autopar.launch(run, 4)`` run builds every variant, checks each against a single-process
+reference (loss and every gradient), then times them interleaved (round robin, a barrier before
+every step), so machine noise hits all variants alike:
+
+1. **autopar against hand-written** on mesh (4,):
+   - the lowered program of ``autopar.recipes.megatron_tp`` against DTensor tensor parallelism
+     written by hand: ``parallelize_module`` with ``ColwiseParallel`` on ``attn.qkv`` and
+     ``mlp.fc`` and ``RowwiseParallel`` on ``attn.proj`` and ``mlp.proj`` (the qkv rows permuted
+     so each rank holds whole heads of q, k and v, the attention run on the local heads, as
+     Megatron does); embeddings, LayerNorms and the tied LM head replicated;
+   - the lowered program of ``autopar.recipes.ddp`` against ``DistributedDataParallel`` (each rank
+     its quarter of the same global batch).
+2. **predicted against measured**: plans made with the calibrated ``cpu`` profile (the recipes
+   and the searched plan on (4,) and on (2, 2)); the plan's ``step_time`` against the measured
+   median, and their Spearman rank correlation.
+
+Every variant's collectives per forward + backward are counted (a dispatch mode on the
+``_c10d_functional`` and ``c10d`` ops, so DDP's bucketed all-reduces count too), in an untimed
+steady-state step. The script exits 1 if a variant's loss or gradients differ from the reference
+(relative 1e-5 / 1e-4).
+
+Step time = forward + backward (the loss's ``backward()`` returns with every gradient in place),
+the max over ranks, median over the timed steps; the AdamW step is timed separately (the cost model
+does not price the optimizer update, so the predictions are forward + backward).
+
+    OMP_NUM_THREADS=1 python benchmarks/runtime.py [--quick] [--profile cpu-profile.json]
+        [--steps 9] [--warmup 2] [--cprofile]
+
+Without ``--profile`` the script first runs ``autopar.cost_model.calibrate.calibrate(path,
+nprocs=4)`` into a temporary file (the ``autopar calibrate`` CLI) and reports how long it took.
+Plans are made in the launching process (on a ``meta`` copy of the model) before the launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import types
+
+import torch
+
+FULL = dict(n_embd=256, n_layer=4, n_head=8, vocab_size=1024, block_size=128, batch=8, seq=64)
+QUICK = dict(n_embd=128, n_layer=2, n_head=8, vocab_size=512, block_size=64, batch=8, seq=64)
+NPROCS = 4
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # relative, fp32
+TP_LAYERS = {"attn.qkv": "colwise", "mlp.fc": "colwise", "attn.proj": "rowwise", "mlp.proj": "rowwise"}
+
+
+# ------------------------------------------------------------------------------------------------
+# model
+
+
+def build(cfg: dict, device=None, batch=None):
+    """The seeded GPT and its (seeded) inputs: identical on every rank."""
+    from autopar.models import make
+
+    torch.manual_seed(0)
+    over = {k: cfg[k] for k in ("n_embd", "n_layer", "n_head", "vocab_size", "block_size")}
+    return make("gpt", "tiny", batch=batch or cfg["batch"], seq=cfg["seq"], device=device, **over)
+
+
+def _tp_attention_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``CausalSelfAttention.forward`` on this rank's heads: ``qkv`` (colwise) yields this rank's
+    [q | k | v] columns, ``proj`` (rowwise) sums the ranks' partial outputs."""
+    import torch.nn.functional as F
+
+    B, T, C = x.shape
+    q, k, v = self.qkv(x).chunk(3, dim=-1)
+    hd = C // self.n_head
+    h = q.shape[-1] // hd
+    q, k, v = (t.view(B, T, h, hd).transpose(1, 2) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return self.proj(y.transpose(1, 2).reshape(B, T, h * hd))
+
+
+def _qkv_order(C: int, tp: int) -> torch.Tensor:
+    """Row order of the fused qkv weight that puts [q_r | k_r | v_r] in rank r's contiguous block."""
+    w = C // tp
+    return torch.cat([torch.arange(part * C + r * w, part * C + (r + 1) * w)
+                      for r in range(tp) for part in range(3)])
+
+
+def hand_tp(model, dmesh):
+    """Hand-written Megatron tensor parallelism with DTensor's ``parallelize_module``."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = dmesh.size()
+    C = model.cfg.n_embd
+    order = _qkv_order(C, tp)
+    plan = {}
+    with torch.no_grad():
+        for i, blk in enumerate(model.blocks):
+            blk.attn.qkv.weight.copy_(blk.attn.qkv.weight[order])
+            blk.attn.qkv.bias.copy_(blk.attn.qkv.bias[order])
+            blk.attn.forward = types.MethodType(_tp_attention_forward, blk.attn)
+            for name, kind in TP_LAYERS.items():
+                plan[f"blocks.{i}.{name}"] = ColwiseParallel() if kind == "colwise" else RowwiseParallel()
+    return parallelize_module(model, dmesh, plan), order
+
+
+# ------------------------------------------------------------------------------------------------
+# checks
+
+
+class CountCollectives:
+    """Counts the collectives this thread dispatches (torch's functional ``_c10d_functional`` ops
+    and the ``c10d`` process-group ops that ``torch.distributed`` and DDP's reducer call), by kind."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts: dict = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = getattr(func, "_opname", "")
+                if getattr(func, "namespace", "") in ("_c10d_functional", "c10d") and name not in (
+                        "wait_tensor", "barrier", "monitored_barrier", "_wrap_tensor_autograd"):
+                    flat = name.replace("_", "")
+                    key = next((k for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+                                if k.replace("_", "") in flat), name.rstrip("_"))
+                    counts[key] = counts.get(key, 0) + 1
+                return func(*args, **(kwargs or {}))
+
+        self.counts = counts
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        return False
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _rel(a, b) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def grad_error(model, ref_grads: dict, qkv_order=None) -> float:
+    """Largest relative gradient error of ``model`` against the reference (a collective: every rank)."""
+    worst = 0.0
+    for n, p in model.named_parameters():
+        name = n.replace("module.", "", 1) if n.startswith("module.") else n
+        g = _full(p.grad)
+        ref = ref_grads[name]
+        if qkv_order is not None and name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+            ref = ref[qkv_order]
+        worst = max(worst, _rel(g, ref))
+    return worst
+
+
+# ------------------------------------------------------------------------------------------------
+# the launched function
+
+
+def run(cfg: dict, plans: list, steps: int, warmup: int, cprofile: bool) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    import autopar
+    from autopar.plan import Plan
+
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # full_tensor() on (2, 2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t_start = time.perf_counter()
+    # reference: one process, the whole batch
+    ref, args = build(cfg)
+    ref_loss = ref(*args)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+    ref_loss = ref_loss.item()
+    del ref
+
+    variants = []  # dicts: name, module, fn (forward, returns the loss), order (qkv rows), global_loss, opt
+
+    # hand-written DTensor TP
+    dmesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    m, _ = build(cfg)
+    m, order = hand_tp(m, dmesh)
+    variants.append(dict(name="hand:dtensor_tp", module=m, order=order, fn=(lambda m=m: m(*args)), global_loss=True))
+
+    # hand-written DDP: this rank's quarter of the batch
+    m, _ = build(cfg)
+    b = cfg["batch"] // world
+    local = tuple(a[rank * b:(rank + 1) * b] for a in args)
+    ddp = DistributedDataParallel(m)
+    variants.append(dict(name="hand:ddp", module=ddp, order=None, fn=(lambda d=ddp: d(*local)), global_loss=False))
+
+    # autopar: every plan made by the parent
+    compile_s = {}
+    for p in plans:
+        t0 = time.perf_counter()
+        m, a = build(cfg, batch=p["batch"])
+        mesh = autopar.Mesh(dict(zip(p["axis_names"], p["mesh_shape"])), device="cpu")
+        pm = autopar.compile(m, mesh, a, plan=Plan.from_dict(json.loads(p["json"])))
+        compile_s[p["key"]] = time.perf_counter() - t0
+        same_batch = p["batch"] == cfg["batch"]
+        variants.append(dict(name=p["key"], module=pm, order=None, fn=(lambda pm=pm, a=a: pm(*a)),
+                             global_loss=True, checked=same_batch))
+    for v in variants:
+        v["opt"] = torch.optim.AdamW(v["module"].parameters(), lr=1e-4)
+
+    # checks: first step of every variant against the reference (loss and every gradient)
+    checks = {}
+    for v in variants:
+        loss = v["fn"]()
+        loss.backward()
+        lv = loss.detach().clone()
+        if not v["global_loss"]:
+            dist.all_reduce(lv)
+            lv /= world
+        if v.get("checked", True):
+            mod = v["module"].module if isinstance(v["module"], autopar.ParallelModule) else v["module"]
+            checks[v["name"]] = dict(loss=lv.item(), ref_loss=ref_loss, loss_err=abs(lv.item() - ref_loss) / abs(ref_loss),
+                                     grad_err=grad_error(mod, ref_grads, v["order"]))
+        v["opt"].zero_grad(set_to_none=True)
+    # the collectives of a steady-state forward+backward (the third: DDP rebuilds its buckets in the
+    # second), untimed
+    n_coll = {}
+    for _ in range(2):
+        for v in variants:
+            with CountCollectives() as cc:
+                v["fn"]().backward()
+            n_coll[v["name"]] = cc.counts
+            v["opt"].zero_grad(set_to_none=True)
+    setup_s = time.perf_counter() - t_start
+
+    # timing, interleaved
+    times = {v["name"]: [] for v in variants}
+    opt_times = {v["name"]: [] for v in variants}
+    for i in range(warmup + steps):
+        order_i = variants if i % 2 == 0 else variants[::-1]
+        for v in order_i:
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = v["fn"]()
+            loss.backward()
+            t1 = time.perf_counter()
+            v["opt"].step()
+            v["opt"].zero_grad(set_to_none=True)
+            t2 = time.perf_counter()
+            if i >= warmup:
+                times[v["name"]].append(t1 - t0)
+                opt_times[v["name"]].append(t2 - t1)
+    # max over ranks, per step
+    packed = torch.tensor([[*times[v["name"]], *opt_times[v["name"]]] for v in variants], dtype=torch.float64)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    out = {}
+    for k, v in enumerate(variants):
+        row = packed[k].tolist()
+        out[v["name"]] = dict(fwd_bwd=row[:steps], opt=row[steps:])
+
+    prof = None
+    if cprofile:
+        prof = profile_steps(variants, ["hand:dtensor_tp", "(4,) megatron_tp", "hand:ddp", "(4,) ddp"])
+    if rank != 0:
+        return None
+    return dict(times=out, checks=checks, collectives=n_coll, compile_s=compile_s, setup_s=setup_s, cprofile=prof,
+                world=world, torch=torch.__version__)
+
+
+def profile_steps(variants, names, reps: int = 3) -> dict:
+    """cProfile of ``reps`` forward+backward steps of each named variant, on every rank (rank 0's
+    report kept): the top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch.distributed as dist
+
+    res = {}
+    for v in variants:
+        if v["name"] not in names:
+            continue
+        pr = cProfile.Profile()
+        dist.barrier()
+        pr.enable()
+        for _ in range(reps):
+            v["fn"]().backward()
+            v["opt"].zero_grad(set_to_none=True)
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(18)
+        res[v["name"]] = s.getvalue()
+    return res
+
+
+# ------------------------------------------------------------------------------------------------
+# parent: calibrate, plan, launch, report
+
+
+def spearman(xs, ys) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2 + 1  # ties share the mean rank
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    den = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return num / den if den else float("nan")
+
+
+def make_plans(cfg: dict, profile: str, quick: bool, det_time: float) -> list:
+    import autopar
+
+    specs = [((4,), None, cfg["batch"], r) for r in ("ddp", "fsdp", "megatron_tp", "megatron_sp", "search")]
+    specs += [((2, 2), None, cfg["batch"], r) for r in ("ddp", "fsdp_tp", "megatron_tp", "search")]
+    specs += [((4,), None, cfg["batch"] * 2, r) for r in ("ddp", "megatron_tp")]
+    if quick:
+        specs = [s for s in specs if s[3] in ("ddp", "megatron_tp", "search") and s[2] == cfg["batch"]]
+    graphs = {}
+    plans = []
+    for shape, _, batch, recipe in specs:
+        axes = {"dp": shape[0]} if len(shape) == 1 else {"dp": shape[0], "tp": shape[1]}
+        if recipe in ("megatron_tp", "megatron_sp") and len(shape) == 1:
+            axes = {"tp": shape[0]}
+        mesh = autopar.Mesh(axes, device="cpu", profile=profile)
+        model, inputs = build(cfg, device="meta", batch=batch)
+        if batch not in graphs:
+            from autopar.ir.capture import capture
+
+            graphs[batch] = capture(model, inputs)
+        t0 = time.perf_counter()
+        if recipe == "search":
+            plan = autopar.plan(model, mesh, inputs, graph=graphs[batch], deterministic_time=det_time, progress=False)
+        else:
+            plan = getattr(autopar.recipes, recipe)(model, mesh, inputs, graph=graphs[batch], progress=False)
+        key = f"({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''}) {recipe}" + (
+            f" b{batch}" if batch != cfg["batch"] else "")
+        plans.append(dict(key=key, recipe=recipe, source=plan.source, batch=batch, mesh_shape=list(plan.mesh_shape),
+                          axis_names=list(plan.axis_names), json=plan.to_json(timing=False),
+                          step_time=plan.step_time, compute_time=plan.compute_time, comm_time=plan.comm_time,
+                          plan_s=time.perf_counter() - t0))
+        print(f"planned {key}: {plan.source}, predicted {plan.step_time * 1e3:.1f} ms "
+              f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+    return plans
+
+
+def ms(x: float) -> str:
+    return f"{x * 1e3:.1f}"
+
+
+def report(cfg, res, plans, steps, warmup, calib_s, profile, args) -> int:
+    T = res["times"]
+    med = {k: statistics.median(v["fwd_bwd"]) for k, v in T.items()}
+    omed = {k: statistics.median(v["opt"]) for k, v in T.items()}
+    spread = {k: (min(v["fwd_bwd"]), max(v["fwd_bwd"])) for k, v in T.items()}
+    short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
+
+    def coll(k):
+        c = res["collectives"][k]
+        return f"{sum(c.values())} (" + " ".join(f"{v} {short.get(n, n)}" for n, v in sorted(c.items())) + ")"
+    print(f"\nGPT n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} n_head={cfg['n_head']} vocab={cfg['vocab_size']}, "
+          f"global batch {cfg['batch']} x seq {cfg['seq']}, fp32, {res['world']} gloo processes, "
+          f"torch {res['torch']}; warmup {warmup}, median of {steps} steps (max over ranks), interleaved")
+    print(f"autopar at {_git_rev()}")
+    print(f"load average (1 min) before / after the launch: {res['load'][0]:.1f} / {res['load'][1]:.1f}")
+    print(f"profile: {profile}" + (f" (calibrated in {calib_s:.1f} s)" if calib_s is not None else "") +
+          f": {res['profile_figures']}")
+    print(f"setup in the ranks (reference, compile x{len(plans)}, checks): {res['setup_s']:.1f} s; "
+          f"compile per plan: {', '.join(f'{v:.1f}' for v in res['compile_s'].values())} s\n")
+
+    print("### autopar against hand-written, mesh (4,)\n")
+    print("| variant | loss (ref) | max rel. grad err | collectives per fwd+bwd | fwd+bwd ms median [min-max] | AdamW step ms | ratio fwd+bwd | ratio fwd+bwd+opt |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mine, hand in (("(4,) megatron_tp", "hand:dtensor_tp"), ("(4,) ddp", "hand:ddp")):
+        for k in (mine, hand):
+            c = res["checks"][k]
+            lo, hi = spread[k]
+            r1 = med[mine] / med[hand]
+            r2 = (med[mine] + omed[mine]) / (med[hand] + omed[hand])
+            ratio = (f"**{r1:.2f}**", f"{r2:.2f}") if k == mine else ("1", "1")
+            label = {"hand:dtensor_tp": "hand-written: DTensor parallelize_module (Colwise/Rowwise)",
+                     "hand:ddp": "hand-written: torch DistributedDataParallel"}.get(k) or f"autopar {k}"
+            print(f"| {label} | {c['loss']:.6f} ({c['ref_loss']:.6f}) | {c['grad_err']:.1e} | {coll(k)} | {ms(med[k])} "
+                  f"[{ms(lo)}-{ms(hi)}] | {ms(omed[k])} | {ratio[0]} | {ratio[1]} |")
+
+    print("\n### predicted (calibrated cpu profile) against measured\n")
+    print("| plan | source | batch | predicted ms (compute / comm) | measured fwd+bwd ms | measured / predicted | collectives per fwd+bwd | check: loss err, grad err |")
+    print("|---|---|---|---|---|---|---|---|")
+    xs, ys = [], []
+    for p in plans:
+        k = p["key"]
+        c = res["checks"].get(k)
+        chk = f"{c['loss_err']:.0e}, {c['grad_err']:.0e}" if c else "(other batch)"
+        print(f"| {k} | {p['source']} | {p['batch']}x{cfg['seq']} | {ms(p['step_time'])} ({ms(p['compute_time'])} / "
+              f"{ms(p['comm_time'])}) | {ms(med[k])} | {med[k] / p['step_time']:.2f} | {coll(k)} | {chk} |")
+        xs.append(p["step_time"])
+        ys.append(med[k])
+    print(f"\nSpearman rank correlation, predicted vs measured, {len(xs)} plans: **{spearman(xs, ys):.2f}**")
+    ncoll = [sum(res["collectives"][p["key"]].values()) for p in plans]
+    print(f"Spearman rank correlation, number of collectives vs measured: {spearman(ncoll, ys):.2f}")
+    pearson_log = _pearson([math.log(x) for x in xs], [math.log(y) for y in ys])
+    print(f"Pearson correlation of log times: {pearson_log:.2f}; "
+          f"measured/predicted median {statistics.median(y / x for x, y in zip(xs, ys)):.2f}")
+    if res.get("cprofile"):
+        print("\n### cProfile, rank 0, 3 forward+backward steps each\n")
+        for k, text in res["cprofile"].items():
+            print(f"#### {k}\n```\n{text.strip()}\n```")
+    bad = [k for k, c in res["checks"].items() if not (c["loss_err"] < LOSS_TOL and c["grad_err"] < GRAD_TOL)]
+    if bad:
+        print(f"\nMISMATCH against the single-process reference (loss rel. err >= {LOSS_TOL:g} or grad rel. err >= "
+              f"{GRAD_TOL:g}): {', '.join(bad)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(cfg=cfg, res=res, plans=[{k: v for k, v in p.items() if k != "json"} for p in plans]), f, indent=1)
+    return 1 if bad else 0
+
+
+def _git_rev() -> str:
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "../autopar"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (rev or "?") + (" + uncommitted changes in autopar/" if dirty else "")
+    except Exception:  # noqa: BLE001 - not a git checkout
+        return "unknown revision"
+
+
+def _pearson(a, b) -> float:
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    num = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+    den = math.sqrt(sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b))
+    return num / den if den else float("nan")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small model, fewer plans and steps (smoke run)")
+    ap.add_argument("--profile", help="a calibrated cpu profile (default: calibrate now into a temp file)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 9; 3 with --quick)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2; 1 with --quick)")
+    ap.add_argument("--deterministic-time", type=float, default=None, help="solver budget of the searched plans")
+    ap.add_argument("--cprofile", action="store_true", help="also cProfile 3 steps of the TP and DDP variants")
+    ap.add_argument("--json", help="write the raw results here")
+    args = ap.parse_args(argv)
+    cfg = dict(QUICK if args.quick else FULL)
+    steps = args.steps or (3 if args.quick else 9)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    det = args.deterministic_time or (1.0 if args.quick else 5.0)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    print(f"autopar runtime benchmark, {datetime.date.today()}, {platform.node()}, {os.cpu_count()} CPUs",
+          file=sys.stderr)
+
+    import autopar
+
+    calib_s = None
+    profile = args.profile
+    tmp = None
+    if profile is None:
+        from autopar.cost_model.calibrate import calibrate
+
+        tmp = tempfile.TemporaryDirectory()
+        profile = os.path.join(tmp.name, "cpu-profile.json")
+        t0 = time.perf_counter()
+        calibrate(profile, nprocs=NPROCS, quick=args.quick)
+        calib_s = time.perf_counter() - t0
+        print(f"calibrated in {calib_s:.1f} s", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    plans = make_plans(cfg, profile, args.quick, det)
+    print(f"planned {len(plans)} plans in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
+    res = autopar.launch(run, NPROCS, cfg, plans, steps, warmup, args.cprofile, timeout=3600)[0]
+    res["load"] = (load0, os.getloadavg()[0])
+    with open(profile) as f:
+        hw = json.load(f)
+    res["profile_figures"] = (f"fp32 {hw['peak_flops']['float32'] / 1e9:.0f} GFLOP/s, memory {hw['hbm_bandwidth'] / 1e9:.1f} GB/s, "
+                              f"launch {hw['launch_floor'] * 1e6:.1f} us, gloo link {hw['intra_node']['latency'] * 1e6:.0f} us + "
+                              f"{hw['intra_node']['bandwidth'] / 1e9:.2f} GB/s")
+    print(f"launch run: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return report(cfg, res, plans, steps, warmup, calib_s, args.profile or "calibrated now (temporary file)", args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
