@@ -15,7 +15,6 @@ import torch.fx.traceback as _fx_traceback
 import torch.utils._pytree as pytree
 from torch._decomp import get_decompositions
 from torch._functorch._aot_autograd import descriptors as _desc
-from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -69,6 +68,10 @@ def export_joint(module: torch.nn.Module, args: tuple, kwargs: dict, decomps: di
     """The joint forward+backward graph of ``module(*args, **kwargs)`` (placeholders and the output
     node carry ``meta["desc"]``). The export's context stack is closed before returning: we only keep
     the graph, never compile through AOTAutograd's state."""
+    # imported here: AOTAutograd pulls in dynamo (~1.5 s), which plan files and the CLI's show,
+    # explain and diff never need
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
     with contextlib.ExitStack() as stack, _use_lazy_graph_module(True):
         # lazy: the Python code of a 7k-node graph is generated once, on first call, not per rewrite
         jd = aot_export_joint_with_descriptors(stack, module, args, kwargs, decompositions=decomps)
