@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from autopar.cost_model.precision import Precision, get_precision
+from autopar.ir.annotations import dtensor_hints, merge_hints
 from autopar.ir.capture import capture
 from autopar.ir.graph import Graph
 from autopar.mesh import Mesh
 from autopar.passes.cost import build_problem
 from autopar.passes.fold import Folding, fold
 from autopar.passes.merge import Merged, merge
+from autopar.passes.propagate import propagate
 from autopar.passes.problem import Cost, Problem, evaluate
 from autopar.passes.solve import InfeasibleError, Solution, edge_var_count, greedy, improve, solve, solve_by_axis
 from autopar.passes.strategies import node_strategies, output_placement, resolve_hints
@@ -75,6 +77,7 @@ def run_passes(
     deterministic_time: float = 20.0,
     progress: Optional[bool] = None,
     graph: Optional[Graph] = None,
+    search: str = "ilp",
 ) -> Planned:
     """The planning passes; ``recipe`` fixes that recipe's placements instead of searching."""
     from autopar import recipes as R
@@ -84,6 +87,8 @@ def run_passes(
     clock = _Clock(sys.stderr.isatty() if progress is None else progress)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
+    # parameters and inputs that already are DTensors keep their placements (hard, like hints)
+    hints = merge_hints(hints, dtensor_hints(model, tuple(example_inputs), example_kwargs or {}, mesh.shape))
     if graph is None:
         graph = capture(model, tuple(example_inputs), example_kwargs, training=training)
     clock.lap("capture")
@@ -122,6 +127,8 @@ def run_passes(
     solution = None
     if recipe:
         choice, source = choices[recipe], f"recipe:{recipe}"
+    elif search == "propagate":  # the annotations spread through the graph; no ILP
+        choice, source = propagate(problem), "propagate"
     else:
         start = choices[best_recipe] if best_recipe else greedy(problem)
         hint = [start[i] for i in merged.keep]
@@ -220,11 +227,17 @@ def _infeasible(graph: Graph, problem: Problem, budget: float) -> InfeasibleErro
 def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training: bool = True, hints=None,
          memory_budget=None, time_limit=None, search: str = "ilp", **kw):
     """Plan how to run ``model`` on ``mesh``: the cheapest strategy per op within the memory budget,
-    never slower than the best hand-written recipe that fits (see ``autopar.Plan``)."""
+    never slower than the best hand-written recipe that fits (see ``autopar.Plan``).
+
+    ``search="propagate"`` skips the ILP: the annotations (``hints``, ``autopar.hint``, DTensor
+    parameters and inputs) spread through the graph and the rest takes the cheapest local choice
+    (``passes/propagate.py``); the plan's ``source`` is then ``"propagate"`` and it may not fit.
+    """
     from autopar.passes.report import build_plan
 
-    if search != "ilp":
-        raise ValueError(f"search={search!r} is not supported yet; use 'ilp'")
+    if search not in ("ilp", "propagate"):
+        raise ValueError(f"search={search!r}: choose 'ilp' (the cheapest plan) or 'propagate' (the annotations "
+                         "spread GSPMD-style, the rest chosen locally)")
     planned = run_passes(model, mesh, example_inputs, example_kwargs, training=training, hints=hints,
-                         memory_budget=memory_budget, time_limit=time_limit, **kw)
+                         memory_budget=memory_budget, time_limit=time_limit, search=search, **kw)
     return build_plan(planned)
