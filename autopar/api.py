@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from autopar.cost_model.comm import LOCAL_KINDS, axis_step
 from autopar.cost_model.precision import Precision, get_precision
 from autopar.ir.annotations import dtensor_hints, merge_hints
 from autopar.ir.capture import capture
@@ -169,7 +170,7 @@ def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int]
     try:
         for e in merged.problem.edges:
             if e.kind == "param" and pinned:
-                e.cost = [[c + (FORBIDDEN if any(e.places_out[p][a] != e.places_in[q][a] for a in pinned) else 0.0)
+                e.cost = [[c + (0.0 if _in_place(e.places_out[p], e.places_in[q], pinned) else FORBIDDEN)
                            for q, c in enumerate(row)] for p, row in enumerate(e.cost)]
         for i, n in enumerate(merged.problem.nodes):
             if n.name in allowed:
@@ -179,6 +180,8 @@ def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int]
                 if not ok:
                     raise InfeasibleError(f"no strategy of {n.name} has the recipe's placement")
                 n.allowed = ok
+        if pinned:
+            _pin_in_place(merged.problem, pinned)
         choice = improve(merged.problem, greedy(merged.problem))
         return merged.expand(choice, len(problem.nodes))
     finally:
@@ -186,6 +189,68 @@ def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int]
             n.allowed = a
         for e, c in zip(merged.problem.edges, saved_costs):
             e.cost = c
+
+
+def _in_place(src, dst, pinned: list[int]) -> bool:
+    """Whether a tensor placed ``src`` is read as ``dst`` without communication on the pinned axes
+    (the same placement, or a local step: slicing a replicated bias is in place)."""
+    return all(src[a] == dst[a] or axis_step(src[a], dst[a]) in LOCAL_KINDS for a in pinned)
+
+
+def _pin_in_place(problem: Problem, pinned: list[int]) -> None:
+    """Megatron's weights are used where they lie on the tensor axis: wherever a parameter (or a
+    view of it) has one placement on the ``pinned`` axes, its consumers keep only the strategies
+    that read it that way, along the chain of views, until nothing changes. (A penalty alone
+    leaves greedy and single-node local search stuck: a weight's forward and backward consumers
+    must switch together.) A consumer with no such strategy keeps all of its own."""
+    def alive(i: int) -> list[int]:
+        n = problem.nodes[i]
+        return n.allowed if n.allowed is not None else list(range(len(n.strategies)))
+
+    def pinned_out(e, s):
+        return tuple(e.places_out[e.src_place[s]][a] for a in pinned)
+
+    def reads(e, s, opt) -> bool:  # consumer strategy s reads the weight placed ``opt`` in place
+        have = list(e.places_in[e.dst_place[s]])
+        src = list(have)
+        for a, p in zip(pinned, opt):
+            src[a] = p
+        return _in_place(src, have, pinned)
+
+    uses: dict[int, list] = {}
+    for e in problem.edges:
+        if e.kind == "param" and e.dst_slot >= 0:
+            uses.setdefault(e.src, []).append(e)
+    # a weight the recipe lets lie either way (column or row) lies the way most of its consumers
+    # can read in place, then the cheaper way for them
+    for src, es in sorted(uses.items()):
+        options = sorted({pinned_out(es[0], s) for s in alive(src)}, key=str)
+        if len(options) < 2:
+            continue
+
+        def score(opt, es=es):
+            readers = [[s for s in alive(e.dst) if reads(e, s, opt)] for e in es]
+            cost = sum(min(problem.nodes[e.dst].compute[s] for s in r) for e, r in zip(es, readers) if r)
+            return (-sum(1 for r in readers if r), cost)
+
+        best = min(options, key=lambda o: (score(o), str(o)))
+        problem.nodes[src].allowed = [s for s in alive(src) if pinned_out(es[0], s) == best]
+
+    changed = True
+    while changed:
+        changed = False
+        for e in problem.edges:
+            if e.kind != "param" or e.dst_slot < 0:
+                continue
+            outs = {pinned_out(e, s) for s in alive(e.src)}
+            if len(outs) != 1:
+                continue
+            want = outs.pop()
+            have = alive(e.dst)
+            keep = [s for s in have if reads(e, s, want)]
+            if keep and len(keep) < len(have):
+                problem.nodes[e.dst].allowed = keep
+                changed = True
 
 
 def _infeasible(graph: Graph, problem: Problem, budget: float) -> InfeasibleError:

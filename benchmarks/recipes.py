@@ -81,6 +81,12 @@ def run_cell(graph, model, inputs, mesh_key, recipes_names):
     cell.update(status="ok", step=p.cost.step_time, peak=float(p.cost.peak_memory), source=p.source,
                 budget=budget, baselines=p.baselines, phases=p.phases,
                 solver=(p.solution.stats if p.solution is not None else None))
+    try:  # propagation only (no annotations here: every node's cheapest local choice), same graph
+        q = run_passes(model, mesh, inputs, progress=False, graph=graph, search="propagate")
+        cell["propagate"] = {"step_time": q.cost.step_time, "peak_memory": int(q.cost.peak_memory),
+                             "fits": q.cost.peak_memory <= budget}
+    except Exception as e:  # noqa: BLE001
+        cell["propagate"] = {"error": f"{type(e).__name__}: {e}"}
     fitting = [b for b in p.baselines.values() if "error" not in b and b["fits"]]
     fits = p.cost.peak_memory <= budget
     if fitting:
@@ -204,6 +210,8 @@ def print_row(r, names) -> None:
             b = r["baselines"].get(n)
             if b is not None:
                 print(f"    {n:<12} {recipe_text(b)}")
+        if r.get("propagate"):
+            print(f"    {'propagate':<12} {recipe_text(r['propagate'])}")
     else:
         print(f"    {r['status'].upper()}: {r['error']}")
         if r.get("tb"):
@@ -226,7 +234,7 @@ def summarize(cells) -> None:
 
 def print_markdown(cells, names) -> None:
     hdr = ["model", "size", "batch×seq", "mesh", "searched (ms / GiB, source)"] + list(names) + \
-        ["verdict", "wall s"]
+        ["propagate", "verdict", "wall s"]
     print("| " + " | ".join(hdr) + " |")
     print("|" + "---|" * len(hdr))
     for r in cells:
@@ -247,14 +255,17 @@ def print_markdown(cells, names) -> None:
                                else "error: " + e[:60].replace("|", "/"))
                 else:
                     rec.append(f"{_ms(b['step_time'])} / {_gib(b['peak_memory'])}" + ("" if b["fits"] else " ✗"))
+            b = r.get("propagate") or {"error": "not run"}
+            rec.append("error: " + b["error"][:60].replace("|", "/") if "error" in b else
+                       f"{_ms(b['step_time'])} / {_gib(b['peak_memory'])}" + ("" if b["fits"] else " ✗"))
             v = verdict(r)
         elif r["status"] == "infeasible":
             s = "nothing fits: " + _short_infeasible(r["error"])
-            rec = [""] * len(names)
+            rec = [""] * (len(names) + 1)
             v = "nothing fits"
         else:
             s = "ERROR: " + r["error"][:80].replace("|", "/")
-            rec = [""] * len(names)
+            rec = [""] * (len(names) + 1)
             v = "ERROR"
         print("| " + " | ".join(base + [s] + rec + [v, f"{r['wall_s']:.1f}"]) + " |")
 
