@@ -46,13 +46,13 @@ def make_plan(**changes) -> Plan:
               ["S(0), S(1)", "S(0), B"], ["P, S(0)", None], 1.2e-4),
     ]
     reshardings = [
-        {"tensor": "embedding[0]", "consumer": "mm", "kind": "activation", "from": "S(0), S(0)", "to": "S(0), B",
+        {"tensor": "embedding[0]", "consumer": "mm", "consumers": ["mm"], "kind": "activation", "from": "S(0), S(0)", "to": "S(0), B",
          "bytes": 2 * MIB, "time": 1.7e-5, "module": "mlp.fc1",
          "steps": [{"kind": "all_gather", "axis": "tp", "bytes": 2 * MIB, "time": 1.7e-5}]},
-        {"tensor": "mm_1[0]", "consumer": "loss", "kind": "activation", "from": "S(0), P", "to": "S(0), B",
+        {"tensor": "mm_1[0]", "consumer": "loss", "consumers": ["loss"], "kind": "activation", "from": "S(0), P", "to": "S(0), B",
          "bytes": 4 * MIB, "time": 2.5e-5, "module": "mlp.fc2",
          "steps": [{"kind": "all_reduce", "axis": "tp", "bytes": 4 * MIB, "time": 2.5e-5}]},
-        {"tensor": "mm_2[0]", "consumer": "param:mlp.fc2.weight", "kind": "grad", "from": "P, S(0)", "to": "B, S(0)",
+        {"tensor": "mm_2[0]", "consumer": "param:mlp.fc2.weight", "consumers": ["param:mlp.fc2.weight"], "kind": "grad", "from": "P, S(0)", "to": "B, S(0)",
          "bytes": 8 * MIB, "time": 3.1e-4, "module": "mlp.fc2",
          "steps": [{"kind": "all_reduce", "axis": "dp", "bytes": 8 * MIB, "time": 3.1e-4}]},
     ]

@@ -99,16 +99,32 @@ def test_recipes_are_feasible_points_of_the_merged_ilp():
     assert planned.cost.step_time <= best * (1 + 1e-9)
 
 
-def test_large_mlp_block_small_batch_gives_megatron_column_then_row():
-    # 4096 -> 16384 -> 4096 on 8 devices with 1024 tokens: weight gathers cannot hide under the
-    # forward compute, so weights stay split: the first column-parallel, the second row-parallel.
-    model, inputs = _mlp(4096, 16384, batch=1024)
+@pytest.mark.parametrize("batch", [64, 1024])
+def test_large_mlp_block_small_batch_gives_megatron_column_then_row(batch):
+    """4096 -> 16384 -> 4096 on 8 devices: weight gathers cannot hide under the forward compute of
+    so few tokens, so weights stay split: the first column-parallel, the second row-parallel.
+
+    At 64 tokens the block's forward has exactly one collective: the all-reduce of the
+    row-parallel output (Partial), done once and shared by every op that reads it (the loss's max
+    and subtraction; charged per consumer, two all-reduces would lose to a reduce-scatter and
+    gathers). At 1024 tokens a reduce-scatter and an all-gather (the same bytes, one latency more)
+    win instead: between them the loss's element-wise ops run on an eighth of the logits
+    (Megatron's sequence parallelism)."""
+    model, inputs = _mlp(4096, 16384, batch=batch)
     plan = autopar.plan(model, autopar.Mesh({"tp": 8}, device="h100"), inputs)
     # nn.Linear weights are [out, in]: column parallel splits out (dim 0), row parallel in (dim 1)
     assert plan.placements["layers.0.weight"] == "S(0)"
     assert plan.placements["head.weight"] == "S(1)"
     assert not [r for r in plan.reshardings if r["kind"] == "param" and r["time"] > 0]
     assert plan.step_time <= plan.baselines["megatron_tp"]["step_time"]
+    if batch == 64:
+        forward = {n["name"] for n in plan.nodes if n["phase"] == "forward"} | {"loss"}
+        moved = [r for r in plan.reshardings if r["consumer"] in forward and r["time"] > 0]
+        assert [s["kind"] for r in moved for s in r["steps"]] == ["all_reduce"], moved
+        (ar,) = moved
+        assert ar["kind"] == "activation" and ar["from"] == "P" and ar["to"] == "B"
+        head_out = next(n for n in plan.nodes if n["module"] == "head" and n["phase"] == "forward" and "P" in n["outputs"])
+        assert ar["tensor"] == head_out["name"] and len(ar["consumers"]) >= 2
 
 
 def test_small_model_large_batch_gives_data_parallel():
@@ -121,12 +137,58 @@ def test_small_model_large_batch_gives_data_parallel():
     assert plan.step_time <= plan.baselines["ddp"]["step_time"]
 
 
-def test_batch_sweep_switches_from_tensor_to_data_parallel_once():
-    # MLP 2048 -> 8192 on 8 H100s: small batches keep the input whole (weights split), large ones
-    # split the batch; the switch happens once. (Where, against a closed form: see issue notes.)
+def _crossover_batch(mesh, d, h, c) -> tuple[float, dict]:
+    """The batch at which sharded data parallelism and tensor parallelism cost the same, in closed
+    form (alpha-beta links, roofline compute), for Linear(d, h) -> GELU -> Linear(h, c) on n devices.
+
+    Both split the matmul work n ways, so their compute is the same; they differ in communication:
+
+    - tensor parallel (column then row): one all-reduce of the [B, c] logits (bf16), exposed:
+          A(B) = AR(2cB) = (2n-1) alpha + 2 (n-1)/n * 2cB / beta
+    - data parallel, parameters sharded: per parameter tensor p an all-gather of its bf16 weights
+      before the forward and a reduce-scatter of its fp32 gradient in the backward,
+          G_f = sum_p AG(2|p|),   G_b = sum_p RS(4|p|),   AG(x) = RS(x) = n alpha + (n-1)/n * x / beta
+      each hidden under the same phase's compute of the B/n local samples:
+          F(B) = kappa_f B/n,  kappa_f = 2dh / (peak * eff_mm) + 3 * 2h / (hbm * eff_mem)
+          H(B) = kappa_b B/n,  kappa_b = 2dh / (peak * eff_mm) + 6 * 2h / (hbm * eff_mem)
+      (per sample: the first matmul's FLOPs, forward or weight gradient, plus the passes over the
+      h-wide bf16 hidden activation: GELU in and out and the head's read in the forward; the
+      head's two gradient matmuls, GELU's backward (three) and the bias gradient in the backward).
+      Exposed: max(0, G_f - F(B)) + max(0, G_b - H(B)).
+
+    With both exposures positive at the crossover, G_f + G_b - (kappa_f + kappa_b) B/n = A(B):
+
+          B* = n (G_f + G_b - A(0)) / (kappa_f + kappa_b + n dA/dB)
+    """
+    from autopar.cost_model.comm import collective_time
+
+    hw, link, n = mesh.hardware, mesh.links[0], mesh.shape[0]
+    mm = hw.flops("bfloat16") * hw.matmul_efficiency
+    mem = hw.hbm_bandwidth * hw.memory_efficiency
+    kf = 2 * d * h / mm + 3 * 2 * h / mem
+    kb = 2 * d * h / mm + 6 * 2 * h / mem
+    params = [d * h, h, h * c, c]
+    gf = sum(collective_time("all_gather", 2 * p, n, link) for p in params)
+    gb = sum(collective_time("reduce_scatter", 4 * p, n, link) for p in params)
+    a0 = collective_time("all_reduce", 0, n, link)
+    slope = (collective_time("all_reduce", 2 * c * 1e6, n, link) - a0) / 1e6
+    b = n * (gf + gb - a0) / (kf + kb + n * slope)
+    return b, {"G_f": gf, "G_b": gb, "A0": a0, "kappa_f": kf, "kappa_b": kb,
+               "exposed_f": gf - kf * b / n, "exposed_b": gb - kb * b / n}
+
+
+def test_batch_sweep_switches_from_tensor_to_data_parallel_once_near_the_closed_form_crossover():
+    """MLP 2048 -> 8192 -> 8 on 8 H100s: small batches keep the input whole (weights split), large
+    ones split the batch; the switch happens once, within a factor of 2 of ``_crossover_batch``'s
+    closed form (about 20.6k samples: G_f 194 us, G_b 259 us, A(0) 60 us, kappa_f 67 ns,
+    kappa_b 85 ns; the sweep switches between 11.5k and 16k). The search switches somewhat earlier
+    than the closed form: its data-parallel plan keeps the small head replicated (one all-reduce
+    each instead of a gather and a reduce-scatter) and its tensor-parallel plan pays a little
+    replicated compute on the logits."""
     mesh = autopar.Mesh({"x": 8}, device="h100")
+    batches = [int(1024 * 2 ** (k / 2)) // 64 * 64 for k in range(2, 11)]  # 2048 .. 32768, steps of sqrt(2)
     kinds = []
-    for batch in (1024, 4096, 16384, 65536):
+    for batch in batches:
         model, inputs = _mlp(2048, 8192, batch=batch, classes=8)
         planned = run_passes(model, mesh, inputs, deterministic_time=5)
         node = planned.problem.index[planned.graph.inputs["input:0"]]
@@ -134,6 +196,11 @@ def test_batch_sweep_switches_from_tensor_to_data_parallel_once():
         kinds.append("data" if placement == "S(0)" else "tensor")
     assert kinds[0] == "tensor" and kinds[-1] == "data", kinds
     assert sum(a != b for a, b in zip(kinds, kinds[1:])) == 1, kinds
+    k = kinds.index("data")
+    observed = math.sqrt(batches[k - 1] * batches[k])
+    predicted, parts = _crossover_batch(mesh, 2048, 8192, 8)
+    assert parts["exposed_f"] > 0 and parts["exposed_b"] > 0, parts  # the closed form's regime
+    assert predicted / 2 <= observed <= predicted * 2, (observed, predicted, kinds)
 
 
 def test_model_too_large_to_replicate_gets_parameters_sharded():

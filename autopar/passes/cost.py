@@ -4,7 +4,9 @@ Reads the graph, its folding, the candidate strategies and the hints; writes a `
 (``autopar/passes/problem.py``). Folded layers are priced once and carry their multiplicity.
 Memory per device: each parameter's stored weights, gradient and optimizer state under its
 placement, and every forward activation that the backward reads (live at the peak, between
-forward and backward), in the precision's bytes.
+forward and backward), in the precision's bytes. Edges are grouped into transfers (``_edges``):
+one resharding of a tensor to a placement serves all its consumers that need that placement.
+(Not counted: the memory of a resharded copy kept for the backward.)
 """
 
 from __future__ import annotations
@@ -114,46 +116,91 @@ def _apply_constraints(graph, nodes, index, folding, constraints: list[Constrain
 
 
 def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) -> list[PEdge]:
-    """Aggregate every (producer output -> consumer input) of the graph onto representatives."""
-    count: dict[tuple, int] = defaultdict(int)
+    """Every (producer output -> consumer input) of the graph, aggregated onto representatives and
+    grouped into *transfers* (``PEdge.share``): the edges along which one resharding of one tensor
+    to one placement is done once and shared by every consumer that needs that placement.
+
+    A transfer is one tensor of the representative problem (a producer output, with its kind and,
+    for parameter gathers, the consumers' phase) over one *class* of producer instances: the
+    instances whose tensors feed the same set of edges. Its multiplicity (each edge's ``mult``) is
+    the number of producer instances in the class, not the number of consuming instances:
+
+    - inside a folded layer, each instance's tensor feeds that instance's consumers: ``mult`` = L;
+    - a layer's output consumed by the next instance (L-1 producer instances) and by an op after
+      the layers (the last instance) forms two classes, priced apart;
+    - a tensor produced once outside the layers and consumed by every instance of a layer at one
+      placement is resharded once (``mult`` 1), and the result serves every instance — as the
+      lowering does (one resharding per tensor, target placement and phase).
+
+    Activations resharded in forward are saved for the backward (the lowering does so), so an
+    activation's transfer spans both phases; parameter gathers are done again in the backward
+    (as FSDP does), so a parameter's transfers are per phase. A transfer's overlap group is that of
+    its first edge (its first consumer in graph order for gathers; the producer's for gradients)."""
     kinds: dict[tuple, tuple[str, Ref]] = {}
+    # (src rep, out, kind, phase or None) -> producer instance -> the edge keys it feeds
+    feeds: dict[tuple, dict] = defaultdict(lambda: defaultdict(set))
     params = param_views(graph)
+
+    def add(key: tuple, kind: str, ref: Ref, phase) -> None:
+        kinds[key] = (kind, ref)
+        loc = folding.where.get(ref.node)
+        feeds[(key[0], key[1], kind, phase)][-1 if loc is None else loc[1]].add(key)
+
     for n in graph.nodes:
         for slot, r in enumerate(n.inputs):
             key = (folding.representative(r.node), r.index, folding.representative(n.name), slot)
-            count[key] += 1
-            kinds[key] = ("param" if r.node in params else "activation", r)
+            kind = "param" if r.node in params else "activation"
+            add(key, kind, r, n.phase if kind == "param" else None)
     for fqn, g in graph.grads.items():
-        key = (folding.representative(g.node), g.index, folding.representative(graph.params[fqn]), -1)
-        count[key] += 1
-        kinds[key] = ("grad", g)
+        add((folding.representative(g.node), g.index, folding.representative(graph.params[fqn]), -1), "grad", g, None)
     for fqn, m in getattr(graph, "mutations", {}).items():
-        key = (folding.representative(m.node), m.index, folding.representative(graph.buffers[fqn]), -1)
-        count[key] += 1
-        kinds[key] = ("activation", m)
+        add((folding.representative(m.node), m.index, folding.representative(graph.buffers[fqn]), -1), "activation", m, None)
+
+    def order(key):
+        return index[key[0]], key[1], index[key[2]], key[3]
+
+    # transfers: (the edge keys of one class, the class's producer-instance count)
+    transfers: list[tuple[list[tuple], int]] = []
+    for tkey in sorted(feeds, key=lambda t: (index[t[0]], t[1], t[2], str(t[3]))):
+        classes: dict[frozenset, list[int]] = defaultdict(list)
+        for inst, keys in feeds[tkey].items():
+            classes[frozenset(keys)].append(inst)
+        for keys, insts in sorted(classes.items(), key=lambda kv: min(kv[1])):
+            transfers.append((sorted(keys, key=order), len(insts)))
+
+    built: dict[tuple, tuple] = {}  # edge key -> (places, cost) (the same for every class)
     edges = []
-    for key in sorted(count, key=lambda k: (index[k[0]], k[1], index[k[2]], k[3])):
-        src_name, out, dst_name, slot = key
-        kind, ref = kinds[key]
-        src, dst = index[src_name], index[dst_name]
-        spec = graph.spec(ref)
-        role = {"param": "gather", "grad": "grad"}.get(kind, "activation")
-        eb = element_bytes(spec.dtype, role, precision)
-        src_p = [output_placement(s, out) for s in nodes[src].strategies]
-        dst_p = [output_placement(s, 0) if slot == -1 else input_placement(s, slot) for s in nodes[dst].strategies]
-        places_out = sorted(set(src_p), key=src_p.index)
-        places_in = sorted(set(dst_p), key=dst_p.index)
-        cost = [[reshard_time(spec.shape, p, q, mesh, eb) for q in places_in] for p in places_out]
-        # a gather runs in its consumer's layer and phase; a reduction in its producer's
-        group = nodes[src].group if kind == "grad" else nodes[dst].group
-        e = PEdge(src, out, dst, slot, [places_out.index(p) for p in src_p], [places_in.index(q) for q in dst_p],
-                  places_out, places_in, cost, count[key], kind, group, ref, eb)
-        if src == dst:  # a layer feeding the same position of the next instance: a per-strategy cost
-            pn = nodes[src]
+    for share, (keys, mult) in enumerate(transfers):
+        group = None
+        members = []
+        for key in keys:
+            src_name, out, dst_name, slot = key
+            kind, ref = kinds[key]
+            src, dst = index[src_name], index[dst_name]
+            if key not in built:
+                spec = graph.spec(ref)
+                role = {"param": "gather", "grad": "grad"}.get(kind, "activation")
+                eb = element_bytes(spec.dtype, role, precision)
+                src_p = [output_placement(s, out) for s in nodes[src].strategies]
+                dst_p = [output_placement(s, 0) if slot == -1 else input_placement(s, slot) for s in nodes[dst].strategies]
+                places_out = sorted(set(src_p), key=src_p.index)
+                places_in = sorted(set(dst_p), key=dst_p.index)
+                cost = [[reshard_time(spec.shape, p, q, mesh, eb) for q in places_in] for p in places_out]
+                built[key] = ([places_out.index(p) for p in src_p], [places_in.index(q) for q in dst_p],
+                              places_out, places_in, cost, eb)
+            src_place, dst_place, places_out, places_in, cost, eb = built[key]
+            if group is None:  # a gather runs in its (first) consumer's layer and phase; a reduction in its producer's
+                group = nodes[src].group if kind == "grad" else nodes[dst].group
+            members.append(PEdge(src, out, dst, slot, src_place, dst_place, places_out, places_in, cost, mult,
+                                 kind, group, ref, eb, share))
+        if len(members) == 1 and members[0].src == members[0].dst:
+            # a layer feeding the same position of the next instance, alone: a per-strategy cost
+            e, pn = members[0], nodes[members[0].src]
             for s in range(len(pn.strategies)):
                 pn.comm[s] += e.cost[e.src_place[s]][e.dst_place[s]] * e.mult / pn.mult
             continue
-        edges.append(e)
+        edges.extend(members)
+    edges.sort(key=lambda e: (e.src, e.src_out, e.dst, e.dst_slot, e.share))
     return edges
 
 

@@ -373,10 +373,11 @@ class _Emitter:
             fqns = sorted(members[b], key=lambda f: (where[g.grads[f].node], f))
             if len(fqns) < 2:
                 continue  # a bucket of one is the plain resharding
-            step = steps_of[fqns[0]][0][0]
+            steps = steps_of[fqns[0]][0]
+            step = steps[0]
             xs = [self.value(g.grads[f], steps_of[f][1], self.bg) for f in fqns]
             if step.kind == "all_reduce":
-                results = self._bucket_all_reduce(xs, [g.grads[f] for f in fqns], step)
+                results = self._bucket_all_reduce(xs, [g.grads[f] for f in fqns], steps)
             else:
                 results = self._bucket_reduce_scatter(xs, [g.grads[f] for f in fqns],
                                                        [steps_of[f][2] for f in fqns], step)
@@ -385,11 +386,12 @@ class _Emitter:
                 self.cache[(id(self.bg), g.grads[f], steps_of[f][2])] = node
         return out
 
-    def _bucket_all_reduce(self, xs, refs, step) -> list[fx.Node]:
+    def _bucket_all_reduce(self, xs, refs, steps) -> list[fx.Node]:
         call = self.bg.call_function
         shapes = [list(self._local_shape(r)) for r in refs]
-        flat = call(torch.ops.aten.cat.default, ([self.bg.call_method("reshape", (x, [-1])) for x in xs],))
-        done = self._wait(call(C.all_reduce, (flat, step.axis, step.reduce)), self.bg)
+        done = call(torch.ops.aten.cat.default, ([self.bg.call_method("reshape", (x, [-1])) for x in xs],))
+        for step in steps:  # one all-reduce of the whole bucket per mesh axis
+            done = self._wait(call(C.all_reduce, (done, step.axis, step.reduce)), self.bg)
         parts = call(torch.ops.aten.split_with_sizes.default, (done, [math.prod(s) for s in shapes]))
         return [self.bg.call_method("reshape", (call(operator.getitem, (parts, i)), s)) for i, s in enumerate(shapes)]
 

@@ -6,6 +6,12 @@ edge, and for every placement ``u`` may give that tensor, ``v`` has a strategy t
 is. Then ``v``'s strategy is a function of ``u``'s (the cheapest such strategy), and a resharding
 that the optimum would do before ``v`` can be done after it at the same cost (the same bytes move
 the same way), so merging loses nothing. ``u`` takes over ``v``'s costs and outgoing edges.
+
+A tensor is resharded once per target placement and shared by all its consumers (a transfer,
+``problem.py``), so the edge ``u -> v`` must also be its tensor's only edge in its transfer:
+were ``v`` to follow while another consumer ``w`` of the same tensor remained, a resharding that
+``v``'s consumers and ``w`` could share (done once, before ``v``) would have to be done twice
+(after ``v``, and before ``w``), and the merged problem would overprice that choice.
 """
 
 from __future__ import annotations
@@ -62,8 +68,11 @@ def merge(problem: Problem, ops: dict[str, str]) -> Merged:
     while changed:
         changed = False
         incoming: dict[int, list[int]] = {}
+        shared: dict[int, int] = {}  # transfer id -> its number of edges
         for k, e in enumerate(edges):
             incoming.setdefault(e.dst, []).append(k)
+            if e.share >= 0:
+                shared[e.share] = shared.get(e.share, 0) + 1
         for v in range(len(nodes)):
             if not alive[v] or ops.get(nodes[v].name) not in FOLLOWERS or nodes[v].allowed is not None:
                 continue
@@ -73,6 +82,8 @@ def merge(problem: Problem, ops: dict[str, str]) -> Merged:
             e = edges[ins[0]]
             u = e.src
             if e.dst_slot != 0 or not alive[u] or nodes[u].mult != nodes[v].mult or nodes[u].group != nodes[v].group:
+                continue
+            if u == v or (e.share >= 0 and shared[e.share] > 1):
                 continue
             f = _follow_map(nodes[u], nodes[v], e)
             if f is None:
@@ -119,7 +130,7 @@ def _resource(e: PEdge, v: int, u: int, f: list[int], nodes: list[PNode]) -> PEd
     """Re-express an edge leaving (or entering) the merged node v in terms of u's strategies."""
     n_u = len(nodes[u].strategies)
     if e.src == v:
-        return replace(e, src=u, src_place=[e.src_place[f[s]] for s in range(n_u)])
+        e = replace(e, src=u, src_place=[e.src_place[f[s]] for s in range(n_u)])
     if e.dst == v:
-        return replace(e, dst=u, dst_place=[e.dst_place[f[s]] for s in range(n_u)])
+        e = replace(e, dst=u, dst_place=[e.dst_place[f[s]] for s in range(n_u)])
     return e

@@ -5,15 +5,24 @@ and, per strategy, compute time, communication at graph sinks and memory; per ed
 a producer's output to a consumer's input) a resharding cost matrix over the distinct placements
 the two sides may take. Nodes and edges of folded layers appear once, with their multiplicity.
 
-``evaluate`` prices a choice (one strategy per node):
+Edges are grouped into *transfers* (``PEdge.share``; ``Problem.transfers``): the consumers of one
+tensor. A tensor is resharded once per target placement, and every consumer that needs that
+placement shares the result (the collective is not repeated per consumer), so a transfer costs
+
+    transfer(t) = mult(t) * sum over distinct target placements q its consumers take of cost(p -> q)
+
+with p the producer's placement (``cost.py`` says what one transfer spans: which producer
+instances, which phases). ``evaluate`` prices a choice (one strategy per node):
 
     step    = compute + activation communication + sum over groups of exposed(g)
     exposed(g) = mult(g) * max(0, param_comm(g) - compute(g))
 
-where ``param_comm(g)`` is one instance of group g's parameter gathers and gradient reductions,
-which run under the same instance's compute in the same phase (gathers issued a layer ahead
-hide under forward compute, reductions under the backward as buckets fill). The
-ILP's objective is this function, linearised; recipes and searched plans are priced by it alike.
+where activation communication is the sum of the non-overlappable transfers, and
+``param_comm(g)`` is one instance of group g's parameter gathers and gradient reductions (the
+overlappable transfers; each transfer belongs to one group, its edges' ``group``), which run under
+the same instance's compute in the same phase (gathers issued a layer ahead hide under forward
+compute, reductions under the backward as buckets fill). The ILP's objective is this function,
+linearised; recipes and searched plans are priced by it alike.
 """
 
 from __future__ import annotations
@@ -48,7 +57,12 @@ class PNode:
 @dataclass
 class PEdge:
     """A tensor from ``src``'s output to ``dst``'s input (``dst_slot`` -1: the parameter itself,
-    for a gradient that must end up placed like its parameter)."""
+    for a gradient that must end up placed like its parameter).
+
+    ``share`` names the edge's transfer: edges with one ``share`` carry the same tensor (same
+    ``src``, ``src_out``, ``kind``, ``mult`` and ``group``), and a resharding to a placement is
+    paid once however many of them need it. ``mult`` is how many times one such resharding
+    happens in a step (the producer instances the transfer covers)."""
 
     src: int
     src_out: int
@@ -64,6 +78,9 @@ class PEdge:
     group: int
     ref: Ref
     elem_bytes: int
+    share: int = -1  # transfer id; -1: a transfer of its own
+    #: per column of ``cost``: its placement's index among the transfer's targets (set by ``Problem``)
+    targets: Optional[list[int]] = field(default=None, compare=False, repr=False)
 
     def overlappable(self) -> bool:
         return self.kind in ("param", "grad")
@@ -85,9 +102,32 @@ class Problem:
     groups: list[Group]
     memory_budget: float
     index: dict[str, int] = field(default_factory=dict)
+    #: edge indices per transfer (edges of one ``share``, in edge order), in order of first edge
+    transfers: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.index = {n.name: i for i, n in enumerate(self.nodes)}
+        self.transfers = transfers_of(self.edges)
+        for ks in self.transfers:
+            ids: dict[Placements, int] = {}
+            for k in ks:
+                e = self.edges[k]
+                e.targets = [ids.setdefault(q, len(ids)) for q in e.places_in]
+
+
+def transfers_of(edges: Sequence[PEdge]) -> list[list[int]]:
+    """Edge indices grouped by ``share`` (an edge with share -1 alone)."""
+    out: list[list[int]] = []
+    at: dict[int, int] = {}
+    for k, e in enumerate(edges):
+        if e.share < 0:
+            out.append([k])
+        elif e.share in at:
+            out[at[e.share]].append(k)
+        else:
+            at[e.share] = len(out)
+            out.append([k])
+    return out
 
 
 @dataclass
@@ -106,31 +146,52 @@ class Cost:
 
 
 def edge_cost(e: PEdge, choice: Sequence[int]) -> float:
+    """One resharding along ``e`` alone (seconds, one instance)."""
     return e.cost[e.src_place[choice[e.src]]][e.dst_place[choice[e.dst]]]
 
 
-def incident_edges(problem: Problem) -> dict[int, list[PEdge]]:
-    """Node index -> the edges that start or end there."""
-    out: dict[int, list[PEdge]] = {}
-    for e in problem.edges:
-        out.setdefault(e.src, []).append(e)
-        out.setdefault(e.dst, []).append(e)
+def transfer_cost(edges: Sequence[PEdge], choice: Sequence[int], i: int = -1, s: int = -1) -> float:
+    """One instance of a transfer: each distinct target placement its consumers take, once.
+    With ``i >= 0``, node ``i`` runs strategy ``s`` instead of ``choice[i]``; edges to nodes not
+    chosen yet (-1) are skipped."""
+    if len(edges) == 1:
+        e = edges[0]
+        a = s if e.src == i else choice[e.src]
+        b = s if e.dst == i else choice[e.dst]
+        return 0.0 if a < 0 or b < 0 else e.cost[e.src_place[a]][e.dst_place[b]]
+    paid: dict[int, float] = {}
+    for e in edges:
+        a = s if e.src == i else choice[e.src]
+        b = s if e.dst == i else choice[e.dst]
+        if a < 0 or b < 0:
+            continue
+        q = e.dst_place[b]
+        c = e.cost[e.src_place[a]][q]
+        if c and c > paid.get(e.targets[q], 0.0):
+            paid[e.targets[q]] = c
+    return sum(paid.values())
+
+
+def incident_transfers(problem: Problem) -> dict[int, list[list[PEdge]]]:
+    """Node index -> the transfers (lists of edges) that have an edge starting or ending there."""
+    out: dict[int, list[list[PEdge]]] = {}
+    for ks in problem.transfers:
+        edges = [problem.edges[k] for k in ks]
+        for i in sorted({e.src for e in edges} | {e.dst for e in edges}):
+            out.setdefault(i, []).append(edges)
     return out
 
 
-def local_cost(problem: Problem, incident: dict[int, list[PEdge]], choice: Sequence[int], i: int, s: int) -> float:
-    """Node ``i`` running strategy ``s`` with its neighbours held at ``choice``: its compute, sink
-    communication and the resharding on its edges (edges to neighbours not chosen yet, -1, are
-    skipped; overlappable edges count in full)."""
+def local_cost(problem: Problem, incident: dict[int, list[list[PEdge]]], choice: Sequence[int], i: int, s: int) -> float:
+    """Node ``i`` running strategy ``s`` with the other nodes held at ``choice``: its compute, sink
+    communication and every transfer it touches, priced as ``evaluate`` prices it (edges to
+    nodes not chosen yet, -1, are skipped; overlappable transfers count in full). Differences
+    between two strategies of ``i`` are the change of ``evaluate``'s compute and activation
+    communication exactly (overlap hiding aside)."""
     n = problem.nodes[i]
     c = n.mult * (n.compute[s] + n.comm[s])
-    for e in incident.get(i, []):
-        other = e.dst if e.src == i else e.src
-        if choice[other] < 0:
-            continue
-        p = e.src_place[s if e.src == i else choice[e.src]]
-        q = e.dst_place[s if e.dst == i else choice[e.dst]]
-        c += e.mult * e.cost[p][q]
+    for edges in incident.get(i, ()):
+        c += edges[0].mult * transfer_cost(edges, choice, i, s)
     return c
 
 
@@ -147,8 +208,10 @@ def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:
         group_compute[n.group] += n.compute[s]
         for k in MEMORY_KINDS:
             memory[k] += n.mult * n.memory[k][s]
-    for e in problem.edges:
-        c = edge_cost(e, choice)
+    edges = problem.edges
+    for ks in problem.transfers:
+        e = edges[ks[0]]
+        c = edge_cost(e, choice) if len(ks) == 1 else transfer_cost([edges[k] for k in ks], choice)
         if e.overlappable():
             group_comm[e.group] += c * e.mult / problem.groups[e.group].mult
         else:

@@ -9,18 +9,17 @@ import json
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
-from autopar.cost_model.comm import reshard_steps
+from autopar.cost_model.comm import LOCAL_KINDS, reshard_steps
 from autopar.cost_model.precision import element_bytes
 from autopar.ir.graph import Graph, Ref
 from autopar.ir.placement import B, format_placements
-from autopar.passes.problem import MEMORY_KINDS, evaluate, incident_edges, local_cost
+from autopar.passes.buckets import BUCKET_SIZE, mark_grad_buckets
+from autopar.passes.problem import MEMORY_KINDS, evaluate, incident_transfers, local_cost
 from autopar.passes.strategies import input_placement, output_placement
 
 if TYPE_CHECKING:
     from autopar.api import Planned
 
-#: Gradient and parameter collectives are bucketed like DDP/FSDP do (25 MiB buckets).
-BUCKET_SIZE = 25 * 2**20
 #: Alternatives kept per module in the plan (the cheapest other strategies of its ops).
 ALTERNATIVES = 4
 
@@ -80,6 +79,8 @@ def build_plan(planned: "Planned"):
             "compute": prob.nodes[i].compute[choice[i]],
         })
     reshardings = _reshardings(planned, strat)
+    from autopar.passes.buckets import BUCKET_SIZE, mark_grad_buckets
+    mark_grad_buckets(g, reshardings, mesh, planned.precision)
     mesh_dict = mesh.to_dict()
     cost = planned.cost
     return Plan(
@@ -108,22 +109,34 @@ def build_plan(planned: "Planned"):
 
 
 def _reshardings(planned: "Planned", strat) -> list[dict]:
+    """One entry per resharding the plan does: per tensor and target placement (and phase, for
+    parameter gathers, which run again in the backward), shared by every consumer that needs that
+    placement — as ``problem.evaluate`` prices it and the lowering runs it. ``consumers`` lists
+    them in graph order; ``consumer`` is the first (``module`` is its module). The loss handed
+    back replicated is an entry of its own, as the evaluator prices it (a sink cost of its node)."""
     g, mesh, prec = planned.graph, planned.mesh, planned.precision
     out = []
+    seen: dict[tuple, dict] = {}
 
-    def add(ref: Ref, consumer: str, kind: str, src, dst, module: str):
+    def add(ref: Ref, consumer: str, kind: str, src, dst, module: str, phase=None):
         if tuple(src) == tuple(dst):
+            return
+        key = (ref, kind, tuple(dst), phase)
+        if key in seen:
+            seen[key]["consumers"].append(consumer)
             return
         spec = g.spec(ref)
         role = {"param": "gather", "grad": "grad"}.get(kind, "activation")
         eb = element_bytes(spec.dtype, role, prec)
         steps = reshard_steps(spec.shape, src, dst, mesh, eb)
-        out.append({
-            "tensor": str(ref), "consumer": consumer, "kind": kind, "from": format_placements(src),
-            "to": format_placements(dst), "bytes": spec.numel * eb, "time": sum(s.time for s in steps),
+        seen[key] = {
+            "tensor": str(ref), "consumer": consumer, "consumers": [consumer], "kind": kind,
+            "from": format_placements(src), "to": format_placements(dst), "bytes": spec.numel * eb,
+            "time": sum(s.time for s in steps),
             "steps": [{"kind": s.kind, "axis": mesh.names[s.axis], "bytes": int(s.bytes), "time": s.time} for s in steps],
             "module": module,
-        })
+        }
+        out.append(seen[key])
 
     from autopar.passes.cost import param_views
 
@@ -133,41 +146,42 @@ def _reshardings(planned: "Planned", strat) -> list[dict]:
         for slot, r in enumerate(n.inputs):
             src = output_placement(strat(r.node), r.index)
             kind = "param" if r.node in views else "activation"
-            add(r, n.name, kind, src, input_placement(st, slot), n.module_path)
+            add(r, n.name, kind, src, input_placement(st, slot), n.module_path,
+                n.phase.value if kind == "param" else None)
     for fqn, gref in g.grads.items():
         dst = output_placement(strat(g.params[fqn]), 0)
         add(gref, f"param:{fqn}", "grad", output_placement(strat(gref.node), gref.index), dst,
             g.node(gref.node).module_path)
     if g.loss is not None:
         add(g.loss, "loss", "activation", output_placement(strat(g.loss.node), g.loss.index),
-            tuple(B for _ in mesh.shape), g.node(g.loss.node).module_path)
+            tuple(B for _ in mesh.shape), g.node(g.loss.node).module_path, "sink")  # priced on its own
     return out
 
 
 def _collectives(reshardings: list[dict], axis_names) -> list[dict]:
-    """Collectives per (phase-ish kind, collective, axis); gradient reductions and parameter gathers
-    are bucketed: consecutive ones of one kind fill ``BUCKET_SIZE`` buckets."""
-    groups: dict[tuple, list[int]] = defaultdict(list)
+    """The collectives one device runs per step, per (what moves, collective, axis): count and
+    bytes per call (the average when calls differ). Gradients that share a bucket
+    (``"bucket"``, see ``passes/buckets.py``) are one call per bucket and step, as the lowering
+    runs them."""
+    calls: dict[tuple, list[int]] = defaultdict(list)
+    bucketed: dict[int, list] = {}
     for r in reshardings:
-        for s in r["steps"]:
-            if s["kind"] in ("slice", "pad", "zero"):
-                continue
-            groups[(r["kind"], s["kind"], s["axis"])].append(s["bytes"])
+        if r.get("bucket") is not None:
+            b = bucketed.setdefault(r["bucket"], [[s["kind"], s["axis"], 0] for s in r["steps"]])
+            for entry, st in zip(b, r["steps"]):
+                entry[2] += int(st["bytes"])
+            continue
+        for st in r["steps"]:
+            if st["kind"] not in LOCAL_KINDS:
+                calls[(r["kind"], st["kind"], st["axis"], False)].append(int(st["bytes"]))
+    for steps in bucketed.values():
+        for coll, axis, nbytes in steps:
+            calls[("grad", coll, axis, True)].append(nbytes)
     out = []
-    for (kind, coll, axis), sizes in sorted(groups.items()):
-        if kind in ("param", "grad"):
-            buckets, cur = 0, 0
-            for b in sizes:
-                if cur and cur + b > BUCKET_SIZE:
-                    buckets += 1
-                    cur = 0
-                cur += b
-            buckets += 1 if cur else 0
-            out.append({"kind": coll, "axis": axis, "bytes": int(sum(sizes)) // max(1, buckets), "count": buckets,
-                        "phase": "backward" if kind == "grad" else "forward", "bucketed": True})
-        else:  # bytes per call (the average when calls differ in size)
-            out.append({"kind": coll, "axis": axis, "bytes": int(sum(sizes)) // len(sizes), "count": len(sizes),
-                        "phase": "any", "bucketed": False})
+    for (kind, coll, axis, in_bucket), sizes in sorted(calls.items()):
+        phase = {"grad": "backward", "param": "forward and backward"}.get(kind, "any")
+        out.append({"kind": coll, "axis": axis, "bytes": sum(sizes) // len(sizes), "count": len(sizes),
+                    "phase": phase, "bucketed": in_bucket})
     return out
 
 
@@ -188,7 +202,7 @@ def _modules(planned: "Planned", strat, reshardings: list[dict]) -> list[dict]:
         i = prob.index[folding.representative(node)]
         r["memory"] += int(sum(prob.nodes[i].memory[k][choice[i]] for k in MEMORY_KINDS))
     alts: dict[str, list] = defaultdict(list)
-    incident = incident_edges(prob)
+    incident = incident_transfers(prob)
     for n in g.ops():
         r = row(n.module_path)
         i = prob.index[folding.representative(n.name)]

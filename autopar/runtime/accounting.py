@@ -23,16 +23,17 @@ def predicted(plan) -> Counter:
     out: Counter = Counter()
     buckets: dict[int, list] = {}
     for r in plan.reshardings:
-        if r.get("bucket") is not None:  # one collective per bucket, of its members' bytes
-            (s,) = r["steps"]
-            b = buckets.setdefault(r["bucket"], [s["kind"], s["axis"], 0])
-            b[2] += int(s["bytes"])
+        if r.get("bucket") is not None:  # one collective per bucket and step, of its members' bytes
+            b = buckets.setdefault(r["bucket"], [[s["kind"], s["axis"], 0] for s in r["steps"]])
+            for entry, s in zip(b, r["steps"]):
+                entry[2] += int(s["bytes"])
             continue
         for s in r["steps"]:
             if s["kind"] not in LOCAL_KINDS:
                 out[(s["kind"], s["axis"], int(s["bytes"]))] += 1
-    for kind, axis, nbytes in buckets.values():
-        out[(kind, axis, nbytes)] += 1
+    for steps in buckets.values():
+        for kind, axis, nbytes in steps:
+            out[(kind, axis, nbytes)] += 1
     return out
 
 
