@@ -57,3 +57,25 @@ def test_reuse_plan_small():
     assert m, out[-4000:]
     losses = [float(x) for x in m.group(1).split()]
     assert len(losses) == 2 and losses[1] < losses[0], losses
+
+
+def test_plan_llama70b_small_and_annotate_by_hand(tmp_path):
+    """The planning examples, in this process: LLaMA-3-70B's layer shapes on 64 H100s (2 layers, a
+    short solve) saved with its HTML page, and the hand-annotated model keeping its pins."""
+    import importlib.util
+
+    def load(name):
+        spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    plan = load("plan_llama70b").main(["--small", "--search-time", "0.5", "--save", str(tmp_path / "p.json"),
+                                       "--html", str(tmp_path / "p.html")])
+    assert plan.mesh_shape == (8, 8) and (tmp_path / "p.html").stat().st_size > 0
+    import autopar
+
+    assert autopar.load_plan(tmp_path / "p.json").to_json() == plan.to_json()
+    annotated = load("annotate_by_hand").main()
+    assert annotated.placements["input:0"] == "S(0), B"
+    assert annotated.placements["blocks.1.down.weight"].endswith("S(1)")
