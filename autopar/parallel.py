@@ -123,7 +123,11 @@ class ParallelModule(torch.nn.Module):
         for slot, value in named.items():
             if slot.kind == "mutation":
                 self._buffer_local(slot.key).copy_(value)
-        return [v for s, v in named.items() if s.kind in ("loss", "output")], res[n_out:]
+        # every collective is waited before the step returns: a result left in flight (a saved
+        # value whose backward never runs) would be freed while the process group still writes it
+        with self._context():
+            saved = [C.wait(t) for t in res[n_out:]]
+        return [v for s, v in named.items() if s.kind in ("loss", "output")], saved
 
     def _run_backward(self, saved: list, grad_loss: torch.Tensor) -> list:
         with self._context():
