@@ -123,7 +123,7 @@ class Plan:
     # decisions
     placements: dict[str, str]  # FQN | "input:0" | kw name -> "S(0), B"
     nodes: list[dict]  # per IR op node, graph order
-    reshardings: list[dict]  # {"tensor", "consumer", "kind", "from", "to", "bytes" (whole tensor), "time", "steps", "module"}
+    reshardings: list[dict]  # {"tensor", "consumers", "consumer" (first), "kind", "from", "to", "bytes" (whole tensor), "time", "steps", "module", "bucket" (gradients sharing a collective)}
     collectives: list[dict]  # {"kind", "axis", "bytes" (per call), "count", "phase", "bucketed"}
     bucket_size: int
     baselines: dict[str, dict]  # recipe -> {"step_time", "peak_memory", "fits"} | {"error"}

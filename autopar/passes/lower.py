@@ -24,25 +24,24 @@ from __future__ import annotations
 
 import math
 import operator
-import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.node import map_aggregate
 
 from autopar.cost_model.comm import reshard_steps
 from autopar.cost_model.precision import Precision, element_bytes
 from autopar.errors import AutoparError
 from autopar.ir.graph import Graph, Node, Phase, Ref, Role, TensorSpec
-from autopar.ir.placement import B, Broadcast, Partial, Placements, Split, chunk_range, format_placements, local_shape
+from autopar.ir.placement import B, Partial, Placements, chunk_range, format_placements, local_shape
 from autopar.ir.rules import op_call
 from autopar.ir.rules.base import LocalCtx, OpCall, has_local, local_args, run_local
 from autopar.ir.rules.dimmap import Strategy
 from autopar.mesh import Mesh
 from autopar.passes.buckets import bucket_key, grad_buckets
 from autopar.passes.cost import param_views
+from autopar.passes.schedule import schedule
 from autopar.passes.strategies import input_placement, node_strategies, output_placement
 from autopar.runtime import collectives as C
 
@@ -495,55 +494,6 @@ def _hoist_placeholders(graph: fx.Graph) -> None:
         else:
             anchor.append(n)
         anchor = n
-
-
-_LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
-
-
-def _layer(node: fx.Node) -> Optional[str]:
-    if node.op not in ("call_function", "call_module"):
-        return None
-    m = _LAYER.match(node.meta.get("autopar_module", "") or "")
-    return m.group(1) if m else None
-
-
-def schedule(graph: fx.Graph) -> None:
-    """Issue every collective early and wait for it late, as the cost model's overlap assumes.
-
-    A collective moves up to just after the values it reads exist; one that gathers a parameter
-    (it reads a placeholder) no earlier than the start of the layer before the layer running when
-    the weight is first used, so gathered weights are not all held at once. Its ``wait`` moves
-    down to just before the first node that reads the result. Gradient reductions thus start as
-    soon as each gradient is ready, under the rest of the backward.
-    """
-    nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    starts: list[fx.Node] = []  # first node of each layer, in program order
-    current: dict[fx.Node, int] = {}  # node -> index in ``starts`` of the layer running there
-    seen: set[str] = set()
-    for n in nodes:
-        lay = _layer(n)
-        if lay is not None and lay not in seen:
-            seen.add(lay)
-            starts.append(n)
-        current[n] = len(starts) - 1
-    last_placeholder = max((n for n in nodes if n.op == "placeholder"), key=pos.get, default=None)
-    for w in nodes:
-        if w.op != "call_function" or w.target is not C.wait:
-            continue
-        c = w.args[0]
-        users = sorted(w.users, key=pos.get)
-        producers = c.all_input_nodes
-        after = max(producers, key=pos.get) if producers else last_placeholder
-        if after is not None and after.op == "placeholder" and users:
-            k = current[users[0]]
-            after = starts[max(k - 1, 0)].prev if k >= 0 else after  # a layer ahead of its use
-        if after is not None and pos[after] < pos[c]:
-            after.append(c)
-        if users and users[0].op == "call_function" and users[0].target in C.COLLECTIVES:
-            c.append(w)  # the next step of the same reshard: keep the chain together, early
-        elif users and users[0].op != "output":
-            users[0].prepend(w)
 
 
 def lower(res: Resolved, coords: Sequence[int], device: Optional[torch.device] = None) -> Program:

@@ -79,8 +79,7 @@ def build_plan(planned: "Planned"):
             "compute": prob.nodes[i].compute[choice[i]],
         })
     reshardings = _reshardings(planned, strat)
-    from autopar.passes.buckets import BUCKET_SIZE, mark_grad_buckets
-    mark_grad_buckets(g, reshardings, mesh, planned.precision)
+    mark_grad_buckets(g, reshardings, mesh, planned.precision)  # as the lowering groups them
     mesh_dict = mesh.to_dict()
     cost = planned.cost
     return Plan(
