@@ -169,7 +169,7 @@ def _baselines(plan: "Plan") -> list[str]:
 def _solver_text(s: dict) -> str:
     if not s:
         return "solver: (none)"
-    parts = [f"solver {s.get('solver', '?')}", f"status {s.get('status', '?')}"]
+    parts = [f"solver {s.get('solver', '?')}"] + ([f"status {s['status']}"] if "status" in s else [])
     if "gap" in s:
         parts.append(f"gap {s['gap']:.3g}" if isinstance(s["gap"], (int, float)) else f"gap {s['gap']}")
     for k in ("variables", "constraints"):
