@@ -115,18 +115,11 @@ class ParallelModule(torch.nn.Module):
 
     def _run_forward(self, local_inputs: list) -> tuple[list, list]:
         with self._context():
-            res = self.program.forward(*local_inputs)
-            res = list(res) if isinstance(res, (tuple, list)) else [res]
-            n_out = len(res) - self.program.n_saved
-            outs = [C.wait(o) for o in res[:n_out]]
-        named = dict(zip([s for s in self.program.outputs], outs))
+            outs, saved = self.program.run_forward(*local_inputs)
+        named = dict(zip(self.program.outputs, outs))
         for slot, value in named.items():
             if slot.kind == "mutation":
                 self._buffer_local(slot.key).copy_(value)
-        # every collective is waited before the step returns: a result left in flight (a saved
-        # value whose backward never runs) would be freed while the process group still writes it
-        with self._context():
-            saved = [C.wait(t) for t in res[n_out:]]
         return [v for s, v in named.items() if s.kind in ("loss", "output")], saved
 
     def _run_backward(self, saved: list, grad_loss: torch.Tensor) -> list:

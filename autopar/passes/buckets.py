@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from autopar.cost_model.comm import Step
+from autopar.cost_model.comm import LOCAL_KINDS, Step, reshard_steps
+from autopar.cost_model.precision import element_bytes
 from autopar.ir.graph import Graph
+from autopar.ir.placement import parse
 
 #: Bytes per bucket (DDP's default, 25 MiB).
 BUCKET_SIZE = 25 * 2**20
@@ -31,17 +33,28 @@ def bucket_key(steps: Sequence[Step], dtype) -> Optional[tuple]:
     return None
 
 
-def grad_buckets(graph: Graph, items: dict[str, tuple[Optional[tuple], int]]) -> dict[str, int]:
-    """``{fqn: bucket index}`` for the gradients ``items`` (fqn -> (bucket key, bytes of its first
-    step)) that can be bucketed; indices count buckets in the order they fill."""
+def grad_steps(graph: Graph, fqn: str, src, dst, mesh, precision) -> list[Step]:
+    """The steps that reshard parameter ``fqn``'s gradient from ``src`` to ``dst`` (its
+    parameter's placement), priced at the precision's gradient bytes."""
+    if tuple(src) == tuple(dst):
+        return []
+    spec = graph.spec(graph.grads[fqn])
+    return reshard_steps(spec.shape, src, dst, mesh, element_bytes(spec.dtype, "grad", precision))
+
+
+def grad_buckets(graph: Graph, steps: dict[str, Sequence[Step]]) -> dict[str, int]:
+    """``{fqn: bucket index}`` for the gradients (fqn -> their resharding steps) that can be
+    bucketed, in the order the backward produces them; indices count buckets in the order they
+    fill."""
     where = {n.name: i for i, n in enumerate(graph.nodes)}
-    order = sorted((fqn for fqn, (key, _) in items.items() if key is not None),
+    keys = {fqn: bucket_key(st, graph.spec(graph.grads[fqn]).dtype) for fqn, st in steps.items()}
+    order = sorted((fqn for fqn, key in keys.items() if key is not None),
                    key=lambda f: (where[graph.grads[f].node], f))
     open_bucket: dict[tuple, tuple[int, int]] = {}  # key -> (bucket index, bytes so far)
     out: dict[str, int] = {}
     count = 0
     for fqn in order:
-        key, nbytes = items[fqn]
+        key, nbytes = keys[fqn], steps[fqn][0].bytes
         cur = open_bucket.get(key)
         if cur is None or (cur[1] and cur[1] + nbytes > BUCKET_SIZE):
             cur = (count, 0)
@@ -54,24 +67,35 @@ def grad_buckets(graph: Graph, items: dict[str, tuple[Optional[tuple], int]]) ->
 def mark_grad_buckets(graph: Graph, reshardings: list[dict], mesh, precision) -> None:
     """Set ``"bucket"`` on the plan's gradient reshardings (``kind == "grad"``) that share a
     collective, exactly as the lowering groups them."""
-    from autopar.cost_model.comm import reshard_steps
-    from autopar.cost_model.precision import element_bytes
-    from autopar.ir.placement import parse
-
-    items: dict[str, tuple[Optional[tuple], int]] = {}
+    steps: dict[str, list[Step]] = {}
     entry_of: dict[str, dict] = {}
     for r in reshardings:
         if r["kind"] != "grad" or not r["consumer"].startswith("param:"):
             continue
         fqn = r["consumer"][len("param:"):]
-        spec = graph.spec(graph.grads[fqn])
-        steps = reshard_steps(spec.shape, parse(r["from"], ndim=mesh.ndim), parse(r["to"], ndim=mesh.ndim), mesh,
-                              element_bytes(spec.dtype, "grad", precision))
-        key = bucket_key(steps, spec.dtype)
-        items[fqn] = (key, steps[0].bytes if key else 0)
+        steps[fqn] = grad_steps(graph, fqn, parse(r["from"], ndim=mesh.ndim), parse(r["to"], ndim=mesh.ndim),
+                                mesh, precision)
         entry_of[fqn] = r
-    for fqn, b in grad_buckets(graph, items).items():
+    for fqn, b in grad_buckets(graph, steps).items():
         entry_of[fqn]["bucket"] = b
 
 
-__all__ = ["BUCKET_SIZE", "bucket_key", "grad_buckets", "mark_grad_buckets"]
+def collective_calls(reshardings: list[dict]) -> list[tuple[str, str, str, int, bool]]:
+    """The collectives one device runs per step for a plan's reshardings, one entry per call:
+    ``(what moves, collective, axis, bytes, bucketed)``. Local steps move nothing; gradients that
+    share a bucket are one call per bucket and step, of their summed bytes."""
+    calls: list[tuple[str, str, str, int, bool]] = []
+    bucketed: dict[int, list] = {}
+    for r in reshardings:
+        if r.get("bucket") is not None:
+            b = bucketed.setdefault(r["bucket"], [[s["kind"], s["axis"], 0] for s in r["steps"]])
+            for entry, st in zip(b, r["steps"]):
+                entry[2] += int(st["bytes"])
+            continue
+        calls.extend((r["kind"], st["kind"], st["axis"], int(st["bytes"]), False)
+                     for st in r["steps"] if st["kind"] not in LOCAL_KINDS)
+    calls.extend(("grad", coll, axis, nbytes, True) for steps in bucketed.values() for coll, axis, nbytes in steps)
+    return calls
+
+
+__all__ = ["BUCKET_SIZE", "bucket_key", "collective_calls", "grad_buckets", "grad_steps", "mark_grad_buckets"]

@@ -39,7 +39,7 @@ from autopar.ir.rules import op_call
 from autopar.ir.rules.base import LocalCtx, OpCall, has_local, local_args, run_local
 from autopar.ir.rules.dimmap import Strategy
 from autopar.mesh import Mesh
-from autopar.passes.buckets import bucket_key, grad_buckets
+from autopar.passes.buckets import grad_buckets, grad_steps
 from autopar.passes.cost import param_views
 from autopar.passes.schedule import schedule
 from autopar.passes.strategies import input_placement, node_strategies, output_placement
@@ -82,6 +82,16 @@ class Program:
     n_saved: int
     backward: Optional[fx.GraphModule] = None
     grads: list[Slot] = field(default_factory=list)
+
+    def run_forward(self, *inputs) -> tuple[list, list]:
+        """Run the forward program on this thread's collective backend: its outputs, and the values
+        it saves for the backward. Every collective is waited before returning: a result left in
+        flight (saved for a backward that never runs) would be freed while the process group
+        still writes it."""
+        res = self.forward(*inputs)
+        res = [C.wait(t) for t in (res if isinstance(res, (tuple, list)) else [res])]
+        n_out = len(res) - self.n_saved
+        return res[:n_out], res[n_out:]
 
     @property
     def code(self) -> str:
@@ -354,22 +364,16 @@ class _Emitter:
     def _bucketed_grads(self) -> dict[str, fx.Node]:
         """Gradients reduced together, one collective per bucket (``passes.buckets``)."""
         g, res = self.g, self.res
-        items, steps_of = {}, {}
+        steps_of = {}
         for fqn, r in g.grads.items():
             src, dst = self.base[r][2], output_placement(res.strategies[g.params[fqn]], 0)
-            spec = g.spec(r)
-            steps = [] if tuple(src) == tuple(dst) else reshard_steps(
-                spec.shape, src, dst, res.mesh, element_bytes(spec.dtype, "grad", res.precision))
-            key = bucket_key(steps, spec.dtype)
-            items[fqn] = (key, steps[0].bytes if key else 0)
-            steps_of[fqn] = (steps, src, dst)
-        members: dict[int, list[str]] = {}
-        for fqn, b in grad_buckets(g, items).items():
+            steps_of[fqn] = (grad_steps(g, fqn, src, dst, res.mesh, res.precision), src, dst)
+        members: dict[int, list[str]] = {}  # in the order the backward produces them
+        for fqn, b in grad_buckets(g, {f: st[0] for f, st in steps_of.items()}).items():
             members.setdefault(b, []).append(fqn)
         out: dict[str, fx.Node] = {}
-        where = {n.name: i for i, n in enumerate(g.nodes)}
         for b in sorted(members):
-            fqns = sorted(members[b], key=lambda f: (where[g.grads[f].node], f))
+            fqns = members[b]
             if len(fqns) < 2:
                 continue  # a bucket of one is the plain resharding
             steps = steps_of[fqns[0]][0]

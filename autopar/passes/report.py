@@ -9,11 +9,11 @@ import json
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
-from autopar.cost_model.comm import LOCAL_KINDS, reshard_steps
+from autopar.cost_model.comm import reshard_steps
 from autopar.cost_model.precision import element_bytes
 from autopar.ir.graph import Graph, Ref
 from autopar.ir.placement import B, format_placements
-from autopar.passes.buckets import BUCKET_SIZE, mark_grad_buckets
+from autopar.passes.buckets import BUCKET_SIZE, collective_calls, mark_grad_buckets
 from autopar.passes.problem import MEMORY_KINDS, evaluate, incident_transfers, local_cost
 from autopar.passes.strategies import input_placement, output_placement
 
@@ -158,24 +158,11 @@ def _reshardings(planned: "Planned", strat) -> list[dict]:
 
 
 def _collectives(reshardings: list[dict], axis_names) -> list[dict]:
-    """The collectives one device runs per step, per (what moves, collective, axis): count and
-    bytes per call (the average when calls differ). Gradients that share a bucket
-    (``"bucket"``, see ``passes/buckets.py``) are one call per bucket and step, as the lowering
-    runs them."""
+    """The collectives one device runs per step, per (what moves, collective, axis, bucketed): count
+    and bytes per call (the average when calls differ); see ``buckets.collective_calls``."""
     calls: dict[tuple, list[int]] = defaultdict(list)
-    bucketed: dict[int, list] = {}
-    for r in reshardings:
-        if r.get("bucket") is not None:
-            b = bucketed.setdefault(r["bucket"], [[s["kind"], s["axis"], 0] for s in r["steps"]])
-            for entry, st in zip(b, r["steps"]):
-                entry[2] += int(st["bytes"])
-            continue
-        for st in r["steps"]:
-            if st["kind"] not in LOCAL_KINDS:
-                calls[(r["kind"], st["kind"], st["axis"], False)].append(int(st["bytes"]))
-    for steps in bucketed.values():
-        for coll, axis, nbytes in steps:
-            calls[("grad", coll, axis, True)].append(nbytes)
+    for kind, coll, axis, nbytes, in_bucket in collective_calls(reshardings):
+        calls[(kind, coll, axis, in_bucket)].append(nbytes)
     out = []
     for (kind, coll, axis, in_bucket), sizes in sorted(calls.items()):
         phase = {"grad": "backward", "param": "forward and backward"}.get(kind, "any")

@@ -13,28 +13,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable
 
-from autopar.cost_model.comm import LOCAL_KINDS
+from autopar.passes.buckets import collective_calls
 
 Key = tuple[str, str, int]
 
 
 def predicted(plan) -> Counter:
     """Per (kind, axis, bytes): how many times one device runs that collective in one step."""
-    out: Counter = Counter()
-    buckets: dict[int, list] = {}
-    for r in plan.reshardings:
-        if r.get("bucket") is not None:  # one collective per bucket and step, of its members' bytes
-            b = buckets.setdefault(r["bucket"], [[s["kind"], s["axis"], 0] for s in r["steps"]])
-            for entry, s in zip(b, r["steps"]):
-                entry[2] += int(s["bytes"])
-            continue
-        for s in r["steps"]:
-            if s["kind"] not in LOCAL_KINDS:
-                out[(s["kind"], s["axis"], int(s["bytes"]))] += 1
-    for steps in buckets.values():
-        for kind, axis, nbytes in steps:
-            out[(kind, axis, nbytes)] += 1
-    return out
+    return Counter((coll, axis, nbytes) for _, coll, axis, nbytes, _ in collective_calls(plan.reshardings))
 
 
 def executed(records: Iterable) -> Counter:

@@ -60,16 +60,11 @@ def run_step(prog: Program, local_inputs: Sequence[torch.Tensor], tangent: Optio
              precision: str = "model") -> tuple[list, list]:
     """Forward (and, for training programs, backward with seed ``tangent``) on this thread's backend."""
     with torch.no_grad(), precision_context(precision):
-        res = prog.forward(*local_inputs)
-        res = list(res) if isinstance(res, (tuple, list)) else [res]
-        n_out = len(res) - prog.n_saved
-        outputs, saved = res[:n_out], res[n_out:]
+        outputs, saved = prog.run_forward(*local_inputs)
         grads: list = []
         if prog.backward is not None:
             seed = tangent if tangent is not None else torch.ones((), dtype=outputs[0].dtype)
-            grads = list(prog.backward(*saved, seed))
-        outputs = [C.wait(o) for o in outputs]
-        grads = [C.wait(g) for g in grads]
+            grads = [C.wait(g) for g in prog.backward(*saved, seed)]
     return outputs, grads
 
 
