@@ -169,6 +169,7 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
             transfers.append((sorted(keys, key=order), len(insts)))
 
     built: dict[tuple, tuple] = {}  # edge key -> (places, cost) (the same for every class)
+    matrices: dict[tuple, list] = {}  # (shape, bytes per element, placements out, in) -> cost matrix
     edges = []
     for share, (keys, mult) in enumerate(transfers):
         group = None
@@ -185,7 +186,10 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
                 dst_p = [output_placement(s, 0) if slot == -1 else input_placement(s, slot) for s in nodes[dst].strategies]
                 places_out = sorted(set(src_p), key=src_p.index)
                 places_in = sorted(set(dst_p), key=dst_p.index)
-                cost = [[reshard_time(spec.shape, p, q, mesh, eb) for q in places_in] for p in places_out]
+                mkey = (tuple(spec.shape), eb, tuple(places_out), tuple(places_in))
+                if mkey not in matrices:  # many edges carry same-shaped tensors between the same placements
+                    matrices[mkey] = [[reshard_time(spec.shape, p, q, mesh, eb) for q in places_in] for p in places_out]
+                cost = matrices[mkey]
                 built[key] = ([places_out.index(p) for p in src_p], [places_in.index(q) for q in dst_p],
                               places_out, places_in, cost, eb)
             src_place, dst_place, places_out, places_in, cost, eb = built[key]

@@ -89,7 +89,9 @@ def solve(
     ok = (cp_model.OPTIMAL, cp_model.FEASIBLE)
     stages = []
     if warm_start and any(len(t) > 1 for t in problem.transfers):
-        model, x, _, _ = _build(problem, hint, shared=False)
+        built, x, primary, _ = _build(problem, hint, shared=False)
+        built.minimize(primary)
+        model = built.model
         solver = _solver(deterministic_time / 2, time_limit)
         status = solver.solve(model)
         if status not in ok:
@@ -101,7 +103,9 @@ def solve(
         if hint is None or _fits_better(problem, first, hint):
             hint = first
 
-    model, x, primary, secondary = _build(problem, hint, shared=True)
+    built, x, primary, secondary = _build(problem, hint, shared=True)
+    built.minimize(primary)
+    model = built.model
     solver = _solver(max(deterministic_time - det, deterministic_time / 2), time_limit)
     status = solver.solve(model)
     name = solver.status_name(status)
@@ -117,8 +121,8 @@ def solve(
         for i, vars_ in x.items():
             for s, v in vars_.items():
                 model.AddHint(v, 1 if choice[i] == s else 0)
-        model.Add(sum(primary) <= best)
-        model.Minimize(sum(secondary))
+        built.linear(primary, hi=best)
+        built.minimize(secondary)
         solver2 = _solver(max(1.0, deterministic_time / 4), time_limit)
         if solver2.solve(model) in ok:
             choice = _read(solver2, x)
@@ -147,33 +151,87 @@ def _fits_better(problem: Problem, a: Sequence[int], b: Sequence[int]) -> bool:
     return ca.peak_memory <= problem.memory_budget and ca.step_time <= cb.step_time
 
 
-def _build(problem: Problem, hint: Optional[Sequence[int]], shared: bool):
-    """The model: variables, constraints, hint; returns it with ``x`` and the objective terms
-    (primary: step time in ps; secondary: hidden traffic and memory). ``shared`` False prices
-    every edge on its own (each consumer pays its resharding)."""
-    from ortools.sat.python import cp_model
+class CpSatModel:
+    """The formulation's building blocks on CP-SAT: every variable integral, costs in integer
+    picoseconds, memory in bytes. Linear rows and objectives are lists of (coefficient, variable)."""
 
-    model = cp_model.CpModel()
-    x = _node_vars(model, problem)
+    def __init__(self) -> None:
+        from ortools.sat.python import cp_model
+
+        self.cp_model = cp_model
+        self.model = cp_model.CpModel()
+
+    def bool(self, name: str):
+        return self.model.NewBoolVar(name)
+
+    frac = bool  # transports and shared-resharding indicators: 0/1 in CP-SAT too
+
+    def num(self, upper: float, name: str):
+        return self.model.NewIntVar(0, int(upper), name)
+
+    def exactly_one(self, vs) -> None:
+        self.model.AddExactlyOne(vs)
+
+    def implies(self, a, b) -> None:
+        self.model.AddImplication(a, b)
+
+    def _expr(self, terms):
+        return self.cp_model.LinearExpr.WeightedSum([v for _, v in terms], [c for c, _ in terms])
+
+    def linear(self, terms, lo=None, hi=None) -> None:
+        """lo <= sum(c * v) <= hi (None: unbounded on that side)."""
+        expr = self._expr(terms)
+        if lo is not None and hi is not None:
+            self.model.Add(expr == lo) if lo == hi else self.model.AddLinearConstraint(expr, lo, hi)
+        elif lo is not None:
+            self.model.Add(expr >= lo)
+        else:
+            self.model.Add(expr <= hi)
+
+    def minimize(self, terms) -> None:
+        self.model.Minimize(self._expr(terms))
+
+    @staticmethod
+    def time(seconds: float) -> int:
+        return _ns(seconds)
+
+    @staticmethod
+    def mem(nbytes: float) -> int:
+        return int(round(nbytes))
+
+    @staticmethod
+    def mem_limit(nbytes: float) -> int:
+        return int(nbytes)
+
+    def hint(self, v, value: int) -> None:
+        self.model.AddHint(v, value)
+
+
+def _build(problem: Problem, hint: Optional[Sequence[int]], shared: bool, m=None):
+    """The model on backend ``m`` (default: a new ``CpSatModel``): variables, constraints,
+    hint; returns it with ``x`` and the objective terms as (coefficient, variable) lists
+    (primary: step time in the backend's unit; secondary: hidden traffic and memory). ``shared``
+    False prices every edge on its own (each consumer pays its resharding)."""
+    m = CpSatModel() if m is None else m
+    x = _node_vars(m, problem)
     primary: list = []
     secondary: list = []
     for i, n in enumerate(problem.nodes):
         for s, v in x[i].items():
-            c = _ns(n.mult * (n.compute[s] + n.comm[s]))
+            c = m.time(n.mult * (n.compute[s] + n.comm[s]))
             if c:
-                primary.append(c * v)
+                primary.append((c, v))
             mem = int(n.mult * n.mem_total(s) / 1e6)  # MB
             if mem:
-                secondary.append(mem * v)
-    comm = _edge_vars(model, problem, x, primary, secondary, shared)
-    _exposed(model, problem, x, comm, primary)
-    _memory(model, problem, x)
+                secondary.append((mem, v))
+    comm = _edge_vars(m, problem, x, primary, secondary, shared)
+    _exposed(m, problem, x, comm, primary)
+    _memory(m, problem, x)
     if hint is not None:
         for i, vars_ in x.items():
             for s, v in vars_.items():
-                model.AddHint(v, 1 if hint[i] == s else 0)
-    model.Minimize(sum(primary))
-    return model, x, primary, secondary
+                m.hint(v, 1 if hint[i] == s else 0)
+    return m, x, primary, secondary
 
 
 def _solver(deterministic_time: float, time_limit: Optional[float]):
@@ -194,13 +252,13 @@ def _read(solver, x) -> list[int]:
     return [next(s for s, v in x[i].items() if solver.value(v)) for i in range(len(x))]
 
 
-def _node_vars(model, problem: Problem) -> dict[int, dict[int, object]]:
+def _node_vars(m, problem: Problem) -> dict[int, dict[int, object]]:
     """One-hot ``x[n, s]`` over the strategies each node's hints allow."""
     x: dict[int, dict[int, object]] = {}
     for i, n in enumerate(problem.nodes):
         allowed = n.allowed if n.allowed is not None else range(len(n.strategies))
-        x[i] = {s: model.NewBoolVar(f"x{i}_{s}") for s in allowed}
-        model.AddExactlyOne(x[i].values())
+        x[i] = {s: m.bool(f"x{i}_{s}") for s in allowed}
+        m.exactly_one(list(x[i].values()))
     return x
 
 
@@ -212,7 +270,7 @@ def _marginals(x, node: int, place: list[int]) -> dict[int, list]:
     return out
 
 
-def _edge_vars(model, problem: Problem, x, objective: list, secondary: list, shared: bool = True) -> dict[int, list]:
+def _edge_vars(m, problem: Problem, x, objective: list, secondary: list, shared: bool = True) -> dict[int, list]:
     """Transport variables per edge (only for edges that can cost something), and per transfer
     whose consumers could share a resharding one indicator ``z`` per paid (source, target)
     placement pair, implied by every edge's transport on that pair. Costs go on the transports of
@@ -236,18 +294,18 @@ def _edge_vars(model, problem: Problem, x, objective: list, secondary: list, sha
                 ((q, _),) = cols.items()
                 ys[k] = {(p, q): vs for p, vs in rows.items()}
                 continue
-            y = {(p, q): model.NewBoolVar(f"y{k}_{p}_{q}") for p in rows for q in cols}
+            y = {(p, q): m.frac(f"y{k}_{p}_{q}") for p in rows for q in cols}
             for p, vs in rows.items():
-                model.Add(sum(y[p, q] for q in cols) == sum(vs))
+                m.linear([(1, y[p, q]) for q in cols] + [(-1, v) for v in vs], 0, 0)
             for q, vs in cols.items():
-                model.Add(sum(y[p, q] for p in rows) == sum(vs))
+                m.linear([(1, y[p, q]) for p in rows] + [(-1, v) for v in vs], 0, 0)
             ys[k] = {pq: [v] for pq, v in y.items()}
         if not ys:
             continue
         k0 = next(iter(ys))
         e0 = problem.edges[k0]
         if len(ys) == 1:  # nothing to share: the edge's transports carry its cost
-            paid = [(e0.cost[p][q], sum(vs)) for (p, q), vs in ys[k0].items() if e0.cost[p][q]]
+            paid = [(e0.cost[p][q], v) for (p, q), vs in ys[k0].items() if e0.cost[p][q] for v in vs]
         else:  # z[p, Q] >= y[e, p, q] for every edge e whose column q is placement Q
             z: dict[tuple, list] = {}
             for k, y in ys.items():
@@ -258,23 +316,23 @@ def _edge_vars(model, problem: Problem, x, objective: list, secondary: list, sha
                         continue
                     key = (e.places_out[p], e.places_in[q])
                     if key not in z:
-                        z[key] = [model.NewBoolVar(f"z{t}_{len(z)}"), c]
+                        z[key] = [m.frac(f"z{t}_{len(z)}"), c]
                     z[key][1] = max(z[key][1], c)
                     if len(vs) == 1:
-                        model.AddImplication(vs[0], z[key][0])
+                        m.implies(vs[0], z[key][0])
                     else:
-                        model.Add(z[key][0] >= sum(vs))
+                        m.linear([(1, z[key][0])] + [(-1, v) for v in vs], lo=0)
             paid = [(c, v) for v, c in z.values()]
         if not e0.overlappable():
-            objective.extend(_ns(e0.mult * c) * v for c, v in paid)
+            objective.extend((m.time(e0.mult * c), v) for c, v in paid)
         else:  # tie-break: hidden traffic, in microseconds; one instance's share in the group's row
-            secondary.extend(int(e0.mult * c * 1e6) * v for c, v in paid if c * 1e6 >= 1)
+            secondary.extend((int(e0.mult * c * 1e6), v) for c, v in paid if c * 1e6 >= 1)
             share = e0.mult / problem.groups[e0.group].mult
             comm.setdefault(e0.group, []).extend((share * c, v) for c, v in paid)
     return comm
 
 
-def _exposed(model, problem: Problem, x, comm: dict[int, list], objective: list) -> None:
+def _exposed(m, problem: Problem, x, comm: dict[int, list], objective: list) -> None:
     """exposed[g] >= one instance's parameter communication minus its compute, and >= 0.
 
     A transfer's share of one instance is its total (cost x its multiplicity) over the group's
@@ -283,30 +341,23 @@ def _exposed(model, problem: Problem, x, comm: dict[int, list], objective: list)
         hide = []
         for i, n in enumerate(problem.nodes):
             if n.group == g:
-                hide.extend(_ns(n.compute[s]) * v for s, v in x[i].items() if n.compute[s])
-        upper = sum(_ns(c) for c, _ in terms)
-        exposed = model.NewIntVar(0, upper + 1, f"exposed{g}")
-        model.Add(exposed >= sum(_ns(c) * v for c, v in terms) - sum(hide))
-        objective.append(problem.groups[g].mult * exposed)
+                hide.extend((m.time(n.compute[s]), v) for s, v in x[i].items() if n.compute[s])
+        upper = sum(m.time(c) for c, _ in terms)
+        exposed = m.num(upper + 1, f"exposed{g}")
+        m.linear([(1, exposed)] + [(-m.time(c), v) for c, v in terms] + hide, lo=0)
+        objective.append((problem.groups[g].mult, exposed))
 
 
-def _memory(model, problem: Problem, x) -> None:
+def _memory(m, problem: Problem, x) -> None:
     """Per-device memory of the choice within the budget."""
     terms = []
     for i, n in enumerate(problem.nodes):
         for s, v in x[i].items():
-            b = int(round(n.mult * n.mem_total(s)))
+            b = m.mem(n.mult * n.mem_total(s))
             if b:
-                terms.append(b * v)
+                terms.append((b, v))
     if terms and problem.memory_budget < float("inf"):
-        model.Add(sum(terms) <= int(problem.memory_budget))
-
-
-# ---------------------------------------------------------------------------------------------
-# Large meshes: the full ILP grows with (strategies per node)^2 per edge; on multi-axis meshes it
-# is solved one mesh axis at a time (every other axis held at the current choice), which keeps
-# each ILP as small as a 1-D one. Each round is exact on its restricted space and starts from the
-# current choice, so the step time never gets worse.
+        m.linear(terms, hi=m.mem_limit(problem.memory_budget))
 
 
 def greedy(problem: Problem) -> list[int]:
@@ -347,80 +398,3 @@ def improve(problem: Problem, choice: Sequence[int], sweeps: int = 5) -> list[in
         if not changed:
             break
     return choice
-
-
-def edge_var_count(problem: Problem) -> int:
-    """How many transport variables ``y`` the full ILP would have (a shared transfer's ``z`` add
-    at most as many again; they are not counted, so the full-ILP threshold keeps its meaning)."""
-    total = 0
-    for e in problem.edges:
-        src = problem.nodes[e.src]
-        dst = problem.nodes[e.dst]
-        rows = {e.src_place[s] for s in (src.allowed if src.allowed is not None else range(len(src.strategies)))}
-        cols = {e.dst_place[s] for s in (dst.allowed if dst.allowed is not None else range(len(dst.strategies)))}
-        total += len(rows) * len(cols)
-    return total
-
-
-def solve_by_axis(
-    problem: Problem,
-    start: Sequence[int],
-    ndim: int,
-    rounds: int = 2,
-    deterministic_time: float = 30.0,
-    time_limit: Optional[float] = None,
-) -> Solution:
-    """Coordinate descent over mesh axes: re-solve the last axis (usually the fastest, tensor
-    parallel one) first, then the others, ``rounds`` times, each exactly. A round whose restricted
-    space (the strategies each node may take) was already solved to optimality is skipped: it
-    cannot gain."""
-    choice = list(start)
-    saved = [n.allowed for n in problem.nodes]
-    stats = {"solver": "CP-SAT by mesh axis", "rounds": 0, "variables": 0, "constraints": 0,
-             "deterministic_time": 0.0, "wall_time": 0.0, "status": "FEASIBLE"}
-    order = [a for r in range(rounds) for a in reversed(range(ndim))]
-    budget = deterministic_time / max(1, len(order))
-    best = evaluate(problem, choice).step_time
-    since_gain = 0
-    proven: set = set()  # restricted spaces (allowed strategies per node) already solved to optimality
-    try:
-        for axis in order:
-            if since_gain >= ndim:  # a full cycle over the axes without a gain: a fixed point
-                break
-            for i, n in enumerate(problem.nodes):
-                cur = n.strategies[choice[i]]
-                ok = [s for s, st in enumerate(n.strategies)
-                      if all(st[a] == cur[a] for a in range(ndim) if a != axis)]
-                if saved[i] is not None:
-                    ok = [s for s in ok if s in saved[i]]
-                n.allowed = ok or [choice[i]]
-            space = tuple(tuple(n.allowed) for n in problem.nodes)
-            if space in proven:  # this restricted space was solved to optimality already: no gain here
-                since_gain += 1
-                continue
-            try:
-                sol = solve(problem, hint=choice, deterministic_time=budget, time_limit=time_limit, tiebreak=False,
-                            warm_start=False)
-            except InfeasibleError:
-                since_gain += 1
-                continue  # nothing within the budget on this axis alone: keep the current choice
-            for k in ("variables", "constraints"):
-                stats[k] = max(stats[k], sol.stats[k])
-            stats["deterministic_time"] += sol.stats["deterministic_time"]
-            stats["wall_time"] += sol.stats["wall_time"]
-            stats["rounds"] += 1
-            stats.setdefault("per_round", []).append(
-                {"axis": axis, "status": sol.status, "deterministic_time": sol.stats["deterministic_time"],
-                 "variables": sol.stats["variables"]})  # no wall time here: plans on disk stay byte-identical
-            if sol.status == "OPTIMAL":
-                proven.add(space)
-            value = evaluate(problem, sol.choice).step_time
-            if value < best * (1 - 1e-9):
-                choice, best, since_gain = sol.choice, value, 0
-            else:
-                since_gain += 1
-    finally:
-        for n, a in zip(problem.nodes, saved):
-            n.allowed = a
-    stats["gap"] = None  # a bound over the whole space is not known
-    return Solution(choice, best, 0.0, "FEASIBLE", stats)
