@@ -7,7 +7,6 @@ bf16 logits (tightly), and must differ from fp32 by more than fp32 rounding (bf1
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 
@@ -24,7 +23,7 @@ from autopar.passes.lower import lower, resolve
 from autopar.runtime.accounting import differences
 from autopar.runtime.spmd import run_step
 
-from _parity import build, rel
+from _parity import bf16_reference, build, flat, rel
 
 CASES = (  # family, mesh, recipe (None: searched; test_parallel.py runs a searched one on gloo)
     ("gpt", (("a", 2), ("b", 2)), "fsdp_tp"),
@@ -49,20 +48,6 @@ def _plan(family, axes, recipe, precision="bf16-mixed") -> autopar.Plan:
     return autopar.Plan.from_dict(json.loads(_plan_json(family, axes, recipe, precision)))
 
 
-def _bf16_reference(model, args) -> tuple[torch.Tensor, dict]:
-    """The model with bf16 weights and inputs, its loss taken in fp32 from the bf16 logits."""
-    m = copy.deepcopy(model).to(torch.bfloat16)
-    x = args[0].to(torch.bfloat16) if args[0].is_floating_point() else args[0]
-    logits = m.logits(x)
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), args[1].reshape(-1))
-    loss.backward()
-    return loss, {n: p.grad for n, p in m.named_parameters()}
-
-
-def _flat(grads: dict, names) -> torch.Tensor:
-    return torch.cat([grads[n].detach().double().flatten() for n in names])
-
-
 @pytest.mark.parametrize("family,axes,recipe", CASES,
                          ids=lambda v: "x".join(str(n) for _, n in v) if isinstance(v, tuple) else str(v))
 def test_bf16_mixed_plan_runs_in_bf16_like_one_device(family, axes, recipe):
@@ -75,12 +60,12 @@ def test_bf16_mixed_plan_runs_in_bf16_like_one_device(family, axes, recipe):
     ref.backward()
     names = [n for n, _ in model.named_parameters()]
     ref32 = {n: p.grad for n, p in model.named_parameters()}
-    loss16, ref16 = _bf16_reference(model, args)
+    loss16, ref16 = bf16_reference(model, args)
     # the loss is computed in fp32 from bf16 logits: as the bf16 reference does
     assert rel(loss, loss16) <= 1e-3 and rel(loss, ref) <= 2e-2
-    ours = _flat(grads, names)
-    assert rel(ours, _flat(ref16, names)) <= 1e-2
-    assert 1e-3 <= rel(ours, _flat(ref32, names)) <= 2e-2  # bf16 rounding: more than fp32's, not more
+    ours = flat(grads, names)
+    assert rel(ours, flat(ref16, names)) <= 1e-2
+    assert 1e-3 <= rel(ours, flat(ref32, names)) <= 2e-2  # bf16 rounding: more than fp32's, not more
     assert max(rel(grads[n], ref32[n]) for n in names) <= 6e-2
     # gathers move bf16, gradient reductions fp32, and the program ran exactly the predicted collectives
     assert differences(plan, trace[(0,) * len(axes)]) == []

@@ -17,7 +17,9 @@ resharded by the cost model's own steps (``reshard_steps``), so the collectives 
 ones the plan priced. A tensor is resharded once per target placement and phase and shared by
 every consumer that needs it; an activation resharded in forward is saved for the backward,
 while parameters are gathered again in the backward (as FSDP does, so gathered weights are not
-held between the two).
+held between the two). Under a mixed or 16-bit precision the program casts as ``passes.cast``
+decides: parameters before their gathers, op inputs after their resharding, gradients before
+their reduction.
 """
 
 from __future__ import annotations
@@ -432,7 +434,7 @@ class _Emitter:
         else:
             src = self.base[r][2]
             out = self._reshard(self._grad_source(fqn, src), r, src, pl, self.bg)
-        have = self.casts.grad if self.casts is not None and g.spec(r).dtype.is_floating_point else g.spec(r).dtype
+        have = self.casts.grad if self.casts is not None else g.spec(r).dtype
         return out if have == g.spec(r).dtype else self._cast(out, g.spec(r).dtype, self.bg)
 
     def _dtype(self, ref: Ref) -> torch.dtype:
