@@ -14,10 +14,13 @@ the cost model (``transfer_bytes``) and the lowering both read:
 - full precision (the captured dtype, normally fp32) is kept where it is cheap and matters:
   *the loss region* — the forward ops from the first op after the last matmul-like op up to the
   loss (the decomposed log-softmax, ``nll_loss``, the mean's division; any elementwise loss such as
-  MSE) — and every op whose floating inputs are all full precision: the loss's backward (seeded by
-  the fp32 tangent) up to the first matmul, buffers (kept in their own dtype, as FSDP does: rotary
-  tables, norm statistics), and values made from integers (``arange(...).float()``, masks). A
-  compute-dtype op reading such a value casts it down where it reads it;
+  MSE) — and every op outside the numbered layers whose floating inputs are all full precision:
+  the loss's backward (seeded by the fp32 tangent) up to the first matmul, buffers (kept in their
+  own dtype, as FSDP does: rotary tables, norm statistics), values made from integers
+  (``arange(...).float()``, masks). A compute-dtype op reading such a value casts it down where it
+  reads it. Inside a numbered layer (``blocks.3``, as ``fold`` finds them) every op with a floating
+  input computes in the compute dtype, so all instances of a layer are alike and the planner's one
+  price for a folded layer holds for each;
 - kernel outputs that are always fp32 (attention's log-sum-exp) keep it and are never cast: the
   backward kernels require it;
 - explicit conversions of a floating value to another floating dtype (a model's own ``.float()``)
@@ -42,6 +45,7 @@ from autopar.cost_model.precision import Precision, element_bytes
 from autopar.errors import AutoparError
 from autopar.ir.graph import Graph, Node, Ref, Role, TensorSpec
 from autopar.ir.rules.base import OpCall
+from autopar.passes.fold import layer_members
 
 #: Precisions that cast: name -> (compute dtype, dtype gradients are reduced in).
 CASTING: dict[str, tuple[torch.dtype, torch.dtype]] = {
@@ -123,9 +127,10 @@ class CastPolicy:
         return self.input_dtype(graph, node, ref) or self.dtype(graph, ref)
 
 
-def loss_region(graph: Graph) -> frozenset[str]:
+def loss_region(graph: Graph, layers: frozenset[str] = frozenset()) -> frozenset[str]:
     """The forward ops the loss is computed by after the last matmul-like op (``COMPUTE_OPS``):
-    walking back from the loss through producers, stopping at those ops and at placeholders."""
+    walking back from the loss through producers, stopping at those ops, at placeholders and at
+    the ops of numbered layers (``layers``)."""
     if graph.loss is None:
         return frozenset()
     seen: set[str] = set()
@@ -135,7 +140,7 @@ def loss_region(graph: Graph) -> frozenset[str]:
         if name in seen:
             continue
         node = graph.node(name)
-        if node.is_placeholder or node.op == "get_attr" or node.op.startswith(COMPUTE_OPS):
+        if node.is_placeholder or node.op == "get_attr" or node.op.startswith(COMPUTE_OPS) or name in layers:
             continue
         seen.add(name)
         todo.extend(r.node for r in node.inputs)
@@ -157,7 +162,8 @@ def cast_policy(graph: Graph, precision) -> Optional[CastPolicy]:
     if name not in CASTING:
         return None
     compute, grad = CASTING[name]
-    region = loss_region(graph)
+    layers = layer_members(graph)
+    region = loss_region(graph, layers)
     dtypes: dict[Ref, torch.dtype] = {}
     modes: dict[str, Optional[torch.dtype]] = {}
     exempt: set[Ref] = set()
@@ -167,8 +173,11 @@ def cast_policy(graph: Graph, precision) -> Optional[CastPolicy]:
                 dtypes[Ref(node.name, 0)] = compute
             continue
         floats = [r for r in node.inputs if _is_float(graph.spec(r))]
-        captured = all(dtypes.get(r, graph.spec(r).dtype) == graph.spec(r).dtype for r in floats)
-        mode = None if (node.name in region or captured or _explicit_conversion(graph, node)) else compute
+        if node.name in layers:  # every instance of a layer alike (the planner prices one for all)
+            keep = not floats
+        else:
+            keep = node.name in region or all(dtypes.get(r, graph.spec(r).dtype) == graph.spec(r).dtype for r in floats)
+        mode = None if keep or _explicit_conversion(graph, node) else compute
         modes[node.name] = mode
         fixed = KERNEL_FP32_OUTPUTS.get(node.op, ())
         for j, spec in enumerate(node.outputs):
