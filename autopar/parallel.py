@@ -12,7 +12,6 @@ the lowered backward program, whose gradients arrive as DTensors placed like the
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -25,7 +24,7 @@ from autopar.mesh import Mesh
 from autopar.passes.lower import Program, Slot, lower, resolve
 from autopar.plan import Plan, load_plan
 from autopar.runtime import collectives as C
-from autopar.runtime.spmd import NATIVE_PRECISIONS, execution_precision, precision_context
+from autopar.runtime.spmd import execution_precision, precision_context
 
 
 class CompileError(AutoparError):
@@ -202,9 +201,11 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     """Plan (or take ``plan``: a Plan or a saved plan's path) and build this rank's ParallelModule.
 
     Call on every rank of a process group whose size is ``mesh.size`` (``autopar.launch`` or
-    ``torchrun``). ``precision`` overrides the plan's (``"fp32"``, ``"model"``; mixed precisions are
-    priced by plans but not executed yet: with a mixed-precision plan the program runs in the
-    model's own dtypes, with a warning).
+    ``torchrun``). The program computes at the plan's precision (``plan.precision``: "bf16-mixed" on
+    the GPU presets, "fp32" on cpu) unless ``precision`` overrides it: "model" (each tensor in its
+    own dtype), "fp32", "bf16-mixed", ... Under a mixed precision the parameters stay fp32 DTensors
+    (the master weights the optimizer updates), are cast to bf16 before they are gathered, and
+    their gradients are reduced and delivered in fp32 (see ``autopar.passes.cast``).
     The other keywords are ``autopar.plan``'s. The model's parameters are replaced, in place, by
     DTensors holding this rank's blocks.
     """
@@ -239,13 +240,8 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     dmesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=tuple(mesh.names))
     coords = tuple(int(c) for c in dmesh.get_coordinate())
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else None
-    program = lower(res, coords, device)
-    planned = shared.precision.get("name", "fp32")
-    if precision is None and planned not in NATIVE_PRECISIONS:
-        warnings.warn(f"the plan assumes {planned!r} precision, which autopar does not execute yet: the program "
-                      "runs in the model's own dtypes (pass precision='model' to silence this)", stacklevel=2)
-        precision = "model"
-    prec = execution_precision(precision or "plan", planned)
+    prec = execution_precision(precision or "plan", shared.precision.get("name", "fp32"), device)
+    program = lower(res, coords, device, prec)
     _distribute_state(model, graph, program, dmesh, device)
     return ParallelModule(model, shared, graph, dmesh, program, prec)
 

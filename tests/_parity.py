@@ -30,13 +30,16 @@ def build(family: str):
 
 
 @functools.lru_cache(maxsize=None)
-def plan_json(family: str, axes: tuple, recipe: str | None = None) -> str:
-    """The plan of one case (searched, or a recipe forced), as JSON; cached per test session."""
+def plan_json(family: str, axes: tuple, recipe: str | None = None, precision: str | None = None) -> str:
+    """The plan of one case (searched, or a recipe forced), as JSON; cached per test session.
+    ``precision``: the plan's (default: fp64 for ``FLOAT64`` families, else the cpu preset's fp32)."""
     import autopar
 
     model, args = build(family)
     mesh = autopar.Mesh(dict(axes), device="cpu")
     kw = {"precision": "fp64"} if family in FLOAT64 else {}
+    if precision is not None:
+        kw = {"precision": precision}
     if recipe:
         plan = getattr(autopar.recipes, recipe)(model, mesh, args, **kw)
     else:
@@ -83,6 +86,55 @@ def train_on_rank(family: str, axes: tuple, text: str) -> dict:
         ropt.zero_grad()
     for name, p in pm.module.named_parameters():
         out["param"] = max(out["param"], rel(p.full_tensor(), refp[name]))
+    return out
+
+
+def bf16_reference(model, args) -> tuple[torch.Tensor, dict]:
+    """The model with bf16 weights and inputs, its loss taken in fp32 from its bf16 ``logits``: what
+    a "bf16-mixed" program computes on one device."""
+    import copy
+
+    import torch.nn.functional as F
+
+    m = copy.deepcopy(model).to(torch.bfloat16)
+    x = args[0].to(torch.bfloat16) if args[0].is_floating_point() else args[0]
+    logits = m.logits(x)
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), args[1].reshape(-1))
+    loss.backward()
+    return loss, {n: p.grad for n, p in m.named_parameters()}
+
+
+def flat(grads: dict, names) -> torch.Tensor:
+    """Every gradient in ``names`` order, as one float64 vector."""
+    return torch.cat([grads[n].detach().double().flatten() for n in names])
+
+
+def mixed_step_on_rank(family: str, axes: tuple, text: str) -> dict:
+    """On every gloo rank: compile ``family`` under a mixed-precision plan (``compile`` runs the plan's
+    precision), take one step and report the loss's and all gradients' relative errors against the
+    fp32 and the bf16 single-device models, the dtypes, and the collectives that ran."""
+    import autopar
+    from autopar.runtime.accounting import differences
+
+    plan = autopar.Plan.from_dict(json.loads(text))
+    model, args = build(family)
+    ref, _ = build(family)
+    pm = autopar.compile(model, autopar.Mesh(dict(axes), device="cpu"), args, plan=plan)
+    with pm.record_collectives() as ran:
+        loss = pm(*args)
+        loss.backward()
+    r = ref(*args)
+    r.backward()
+    names = [n for n, _ in ref.named_parameters()]
+    ours = {n: p.grad.full_tensor() for n, p in pm.module.named_parameters()}
+    loss16, grads16 = bf16_reference(ref, args)
+    out = {"precision": pm.precision, "loss32": rel(loss, r), "loss16": rel(loss, loss16),
+           "grad32": rel(flat(ours, names), flat({n: p.grad for n, p in ref.named_parameters()}, names)),
+           "grad16": rel(flat(ours, names), flat(grads16, names)),
+           "dtypes": sorted({str(loss.dtype)} | {str(p.dtype) for p in pm.parameters()} | {str(g.dtype) for g in ours.values()}),
+           "differences": differences(plan, ran)}
+    torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=EPS).step()  # the optimizer updates the fp32 DTensors
+    out["dtypes_after_step"] = sorted({str(p.dtype) for p in pm.parameters()})
     return out
 
 

@@ -94,11 +94,12 @@ def test_random_ops_are_refused_by_name():
         autopar.simulate(model, plan, (x,))
 
 
-def test_mixed_precision_is_refused_not_run_silently_in_fp32():
+def test_a_precision_no_program_runs_at_is_refused():
+    """Mixed precisions run (tests/test_mixed_precision.py); an unknown one is an error, not fp32."""
     plan = autopar.Plan.from_dict(json.loads(plan_json("mlp", (("a", 8),))))
-    plan.precision = dict(plan.precision, name="bf16-mixed")
+    plan.precision = dict(plan.precision, name="int8")
     model, args = build("mlp")
-    with pytest.raises(autopar.AutoparError, match="bf16-mixed.*not supported yet"):
+    with pytest.raises(autopar.AutoparError, match="cannot run a program at precision 'int8'"):
         autopar.simulate(model, plan, args, precision="plan")
 
 

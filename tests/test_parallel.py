@@ -9,7 +9,7 @@ import pytest
 
 from autopar.runtime.pool import WorkerPool
 
-from _parity import inference_on_rank, mismatched_shapes_on_rank, plan_json, train_on_rank
+from _parity import inference_on_rank, mismatched_shapes_on_rank, mixed_step_on_rank, plan_json, train_on_rank
 
 FAMILIES = ("mlp", "gpt", "llama", "cnn", "moe")
 MESHES = ((("a", 4),), (("a", 2), ("b", 2)))
@@ -41,6 +41,18 @@ def test_searched_plan_trains_like_one_device(pool, family, axes):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipes_train_like_one_device(pool, recipe):
     _check(pool, "gpt", (("a", 2), ("b", 2)), recipe)
+
+
+def test_bf16_mixed_plan_computes_in_bf16_with_fp32_master_weights(pool):
+    """``compile`` runs the plan's precision ("bf16-mixed"): close to the bf16 single-device model,
+    further from fp32 than fp32 rounding, fp32 parameters, gradients and loss, predicted collectives."""
+    axes = (("a", 2), ("b", 2))
+    results = pool.run(mixed_step_on_rank, "gpt", axes, plan_json("gpt", axes, precision="bf16-mixed"))
+    for rank, r in enumerate(results):
+        assert r["precision"] == "bf16-mixed" and r["dtypes"] == r["dtypes_after_step"] == ["torch.float32"], r
+        assert r["loss16"] <= 1e-3 and r["loss32"] <= 2e-2, (rank, r)
+        assert r["grad16"] <= 1e-2 and 1e-3 <= r["grad32"] <= 2e-2, (rank, r)
+    assert results[0]["differences"] == [], results[0]["differences"]
 
 
 def test_inference_program_returns_dtensors_and_takes_placed_inputs(pool):

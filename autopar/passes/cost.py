@@ -17,11 +17,12 @@ from typing import Optional
 from autopar.cost_model.comm import reshard_time
 from autopar.cost_model.compute import compute_time
 from autopar.cost_model.memory import activation_bytes, param_state_bytes
-from autopar.cost_model.precision import Precision, element_bytes
+from autopar.cost_model.precision import Precision
 from autopar.ir.graph import Graph, Phase, Ref, Role
 from autopar.ir.placement import B, Placements, local_shape
 from autopar.ir.rules import op_call
 from autopar.mesh import Mesh
+from autopar.passes.cast import cast_policy, transfer_bytes
 from autopar.passes.fold import Folding
 from autopar.passes.problem import MEMORY_KINDS, Group, PEdge, PNode, Problem
 from autopar.passes.strategies import Constraint, HintError, input_placement, output_placement
@@ -140,6 +141,7 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
     # (src rep, out, kind, phase or None) -> producer instance -> the edge keys it feeds
     feeds: dict[tuple, dict] = defaultdict(lambda: defaultdict(set))
     params = param_views(graph)
+    policy = cast_policy(graph, precision)  # the dtype each value moves in (the lowering casts alike)
 
     def add(key: tuple, kind: str, ref: Ref, phase) -> None:
         kinds[key] = (kind, ref)
@@ -181,7 +183,7 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
             if key not in built:
                 spec = graph.spec(ref)
                 role = {"param": "gather", "grad": "grad"}.get(kind, "activation")
-                eb = element_bytes(spec.dtype, role, precision)
+                eb = transfer_bytes(graph, ref, role, precision, policy)
                 src_p = [output_placement(s, out) for s in nodes[src].strategies]
                 dst_p = [output_placement(s, 0) if slot == -1 else input_placement(s, slot) for s in nodes[dst].strategies]
                 places_out = sorted(set(src_p), key=src_p.index)
@@ -227,7 +229,7 @@ def _loss_sink(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precisi
         return
     pn = nodes[index[folding.representative(graph.loss.node)]]
     spec = graph.spec(graph.loss)
-    eb = element_bytes(spec.dtype, "activation", precision)
+    eb = transfer_bytes(graph, graph.loss, "activation", precision, cast_policy(graph, precision))
     target: Placements = tuple(B for _ in mesh.shape)
     for s, strat in enumerate(pn.strategies):
         pn.comm[s] += reshard_time(spec.shape, output_placement(strat, graph.loss.index), target, mesh, eb)

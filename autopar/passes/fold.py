@@ -100,6 +100,11 @@ def _layers(graph: Graph, with_accumulation: bool) -> dict[tuple[str, int], list
     return by_layer
 
 
+def layer_members(graph: Graph) -> frozenset[str]:
+    """Every op of a numbered layer, gradient accumulation included, as ``fold`` groups them."""
+    return frozenset(n for names in _layers(graph, True).values() for n in names)
+
+
 def _instances(graph: Graph, by_layer, prefix: str) -> Optional[tuple[list[int], list[list[str]]]]:
     """The largest set of alike instances of ``prefix`` (two or more), else None. The first or
     last layer often differs (it touches the embedding or the head); the rest still fold."""

@@ -17,7 +17,9 @@ resharded by the cost model's own steps (``reshard_steps``), so the collectives 
 ones the plan priced. A tensor is resharded once per target placement and phase and shared by
 every consumer that needs it; an activation resharded in forward is saved for the backward,
 while parameters are gathered again in the backward (as FSDP does, so gathered weights are not
-held between the two).
+held between the two). Under a mixed or 16-bit precision the program casts as ``passes.cast``
+decides: parameters before their gathers, op inputs after their resharding, gradients before
+their reduction.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from autopar.cost_model.comm import reshard_steps
-from autopar.cost_model.precision import Precision, element_bytes
+from autopar.cost_model.precision import Precision
 from autopar.errors import AutoparError
 from autopar.ir.graph import Graph, Node, Phase, Ref, Role, TensorSpec
 from autopar.ir.placement import B, Partial, Placements, chunk_range, format_placements, local_shape
@@ -40,6 +42,7 @@ from autopar.ir.rules.base import LocalCtx, OpCall, has_local, local_args, run_l
 from autopar.ir.rules.dimmap import Strategy
 from autopar.mesh import Mesh
 from autopar.passes.buckets import grad_buckets, grad_steps
+from autopar.passes.cast import CastPolicy, cast_policy, transfer_bytes
 from autopar.passes.cost import param_views
 from autopar.passes.schedule import schedule
 from autopar.passes.strategies import input_placement, node_strategies, output_placement
@@ -129,6 +132,13 @@ class Resolved:
     precision: Precision
     strategies: dict[str, Strategy]
     calls: dict[str, OpCall]
+    _casts: dict = field(default_factory=dict, repr=False)
+
+    def cast(self, precision: str) -> Optional[CastPolicy]:
+        """The casts of a program run at ``precision`` (``passes.cast``; None: captured dtypes)."""
+        if precision not in self._casts:
+            self._casts[precision] = cast_policy(self.graph, precision)
+        return self._casts[precision]
 
 
 def resolve(graph: Graph, plan) -> Resolved:
@@ -195,8 +205,10 @@ def _placeholder_key(graph: Graph, node: Node) -> Optional[tuple[str, str]]:
 class _Emitter:
     """Writes the forward and backward fx graphs of one rank."""
 
-    def __init__(self, res: Resolved, coords: Sequence[int], device: Optional[torch.device]):
+    def __init__(self, res: Resolved, coords: Sequence[int], device: Optional[torch.device], precision: str):
         self.res = res
+        self.casts = res.cast(precision)  # what this program casts
+        self.priced = res.cast(res.precision.name)  # the casts the plan priced its collectives with
         self.g = res.graph
         self.coords = tuple(coords)
         self.mesh_shape = res.mesh.shape
@@ -214,7 +226,13 @@ class _Emitter:
         self.used_names: set[str] = set()
 
     # values ---------------------------------------------------------------------------------------
-    def value(self, ref: Ref, want: Placements, where: fx.Graph) -> fx.Node:
+    def value(self, ref: Ref, want: Placements, where: fx.Graph, dtype: Optional[torch.dtype] = None) -> fx.Node:
+        """``ref`` at placements ``want`` in phase ``where``; cast to ``dtype`` after resharding."""
+        if dtype is not None:
+            key = (id(where), ref, want, dtype)
+            if key not in self.cache:
+                self.cache[key] = self._cast(self.value(ref, want, where), dtype, where)
+            return self.cache[key]
         key = (id(where), ref, want)
         if key in self.cache:
             return self.cache[key]
@@ -228,8 +246,17 @@ class _Emitter:
                 return out
         if where is not home:
             node = self._import(node)
+        entry = self.casts.entry_cast(self.g, ref) if self.casts is not None else None
+        if entry is not None:  # before any gather: one cast per resharding, moved with it by ``schedule``
+            node = self._cast(node, entry, where)
         out = self._reshard(node, ref, have, want, where)
         self.cache[key] = out
+        return out
+
+    @staticmethod
+    def _cast(x: fx.Node, dtype: torch.dtype, where: fx.Graph) -> fx.Node:
+        out = where.call_function(torch.ops.aten._to_copy.default, (x,), {"dtype": dtype})
+        out.meta["autopar_cast"] = True  # ``schedule`` moves it with the collective it feeds
         return out
 
     def _import(self, fnode: fx.Node) -> fx.Node:
@@ -245,7 +272,7 @@ class _Emitter:
             return x
         spec = self.g.spec(ref)
         role = "gather" if ref.node in self.params else ("grad" if self.g.role(ref) == Role.GRADIENT else "activation")
-        eb = element_bytes(spec.dtype, role, self.res.precision)
+        eb = transfer_bytes(self.g, ref, role, self.res.precision, self.priced)
         cur = list(src)
         for step in reshard_steps(spec.shape, src, dst, self.res.mesh, eb):
             a = step.axis
@@ -337,8 +364,11 @@ class _Emitter:
 
     def _op(self, node: Node, strat: Strategy) -> None:
         where = self.fg if node.phase == Phase.FORWARD or not self.g.training else self.bg
-        ins = [self.value(r, input_placement(strat, k), where) for k, r in enumerate(node.inputs)]
-        call = self.res.calls[node.name]
+        casts, call = self.casts, self.res.calls[node.name]
+        ins = [self.value(r, input_placement(strat, k), where, casts and casts.input_dtype(self.g, node, r))
+               for k, r in enumerate(node.inputs)]
+        if casts is not None:
+            call = casts.op_call(self.g, node, call)
         ctx = LocalCtx(call, strat, self.mesh_shape, self.coords)
         if has_local(node.op):
             mod_name = self._name(f"{node.name}_local")
@@ -378,7 +408,7 @@ class _Emitter:
                 continue  # a bucket of one is the plain resharding
             steps = steps_of[fqns[0]][0]
             step = steps[0]
-            xs = [self.value(g.grads[f], steps_of[f][1], self.bg) for f in fqns]
+            xs = [self._grad_source(f, steps_of[f][1]) for f in fqns]
             if step.kind == "all_reduce":
                 results = self._bucket_all_reduce(xs, [g.grads[f] for f in fqns], steps)
             else:
@@ -386,8 +416,29 @@ class _Emitter:
                                                        [steps_of[f][2] for f in fqns], step)
             for f, node in zip(fqns, results):
                 out[f] = node
-                self.cache[(id(self.bg), g.grads[f], steps_of[f][2])] = node
         return out
+
+    def _grad_source(self, fqn: str, src: Placements) -> fx.Node:
+        """Parameter ``fqn``'s gradient where the backward produced it, in the gradient dtype (cast
+        before its reduction)."""
+        want = self.casts.grad if self.casts is not None else None
+        r = self.g.grads[fqn]
+        return self.value(r, src, self.bg, want if want != self._dtype(r) else None)
+
+    def _grad(self, fqn: str, bucketed: dict[str, fx.Node]) -> fx.Node:
+        """Parameter ``fqn``'s gradient, reduced to its parameter's placement, in its dtype."""
+        g, r = self.g, self.g.grads[fqn]
+        pl = output_placement(self.res.strategies[g.params[fqn]], 0)
+        if fqn in bucketed:
+            out = bucketed[fqn]
+        else:
+            src = self.base[r][2]
+            out = self._reshard(self._grad_source(fqn, src), r, src, pl, self.bg)
+        have = self.casts.grad if self.casts is not None else g.spec(r).dtype
+        return out if have == g.spec(r).dtype else self._cast(out, g.spec(r).dtype, self.bg)
+
+    def _dtype(self, ref: Ref) -> torch.dtype:
+        return self.casts.dtype(self.g, ref) if self.casts is not None else self.g.spec(ref).dtype
 
     def _bucket_all_reduce(self, xs, refs, steps) -> list[fx.Node]:
         call = self.bg.call_function
@@ -462,9 +513,8 @@ class _Emitter:
         grads, grad_slots = [], []
         bucketed = self._bucketed_grads() if g.training else {}
         for fqn, r in sorted(g.grads.items()):
-            pl = output_placement(res.strategies[g.params[fqn]], 0)
-            grads.append(bucketed[fqn] if fqn in bucketed else self.value(r, pl, self.bg))
-            grad_slots.append(Slot("grad", fqn, pl, g.spec(r)))
+            grads.append(self._grad(fqn, bucketed))
+            grad_slots.append(Slot("grad", fqn, output_placement(res.strategies[g.params[fqn]], 0), g.spec(r)))
         self.fg.output(tuple(outs) + tuple(self.saved))
         forward = fx.GraphModule(self.root, self.fg, "forward")
         backward = None
@@ -500,11 +550,14 @@ def _hoist_placeholders(graph: fx.Graph) -> None:
         anchor = n
 
 
-def lower(res: Resolved, coords: Sequence[int], device: Optional[torch.device] = None) -> Program:
-    """The program of the device at ``coords`` (row-major over the mesh)."""
+def lower(res: Resolved, coords: Sequence[int], device: Optional[torch.device] = None,
+          precision: str = "model") -> Program:
+    """The program of the device at ``coords`` (row-major over the mesh), computing at ``precision``:
+    "model" (every tensor in its captured dtype), "fp32"/"fp64" (the same), or a mixed or 16-bit
+    precision, whose casts ``passes.cast`` decides."""
     if len(coords) != len(res.mesh.shape):
         raise LoweringError(f"coordinates {tuple(coords)} do not match the mesh {res.mesh.shape}")
-    em = _Emitter(res, coords, device)
+    em = _Emitter(res, coords, device, precision)
     em.emit()
     return em.finish()
 

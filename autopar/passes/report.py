@@ -10,10 +10,10 @@ from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
 from autopar.cost_model.comm import reshard_steps
-from autopar.cost_model.precision import element_bytes
 from autopar.ir.graph import Graph, Ref
 from autopar.ir.placement import B, format_placements
 from autopar.passes.buckets import BUCKET_SIZE, collective_calls, mark_grad_buckets
+from autopar.passes.cast import cast_policy, transfer_bytes
 from autopar.passes.problem import MEMORY_KINDS, evaluate, incident_transfers, local_cost
 from autopar.passes.strategies import input_placement, output_placement
 
@@ -114,6 +114,7 @@ def _reshardings(planned: "Planned", strat) -> list[dict]:
     them in graph order; ``consumer`` is the first (``module`` is its module). The loss handed
     back replicated is an entry of its own, as the evaluator prices it (a sink cost of its node)."""
     g, mesh, prec = planned.graph, planned.mesh, planned.precision
+    policy = cast_policy(g, prec)  # activations move in the dtype the lowering gives them
     out = []
     seen: dict[tuple, dict] = {}
 
@@ -126,7 +127,7 @@ def _reshardings(planned: "Planned", strat) -> list[dict]:
             return
         spec = g.spec(ref)
         role = {"param": "gather", "grad": "grad"}.get(kind, "activation")
-        eb = element_bytes(spec.dtype, role, prec)
+        eb = transfer_bytes(g, ref, role, prec, policy)
         steps = reshard_steps(spec.shape, src, dst, mesh, eb)
         seen[key] = {
             "tensor": str(ref), "consumer": consumer, "consumers": [consumer], "kind": kind,

@@ -30,7 +30,8 @@ def schedule(graph: fx.Graph) -> None:
 
     A collective moves up to just after the values it reads exist; one that gathers a parameter
     (it reads a placeholder) no earlier than the start of the layer before the layer running when
-    the weight is first used, so gathered weights are not all held at once. Its ``wait`` moves
+    the weight is first used, so gathered weights are not all held at once. A cast that feeds only
+    the collective (mixed precision: a parameter to bf16, a gradient to fp32) moves with it. Its ``wait`` moves
     down to just before the first node that reads the result. Gradient reductions thus start as
     soon as each gradient is ready, under the rest of the backward.
     """
@@ -53,10 +54,18 @@ def schedule(graph: fx.Graph) -> None:
         users = sorted(w.users, key=pos.get)
         producers = c.all_input_nodes
         after = max(producers, key=pos.get) if producers else last_placeholder
+        # a cast the lowering made for this collective alone (a parameter to the compute dtype before
+        # its gather, a gradient to fp32 before its reduction) moves with it
+        cast = None
+        if after is not None and after.meta.get("autopar_cast") and len(after.users) == 1:
+            cast, after = after, max(after.all_input_nodes, key=pos.get)
         if after is not None and after.op == "placeholder" and users:
             k = current[users[0]]
             after = starts[max(k - 1, 0)].prev if k >= 0 else after  # a layer ahead of its use
         if after is not None and pos[after] < pos[c]:
+            if cast is not None and pos[after] < pos[cast]:
+                after.append(cast)
+                after = cast
             after.append(c)
         if users and users[0].op == "call_function" and users[0].target in C.COLLECTIVES:
             c.append(w)  # the next step of the same reshard: keep the chain together, early

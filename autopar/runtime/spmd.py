@@ -16,6 +16,7 @@ import torch
 
 from autopar.errors import AutoparError
 from autopar.ir.placement import local_block
+from autopar.passes.cast import CASTING, check_supported
 from autopar.passes.lower import Program, Resolved, lower
 from autopar.runtime import collectives as C
 from autopar.runtime.simulate import collect, device_coords
@@ -34,25 +35,26 @@ class RankResult:
 
 #: Precisions a lowered program runs in as captured (every tensor in its own dtype).
 NATIVE_PRECISIONS = ("model", "fp32", "fp64")
+#: Every precision a program can run at: the native ones, and those the lowering casts for.
+EXECUTABLE_PRECISIONS = NATIVE_PRECISIONS + tuple(CASTING)
 
 
-def execution_precision(name: str, planned: str) -> str:
+def execution_precision(name: str, planned: str, device: Optional[torch.device] = None) -> str:
     """The precision a program runs at: ``name`` ("plan": the plan's). Mixed and 16-bit precisions
-    are priced by the cost model but not executed yet: the captured graph's low-level ops
-    (``native_layer_norm``, ...) are outside autocast's policies, so casting them needs a lowering
-    pass of its own. Asking for one is an error rather than a silent fp32 run."""
+    are executed by the casts the lowering inserts (``passes.cast``); one this machine cannot
+    compute in on ``device`` is a clear error."""
     chosen = planned if name == "plan" else name
-    if chosen not in NATIVE_PRECISIONS:
-        raise AutoparError(
-            f"running a program at precision {chosen!r} is not supported yet (the plan's costs assume it, "
-            "execution does not): run with precision='model' (each tensor's own dtype; e.g. a bf16 "
-            "model runs in bf16) or 'fp32'")
+    if chosen not in EXECUTABLE_PRECISIONS:
+        raise AutoparError(f"cannot run a program at precision {chosen!r}: choose one of {list(EXECUTABLE_PRECISIONS)}")
+    check_supported(chosen, device)
     return chosen
 
 
 def precision_context(name: str, device_type: str = "cpu"):
-    """The context a program runs in at precision ``name`` (native precisions need none)."""
-    execution_precision(name, name)
+    """The context a program runs in at precision ``name``: none, since the lowered program itself
+    casts (autocast does not cover the captured low-level ops)."""
+    if name not in EXECUTABLE_PRECISIONS:
+        raise AutoparError(f"cannot run a program at precision {name!r}: choose one of {list(EXECUTABLE_PRECISIONS)}")
     return contextlib.nullcontext()
 
 
@@ -102,11 +104,11 @@ def run_threads(fn: Callable[[tuple[int, ...]], Any], mesh_shape: Sequence[int],
 
 def simulate_programs(res: Resolved, placeholders: Sequence[torch.Tensor], precision: str = "model",
                       tangent: Optional[torch.Tensor] = None, programs: Optional[dict] = None):
-    """Run every device's program on blocks of the whole tensors ``placeholders`` (in the programs'
-    input order). Returns ``(programs, results, executed)``."""
+    """Run every device's program (lowered at ``precision`` unless given) on blocks of the whole
+    tensors ``placeholders`` (in the programs' input order). Returns ``(programs, results, executed)``."""
     mesh_shape, names = res.mesh.shape, res.mesh.names
     if programs is None:
-        programs = {c: lower(res, c) for c in device_coords(mesh_shape)}
+        programs = {c: lower(res, c, precision=precision) for c in device_coords(mesh_shape)}
 
     def one(coords):
         prog = programs[coords]
@@ -159,9 +161,9 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     Returns ``(outputs, grads)``: for a training plan ``outputs`` is the loss and ``grads`` maps each
     parameter's FQN to its whole gradient; for an inference plan ``outputs`` is the tuple of the
     model's tensor outputs and ``grads`` is empty. Computes in the model's own dtypes unless
-    ``precision="plan"`` (the plan's precision; mixed precisions are not executed yet, see
-    ``execution_precision``). Pass a dict
-    as ``trace`` to receive the collectives every device executed (``{coords: [Executed, ...]}``).
+    ``precision="plan"``: the plan's precision, e.g. "bf16-mixed" (bf16 compute, parameters gathered
+    in bf16, gradients reduced and returned in fp32, the loss in fp32; see ``passes.cast``). Pass a
+    dict as ``trace`` to receive the collectives every device executed (``{coords: [Executed, ...]}``).
     """
     from autopar.ir.capture import capture
     from autopar.passes.lower import resolve
@@ -175,10 +177,10 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     kwargs = dict(example_kwargs or {})
     graph = capture(model, args, kwargs, training=plan.training)
     res = resolve(graph, plan)
-    programs = {c: lower(res, c) for c in device_coords(res.mesh.shape)}
+    run_prec = execution_precision(precision, plan.precision.get("name", "model"))
+    programs = {c: lower(res, c, precision=run_prec) for c in device_coords(res.mesh.shape)}
     first = programs[(0,) * len(res.mesh.shape)]
     values = placeholder_values(res, first.inputs, model, args, kwargs)
-    run_prec = execution_precision(precision, plan.precision.get("name", "model"))
     programs, results, executed = simulate_programs(res, values, run_prec, programs=programs)
     if trace is not None:
         trace.update(executed)
@@ -196,5 +198,5 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     return tuple(kept), grads
 
 
-__all__ = ["SimulationError", "gather_slots", "precision_context", "run_step", "run_threads", "simulate",
+__all__ = ["EXECUTABLE_PRECISIONS", "NATIVE_PRECISIONS", "SimulationError", "execution_precision", "gather_slots", "precision_context", "run_step", "run_threads", "simulate",
            "simulate_programs"]
