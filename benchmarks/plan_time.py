@@ -27,7 +27,10 @@ RATIO_TARGET = 1.5
 def plan_once(layers: int, batch: int, seq: int) -> dict:
     import autopar
     from autopar.api import run_passes
+    from autopar.cost_model import comm
     from autopar.models import make
+
+    comm.cache_clear()  # every depth prices its reshardings from a cold memo, as a fresh process does
 
     model, inputs = make("llama", size="llama3-8b", batch=batch, seq=seq, device="meta", n_layers=layers)
     mesh = autopar.Mesh({"dp": 8, "tp": 8}, device="h100")
