@@ -22,6 +22,7 @@ from autopar.ir.graph import Graph, Phase, Ref, Role
 from autopar.ir.placement import B, Placements, local_shape
 from autopar.ir.rules import op_call
 from autopar.mesh import Mesh
+from autopar.passes.buckets import grad_time
 from autopar.passes.fold import Folding
 from autopar.passes.problem import MEMORY_KINDS, Group, PEdge, PNode, Problem
 from autopar.passes.strategies import Constraint, HintError, input_placement, output_placement
@@ -185,7 +186,9 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
                 dst_p = [output_placement(s, 0) if slot == -1 else input_placement(s, slot) for s in nodes[dst].strategies]
                 places_out = sorted(set(src_p), key=src_p.index)
                 places_in = sorted(set(dst_p), key=dst_p.index)
-                cost = [[reshard_time(spec.shape, p, q, mesh, eb) for q in places_in] for p in places_out]
+                # gradients that join a bucket share its collectives' latency (passes/buckets.py)
+                price = grad_time if kind == "grad" else reshard_time
+                cost = [[price(spec.shape, p, q, mesh, eb) for q in places_in] for p in places_out]
                 built[key] = ([places_out.index(p) for p in src_p], [places_in.index(q) for q in dst_p],
                               places_out, places_in, cost, eb)
             src_place, dst_place, places_out, places_in, cost, eb = built[key]
