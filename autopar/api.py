@@ -112,7 +112,9 @@ def run_passes(
     for name in names:
         try:
             allowed = R.constraints(graph, mesh, name, tensor_axis)
-            choice = _complete(merged, problem, allowed, R.pinned_axes(mesh, name, tensor_axis))
+            # the weights' column/row descent only for a recipe asked for by name: as a baseline
+            # for the search it would cost seconds of planning on large meshes
+            choice = _complete(merged, problem, allowed, R.pinned_axes(mesh, name, tensor_axis), orient=bool(recipe))
         except (R.RecipeError, InfeasibleError, ValueError) as e:
             if recipe:
                 raise
@@ -162,9 +164,10 @@ def run_passes(
 FORBIDDEN = 1e3
 
 
-def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int]) -> list[int]:
+def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int], orient: bool = False) -> list[int]:
     """A cheap choice with the placeholders restricted to ``allowed`` placements, and parameters
-    used where they lie on the ``pinned`` axes (no gathers there): greedy, then local search."""
+    used where they lie on the ``pinned`` axes (no gathers there): greedy, then local search.
+    With ``orient``, each pinned weight's split is chosen by coordinate descent (``_orient``)."""
     saved = [n.allowed for n in merged.problem.nodes]
     saved_costs = [e.cost for e in merged.problem.edges]
     try:
@@ -182,7 +185,7 @@ def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int]
                 n.allowed = ok
         if not pinned:
             return merged.expand(improve(merged.problem, greedy(merged.problem)), len(problem.nodes))
-        return _orient(merged, problem, pinned)
+        return _orient(merged, problem, pinned, rounds=2 if orient else 0)
     finally:
         for n, a in zip(merged.problem.nodes, saved):
             n.allowed = a
@@ -212,7 +215,7 @@ def _orient(merged: Merged, problem: Problem, pinned: list[int], rounds: int = 2
     try:
         for _ in range(rounds):
             changed = False
-            for src, opts in sorted(ways.items()):
+            for src, opts in sorted(ways.items()):  # weights and their views
                 for opt in opts:
                     if opt == prefer[src]:
                         continue
