@@ -116,7 +116,9 @@ def run_passes(
     for name in names:
         try:
             allowed = R.constraints(graph, mesh, name, tensor_axis)
-            choice = _complete(merged, problem, allowed, R.pinned_axes(mesh, name, tensor_axis))
+            # the weights' column/row descent only for a recipe asked for by name: as a baseline
+            # for the search it would cost seconds of planning on large meshes
+            choice = _complete(merged, problem, allowed, R.pinned_axes(mesh, name, tensor_axis), orient=bool(recipe))
         except (R.RecipeError, InfeasibleError, ValueError) as e:
             if recipe:
                 raise
@@ -166,9 +168,10 @@ def run_passes(
 FORBIDDEN = 1e3
 
 
-def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int]) -> list[int]:
+def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int], orient: bool = False) -> list[int]:
     """A cheap choice with the placeholders restricted to ``allowed`` placements, and parameters
-    used where they lie on the ``pinned`` axes (no gathers there): greedy, then local search."""
+    used where they lie on the ``pinned`` axes (no gathers there): greedy, then local search.
+    With ``orient``, each pinned weight's split is chosen by coordinate descent (``_orient``)."""
     saved = [n.allowed for n in merged.problem.nodes]
     saved_costs = [e.cost for e in merged.problem.edges]
     try:
@@ -184,15 +187,51 @@ def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int]
                 if not ok:
                     raise InfeasibleError(f"no strategy of {n.name} has the recipe's placement")
                 n.allowed = ok
-        if pinned:
-            _pin_in_place(merged.problem, pinned)
-        choice = improve(merged.problem, greedy(merged.problem))
-        return merged.expand(choice, len(problem.nodes))
+        if not pinned:
+            return merged.expand(improve(merged.problem, greedy(merged.problem)), len(problem.nodes))
+        return _orient(merged, problem, pinned, rounds=2 if orient else 0)
     finally:
         for n, a in zip(merged.problem.nodes, saved):
             n.allowed = a
         for e, c in zip(merged.problem.edges, saved_costs):
             e.cost = c
+
+
+def _orient(merged: Merged, problem: Problem, pinned: list[int], rounds: int = 2) -> list[int]:
+    """Tensor parallelism with each weight split the way (column or row) that makes the completed
+    plan cheapest: Megatron alternates them (a column-split linear feeds a row-split one with no
+    collective between them), which no weight sees alone. From every weight's locally preferred
+    way (``_pin_in_place``), each weight in turn tries its other ways, the rest completed by
+    greedy plus local search, and keeps the cheapest (coordinate descent, until a round changes
+    nothing)."""
+    mp = merged.problem
+    base = [n.allowed for n in mp.nodes]
+
+    def complete(prefer: dict) -> tuple[float, list[int], dict]:
+        for n, a in zip(mp.nodes, base):
+            n.allowed = a
+        ways = _pin_in_place(mp, pinned, prefer)
+        choice = merged.expand(improve(mp, greedy(mp)), len(problem.nodes))
+        return evaluate(problem, choice).step_time, choice, ways
+
+    best_t, best, ways = complete({})
+    prefer = {src: opts[0] for src, opts in ways.items()}  # opts[0]: the way taken
+    try:
+        for _ in range(rounds):
+            changed = False
+            for src, opts in sorted(ways.items()):  # weights and their views
+                for opt in opts:
+                    if opt == prefer[src]:
+                        continue
+                    t, choice, _ = complete({**prefer, src: opt})
+                    if t < best_t * (1 - 1e-9):
+                        best_t, best, prefer[src], changed = t, choice, opt, True
+            if not changed:
+                break
+    finally:
+        for n, a in zip(mp.nodes, base):
+            n.allowed = a
+    return best
 
 
 def _in_place(src, dst, pinned: list[int]) -> bool:
@@ -201,12 +240,18 @@ def _in_place(src, dst, pinned: list[int]) -> bool:
     return all(src[a] == dst[a] or axis_step(src[a], dst[a]) in LOCAL_KINDS for a in pinned)
 
 
-def _pin_in_place(problem: Problem, pinned: list[int]) -> None:
+def _pin_in_place(problem: Problem, pinned: list[int], prefer: Optional[dict] = None) -> dict[int, list]:
     """Megatron's weights are used where they lie on the tensor axis: wherever a parameter (or a
     view of it) has one placement on the ``pinned`` axes, its consumers keep only the strategies
     that read it that way, along the chain of views, until nothing changes. (A penalty alone
     leaves greedy and single-node local search stuck: a weight's forward and backward consumers
-    must switch together.) A consumer with no such strategy keeps all of its own."""
+    must switch together.) A consumer with no such strategy keeps all of its own.
+
+    ``prefer`` (parameter node index -> placement on the pinned axes) overrides the choice for
+    those weights. Returns, per weight that could lie more than one way, its ways (the one taken
+    first)."""
+    prefer = prefer or {}
+    ways: dict[int, list] = {}
     def alive(i: int) -> list[int]:
         n = problem.nodes[i]
         return n.allowed if n.allowed is not None else list(range(len(n.strategies)))
@@ -237,7 +282,10 @@ def _pin_in_place(problem: Problem, pinned: list[int]) -> None:
             cost = sum(min(problem.nodes[e.dst].compute[s] for s in r) for e, r in zip(es, readers) if r)
             return (-sum(1 for r in readers if r), cost)
 
-        best = min(options, key=lambda o: (score(o), str(o)))
+        best = prefer.get(src)
+        if best not in options:
+            best = min(options, key=lambda o: (score(o), str(o)))
+        ways[src] = [best] + [o for o in options if o != best]
         problem.nodes[src].allowed = [s for s in alive(src) if pinned_out(es[0], s) == best]
 
     changed = True
@@ -255,6 +303,7 @@ def _pin_in_place(problem: Problem, pinned: list[int]) -> None:
             if keep and len(keep) < len(have):
                 problem.nodes[e.dst].allowed = keep
                 changed = True
+    return ways
 
 
 def _infeasible(graph: Graph, problem: Problem, budget: float) -> InfeasibleError:

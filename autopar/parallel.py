@@ -46,21 +46,37 @@ def _dtensor(local: torch.Tensor, dmesh, slot: Slot):
                               shape=torch.Size(slot.spec.shape), stride=_contiguous_stride(slot.spec.shape))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local block, without ``to_local``'s autograd node (programs run without grad)."""
+    local = getattr(t, "_local_tensor", None)
+    return local if local is not None else t.to_local()
+
+
 class _Step(torch.autograd.Function):
     """The lowered program as one autograd node: forward runs the forward program, backward the
-    backward program seeded with the loss's incoming gradient."""
+    backward program seeded with the loss's incoming gradient.
+
+    It takes the parameters themselves (DTensors) and returns their gradients as DTensors with
+    the parameters' own specs, built directly: a ``to_local`` / ``from_local`` pair per parameter
+    and step costs more than a small model's whole step on CPU."""
 
     @staticmethod
-    def forward(ctx, pm: "ParallelModule", n_params: int, *locals_):
-        outs, saved = pm._run_forward(list(locals_))
+    def forward(ctx, pm: "ParallelModule", n_params: int, *values):
+        params = values[:n_params]
+        outs, saved = pm._run_forward([_local(p) for p in params] + list(values[n_params:]))
         ctx.pm, ctx.saved, ctx.n_params = pm, saved, n_params
+        ctx.specs = [p._spec for p in params]
         return outs[0]
 
     @staticmethod
     def backward(ctx, grad_loss):
+        from torch.distributed.tensor import DTensor
+
         pm = ctx.pm
         grads = pm._run_backward(ctx.saved, grad_loss)
         ctx.saved = None
+        grads = [DTensor(g.to(spec.tensor_meta.dtype), spec, requires_grad=False)
+                 for g, spec in zip(grads, ctx.specs)]
         return (None, None, *grads, *([None] * (len(pm.program.inputs) - ctx.n_params)))
 
 
@@ -81,6 +97,13 @@ class ParallelModule(torch.nn.Module):
         self._recording: Optional[list] = None
         self._param_slots = [s for s in program.inputs if s.kind == "param"]
         self._grad_index = {s.key: i for i, s in enumerate(program.grads)}
+        # (owning module, attribute) of every parameter and buffer slot: looked up every step
+        # (a parameter may be replaced), without walking module paths each time
+        self._owners = {}
+        for s in program.inputs:
+            if s.kind in ("param", "buffer"):
+                owner, _, name = s.key.rpartition(".")
+                self._owners[s.key] = (model.get_submodule(owner), name)
 
     # -- what users look at ---------------------------------------------------------------------
     @property
@@ -125,13 +148,18 @@ class ParallelModule(torch.nn.Module):
         with self._context():
             grads = [C.wait(g) for g in self.program.backward(*saved, grad_loss.to(self.program.grads[0].spec.dtype)
                                                                if self.program.grads else grad_loss)]
-        return [grads[self._grad_index[s.key]].to(self._param(s.key).dtype) for s in self._param_slots]
+        return [grads[self._grad_index[s.key]] for s in self._param_slots]
 
     def _param(self, fqn: str):
-        return self.module.get_parameter(fqn)
+        mod, name = self._owners[fqn]
+        return mod._parameters[name]
+
+    def _buffer(self, fqn: str):
+        mod, name = self._owners[fqn]
+        return mod._buffers[name]
 
     def _buffer_local(self, fqn: str) -> torch.Tensor:
-        return self.module.get_buffer(fqn).to_local()
+        return _local(self._buffer(fqn))
 
     def _local_input(self, slot: Slot, value: Any) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
@@ -153,10 +181,12 @@ class ParallelModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         values = []
+        training = self.program.backward is not None
         for slot in self.program.inputs:
-            if slot.kind in ("param", "buffer"):
-                t = self._param(slot.key) if slot.kind == "param" else self.module.get_buffer(slot.key)
-                values.append(t.to_local())
+            if slot.kind == "param":  # the DTensor itself when training: _Step takes its local block
+                values.append(self._param(slot.key) if training else _local(self._param(slot.key)))
+            elif slot.kind == "buffer":
+                values.append(self._buffer_local(slot.key))
             elif slot.key.startswith("input:"):
                 values.append(self._local_input(slot, args[int(slot.key.split(":")[1])]))
             else:

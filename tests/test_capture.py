@@ -217,9 +217,13 @@ def test_mean_loss_is_rewritten_as_sum_over_total_weight():
     assert len(nll) == 1 and nll[0].args[3] == 2  # reduction=sum
     loss = g.node(g.loss.node)
     assert loss.op == "aten.div.Tensor"
-    assert loss.inputs == [Ref(nll[0].name, 0), Ref(nll[0].name, 1)]
+    # the sum and the total weight are stacked (one all-reduce when both are partial) and unbound
+    parts = g.node(loss.inputs[0].node)
+    assert parts.op == "aten.unbind.int" and loss.inputs == [Ref(parts.name, 0), Ref(parts.name, 1)]
+    both = g.node(parts.inputs[0].node)
+    assert both.op == "aten.stack.default" and both.inputs == [Ref(nll[0].name, 0), Ref(nll[0].name, 1)]
     bwd = [n for n in g.ops() if n.op == "aten.nll_loss_backward.default"]
-    assert bwd[0].args[4] == 1 and Ref(nll[0].name, 1) in bwd[0].inputs  # mean backward, total_weight
+    assert bwd[0].args[4] == 1 and Ref(parts.name, 1) in bwd[0].inputs  # mean backward, total_weight
     # log_softmax is decomposed into reductions
     assert "aten._log_softmax.default" not in g.op_names()
     assert {"aten.amax.default", "aten.exp.default", "aten.log.default"} <= set(g.op_names())

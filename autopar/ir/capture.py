@@ -329,7 +329,11 @@ def normalize_mean_losses(gm: torch.fx.GraphModule) -> int:
     total weight (output 1) is the same under both reductions and ``nll_loss_backward`` with mean
     reduction already takes it as an input, so the backward is unchanged. Why: the mean over a
     batch-split target is not the sum of per-device means, but sum / total_weight is expressible
-    as partial sums (``P``) divided once. Returns the number of rewritten losses.
+    as partial sums (``P``) divided once. The two sums are stacked into one tensor, which one
+    ``unbind`` splits again for the division (and the backward, for the total weight): a
+    batch-split loss then needs one all-reduce of two numbers, not one for each (and a single
+    consumer of the stack lets the planner's local search see that). Returns the number of
+    rewritten losses.
     """
     count = 0
     targets = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
@@ -347,11 +351,23 @@ def normalize_mean_losses(gm: torch.fx.GraphModule) -> int:
             gets[1] = tw
         loss, tw = gets[0], gets[1]
         after = loss if list(gm.graph.nodes).index(loss) > list(gm.graph.nodes).index(tw) else tw
+        keep = {k: v for k, v in n.meta.items() if k in ("custom", "partitioner_tag", "stack_trace")}
+        val = loss.meta["val"]
         with gm.graph.inserting_after(after):
-            div = gm.graph.call_function(aten.div.Tensor, (loss, tw))
-        loss.replace_all_uses_with(div, delete_user_cb=lambda u: u is not div)
-        div.meta.update({k: v for k, v in n.meta.items() if k in ("custom", "partitioner_tag", "stack_trace")})
-        div.meta["val"] = loss.meta["val"]
+            both = gm.graph.call_function(aten.stack.default, ([loss, tw],))
+        with gm.graph.inserting_after(both):
+            parts = gm.graph.call_function(aten.unbind.int, (both,))
+        with gm.graph.inserting_after(parts):
+            sums = gm.graph.call_function(operator.getitem, (parts, 0))
+        with gm.graph.inserting_after(sums):
+            total = gm.graph.call_function(operator.getitem, (parts, 1))
+        with gm.graph.inserting_after(total):
+            div = gm.graph.call_function(aten.div.Tensor, (sums, total))
+        loss.replace_all_uses_with(div, delete_user_cb=lambda u: u is not both)
+        tw.replace_all_uses_with(total, delete_user_cb=lambda u: u is not both)
+        for node, v in ((both, val.new_empty((2,))), (parts, [val, val]), (sums, val), (total, val), (div, val)):
+            node.meta.update(keep)
+            node.meta["val"] = v
         count += 1
     return count
 

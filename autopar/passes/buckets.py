@@ -1,18 +1,20 @@
 """Gradient buckets: which gradient reductions run together as one collective, as DDP and FSDP do.
 
-A gradient whose resharding to its parameter's placement is one reduce-scatter on one mesh axis
-(FSDP) or all-reduces only (DDP, on one axis or several) joins a bucket of gradients with the same
-collectives, axes, reductions and dtype; buckets fill in the order the backward produces the gradients and
-close at ``BUCKET_SIZE`` bytes. The plan's report and the lowering both call ``grad_buckets``, so
-the collectives a plan predicts are the ones its program runs. Other gradient reshardings (several
-steps, or an all-to-all) run alone.
+A gradient whose resharding to its parameter's placement is a sequence of all-reduces,
+reduce-scatters and all-gathers (DDP: all-reduces, on one axis or several; FSDP: one
+reduce-scatter; on a 2-D mesh e.g. an all-reduce on one axis, then an all-gather on the other)
+joins a bucket of gradients with the same sequence of collectives, axes and reductions and the
+same dtype: the bucket runs one collective per step. Buckets fill in the order the backward
+produces the gradients and close at ``BUCKET_SIZE`` bytes (of their first step). The plan's report
+and the lowering both call ``grad_buckets``, so the collectives a plan predicts are the ones its
+program runs. Other gradient reshardings (an all-to-all, or a local step) run alone.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from autopar.cost_model.comm import LOCAL_KINDS, Step, reshard_steps
+from autopar.cost_model.comm import LOCAL_KINDS, Step, collective_time, reshard_steps
 from autopar.cost_model.precision import element_bytes
 from autopar.ir.graph import Graph
 from autopar.ir.placement import parse
@@ -21,16 +23,35 @@ from autopar.ir.placement import parse
 BUCKET_SIZE = 25 * 2**20
 
 
+#: The collectives a bucket can run for all its gradients at once.
+BUCKETED_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
 def bucket_key(steps: Sequence[Step], dtype) -> Optional[tuple]:
-    """The key of a gradient's bucket, or None when its resharding cannot share a collective:
-    one reduce-scatter, or all-reduces on one or more axes (DDP over a 2-D mesh: one all-reduce
-    of the bucket per axis)."""
-    if len(steps) == 1 and steps[0].kind == "reduce_scatter":
-        s = steps[0]
-        return (("reduce_scatter", s.axis, s.reduce),), str(dtype)
-    if steps and all(s.kind == "all_reduce" for s in steps):
-        return tuple(("all_reduce", s.axis, s.reduce) for s in steps), str(dtype)
-    return None
+    """The key of a gradient's bucket, or None when its resharding cannot share a collective: the
+    sequence of its steps (collective, axis, reduction), all of them all-reduces, reduce-scatters
+    or all-gathers (DDP over a 2-D mesh: one all-reduce of the bucket per axis)."""
+    if not steps or any(s.kind not in BUCKETED_KINDS for s in steps):
+        return None
+    return tuple((s.kind, s.axis, s.reduce if s.kind != "all_gather" else "") for s in steps), str(dtype)
+
+
+def grad_time(shape, src, dst, mesh, elem_bytes: int) -> float:
+    """Seconds to reduce a gradient from ``src`` to its parameter's placement ``dst``. When its
+    steps can be bucketed, a bucket pays each collective's latency once for all its gradients
+    (DDP's reason to bucket), so a gradient pays the bandwidth term of each step and its share of
+    the latency, in proportion to its bytes in a full bucket (the whole latency from
+    ``BUCKET_SIZE`` bytes up: such a gradient fills its own bucket). Otherwise the resharding's
+    own time."""
+    if tuple(src) == tuple(dst):
+        return 0.0
+    steps = reshard_steps(shape, src, dst, mesh, elem_bytes)
+    if bucket_key(steps, None) is None:
+        return sum(s.time for s in steps)
+    n, links = mesh.shape, mesh.links
+    share = min(1.0, steps[0].bytes / BUCKET_SIZE)
+    latency = [collective_time(s.kind, 0, n[s.axis], links[s.axis]) for s in steps]
+    return sum(s.time - (1.0 - share) * lat for s, lat in zip(steps, latency))
 
 
 def grad_steps(graph: Graph, fqn: str, src, dst, mesh, precision) -> list[Step]:
@@ -98,4 +119,4 @@ def collective_calls(reshardings: list[dict]) -> list[tuple[str, str, str, int, 
     return calls
 
 
-__all__ = ["BUCKET_SIZE", "bucket_key", "collective_calls", "grad_buckets", "grad_steps", "mark_grad_buckets"]
+__all__ = ["BUCKETED_KINDS", "BUCKET_SIZE", "bucket_key", "collective_calls", "grad_buckets", "grad_steps", "grad_time", "mark_grad_buckets"]

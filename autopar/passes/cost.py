@@ -22,6 +22,7 @@ from autopar.ir.graph import Graph, Phase, Ref, Role
 from autopar.ir.placement import B, Placements, local_shape
 from autopar.ir.rules import op_call
 from autopar.mesh import Mesh
+from autopar.passes.buckets import grad_time
 from autopar.passes.cast import cast_policy, transfer_bytes
 from autopar.passes.fold import Folding
 from autopar.passes.problem import MEMORY_KINDS, Group, PEdge, PNode, Problem
@@ -171,7 +172,7 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
             transfers.append((sorted(keys, key=order), len(insts)))
 
     built: dict[tuple, tuple] = {}  # edge key -> (places, cost) (the same for every class)
-    matrices: dict[tuple, list] = {}  # (shape, bytes per element, placements out, in) -> cost matrix
+    matrices: dict[tuple, list] = {}  # (grad?, shape, bytes per element, placements out, in) -> costs
     edges = []
     for share, (keys, mult) in enumerate(transfers):
         group = None
@@ -188,9 +189,11 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
                 dst_p = [output_placement(s, 0) if slot == -1 else input_placement(s, slot) for s in nodes[dst].strategies]
                 places_out = sorted(set(src_p), key=src_p.index)
                 places_in = sorted(set(dst_p), key=dst_p.index)
-                mkey = (tuple(spec.shape), eb, tuple(places_out), tuple(places_in))
+                # gradients that join a bucket share its collectives' latency (passes/buckets.py)
+                price = grad_time if kind == "grad" else reshard_time
+                mkey = (kind == "grad", tuple(spec.shape), eb, tuple(places_out), tuple(places_in))
                 if mkey not in matrices:  # many edges carry same-shaped tensors between the same placements
-                    matrices[mkey] = [[reshard_time(spec.shape, p, q, mesh, eb) for q in places_in] for p in places_out]
+                    matrices[mkey] = [[price(spec.shape, p, q, mesh, eb) for q in places_in] for p in places_out]
                 cost = matrices[mkey]
                 built[key] = ([places_out.index(p) for p in src_p], [places_in.index(q) for q in dst_p],
                               places_out, places_in, cost, eb)

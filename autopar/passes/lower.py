@@ -407,13 +407,12 @@ class _Emitter:
             if len(fqns) < 2:
                 continue  # a bucket of one is the plain resharding
             steps = steps_of[fqns[0]][0]
-            step = steps[0]
             xs = [self._grad_source(f, steps_of[f][1]) for f in fqns]
-            if step.kind == "all_reduce":
+            if all(st.kind == "all_reduce" for st in steps):
                 results = self._bucket_all_reduce(xs, [g.grads[f] for f in fqns], steps)
             else:
-                results = self._bucket_reduce_scatter(xs, [g.grads[f] for f in fqns],
-                                                       [steps_of[f][2] for f in fqns], step)
+                results = self._bucket_steps(xs, [g.grads[f] for f in fqns], [steps_of[f][1] for f in fqns],
+                                             [steps_of[f][2] for f in fqns], steps)
             for f, node in zip(fqns, results):
                 out[f] = node
         return out
@@ -449,35 +448,59 @@ class _Emitter:
         parts = call(torch.ops.aten.split_with_sizes.default, (done, [math.prod(s) for s in shapes]))
         return [self.bg.call_method("reshape", (call(operator.getitem, (parts, i)), s)) for i, s in enumerate(shapes)]
 
-    def _bucket_reduce_scatter(self, xs, refs, dsts, step) -> list[fx.Node]:
-        """Each gradient's split dim moved first, padded to equal pieces and laid out as
-        ``[n, piece]`` rows; the rows of every gradient side by side are reduce-scattered at once."""
-        call, a = self.bg.call_function, step.axis
-        n = self.mesh_shape[a]
-        rows, metas = [], []
-        for x, r, dst in zip(xs, refs, dsts):
-            have = list(self._local_shape(r))
-            d = dst[a].dim
-            size = have[d]
-            piece = -(-size // n)
-            m = self.bg.call_method("movedim", (x, d, 0))
-            if piece * n != size:
-                pad = [0, 0] * (len(have) - 1) + [0, piece * n - size]
-                m = call(torch.ops.aten.constant_pad_nd.default, (m, pad, 0.0))
-            rest = [have[i] for i in range(len(have)) if i != d]
-            rows.append(self.bg.call_method("reshape", (m, [n, -1])))
-            mine = chunk_range(size, n, self.coords[a])[1]
-            metas.append((d, piece, rest, mine))
-        buf = call(torch.ops.aten.cat.default, (rows, 1))
-        done = self._wait(call(C.reduce_scatter, (buf, a, 0, step.reduce, 1)), self.bg)
-        sizes = [piece * math.prod(rest) for _, piece, rest, _ in metas]
-        parts = call(torch.ops.aten.split_with_sizes.default, (done, sizes, 1))
-        out = []
-        for i, (d, piece, rest, mine) in enumerate(metas):
-            block = self.bg.call_method("reshape", (call(operator.getitem, (parts, i)), [piece] + rest))
-            block = call(torch.ops.aten.slice.Tensor, (block, 0, 0, mine))
-            out.append(self.bg.call_method("contiguous", (self.bg.call_method("movedim", (block, 0, d)),)))
-        return out
+    def _bucket_steps(self, xs, refs, srcs, dsts, steps) -> list[fx.Node]:
+        """One collective per step for the whole bucket (reduce-scatters, all-gathers and
+        all-reduces, in the steps' order). For a reduce-scatter or an all-gather, each gradient's
+        changing dim is moved first and padded to equal pieces, laid out as ``[n, piece]`` rows
+        (reduce-scatter) or one ``[1, piece]`` row (all-gather); the rows of every gradient side by
+        side run as one collective on dim 0, and each gradient is cut back out."""
+        call, m, c = self.bg.call_function, self.mesh_shape, self.coords
+        curs = [list(s) for s in srcs]
+        specs = [self.g.spec(r).shape for r in refs]
+        for step in steps:
+            a, n = step.axis, m[step.axis]
+            haves = [list(local_shape(shape, cur, m, c)) for shape, cur in zip(specs, curs)]
+            if step.kind == "all_reduce":
+                buf = call(torch.ops.aten.cat.default, ([self.bg.call_method("reshape", (x, [-1])) for x in xs],))
+                done = self._wait(call(C.all_reduce, (buf, a, step.reduce)), self.bg)
+                parts = call(torch.ops.aten.split_with_sizes.default, (done, [math.prod(h) for h in haves]))
+                xs = [self.bg.call_method("reshape", (call(operator.getitem, (parts, i)), h)) for i, h in enumerate(haves)]
+            else:
+                gather = step.kind == "all_gather"
+                rows, metas = [], []
+                for x, shape, have, cur, dst in zip(xs, specs, haves, curs, dsts):
+                    d = (cur[a] if gather else dst[a]).dim
+                    seen = list(cur)
+                    seen[a] = B
+                    size = local_shape(shape, seen, m, c)[d] if gather else have[d]
+                    piece = -(-size // n)
+                    t = self.bg.call_method("movedim", (x, d, 0))
+                    target = piece if gather else piece * n
+                    if have[d] != target:
+                        pad = [0, 0] * (len(have) - 1) + [0, target - have[d]]
+                        t = call(torch.ops.aten.constant_pad_nd.default, (t, pad, 0.0))
+                    rest = [have[i] for i in range(len(have)) if i != d]
+                    rows.append(self.bg.call_method("reshape", (t, [1 if gather else n, -1])))
+                    keep = size if gather else chunk_range(size, n, c[a])[1]
+                    metas.append((d, piece, rest, keep))
+                buf = call(torch.ops.aten.cat.default, (rows, 1))
+                if gather:
+                    done = self._wait(call(C.all_gather, (buf, a, 0, n)), self.bg)
+                else:
+                    done = self._wait(call(C.reduce_scatter, (buf, a, 0, step.reduce, 1)), self.bg)
+                parts = call(torch.ops.aten.split_with_sizes.default,
+                             (done, [piece * math.prod(rest) for _, piece, rest, _ in metas], 1))
+                xs = []
+                for i, (d, piece, rest, keep) in enumerate(metas):
+                    block = self.bg.call_method("reshape", (call(operator.getitem, (parts, i)),
+                                                            [piece * n if gather else piece] + rest))
+                    if keep != (piece * n if gather else piece):
+                        block = call(torch.ops.aten.slice.Tensor, (block, 0, 0, keep))
+                    xs.append(self.bg.call_method("contiguous", (self.bg.call_method("movedim", (block, 0, d)),)))
+            for cur, dst in zip(curs, dsts):
+                cur[a] = B if step.kind == "all_gather" else dst[a]
+        assert all(tuple(cur) == tuple(dst) for cur, dst in zip(curs, dsts)), (curs, dsts)
+        return xs
 
     def _local_shape(self, ref: Ref) -> tuple[int, ...]:
         return local_shape(self.g.spec(ref).shape, self.base[ref][2], self.mesh_shape, self.coords)

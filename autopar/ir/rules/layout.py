@@ -216,7 +216,7 @@ def _shared_except(call: OpCall, dim: int, n_in: int, out_dims_fn) -> DimMap:
         sizes[f"_in{k}"] = call.in_specs[k].shape[dim]
     outs = out_dims_fn(names)
     for j, o in enumerate(outs):
-        if o is not None:
+        if o is not None and (f"_out{j}",) in o:  # unbind's outputs lack the dim
             sizes.setdefault(f"_out{j}", call.out_specs[j].shape[dim])
     fi, fo = float_flags(call)
     no = frozenset(f for f in sizes if f.startswith("_")) | {names[dim]}
