@@ -92,7 +92,8 @@ def test_plan_bytes_follow_the_casts():
             size, what = {"param": 2, "grad": 4}[r["kind"]], r["kind"]
         assert r["bytes"] == spec.numel * size, r
         seen.add(what)
-    assert seen == {"ids", "loss region", "activation", "param", "grad"}
+    # ids (targets) move only where the plan reshards them; the FSDP plan keeps them batch-split now
+    assert {"loss region", "activation", "param", "grad"} <= seen
 
 
 class _Dtypes(TorchDispatchMode):

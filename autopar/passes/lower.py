@@ -41,9 +41,9 @@ from autopar.ir.rules import op_call
 from autopar.ir.rules.base import LocalCtx, OpCall, has_local, local_args, run_local
 from autopar.ir.rules.dimmap import Strategy
 from autopar.mesh import Mesh
-from autopar.passes.buckets import grad_buckets, grad_steps
 from autopar.passes.cast import CastPolicy, cast_policy, transfer_bytes
 from autopar.passes.cost import param_views
+from autopar.passes.lower_grads import bucketed_grads
 from autopar.passes.schedule import schedule
 from autopar.passes.strategies import input_placement, node_strategies, output_placement
 from autopar.runtime import collectives as C
@@ -390,33 +390,6 @@ class _Emitter:
             val = where.call_function(operator.getitem, (out, j)) if multi else out
             self.base[Ref(node.name, j)] = (val, where, output_placement(strat, j))
 
-    # gradient buckets ---------------------------------------------------------------------------------
-    def _bucketed_grads(self) -> dict[str, fx.Node]:
-        """Gradients reduced together, one collective per bucket (``passes.buckets``)."""
-        g, res = self.g, self.res
-        steps_of = {}
-        for fqn, r in g.grads.items():
-            src, dst = self.base[r][2], output_placement(res.strategies[g.params[fqn]], 0)
-            steps_of[fqn] = (grad_steps(g, fqn, src, dst, res.mesh, res.precision), src, dst)
-        members: dict[int, list[str]] = {}  # in the order the backward produces them
-        for fqn, b in grad_buckets(g, {f: st[0] for f, st in steps_of.items()}).items():
-            members.setdefault(b, []).append(fqn)
-        out: dict[str, fx.Node] = {}
-        for b in sorted(members):
-            fqns = members[b]
-            if len(fqns) < 2:
-                continue  # a bucket of one is the plain resharding
-            steps = steps_of[fqns[0]][0]
-            xs = [self._grad_source(f, steps_of[f][1]) for f in fqns]
-            if all(st.kind == "all_reduce" for st in steps):
-                results = self._bucket_all_reduce(xs, [g.grads[f] for f in fqns], steps)
-            else:
-                results = self._bucket_steps(xs, [g.grads[f] for f in fqns], [steps_of[f][1] for f in fqns],
-                                             [steps_of[f][2] for f in fqns], steps)
-            for f, node in zip(fqns, results):
-                out[f] = node
-        return out
-
     def _grad_source(self, fqn: str, src: Placements) -> fx.Node:
         """Parameter ``fqn``'s gradient where the backward produced it, in the gradient dtype (cast
         before its reduction)."""
@@ -438,69 +411,6 @@ class _Emitter:
 
     def _dtype(self, ref: Ref) -> torch.dtype:
         return self.casts.dtype(self.g, ref) if self.casts is not None else self.g.spec(ref).dtype
-
-    def _bucket_all_reduce(self, xs, refs, steps) -> list[fx.Node]:
-        call = self.bg.call_function
-        shapes = [list(self._local_shape(r)) for r in refs]
-        done = call(torch.ops.aten.cat.default, ([self.bg.call_method("reshape", (x, [-1])) for x in xs],))
-        for step in steps:  # one all-reduce of the whole bucket per mesh axis
-            done = self._wait(call(C.all_reduce, (done, step.axis, step.reduce)), self.bg)
-        parts = call(torch.ops.aten.split_with_sizes.default, (done, [math.prod(s) for s in shapes]))
-        return [self.bg.call_method("reshape", (call(operator.getitem, (parts, i)), s)) for i, s in enumerate(shapes)]
-
-    def _bucket_steps(self, xs, refs, srcs, dsts, steps) -> list[fx.Node]:
-        """One collective per step for the whole bucket (reduce-scatters, all-gathers and
-        all-reduces, in the steps' order). For a reduce-scatter or an all-gather, each gradient's
-        changing dim is moved first and padded to equal pieces, laid out as ``[n, piece]`` rows
-        (reduce-scatter) or one ``[1, piece]`` row (all-gather); the rows of every gradient side by
-        side run as one collective on dim 0, and each gradient is cut back out."""
-        call, m, c = self.bg.call_function, self.mesh_shape, self.coords
-        curs = [list(s) for s in srcs]
-        specs = [self.g.spec(r).shape for r in refs]
-        for step in steps:
-            a, n = step.axis, m[step.axis]
-            haves = [list(local_shape(shape, cur, m, c)) for shape, cur in zip(specs, curs)]
-            if step.kind == "all_reduce":
-                buf = call(torch.ops.aten.cat.default, ([self.bg.call_method("reshape", (x, [-1])) for x in xs],))
-                done = self._wait(call(C.all_reduce, (buf, a, step.reduce)), self.bg)
-                parts = call(torch.ops.aten.split_with_sizes.default, (done, [math.prod(h) for h in haves]))
-                xs = [self.bg.call_method("reshape", (call(operator.getitem, (parts, i)), h)) for i, h in enumerate(haves)]
-            else:
-                gather = step.kind == "all_gather"
-                rows, metas = [], []
-                for x, shape, have, cur, dst in zip(xs, specs, haves, curs, dsts):
-                    d = (cur[a] if gather else dst[a]).dim
-                    seen = list(cur)
-                    seen[a] = B
-                    size = local_shape(shape, seen, m, c)[d] if gather else have[d]
-                    piece = -(-size // n)
-                    t = self.bg.call_method("movedim", (x, d, 0))
-                    target = piece if gather else piece * n
-                    if have[d] != target:
-                        pad = [0, 0] * (len(have) - 1) + [0, target - have[d]]
-                        t = call(torch.ops.aten.constant_pad_nd.default, (t, pad, 0.0))
-                    rest = [have[i] for i in range(len(have)) if i != d]
-                    rows.append(self.bg.call_method("reshape", (t, [1 if gather else n, -1])))
-                    keep = size if gather else chunk_range(size, n, c[a])[1]
-                    metas.append((d, piece, rest, keep))
-                buf = call(torch.ops.aten.cat.default, (rows, 1))
-                if gather:
-                    done = self._wait(call(C.all_gather, (buf, a, 0, n)), self.bg)
-                else:
-                    done = self._wait(call(C.reduce_scatter, (buf, a, 0, step.reduce, 1)), self.bg)
-                parts = call(torch.ops.aten.split_with_sizes.default,
-                             (done, [piece * math.prod(rest) for _, piece, rest, _ in metas], 1))
-                xs = []
-                for i, (d, piece, rest, keep) in enumerate(metas):
-                    block = self.bg.call_method("reshape", (call(operator.getitem, (parts, i)),
-                                                            [piece * n if gather else piece] + rest))
-                    if keep != (piece * n if gather else piece):
-                        block = call(torch.ops.aten.slice.Tensor, (block, 0, 0, keep))
-                    xs.append(self.bg.call_method("contiguous", (self.bg.call_method("movedim", (block, 0, d)),)))
-            for cur, dst in zip(curs, dsts):
-                cur[a] = B if step.kind == "all_gather" else dst[a]
-        assert all(tuple(cur) == tuple(dst) for cur, dst in zip(curs, dsts)), (curs, dsts)
-        return xs
 
     def _local_shape(self, ref: Ref) -> tuple[int, ...]:
         return local_shape(self.g.spec(ref).shape, self.base[ref][2], self.mesh_shape, self.coords)
@@ -534,7 +444,7 @@ class _Emitter:
             outs.append(self.value(r, pl, self.fg))
             slots_out.append(Slot("mutation", fqn, pl, g.spec(r)))
         grads, grad_slots = [], []
-        bucketed = self._bucketed_grads() if g.training else {}
+        bucketed = bucketed_grads(self) if g.training else {}
         for fqn, r in sorted(g.grads.items()):
             grads.append(self._grad(fqn, bucketed))
             grad_slots.append(Slot("grad", fqn, output_placement(res.strategies[g.params[fqn]], 0), g.spec(r)))

@@ -1,0 +1,108 @@
+"""Lowering of bucketed gradient reductions: the gradients ``passes.buckets`` groups are reduced
+together, one collective per resharding step for the whole bucket (as DDP and FSDP do), and cut
+back out per parameter. Functions of the lowering's emitter (``lower._Emitter``), kept apart so
+``lower.py`` holds the op-by-op emission."""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from autopar.ir.placement import B, chunk_range, local_shape
+from autopar.passes.buckets import grad_buckets, grad_steps
+from autopar.passes.strategies import output_placement
+from autopar.runtime import collectives as C
+
+
+def bucketed_grads(em) -> dict[str, fx.Node]:
+    """Gradients reduced together, one collective per bucket (``passes.buckets``)."""
+    g, res = em.g, em.res
+    steps_of = {}
+    for fqn, r in g.grads.items():
+        src, dst = em.base[r][2], output_placement(res.strategies[g.params[fqn]], 0)
+        steps_of[fqn] = (grad_steps(g, fqn, src, dst, res.mesh, res.precision), src, dst)
+    members: dict[int, list[str]] = {}  # in the order the backward produces them
+    for fqn, b in grad_buckets(g, {f: st[0] for f, st in steps_of.items()}).items():
+        members.setdefault(b, []).append(fqn)
+    out: dict[str, fx.Node] = {}
+    for b in sorted(members):
+        fqns = members[b]
+        if len(fqns) < 2:
+            continue  # a bucket of one is the plain resharding
+        steps = steps_of[fqns[0]][0]
+        xs = [em._grad_source(f, steps_of[f][1]) for f in fqns]
+        if all(st.kind == "all_reduce" for st in steps):
+            results = bucket_all_reduce(em, xs, [g.grads[f] for f in fqns], steps)
+        else:
+            results = bucket_steps(em, xs, [g.grads[f] for f in fqns], [steps_of[f][1] for f in fqns],
+                                         [steps_of[f][2] for f in fqns], steps)
+        for f, node in zip(fqns, results):
+            out[f] = node
+    return out
+
+
+def bucket_all_reduce(em, xs, refs, steps) -> list[fx.Node]:
+    call = em.bg.call_function
+    shapes = [list(em._local_shape(r)) for r in refs]
+    done = call(torch.ops.aten.cat.default, ([em.bg.call_method("reshape", (x, [-1])) for x in xs],))
+    for step in steps:  # one all-reduce of the whole bucket per mesh axis
+        done = em._wait(call(C.all_reduce, (done, step.axis, step.reduce)), em.bg)
+    parts = call(torch.ops.aten.split_with_sizes.default, (done, [math.prod(s) for s in shapes]))
+    return [em.bg.call_method("reshape", (call(operator.getitem, (parts, i)), s)) for i, s in enumerate(shapes)]
+
+def bucket_steps(em, xs, refs, srcs, dsts, steps) -> list[fx.Node]:
+    """One collective per step for the whole bucket (reduce-scatters, all-gathers and
+    all-reduces, in the steps' order). For a reduce-scatter or an all-gather, each gradient's
+    changing dim is moved first and padded to equal pieces, laid out as ``[n, piece]`` rows
+    (reduce-scatter) or one ``[1, piece]`` row (all-gather); the rows of every gradient side by
+    side run as one collective on dim 0, and each gradient is cut back out."""
+    call, m, c = em.bg.call_function, em.mesh_shape, em.coords
+    curs = [list(s) for s in srcs]
+    specs = [em.g.spec(r).shape for r in refs]
+    for step in steps:
+        a, n = step.axis, m[step.axis]
+        haves = [list(local_shape(shape, cur, m, c)) for shape, cur in zip(specs, curs)]
+        if step.kind == "all_reduce":
+            buf = call(torch.ops.aten.cat.default, ([em.bg.call_method("reshape", (x, [-1])) for x in xs],))
+            done = em._wait(call(C.all_reduce, (buf, a, step.reduce)), em.bg)
+            parts = call(torch.ops.aten.split_with_sizes.default, (done, [math.prod(h) for h in haves]))
+            xs = [em.bg.call_method("reshape", (call(operator.getitem, (parts, i)), h)) for i, h in enumerate(haves)]
+        else:
+            gather = step.kind == "all_gather"
+            rows, metas = [], []
+            for x, shape, have, cur, dst in zip(xs, specs, haves, curs, dsts):
+                d = (cur[a] if gather else dst[a]).dim
+                seen = list(cur)
+                seen[a] = B
+                size = local_shape(shape, seen, m, c)[d] if gather else have[d]
+                piece = -(-size // n)
+                t = em.bg.call_method("movedim", (x, d, 0))
+                target = piece if gather else piece * n
+                if have[d] != target:
+                    pad = [0, 0] * (len(have) - 1) + [0, target - have[d]]
+                    t = call(torch.ops.aten.constant_pad_nd.default, (t, pad, 0.0))
+                rest = [have[i] for i in range(len(have)) if i != d]
+                rows.append(em.bg.call_method("reshape", (t, [1 if gather else n, -1])))
+                keep = size if gather else chunk_range(size, n, c[a])[1]
+                metas.append((d, piece, rest, keep))
+            buf = call(torch.ops.aten.cat.default, (rows, 1))
+            if gather:
+                done = em._wait(call(C.all_gather, (buf, a, 0, n)), em.bg)
+            else:
+                done = em._wait(call(C.reduce_scatter, (buf, a, 0, step.reduce, 1)), em.bg)
+            parts = call(torch.ops.aten.split_with_sizes.default,
+                         (done, [piece * math.prod(rest) for _, piece, rest, _ in metas], 1))
+            xs = []
+            for i, (d, piece, rest, keep) in enumerate(metas):
+                block = em.bg.call_method("reshape", (call(operator.getitem, (parts, i)),
+                                                        [piece * n if gather else piece] + rest))
+                if keep != (piece * n if gather else piece):
+                    block = call(torch.ops.aten.slice.Tensor, (block, 0, 0, keep))
+                xs.append(em.bg.call_method("contiguous", (em.bg.call_method("movedim", (block, 0, d)),)))
+        for cur, dst in zip(curs, dsts):
+            cur[a] = B if step.kind == "all_gather" else dst[a]
+    assert all(tuple(cur) == tuple(dst) for cur, dst in zip(curs, dsts)), (curs, dsts)
+    return xs
