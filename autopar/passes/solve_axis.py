@@ -2,8 +2,9 @@
 
 The full ILP grows with (strategies per node)^2 per edge; on a multi-axis mesh whose full model is
 too large it is solved one mesh axis at a time (every other axis held at the current choice),
-which keeps each model as small as a 1-D one. Each round starts from the current choice and keeps
-it unless the round's plan is faster by the evaluator, so the step time never gets worse.
+which keeps each model as small as a 1-D one. The start (the best recipe) is first polished by
+local search; each round then starts from the current choice and keeps it unless the round's plan
+is faster by the evaluator, so the step time never gets worse.
 
 Rounds are solved by HiGHS (through OR-Tools' linear solver wrapper), with the same formulation as
 the CP-SAT model (``solve._build``) but continuous transports: measured on the 32-layer
@@ -21,7 +22,7 @@ import time
 from typing import Optional, Sequence
 
 from autopar.passes.problem import Problem, evaluate
-from autopar.passes.solve import InfeasibleError, Solution, _build
+from autopar.passes.solve import InfeasibleError, Solution, _build, improve
 
 #: Relative optimality gap at which an axis round stops.
 AXIS_GAP = 0.02
@@ -155,6 +156,14 @@ def solve_by_axis(
                    "relative_gap_per_round": AXIS_GAP, "status": "FEASIBLE"}
     order = [a for r in range(rounds) for a in reversed(range(ndim))]
     best = evaluate(problem, choice).step_time
+    # Local search first (cheap): measured, a start nearer the optimum makes the rounds both
+    # faster and better (LLaMA-3-8B shape, 32 layers, (8, 8): 4.6 s of CPU instead of 8.9 s, a
+    # plan 1% faster). It ignores memory, so it is taken only if it fits.
+    polished = improve(problem, choice)
+    cost = evaluate(problem, polished)
+    if cost.peak_memory <= problem.memory_budget and cost.step_time < best * (1 - 1e-9):
+        choice, best = polished, cost.step_time
+        stats["start"] = "local search from the hint"
     since_gain = 0
     solved: set = set()  # restricted spaces (allowed strategies per node) already solved
     t0 = time.perf_counter()
