@@ -29,6 +29,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
+from autopar.ir.placement import split_top_level
 from autopar.plan import PlanError, human_bytes, human_time
 
 if TYPE_CHECKING:
@@ -89,27 +90,15 @@ def _bytes(x: Any) -> str:
     return human_bytes(x) if _finite(x) else "-"
 
 
-def _split_top_level(text: str) -> list[str]:
-    """``"S(0), P(max)"`` -> ``["S(0)", "P(max)"]``: commas outside parentheses."""
-    out, depth, cur = [], 0, []
-    for ch in text:
-        if ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth = max(depth - 1, 0)
-        if ch == "," and depth == 0:
-            out.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    out.append("".join(cur).strip())
-    return [p for p in out if p]
+def _entries(text: str) -> list[str]:
+    """``"S(0), P(max)"`` -> ``["S(0)", "P(max)"]``: the non-empty entries, stripped."""
+    return [p.strip() for p in split_top_level(text) if p.strip()]
 
 
 def _per_axis(placement: Any, axes: tuple[str, ...]) -> dict[str, str]:
     """``"S(0), B"`` over ``("dp", "tp")`` -> ``{"dp": "S(0)", "tp": "B"}``; the named form
     ``"dp=S(0), tp=B"`` too. Axes a placement does not mention are left out."""
-    parts = _split_top_level(str(placement))
+    parts = _entries(str(placement))
     if parts and all("=" in p for p in parts):
         named = {}
         for p in parts:
@@ -429,7 +418,7 @@ def _communication(plan: "Plan") -> str:
 def _placement_chips(text: Any) -> str:
     if text is None:
         return '<span class="none">-</span>'
-    parts = _split_top_level(str(text))
+    parts = _entries(str(text))
     return '<span class="chips">' + "".join(_chip(p) for p in parts) + "</span>" if parts else _e(text)
 
 

@@ -19,7 +19,7 @@ from typing import Sequence, Union
 
 import torch
 
-from autopar.ir.placement import PlacementError, _split_top_level, format_placements, normalize, parse_one
+from autopar.ir.placement import PlacementError, format_placements, normalize, parse_one, split_top_level
 
 __all__ = ["hint", "canonical_placements"]
 
@@ -48,7 +48,7 @@ def canonical_placements(placements: Union[str, Sequence]) -> str:
     if isinstance(placements, str):
         if not placements.strip():
             raise PlacementError("empty placement string: expected e.g. 'S(0), B' or 'dp=S(0)'")
-        parts = _split_top_level(placements)
+        parts = split_top_level(placements)
         named = ["=" in p for p in parts]
         if any(named):
             if not all(named):

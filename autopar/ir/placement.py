@@ -93,7 +93,7 @@ def parse_one(text: str) -> Placement:
     return Partial(m.group(4) or "sum")
 
 
-def _split_top_level(text: str) -> list[str]:
+def split_top_level(text: str) -> list[str]:
     """Split on commas outside parentheses (``"S(0), B"`` -> ``["S(0)", " B"]``)."""
     parts, depth, cur = [], 0, []
     for ch in text:
@@ -122,7 +122,7 @@ def parse(text: str | Sequence, axis_names: Sequence[str] | None = None, ndim: i
     if not isinstance(text, str):
         return normalize(text, ndim if ndim is not None else (len(axis_names) if axis_names else None))
     n = ndim if ndim is not None else (len(axis_names) if axis_names is not None else None)
-    parts = [p for p in _split_top_level(text)]
+    parts = [p for p in split_top_level(text)]
     if not text.strip():
         raise PlacementError("empty placement string: expected e.g. 'S(0), B' or 'dp=S(0)'")
     named = ["=" in p for p in parts]

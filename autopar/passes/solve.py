@@ -68,27 +68,24 @@ def solve(
     hint: Optional[Sequence[int]] = None,
     deterministic_time: float = 30.0,
     time_limit: Optional[float] = None,
-    tiebreak: bool = True,
-    warm_start: bool = True,
 ) -> Solution:
     """The cheapest choice within the memory budget; raises InfeasibleError if there is none.
-    ``tiebreak`` runs the second, lexicographic solve (less hidden traffic and memory).
+    A second, lexicographic solve then keeps the step time and minimises hidden traffic and memory.
 
-    With ``warm_start``, when some tensor has several consumers, the exact model (shared
+    When some tensor has several consumers, the exact model (shared
     reshardings) is solved from the optimum of the same model with every consumer paying its own
     resharding (an upper bound of the evaluator, whose LP is the tight transport one; solved in a
     fraction of the time), or from the hint if that is cheaper by the evaluator. From a poor hint
     (a recipe) the exact model's search can take long to find good plans (measured: an MLP on a
     (2, 2) mesh, FEASIBLE and 8% off after 20 s of deterministic time; warm-started, OPTIMAL
-    after 0.6 s); a time limit still returns a plan no worse than the warm start. Axis-by-axis
-    rounds start from the previous round's plan and skip it."""
+    after 0.6 s); a time limit still returns a plan no worse than the warm start."""
     from ortools.sat.python import cp_model
 
     t0 = time.perf_counter()
     det = 0.0
     ok = (cp_model.OPTIMAL, cp_model.FEASIBLE)
     stages = []
-    if warm_start and any(len(t) > 1 for t in problem.transfers):
+    if any(len(t) > 1 for t in problem.transfers):
         built, x, primary, _ = _build(problem, hint, shared=False)
         built.minimize(primary)
         model = built.model
@@ -116,7 +113,7 @@ def solve(
     choice = _read(solver, x)
 
     # Lexicographic tie-break: same step time, less hidden traffic and memory.
-    if secondary and tiebreak:
+    if secondary:
         model.ClearHints()
         for i, vars_ in x.items():
             for s, v in vars_.items():

@@ -22,7 +22,7 @@ import time
 from typing import Optional, Sequence
 
 from autopar.passes.problem import Problem, evaluate
-from autopar.passes.solve import InfeasibleError, Solution, _build, improve
+from autopar.passes.solve import Solution, _build, improve
 
 #: Relative optimality gap at which an axis round stops.
 AXIS_GAP = 0.02
@@ -208,4 +208,4 @@ def solve_by_axis(
     return Solution(choice, best, 0.0, "FEASIBLE", stats)
 
 
-__all__ = ["AXIS_GAP", "HighsModel", "InfeasibleError", "edge_var_count", "solve_by_axis", "solve_round"]
+__all__ = ["AXIS_GAP", "HighsModel", "edge_var_count", "solve_by_axis", "solve_round"]
