@@ -13,6 +13,7 @@ from autopar.cost_model.precision import Precision, get_precision
 from autopar.ir.annotations import dtensor_hints, merge_hints
 from autopar.ir.capture import capture
 from autopar.ir.graph import Graph
+from autopar.ir.placement import Split
 from autopar.mesh import Mesh
 from autopar.passes.cost import build_problem
 from autopar.passes.fold import Folding, fold
@@ -118,7 +119,9 @@ def run_passes(
             allowed = R.constraints(graph, mesh, name, tensor_axis)
             # the weights' column/row descent only for a recipe asked for by name: as a baseline
             # for the search it would cost seconds of planning on large meshes
-            choice = _complete(merged, problem, allowed, R.pinned_axes(mesh, name, tensor_axis), orient=bool(recipe))
+            pinned = R.pinned_axes(mesh, name, tensor_axis)
+            whole = R.whole_on_tensor_axis(graph, mesh, name, tensor_axis) if pinned else {}
+            choice = _complete(merged, problem, allowed, pinned, orient=bool(recipe), whole=whole)
         except (R.RecipeError, InfeasibleError, ValueError) as e:
             if recipe:
                 raise
@@ -168,10 +171,12 @@ def run_passes(
 FORBIDDEN = 1e3
 
 
-def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int], orient: bool = False) -> list[int]:
+def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int], orient: bool = False,
+              whole: Optional[dict] = None) -> list[int]:
     """A cheap choice with the placeholders restricted to ``allowed`` placements, and parameters
     used where they lie on the ``pinned`` axes (no gathers there): greedy, then local search.
-    With ``orient``, each pinned weight's split is chosen by coordinate descent (``_orient``)."""
+    With ``orient``, each pinned weight's split is chosen by coordinate descent (``_orient``).
+    ``whole`` (``{node: {output: dims}}``): dims no output may be split along on the pinned axes."""
     saved = [n.allowed for n in merged.problem.nodes]
     saved_costs = [e.cost for e in merged.problem.edges]
     try:
@@ -187,14 +192,47 @@ def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int]
                 if not ok:
                     raise InfeasibleError(f"no strategy of {n.name} has the recipe's placement")
                 n.allowed = ok
+            if whole and n.name in whole:
+                cur = n.allowed if n.allowed is not None else range(len(n.strategies))
+                keep = [s for s in cur if not _splits_any(n.strategies[s], whole[n.name], pinned)]
+                n.allowed = keep or list(cur)
         if not pinned:
             return merged.expand(improve(merged.problem, greedy(merged.problem)), len(problem.nodes))
-        return _orient(merged, problem, pinned, rounds=2 if orient else 0)
+        best = _orient(merged, problem, pinned, rounds=2 if orient else 0)
+        if orient and edge_var_count(merged.problem) <= FULL_ILP_LIMIT:
+            best = _exact_completion(merged, problem, best)
+        return best
     finally:
         for n, a in zip(merged.problem.nodes, saved):
             n.allowed = a
         for e, c in zip(merged.problem.edges, saved_costs):
             e.cost = c
+
+
+#: Deterministic seconds (CP-SAT's measure) for the exact completion of a recipe asked for by name.
+RECIPE_ILP_TIME = 5.0
+
+
+def _exact_completion(merged: Merged, problem: Problem, start: list[int]) -> list[int]:
+    """The recipe's cheapest completion by the ILP, warm-started from the descent's (which it
+    replaces only when cheaper): coordinate descent flips one weight at a time, and Megatron's
+    pairing of a column-split and a row-split weight is sometimes two flips away."""
+    try:
+        sol = solve(merged.problem, [start[i] for i in merged.keep], RECIPE_ILP_TIME)
+    except InfeasibleError:
+        return start
+    choice = merged.expand(sol.choice, len(problem.nodes))
+    return choice if evaluate(problem, choice).step_time < evaluate(problem, start).step_time * (1 - 1e-9) else start
+
+
+def _splits_any(strategy, dims_of: dict[int, set[int]], axes: list[int]) -> bool:
+    """Whether ``strategy`` splits output ``j`` along one of ``dims_of[j]`` on one of ``axes``."""
+    for j, dims in dims_of.items():
+        for a in axes:
+            p = strategy[a].outputs[j] if j < len(strategy[a].outputs) else None
+            if isinstance(p, Split) and p.dim in dims:
+                return True
+    return False
 
 
 def _orient(merged: Merged, problem: Problem, pinned: list[int], rounds: int = 2) -> list[int]:

@@ -17,6 +17,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from autopar._torch_compat import install_strided_checkpointing
 from autopar.errors import AutoparError
 from autopar.ir.graph import Graph
 from autopar.ir.placement import from_dtensor, format_placements, local_block, to_dtensor
@@ -42,7 +43,7 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 def _dtensor(local: torch.Tensor, dmesh, slot: Slot):
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, dmesh, to_dtensor(slot.placements), run_check=False,
+    return DTensor.from_local(local, dmesh, to_dtensor(slot.placements, slot.spec.blocks), run_check=False,
                               shape=torch.Size(slot.spec.shape), stride=_contiguous_stride(slot.spec.shape))
 
 
@@ -177,7 +178,7 @@ class ParallelModule(torch.nn.Module):
             raise CompileError(f"input {slot.key!r} has shape {tuple(value.shape)}, but the program was compiled for "
                                f"{slot.spec}: compile again for this shape")
         coords = tuple(self.program.coords)
-        return local_block(value, slot.placements, self.program.mesh_shape, coords)
+        return local_block(value, slot.placements, self.program.mesh_shape, coords, slot.spec.blocks)
 
     def forward(self, *args, **kwargs):
         values = []
@@ -272,6 +273,8 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else None
     prec = execution_precision(precision or "plan", shared.precision.get("name", "fp32"), device)
     program = lower(res, coords, device, prec)
+    if any(slot.spec.blocks for slot in program.inputs):  # _StridedShard parameters: teach DCP their pieces
+        install_strided_checkpointing()
     _distribute_state(model, graph, program, dmesh, device)
     return ParallelModule(model, shared, graph, dmesh, program, prec)
 
@@ -290,7 +293,7 @@ def _distribute_state(model: torch.nn.Module, graph: Graph, program: Program, dm
         mod = model.get_submodule(owner)
         old = getattr(mod, name)
         whole = full_value(model, slot.key, old)
-        block = local_block(whole, slot.placements, program.mesh_shape, coords)
+        block = local_block(whole, slot.placements, program.mesh_shape, coords, slot.spec.blocks)
         if device is not None:
             block = block.to(device)
         dt = _dtensor(block, dmesh, slot)

@@ -15,11 +15,13 @@ and lets every op follow the cheapest way consistent with that:
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Sequence
 
 from autopar.errors import AutoparError
-from autopar.ir.graph import Graph
-from autopar.ir.placement import B, Placements, Split
+from autopar.ir.dimflow import token_dims
+from autopar.ir.graph import Graph, TensorSpec
+from autopar.ir.placement import B, Placements, Split, blocks_fit
 from autopar.mesh import Mesh
 
 NAMES = ("ddp", "fsdp", "megatron_tp", "megatron_sp", "fsdp_tp")
@@ -58,11 +60,18 @@ def _batch_split(graph: Graph, mesh: Mesh, data_axes: Sequence[int], name: str) 
     return out
 
 
-def _shard_dim(shape: Sequence[int], pieces: int) -> Optional[int]:
-    """The dim FSDP splits: dim 0 when it is large enough, else the largest dim that is."""
-    if shape and shape[0] >= pieces:
+def _shard_dim(spec: TensorSpec, mesh: Mesh, data: Sequence[int]) -> Optional[int]:
+    """The dim FSDP splits over the data axes: dim 0 when it is large enough, else the largest dim
+    that is (a dim of equal blocks only where ``blocks_fit``)."""
+    shape, pieces = spec.shape, math.prod(mesh.shape[a] for a in data)
+
+    def ok(d: int) -> bool:
+        pl = [Split(d) if a in data else B for a in range(mesh.ndim)]
+        return shape[d] >= pieces and blocks_fit(shape, pl, mesh.shape, spec.blocks)
+
+    if shape and ok(0):
         return 0
-    fits = [d for d in range(len(shape)) if shape[d] >= pieces]
+    fits = [d for d in range(len(shape)) if ok(d)]
     return max(fits, key=lambda d: (shape[d], -d)) if fits else None
 
 
@@ -82,14 +91,12 @@ def _constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed
         for node in graph.inputs.values():
             allowed[node] = [tuple(B for _ in mesh.shape)]
     sharded_any = False
-    data_pieces = 1
-    for a in data:
-        data_pieces *= mesh.shape[a]
     for fqn, node in _params(graph):
-        shape = graph.node(node).out.shape
+        spec = graph.node(node).out
+        shape = spec.shape
         base: list = [B] * mesh.ndim
         if name in ("fsdp", "fsdp_tp") and data:
-            d = _shard_dim(shape, data_pieces)
+            d = _shard_dim(spec, mesh, data)
             if d is not None:
                 for a in data:
                     base[a] = Split(d)
@@ -100,7 +107,8 @@ def _constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed
                 if shape[d] >= mesh.shape[t] and all(not (isinstance(p, Split) and p.dim == d) for p in base):
                     pl = list(base)
                     pl[t] = Split(d)
-                    options.append(tuple(pl))
+                    if blocks_fit(shape, pl, mesh.shape, spec.blocks):
+                        options.append(tuple(pl))
             if options:
                 sharded_any = True
             else:
@@ -123,6 +131,21 @@ def pinned_axes(mesh: Mesh, name: str, tensor_axis=-1) -> list[int]:
     if name in ("megatron_tp", "megatron_sp", "fsdp_tp"):
         return [mesh.axis(tensor_axis)]
     return []
+
+
+def whole_on_tensor_axis(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> dict[str, dict[int, set[int]]]:
+    """Megatron tensor parallelism (without the sequence split) keeps every activation whole along
+    the batch and sequence on the tensor axis: ``{node: {output: dims}}`` that may not be split
+    there (``ir.dimflow.token_dims``). Left free, the completion would split the residual stream
+    by tokens (reduce-scatter + all-gather where Megatron all-reduces): sequence parallelism,
+    which is ``megatron_sp``."""
+    if name not in ("megatron_tp", "fsdp_tp"):
+        return {}
+    out: dict[str, dict[int, set[int]]] = {}
+    for ref, dims in token_dims(graph).items():
+        if not graph.node(ref.node).is_placeholder:
+            out.setdefault(ref.node, {})[ref.index] = dims
+    return out
 
 
 def constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed:

@@ -33,6 +33,7 @@ import torch
 from autopar import _torch_compat as tc
 from autopar._torch_compat import pytree
 from autopar.errors import CaptureError
+from autopar.ir.blocks import mark_blocks
 from autopar.ir.graph import Graph
 from autopar.ir.lift import drop_constant_inputs, lift, merge_tied
 from autopar.ir.placement import PlacementError
@@ -104,6 +105,7 @@ def capture(
     gm.recompile()
 
     graph = lift(gm, training=training, input_names=names, constants=constants, aliases=aliases)
+    mark_blocks(graph)
     if training:
         _check_grads(graph, mc, aliases)
     _warn_attention_dropout(graph)

@@ -34,10 +34,24 @@ class Phase(str, enum.Enum):
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Shape and dtype of one tensor (no strides: the IR is about values, not layouts)."""
+    """Shape and dtype of one tensor (no strides: the IR is about values, not layouts).
+
+    ``blocks`` lists ``(dim, c)`` for dims made of ``c`` equal blocks that the program cuts apart
+    (a fused ``qkv`` output split into q, k and v; the ``cat`` of their gradients): a split of such
+    a dim cuts every block alike, so each device holds its piece of each block, in block order
+    (DTensor's ``_StridedShard(dim, split_factor=c)``). ``ir.blocks`` finds them.
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    blocks: tuple[tuple[int, int], ...] = ()
+
+    def block_count(self, dim: int) -> int:
+        """How many equal blocks dim ``dim`` is made of (1: a plain dim)."""
+        for d, c in self.blocks:
+            if d == dim:
+                return c
+        return 1
 
     @property
     def ndim(self) -> int:

@@ -11,6 +11,7 @@ axes is nested in mesh-axis order: split over axis 0, then each piece over axis 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Sequence, Union
@@ -164,14 +165,21 @@ def format_placements(placements: Sequence[Placement]) -> str:
 # DTensor conversion
 
 
-def to_dtensor(placements: Sequence[Placement]) -> tuple:
-    """Our placements as DTensor placements (``Shard``, ``Replicate``, ``Partial``)."""
+def to_dtensor(placements: Sequence[Placement], blocks: Sequence[tuple[int, int]] = ()) -> tuple:
+    """Our placements as DTensor placements (``Shard``, ``Replicate``, ``Partial``); a split of a
+    dim of ``c`` blocks (``TensorSpec.blocks``) is ``_StridedShard(dim, split_factor=c)`` on every
+    axis that splits it (each axis cuts every block of the block it sees)."""
     from torch.distributed.tensor import Partial as DPartial
     from torch.distributed.tensor import Replicate, Shard
 
+    from autopar._torch_compat import strided_shard
+
+    count = dict(blocks)
     out = []
     for p in placements:
-        if isinstance(p, Split):
+        if isinstance(p, Split) and count.get(p.dim, 1) > 1:
+            out.append(strided_shard(p.dim, count[p.dim]))
+        elif isinstance(p, Split):
             out.append(Shard(p.dim))
         elif isinstance(p, Broadcast):
             out.append(Replicate())
@@ -260,11 +268,18 @@ def local_shape(
     return tuple(length for _, length in local_range(shape, placements, mesh_shape, coords))
 
 
-def local_block(t, placements: Sequence[Placement], mesh_shape: Sequence[int], coords: Sequence[int]):
+def local_block(t, placements: Sequence[Placement], mesh_shape: Sequence[int], coords: Sequence[int],
+                blocks: Sequence[tuple[int, int]] = ()):
     """The block of the whole tensor ``t`` that the device at ``coords`` holds. A ``Partial`` axis
-    keeps the value on its first device and the reduction's identity on the others."""
+    keeps the value on its first device and the reduction's identity on the others. ``blocks``
+    (``TensorSpec.blocks``): dims whose splits cut every block alike."""
     import torch
 
+    if blocks:
+        check_blocks(t.shape, placements, mesh_shape, blocks)
+        shape, inner = expand_blocks(t.shape, placements, blocks)
+        out = local_block(t.reshape(shape), inner, mesh_shape, coords)
+        return out.reshape(local_shape(t.shape, placements, mesh_shape, coords))
     for d, (start, length) in enumerate(local_range(t.shape, placements, mesh_shape, coords)):
         if length != t.shape[d]:
             t = t.narrow(d, start, length)
@@ -272,3 +287,38 @@ def local_block(t, placements: Sequence[Placement], mesh_shape: Sequence[int], c
         if isinstance(p, Partial) and coords[a] != 0 and p.reduce == "sum":
             t = torch.zeros_like(t)
     return t.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Dims of equal blocks (``TensorSpec.blocks``)
+
+
+def expand_blocks(shape: Sequence[int], placements: Sequence[Placement],
+                  blocks: Sequence[tuple[int, int]]) -> tuple[tuple[int, ...], Placements]:
+    """``shape`` with each dim of ``c`` blocks written as two dims ``(c, size / c)``, and
+    ``placements`` with that dim's split moved to the inner one (later dims shift by one): a split
+    of a block dim is a plain split of the expanded tensor, so every shard function applies."""
+    out, pl = list(shape), list(placements)
+    for d, c in sorted(blocks, reverse=True):
+        out[d:d + 1] = [c, out[d] // c]
+        pl = [Split(p.dim + 1) if isinstance(p, Split) and p.dim >= d else p for p in pl]
+    return tuple(out), tuple(pl)
+
+
+def blocks_fit(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int],
+               blocks: Sequence[tuple[int, int]]) -> bool:
+    """Whether every split of a block dim cuts each block into equal pieces (the local shape is then
+    the plain split's; uneven pieces of blocks are not supported), on one mesh axis at most:
+    DTensor (torch 2.13) reassembles two ``_StridedShard`` axes on one dim wrongly."""
+    for d, c in blocks:
+        axes = [n for p, n in zip(placements, mesh_shape) if isinstance(p, Split) and p.dim == d]
+        if len(axes) > 1 or shape[d] % (c * math.prod(axes)):
+            return False
+    return True
+
+
+def check_blocks(shape, placements, mesh_shape, blocks) -> None:
+    if not blocks_fit(shape, placements, mesh_shape, blocks):
+        raise PlacementError(
+            f"placement {format_placements(placements)} cuts the blocks {list(blocks)} of a tensor of shape "
+            f"{tuple(shape)} into unequal pieces")

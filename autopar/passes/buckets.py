@@ -63,12 +63,20 @@ def grad_steps(graph: Graph, fqn: str, src, dst, mesh, precision) -> list[Step]:
     return reshard_steps(spec.shape, src, dst, mesh, element_bytes(spec.dtype, "grad", precision))
 
 
+def _key(spec, steps: Sequence[Step]) -> Optional[tuple]:
+    """``bucket_key``; a gradient with dims of equal blocks shares only all-reduces (a bucket's
+    reduce-scatter or all-gather lays gradients out as plain splits)."""
+    if spec.blocks and any(s.kind != "all_reduce" for s in steps):
+        return None
+    return bucket_key(steps, spec.dtype)
+
+
 def grad_buckets(graph: Graph, steps: dict[str, Sequence[Step]]) -> dict[str, int]:
     """``{fqn: bucket index}`` for the gradients (fqn -> their resharding steps) that can be
     bucketed, in the order the backward produces them; indices count buckets in the order they
     fill."""
     where = {n.name: i for i, n in enumerate(graph.nodes)}
-    keys = {fqn: bucket_key(st, graph.spec(graph.grads[fqn]).dtype) for fqn, st in steps.items()}
+    keys = {fqn: _key(graph.spec(graph.grads[fqn]), st) for fqn, st in steps.items()}
     order = sorted((fqn for fqn, key in keys.items() if key is not None),
                    key=lambda f: (where[graph.grads[f].node], f))
     open_bucket: dict[tuple, tuple[int, int]] = {}  # key -> (bucket index, bytes so far)

@@ -114,9 +114,9 @@ class CastPolicy:
         mode = self.modes.get(node.name)
         if mode is None:
             return call
-        in_specs = [TensorSpec(s.shape, self._read(graph, node, r)) if _is_float(s) else s
+        in_specs = [dataclasses.replace(s, dtype=self._read(graph, node, r)) if _is_float(s) else s
                     for s, r in zip(call.in_specs, node.inputs)]
-        out_specs = [TensorSpec(s.shape, self.dtypes.get(Ref(node.name, j), s.dtype)) if _is_float(s) else s
+        out_specs = [dataclasses.replace(s, dtype=self.dtypes.get(Ref(node.name, j), s.dtype)) if _is_float(s) else s
                      for j, s in enumerate(call.out_specs)]
         kwargs = dict(call.kwargs)
         if isinstance(kwargs.get("dtype"), torch.dtype) and kwargs["dtype"].is_floating_point:

@@ -36,7 +36,7 @@ from autopar.cost_model.comm import reshard_steps
 from autopar.cost_model.precision import Precision
 from autopar.errors import AutoparError
 from autopar.ir.graph import Graph, Node, Phase, Ref, Role, TensorSpec
-from autopar.ir.placement import B, Partial, Placements, chunk_range, format_placements, local_shape
+from autopar.ir.placement import B, Partial, Placements, chunk_range, expand_blocks, format_placements, local_shape
 from autopar.ir.rules import op_call
 from autopar.ir.rules.base import LocalCtx, OpCall, has_local, local_args, run_local
 from autopar.ir.rules.dimmap import Strategy
@@ -273,13 +273,21 @@ class _Emitter:
         spec = self.g.spec(ref)
         role = "gather" if ref.node in self.params else ("grad" if self.g.role(ref) == Role.GRADIENT else "activation")
         eb = transfer_bytes(self.g, ref, role, self.res.precision, self.priced)
+        steps = reshard_steps(spec.shape, src, dst, self.res.mesh, eb)
+        shape, final = spec.shape, dst
+        if spec.blocks:  # dims of equal blocks: reshard the expanded tensor, where they are plain dims
+            shape, src_x = expand_blocks(spec.shape, src, spec.blocks)
+            x = where.call_method("reshape", (x, list(local_shape(shape, src_x, self.mesh_shape, self.coords))))
+            src, dst = src_x, expand_blocks(spec.shape, dst, spec.blocks)[1]
         cur = list(src)
-        for step in reshard_steps(spec.shape, src, dst, self.res.mesh, eb):
+        for step in steps:
             a = step.axis
             new = B if step.kind == "all_gather" else dst[a]
-            x = self._step(x, spec.shape, cur, a, new, step.kind, step.reduce, where)
+            x = self._step(x, shape, cur, a, new, step.kind, step.reduce, where)
             cur[a] = new
         assert tuple(cur) == tuple(dst), (cur, dst)
+        if spec.blocks:  # back to the tensor's own dims (blocks cut evenly: the plain split's local shape)
+            x = where.call_method("reshape", (x, list(local_shape(spec.shape, final, self.mesh_shape, self.coords))))
         return x
 
     def _step(self, x, shape, cur, a, new, kind, reduce, where: fx.Graph) -> fx.Node:

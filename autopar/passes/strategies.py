@@ -16,7 +16,8 @@ from typing import Optional, Sequence
 
 from autopar.errors import AutoparError
 from autopar.ir.graph import Graph, Node, Ref, Role, TensorSpec
-from autopar.ir.placement import B, Placement, PlacementError, Placements, Split, format_placements, parse
+from autopar.ir.placement import (B, Placement, PlacementError, Placements, Split, blocks_fit, format_placements,
+                                  parse)
 from autopar.ir.rules import op_call, strategies as rule_strategies
 from autopar.ir.rules.dimmap import Signature, Strategy
 from autopar.mesh import Mesh
@@ -40,7 +41,8 @@ def fits(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequ
 def input_placements(spec: TensorSpec, mesh_shape: Sequence[int]) -> list[Placements]:
     """Every placement a graph input may take: per axis B or a split of a dim that is large enough."""
     per_axis = [[B] + [Split(d) for d in range(spec.ndim) if spec.shape[d] >= n] for n in mesh_shape]
-    return [p for p in itertools.product(*per_axis) if fits(spec.shape, p, mesh_shape)]
+    return [p for p in itertools.product(*per_axis) if fits(spec.shape, p, mesh_shape)
+            and blocks_fit(spec.shape, p, mesh_shape, spec.blocks)]
 
 
 def _as_strategy(placements: Placements) -> Strategy:

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from autopar.ir.placement import Partial, Placement, Split, chunk_range
+from autopar.ir.placement import Partial, Placement, Split, check_blocks, chunk_range, expand_blocks, local_shape
 from autopar.ir.rules.base import LocalCtx, OpCall, Strategy, run_local, substitute, as_list
 
 Coords = tuple[int, ...]
@@ -52,9 +52,16 @@ def _slice(t: torch.Tensor, dim: int, n: int, i: int) -> torch.Tensor:
 
 
 def distribute(
-    t: torch.Tensor, placements: Sequence[Placement], mesh_shape: Sequence[int], gen: torch.Generator
+    t: torch.Tensor, placements: Sequence[Placement], mesh_shape: Sequence[int], gen: torch.Generator,
+    blocks_of: Sequence[tuple[int, int]] = (),
 ) -> dict[Coords, torch.Tensor]:
-    """One local block per device; nested in mesh-axis order (axis 0 first)."""
+    """One local block per device; nested in mesh-axis order (axis 0 first). ``blocks_of``
+    (``TensorSpec.blocks``): dims split block by block."""
+    if blocks_of:
+        check_blocks(t.shape, placements, mesh_shape, blocks_of)
+        shape, inner = expand_blocks(t.shape, placements, blocks_of)
+        return {c: b.reshape(local_shape(t.shape, placements, mesh_shape, c))
+                for c, b in distribute(t.reshape(shape), inner, mesh_shape, gen).items()}
     blocks: dict[Coords, torch.Tensor] = {(): t}
     for axis, p in enumerate(placements):
         n = mesh_shape[axis]
@@ -85,12 +92,21 @@ def collect(
     placements: Sequence[Placement],
     mesh_shape: Sequence[int],
     rtol: Optional[float] = None,
+    blocks_of: Sequence[tuple[int, int]] = (),
+    shape: Optional[Sequence[int]] = None,
 ) -> torch.Tensor:
     """The whole tensor from its blocks, undoing ``distribute`` from the last axis to the first.
 
     ``B`` blocks must agree to ``rtol`` relative to their largest value (they can differ in the
-    last bits when each is a sum of different random addends).
+    last bits when each is a sum of different random addends). ``blocks_of`` (with the whole
+    tensor's ``shape``): dims split block by block.
     """
+    if blocks_of:
+        if shape is None:
+            raise ValueError("collect: the whole shape is needed to undo a split by blocks")
+        full, inner = expand_blocks(shape, placements, blocks_of)
+        parts = {c: b.reshape(local_shape(full, inner, mesh_shape, c)) for c, b in blocks.items()}
+        return collect(parts, inner, mesh_shape, rtol).reshape(tuple(shape))
     cur = dict(blocks)
     for axis in reversed(range(len(mesh_shape))):
         p = placements[axis]
@@ -173,7 +189,7 @@ def check_strategy(
     for i, t in enumerate(inputs):
         pl = tuple(sig.inputs[i] for sig in strategy)
         try:
-            per_input.append(distribute(t, pl, mesh_shape, gen))
+            per_input.append(distribute(t, pl, mesh_shape, gen, call.in_specs[i].blocks))
         except (ValueError, IndexError, RuntimeError) as e:
             return CheckResult(False, f"input {i} cannot be placed {pl}: {e}")
     local_inputs = {c: [blocks[c] for blocks in per_input] for c in device_coords(mesh_shape)}
@@ -187,7 +203,9 @@ def check_strategy(
             continue
         pl = tuple(sig.outputs[j] for sig in strategy)
         try:
-            got = collect({c: outs[c][j] for c in outs}, pl, mesh_shape, rtol=tol)
+            spec = call.out_specs[j]
+            got = collect({c: outs[c][j] for c in outs}, pl, mesh_shape, rtol=tol, blocks_of=spec.blocks,
+                          shape=spec.shape)
         except Mismatch as e:
             return CheckResult(False, f"output {j}: {e}")
         except (RuntimeError, IndexError, ValueError) as e:

@@ -112,7 +112,8 @@ def simulate_programs(res: Resolved, placeholders: Sequence[torch.Tensor], preci
 
     def one(coords):
         prog = programs[coords]
-        local = [local_block(t, slot.placements, mesh_shape, coords) for t, slot in zip(placeholders, prog.inputs)]
+        local = [local_block(t, slot.placements, mesh_shape, coords, slot.spec.blocks)
+                 for t, slot in zip(placeholders, prog.inputs)]
         outs, grads = run_step(prog, local, tangent, precision)
         return RankResult(outs, grads)
 
@@ -125,7 +126,8 @@ def gather_slots(slots, per_device: dict, mesh_shape) -> list[torch.Tensor]:
     out = []
     for j, slot in enumerate(slots):
         blocks = {c: per_device[c][j] for c in per_device}
-        out.append(collect(blocks, slot.placements, mesh_shape, rtol=_rtol(blocks)))
+        out.append(collect(blocks, slot.placements, mesh_shape, rtol=_rtol(blocks), blocks_of=slot.spec.blocks,
+                           shape=slot.spec.shape))
     return out
 
 

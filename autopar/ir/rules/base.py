@@ -17,7 +17,7 @@ import torch
 from torch.fx.node import map_aggregate
 
 from autopar.ir.graph import Graph, Node, Ref, TensorSpec
-from autopar.ir.placement import Partial, Placement, local_range, local_shape
+from autopar.ir.placement import Partial, Placement, Split, blocks_fit, local_range, local_shape
 from autopar.ir.rules.dimmap import (
     DimMap,
     Signature,
@@ -124,6 +124,8 @@ class OpRule:
     extra: Optional[Callable[[OpCall, DimMap], list[Signature]]] = None
     local: Optional[LocalFn] = None
     size_args: tuple[tuple[int, str, int], ...] = ()  # (arg index, arg name, output index) holding a shape
+    # rewrites other size arguments (in place, on the args list and kwargs) to this device's sizes
+    arg_fix: Optional[Callable[[LocalCtx, list, dict], None]] = None
 
 
 RULES: dict[str, OpRule] = {}
@@ -145,9 +147,30 @@ def has_rule(op: str) -> bool:
     return op in RULES
 
 
+def _has_blocks(call: OpCall) -> bool:
+    return any(s is not None and s.blocks for s in list(call.in_specs) + list(call.out_specs))
+
+
+def _build(rule: OpRule, call: OpCall) -> DimMap:
+    """The rule's DimMap, told which of the call's tensor dims are equal blocks."""
+    dm = rule.dimmap(call)
+    if _has_blocks(call):
+        dm.in_blocks = [dict(s.blocks) for s in call.in_specs]
+        dm.out_blocks = [dict(s.blocks) if s is not None else {} for s in call.out_specs]
+    return dm
+
+
 def dimmap(call: OpCall) -> Optional[DimMap]:
     rule = RULES.get(call.op)
-    return rule.dimmap(call) if rule else None
+    return _build(rule, call) if rule else None
+
+
+def _splits_blocks(call: OpCall, sig: Signature) -> bool:
+    """Whether ``sig`` splits a dim of equal blocks (which only DimMap signatures understand)."""
+    for spec, p in list(zip(call.in_specs, sig.inputs)) + list(zip(call.out_specs, sig.outputs)):
+        if spec is not None and spec.blocks and isinstance(p, Split) and spec.block_count(p.dim) > 1:
+            return True
+    return False
 
 
 def signatures(call: OpCall, min_size: int = 2) -> list[Signature]:
@@ -165,10 +188,13 @@ def signatures(call: OpCall, min_size: int = 2) -> list[Signature]:
                 stacklevel=2,
             )
         return [replicate_signature(len(call.in_specs), call.out_specs)]
-    dm = rule.dimmap(call)
+    dm = _build(rule, call)
     sigs = enumerate_signatures(dm, min_size=min_size)
     if rule.extra is not None:
         sigs += rule.extra(call, dm)
+    if (rule.local is not None or rule.extra is not None) and _has_blocks(call):
+        # special signatures and offset-reading local code know nothing of blocks
+        sigs = [s for s in sigs if not _splits_blocks(call, s)]
     return sigs
 
 
@@ -176,12 +202,26 @@ def strategies(call: OpCall, mesh_shape: Sequence[int], min_size: int = 2) -> li
     """Every valid composition of one-axis signatures over the mesh's axes (axis order = mesh order)."""
     sigs = signatures(call, min_size=min_size)
     rule = RULES.get(call.op)
-    dm = rule.dimmap(call) if rule else None
+    dm = _build(rule, call) if rule else None
     out = []
     for combo in itertools.product(sigs, repeat=len(mesh_shape)):
         if dm is None or compose_ok(dm, combo, mesh_shape):
             out.append(tuple(combo))
+    if _has_blocks(call):
+        out = [st for st in out if _blocks_fit(call, st, mesh_shape)]
     return out
+
+
+def _blocks_fit(call: OpCall, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
+    """Every dim of equal blocks that the strategy splits is cut into equal pieces of each block."""
+    for i, spec in enumerate(call.in_specs):
+        if spec.blocks and not blocks_fit(spec.shape, [s.inputs[i] for s in strategy], mesh_shape, spec.blocks):
+            return False
+    for j, spec in enumerate(call.out_specs):
+        if spec is not None and spec.blocks and not blocks_fit(
+                spec.shape, [s.outputs[j] for s in strategy], mesh_shape, spec.blocks):
+            return False
+    return True
 
 
 def substitute(call: OpCall, tensors: Sequence[Any]) -> tuple[tuple, dict]:
@@ -207,13 +247,15 @@ def local_args(ctx: LocalCtx, local_inputs: Sequence[Any]) -> tuple[tuple, dict]
     (``size_args``) rewritten to the local output shape. Only for rules without a ``local``."""
     rule = RULES.get(ctx.call.op)
     args, kwargs = substitute(ctx.call, local_inputs)
-    if rule is not None and rule.size_args:
+    if rule is not None and (rule.size_args or rule.arg_fix):
         args, kwargs = list(args), dict(kwargs)
         for index, name, j in rule.size_args:
             if index < len(args):
                 args[index] = list(ctx.out_shape(j))
             elif name in kwargs:
                 kwargs[name] = list(ctx.out_shape(j))
+        if rule.arg_fix is not None:
+            rule.arg_fix(ctx, args, kwargs)
         args = tuple(args)
     return args, kwargs
 

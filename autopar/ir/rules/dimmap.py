@@ -72,6 +72,9 @@ class DimMap:
     no_split: frozenset[str] = frozenset()
     float_inputs: tuple[bool, ...] = ()  # which inputs may be P (floating dtype)
     float_outputs: tuple[bool, ...] = ()
+    # per input / output, ``{dim: blocks}`` of its dims of equal blocks (``TensorSpec.blocks``)
+    in_blocks: list[dict[int, int]] = field(default_factory=list)
+    out_blocks: list[dict[int, int]] = field(default_factory=list)
 
     def factors(self) -> list[str]:
         """Factors in first-seen order (deterministic)."""
@@ -91,24 +94,56 @@ class DimMap:
         return False
 
 
-def _dim_of(dims: Dims, factor: str, sizes: dict[str, int]) -> Optional[int]:
-    """The tensor dim ``factor`` leads (trivial factors before it are skipped); -1 if it sits behind another."""
+def _dim_of(dims: Dims, factor: str, sizes: dict[str, int], blocks: Optional[dict[int, int]] = None
+            ) -> tuple[Optional[int], int]:
+    """``(dim, e)``: the tensor dim holding ``factor`` and how many equal blocks ``factor`` itself
+    is cut into there; dim -1 where a split of ``factor`` is not a split of that dim.
+
+    A plain dim may split only its leading factor (trivial factors skipped). A dim of ``c`` blocks
+    (``TensorSpec.blocks``) is split block by block: the factors before ``factor`` must multiply to
+    ``p`` dividing ``c``, and ``factor`` is then itself ``e = c / p`` blocks (``e = 1``: the blocks
+    are exactly the factors before it, as in ``split``'s input; ``e = c``: a leading factor)."""
     for d, fs in enumerate(dims):
         if factor in fs:
             lead = [f for f in fs if sizes[f] != 1]
-            return d if lead and lead[0] == factor else -1
-    return None
+            if factor not in lead:
+                return -1, 1
+            p = 1
+            for f in lead[:lead.index(factor)]:
+                p *= sizes[f]
+            c = (blocks or {}).get(d, 1)
+            return (d, c // p) if c % p == 0 else (-1, 1)
+    return None, 1
+
+
+def _nth(blocks_list: list[dict[int, int]], i: int) -> Optional[dict[int, int]]:
+    return blocks_list[i] if i < len(blocks_list) else None
+
+
+def factor_blocks(dm: DimMap, factor: str) -> Optional[int]:
+    """How many equal blocks every tensor holding ``factor`` agrees it is cut into (1: plain), or
+    None where a split of ``factor`` is not valid (a dim behind another factor, or tensors that
+    disagree on the blocks: one device would hold pieces of q, k and v, another whole heads)."""
+    seen: set[int] = set()
+    for dims_list, blocks_list in ((dm.inputs, dm.in_blocks), (dm.outputs, dm.out_blocks)):
+        for i, dims in enumerate(dims_list):
+            if dims is None:
+                continue
+            d, e = _dim_of(dims, factor, dm.sizes, _nth(blocks_list, i))
+            if d == -1:
+                return None
+            if d is not None:
+                seen.add(e)
+    return seen.pop() if len(seen) == 1 else (1 if not seen else None)
 
 
 def split_signature(dm: DimMap, factor: str) -> Optional[Signature]:
     """The one-axis signature that splits ``factor``, or None where that split is not valid."""
-    if factor in dm.no_split:
+    if factor in dm.no_split or factor_blocks(dm, factor) is None:
         return None
     ins: list[Placement] = []
     for i, dims in enumerate(dm.inputs):
-        d = None if dims is None else _dim_of(dims, factor, dm.sizes)
-        if d == -1:
-            return None
+        d = None if dims is None else _dim_of(dims, factor, dm.sizes, _nth(dm.in_blocks, i))[0]
         if d is not None:
             ins.append(Split(d))
         elif i in dm.additive and factor in dm.reduce:
@@ -120,9 +155,7 @@ def split_signature(dm: DimMap, factor: str) -> Optional[Signature]:
         if dims is None:
             outs.append(None)
             continue
-        d = _dim_of(dims, factor, dm.sizes)
-        if d == -1:
-            return None
+        d = _dim_of(dims, factor, dm.sizes, _nth(dm.out_blocks, j))[0]
         if d is not None:
             outs.append(Split(d))
         elif factor in dm.reduce and (not dm.float_outputs or dm.float_outputs[j]):
@@ -189,6 +222,9 @@ def compose_ok(dm: DimMap, strategy: Strategy, mesh_shape: Sequence[int]) -> boo
             pieces[f] = pieces.get(f, 1) * n
     for f, n in pieces.items():
         if f in dm.sizes and dm.merged(f) and dm.sizes[f] % n != 0:
+            return False
+        e = factor_blocks(dm, f) if f in dm.sizes else 1
+        if e and e > 1 and dm.sizes[f] % (e * n) != 0:  # every block cut into equal pieces
             return False
     return True
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from autopar.ir.rules.base import OpCall, register
+from autopar.ir.graph import TensorSpec
+from autopar.ir.rules.base import LocalCtx, OpCall, register
 from autopar.ir.rules.dimmap import DimMap, Dims
 from autopar.ir.rules.generic import all_outputs, float_flags, linear_in, norm_dim, pointwise_map
 
@@ -223,21 +224,62 @@ def _shared_except(call: OpCall, dim: int, n_in: int, out_dims_fn) -> DimMap:
     return DimMap(ins, outs, sizes, no_split=no, linear=[linear_in(range(n_in), all_outputs(call))], float_inputs=fi, float_outputs=fo)
 
 
+def _equal_pieces(call: OpCall, dim: int, whole: TensorSpec, pieces: list) -> DimMap:
+    """``cat`` of (``split`` into) ``n`` equal pieces along ``dim``: the whole tensor's dim is the
+    merged ``(_n, blk)``, each piece's is ``blk``. Splitting ``blk`` is valid only where the whole
+    tensor's dim is ``n`` blocks (``TensorSpec.blocks``): each device then holds its piece of every
+    piece, and the op is local (a fused ``qkv`` split into whole heads of q, k and v)."""
+    names = [f"d{i}" for i in range(whole.ndim)]
+    sizes = dict(zip(names, whole.shape))
+    sizes["blk"], sizes["_n"] = pieces[0].shape[dim], len(pieces)
+    part = [(nm,) if i != dim else ("blk",) for i, nm in enumerate(names)]
+    full = [(nm,) if i != dim else ("_n", "blk") for i, nm in enumerate(names)]
+    fi, fo = float_flags(call)
+    cat = call.op == "aten.cat.default"
+    ins, outs = ([part] * len(pieces), [full]) if cat else ([full], [part] * len(pieces))
+    return DimMap(ins, outs, sizes, no_split=frozenset({"_n"}),
+                  linear=[linear_in(range(len(ins)), all_outputs(call))], float_inputs=fi, float_outputs=fo)
+
+
+def _is_equal_pieces(whole: TensorSpec, pieces: list, dim: int) -> bool:
+    return (len(pieces) >= 2 and all(p is not None and p.ndim == whole.ndim for p in pieces)
+            and len({p.shape for p in pieces}) == 1 and pieces[0].shape[dim] * len(pieces) == whole.shape[dim])
+
+
 @register("aten.cat.default")
 def _cat(call: OpCall) -> DimMap:
     x = call.in_specs[0]
     dim = norm_dim(call.arg(1, "dim", 0), x.ndim)
     n = len(call.in_specs)
+    if call.out_specs[0] is not None and _is_equal_pieces(call.out_specs[0], call.in_specs, dim):
+        return _equal_pieces(call, dim, call.out_specs[0], call.in_specs)
     return _shared_except(
         call, dim, n, lambda names: [[(nm,) if i != dim else ("_out0",) for i, nm in enumerate(names)]]
     )
 
 
-@register("aten.split.Tensor", "aten.split_with_sizes.default", "aten.unbind.int")
+def _split_sizes(ctx: LocalCtx, args: list, kwargs: dict) -> None:
+    """``split``'s sizes as this device's: along a dim split block by block, its piece of each."""
+    spec = ctx.call.in_specs[0]
+    dim = norm_dim(ctx.call.arg(2, "dim", 0), spec.ndim)
+    local = [ctx.out_shape(j)[dim] for j, o in enumerate(ctx.call.out_specs) if o is not None]
+    if len(local) != len(ctx.call.out_specs):
+        return  # an output that is not a tensor: sizes stay as recorded (the dim is never split then)
+    value = local[0] if ctx.call.op == "aten.split.Tensor" else local
+    if len(args) > 1:
+        args[1] = value
+    else:
+        kwargs["split_size" if ctx.call.op == "aten.split.Tensor" else "split_sizes"] = value
+
+
+@register("aten.split.Tensor", "aten.split_with_sizes.default", arg_fix=_split_sizes)
+@register("aten.unbind.int")
 def _split(call: OpCall) -> DimMap:
     x = call.in_specs[0]
     dim = norm_dim(call.arg(2, "dim", 0) if call.op != "aten.unbind.int" else call.arg(1, "dim", 0), x.ndim)
     unbind = call.op == "aten.unbind.int"
+    if not unbind and _is_equal_pieces(x, call.out_specs, dim):
+        return _equal_pieces(call, dim, x, call.out_specs)
 
     def outs(names):
         res = []

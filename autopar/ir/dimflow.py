@@ -1,0 +1,110 @@
+"""Spreading a property of tensor dims through the ops that share their factors.
+
+Two analyses use it: ``ir.blocks`` (dims made of equal blocks: the fused ``qkv`` output) and
+``token_dims`` (dims that come from the batch and sequence of the inputs: what Megatron tensor
+parallelism keeps whole on its tensor axis). A property at ``(tensor, dim)`` moves, within every op
+that reads or writes the tensor, to the other tensors' dims that hold the same factor of the op's
+``DimMap``: only a dim made of that one factor (``whole``; a block count does not survive a merge
+with other factors) or any dim that holds it.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Optional
+
+from autopar.ir.graph import Graph, Node, Ref
+
+Key = tuple[Ref, int]  # (tensor, dim)
+
+
+def _tensor_dims(node: Node, dm) -> list[tuple[Ref, list]]:
+    """``(tensor, its dims' factors)`` for every tensor input and output of ``node``."""
+    out = []
+    for r, dims in zip(node.inputs, dm.inputs):
+        if dims is not None:
+            out.append((r, dims))
+    for j, dims in enumerate(dm.outputs):
+        if dims is not None and node.outputs[j] is not None:
+            out.append((Ref(node.name, j), dims))
+    return out
+
+
+def _factors(dims: list, d: int, sizes: dict, whole: bool) -> frozenset:
+    real = [f for f in dims[d] if sizes[f] != 1]
+    if whole:
+        return frozenset(real) if len(real) == 1 else frozenset()
+    return frozenset(real)
+
+
+def spread(graph: Graph, seeds: dict[Key, Hashable], *, whole: bool,
+           partners: Optional[dict[Ref, list[Ref]]] = None) -> tuple[dict[Key, Hashable], set[Key]]:
+    """Every ``(tensor, dim)`` the seeds' values reach, and those reached with two different values
+    (left out of the spread from there on). ``partners``: tensors laid out alike whatever the ops
+    say (a parameter and its gradient). Deterministic: a worklist in graph order."""
+    from autopar.ir.rules.base import dimmap, op_call
+
+    marks = dict(seeds)
+    conflict: set[Key] = set()
+    users: dict[str, list[Node]] = {}
+    for n in graph.ops():
+        for r in n.inputs:
+            lst = users.setdefault(r.node, [])
+            if not lst or lst[-1] is not n:
+                lst.append(n)
+    dms: dict[str, object] = {}
+
+    def dm_of(node: Node):
+        if node.name not in dms:
+            dms[node.name] = None if node.is_placeholder else dimmap(op_call(graph, node))
+        return dms[node.name]
+
+    def mark(key: Key, value) -> None:
+        if key in conflict:
+            return
+        if key not in marks:
+            marks[key] = value
+            work.append(key)
+        elif marks[key] != value:
+            conflict.add(key)
+
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    work = sorted(marks, key=lambda k: (order[k[0].node], k[0].index, k[1]))
+    while work:
+        ref, d = work.pop(0)
+        if (ref, d) in conflict:
+            continue
+        value = marks[(ref, d)]
+        for other in (partners or {}).get(ref, []):
+            mark((other, d), value)
+        for node in [graph.node(ref.node)] + users.get(ref.node, []):
+            dm = dm_of(node)
+            if dm is None:
+                continue
+            tensors = _tensor_dims(node, dm)
+            for r, dims in tensors:
+                if r != ref or d >= len(dims):
+                    continue
+                fs = _factors(dims, d, dm.sizes, whole)
+                if not fs:
+                    continue
+                for r2, dims2 in tensors:
+                    for d2 in range(len(dims2)):
+                        if (r2, d2) != (ref, d) and fs & _factors(dims2, d2, dm.sizes, whole):
+                            mark((r2, d2), value)
+    return marks, conflict
+
+
+def token_dims(graph: Graph) -> dict[Ref, set[int]]:
+    """Per tensor, the dims that hold a factor of the graph inputs' dims (batch, sequence, and
+    whatever they are viewed into), through forward and backward alike."""
+    seeds = {}
+    for node_name in graph.inputs.values():
+        node = graph.node(node_name)
+        if node.outputs[0] is not None:
+            for d in range(node.outputs[0].ndim):
+                seeds[(Ref(node_name, 0), d)] = True
+    marks, _ = spread(graph, seeds, whole=False)
+    out: dict[Ref, set[int]] = {}
+    for (ref, d) in marks:
+        out.setdefault(ref, set()).add(d)
+    return out

@@ -1,0 +1,91 @@
+"""Dims of equal blocks (``ir.blocks``): a fused qkv projection is split block by block, so
+Megatron tensor parallelism computes whole heads of q, k and v where each device holds them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import autopar
+from autopar.ir.capture import capture
+from autopar.ir.placement import B, S, blocks_fit, expand_blocks, local_block
+
+from _parity import build, plan_json, rel
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    model, args = build("gpt")
+    return capture(model, args)
+
+
+def test_fused_qkv_dims_are_marked_as_blocks(gpt_graph):
+    g = gpt_graph
+    w = g.node(g.params["blocks.0.attn.qkv.weight"]).out
+    b = g.node(g.params["blocks.0.attn.qkv.bias"]).out
+    assert w.blocks == ((0, 3),) and b.blocks == ((0, 3),)
+    assert g.spec(g.grads["blocks.0.attn.qkv.weight"]).blocks == ((0, 3),)
+    splits = [n for n in g.ops() if n.op == "aten.split.Tensor"]
+    assert splits and all(g.spec(n.inputs[0]).blocks == ((2, 3),) for n in splits)
+    assert all(not o.blocks for n in splits for o in n.outputs)  # q, k and v themselves are plain
+    # nothing else of the model is made of blocks
+    others = {fqn for fqn, name in g.params.items() if g.node(name).out.blocks}
+    assert others == {f"blocks.{i}.attn.qkv.{k}" for i in range(2) for k in ("weight", "bias")}
+
+
+def test_blocks_split_evenly_on_one_axis():
+    assert blocks_fit((192, 64), (S(0),), (4,), ((0, 3),))
+    assert not blocks_fit((192, 64), (S(0),), (3,), ((0, 3),))  # 64 rows per block over 3
+    assert not blocks_fit((192, 64), (S(0), S(0)), (2, 2), ((0, 3),))  # two axes on one block dim
+    assert blocks_fit((192, 64), (S(1), S(0)), (2, 2), ((0, 3),))
+
+
+def test_local_block_takes_a_piece_of_every_block():
+    t = torch.arange(12.0).reshape(12, 1)
+    got = [local_block(t, (S(0),), (2,), (c,), ((0, 3),)).flatten().tolist() for c in range(2)]
+    assert got == [[0, 1, 4, 5, 8, 9], [2, 3, 6, 7, 10, 11]]
+    # DTensor's _StridedShard(0, split_factor=3) holds the same rows
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for c in range(2):
+        _, rows = _StridedShard(0, split_factor=3)._local_shard_size_and_offset(
+            curr_local_size=12, num_chunks=2, rank=c, offset_mode=1)
+        assert rows == got[c]
+    assert expand_blocks((8, 12), (B, S(1)), ((1, 3),)) == ((8, 3, 4), (B, S(2)))
+
+
+def test_strided_pieces_for_checkpoints_match_dtensor():
+    from autopar._torch_compat import _held_indices
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    pl = (Shard(1), _StridedShard(0, split_factor=3))
+    for c0 in range(2):
+        for c1 in range(2):
+            assert _held_indices(24, 0, pl, (2, 2), (c0, c1)) == [
+                r for b in range(3) for r in range(b * 8 + c1 * 4, b * 8 + c1 * 4 + 4)]
+            assert _held_indices(6, 1, pl, (2, 2), (c0, c1)) == list(range(3 * c0, 3 * c0 + 3))
+
+
+def test_megatron_tp_computes_whole_heads_with_megatron_collectives():
+    axes = (("tp", 4),)
+    plan = autopar.Plan.from_dict(json.loads(plan_json("gpt", axes, "megatron_tp")))
+    splits = [n for n in plan.nodes if n["op"] == "aten.split.Tensor"]
+    assert splits and all(n["tags"] == ["S:blk"] for n in splits), [n["tags"] for n in splits]
+    assert plan.placements["blocks.0.attn.qkv.weight"] == "S(0)"
+    kinds = {c["kind"] for c in plan.collectives}
+    assert "all_to_all" not in kinds, plan.collectives
+    # per layer, Megatron's four all-reduces of activations (after attn.proj and mlp.proj, and
+    # the input gradients of qkv and fc)
+    act_ar = sum(c["count"] for c in plan.collectives if c["kind"] == "all_reduce" and not c["bucketed"]
+                 and c["bytes"] >= 8 * 64 * 4)
+    assert act_ar == 4 * 2, plan.collectives
+    model, args = build("gpt")
+    loss, grads = autopar.simulate(model, plan, args)
+    ref = model(*args)
+    ref.backward()
+    assert rel(loss, ref) <= 1e-5
+    for name, p in model.named_parameters():
+        assert rel(grads[name], p.grad) <= 1e-4, name
