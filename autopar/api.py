@@ -120,8 +120,8 @@ def run_passes(
             # the weights' column/row descent only for a recipe asked for by name: as a baseline
             # for the search it would cost seconds of planning on large meshes
             pinned = R.pinned_axes(mesh, name, tensor_axis)
-            whole = R.whole_on_tensor_axis(graph, mesh, name, tensor_axis) if pinned else {}
-            choice = _complete(merged, problem, allowed, pinned, orient=bool(recipe), whole=whole)
+            regions = R.tensor_regions(graph, name) if pinned else None
+            choice = _complete(merged, problem, allowed, pinned, orient=bool(recipe), regions=regions)
         except (R.RecipeError, InfeasibleError, ValueError) as e:
             if recipe:
                 raise
@@ -172,11 +172,12 @@ FORBIDDEN = 1e3
 
 
 def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int], orient: bool = False,
-              whole: Optional[dict] = None) -> list[int]:
+              regions=None) -> list[int]:
     """A cheap choice with the placeholders restricted to ``allowed`` placements, and parameters
     used where they lie on the ``pinned`` axes (no gathers there): greedy, then local search.
     With ``orient``, each pinned weight's split is chosen by coordinate descent (``_orient``).
-    ``whole`` (``{node: {output: dims}}``): dims no output may be split along on the pinned axes."""
+    ``regions`` (``recipes.TensorRegions``): which dims activations may be split along on the
+    pinned axes, given the weights' splits."""
     saved = [n.allowed for n in merged.problem.nodes]
     saved_costs = [e.cost for e in merged.problem.edges]
     try:
@@ -192,14 +193,12 @@ def _complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int]
                 if not ok:
                     raise InfeasibleError(f"no strategy of {n.name} has the recipe's placement")
                 n.allowed = ok
-            if whole and n.name in whole:
-                cur = n.allowed if n.allowed is not None else range(len(n.strategies))
-                keep = [s for s in cur if not _splits_any(n.strategies[s], whole[n.name], pinned)]
-                n.allowed = keep or list(cur)
         if not pinned:
             return merged.expand(improve(merged.problem, greedy(merged.problem)), len(problem.nodes))
-        best = _orient(merged, problem, pinned, rounds=2 if orient else 0)
+        best, prefer = _orient(merged, problem, pinned, rounds=2 if orient else 0, regions=regions)
         if orient and edge_var_count(merged.problem) <= FULL_ILP_LIMIT:
+            _pin_in_place(merged.problem, pinned, prefer)
+            _restrict_to_regions(merged.problem, pinned, regions)
             best = _exact_completion(merged, problem, best)
         return best
     finally:
@@ -225,23 +224,52 @@ def _exact_completion(merged: Merged, problem: Problem, start: list[int]) -> lis
     return choice if evaluate(problem, choice).step_time < evaluate(problem, start).step_time * (1 - 1e-9) else start
 
 
-def _splits_any(strategy, dims_of: dict[int, set[int]], axes: list[int]) -> bool:
-    """Whether ``strategy`` splits output ``j`` along one of ``dims_of[j]`` on one of ``axes``."""
-    for j, dims in dims_of.items():
-        for a in axes:
-            p = strategy[a].outputs[j] if j < len(strategy[a].outputs) else None
-            if isinstance(p, Split) and p.dim in dims:
+def _restrict_to_regions(mp: Problem, pinned: list[int], regions) -> None:
+    """Keep, on the pinned axes, only the strategies whose outputs are split along dims
+    ``regions`` allows for the weights' current splits (a node left with none keeps its own)."""
+    if regions is None:
+        return
+    params, fixed = set(regions.graph.params.values()), set(regions.graph.inputs.values())
+    splits = {}
+    for n in mp.nodes:
+        if n.name not in params:
+            continue
+        outs = {tuple(n.strategies[s][a].outputs[0] for a in pinned) for s in _alive(n)}
+        if len(outs) == 1:
+            dims = {p.dim for p in outs.pop() if isinstance(p, Split)}
+            if len(dims) == 1:
+                splits[n.name] = dims.pop()
+    ok = regions.allowed(splits)
+    for n in mp.nodes:
+        if n.name in params or n.name in fixed:
+            continue
+        dims_of = ok.get(n.name, {})
+        keep = [s for s in _alive(n) if not _splits_outside(n.strategies[s], dims_of, pinned)]
+        if keep:
+            n.allowed = keep
+
+
+def _alive(n) -> list[int]:
+    return n.allowed if n.allowed is not None else list(range(len(n.strategies)))
+
+
+def _splits_outside(strategy, dims_of: dict[int, set[int]], axes: list[int]) -> bool:
+    """Whether ``strategy`` splits some output on one of ``axes`` along a dim not in ``dims_of``."""
+    for a in axes:
+        for j, p in enumerate(strategy[a].outputs):
+            if isinstance(p, Split) and p.dim not in dims_of.get(j, ()):
                 return True
     return False
 
 
-def _orient(merged: Merged, problem: Problem, pinned: list[int], rounds: int = 2) -> list[int]:
+def _orient(merged: Merged, problem: Problem, pinned: list[int], rounds: int = 2,
+            regions=None) -> tuple[list[int], dict]:
     """Tensor parallelism with each weight split the way (column or row) that makes the completed
     plan cheapest: Megatron alternates them (a column-split linear feeds a row-split one with no
     collective between them), which no weight sees alone. From every weight's locally preferred
     way (``_pin_in_place``), each weight in turn tries its other ways, the rest completed by
     greedy plus local search, and keeps the cheapest (coordinate descent, until a round changes
-    nothing)."""
+    nothing). Returns the choice and each weight's way."""
     mp = merged.problem
     base = [n.allowed for n in mp.nodes]
 
@@ -249,6 +277,7 @@ def _orient(merged: Merged, problem: Problem, pinned: list[int], rounds: int = 2
         for n, a in zip(mp.nodes, base):
             n.allowed = a
         ways = _pin_in_place(mp, pinned, prefer)
+        _restrict_to_regions(mp, pinned, regions)
         choice = merged.expand(improve(mp, greedy(mp)), len(problem.nodes))
         return evaluate(problem, choice).step_time, choice, ways
 
@@ -269,7 +298,7 @@ def _orient(merged: Merged, problem: Problem, pinned: list[int], rounds: int = 2
     finally:
         for n, a in zip(mp.nodes, base):
             n.allowed = a
-    return best
+    return best, prefer
 
 
 def _in_place(src, dst, pinned: list[int]) -> bool:
@@ -305,12 +334,16 @@ def _pin_in_place(problem: Problem, pinned: list[int], prefer: Optional[dict] = 
         return _in_place(src, have, pinned)
 
     uses: dict[int, list] = {}
+    views = set()  # views of a weight (its transpose in the backward): they follow the weight
     for e in problem.edges:
         if e.kind == "param" and e.dst_slot >= 0:
             uses.setdefault(e.src, []).append(e)
+            views.add(e.dst)
     # a weight the recipe lets lie either way (column or row) lies the way most of its consumers
     # can read in place, then the cheaper way for them
     for src, es in sorted(uses.items()):
+        if src in views:
+            continue
         options = sorted({pinned_out(es[0], s) for s in alive(src)}, key=str)
         if len(options) < 2:
             continue

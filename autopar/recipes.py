@@ -19,8 +19,8 @@ import math
 from typing import Callable, Optional, Sequence
 
 from autopar.errors import AutoparError
-from autopar.ir.dimflow import token_dims
-from autopar.ir.graph import Graph, TensorSpec
+from autopar.ir.dimflow import spread
+from autopar.ir.graph import Graph, Ref, TensorSpec
 from autopar.ir.placement import B, Placements, Split, blocks_fit
 from autopar.mesh import Mesh
 
@@ -91,6 +91,7 @@ def _constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed
         for node in graph.inputs.values():
             allowed[node] = [tuple(B for _ in mesh.shape)]
     sharded_any = False
+    tables = {n.inputs[0].node for n in graph.ops() if n.op == "aten.embedding.default" and n.inputs}
     for fqn, node in _params(graph):
         spec = graph.node(node).out
         shape = spec.shape
@@ -103,7 +104,9 @@ def _constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed
         options = [tuple(base)]
         if tp and t is not None and len(shape) >= 2:
             options = []
-            for d in range(len(shape)):
+            # an embedding table splits its vocabulary (Megatron's VocabParallelEmbedding): split
+            # along the model dim, it would split the whole residual stream
+            for d in ([0] if node in tables else range(len(shape))):
                 if shape[d] >= mesh.shape[t] and all(not (isinstance(p, Split) and p.dim == d) for p in base):
                     pl = list(base)
                     pl[t] = Split(d)
@@ -133,19 +136,34 @@ def pinned_axes(mesh: Mesh, name: str, tensor_axis=-1) -> list[int]:
     return []
 
 
-def whole_on_tensor_axis(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> dict[str, dict[int, set[int]]]:
-    """Megatron tensor parallelism (without the sequence split) keeps every activation whole along
-    the batch and sequence on the tensor axis: ``{node: {output: dims}}`` that may not be split
-    there (``ir.dimflow.token_dims``). Left free, the completion would split the residual stream
-    by tokens (reduce-scatter + all-gather where Megatron all-reduces): sequence parallelism,
-    which is ``megatron_sp``."""
-    if name not in ("megatron_tp", "fsdp_tp"):
-        return {}
-    out: dict[str, dict[int, set[int]]] = {}
-    for ref, dims in token_dims(graph).items():
-        if not graph.node(ref.node).is_placeholder:
-            out.setdefault(ref.node, {})[ref.index] = dims
-    return out
+class TensorRegions:
+    """Megatron tensor parallelism splits activations on its tensor axis only between a
+    column-split weight and the row-split one after it: along the dims that hold a factor of some
+    weight's split dim (heads, the MLP's hidden dim, the vocabulary), never the batch, the sequence
+    or the model dim of the residual stream. Left free, a completion splits the residual stream
+    (a reduce-scatter and an all-gather where Megatron all-reduces: ``megatron_sp``'s shape).
+
+    ``allowed(splits)`` (parameter node -> its split dim) gives ``{node: {output: dims}}``, the dims
+    each tensor may be split along there; the spread from each weight dim is computed once."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self._spread: dict[tuple[str, int], list] = {}
+
+    def allowed(self, splits: dict[str, int]) -> dict[str, dict[int, set[int]]]:
+        out: dict[str, dict[int, set[int]]] = {}
+        for node, d in sorted(splits.items()):
+            if (node, d) not in self._spread:
+                marks, _ = spread(self.graph, {(Ref(node, 0), d): True}, whole=False)
+                self._spread[(node, d)] = sorted(marks, key=lambda k: (k[0].node, k[0].index, k[1]))
+            for ref, dim in self._spread[(node, d)]:
+                out.setdefault(ref.node, {}).setdefault(ref.index, set()).add(dim)
+        return out
+
+
+def tensor_regions(graph: Graph, name: str) -> Optional[TensorRegions]:
+    """The activation rule of recipe ``name`` on its tensor axis (Megatron TP's; None: free)."""
+    return TensorRegions(graph) if name in ("megatron_tp", "fsdp_tp") else None
 
 
 def constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed:

@@ -74,14 +74,20 @@ def test_megatron_tp_computes_whole_heads_with_megatron_collectives():
     plan = autopar.Plan.from_dict(json.loads(plan_json("gpt", axes, "megatron_tp")))
     splits = [n for n in plan.nodes if n["op"] == "aten.split.Tensor"]
     assert splits and all(n["tags"] == ["S:blk"] for n in splits), [n["tags"] for n in splits]
-    assert plan.placements["blocks.0.attn.qkv.weight"] == "S(0)"
+    # Megatron's layout: column-split qkv and fc, row-split proj, vocabulary-split embeddings
+    for i in range(2):
+        for w, way in (("attn.qkv", "S(0)"), ("attn.proj", "S(1)"), ("mlp.fc", "S(0)"), ("mlp.proj", "S(1)")):
+            assert plan.placements[f"blocks.{i}.{w}.weight"] == way, (w, plan.placements)
+    assert plan.placements["wte.weight"] == plan.placements["wpe.weight"] == "S(0)"
     kinds = {c["kind"] for c in plan.collectives}
     assert "all_to_all" not in kinds, plan.collectives
     # per layer, Megatron's four all-reduces of activations (after attn.proj and mlp.proj, and
-    # the input gradients of qkv and fc)
+    # the input gradients of qkv and fc), and one for the embeddings' partial sums
     act_ar = sum(c["count"] for c in plan.collectives if c["kind"] == "all_reduce" and not c["bucketed"]
                  and c["bytes"] >= 8 * 64 * 4)
-    assert act_ar == 4 * 2, plan.collectives
+    assert act_ar == 4 * 2 + 1, plan.collectives
+    # no weight is gathered on the tensor axis (the small all-gathers are bias gradients)
+    assert all(c["bytes"] <= 2048 for c in plan.collectives if c["kind"] == "all_gather" and c["phase"] == "backward")
     model, args = build("gpt")
     loss, grads = autopar.simulate(model, plan, args)
     ref = model(*args)
