@@ -124,6 +124,12 @@ def summary(plan: "Plan", full: bool = False) -> str:
     inputs = {k: v for k, v in plan.placements.items() if k not in in_modules}
     if inputs:
         lines += _wrap_items("inputs: ", [f"{k} {v}" for k, v in inputs.items()], "; ")
+    blocks = plan.graph.get("blocks") or {}
+    split = [f"{k} dim {d} ({c} blocks)" for k, bs in blocks.items() for d, c in bs
+             if any(p.strip() == f"S({d})" for p in plan.placements.get(k, "").split(","))]
+    if split:
+        lines += _wrap_items("split block by block (each device a piece of every block; DTensor _StridedShard): ",
+                             split, "; ")
     lines.append("")
     lines.append(f"step time {human_time(plan.step_time)}  (compute {human_time(plan.compute_time)}, "
                  f"communication {human_time(plan.comm_time)})")

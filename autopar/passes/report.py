@@ -26,7 +26,7 @@ ALTERNATIVES = 4
 
 def graph_info(graph: Graph) -> dict:
     params = sorted(set(graph.params) | set(getattr(graph, "aliases", {})))
-    return {
+    info = {
         "nodes": len(graph.nodes),
         "ops": len(graph.op_names()),
         "params": len(params),
@@ -34,6 +34,12 @@ def graph_info(graph: Graph) -> dict:
         "inputs": {k: str(graph.node(v).out) for k, v in sorted(graph.inputs.items())},
         "ops_hist": dict(sorted(Counter(n.op for n in graph.ops()).items())),
     }
+    # parameters with dims of equal blocks (ir.blocks): their splits cut every block alike
+    blocks = {fqn: [list(b) for b in graph.node(v).out.blocks] for fqn, v in sorted(graph.params.items())
+              if graph.node(v).out.blocks}
+    if blocks:
+        info["blocks"] = blocks
+    return info
 
 
 def graph_fingerprint(graph: Graph) -> str:
