@@ -79,6 +79,7 @@ def test_megatron_tp_computes_whole_heads_with_megatron_collectives():
         for w, way in (("attn.qkv", "S(0)"), ("attn.proj", "S(1)"), ("mlp.fc", "S(0)"), ("mlp.proj", "S(1)")):
             assert plan.placements[f"blocks.{i}.{w}.weight"] == way, (w, plan.placements)
     assert plan.placements["wte.weight"] == plan.placements["wpe.weight"] == "S(0)"
+    assert "blocks.0.attn.qkv.weight dim 0 (3 blocks)" in plan.summary()  # the user sees the layout
     kinds = {c["kind"] for c in plan.collectives}
     assert "all_to_all" not in kinds, plan.collectives
     # per layer, Megatron's four all-reduces of activations (after attn.proj and mlp.proj, and

@@ -1,8 +1,8 @@
 """Spreading a property of tensor dims through the ops that share their factors.
 
 Two analyses use it: ``ir.blocks`` (dims made of equal blocks: the fused ``qkv`` output) and
-``token_dims`` (dims that come from the batch and sequence of the inputs: what Megatron tensor
-parallelism keeps whole on its tensor axis). A property at ``(tensor, dim)`` moves, within every op
+``recipes.TensorRegions`` (the dims Megatron tensor parallelism may split activations along: those
+that come from a weight's split dim). A property at ``(tensor, dim)`` moves, within every op
 that reads or writes the tensor, to the other tensors' dims that hold the same factor of the op's
 ``DimMap``: only a dim made of that one factor (``whole``; a block count does not survive a merge
 with other factors) or any dim that holds it.
@@ -92,19 +92,3 @@ def spread(graph: Graph, seeds: dict[Key, Hashable], *, whole: bool,
                         if (r2, d2) != (ref, d) and fs & _factors(dims2, d2, dm.sizes, whole):
                             mark((r2, d2), value)
     return marks, conflict
-
-
-def token_dims(graph: Graph) -> dict[Ref, set[int]]:
-    """Per tensor, the dims that hold a factor of the graph inputs' dims (batch, sequence, and
-    whatever they are viewed into), through forward and backward alike."""
-    seeds = {}
-    for node_name in graph.inputs.values():
-        node = graph.node(node_name)
-        if node.outputs[0] is not None:
-            for d in range(node.outputs[0].ndim):
-                seeds[(Ref(node_name, 0), d)] = True
-    marks, _ = spread(graph, seeds, whole=False)
-    out: dict[Ref, set[int]] = {}
-    for (ref, d) in marks:
-        out.setdefault(ref, set()).add(d)
-    return out
