@@ -269,9 +269,18 @@ def _orient(merged: Merged, problem: Problem, pinned: list[int], rounds: int = 2
     collective between them), which no weight sees alone. From every weight's locally preferred
     way (``_pin_in_place``), each weight in turn tries its other ways, the rest completed by
     greedy plus local search, and keeps the cheapest (coordinate descent, until a round changes
-    nothing). Returns the choice and each weight's way."""
+    nothing). Returns the choice and each weight's way. With ``regions``, the weights Megatron
+    pairs (``TensorRegions.pairs``: a column-split weight feeding a row-split one) lie that way,
+    and the descent moves only the others."""
     mp = merged.problem
     base = [n.allowed for n in mp.nodes]
+    if regions is not None and rounds:
+        ways_of = regions.pairs()
+        for i, n in enumerate(mp.nodes):
+            if n.name in ways_of:
+                keep = [s for s in _alive(n) if all(n.strategies[s][a].outputs[0] == Split(ways_of[n.name])
+                                                     for a in pinned)]
+                base[i] = keep or base[i]
 
     def complete(prefer: dict) -> tuple[float, list[int], dict]:
         for n, a in zip(mp.nodes, base):

@@ -150,15 +150,49 @@ class TensorRegions:
         self.graph = graph
         self._spread: dict[tuple[str, int], list] = {}
 
+    def _reach(self, node: str, d: int) -> list:
+        if (node, d) not in self._spread:
+            marks, _ = spread(self.graph, {(Ref(node, 0), d): True}, whole=False)
+            self._spread[(node, d)] = sorted(marks, key=lambda k: (k[0].node, k[0].index, k[1]))
+        return self._spread[(node, d)]
+
     def allowed(self, splits: dict[str, int]) -> dict[str, dict[int, set[int]]]:
         out: dict[str, dict[int, set[int]]] = {}
         for node, d in sorted(splits.items()):
-            if (node, d) not in self._spread:
-                marks, _ = spread(self.graph, {(Ref(node, 0), d): True}, whole=False)
-                self._spread[(node, d)] = sorted(marks, key=lambda k: (k[0].node, k[0].index, k[1]))
-            for ref, dim in self._spread[(node, d)]:
+            for ref, dim in self._reach(node, d):
                 out.setdefault(ref.node, {}).setdefault(ref.index, set()).add(dim)
         return out
+
+    def pairs(self) -> dict[str, int]:
+        """Megatron's pairing, from the dataflow: where a dim of one weight matrix reaches a dim of
+        another (``qkv``'s output features reach ``proj``'s input features through attention),
+        the first one used is split along its dim (column-parallel) and the second along the
+        dim reached (row-parallel), with no collective between them. ``{parameter node: dim}``
+        for the weights that pair one way only; embedding tables excluded."""
+        g = self.graph
+        tables = {n.inputs[0].node for n in g.ops() if n.op == "aten.embedding.default" and n.inputs}
+        mats = sorted(v for v in g.params.values() if g.node(v).out.ndim == 2 and v not in tables)
+        order = {n.name: i for i, n in enumerate(g.nodes)}
+        first = {}
+        for n in g.ops():
+            for r in n.inputs:
+                first.setdefault(r.node, order[n.name])
+        # the residual stream's model dim reaches every weight: a chain that touches an input or
+        # an embedding table is not a pair
+        outside = tables | set(g.inputs.values())
+        found: dict[str, set[int]] = {}
+        for p in mats:
+            for d in range(2):
+                reach = self._reach(p, d)
+                if any(ref.node in outside for ref, _ in reach):
+                    continue
+                for ref, e in reach:
+                    if ref.node == p or ref.node not in mats or ref.index:
+                        continue
+                    (a, da), (b, db) = sorted([(p, d), (ref.node, e)], key=lambda x: first.get(x[0], 0))
+                    found.setdefault(a, set()).add(da)
+                    found.setdefault(b, set()).add(db)
+        return {p: ds.pop() for p, ds in sorted(found.items()) if len(ds) == 1}
 
 
 def tensor_regions(graph: Graph, name: str) -> Optional[TensorRegions]:

@@ -96,3 +96,23 @@ def test_megatron_tp_computes_whole_heads_with_megatron_collectives():
     assert rel(loss, ref) <= 1e-5
     for name, p in model.named_parameters():
         assert rel(grads[name], p.grad) <= 1e-4, name
+
+
+def test_megatron_pairs_come_from_the_dataflow():
+    """A column-split weight feeds a row-split one: found from which weight dims reach which,
+    whatever the modules are called; the residual stream's model dim pairs nothing."""
+    from autopar.recipes import TensorRegions
+
+    expect = {
+        "gpt": {"attn.qkv": 0, "attn.proj": 1, "mlp.fc": 0, "mlp.proj": 1},
+        "llama": {"attention.wq": 0, "attention.wk": 0, "attention.wv": 0, "attention.wo": 1,
+                  "feed_forward.w1": 0, "feed_forward.w3": 0, "feed_forward.w2": 1},
+    }
+    for family, ways in expect.items():
+        model, args = build(family)
+        g = capture(model, args)
+        fqn = {v: k for k, v in g.params.items()}
+        got = {fqn[node]: d for node, d in TensorRegions(g).pairs().items()}
+        prefix = "blocks.0." if family == "gpt" else "layers.0."
+        assert {k[len(prefix):-len(".weight")]: d for k, d in got.items() if k.startswith(prefix)} == ways, got
+        assert not any("wte" in k or "tok_embeddings" in k or "norm" in k for k in got)
