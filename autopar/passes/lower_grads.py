@@ -49,7 +49,7 @@ def bucket_all_reduce(em, xs, refs, steps) -> list[fx.Node]:
     shapes = [list(em._local_shape(r)) for r in refs]
     done = call(torch.ops.aten.cat.default, ([em.bg.call_method("reshape", (x, [-1])) for x in xs],))
     for step in steps:  # one all-reduce of the whole bucket per mesh axis
-        done = em._wait(call(C.all_reduce, (done, step.axis, step.reduce)), em.bg)
+        done = em._wait(call(C.all_reduce, (done, step.axis, step.reduce, True)), em.bg)  # a fresh buffer
     parts = call(torch.ops.aten.split_with_sizes.default, (done, [math.prod(s) for s in shapes]))
     return [em.bg.call_method("reshape", (call(operator.getitem, (parts, i)), s)) for i, s in enumerate(shapes)]
 
@@ -67,7 +67,7 @@ def bucket_steps(em, xs, refs, srcs, dsts, steps) -> list[fx.Node]:
         haves = [list(local_shape(shape, cur, m, c)) for shape, cur in zip(specs, curs)]
         if step.kind == "all_reduce":
             buf = call(torch.ops.aten.cat.default, ([em.bg.call_method("reshape", (x, [-1])) for x in xs],))
-            done = em._wait(call(C.all_reduce, (buf, a, step.reduce)), em.bg)
+            done = em._wait(call(C.all_reduce, (buf, a, step.reduce, True)), em.bg)  # a fresh buffer
             parts = call(torch.ops.aten.split_with_sizes.default, (done, [math.prod(h) for h in haves]))
             xs = [em.bg.call_method("reshape", (call(operator.getitem, (parts, i)), h)) for i, h in enumerate(haves)]
         else:
