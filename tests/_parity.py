@@ -217,4 +217,13 @@ def grad_paths_on_rank(text: str) -> dict:
     err["hooked"] = rel(params[names[1]].grad.full_tensor(), 3 * want[names[1]])
     err["post_hook_saw_grad"] = seen == [True]
     err["others"] = worst({n: params[n].grad for n in names if n != names[1]})
+    # a gradient still held when the next backward runs keeps its values (buckets reuse their
+    # buffer only once nothing views it)
+    held = {n: params[n].grad for n in names}
+    before = {n: g.full_tensor().clone() for n, g in held.items()}
+    for p in params.values():
+        p.grad = None
+    pm(args[0] * 2, *args[1:]).backward()
+    err["held_kept"] = all(torch.equal(held[n].full_tensor(), before[n]) for n in names)
+    err["held_differs"] = any(not torch.equal(params[n].grad.full_tensor(), before[n]) for n in names)
     return err

@@ -80,3 +80,4 @@ def test_gradients_arrive_where_autograd_would_put_them(pool):
         assert r["accumulated"] <= 1e-5 and r["autograd_grad"] <= 1e-5 and r["inputs_grad"] <= 1e-5, r
         assert not r["autograd_grad_left_grad"] and r["inputs_only"], r
         assert r["hooked"] <= 1e-5 and r["post_hook_saw_grad"] and r["others"] <= 1e-5, r
+        assert r["held_kept"] and r["held_differs"], r

@@ -50,7 +50,9 @@ def bucket_all_reduce(em, xs, refs, steps) -> list[fx.Node]:
     flat buffer, reduced in place, and cut back into views of their shapes."""
     call = em.bg.call_function
     shapes = [list(em._local_shape(r)) for r in refs]
-    done = call(bucket.flatten, (list(xs),))
+    name = em._name("grad_bucket")
+    em.root.add_module(name, bucket.Bucket())  # its buffer is kept between steps
+    done = em.bg.call_module(name, (list(xs),))
     for step in steps:  # one all-reduce of the whole bucket per mesh axis
         done = em._wait(call(C.all_reduce, (done, step.axis, step.reduce, True)), em.bg)  # a fresh buffer
     parts = call(bucket.unflatten, (done, shapes))
