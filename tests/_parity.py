@@ -174,3 +174,56 @@ def mismatched_shapes_on_rank() -> str:
     except autopar.AutoparError as e:
         return str(e)
     return "no error"
+
+
+def grad_paths_on_rank(text: str) -> dict:
+    """Every way to ask for gradients gives the single-device ones, where autograd would put them:
+    ``backward()`` twice accumulates, ``autograd.grad`` returns them and leaves ``.grad`` alone,
+    ``backward(inputs=...)`` fills only those, a tensor hook changes what is stored and a
+    post-accumulate-grad hook sees it."""
+    import autopar
+
+    plan = autopar.Plan.from_dict(json.loads(text))
+    model, args = build("mlp")
+    ref, _ = build("mlp")
+    ref(*args).backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    mesh = autopar.Mesh(dict(zip(plan.axis_names, plan.mesh_shape)), device="cpu")
+    pm = autopar.compile(model, mesh, args, plan=plan)
+    params = dict(pm.module.named_parameters())
+    names = sorted(params)
+    err = {}
+
+    def worst(got: dict, scale: float = 1.0) -> float:
+        return max(rel(got[n].full_tensor(), scale * want[n]) for n in got)
+
+    pm(*args).backward()
+    pm(*args).backward()
+    err["accumulated"] = worst({n: p.grad for n, p in params.items()}, 2.0)
+    for p in params.values():
+        p.grad = None
+    got = torch.autograd.grad(pm(*args), [params[n] for n in names])
+    err["autograd_grad"] = worst(dict(zip(names, got)))
+    err["autograd_grad_left_grad"] = any(p.grad is not None for p in params.values())
+    pm(*args).backward(inputs=[params[names[0]]])
+    err["inputs_only"] = [n for n in names if params[n].grad is not None] == [names[0]]
+    err["inputs_grad"] = worst({names[0]: params[names[0]].grad})
+    for p in params.values():
+        p.grad = None
+    seen = []
+    params[names[1]].register_hook(lambda g: g * 3)
+    params[names[2]].register_post_accumulate_grad_hook(lambda p: seen.append(p.grad is not None))
+    pm(*args).backward()
+    err["hooked"] = rel(params[names[1]].grad.full_tensor(), 3 * want[names[1]])
+    err["post_hook_saw_grad"] = seen == [True]
+    err["others"] = worst({n: params[n].grad for n in names if n != names[1]})
+    # a gradient still held when the next backward runs keeps its values (buckets reuse their
+    # buffer only once nothing views it)
+    held = {n: params[n].grad for n in names}
+    before = {n: g.full_tensor().clone() for n, g in held.items()}
+    for p in params.values():
+        p.grad = None
+    pm(args[0] * 2, *args[1:]).backward()
+    err["held_kept"] = all(torch.equal(held[n].full_tensor(), before[n]) for n in names)
+    err["held_differs"] = any(not torch.equal(params[n].grad.full_tensor(), before[n]) for n in names)
+    return err

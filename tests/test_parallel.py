@@ -69,3 +69,15 @@ def test_inference_program_returns_dtensors_and_takes_placed_inputs(pool):
 def test_ranks_with_different_programs_fail_together(pool):
     errors = pool.run(mismatched_shapes_on_rank)
     assert all("ranks captured different programs" in e for e in errors), errors
+
+
+def test_gradients_arrive_where_autograd_would_put_them(pool):
+    """``_Step`` stores gradients in ``.grad`` itself under a plain ``backward()``; accumulation,
+    ``autograd.grad``, ``backward(inputs=...)`` and parameter hooks behave as with autograd's own."""
+    from _parity import grad_paths_on_rank
+
+    for r in pool.run(grad_paths_on_rank, plan_json("mlp", (("a", 4),), "ddp")):
+        assert r["accumulated"] <= 1e-5 and r["autograd_grad"] <= 1e-5 and r["inputs_grad"] <= 1e-5, r
+        assert not r["autograd_grad_left_grad"] and r["inputs_only"], r
+        assert r["hooked"] <= 1e-5 and r["post_hook_saw_grad"] and r["others"] <= 1e-5, r
+        assert r["held_kept"] and r["held_differs"], r

@@ -44,7 +44,9 @@ from autopar.mesh import Mesh
 from autopar.passes.cast import CastPolicy, cast_policy, transfer_bytes
 from autopar.passes.cost import param_views
 from autopar.passes.lower_grads import bucketed_grads
+from autopar.passes.plain_local import Input, PlainCall, plain_call
 from autopar.passes.schedule import schedule
+from autopar.passes.simplify import drop_identities
 from autopar.passes.strategies import input_placement, node_strategies, output_placement
 from autopar.runtime import collectives as C
 
@@ -378,7 +380,10 @@ class _Emitter:
         if casts is not None:
             call = casts.op_call(self.g, node, call)
         ctx = LocalCtx(call, strat, self.mesh_shape, self.coords)
-        if has_local(node.op):
+        plain = self._plain_local(node, strat, ctx) if has_local(node.op) else None
+        if plain is not None:  # the rule's local code runs one plain op on this device: call it
+            out = where.call_function(plain.target, *_fill_inputs(plain, ins))
+        elif has_local(node.op):
             mod_name = self._name(f"{node.name}_local")
             self.root.add_module(mod_name, LocalOp(ctx))
             out = where.call_module(mod_name, tuple(ins))
@@ -397,6 +402,16 @@ class _Emitter:
         for j in tensors:
             val = where.call_function(operator.getitem, (out, j)) if multi else out
             self.base[Ref(node.name, j)] = (val, where, output_placement(strat, j))
+
+    def _plain_local(self, node: Node, strat: Strategy, ctx: LocalCtx) -> Optional[PlainCall]:
+        """The one plain op ``node``'s local implementation runs on this device, if that is all it
+        does (``passes.plain_local``); None keeps the ``LocalOp``. Not on an accelerator: the
+        probe runs on fake CPU tensors."""
+        if self.device is not None:
+            return None
+        shapes = [local_shape(self.g.spec(r).shape, input_placement(strat, k), self.mesh_shape, self.coords)
+                  for k, r in enumerate(node.inputs)]
+        return plain_call(ctx, shapes)
 
     def _grad_source(self, fqn: str, src: Placements) -> fx.Node:
         """Parameter ``fqn``'s gradient where the backward produced it, in the gradient dtype (cast
@@ -466,11 +481,20 @@ class _Emitter:
             backward = fx.GraphModule(self.root, self.bg, "backward")
         for gm in (forward, backward):
             if gm is not None:
+                drop_identities(gm.graph)
                 schedule(gm.graph)
                 gm.graph.lint()
                 gm.recompile()
         return Program(self.coords, self.mesh_shape, tuple(res.mesh.names), forward, slots_in, slots_out,
                        len(self.saved), backward, grad_slots)
+
+
+def _fill_inputs(plain: PlainCall, ins: Sequence[fx.Node]) -> tuple[tuple, dict]:
+    """``plain``'s arguments with its ``Input`` placeholders replaced by the op node's inputs."""
+    from torch.utils._pytree import tree_map
+
+    put = (lambda a: ins[a.k] if isinstance(a, Input) else a)
+    return tuple(tree_map(put, list(plain.args))), dict(tree_map(put, dict(plain.kwargs)))
 
 
 def _identity(reduce: str) -> float:

@@ -14,6 +14,7 @@ import torch.fx as fx
 from autopar.ir.placement import B, chunk_range, local_shape
 from autopar.passes.buckets import grad_buckets, grad_steps
 from autopar.passes.strategies import output_placement
+from autopar.runtime import bucket
 from autopar.runtime import collectives as C
 
 
@@ -45,13 +46,18 @@ def bucketed_grads(em) -> dict[str, fx.Node]:
 
 
 def bucket_all_reduce(em, xs, refs, steps) -> list[fx.Node]:
+    """One all-reduce per step (mesh axis) of the whole bucket: the gradients packed into one new
+    flat buffer, reduced in place, and cut back into views of their shapes."""
     call = em.bg.call_function
     shapes = [list(em._local_shape(r)) for r in refs]
-    done = call(torch.ops.aten.cat.default, ([em.bg.call_method("reshape", (x, [-1])) for x in xs],))
+    name = em._name("grad_bucket")
+    em.root.add_module(name, bucket.Bucket())  # its buffer is kept between steps
+    done = em.bg.call_module(name, (list(xs),))
     for step in steps:  # one all-reduce of the whole bucket per mesh axis
-        done = em._wait(call(C.all_reduce, (done, step.axis, step.reduce)), em.bg)
-    parts = call(torch.ops.aten.split_with_sizes.default, (done, [math.prod(s) for s in shapes]))
-    return [em.bg.call_method("reshape", (call(operator.getitem, (parts, i)), s)) for i, s in enumerate(shapes)]
+        done = em._wait(call(C.all_reduce, (done, step.axis, step.reduce, True)), em.bg)  # a fresh buffer
+    parts = call(bucket.unflatten, (done, shapes))
+    return [call(operator.getitem, (parts, i)) for i in range(len(shapes))]
+
 
 def bucket_steps(em, xs, refs, srcs, dsts, steps) -> list[fx.Node]:
     """One collective per step for the whole bucket (reduce-scatters, all-gathers and
@@ -67,7 +73,7 @@ def bucket_steps(em, xs, refs, srcs, dsts, steps) -> list[fx.Node]:
         haves = [list(local_shape(shape, cur, m, c)) for shape, cur in zip(specs, curs)]
         if step.kind == "all_reduce":
             buf = call(torch.ops.aten.cat.default, ([em.bg.call_method("reshape", (x, [-1])) for x in xs],))
-            done = em._wait(call(C.all_reduce, (buf, a, step.reduce)), em.bg)
+            done = em._wait(call(C.all_reduce, (buf, a, step.reduce, True)), em.bg)  # a fresh buffer
             parts = call(torch.ops.aten.split_with_sizes.default, (done, [math.prod(h) for h in haves]))
             xs = [em.bg.call_method("reshape", (call(operator.getitem, (parts, i)), h)) for i, h in enumerate(haves)]
         else:

@@ -99,9 +99,12 @@ def reduce_scatter(x: torch.Tensor, axis: int, dim: int, reduce: str, length: in
     return out.narrow(dim, 0, length).contiguous() if out.shape[dim] != length else out
 
 
-def all_reduce(x: torch.Tensor, axis: int, reduce: str) -> torch.Tensor:
-    """P -> B on mesh axis ``axis``."""
-    return _backend().all_reduce(x, axis, reduce)
+def all_reduce(x: torch.Tensor, axis: int, reduce: str, inplace: bool = False) -> torch.Tensor:
+    """P -> B on mesh axis ``axis``. With ``inplace`` the result is written into ``x`` itself, which
+    the caller must own and never read again (a gradient bucket it has just concatenated): that
+    saves the copy a functional all-reduce makes of its input, a whole bucket's bytes per step."""
+    b = _backend()
+    return b.all_reduce_(x, axis, reduce) if inplace else b.all_reduce(x, axis, reduce)
 
 
 def all_to_all(x: torch.Tensor, axis: int, src_dim: int, dst_dim: int, src_size: int, dst_length: int) -> torch.Tensor:
@@ -162,6 +165,14 @@ class ProcessGroupComm:
 
         return fc.all_reduce(x.contiguous(), reduce, self.groups[axis])
 
+    def all_reduce_(self, x, axis, reduce):
+        from torch.distributed import _functional_collectives as fc
+
+        if not x.is_contiguous():  # the collective needs a dense buffer: reduce a dense copy
+            return self.all_reduce(x, axis, reduce)
+        out = torch.ops._c10d_functional.all_reduce_(x, reduce.lower(), self.groups[axis].group_name)
+        return fc._maybe_wrap_tensor(out)  # waited like the functional collectives' results
+
     def all_to_all(self, x, axis):
         from torch.distributed import _functional_collectives as fc
 
@@ -188,7 +199,7 @@ class _Recorder(TorchDispatchMode):
                 self.out.append(Executed("all_gather", self.axis_of_group.get(group, group), nbytes * args[1]))
             elif name == "reduce_scatter_tensor":
                 self.out.append(Executed("reduce_scatter", self.axis_of_group.get(group, group), nbytes))
-            elif name == "all_reduce":
+            elif name in ("all_reduce", "all_reduce_"):
                 self.out.append(Executed("all_reduce", self.axis_of_group.get(group, group), nbytes))
             elif name == "all_to_all_single":
                 size = len(args[1]) if args[1] else self._size(group)
@@ -271,6 +282,8 @@ class ThreadComm:
 
     def all_reduce(self, x, axis, reduce):
         return _reduce(self._swap(axis, x, "all_reduce", _nbytes(x)), reduce)
+
+    all_reduce_ = all_reduce  # the exchange makes a new tensor anyway
 
     def all_to_all(self, x, axis):
         n = self.axis_size(axis)
