@@ -24,7 +24,6 @@ their reduction.
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -32,18 +31,18 @@ from typing import Optional, Sequence
 import torch
 import torch.fx as fx
 
-from autopar.cost_model.comm import reshard_steps
 from autopar.cost_model.precision import Precision
 from autopar.errors import AutoparError
 from autopar.ir.graph import Graph, Node, Phase, Ref, Role, TensorSpec
-from autopar.ir.placement import B, Partial, Placements, chunk_range, expand_blocks, format_placements, local_shape
+from autopar.ir.placement import B, Placements, format_placements, local_shape
 from autopar.ir.rules import op_call
 from autopar.ir.rules.base import LocalCtx, OpCall, has_local, local_args, run_local
 from autopar.ir.rules.dimmap import Strategy
 from autopar.mesh import Mesh
-from autopar.passes.cast import CastPolicy, cast_policy, transfer_bytes
+from autopar.passes.cast import CastPolicy, cast_policy
 from autopar.passes.cost import param_views
 from autopar.passes.lower_grads import bucketed_grads
+from autopar.passes.lower_reshard import reshard
 from autopar.passes.plain_local import Input, PlainCall, plain_call
 from autopar.passes.schedule import schedule
 from autopar.passes.simplify import drop_identities
@@ -270,69 +269,7 @@ class _Emitter:
         return self.saved_in[fnode]
 
     def _reshard(self, x: fx.Node, ref: Ref, src: Placements, dst: Placements, where: fx.Graph) -> fx.Node:
-        if tuple(src) == tuple(dst):
-            return x
-        spec = self.g.spec(ref)
-        role = "gather" if ref.node in self.params else ("grad" if self.g.role(ref) == Role.GRADIENT else "activation")
-        eb = transfer_bytes(self.g, ref, role, self.res.precision, self.priced)
-        steps = reshard_steps(spec.shape, src, dst, self.res.mesh, eb)
-        shape, final = spec.shape, dst
-        if spec.blocks:  # dims of equal blocks: reshard the expanded tensor, where they are plain dims
-            shape, src_x = expand_blocks(spec.shape, src, spec.blocks)
-            x = where.call_method("reshape", (x, list(local_shape(shape, src_x, self.mesh_shape, self.coords))))
-            src, dst = src_x, expand_blocks(spec.shape, dst, spec.blocks)[1]
-        cur = list(src)
-        for step in steps:
-            a = step.axis
-            new = B if step.kind == "all_gather" else dst[a]
-            x = self._step(x, shape, cur, a, new, step.kind, step.reduce, where)
-            cur[a] = new
-        assert tuple(cur) == tuple(dst), (cur, dst)
-        if spec.blocks:  # back to the tensor's own dims (blocks cut evenly: the plain split's local shape)
-            x = where.call_method("reshape", (x, list(local_shape(spec.shape, final, self.mesh_shape, self.coords))))
-        return x
-
-    def _step(self, x, shape, cur, a, new, kind, reduce, where: fx.Graph) -> fx.Node:
-        m, c = self.mesh_shape, self.coords
-        seen = list(cur)
-        seen[a] = B
-        group_block = local_shape(shape, seen, m, c)  # the tensor as axis a's group sees it
-        after = list(cur)
-        after[a] = new
-        mine = local_shape(shape, after, m, c)
-        call = where.call_function
-        if kind == "all_gather":
-            d = cur[a].dim
-            return self._wait(call(C.all_gather, (x, a, d, group_block[d])), where)
-        if kind == "reduce_scatter":
-            d = new.dim
-            return self._wait(call(C.reduce_scatter, (x, a, d, reduce, mine[d])), where)
-        if kind == "all_reduce":
-            out = self._wait(call(C.all_reduce, (x, a, reduce)), where)
-            if isinstance(new, Partial) and c[a] != 0:  # P(x) -> P(y): keep one addend
-                return self._fill_like(out, new, where)
-            return out
-        if kind == "all_to_all":
-            i, j = cur[a].dim, new.dim
-            return self._wait(call(C.all_to_all, (x, a, i, j, group_block[i], mine[j])), where)
-        if kind == "slice":
-            d = new.dim
-            start, length = chunk_range(group_block[d], m[a], c[a])
-            piece = call(torch.ops.aten.slice.Tensor, (x, d, start, start + length))
-            return where.call_method("contiguous", (piece,))  # a device holds its block densely
-        if kind == "zero":  # B -> P: one device keeps the value, the others hold the reduction's identity
-            if c[a] == 0 or new.reduce in ("max", "min"):
-                return x
-            return self._fill_like(x, new, where)
-        if kind == "pad":  # S(d) -> P: each device's block in place, the reduction's identity elsewhere
-            d = cur[a].dim
-            start, length = chunk_range(group_block[d], m[a], c[a])
-            full = call(torch.ops.aten.new_full.default, (x, list(group_block), _identity(new.reduce)))
-            return call(torch.ops.aten.slice_scatter.default, (full, x, d, start, start + length))
-        raise LoweringError(f"no lowering for reshard step {kind!r}")
-
-    def _fill_like(self, x: fx.Node, p: Partial, where: fx.Graph) -> fx.Node:
-        return where.call_function(torch.ops.aten.full_like.default, (x, _identity(p.reduce)))
+        return reshard(self, x, ref, src, dst, where)
 
     @staticmethod
     def _wait(n: fx.Node, where: fx.Graph) -> fx.Node:
@@ -495,10 +432,6 @@ def _fill_inputs(plain: PlainCall, ins: Sequence[fx.Node]) -> tuple[tuple, dict]
 
     put = (lambda a: ins[a.k] if isinstance(a, Input) else a)
     return tuple(tree_map(put, list(plain.args))), dict(tree_map(put, dict(plain.kwargs)))
-
-
-def _identity(reduce: str) -> float:
-    return {"sum": 0.0, "max": -math.inf, "min": math.inf}[reduce]
 
 
 def _hoist_placeholders(graph: fx.Graph) -> None:
