@@ -329,8 +329,7 @@ def _pin_in_place(problem: Problem, pinned: list[int], prefer: Optional[dict] = 
     prefer = prefer or {}
     ways: dict[int, list] = {}
     def alive(i: int) -> list[int]:
-        n = problem.nodes[i]
-        return n.allowed if n.allowed is not None else list(range(len(n.strategies)))
+        return _alive(problem.nodes[i])
 
     def pinned_out(e, s):
         return tuple(e.places_out[e.src_place[s]][a] for a in pinned)

@@ -91,7 +91,7 @@ def _constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed
         for node in graph.inputs.values():
             allowed[node] = [tuple(B for _ in mesh.shape)]
     sharded_any = False
-    tables = {n.inputs[0].node for n in graph.ops() if n.op == "aten.embedding.default" and n.inputs}
+    tables = _embedding_tables(graph)
     for fqn, node in _params(graph):
         spec = graph.node(node).out
         shape = spec.shape
@@ -136,6 +136,11 @@ def pinned_axes(mesh: Mesh, name: str, tensor_axis=-1) -> list[int]:
     return []
 
 
+def _embedding_tables(graph: Graph) -> set[str]:
+    """The parameter nodes read as an embedding's table."""
+    return {n.inputs[0].node for n in graph.ops() if n.op == "aten.embedding.default" and n.inputs}
+
+
 class TensorRegions:
     """Megatron tensor parallelism splits activations on its tensor axis only between a
     column-split weight and the row-split one after it: along the dims that hold a factor of some
@@ -170,7 +175,7 @@ class TensorRegions:
         dim reached (row-parallel), with no collective between them. ``{parameter node: dim}``
         for the weights that pair one way only; embedding tables excluded."""
         g = self.graph
-        tables = {n.inputs[0].node for n in g.ops() if n.op == "aten.embedding.default" and n.inputs}
+        tables = _embedding_tables(g)
         mats = sorted(v for v in g.params.values() if g.node(v).out.ndim == 2 and v not in tables)
         order = {n.name: i for i, n in enumerate(g.nodes)}
         first = {}

@@ -45,12 +45,7 @@ def spread(graph: Graph, seeds: dict[Key, Hashable], *, whole: bool,
 
     marks = dict(seeds)
     conflict: set[Key] = set()
-    users: dict[str, list[Node]] = {}
-    for n in graph.ops():
-        for r in n.inputs:
-            lst = users.setdefault(r.node, [])
-            if not lst or lst[-1] is not n:
-                lst.append(n)
+    users = graph.users()
     dms: dict[str, object] = {}
 
     def dm_of(node: Node):
@@ -76,7 +71,7 @@ def spread(graph: Graph, seeds: dict[Key, Hashable], *, whole: bool,
         value = marks[(ref, d)]
         for other in (partners or {}).get(ref, []):
             mark((other, d), value)
-        for node in [graph.node(ref.node)] + users.get(ref.node, []):
+        for node in [graph.node(ref.node)] + [graph.node(u) for u in users[ref.node]]:
             dm = dm_of(node)
             if dm is None:
                 continue

@@ -2,9 +2,8 @@
 
 A bucket of n gradients written op by op costs 2n + 2 program ops per step (a reshape of each
 gradient, the concatenation, the split and a reshape of each piece), a Python-level dispatch each
-on CPU. These two calls do the same in one call each: ``flatten`` is torch's C++
-``flatten_dense_tensors`` (each gradient made contiguous and concatenated as a flat vector: the one
-copy a bucket needs), ``unflatten`` cuts the reduced buffer into views of the gradients' shapes.
+on CPU. Here a ``Bucket`` module call packs the gradients (one concatenation into a flat vector:
+the one copy a bucket needs) and ``unflatten`` cuts the reduced buffer into views of their shapes.
 
 ``Bucket`` packs into a buffer it keeps between steps, as DDP keeps its buckets: a new buffer
 every step is fresh memory to allocate and touch (0.7 ms of a 42 ms step of one rank's program, for
@@ -22,16 +21,9 @@ from typing import Sequence
 import torch
 
 
-def flatten(xs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One new flat buffer holding ``xs`` one after another (each as a contiguous vector). Always a
-    new tensor, never a view of an input: callers reduce it in place."""
-    if len(xs) == 1:  # torch returns a view of a lone tensor
-        return xs[0].reshape(-1).clone()
-    return torch._C._nn.flatten_dense_tensors(list(xs))
-
-
 class Bucket(torch.nn.Module):
-    """``flatten`` into a buffer kept between steps (see the module's docstring)."""
+    """Packs a bucket's gradients into one flat buffer, kept between steps (see the module's
+    docstring); the result is never a view of an input, since callers reduce it in place."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -58,4 +50,4 @@ def unflatten(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch
     return [p.view(s) for p, s in zip(pieces, shapes)]
 
 
-__all__ = ["Bucket", "flatten", "unflatten"]
+__all__ = ["Bucket", "unflatten"]
