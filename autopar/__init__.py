@@ -9,13 +9,12 @@
 from autopar import recipes
 from autopar.errors import AutoparError, CaptureError
 from autopar.ir.hint import hint
-from autopar.mesh import Mesh
+from autopar.cost_model.mesh import Mesh
 from autopar.plan import Plan, PlanError, load_plan
 from autopar.runtime.launch import LaunchError, launch
-from autopar.runtime.spmd import simulate
 
 # Imported last: the submodule ``autopar.plan`` would otherwise shadow the function.
-from autopar.api import plan  # noqa: E402  isort: skip
+from autopar.api import plan, simulate  # noqa: E402  isort: skip
 from autopar.parallel import ParallelModule, compile  # noqa: E402,A004  isort: skip
 
 __all__ = ["AutoparError", "CaptureError", "LaunchError", "Mesh", "ParallelModule", "Plan", "PlanError", "compile",

@@ -355,7 +355,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     import autopar
     from autopar.cli_progress import PLAN_PHASES, Progress, is_terminal
-    from autopar.mesh import MeshError
+    from autopar.cost_model.mesh import MeshError
 
     try:
         mesh = autopar.Mesh(axes, device=args.device, profile=args.profile)

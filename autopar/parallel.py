@@ -18,18 +18,16 @@ import torch
 import torch.distributed as dist
 
 from autopar._torch_compat import install_strided_checkpointing
-from autopar.errors import AutoparError
+from autopar.errors import CompileError
 from autopar.ir.graph import Graph
 from autopar.ir.placement import from_dtensor, format_placements, local_block, to_dtensor
-from autopar.mesh import Mesh
-from autopar.passes.lower import Program, Slot, lower, resolve
+from autopar.cost_model.mesh import Mesh
+from autopar.passes.lower import lower, resolve
 from autopar.plan import Plan, load_plan
-from autopar.runtime import collectives as C
-from autopar.runtime.spmd import execution_precision, precision_context
-
-
-class CompileError(AutoparError):
-    """The model, mesh, plan and process group do not go together."""
+from autopar.program import collectives as C
+from autopar.program.program import Program, Slot
+from autopar.runtime.collectives import ProcessGroupComm, _Recorder
+from autopar.runtime.precision import execution_precision
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -136,7 +134,7 @@ class ParallelModule(torch.nn.Module):
         self.device_mesh = dmesh
         self.program = program
         self.precision = precision
-        self._comm = C.ProcessGroupComm([dmesh.get_group(i) for i in range(dmesh.ndim)], plan.axis_names)
+        self._comm = ProcessGroupComm([dmesh.get_group(i) for i in range(dmesh.ndim)], plan.axis_names)
         self._axis_of_group = {dmesh.get_group(i).group_name: name for i, name in enumerate(plan.axis_names)}
         self._recording: Optional[list] = None
         self._param_slots = [s for s in program.inputs if s.kind == "param"]
@@ -171,13 +169,9 @@ class ParallelModule(torch.nn.Module):
         stack = contextlib.ExitStack()
         stack.enter_context(C.use_backend(self._comm))
         stack.enter_context(torch.no_grad())
-        stack.enter_context(precision_context(self.precision, self._device_type()))
         if self._recording is not None:
-            stack.enter_context(C._Recorder(self._axis_of_group, self._recording))
+            stack.enter_context(_Recorder(self._axis_of_group, self._recording))
         return stack
-
-    def _device_type(self) -> str:
-        return self.device_mesh.device_type
 
     def _run_forward(self, local_inputs: list) -> tuple[list, list]:
         with self._context():
@@ -279,13 +273,13 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     the GPU presets, "fp32" on cpu) unless ``precision`` overrides it: "model" (each tensor in its
     own dtype), "fp32", "bf16-mixed", ... Under a mixed precision the parameters stay fp32 DTensors
     (the master weights the optimizer updates), are cast to bf16 before they are gathered, and
-    their gradients are reduced and delivered in fp32 (see ``autopar.passes.cast``).
+    their gradients are reduced and delivered in fp32 (see ``autopar.cost_model.casting``).
     The other keywords are ``autopar.plan``'s. The model's parameters are replaced, in place, by
     DTensors holding this rank's blocks.
     """
     from autopar.api import plan as make_plan
     from autopar.ir.capture import capture
-    from autopar.passes.report import graph_fingerprint
+    from autopar.ir.fingerprint import graph_fingerprint
     from autopar.runtime.launch import ensure_process_group
     from torch.distributed.device_mesh import init_device_mesh
 

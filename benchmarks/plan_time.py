@@ -2,7 +2,7 @@
 H100 mesh, at 2, 8 and 32 layers.
 
 Prints capture, fold, strategies, cost, merge, solve and total seconds per depth (from
-``autopar.api.run_passes``'s ``phases``), and the ratio of the deepest case's post-capture time
+``autopar.passes.pipeline.run_passes``'s ``phases``), and the ratio of the deepest case's post-capture time
 (total − capture) to the shallowest's. Targets: the 32-layer case under 15 s in total; its
 post-capture phases under 1.5× the 2-layer case's (identical layers are folded, so depth should
 cost little after capture).
@@ -26,7 +26,7 @@ RATIO_TARGET = 1.5
 
 def plan_once(layers: int, batch: int, seq: int) -> dict:
     import autopar
-    from autopar.api import run_passes
+    from autopar.passes.pipeline import run_passes
     from autopar.cost_model import comm
     from autopar.models import make
 

@@ -1,7 +1,7 @@
 """Searched plans against the hand-written recipes, for GPT and LLaMA models on H100 meshes.
 
 For every (family, size, mesh) cell: plan a training step (bf16 mixed precision, AdamW — the h100
-defaults) with ``autopar.api.run_passes`` and print the searched plan's estimated step time, peak
+defaults) with ``autopar.passes.pipeline.run_passes`` and print the searched plan's estimated step time, peak
 memory per device and source ("search", or the recipe it fell back to), every recipe's step time
 and peak memory (or its error), and two checks:
 
@@ -60,8 +60,8 @@ def _ms(t) -> str:
 def run_cell(graph, model, inputs, mesh_key, recipes_names):
     """One planning run; returns a dict describing the cell."""
     import autopar
-    from autopar.api import run_passes
-    from autopar.passes.solve import InfeasibleError
+    from autopar.passes.pipeline import run_passes
+    from autopar.errors import InfeasibleError
 
     axes, _ = MESHES[mesh_key]
     mesh = autopar.Mesh(axes, device="h100")

@@ -101,7 +101,7 @@ def test_megatron_tp_computes_whole_heads_with_megatron_collectives():
 def test_megatron_pairs_come_from_the_dataflow():
     """A column-split weight feeds a row-split one: found from which weight dims reach which,
     whatever the modules are called; the residual stream's model dim pairs nothing."""
-    from autopar.recipes import TensorRegions
+    from autopar.passes.search.recipes import TensorRegions
 
     expect = {
         "gpt": {"attn.qkv": 0, "attn.proj": 1, "mlp.fc": 0, "mlp.proj": 1},

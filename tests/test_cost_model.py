@@ -19,7 +19,7 @@ from autopar.cost_model.precision import element_bytes, get_precision
 from autopar.ir.graph import Ref, TensorSpec
 from autopar.ir.placement import B, P, Partial, S
 from autopar.ir.rules.base import OpCall
-from autopar.mesh import Mesh
+from autopar.cost_model.mesh import Mesh
 
 H100 = PRESETS["h100"]
 NVL, IB = H100.intra_node, H100.inter_node

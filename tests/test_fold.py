@@ -7,7 +7,7 @@ import pytest
 
 import autopar.models as M
 from autopar.ir.capture import capture
-from autopar.passes.fold import fold
+from autopar.passes.search.fold import fold
 
 warnings.simplefilter("ignore")
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import autopar
-from autopar.passes.lower import LoweringError, lower, resolve
+from autopar.errors import LoweringError
+from autopar.passes.lower import lower, resolve
 from autopar.runtime.accounting import differences
 
 from _parity import build, plan_json, rel
@@ -60,7 +61,7 @@ def test_program_code_is_readable_python():
     prog = lower(resolve(capture(model, args), plan), (1, 2))
     code = prog.code
     assert "def forward(self, wte_weight" in code and "def backward(self" in code
-    assert "autopar_runtime_collectives_all_reduce" in code or "all_reduce" in code
+    assert "autopar_program_collectives_all_reduce" in code or "all_reduce" in code
     compile(code.replace("# forward", "").split("# backward")[0], "<forward>", "exec")  # valid Python
 
 

@@ -9,7 +9,7 @@ import torch
 
 from autopar.cost_model.hardware import PRESETS, Link, save_profile
 from autopar.errors import AutoparError
-from autopar.mesh import Mesh, MeshError
+from autopar.cost_model.mesh import Mesh, MeshError
 
 H100 = PRESETS["h100"]
 

@@ -18,10 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import autopar
 from autopar.ir.capture import capture
 from autopar.ir.graph import Ref
-from autopar.passes.cast import cast_policy
+from autopar.cost_model.casting import cast_policy
 from autopar.passes.lower import lower, resolve
 from autopar.runtime.accounting import differences
-from autopar.runtime.spmd import run_step
+from autopar.runtime.threads import run_step
 
 from _parity import bf16_reference, build, flat, rel
 

@@ -12,8 +12,8 @@ from autopar.ir.placement import local_shape
 from autopar.ir.rules import op_call
 from autopar.ir.rules.base import LocalCtx, run_local
 from autopar.models import make
-from autopar.passes.plain_local import Input, plain_call
-from autopar.passes.strategies import input_placement, node_strategies
+from autopar.passes.lower.plain_local import Input, plain_call
+from autopar.passes.search.strategies import input_placement, node_strategies
 
 
 def _cases(op: str):

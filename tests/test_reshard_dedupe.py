@@ -12,12 +12,12 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar.api import run_passes
+from autopar.passes.pipeline import run_passes
 from autopar.ir.placement import B, P, Split
-from autopar.passes.merge import merge
-from autopar.passes.problem import Group, PEdge, PNode, Problem, evaluate, incident_transfers, local_cost
+from autopar.passes.search.merge import merge
+from autopar.passes.search.problem import Group, PEdge, PNode, Problem, evaluate, incident_transfers, local_cost
 from autopar.passes.report import _reshardings
-from autopar.passes.solve import solve
+from autopar.passes.search.solve import solve
 
 warnings.simplefilter("ignore")
 

@@ -106,7 +106,7 @@ def test_spec_notation_parses_merged_and_size_one_dims():
 
 @pytest.mark.parametrize("mesh", [(2,), (3,), (2, 3)])
 def test_vocab_parallel_embedding_is_offered_and_correct(mesh):
-    from autopar.runtime.simulate import check_strategy
+    from autopar.ir.rules.proof.interp import check_strategy
 
     w = torch.randn(7, 5, dtype=torch.float64)
     ids = torch.tensor([[0, 6, 3], [2, 5, 1]])

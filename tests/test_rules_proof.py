@@ -15,7 +15,7 @@ import torch
 import autopar.models as M
 from conftest import REPORT
 from autopar.ir.capture import capture
-from autopar.runtime.verify import Report, cases, dedupe, mutation_test, record_values, verify
+from autopar.ir.rules.proof.check import Report, cases, dedupe, mutation_test, record_values, verify
 
 # Odd sizes on purpose: 3 heads, 1 KV head, vocabularies and widths that 2 and 3 do not divide.
 FAMILIES = {

@@ -11,15 +11,16 @@ import torch.nn as nn
 
 import autopar
 import autopar.models
-from autopar.api import run_passes
+from autopar.passes.pipeline import run_passes
 from autopar.cost_model.precision import get_precision
 from autopar.ir.capture import capture
-from autopar.passes.cost import build_problem
-from autopar.passes.fold import no_folding
-from autopar.passes.merge import merge
-from autopar.passes.problem import evaluate
-from autopar.passes.solve import solve
-from autopar.passes.strategies import HintError, node_strategies, resolve_hints
+from autopar.passes.search.build import build_problem
+from autopar.passes.search.fold import no_folding
+from autopar.passes.search.merge import merge
+from autopar.passes.search.problem import evaluate
+from autopar.passes.search.solve import solve
+from autopar.errors import HintError
+from autopar.passes.search.strategies import node_strategies, resolve_hints
 
 warnings.simplefilter("ignore")
 
@@ -177,7 +178,7 @@ def _crossover_batch(mesh, d, h, c) -> tuple[float, dict]:
     kb = 2 * d * h / mm + 6 * 2 * h / mem
     sharded, replicated = [d * h, h], [h * c, c]  # the search keeps the small head replicated
     gf = sum(collective_time("all_gather", 2 * p, n, link) for p in sharded)
-    from autopar.passes.buckets import BUCKET_SIZE
+    from autopar.cost_model.buckets import BUCKET_SIZE
 
     def bucketed(kind, nbytes):
         return collective_time(kind, nbytes, n, link) - (1 - min(1.0, nbytes / BUCKET_SIZE)) * collective_time(kind, 0, n, link)
@@ -229,7 +230,7 @@ def test_model_too_large_to_replicate_gets_parameters_sharded():
 
 def test_memory_budget_too_small_is_a_clear_error():
     model, inputs = _mlp(256, 256, batch=8)
-    with pytest.raises(autopar.passes.solve.InfeasibleError, match="no plan fits the memory budget.*needs"):
+    with pytest.raises(autopar.errors.InfeasibleError, match="no plan fits the memory budget.*needs"):
         autopar.plan(model, autopar.Mesh({"dp": 2}, device="h100"), inputs, memory_budget=1000)
 
 
@@ -274,7 +275,7 @@ def test_bad_hints_are_clear_errors(hints, match):
 
 @pytest.mark.parametrize("axes, match", [({}, "at least one"), ({"dp": 0}, "size"), ({"dp": 2, "tp": "x"}, "size")])
 def test_malformed_mesh_is_a_clear_error(axes, match):
-    with pytest.raises(autopar.mesh.MeshError, match=match):
+    with pytest.raises(autopar.errors.MeshError, match=match):
         autopar.Mesh(axes)
 
 

@@ -34,7 +34,7 @@ from autopar.cost_model.hardware import Link
 from autopar.ir.placement import Broadcast, Partial, Placement, Split, local_shape
 
 if TYPE_CHECKING:
-    from autopar.mesh import Mesh
+    from autopar.cost_model.mesh import Mesh
 
 KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "slice", "pad", "zero")
 LOCAL_KINDS = frozenset({"slice", "pad", "zero"})

@@ -16,7 +16,7 @@ from autopar.cost_model.precision import Precision, element_bytes
 from autopar.ir.placement import Placement, local_shape
 
 if TYPE_CHECKING:
-    from autopar.mesh import Mesh
+    from autopar.cost_model.mesh import Mesh
 
 MeshLike = Union["Mesh", Sequence[int]]
 

@@ -23,7 +23,7 @@ def _is_dtensor(t: Any) -> bool:
 
 def dtensor_hints(model: torch.nn.Module, args: tuple, kwargs: Mapping, mesh_shape: tuple[int, ...]) -> dict[str, str]:
     """Hints for every parameter, buffer and top-level example input that is a DTensor."""
-    from autopar.passes.strategies import HintError
+    from autopar.errors import HintError
 
     found: dict[str, Any] = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
@@ -47,7 +47,7 @@ def dtensor_hints(model: torch.nn.Module, args: tuple, kwargs: Mapping, mesh_sha
 
 def merge_hints(user: Optional[Mapping[str, Any]], extra: Mapping[str, str]) -> Optional[dict]:
     """The user's hints plus ``extra``; the same key with different placements is an error."""
-    from autopar.passes.strategies import HintError
+    from autopar.errors import HintError
 
     if not extra:
         return dict(user) if user else user

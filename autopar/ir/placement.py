@@ -16,9 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-
-class PlacementError(ValueError):
-    """A placement string or object that cannot be understood."""
+from autopar.errors import PlacementError
 
 
 @dataclass(frozen=True, order=True)

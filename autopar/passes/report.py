@@ -6,50 +6,24 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from autopar.cost_model.comm import reshard_steps
-from autopar.ir.graph import Graph, Ref
+from autopar.ir.fingerprint import graph_fingerprint, graph_info
+from autopar.ir.graph import Ref
+from autopar.ir.views import param_views
 from autopar.ir.placement import B, format_placements
-from autopar.passes.buckets import BUCKET_SIZE, collective_calls, mark_grad_buckets
-from autopar.passes.cast import cast_policy, transfer_bytes
-from autopar.passes.problem import MEMORY_KINDS, evaluate, incident_transfers, local_cost
-from autopar.passes.strategies import input_placement, output_placement
+from autopar.cost_model.buckets import BUCKET_SIZE, collective_calls, mark_grad_buckets
+from autopar.cost_model.casting import cast_policy, transfer_bytes
+from autopar.passes.search.problem import MEMORY_KINDS, evaluate, incident_transfers, local_cost
+from autopar.passes.search.strategies import input_placement, output_placement
 
 if TYPE_CHECKING:
     from autopar.api import Planned
 
 #: Alternatives kept per module in the plan (the cheapest other strategies of its ops).
 ALTERNATIVES = 4
-
-
-def graph_info(graph: Graph) -> dict:
-    params = sorted(set(graph.params) | set(getattr(graph, "aliases", {})))
-    info = {
-        "nodes": len(graph.nodes),
-        "ops": len(graph.op_names()),
-        "params": len(params),
-        "fqns": params,
-        "inputs": {k: str(graph.node(v).out) for k, v in sorted(graph.inputs.items())},
-        "ops_hist": dict(sorted(Counter(n.op for n in graph.ops()).items())),
-    }
-    # parameters with dims of equal blocks (ir.blocks): their splits cut every block alike
-    blocks = {fqn: [list(b) for b in graph.node(v).out.blocks] for fqn, v in sorted(graph.params.items())
-              if graph.node(v).out.blocks}
-    if blocks:
-        info["blocks"] = blocks
-    return info
-
-
-def graph_fingerprint(graph: Graph) -> str:
-    """A hash of everything that shapes a plan: ops, shapes, dtypes, arguments, inputs' meaning."""
-    h = hashlib.sha256()
-    for n in graph.nodes:
-        h.update(repr((n.name, n.op, [str(o) for o in n.outputs], repr(n.args), repr(n.kwargs), n.roles)).encode())
-    h.update(json.dumps([sorted(graph.params.items()), sorted(graph.inputs.items()), graph.training],
-                        sort_keys=True, default=str).encode())
-    return h.hexdigest()
 
 
 def _sha(d: dict) -> str:
@@ -144,7 +118,6 @@ def _reshardings(planned: "Planned", strat) -> list[dict]:
         }
         out.append(seen[key])
 
-    from autopar.passes.cost import param_views
 
     views = param_views(g)
     for n in g.ops():

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable
 
-from autopar.passes.buckets import collective_calls
+from autopar.cost_model.buckets import collective_calls
 
 Key = tuple[str, str, int]
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 
-from autopar.errors import AutoparError
+from autopar.errors import LaunchError
 from autopar.runtime import _rank
 
 __all__ = ["LaunchError", "ensure_process_group", "in_torchrun", "launch"]
@@ -49,19 +49,6 @@ _FAILURE_GRACE_S = 0.5
 _TERMINATE_GRACE_S = 2.0
 #: How long a rank that has reported may take to exit on its own before it is stopped.
 _EXIT_GRACE_S = 30.0
-
-
-class LaunchError(AutoparError):
-    """A launched run failed: a rank raised, a rank died, the run timed out, or there is no (or the
-    wrong) process group. ``rank`` is the failing rank and ``exitcode`` its exit code where known."""
-
-    def __init__(self, message: str, rank: Optional[int] = None, exitcode: Optional[int] = None):
-        super().__init__(message)
-        self.rank = rank
-        self.exitcode = exitcode
-
-    def __reduce__(self):
-        return (type(self), (str(self), self.rank, self.exitcode))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import hashlib
 
 import torch
 
-from autopar.errors import AutoparError
+from autopar.errors import MaterializeError
 
 #: The methods that may rebuild a module's own tensors, in order of preference.
 INITIALISERS = ("reset_parameters", "init_weights")
@@ -29,10 +29,6 @@ INITIALISERS = ("reset_parameters", "init_weights")
 #: Added to every module's seed, so a run can choose another initialisation (``torch.manual_seed``
 #: of the caller does not reach here: the per-module seed must not depend on what ran before).
 BASE_SEED = 0
-
-
-class MaterializeError(AutoparError):
-    """A meta tensor whose values cannot be rebuilt."""
 
 
 def _seed(path: str) -> int:

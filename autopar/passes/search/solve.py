@@ -36,14 +36,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from autopar.errors import AutoparError
-from autopar.passes.problem import Problem, evaluate, incident_transfers, local_cost
+from autopar.errors import InfeasibleError
+from autopar.passes.search.problem import Problem, evaluate, incident_transfers, local_cost
 
 NS = 1e12  # objective unit: picoseconds (integer costs; finer units keep rounding below any real difference)
-
-
-class InfeasibleError(AutoparError):
-    """No choice of strategies fits the memory budget (or the hints)."""
 
 
 @dataclass

@@ -18,11 +18,7 @@ import os
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from autopar.cost_model.hardware import Hardware, Link, get_hardware
-from autopar.errors import AutoparError
-
-
-class MeshError(AutoparError, ValueError):
-    """A mesh description that cannot be used (bad axes, device, links)."""
+from autopar.errors import MeshError
 
 
 LinkLike = Union[Link, tuple, list, dict]

@@ -16,6 +16,7 @@ from typing import Optional
 from torch.fx.node import map_aggregate
 
 from autopar.ir.graph import Graph, Node, Ref
+from autopar.ir.layers import layers as _layers
 
 @dataclass
 class LayerGroup:
@@ -49,22 +50,6 @@ class Folding:
         return 1 if loc is None else self.groups[loc[0]].count
 
 
-def _layer_of(path: str) -> Optional[tuple[str, int]]:
-    """``"model.layers.3.attn"`` -> ``("model.layers", 3)``: the first numbered module on the path."""
-    parts = path.split(".")
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[:i]), int(p)
-    return None
-
-
-def _node_layer(graph: Graph, node: Node, param_of: dict[str, str]) -> Optional[tuple[str, int]]:
-    if node.is_placeholder:
-        fqn = param_of.get(node.name)
-        return _layer_of(fqn) if fqn else None
-    return _layer_of(node.module_path) if node.module_path else None
-
-
 def _signature(node: Node, prefix: str, index: int, members: dict[str, int]) -> tuple:
     """What must agree between instances for them to fold."""
     here = f"{prefix}.{index}" if prefix else str(index)
@@ -80,29 +65,6 @@ def _signature(node: Node, prefix: str, index: int, members: dict[str, int]) -> 
     kwargs = map_aggregate(node.kwargs, lambda a: ref_key(a) if isinstance(a, Ref) else a)
     outer = tuple(ref_key(r) for r in node.inputs if r.node not in members)
     return (node.op, tuple(node.outputs), repr(args), repr(kwargs), rel(node.module_path), node.phase, len(outer))
-
-
-def _layers(graph: Graph, with_accumulation: bool) -> dict[tuple[str, int], list[str]]:
-    """Layer (prefix, index) -> its node names in graph order."""
-    param_of = {name: fqn for fqn, name in list(graph.params.items()) + list(graph.buffers.items())}
-    by_layer: dict[tuple[str, int], list[str]] = defaultdict(list)
-    layer_of: dict[str, tuple[str, int]] = {}
-    for node in graph.nodes:
-        key = _node_layer(graph, node, param_of)
-        if key is None and with_accumulation and not node.is_placeholder and not node.module_path:
-            # Gradient accumulation (a tensor used twice, e.g. the residual stream) has no module:
-            # it belongs to the lowest layer among its inputs' (the layer whose tensor it sums).
-            keys = [layer_of[r.node] for r in node.inputs if r.node in layer_of]
-            key = min(keys) if keys and len({k[0] for k in keys}) == 1 else None
-        if key is not None:
-            layer_of[node.name] = key
-            by_layer[key].append(node.name)
-    return by_layer
-
-
-def layer_members(graph: Graph) -> frozenset[str]:
-    """Every op of a numbered layer, gradient accumulation included, as ``fold`` groups them."""
-    return frozenset(n for names in _layers(graph, True).values() for n in names)
 
 
 def _instances(graph: Graph, by_layer, prefix: str) -> Optional[tuple[list[int], list[list[str]]]]:
@@ -144,4 +106,5 @@ def fold(graph: Graph) -> Folding:
 
 
 def no_folding() -> Folding:
+    """A folding with no groups: every node stands for itself (tests; models without layers)."""
     return Folding()

@@ -25,181 +25,32 @@ their reduction.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 import torch.fx as fx
 
-from autopar.cost_model.precision import Precision
-from autopar.errors import AutoparError
-from autopar.ir.graph import Graph, Node, Phase, Ref, Role, TensorSpec
-from autopar.ir.placement import B, Placements, format_placements, local_shape
-from autopar.ir.rules import op_call
-from autopar.ir.rules.base import LocalCtx, OpCall, has_local, local_args, run_local
+from autopar.errors import LoweringError
+from autopar.ir.graph import Node, Phase, Ref
+from autopar.ir.placement import B, Placements, local_shape
+from autopar.ir.rules.base import LocalCtx, has_local, local_args
 from autopar.ir.rules.dimmap import Strategy
-from autopar.mesh import Mesh
-from autopar.passes.cast import CastPolicy, cast_policy
-from autopar.passes.cost import param_views
-from autopar.passes.lower_grads import bucketed_grads
-from autopar.passes.lower_reshard import reshard
-from autopar.passes.plain_local import Input, PlainCall, plain_call
-from autopar.passes.schedule import schedule
-from autopar.passes.simplify import drop_identities
-from autopar.passes.strategies import input_placement, node_strategies, output_placement
-from autopar.runtime import collectives as C
-
-#: Ops whose values depend on a random stream: a sharded program cannot reproduce them.
-RANDOM_OPS = ("aten.native_dropout", "aten.bernoulli", "aten.rand", "aten.randn", "aten.randint",
-              "aten.normal", "aten.uniform", "aten.multinomial", "aten.randperm", "aten.rand_like",
-              "aten.randn_like", "aten.randint_like")
-
+from autopar.ir.views import param_views
+from autopar.passes.lower.grads import bucketed_grads
+from autopar.passes.lower.plain_local import Input, PlainCall, plain_call
+from autopar.passes.lower.reshard import reshard
+from autopar.passes.lower.resolve import Resolved, placeholder_key
+from autopar.passes.lower.schedule import schedule
+from autopar.passes.lower.simplify import drop_identities
+from autopar.passes.search.strategies import input_placement, output_placement
+from autopar.program import collectives as C
+from autopar.program.program import LocalOp, Program, Slot
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 _RESHAPE = torch.ops.aten.reshape.default
 
 
-class LoweringError(AutoparError):
-    """A plan that cannot be turned into a program for this graph."""
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One input or output of a lowered program: what it is, and how it is placed."""
-
-    kind: str  # param | buffer | input | tangent | loss | output | mutation | grad
-    key: str  # FQN, input key ("input:0" / keyword), or output position
-    placements: Placements
-    spec: TensorSpec
-
-
-@dataclass
-class Program:
-    """One rank's lowered program."""
-
-    coords: tuple[int, ...]
-    mesh_shape: tuple[int, ...]
-    axis_names: tuple[str, ...]
-    forward: fx.GraphModule
-    inputs: list[Slot]
-    outputs: list[Slot]
-    n_saved: int
-    backward: Optional[fx.GraphModule] = None
-    grads: list[Slot] = field(default_factory=list)
-
-    def run_forward(self, *inputs) -> tuple[list, list]:
-        """Run the forward program on this thread's collective backend: its outputs, and the values
-        it saves for the backward. Every collective is waited before returning: a result left in
-        flight (saved for a backward that never runs) would be freed while the process group
-        still writes it."""
-        res = self.forward(*inputs)
-        res = [C.wait(t) for t in (res if isinstance(res, (tuple, list)) else [res])]
-        n_out = len(res) - self.n_saved
-        return res[:n_out], res[n_out:]
-
-    @property
-    def code(self) -> str:
-        """The program's Python source (forward, then backward)."""
-        parts = ["# forward" + self.forward.code]
-        if self.backward is not None:  # fx names every module's function "forward"
-            parts.append("# backward" + self.backward.code.replace("def forward(self", "def backward(self", 1))
-        return "\n".join(parts)
-
-
-class LocalOp(torch.nn.Module):
-    """An op whose rule computes its local block with this device's offsets (vocab-split
-    embedding, sharded attention masks, ...): runs the rule's local implementation."""
-
-    def __init__(self, ctx: LocalCtx):
-        super().__init__()
-        self.ctx = ctx
-
-    def forward(self, *xs):
-        out = run_local(self.ctx, list(xs))
-        return tuple(out) if len(self.ctx.call.out_specs) > 1 else out[0]
-
-    def extra_repr(self) -> str:
-        return f"{self.ctx.call.op}, " + " | ".join(str(s) for s in self.ctx.strategy)
-
-
 # -- matching the plan -----------------------------------------------------------------------------
-
-@dataclass
-class Resolved:
-    """The rank-independent part of lowering: every node's strategy and the plan's facts."""
-
-    graph: Graph
-    mesh: Mesh
-    precision: Precision
-    strategies: dict[str, Strategy]
-    calls: dict[str, OpCall]
-    _casts: dict = field(default_factory=dict, repr=False)
-
-    def cast(self, precision: str) -> Optional[CastPolicy]:
-        """The casts of a program run at ``precision`` (``passes.cast``; None: captured dtypes)."""
-        if precision not in self._casts:
-            self._casts[precision] = cast_policy(self.graph, precision)
-        return self._casts[precision]
-
-
-def resolve(graph: Graph, plan) -> Resolved:
-    """Every node's chosen strategy, looked up in the rules by the plan's text; checks the plan
-    was made for this graph first."""
-    from autopar.passes.report import graph_fingerprint, graph_info
-
-    plan.check_graph(graph_fingerprint(graph), graph_info(graph))
-    mesh = Mesh.from_dict(plan.mesh)
-    precision = Precision.from_dict(plan.precision)
-    by_name = {n["name"]: n for n in plan.nodes}
-    strategies: dict[str, Strategy] = {}
-    calls: dict[str, OpCall] = {}
-    for node in graph.nodes:
-        if node.is_placeholder:
-            strategies[node.name] = _placeholder_strategy(graph, node, plan, mesh)
-            continue
-        entry = by_name.get(node.name)
-        if entry is None:
-            raise LoweringError(f"the plan has no strategy for {node.where()}: plan again for this model")
-        want = (list(entry["strategy"]), list(entry["tags"]))
-        found = [s for s in node_strategies(graph, node, mesh) if ([str(x) for x in s], [x.tag for x in s]) == want]
-        if not found:
-            raise LoweringError(
-                f"the plan's strategy {' | '.join(want[0])} for {node.where()} is not one autopar's rules allow "
-                "(a plan from another autopar version?): plan again"
-            )
-        strategies[node.name] = found[0]
-        calls[node.name] = op_call(graph, node)
-        if node.op.startswith(RANDOM_OPS):
-            raise LoweringError(
-                f"{node.where()} draws random numbers ({node.op}); a sharded program cannot reproduce the "
-                "single-device random stream. Set dropout probabilities to 0 (or call model.eval()) before "
-                "compiling"
-            )
-    return Resolved(graph, mesh, precision, strategies, calls)
-
-
-def _placeholder_strategy(graph: Graph, node: Node, plan, mesh: Mesh) -> Strategy:
-    key = _placeholder_key(graph, node)
-    if key is None:  # the tangent: every device holds the seed
-        return node_strategies(graph, node, mesh)[0]
-    text = plan.placements.get(key[1])
-    if text is None:
-        raise LoweringError(f"the plan does not place {key[0]} {key[1]!r}: plan again for this model")
-    for s in node_strategies(graph, node, mesh):
-        if format_placements(output_placement(s, 0)) == text:
-            return s
-    raise LoweringError(f"the plan places {key[0]} {key[1]!r} as {text!r}, which does not fit its shape {node.out}")
-
-
-def _placeholder_key(graph: Graph, node: Node) -> Optional[tuple[str, str]]:
-    role = node.roles[0]
-    if role == Role.TANGENT:
-        return None
-    table = {Role.PARAMETER: ("param", graph.params), Role.BUFFER: ("buffer", graph.buffers),
-             Role.INPUT: ("input", graph.inputs)}
-    kind, names = table[role]
-    return kind, next(k for k, v in names.items() if v == node.name)
-
 
 # -- emitting one rank's program ---------------------------------------------------------------------
 
@@ -298,7 +149,7 @@ class _Emitter:
         return name
 
     def _placeholder(self, node: Node, strat: Strategy) -> None:
-        key = _placeholder_key(self.g, node)
+        key = placeholder_key(self.g, node)
         where = self.bg if key is None else self.fg
         ph = where.placeholder(self._name("tangent" if key is None else key[1]))
         self.base[Ref(node.name, 0)] = (ph, where, output_placement(strat, 0))
@@ -380,7 +231,7 @@ class _Emitter:
         g, res = self.g, self.res
         slots_in = []
         for node in g.nodes:
-            key = _placeholder_key(g, node) if node.is_placeholder else None
+            key = placeholder_key(g, node) if node.is_placeholder else None
             if key is not None:
                 slots_in.append(Slot(key[0], key[1], output_placement(res.strategies[node.name], 0), node.out))
         outs, slots_out = [], []
@@ -460,4 +311,4 @@ def lower(res: Resolved, coords: Sequence[int], device: Optional[torch.device] =
     return em.finish()
 
 
-__all__ = ["LocalOp", "LoweringError", "Program", "RANDOM_OPS", "Resolved", "Slot", "lower", "resolve"]
+__all__ = ["lower"]

@@ -13,8 +13,8 @@ import torch.fx as fx
 from autopar.cost_model.comm import reshard_steps
 from autopar.ir.graph import Ref, Role
 from autopar.ir.placement import B, Partial, Placements, chunk_range, expand_blocks, local_shape
-from autopar.passes.cast import transfer_bytes
-from autopar.runtime import collectives as C
+from autopar.cost_model.casting import transfer_bytes
+from autopar.program import collectives as C
 
 
 def _wait(n: fx.Node, where: fx.Graph) -> fx.Node:
@@ -90,7 +90,7 @@ def _step(em, x, shape, cur, a, new, kind, reduce, where: fx.Graph) -> fx.Node:
         start, length = chunk_range(group_block[d], m[a], c[a])
         full = call(torch.ops.aten.new_full.default, (x, list(group_block), identity(new.reduce)))
         return call(torch.ops.aten.slice_scatter.default, (full, x, d, start, start + length))
-    from autopar.passes.lower import LoweringError  # lower imports this module
+    from autopar.errors import LoweringError
 
     raise LoweringError(f"no lowering for reshard step {kind!r}")
 

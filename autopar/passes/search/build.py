@@ -21,12 +21,13 @@ from autopar.cost_model.precision import Precision
 from autopar.ir.graph import Graph, Phase, Ref, Role
 from autopar.ir.placement import B, Placements, local_shape
 from autopar.ir.rules import op_call
-from autopar.mesh import Mesh
-from autopar.passes.buckets import grad_time
-from autopar.passes.cast import cast_policy, transfer_bytes
-from autopar.passes.fold import Folding
-from autopar.passes.problem import MEMORY_KINDS, Group, PEdge, PNode, Problem
-from autopar.passes.strategies import Constraint, HintError, input_placement, output_placement
+from autopar.ir.views import param_views
+from autopar.cost_model.mesh import Mesh
+from autopar.cost_model.buckets import grad_time
+from autopar.cost_model.casting import cast_policy, transfer_bytes
+from autopar.passes.search.fold import Folding
+from autopar.passes.search.problem import MEMORY_KINDS, Group, PEdge, PNode, Problem
+from autopar.passes.search.strategies import Constraint, HintError, input_placement, output_placement
 
 
 def _local_shapes(specs, placements_per_tensor, mesh: Mesh):
@@ -211,19 +212,6 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
         edges.extend(members)
     edges.sort(key=lambda e: (e.src, e.src_out, e.dst, e.dst_slot, e.share))
     return edges
-
-
-def param_views(graph: Graph) -> set[str]:
-    """Parameters and layout views of them (``t``, ``view``, casts): resharding one of these is a
-    parameter gather, which may run ahead under the previous compute, wherever along the chain of
-    views it happens."""
-    from autopar.passes.merge import FOLLOWERS
-
-    out = set(graph.params.values())
-    for n in graph.nodes:
-        if n.op in FOLLOWERS and len(n.inputs) == 1 and n.inputs[0].node in out:
-            out.add(n.name)
-    return out
 
 
 def _loss_sink(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from autopar.passes.problem import Problem, incident_transfers, local_cost
+from autopar.passes.search.problem import Problem, incident_transfers, local_cost
 
 
 def propagate(problem: Problem, max_rounds: int = 1000) -> list[int]:

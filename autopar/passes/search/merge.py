@@ -18,18 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from autopar.passes.problem import MEMORY_KINDS, PEdge, PNode, Problem
+from autopar.ir.views import FOLLOWERS
+from autopar.passes.search.problem import MEMORY_KINDS, PEdge, PNode, Problem
 
-#: Ops that only relabel or copy their single input: resharding commutes with them.
-FOLLOWERS = frozenset(
-    {
-        "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.t.default",
-        "aten.transpose.int", "aten.permute.default", "aten.unsqueeze.default", "aten.squeeze.dim",
-        "aten.squeeze.dims", "aten.squeeze.default", "aten.detach.default", "aten.alias.default",
-        "aten.clone.default", "aten._to_copy.default", "aten.contiguous.default", "autopar.hint.default",
-        "aten.lift_fresh_copy.default",
-    }
-)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 from autopar.ir.graph import Graph, Role
 from autopar.ir.rules import has_rule, op_call, strategies
 from autopar.ir.rules.base import OpCall
-from autopar.runtime.simulate import CheckResult, check_strategy, reference
+from autopar.ir.rules.proof.interp import CheckResult, check_strategy, reference
 
 
 def record_values(graph: Graph, model: torch.nn.Module, args: Sequence[Any], kwargs: Optional[dict] = None) -> dict[str, list]:

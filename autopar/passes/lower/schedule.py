@@ -8,21 +8,19 @@ compute as the cost model's overlap groups assume.
 
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 import torch.fx as fx
 
-from autopar.runtime import collectives as C
-
-_LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+from autopar.ir.layers import layer_key
+from autopar.program import collectives as C
 
 
 def _layer(node: fx.Node) -> Optional[str]:
+    """The layer (``ir.layers``) whose module emitted this program node, if any."""
     if node.op not in ("call_function", "call_module"):
         return None
-    m = _LAYER.match(node.meta.get("autopar_module", "") or "")
-    return m.group(1) if m else None
+    return layer_key(node.meta.get("autopar_module", "") or "")
 
 
 def schedule(graph: fx.Graph) -> None:

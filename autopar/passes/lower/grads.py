@@ -12,10 +12,10 @@ import torch
 import torch.fx as fx
 
 from autopar.ir.placement import B, chunk_range, local_shape
-from autopar.passes.buckets import grad_buckets, grad_steps
-from autopar.passes.strategies import output_placement
-from autopar.runtime import bucket
-from autopar.runtime import collectives as C
+from autopar.cost_model.buckets import grad_buckets, grad_steps
+from autopar.passes.search.strategies import output_placement
+from autopar.program import bucket
+from autopar.program import collectives as C
 
 
 def bucketed_grads(em) -> dict[str, fx.Node]:

@@ -42,10 +42,9 @@ from typing import Optional
 import torch
 
 from autopar.cost_model.precision import Precision, element_bytes
-from autopar.errors import AutoparError
 from autopar.ir.graph import Graph, Node, Ref, Role, TensorSpec
 from autopar.ir.rules.base import OpCall
-from autopar.passes.fold import layer_members
+from autopar.ir.layers import layer_members
 
 #: Precisions that cast: name -> (compute dtype, dtype gradients are reduced in).
 CASTING: dict[str, tuple[torch.dtype, torch.dtype]] = {
@@ -201,20 +200,5 @@ def transfer_bytes(graph: Graph, ref: Ref, role: str, precision: Precision, poli
     return element_bytes(spec.dtype, role, precision)
 
 
-def check_supported(name: str, device: Optional[torch.device] = None) -> None:
-    """Fail clearly when this machine cannot compute in ``name``'s dtype on ``device``: a tiny
-    matmul, layer norm and softmax in that dtype must run."""
-    if name not in CASTING:
-        return
-    dtype = CASTING[name][0]
-    try:
-        x = torch.ones(4, 4, dtype=dtype, device=device)
-        torch.nn.functional.layer_norm(x @ x, (4,)).softmax(-1)
-    except (RuntimeError, NotImplementedError, TypeError) as e:
-        where = device if device is not None else "cpu"
-        raise AutoparError(f"precision {name!r} computes in {dtype}, which this machine cannot run on {where} "
-                           f"({type(e).__name__}: {str(e).splitlines()[0]}): run with precision='fp32'") from e
-
-
-__all__ = ["CASTING", "COMPUTE_OPS", "CastPolicy", "KERNEL_FP32_OUTPUTS", "cast_policy", "check_supported",
+__all__ = ["CASTING", "COMPUTE_OPS", "CastPolicy", "KERNEL_FP32_OUTPUTS", "cast_policy", 
            "loss_region", "transfer_bytes"]

@@ -1,0 +1,107 @@
+"""Resolve: match every node of a captured graph with the strategy a plan chose for it.
+
+The lookup is by the strategy's text and tags among what the rules offer, so a plan made for another
+graph or another rule set is a loud ``LoweringError``, never a silently different program. The
+result (``Resolved``) is the rank-independent half of lowering; ``lower`` writes each rank's program
+from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from autopar.cost_model.casting import CastPolicy, cast_policy
+from autopar.cost_model.mesh import Mesh
+from autopar.cost_model.precision import Precision
+from autopar.errors import LoweringError
+from autopar.ir.fingerprint import graph_fingerprint, graph_info
+from autopar.ir.graph import Graph, Node, Role
+from autopar.ir.placement import format_placements
+from autopar.ir.rules import op_call
+from autopar.ir.rules.base import OpCall
+from autopar.ir.rules.dimmap import Strategy
+from autopar.passes.search.strategies import node_strategies, output_placement
+
+#: Ops whose values depend on a random stream: a sharded program cannot reproduce them.
+RANDOM_OPS = ("aten.native_dropout", "aten.bernoulli", "aten.rand", "aten.randn", "aten.randint",
+              "aten.normal", "aten.uniform", "aten.multinomial", "aten.randperm", "aten.rand_like",
+              "aten.randn_like", "aten.randint_like")
+
+@dataclass
+class Resolved:
+    """The rank-independent part of lowering: every node's strategy and the plan's facts."""
+
+    graph: Graph
+    mesh: Mesh
+    precision: Precision
+    strategies: dict[str, Strategy]
+    calls: dict[str, OpCall]
+    _casts: dict = field(default_factory=dict, repr=False)
+
+    def cast(self, precision: str) -> Optional[CastPolicy]:
+        """The casts of a program run at ``precision`` (``passes.cast``; None: captured dtypes)."""
+        if precision not in self._casts:
+            self._casts[precision] = cast_policy(self.graph, precision)
+        return self._casts[precision]
+
+
+def resolve(graph: Graph, plan) -> Resolved:
+    """Every node's chosen strategy, looked up in the rules by the plan's text; checks the plan
+    was made for this graph first."""
+    plan.check_graph(graph_fingerprint(graph), graph_info(graph))
+    mesh = Mesh.from_dict(plan.mesh)
+    precision = Precision.from_dict(plan.precision)
+    by_name = {n["name"]: n for n in plan.nodes}
+    strategies: dict[str, Strategy] = {}
+    calls: dict[str, OpCall] = {}
+    for node in graph.nodes:
+        if node.is_placeholder:
+            strategies[node.name] = _placeholder_strategy(graph, node, plan, mesh)
+            continue
+        entry = by_name.get(node.name)
+        if entry is None:
+            raise LoweringError(f"the plan has no strategy for {node.where()}: plan again for this model")
+        want = (list(entry["strategy"]), list(entry["tags"]))
+        found = [s for s in node_strategies(graph, node, mesh) if ([str(x) for x in s], [x.tag for x in s]) == want]
+        if not found:
+            raise LoweringError(
+                f"the plan's strategy {' | '.join(want[0])} for {node.where()} is not one autopar's rules allow "
+                "(a plan from another autopar version?): plan again"
+            )
+        strategies[node.name] = found[0]
+        calls[node.name] = op_call(graph, node)
+        if node.op.startswith(RANDOM_OPS):
+            raise LoweringError(
+                f"{node.where()} draws random numbers ({node.op}); a sharded program cannot reproduce the "
+                "single-device random stream. Set dropout probabilities to 0 (or call model.eval()) before "
+                "compiling"
+            )
+    return Resolved(graph, mesh, precision, strategies, calls)
+
+
+def _placeholder_strategy(graph: Graph, node: Node, plan, mesh: Mesh) -> Strategy:
+    key = placeholder_key(graph, node)
+    if key is None:  # the tangent: every device holds the seed
+        return node_strategies(graph, node, mesh)[0]
+    text = plan.placements.get(key[1])
+    if text is None:
+        raise LoweringError(f"the plan does not place {key[0]} {key[1]!r}: plan again for this model")
+    for s in node_strategies(graph, node, mesh):
+        if format_placements(output_placement(s, 0)) == text:
+            return s
+    raise LoweringError(f"the plan places {key[0]} {key[1]!r} as {text!r}, which does not fit its shape {node.out}")
+
+
+def placeholder_key(graph: Graph, node: Node) -> Optional[tuple[str, str]]:
+    """``("param" | "buffer" | "input", key)`` naming a placeholder as the plan does; None for the tangent."""
+    role = node.roles[0]
+    if role == Role.TANGENT:
+        return None
+    table = {Role.PARAMETER: ("param", graph.params), Role.BUFFER: ("buffer", graph.buffers),
+             Role.INPUT: ("input", graph.inputs)}
+    kind, names = table[role]
+    return kind, next(k for k, v in names.items() if v == node.name)
+
+
+__all__ = ["RANDOM_OPS", "Resolved", "resolve"]

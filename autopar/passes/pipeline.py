@@ -1,0 +1,209 @@
+"""The planning pipeline: capture, fold, strategies, cost, merge, recipes, solve, in that order.
+
+``run_passes`` runs them and returns a ``Planned`` (everything they produced); ``autopar.plan`` hands
+it to ``passes.report.build_plan`` for the user's ``Plan``. Each stage lives in ``passes.search``;
+the recipes the search must beat are completed by ``passes.search.complete`` and priced by the same
+evaluator as the searched plan.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from autopar.cost_model.mesh import Mesh
+from autopar.cost_model.precision import Precision, get_precision
+from autopar.errors import InfeasibleError, RecipeError
+from autopar.ir.annotations import dtensor_hints, merge_hints
+from autopar.ir.capture import capture
+from autopar.ir.graph import Graph
+from autopar.passes.search import recipes
+from autopar.passes.search.build import build_problem
+from autopar.passes.search.complete import complete
+from autopar.passes.search.fold import Folding, fold
+from autopar.passes.search.merge import Merged, merge
+from autopar.passes.search.problem import MEMORY_KINDS, Cost, Problem, evaluate
+from autopar.passes.search.propagate import propagate
+from autopar.passes.search.solve import Solution, greedy, solve
+from autopar.passes.search.solve_axis import FULL_ILP_LIMIT, edge_var_count, solve_by_axis
+from autopar.passes.search.strategies import node_strategies, resolve_hints
+from autopar.plan import human_bytes
+
+#: The memory budget when none is given: this fraction of the device's memory.
+DEFAULT_BUDGET_FRACTION = 0.9
+
+
+@dataclass
+class Planned:
+    """Everything the passes produced, for the report (and for tests): the graph, its folding, the
+    priced ``Problem`` and its merged form, the chosen strategy per problem node (``choice``) with
+    its ``cost``, where it came from (``source``: "search", "recipe:NAME" or "propagate"), the
+    solver's ``solution``, every recipe's baseline figures and choice, and seconds per phase."""
+
+    graph: Graph
+    mesh: Mesh
+    folding: Folding
+    problem: Problem
+    merged: Merged
+    precision: Precision
+    choice: list[int]
+    cost: Cost
+    source: str
+    solution: Optional[Solution]
+    baselines: dict[str, dict]
+    recipe_choices: dict[str, list[int]]
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+class _Clock:
+    """Seconds per planning phase, printed as each ends when ``progress`` is on."""
+
+    def __init__(self, progress: bool):
+        self.t = time.perf_counter()
+        self.start = self.t
+        self.phases: dict[str, float] = {}
+        self.progress = progress
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = round(now - self.t, 4)
+        self.t = now
+        if self.progress:
+            print(f"autopar: {name:<10} {self.phases[name]:7.2f} s", file=sys.stderr)
+
+
+def run_passes(
+    model,
+    mesh: Mesh,
+    example_inputs=(),
+    example_kwargs=None,
+    *,
+    training: bool = True,
+    hints=None,
+    memory_budget: Optional[float] = None,
+    time_limit: Optional[float] = None,
+    precision=None,
+    optimizer: str = "adamw",
+    recipe: Optional[str] = None,
+    tensor_axis=-1,
+    deterministic_time: float = 20.0,
+    progress: Optional[bool] = None,
+    graph: Optional[Graph] = None,
+    search: str = "ilp",
+) -> Planned:
+    """The planning passes; ``recipe`` fixes that recipe's placements instead of searching."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
+    clock = _Clock(sys.stderr.isatty() if progress is None else progress)
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    # parameters and inputs that already are DTensors keep their placements (hard, like hints)
+    hints = merge_hints(hints, dtensor_hints(model, tuple(example_inputs), example_kwargs or {}, mesh.shape))
+    if graph is None:
+        graph = capture(model, tuple(example_inputs), example_kwargs, training=training)
+    clock.lap("capture")
+    folding = fold(graph)
+    clock.lap("fold")
+    constraints = resolve_hints(graph, mesh, hints)
+    strategies = {n.name: node_strategies(graph, n, mesh) for n in graph.nodes
+                  if folding.representative(n.name) == n.name}
+    clock.lap("strategies")
+    prec = get_precision(precision, mesh.hardware, optimizer)
+    budget = float(memory_budget) if memory_budget is not None else DEFAULT_BUDGET_FRACTION * mesh.hardware.memory
+    problem = build_problem(graph, mesh, folding, strategies, prec, budget, constraints)
+    clock.lap("cost")
+    merged = merge(problem, {n.name: n.op for n in graph.nodes})
+    clock.lap("merge")
+
+    names = [recipe] if recipe else list(recipes.NAMES)
+    baselines: dict[str, dict] = {}
+    choices: dict[str, list[int]] = {}
+    for name in names:
+        try:
+            allowed = recipes.constraints(graph, mesh, name, tensor_axis)
+            # the weights' column/row descent only for a recipe asked for by name: as a baseline
+            # for the search it would cost seconds of planning on large meshes
+            pinned = recipes.pinned_axes(mesh, name, tensor_axis)
+            regions = recipes.tensor_regions(graph, name) if pinned else None
+            choice = complete(merged, problem, allowed, pinned, orient=bool(recipe), regions=regions)
+        except (RecipeError, InfeasibleError, ValueError) as e:
+            if recipe:
+                raise
+            baselines[name] = {"error": str(e)}
+            continue
+        cost = evaluate(problem, choice)
+        choices[name] = choice
+        baselines[name] = {"step_time": cost.step_time, "peak_memory": int(cost.peak_memory),
+                           "fits": cost.peak_memory <= budget}
+    fitting = [n for n in choices if baselines[n]["fits"]]
+    best_recipe = min(fitting or choices, key=lambda n: (baselines[n]["step_time"], n)) if choices else None
+
+    solution = None
+    if recipe:
+        choice, source = choices[recipe], f"recipe:{recipe}"
+    elif search == "propagate":  # the annotations spread through the graph; no ILP
+        choice, source = propagate(problem), "propagate"
+    else:
+        start = choices[best_recipe] if best_recipe else greedy(problem)
+        hint = [start[i] for i in merged.keep]
+        try:
+            if edge_var_count(merged.problem) <= FULL_ILP_LIMIT or mesh.ndim == 1:
+                solution = solve(merged.problem, hint, deterministic_time, time_limit)
+            else:
+                solution = solve_by_axis(merged.problem, hint, mesh.ndim, 2, time_limit)
+            searched = merged.expand(solution.choice, len(problem.nodes))
+        except InfeasibleError:
+            searched = None
+        candidates = []
+        if searched is not None:
+            candidates.append((evaluate(problem, searched), 0, "search", searched))
+        for k, name in enumerate(sorted(choices)):
+            candidates.append((evaluate(problem, choices[name]), 1 + k, f"recipe:{name}", choices[name]))
+        fits = [c for c in candidates if c[0].peak_memory <= budget]
+        if not fits:
+            raise _infeasible(graph, problem, budget)
+        best = min(fits, key=lambda c: (c[0].step_time, c[1]))
+        choice, source = best[3], best[2]
+    clock.lap("solve")
+    cost = evaluate(problem, choice)
+    clock.phases["total"] = round(time.perf_counter() - clock.start, 4)
+    return Planned(graph, mesh, folding, problem, merged, prec, choice, cost, source, solution, baselines,
+                   choices, clock.phases)
+
+
+def _infeasible(graph: Graph, problem: Problem, budget: float) -> InfeasibleError:
+    """No plan fits: state the smallest per-device memory any plan needs and what dominates it.
+
+    Memory is a sum over nodes with no coupling between them, so the minimum over all plans is
+    the sum of every node's leanest strategy — exact, no search needed.
+    """
+    need = dict.fromkeys(MEMORY_KINDS, 0.0)
+    tops = []
+    for n in problem.nodes:
+        s = min(range(len(n.strategies)), key=lambda k: (n.mem_total(k), k))
+        for k in MEMORY_KINDS:
+            need[k] += n.mult * n.memory[k][s]
+        if n.mem_total(s):
+            tops.append((n.mult * n.mem_total(s), n.name, n.mult))
+    tops.sort(reverse=True)
+    names = {v: k for k, v in list(graph.params.items()) + list(graph.buffers.items()) + list(graph.inputs.items())}
+
+    def label(name: str) -> str:
+        if name in names:
+            return names[name]
+        node = graph.node(name)
+        return f"{name} ({node.op.replace('aten.', '')} in {node.module_path or '<root>'})"
+
+    top = ", ".join(f"{label(name)} ({human_bytes(b)}" + (f" over {m} layers)" if m > 1 else ")") for b, name, m in tops[:5])
+    total = sum(need.values())
+    return InfeasibleError(
+        f"no plan fits the memory budget of {human_bytes(budget)} per device: the leanest possible plan needs "
+        f"{human_bytes(total)} per device (params {human_bytes(need['params'])}, grads {human_bytes(need['grads'])}, "
+        f"optimizer {human_bytes(need['optimizer'])}, activations {human_bytes(need['activations'])}); "
+        f"largest tensors at their leanest placement: {top}. Use more devices, a smaller batch, or raise memory_budget."
+    )
+
+
+__all__ = ["DEFAULT_BUDGET_FRACTION", "Planned", "run_passes"]

@@ -1,0 +1,130 @@
+"""Running lowered programs for every device of a mesh in one process (``autopar.simulate``).
+
+Each device is a thread running its own lowered program on its own blocks; collectives meet in
+shared slots (``collectives.ThreadComm``). The result is reassembled as one device would hold it,
+so a 64-device plan of a small model can be checked against the model itself on a laptop.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from autopar.errors import CollectiveError, SimulationError
+from autopar.ir.placement import local_block
+from autopar.program import collectives as C
+from autopar.program.program import Program
+from autopar.runtime.collectives import ThreadComm, ThreadMesh
+from autopar.ir.rules.proof.interp import collect, device_coords
+
+
+@dataclass
+class RankResult:
+    """What one simulated device's program returned: its outputs, gradients and collectives."""
+
+    outputs: list
+    grads: list = field(default_factory=list)
+    executed: list = field(default_factory=list)
+
+
+def run_step(prog: Program, local_inputs: Sequence[torch.Tensor], tangent: Optional[torch.Tensor] = None,
+             precision: str = "model") -> tuple[list, list]:
+    """Forward (and, for training programs, backward with seed ``tangent``) on this thread's backend."""
+    with torch.no_grad():
+        outputs, saved = prog.run_forward(*local_inputs)
+        grads: list = []
+        if prog.backward is not None:
+            seed = tangent if tangent is not None else torch.ones((), dtype=outputs[0].dtype)
+            grads = [C.wait(g) for g in prog.backward(*saved, seed)]
+    return outputs, grads
+
+
+def run_threads(fn: Callable[[tuple[int, ...]], Any], mesh_shape: Sequence[int], axis_names: Sequence[str],
+                timeout: float = 300.0) -> tuple[dict, dict]:
+    """``fn(coords)`` on one thread per device, each with its ``ThreadComm``; returns per-device
+    results and executed collectives. The first failure stops the others and is re-raised."""
+    tm = ThreadMesh(mesh_shape, axis_names, timeout=timeout)
+    coords_all = device_coords(mesh_shape)
+    results: dict = {}
+    errors: dict = {}
+
+    def body(coords):
+        try:
+            with C.use_backend(ThreadComm(tm, coords)):
+                results[coords] = fn(coords)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors[coords] = e
+            tm.abort()
+
+    threads = [threading.Thread(target=body, args=(c,), daemon=True) for c in coords_all]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if any(t.is_alive() for t in threads):
+        tm.abort()
+        raise SimulationError(f"simulated ranks did not finish within {timeout:.0f} s")
+    if errors:
+        first = min(errors, key=lambda c: (isinstance(errors[c], CollectiveError), c))
+        e = errors[first]
+        raise SimulationError(f"simulated device {first} failed: {type(e).__name__}: {e}") from e
+    return results, tm.executed
+
+
+def simulate_programs(programs: dict[tuple[int, ...], Program], placeholders: Sequence[torch.Tensor],
+                      precision: str = "model", tangent: Optional[torch.Tensor] = None):
+    """Run every device's lowered program (``programs``: coords -> Program, one per device of the
+    mesh) on blocks of the whole tensors ``placeholders`` (in the programs' input order).
+    Returns ``(results, executed)``: per-device outputs and gradients, and the collectives each ran."""
+    first = next(iter(programs.values()))
+    mesh_shape, names = first.mesh_shape, first.axis_names
+
+    def one(coords):
+        prog = programs[coords]
+        local = [local_block(t, slot.placements, mesh_shape, coords, slot.spec.blocks)
+                 for t, slot in zip(placeholders, prog.inputs)]
+        outs, grads = run_step(prog, local, tangent, precision)
+        return RankResult(outs, grads)
+
+    return run_threads(one, mesh_shape, names)
+
+
+def gather_slots(slots, per_device: dict, mesh_shape) -> list[torch.Tensor]:
+    """Whole tensors from every device's blocks of ``slots`` (B blocks must agree)."""
+    out = []
+    for j, slot in enumerate(slots):
+        blocks = {c: per_device[c][j] for c in per_device}
+        out.append(collect(blocks, slot.placements, mesh_shape, rtol=_rtol(blocks), blocks_of=slot.spec.blocks,
+                           shape=slot.spec.shape))
+    return out
+
+
+def _rtol(blocks: dict) -> float:
+    t = next(iter(blocks.values()))
+    return 1e-9 if t.dtype == torch.float64 else 1e-3 if t.dtype in (torch.float16, torch.bfloat16) else 1e-5
+
+
+def placeholder_values(slots, model: torch.nn.Module, args: Sequence, kwargs: dict) -> list:
+    """The whole tensors behind a program's inputs: the model's parameters and buffers, the inputs."""
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(dict(model.named_buffers(remove_duplicate=False)))
+    out = []
+    for slot in slots:
+        if slot.kind in ("param", "buffer"):
+            t = state[slot.key].detach()
+        elif slot.key.startswith("input:"):
+            t = args[int(slot.key.split(":")[1])]
+        else:
+            t = kwargs[slot.key]
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            raise SimulationError(f"{slot.kind} {slot.key!r} has no values (a meta tensor?): simulation runs real tensors")
+        if tuple(t.shape) != tuple(slot.spec.shape):
+            raise SimulationError(f"{slot.kind} {slot.key!r} has shape {tuple(t.shape)}, the plan expects {slot.spec}")
+        out.append(t)
+    return out
+
+
+__all__ = ["RankResult", "gather_slots", "placeholder_values", "run_step", "run_threads", "simulate_programs"]
