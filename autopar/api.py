@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from autopar.cost_model.mesh import Mesh
-from autopar.ir.capture import capture
+from autopar.ir.capture import as_args, capture
 from autopar.ir.rules.proof.interp import device_coords
 from autopar.passes.lower import lower, resolve
 from autopar.passes.pipeline import run_passes
@@ -61,7 +61,7 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
         plan = load_plan(plan)
     if precision not in ("model", "plan"):
         raise ValueError(f"precision must be 'model' or 'plan', got {precision!r}")
-    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     graph = capture(model, args, kwargs, training=plan.training)
     res = resolve(graph, plan)

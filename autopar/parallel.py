@@ -21,7 +21,7 @@ from autopar._torch_compat import install_strided_checkpointing
 from autopar.errors import CompileError
 from autopar.ir.graph import Graph
 from autopar.ir.placement import from_dtensor, format_placements, local_block, to_dtensor
-from autopar.cost_model.mesh import Mesh
+from autopar.cost_model.mesh import Mesh, require_mesh
 from autopar.passes.lower import lower, resolve
 from autopar.plan import Plan, load_plan
 from autopar.program import collectives as C
@@ -218,6 +218,7 @@ class ParallelModule(torch.nn.Module):
         return local_block(value, slot.placements, self.program.mesh_shape, coords, slot.spec.blocks)
 
     def forward(self, *args, **kwargs):
+        """Run the lowered forward program on this rank's blocks (the backward runs at ``loss.backward()``)."""
         values = []
         training = self.program.backward is not None
         for slot in self.program.inputs:
@@ -278,15 +279,14 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     DTensors holding this rank's blocks.
     """
     from autopar.api import plan as make_plan
-    from autopar.ir.capture import capture
+    from autopar.ir.capture import as_args, capture
     from autopar.ir.fingerprint import graph_fingerprint
     from autopar.runtime.launch import ensure_process_group
     from torch.distributed.device_mesh import init_device_mesh
 
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
+    require_mesh(mesh)
     ensure_process_group(mesh.size, f"mesh {mesh.axes}")
-    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     if plan is not None and not isinstance(plan, Plan):
         plan = load_plan(plan) if dist.get_rank() == 0 else None

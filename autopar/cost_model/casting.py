@@ -190,6 +190,16 @@ def cast_policy(graph: Graph, precision) -> Optional[CastPolicy]:
     return CastPolicy(name, compute, grad, modes, dtypes, frozenset(exempt), region)
 
 
+#: The transfer role of each edge kind the cost model and the report price: a parameter's edge is a
+#: gather, a gradient's a reduction, anything else an activation.
+_ROLE_OF_KIND = {"param": "gather", "grad": "grad"}
+
+
+def transfer_role(kind: str) -> str:
+    """The role (``"gather"``, ``"grad"``, ``"activation"``) in which an edge of ``kind`` moves."""
+    return _ROLE_OF_KIND.get(kind, "activation")
+
+
 def transfer_bytes(graph: Graph, ref: Ref, role: str, precision: Precision, policy: Optional[CastPolicy]) -> int:
     """Bytes per element of ``ref`` when it is resharded in ``role`` (activation, gather, grad):
     an activation moves in the dtype the policy gives it (full precision in the loss region),
@@ -200,5 +210,5 @@ def transfer_bytes(graph: Graph, ref: Ref, role: str, precision: Precision, poli
     return element_bytes(spec.dtype, role, precision)
 
 
-__all__ = ["CASTING", "COMPUTE_OPS", "CastPolicy", "KERNEL_FP32_OUTPUTS", "cast_policy", 
-           "loss_region", "transfer_bytes"]
+__all__ = ["CASTING", "COMPUTE_OPS", "CastPolicy", "KERNEL_FP32_OUTPUTS", "cast_policy",
+           "loss_region", "transfer_bytes", "transfer_role"]

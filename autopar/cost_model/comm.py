@@ -202,6 +202,7 @@ def cache_info():
 
 
 def cache_clear() -> None:
+    """Forget the memoised resharding costs (after the hardware figures change)."""
     _best_steps.cache_clear()
 
 

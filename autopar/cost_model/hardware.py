@@ -35,6 +35,7 @@ class Link:
                 raise ValueError(f"Link {field} must be a positive finite number, got {v!r}")
 
     def to_dict(self) -> dict:
+        """JSON-able figures of the link."""
         return {"latency": float(self.latency), "bandwidth": float(self.bandwidth)}
 
     @staticmethod
@@ -98,6 +99,7 @@ class Hardware:
 
     @staticmethod
     def from_dict(d: dict) -> "Hardware":
+        """The hardware a plan or profile file describes (``to_dict``'s inverse)."""
         names = [f.name for f in dataclasses.fields(Hardware)]
         missing = [n for n in names if n not in d]
         unknown = [k for k in d if k not in names]

@@ -64,12 +64,4 @@ def activation_bytes(
     return local_numel(shape, placements, mesh) * element_bytes(dtype, "activation", precision)
 
 
-def gathered_param_bytes(
-    shape: Sequence[int], placements: Sequence[Placement], mesh: MeshLike, precision: Precision,
-    dtype: torch.dtype = torch.float32,
-) -> int:
-    """Bytes of a parameter's block once gathered for compute (bf16 under bf16-mixed)."""
-    return local_numel(shape, placements, mesh) * element_bytes(dtype, "gather", precision)
-
-
-__all__ = ["activation_bytes", "gathered_param_bytes", "local_numel", "param_state_bytes"]
+__all__ = ["activation_bytes", "local_numel", "param_state_bytes"]

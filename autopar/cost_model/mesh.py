@@ -72,10 +72,12 @@ class Mesh:
 
     @property
     def ndim(self) -> int:
+        """Number of mesh axes."""
         return len(self.shape)
 
     @property
     def size(self) -> int:
+        """Number of devices."""
         return math.prod(self.shape)
 
     def axis(self, name_or_index: Union[str, int]) -> int:
@@ -91,13 +93,16 @@ class Mesh:
         return name_or_index % self.ndim
 
     def axis_size(self, name_or_index: Union[str, int]) -> int:
+        """The size of an axis given by name or index."""
         return self.shape[self.axis(name_or_index)]
 
     def link(self, name_or_index: Union[str, int]) -> Link:
+        """The link figures of an axis given by name or index."""
         return self.links[self.axis(name_or_index)]
 
     @property
     def axes(self) -> dict[str, int]:
+        """Axis name -> size, in axis order."""
         return dict(zip(self.names, self.shape))
 
     # -- serialisation ----------------------------------------------------------------------
@@ -115,6 +120,7 @@ class Mesh:
 
     @staticmethod
     def from_dict(d: Mapping) -> "Mesh":
+        """The mesh a plan describes (``to_dict``'s inverse); a ``MeshError`` names what is wrong."""
         try:
             names, shape = _read_axes(d["axes"])
             hw = Hardware.from_dict(d["hardware"])
@@ -150,15 +156,14 @@ class Mesh:
     def __repr__(self) -> str:
         return f"Mesh({dict(zip(self.names, self.shape))!r}, device={self.device!r})"
 
-    def describe(self) -> str:
-        """One line per axis: size and link figures."""
-        lines = [repr(self)]
-        for n, s, link in zip(self.names, self.shape, self.links):
-            lines.append(f"  {n}: {s} devices, {link.latency * 1e6:.1f} us/step, {link.bandwidth / 1e9:.1f} GB/s one-way")
-        return "\n".join(lines)
-
-
 # ---------------------------------------------------------------------------------------------
+
+
+def require_mesh(mesh: object) -> Mesh:
+    """``mesh`` itself when it is an ``autopar.Mesh``; a clear ``TypeError`` otherwise."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
+    return mesh
 
 
 def _read_axes(axes: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:

@@ -36,10 +36,12 @@ class Precision:
     optimizer_bytes: int  # optimizer state per parameter element
 
     def to_dict(self) -> dict:
+        """JSON-able form, as plans store it."""
         return asdict(self)
 
     @staticmethod
     def from_dict(d: dict) -> "Precision":
+        """The precision a plan stores (``to_dict``'s inverse)."""
         return Precision(**d)
 
 

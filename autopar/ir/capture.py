@@ -49,6 +49,11 @@ _SUPPORTED = (
 )
 
 
+def as_args(example_inputs) -> tuple:
+    """A model's positional example inputs as a tuple: a lone tensor (or value) becomes a 1-tuple."""
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+
+
 def capture(
     model: torch.nn.Module,
     example_inputs: Any,
@@ -76,7 +81,7 @@ def capture(
             f"no parameter of {type(model).__name__} requires grad, so there is no training step to capture; "
             "capture with training=False for a forward-only graph"
         )
-    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     names, constants = _check_inputs(args, kwargs)
 
@@ -107,7 +112,7 @@ def capture(
     graph = lift(gm, training=training, input_names=names, constants=constants, aliases=aliases)
     mark_blocks(graph)
     if training:
-        _check_grads(graph, mc, aliases)
+        _check_grads(graph, mc)
     _warn_attention_dropout(graph)
     return graph
 
@@ -378,7 +383,7 @@ def normalize_mean_losses(gm: torch.fx.GraphModule) -> int:
 # Checks on the result
 
 
-def _check_grads(graph: Graph, mc: torch.nn.Module, aliases: dict[str, str]) -> None:
+def _check_grads(graph: Graph, mc: torch.nn.Module) -> None:
     missing = [fqn for fqn, p in mc.named_parameters() if p.requires_grad and fqn not in graph.grads]
     if missing:
         shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")

@@ -28,6 +28,8 @@ class Role(str, enum.Enum):
 
 
 class Phase(str, enum.Enum):
+    """Whether a node belongs to the forward or the backward of the captured step."""
+
     FORWARD = "forward"
     BACKWARD = "backward"
 
@@ -55,10 +57,12 @@ class TensorSpec:
 
     @property
     def ndim(self) -> int:
+        """Number of dims."""
         return len(self.shape)
 
     @property
     def numel(self) -> int:
+        """Number of elements."""
         n = 1
         for s in self.shape:
             n *= s
@@ -66,10 +70,12 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole tensor."""
         return self.numel * self.dtype.itemsize
 
     @property
     def is_float(self) -> bool:
+        """Whether the dtype is floating point (it can carry gradients and partial sums)."""
         return self.dtype.is_floating_point or self.dtype.is_complex
 
     def __str__(self) -> str:
@@ -117,6 +123,7 @@ class Node:
 
     @property
     def is_placeholder(self) -> bool:
+        """Whether the node is a graph input (parameter, buffer, input or tangent), not an op."""
         return self.op == "placeholder"
 
     def where(self) -> str:
@@ -156,14 +163,17 @@ class Graph:
         self._by_name = {n.name: n for n in self.nodes}
 
     def node(self, name: str) -> Node:
+        """The node called ``name``."""
         return self._by_name[name]
 
     def spec(self, ref: Ref) -> TensorSpec:
+        """Shape and dtype of the tensor ``ref`` names."""
         spec = self._by_name[ref.node].outputs[ref.index]
         assert spec is not None, f"{ref} is not a tensor"
         return spec
 
     def role(self, ref: Ref) -> Role:
+        """The role of the value ``ref`` names (parameter, activation, gradient, ...)."""
         return self._by_name[ref.node].roles[ref.index]
 
     def ops(self) -> Iterator[Node]:
@@ -179,10 +189,6 @@ class Graph:
                     out[r.node].append(n.name)
         return out
 
-    @property
-    def param_of_grad(self) -> dict[Ref, str]:
-        return {g: p for p, g in self.grads.items()}
-
     def op_names(self) -> list[str]:
         """Distinct op names, sorted."""
         return sorted({n.op for n in self.ops()})
@@ -191,6 +197,7 @@ class Graph:
         return len(self.nodes)
 
     def summary(self) -> str:
+        """A short text listing of the graph, one node a line (for debugging)."""
         lines = []
         for n in self.nodes:
             ins = ", ".join(str(r) for r in n.inputs)

@@ -25,6 +25,7 @@ aten = torch.ops.aten
 
 
 def spec_of(val: Any) -> Optional[TensorSpec]:
+    """The ``TensorSpec`` of a fake or real tensor value (None for a non-tensor)."""
     if isinstance(val, torch.Tensor):
         shape = tuple(val.shape)  # static shapes: plain ints
         if not all(type(s) is int for s in shape):

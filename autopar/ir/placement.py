@@ -63,14 +63,6 @@ P = Partial()
 S = Split
 
 
-def is_split(p: Placement) -> bool:
-    return isinstance(p, Split)
-
-
-def is_partial(p: Placement) -> bool:
-    return isinstance(p, Partial)
-
-
 # ---------------------------------------------------------------------------------------------
 # Text form
 
@@ -316,6 +308,7 @@ def blocks_fit(shape: Sequence[int], placements: Sequence[Placement], mesh_shape
 
 
 def check_blocks(shape, placements, mesh_shape, blocks) -> None:
+    """Fail when the dims of equal blocks ``blocks`` cannot be split as ``placements`` asks."""
     if not blocks_fit(shape, placements, mesh_shape, blocks):
         raise PlacementError(
             f"placement {format_placements(placements)} cuts the blocks {list(blocks)} of a tensor of shape "

@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from autopar.cost_model.mesh import Mesh
+from autopar.cost_model.mesh import Mesh, require_mesh
 from autopar.cost_model.precision import Precision, get_precision
 from autopar.errors import InfeasibleError, RecipeError
 from autopar.ir.annotations import dtensor_hints, merge_hints
-from autopar.ir.capture import capture
+from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph
 from autopar.passes.search import recipes
 from autopar.passes.search.build import build_problem
@@ -94,11 +94,9 @@ def run_passes(
     search: str = "ilp",
 ) -> Planned:
     """The planning passes; ``recipe`` fixes that recipe's placements instead of searching."""
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
+    require_mesh(mesh)
     clock = _Clock(sys.stderr.isatty() if progress is None else progress)
-    if not isinstance(example_inputs, (tuple, list)):
-        example_inputs = (example_inputs,)
+    example_inputs = as_args(example_inputs)
     # parameters and inputs that already are DTensors keep their placements (hard, like hints)
     hints = merge_hints(hints, dtensor_hints(model, tuple(example_inputs), example_kwargs or {}, mesh.shape))
     if graph is None:
@@ -147,12 +145,12 @@ def run_passes(
         choice, source = propagate(problem), "propagate"
     else:
         start = choices[best_recipe] if best_recipe else greedy(problem)
-        hint = [start[i] for i in merged.keep]
+        warm_start = [start[i] for i in merged.keep]
         try:
             if edge_var_count(merged.problem) <= FULL_ILP_LIMIT or mesh.ndim == 1:
-                solution = solve(merged.problem, hint, deterministic_time, time_limit)
+                solution = solve(merged.problem, warm_start, deterministic_time, time_limit)
             else:
-                solution = solve_by_axis(merged.problem, hint, mesh.ndim, 2, time_limit)
+                solution = solve_by_axis(merged.problem, warm_start, mesh.ndim, 2, time_limit)
             searched = merged.expand(solution.choice, len(problem.nodes))
         except InfeasibleError:
             searched = None

@@ -15,12 +15,12 @@ from autopar.ir.graph import Ref
 from autopar.ir.views import param_views
 from autopar.ir.placement import B, format_placements
 from autopar.cost_model.buckets import BUCKET_SIZE, collective_calls, mark_grad_buckets
-from autopar.cost_model.casting import cast_policy, transfer_bytes
+from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
 from autopar.passes.search.problem import MEMORY_KINDS, evaluate, incident_transfers, local_cost
 from autopar.passes.search.strategies import input_placement, output_placement
 
 if TYPE_CHECKING:
-    from autopar.api import Planned
+    from autopar.passes.pipeline import Planned
 
 #: Alternatives kept per module in the plan (the cheapest other strategies of its ops).
 ALTERNATIVES = 4
@@ -31,6 +31,9 @@ def _sha(d: dict) -> str:
 
 
 def build_plan(planned: "Planned"):
+    """The user's ``Plan`` from the passes' result: placements by FQN and input, every node's
+    strategy, each resharding with its collectives (bucketed as the program runs them), per-module
+    summaries with alternatives, the recipes' baselines and the solver's statistics."""
     from autopar.plan import Plan
 
     g, mesh, prob, folding = planned.graph, planned.mesh, planned.problem, planned.folding
@@ -76,7 +79,7 @@ def build_plan(planned: "Planned"):
         placements=placements,
         nodes=nodes,
         reshardings=reshardings,
-        collectives=_collectives(reshardings, mesh.names),
+        collectives=_collectives(reshardings),
         bucket_size=BUCKET_SIZE,
         baselines=planned.baselines,
         solver=dict(planned.solution.stats) if planned.solution else {"solver": "none (recipe)"},
@@ -106,7 +109,7 @@ def _reshardings(planned: "Planned", strat) -> list[dict]:
             seen[key]["consumers"].append(consumer)
             return
         spec = g.spec(ref)
-        role = {"param": "gather", "grad": "grad"}.get(kind, "activation")
+        role = transfer_role(kind)
         eb = transfer_bytes(g, ref, role, prec, policy)
         steps = reshard_steps(spec.shape, src, dst, mesh, eb)
         seen[key] = {
@@ -137,7 +140,7 @@ def _reshardings(planned: "Planned", strat) -> list[dict]:
     return out
 
 
-def _collectives(reshardings: list[dict], axis_names) -> list[dict]:
+def _collectives(reshardings: list[dict]) -> list[dict]:
     """The collectives one device runs per step, per (what moves, collective, axis, bucketed): count
     and bytes per call (the average when calls differ); see ``buckets.collective_calls``."""
     calls: dict[tuple, list[int]] = defaultdict(list)

@@ -30,6 +30,7 @@ class Bucket(torch.nn.Module):
         self._buf: torch.Tensor | None = None
 
     def forward(self, xs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Pack ``grads`` into the kept flat buffer (a new one when something still views it)."""
         n = sum(x.numel() for x in xs)
         buf = self._buf
         if buf is None or buf.numel() != n or buf.dtype != xs[0].dtype or buf.device != xs[0].device \

@@ -36,14 +36,25 @@ class Executed:
 
 class Backend(Protocol):
     """What runs a program's collectives on one rank: one group per mesh axis. Results may be
-    asynchronous (waited by ``wait``)."""
+    asynchronous (waited by ``wait``). ``runtime.collectives`` has the two implementations."""
 
-    def axis_size(self, axis: int) -> int: ...
-    def all_gather(self, x: torch.Tensor, axis: int, dim: int) -> torch.Tensor: ...
-    def reduce_scatter(self, x: torch.Tensor, axis: int, dim: int, reduce: str) -> torch.Tensor: ...
-    def all_reduce(self, x: torch.Tensor, axis: int, reduce: str) -> torch.Tensor: ...
-    def all_reduce_(self, x: torch.Tensor, axis: int, reduce: str) -> torch.Tensor: ...
-    def all_to_all(self, x: torch.Tensor, axis: int) -> torch.Tensor: ...
+    def axis_size(self, axis: int) -> int:
+        """How many ranks the group of mesh axis ``axis`` has."""
+
+    def all_gather(self, x: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
+        """Every rank's ``x`` (equal pieces) concatenated along ``dim``."""
+
+    def reduce_scatter(self, x: torch.Tensor, axis: int, dim: int, reduce: str) -> torch.Tensor:
+        """Every rank's ``x`` reduced; this rank keeps its equal piece of ``dim``."""
+
+    def all_reduce(self, x: torch.Tensor, axis: int, reduce: str) -> torch.Tensor:
+        """Every rank's ``x`` reduced, into a new tensor."""
+
+    def all_reduce_(self, x: torch.Tensor, axis: int, reduce: str) -> torch.Tensor:
+        """Every rank's ``x`` reduced into ``x`` itself (the caller owns it and never reads it again)."""
+
+    def all_to_all(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        """The leading dim exchanged: rank r's ``x[s]`` arrives at rank s as ``out[r]``."""
 
 
 def _backend() -> Backend:

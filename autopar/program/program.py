@@ -72,10 +72,12 @@ class LocalOp(torch.nn.Module):
         self.ctx = ctx
 
     def forward(self, *xs):
+        """Run the rule's local implementation on this device's blocks."""
         out = run_local(self.ctx, list(xs))
         return tuple(out) if len(self.ctx.call.out_specs) > 1 else out[0]
 
     def extra_repr(self) -> str:
+        """The op and its strategy, as ``print(program)`` shows them."""
         return f"{self.ctx.call.op}, " + " | ".join(str(s) for s in self.ctx.strategy)
 
 

@@ -58,6 +58,7 @@ def init_group(rank: int, world_size: int, port: int, backend: str, timeout_s: f
 
 
 def destroy_group() -> None:
+    """Destroy this rank's process group, if any (a rank's last step)."""
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -76,6 +77,7 @@ def is_distributed_error(exc: BaseException) -> bool:
 
 
 def failure_of(rank: int, exc: BaseException, message: Optional[str] = None) -> dict:
+    """The failure report a rank sends back for exception ``exc``."""
     return {
         "rank": rank,
         "kind": "raised",

@@ -5,7 +5,7 @@ A plan lists every resharding with its steps (``plan.reshardings``); the collect
 the lowered program must run on each device. A run records what actually ran
 (``ParallelModule.record_collectives``, or ``simulate(..., trace=...)``). Both are counted per
 (kind, mesh axis, bytes as the axis group sees it); gradient reshardings that share a bucket
-(``"bucket"`` in the plan, see ``passes.buckets``) are one collective of their summed bytes.
+(``"bucket"`` in the plan, see ``cost_model.buckets``) are one collective of their summed bytes.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from autopar.program.collectives import Executed
 # -- process groups ----------------------------------------------------------------------------
 
 class ProcessGroupComm:
-    """Collectives over one torch process group per mesh axis (this rank's groups)."""
+    """Collectives over one torch process group per mesh axis (this rank's groups): a
+    ``program.collectives.Backend``, whose methods it implements with functional collectives."""
 
     def __init__(self, groups: Sequence, axis_names: Sequence[str]):
         self.groups = list(groups)
@@ -140,12 +141,14 @@ class ThreadMesh:
         self.executed: dict[tuple, list[Executed]] = {}
 
     def abort(self) -> None:
+        """Break every exchange's barrier, so the other simulated ranks stop instead of waiting."""
         for ex in self.exchanges.values():
             ex.barrier.abort()
 
 
 class ThreadComm:
-    """One simulated rank's view of a ``ThreadMesh``."""
+    """One simulated rank's view of a ``ThreadMesh``: a ``program.collectives.Backend`` whose
+    collectives are exchanges between threads."""
 
     def __init__(self, mesh: ThreadMesh, coords: Sequence[int]):
         self.mesh = mesh

@@ -22,7 +22,7 @@ EXECUTABLE_PRECISIONS = NATIVE_PRECISIONS + tuple(CASTING)
 
 def execution_precision(name: str, planned: str, device: Optional[torch.device] = None) -> str:
     """The precision a program runs at: ``name`` ("plan": the plan's). Mixed and 16-bit precisions
-    are executed by the casts the lowering inserts (``passes.cast``); one this machine cannot
+    are executed by the casts the lowering inserts (``cost_model.casting``); one this machine cannot
     compute in on ``device`` is a clear error."""
     chosen = planned if name == "plan" else name
     if chosen not in EXECUTABLE_PRECISIONS:

@@ -17,7 +17,7 @@ import torch
 from torch.fx.node import map_aggregate
 
 from autopar.ir.graph import Graph, Node, Ref, TensorSpec
-from autopar.ir.placement import Partial, Placement, Split, blocks_fit, local_range, local_shape
+from autopar.ir.placement import Placement, Split, blocks_fit, local_range, local_shape
 from autopar.ir.rules.dimmap import (
     DimMap,
     Signature,
@@ -47,10 +47,12 @@ class OpCall:
         return self.kwargs.get(name, default)
 
     def where(self) -> str:
+        """The op and its module path, for messages."""
         return f"{self.op} in module {self.module_path or '<root>'!r}"
 
 
 def op_call(graph: Graph, node: Node) -> OpCall:
+    """The ``OpCall`` a rule sees for graph node ``node``: op, target, arguments and tensor specs."""
     return OpCall(
         op=node.op,
         target=node.target,
@@ -74,9 +76,11 @@ class LocalCtx:
     offset_scale: int = 1
 
     def in_placements(self, i: int) -> tuple[Placement, ...]:
+        """This op's input placements on every mesh axis, per input."""
         return tuple(sig.inputs[i] for sig in self.strategy)
 
     def out_placements(self, j: int) -> tuple[Placement, ...]:
+        """This op's output placements on every mesh axis, per output."""
         return tuple(sig.outputs[j] for sig in self.strategy)  # type: ignore[misc]
 
     def in_range(self, i: int, dim: int) -> tuple[int, int]:
@@ -86,6 +90,7 @@ class LocalCtx:
         return self._offset(start), length
 
     def out_range(self, j: int, dim: int) -> tuple[int, int]:
+        """The ``[start, stop)`` of output ``j``'s dim ``dim`` that this device holds."""
         spec = self.call.out_specs[j]
         assert spec is not None
         start, length = local_range(spec.shape, self.out_placements(j), self.mesh_shape, self.coords)[dim]
@@ -97,14 +102,10 @@ class LocalCtx:
         return start * self.offset_scale
 
     def out_shape(self, j: int = 0) -> tuple[int, ...]:
+        """This device's block shape of output ``j``."""
         spec = self.call.out_specs[j]
         assert spec is not None
         return local_shape(spec.shape, self.out_placements(j), self.mesh_shape, self.coords)
-
-    def partial_out(self, j: int = 0) -> bool:
-        """Whether output ``j`` is partial on some axis."""
-        return any(isinstance(sig.outputs[j], Partial) for sig in self.strategy)
-
 
 #: How many non-zero offsets local implementations have read (lets the mutation test know which
 #: signatures depend on offsets at all).
@@ -144,6 +145,7 @@ def register(*ops: str, **kw) -> Callable:
 
 
 def has_rule(op: str) -> bool:
+    """Whether ``op`` has a sharding rule (ops without one run replicated)."""
     return op in RULES
 
 
@@ -161,6 +163,7 @@ def _build(rule: OpRule, call: OpCall) -> DimMap:
 
 
 def dimmap(call: OpCall) -> Optional[DimMap]:
+    """The DimMap of the call's rule (None for an op without a rule)."""
     rule = RULES.get(call.op)
     return _build(rule, call) if rule else None
 
@@ -237,6 +240,7 @@ def substitute(call: OpCall, tensors: Sequence[Any]) -> tuple[tuple, dict]:
 
 
 def as_list(result: Any) -> list:
+    """``x`` as a list: a tuple or list as is, anything else as a one-element list."""
     if isinstance(result, (tuple, list)):
         return list(result)
     return [result]

@@ -179,6 +179,7 @@ def linear_signature(dm: DimMap, lin: Linear, tag: str) -> Optional[Signature]:
 
 
 def replicate_signature(n_inputs: int, outputs: Sequence[Optional[object]]) -> Signature:
+    """The signature that keeps every tensor of the call whole on one mesh axis."""
     return Signature(tuple(B for _ in range(n_inputs)), tuple(None if o is None else B for o in outputs), "B")
 
 
@@ -235,6 +236,8 @@ def compose_ok(dm: DimMap, strategy: Strategy, mesh_shape: Sequence[int]) -> boo
 
 
 def parse_spec(spec: str) -> tuple[list[list[tuple[str, ...]]], list[list[tuple[str, ...]]]]:
+    """Parse the einsum-like rule notation (``"m k, k n -> m n"``; ``(h d)`` a merged dim, ``1``
+    a size-1 dim, ``_`` a dim that stays whole) into per-tensor lists of dims, each a tuple of factors."""
     lhs, _, rhs = spec.partition("->")
 
     def tensors(side: str) -> list[list[tuple[str, ...]]]:

@@ -14,6 +14,7 @@ from autopar.ir.rules.dimmap import DimMap, Dims, Linear, from_spec
 
 
 def float_flags(call: OpCall) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """Which of the call's inputs and outputs are floating point (only those may be partial sums)."""
     return (
         tuple(s.is_float for s in call.in_specs),
         tuple(s is not None and s.is_float for s in call.out_specs),
@@ -21,14 +22,17 @@ def float_flags(call: OpCall) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
 
 
 def linear_in(inputs: Sequence[int], outputs: Sequence[int], kind: str = "sum") -> Linear:
+    """The input indices in which an op is linear (a partial sum passes through)."""
     return Linear(frozenset(inputs), frozenset(outputs), kind)
 
 
 def all_outputs(call: OpCall) -> list[int]:
+    """Every output index of the call."""
     return [j for j, s in enumerate(call.out_specs) if s is not None]
 
 
 def norm_dim(d: int, ndim: int) -> int:
+    """A possibly negative dim index made non-negative for a tensor of ``ndim`` dims."""
     return d + ndim if d < 0 else d
 
 

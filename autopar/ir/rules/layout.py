@@ -96,6 +96,7 @@ def _view(call: OpCall) -> DimMap:
 
 
 def permute_map(call: OpCall, perm: Sequence[int]) -> DimMap:
+    """The DimMap of a permutation: output dim i is input dim ``perm[i]``."""
     x = call.in_specs[0]
     names = [f"d{i}" for i in range(x.ndim)]
     fi, fo = float_flags(call)

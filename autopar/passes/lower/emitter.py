@@ -1,8 +1,6 @@
-"""Lowering: a Plan and its IR become one rank's SPMD program of local ops and collectives.
+"""Emitting one rank's program: from a ``Resolved`` plan (``resolve.py``) to a ``Program``.
 
-``resolve`` matches every node of the graph with the strategy the plan chose for it (by the
-strategy's text and tags, so a plan made for another rule set is a loud error). ``lower`` then
-writes, for one device of the mesh, two ``fx.GraphModule``s:
+``lower`` writes, for one device of the mesh, two ``fx.GraphModule``s:
 
 - ``forward(*params, *buffers, *inputs) -> (*outputs, *saved)``: the forward ops on local blocks,
   with the loss (or the inference outputs) and buffer updates as outputs, followed by the values
@@ -17,7 +15,7 @@ resharded by the cost model's own steps (``reshard_steps``), so the collectives 
 ones the plan priced. A tensor is resharded once per target placement and phase and shared by
 every consumer that needs it; an activation resharded in forward is saved for the backward,
 while parameters are gathered again in the backward (as FSDP does, so gathered weights are not
-held between the two). Under a mixed or 16-bit precision the program casts as ``passes.cast``
+held between the two). Under a mixed or 16-bit precision the program casts as ``cost_model.casting``
 decides: parameters before their gathers, op inputs after their resharding, gradients before
 their reduction.
 """
@@ -43,7 +41,6 @@ from autopar.passes.lower.resolve import Resolved, placeholder_key
 from autopar.passes.lower.schedule import schedule
 from autopar.passes.lower.simplify import drop_identities
 from autopar.passes.search.strategies import input_placement, output_placement
-from autopar.program import collectives as C
 from autopar.program.program import LocalOp, Program, Slot
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
@@ -54,7 +51,7 @@ _RESHAPE = torch.ops.aten.reshape.default
 
 # -- emitting one rank's program ---------------------------------------------------------------------
 
-class _Emitter:
+class Emitter:
     """Writes the forward and backward fx graphs of one rank."""
 
     def __init__(self, res: Resolved, coords: Sequence[int], device: Optional[torch.device], precision: str):
@@ -122,12 +119,9 @@ class _Emitter:
     def _reshard(self, x: fx.Node, ref: Ref, src: Placements, dst: Placements, where: fx.Graph) -> fx.Node:
         return reshard(self, x, ref, src, dst, where)
 
-    @staticmethod
-    def _wait(n: fx.Node, where: fx.Graph) -> fx.Node:
-        return where.call_function(C.wait, (n,))
-
     # nodes ---------------------------------------------------------------------------------------
     def emit(self) -> None:
+        """Emit every node of the graph into the forward or backward program, in graph order."""
         for node in self.g.nodes:
             strat = self.res.strategies[node.name]
             if node.is_placeholder:
@@ -137,7 +131,8 @@ class _Emitter:
             else:
                 self._op(node, strat)
 
-    def _name(self, text: str) -> str:
+    def fresh_name(self, text: str) -> str:
+        """A program-wide unique, identifier-safe name made from ``text``."""
         base = "".join(ch if ch.isalnum() else "_" for ch in text).strip("_") or "x"
         if base[0].isdigit():
             base = "_" + base
@@ -151,11 +146,11 @@ class _Emitter:
     def _placeholder(self, node: Node, strat: Strategy) -> None:
         key = placeholder_key(self.g, node)
         where = self.bg if key is None else self.fg
-        ph = where.placeholder(self._name("tangent" if key is None else key[1]))
+        ph = where.placeholder(self.fresh_name("tangent" if key is None else key[1]))
         self.base[Ref(node.name, 0)] = (ph, where, output_placement(strat, 0))
 
     def _constant(self, node: Node, strat: Strategy) -> None:
-        name = self._name(f"const_{node.name}")
+        name = self.fresh_name(f"const_{node.name}")
         setattr(self.root, name, getattr(self.g.gm, node.target))
         where = self.fg if node.phase == Phase.FORWARD else self.bg
         self.base[Ref(node.name, 0)] = (where.get_attr(name), where, output_placement(strat, 0))
@@ -172,7 +167,7 @@ class _Emitter:
         if plain is not None:  # the rule's local code runs one plain op on this device: call it
             out = where.call_function(plain.target, *_fill_inputs(plain, ins))
         elif has_local(node.op):
-            mod_name = self._name(f"{node.name}_local")
+            mod_name = self.fresh_name(f"{node.name}_local")
             self.root.add_module(mod_name, LocalOp(ctx))
             out = where.call_module(mod_name, tuple(ins))
         else:
@@ -183,7 +178,7 @@ class _Emitter:
             # (attention's output follows the query's layout; a sliced, collected block is dense)
             target = _RESHAPE if node.target in _VIEWS else node.target
             out = where.call_function(target, tuple(args), dict(kwargs))
-        out.name = self._name(node.name)
+        out.name = self.fresh_name(node.name)
         out.meta["autopar_module"] = node.module_path
         tensors = [j for j, spec in enumerate(node.outputs) if spec is not None]
         multi = len(node.outputs) > 1
@@ -201,7 +196,7 @@ class _Emitter:
                   for k, r in enumerate(node.inputs)]
         return plain_call(ctx, shapes)
 
-    def _grad_source(self, fqn: str, src: Placements) -> fx.Node:
+    def grad_source(self, fqn: str, src: Placements) -> fx.Node:
         """Parameter ``fqn``'s gradient where the backward produced it, in the gradient dtype (cast
         before its reduction)."""
         want = self.casts.grad if self.casts is not None else None
@@ -216,18 +211,20 @@ class _Emitter:
             out = bucketed[fqn]
         else:
             src = self.base[r][2]
-            out = self._reshard(self._grad_source(fqn, src), r, src, pl, self.bg)
+            out = self._reshard(self.grad_source(fqn, src), r, src, pl, self.bg)
         have = self.casts.grad if self.casts is not None else g.spec(r).dtype
         return out if have == g.spec(r).dtype else self._cast(out, g.spec(r).dtype, self.bg)
 
     def _dtype(self, ref: Ref) -> torch.dtype:
         return self.casts.dtype(self.g, ref) if self.casts is not None else self.g.spec(ref).dtype
 
-    def _local_shape(self, ref: Ref) -> tuple[int, ...]:
+    def local_shape_of(self, ref: Ref) -> tuple[int, ...]:
+        """This device's block shape of ``ref`` where it was produced."""
         return local_shape(self.g.spec(ref).shape, self.base[ref][2], self.mesh_shape, self.coords)
 
     # the program's outputs ---------------------------------------------------------------------------
     def finish(self) -> Program:
+        """Reduce and place the gradients, tidy and schedule both programs, and return the ``Program``."""
         g, res = self.g, self.res
         slots_in = []
         for node in g.nodes:
@@ -303,10 +300,10 @@ def lower(res: Resolved, coords: Sequence[int], device: Optional[torch.device] =
           precision: str = "model") -> Program:
     """The program of the device at ``coords`` (row-major over the mesh), computing at ``precision``:
     "model" (every tensor in its captured dtype), "fp32"/"fp64" (the same), or a mixed or 16-bit
-    precision, whose casts ``passes.cast`` decides."""
+    precision, whose casts ``cost_model.casting`` decides."""
     if len(coords) != len(res.mesh.shape):
         raise LoweringError(f"coordinates {tuple(coords)} do not match the mesh {res.mesh.shape}")
-    em = _Emitter(res, coords, device, precision)
+    em = Emitter(res, coords, device, precision)
     em.emit()
     return em.finish()
 

@@ -1,7 +1,7 @@
-"""Lowering of bucketed gradient reductions: the gradients ``passes.buckets`` groups are reduced
+"""Lowering of bucketed gradient reductions: the gradients ``cost_model.buckets`` groups are reduced
 together, one collective per resharding step for the whole bucket (as DDP and FSDP do), and cut
-back out per parameter. Functions of the lowering's emitter (``lower._Emitter``), kept apart so
-``lower.py`` holds the op-by-op emission."""
+back out per parameter. Functions of the lowering's emitter (``emitter.Emitter``), kept apart so
+``emitter.py`` holds the op-by-op emission."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from autopar.ir.placement import B, chunk_range, local_shape
 from autopar.cost_model.buckets import grad_buckets, grad_steps
 from autopar.passes.search.strategies import output_placement
 from autopar.program import bucket
+from autopar.passes.lower.reshard import wait_for
 from autopar.program import collectives as C
 
 
 def bucketed_grads(em) -> dict[str, fx.Node]:
-    """Gradients reduced together, one collective per bucket (``passes.buckets``)."""
+    """Gradients reduced together, one collective per bucket (``cost_model.buckets``)."""
     g, res = em.g, em.res
     steps_of = {}
     for fqn, r in g.grads.items():
@@ -34,7 +35,7 @@ def bucketed_grads(em) -> dict[str, fx.Node]:
         if len(fqns) < 2:
             continue  # a bucket of one is the plain resharding
         steps = steps_of[fqns[0]][0]
-        xs = [em._grad_source(f, steps_of[f][1]) for f in fqns]
+        xs = [em.grad_source(f, steps_of[f][1]) for f in fqns]
         if all(st.kind == "all_reduce" for st in steps):
             results = bucket_all_reduce(em, xs, [g.grads[f] for f in fqns], steps)
         else:
@@ -49,12 +50,12 @@ def bucket_all_reduce(em, xs, refs, steps) -> list[fx.Node]:
     """One all-reduce per step (mesh axis) of the whole bucket: the gradients packed into one new
     flat buffer, reduced in place, and cut back into views of their shapes."""
     call = em.bg.call_function
-    shapes = [list(em._local_shape(r)) for r in refs]
-    name = em._name("grad_bucket")
+    shapes = [list(em.local_shape_of(r)) for r in refs]
+    name = em.fresh_name("grad_bucket")
     em.root.add_module(name, bucket.Bucket())  # its buffer is kept between steps
     done = em.bg.call_module(name, (list(xs),))
     for step in steps:  # one all-reduce of the whole bucket per mesh axis
-        done = em._wait(call(C.all_reduce, (done, step.axis, step.reduce, True)), em.bg)  # a fresh buffer
+        done = wait_for(call(C.all_reduce, (done, step.axis, step.reduce, True)), em.bg)  # a fresh buffer
     parts = call(bucket.unflatten, (done, shapes))
     return [call(operator.getitem, (parts, i)) for i in range(len(shapes))]
 
@@ -73,7 +74,7 @@ def bucket_steps(em, xs, refs, srcs, dsts, steps) -> list[fx.Node]:
         haves = [list(local_shape(shape, cur, m, c)) for shape, cur in zip(specs, curs)]
         if step.kind == "all_reduce":
             buf = call(torch.ops.aten.cat.default, ([em.bg.call_method("reshape", (x, [-1])) for x in xs],))
-            done = em._wait(call(C.all_reduce, (buf, a, step.reduce, True)), em.bg)  # a fresh buffer
+            done = wait_for(call(C.all_reduce, (buf, a, step.reduce, True)), em.bg)  # a fresh buffer
             parts = call(torch.ops.aten.split_with_sizes.default, (done, [math.prod(h) for h in haves]))
             xs = [em.bg.call_method("reshape", (call(operator.getitem, (parts, i)), h)) for i, h in enumerate(haves)]
         else:
@@ -96,9 +97,9 @@ def bucket_steps(em, xs, refs, srcs, dsts, steps) -> list[fx.Node]:
                 metas.append((d, piece, rest, keep))
             buf = call(torch.ops.aten.cat.default, (rows, 1))
             if gather:
-                done = em._wait(call(C.all_gather, (buf, a, 0, n)), em.bg)
+                done = wait_for(call(C.all_gather, (buf, a, 0, n)), em.bg)
             else:
-                done = em._wait(call(C.reduce_scatter, (buf, a, 0, step.reduce, 1)), em.bg)
+                done = wait_for(call(C.reduce_scatter, (buf, a, 0, step.reduce, 1)), em.bg)
             parts = call(torch.ops.aten.split_with_sizes.default,
                          (done, [piece * math.prod(rest) for _, piece, rest, _ in metas], 1))
             xs = []

@@ -1,6 +1,6 @@
 """Lowering of reshardings: one placement to another, as the collectives and local steps
-``cost_model.comm.reshard_steps`` chose. Functions of the lowering's emitter (``lower._Emitter``),
-kept apart so ``lower.py`` holds the op-by-op emission. A tensor with dims of equal blocks
+``cost_model.comm.reshard_steps`` chose. Functions of the lowering's emitter (``emitter.Emitter``),
+kept apart so ``emitter.py`` holds the op-by-op emission. A tensor with dims of equal blocks
 (``TensorSpec.blocks``) is resharded as its expanded view, where those dims are plain."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from autopar.cost_model.casting import transfer_bytes
 from autopar.program import collectives as C
 
 
-def _wait(n: fx.Node, where: fx.Graph) -> fx.Node:
+def wait_for(n: fx.Node, where: fx.Graph) -> fx.Node:
+    """A ``wait`` on collective ``n``'s result, in program ``where`` (the schedule moves it to first use)."""
     return where.call_function(C.wait, (n,))
 
 
@@ -64,18 +65,18 @@ def _step(em, x, shape, cur, a, new, kind, reduce, where: fx.Graph) -> fx.Node:
     call = where.call_function
     if kind == "all_gather":
         d = cur[a].dim
-        return _wait(call(C.all_gather, (x, a, d, group_block[d])), where)
+        return wait_for(call(C.all_gather, (x, a, d, group_block[d])), where)
     if kind == "reduce_scatter":
         d = new.dim
-        return _wait(call(C.reduce_scatter, (x, a, d, reduce, mine[d])), where)
+        return wait_for(call(C.reduce_scatter, (x, a, d, reduce, mine[d])), where)
     if kind == "all_reduce":
-        out = _wait(call(C.all_reduce, (x, a, reduce)), where)
+        out = wait_for(call(C.all_reduce, (x, a, reduce)), where)
         if isinstance(new, Partial) and c[a] != 0:  # P(x) -> P(y): keep one addend
             return fill_like(out, new, where)
         return out
     if kind == "all_to_all":
         i, j = cur[a].dim, new.dim
-        return _wait(call(C.all_to_all, (x, a, i, j, group_block[i], mine[j])), where)
+        return wait_for(call(C.all_to_all, (x, a, i, j, group_block[i], mine[j])), where)
     if kind == "slice":
         d = new.dim
         start, length = chunk_range(group_block[d], m[a], c[a])
@@ -95,4 +96,5 @@ def _step(em, x, shape, cur, a, new, kind, reduce, where: fx.Graph) -> fx.Node:
     raise LoweringError(f"no lowering for reshard step {kind!r}")
 
 def fill_like(x: fx.Node, p: Partial, where: fx.Graph) -> fx.Node:
+    """A program node holding a tensor shaped like ``x`` filled with ``value`` (a reduction's identity)."""
     return where.call_function(torch.ops.aten.full_like.default, (x, identity(p.reduce)))

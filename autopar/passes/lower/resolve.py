@@ -40,7 +40,7 @@ class Resolved:
     _casts: dict = field(default_factory=dict, repr=False)
 
     def cast(self, precision: str) -> Optional[CastPolicy]:
-        """The casts of a program run at ``precision`` (``passes.cast``; None: captured dtypes)."""
+        """The casts of a program run at ``precision`` (``cost_model.casting``; None: captured dtypes)."""
         if precision not in self._casts:
             self._casts[precision] = cast_policy(self.graph, precision)
         return self._casts[precision]

@@ -1,7 +1,7 @@
 """Cost: price every strategy of every node and every resharding between them, as a ``Problem``.
 
 Reads the graph, its folding, the candidate strategies and the hints; writes a ``Problem``
-(``autopar/passes/problem.py``). Folded layers are priced once and carry their multiplicity.
+(``passes/search/problem.py``). Folded layers are priced once and carry their multiplicity.
 Memory per device: each parameter's stored weights, gradient and optimizer state under its
 placement, and every forward activation that the backward reads (live at the peak, between
 forward and backward), in the precision's bytes. Edges are grouped into transfers (``_edges``):
@@ -24,7 +24,7 @@ from autopar.ir.rules import op_call
 from autopar.ir.views import param_views
 from autopar.cost_model.mesh import Mesh
 from autopar.cost_model.buckets import grad_time
-from autopar.cost_model.casting import cast_policy, transfer_bytes
+from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
 from autopar.passes.search.fold import Folding
 from autopar.passes.search.problem import MEMORY_KINDS, Group, PEdge, PNode, Problem
 from autopar.passes.search.strategies import Constraint, HintError, input_placement, output_placement
@@ -184,13 +184,13 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
             src, dst = index[src_name], index[dst_name]
             if key not in built:
                 spec = graph.spec(ref)
-                role = {"param": "gather", "grad": "grad"}.get(kind, "activation")
+                role = transfer_role(kind)
                 eb = transfer_bytes(graph, ref, role, precision, policy)
                 src_p = [output_placement(s, out) for s in nodes[src].strategies]
                 dst_p = [output_placement(s, 0) if slot == -1 else input_placement(s, slot) for s in nodes[dst].strategies]
                 places_out = sorted(set(src_p), key=src_p.index)
                 places_in = sorted(set(dst_p), key=dst_p.index)
-                # gradients that join a bucket share its collectives' latency (passes/buckets.py)
+                # gradients that join a bucket share its collectives' latency (cost_model/buckets.py)
                 price = grad_time if kind == "grad" else reshard_time
                 mkey = (kind == "grad", tuple(spec.shape), eb, tuple(places_out), tuple(places_in))
                 if mkey not in matrices:  # many edges carry same-shaped tensors between the same placements

@@ -91,7 +91,7 @@ def _restrict_to_regions(mp: Problem, pinned: list[int], regions) -> None:
     for n in mp.nodes:
         if n.name not in params:
             continue
-        outs = {tuple(n.strategies[s][a].outputs[0] for a in pinned) for s in _alive(n)}
+        outs = {tuple(n.strategies[s][a].outputs[0] for a in pinned) for s in n.alive()}
         if len(outs) == 1:
             dims = {p.dim for p in outs.pop() if isinstance(p, Split)}
             if len(dims) == 1:
@@ -101,13 +101,9 @@ def _restrict_to_regions(mp: Problem, pinned: list[int], regions) -> None:
         if n.name in params or n.name in fixed:
             continue
         dims_of = ok.get(n.name, {})
-        keep = [s for s in _alive(n) if not _splits_outside(n.strategies[s], dims_of, pinned)]
+        keep = [s for s in n.alive() if not _splits_outside(n.strategies[s], dims_of, pinned)]
         if keep:
             n.allowed = keep
-
-
-def _alive(n) -> list[int]:
-    return n.allowed if n.allowed is not None else list(range(len(n.strategies)))
 
 
 def _splits_outside(strategy, dims_of: dict[int, set[int]], axes: list[int]) -> bool:
@@ -135,7 +131,7 @@ def _orient(merged: Merged, problem: Problem, pinned: list[int], rounds: int = 2
         ways_of = regions.pairs()
         for i, n in enumerate(mp.nodes):
             if n.name in ways_of:
-                keep = [s for s in _alive(n) if all(n.strategies[s][a].outputs[0] == Split(ways_of[n.name])
+                keep = [s for s in n.alive() if all(n.strategies[s][a].outputs[0] == Split(ways_of[n.name])
                                                      for a in pinned)]
                 base[i] = keep or base[i]
 
@@ -186,7 +182,7 @@ def _pin_in_place(problem: Problem, pinned: list[int], prefer: Optional[dict] = 
     prefer = prefer or {}
     ways: dict[int, list] = {}
     def alive(i: int) -> list[int]:
-        return _alive(problem.nodes[i])
+        return problem.nodes[i].alive()
 
     def pinned_out(e, s):
         return tuple(e.places_out[e.src_place[s]][a] for a in pinned)

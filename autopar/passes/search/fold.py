@@ -28,11 +28,16 @@ class LayerGroup:
 
     @property
     def count(self) -> int:
+        """How many alike instances the group folds."""
         return len(self.instances)
 
 
 @dataclass
 class Folding:
+    """Which nodes stand for which: the folded layer groups, and for each node in a group its
+    (group, instance, position). Later passes price and choose only instance 0; every instance
+    gets its strategy."""
+
     groups: list[LayerGroup] = field(default_factory=list)
     #: node name -> (group index, instance index, position in the instance)
     where: dict[str, tuple[int, int, int]] = field(default_factory=dict)
@@ -46,6 +51,7 @@ class Folding:
         return self.groups[g].instances[0][pos]
 
     def multiplicity(self, name: str) -> int:
+        """How many nodes ``name`` stands for (its group's instance count; 1 outside layers)."""
         loc = self.where.get(name)
         return 1 if loc is None else self.groups[loc[0]].count
 

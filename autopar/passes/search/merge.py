@@ -32,6 +32,8 @@ class Merged:
     follow: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # v -> (u, strategy of v per strategy of u)
 
     def expand(self, choice: list[int], n_original: int) -> list[int]:
+        """A choice for the original problem's ``n_original`` nodes from a choice for the merged one:
+        kept nodes as chosen, followers as their producer's choice maps them."""
         out = [-1] * n_original
         for k, i in enumerate(self.keep):
             out[i] = choice[k]

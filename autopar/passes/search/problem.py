@@ -11,7 +11,7 @@ placement shares the result (the collective is not repeated per consumer), so a 
 
     transfer(t) = mult(t) * sum over distinct target placements q its consumers take of cost(p -> q)
 
-with p the producer's placement (``cost.py`` says what one transfer spans: which producer
+with p the producer's placement (``build.py`` says what one transfer spans: which producer
 instances, which phases). ``evaluate`` prices a choice (one strategy per node):
 
     step    = compute + activation communication + sum over groups of exposed(g)
@@ -51,7 +51,12 @@ class PNode:
     allowed: Optional[list[int]] = None  # strategy indices the hints allow (None: all)
 
     def mem_total(self, s: int) -> float:
+        """Bytes per instance of strategy ``s``, all memory kinds together."""
         return sum(v[s] for v in self.memory.values())
+
+    def alive(self) -> list[int]:
+        """The strategy indices still allowed (by hints or a recipe's restriction): all by default."""
+        return list(self.allowed) if self.allowed is not None else list(range(len(self.strategies)))
 
 
 @dataclass
@@ -83,6 +88,7 @@ class PEdge:
     targets: Optional[list[int]] = field(default=None, compare=False, repr=False)
 
     def overlappable(self) -> bool:
+        """Whether this edge's communication may run under compute (a parameter gather or a gradient reduction of a group)."""
         return self.kind in ("param", "grad")
 
 
@@ -97,6 +103,11 @@ class Group:
 
 @dataclass
 class Problem:
+    """The search's input: priced nodes (one per graph node, or per folded layer position), the
+    edges between them with a cost per pair of placements, the groups whose parameter traffic may
+    hide under their compute, and the memory budget. ``evaluate`` prices any choice of one strategy
+    per node; every search pass (merge, complete, solve, solve_axis, propagate) reads it."""
+
     nodes: list[PNode]
     edges: list[PEdge]
     groups: list[Group]
@@ -142,6 +153,7 @@ class Cost:
 
     @property
     def peak_memory(self) -> float:
+        """Bytes per device, all memory kinds together."""
         return sum(self.memory.values())
 
 

@@ -24,7 +24,7 @@ from autopar.passes.search.problem import Problem, incident_transfers, local_cos
 def propagate(problem: Problem, max_rounds: int = 1000) -> list[int]:
     """One strategy per node of ``problem`` by annotation propagation, then cheapest local choices."""
     alive: list[set[int]] = [
-        set(n.allowed) if n.allowed is not None else set(range(len(n.strategies))) for n in problem.nodes
+        set(n.alive()) for n in problem.nodes
     ]
     for _ in range(max_rounds):
         changed = False

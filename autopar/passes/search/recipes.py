@@ -22,7 +22,8 @@ NAMES = ("ddp", "fsdp", "megatron_tp", "megatron_sp", "fsdp_tp")
 Allowed = dict[str, list[Placements]]  # placeholder node name -> allowed placements
 
 
-def _axes(mesh: Mesh, tensor_axis, needs_tensor: bool, name: str) -> tuple[list[int], Optional[int]]:
+def _axes(mesh: Mesh, tensor_axis, needs_tensor: bool) -> tuple[list[int], Optional[int]]:
+    """The data axes and the tensor axis (None when the recipe has none)."""
     if not needs_tensor:
         return list(range(mesh.ndim)), None
     t = mesh.axis(tensor_axis)
@@ -63,15 +64,11 @@ def _shard_dim(spec: TensorSpec, mesh: Mesh, data: Sequence[int]) -> Optional[in
     return max(fits, key=lambda d: (shape[d], -d)) if fits else None
 
 
-def _params(graph: Graph) -> list[tuple[str, str]]:
-    return [(fqn, node) for fqn, node in graph.params.items()]
-
-
 def _constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed:
     tp = name in ("megatron_tp", "megatron_sp", "fsdp_tp")
     if name == "fsdp_tp" and mesh.ndim < 2:
         raise RecipeError("fsdp_tp needs a mesh with a data axis and a tensor axis (two axes or more)")
-    data, t = _axes(mesh, tensor_axis, tp, name)
+    data, t = _axes(mesh, tensor_axis, tp)
     allowed: Allowed = {}
     if graph.inputs and data:
         allowed.update(_batch_split(graph, mesh, data, name))
@@ -80,7 +77,7 @@ def _constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed
             allowed[node] = [tuple(B for _ in mesh.shape)]
     sharded_any = False
     tables = _embedding_tables(graph)
-    for fqn, node in _params(graph):
+    for fqn, node in graph.params.items():
         spec = graph.node(node).out
         shape = spec.shape
         base: list = [B] * mesh.ndim
@@ -150,6 +147,7 @@ class TensorRegions:
         return self._spread[(node, d)]
 
     def allowed(self, splits: dict[str, int]) -> dict[str, dict[int, set[int]]]:
+        """The dims activations may be split along on the tensor axis, given the weights' splits."""
         out: dict[str, dict[int, set[int]]] = {}
         for node, d in sorted(splits.items()):
             for ref, dim in self._reach(node, d):

@@ -1,9 +1,9 @@
 """Solve: choose one strategy per node with an integer program (OR-Tools CP-SAT).
 
-Variables and constraints, each family built in its own function below:
+Variables and constraints, each family built in its own function below (``formulate`` calls them):
 
 - ``x[n, s]`` (bool): node n runs strategy s.              one-hot:  sum_s x[n, s] = 1
-  Strategies a hint excludes get no variable.
+  Strategies a hint excludes get no variable.                              -> ``_node_vars``
 - ``y[e, p, q]`` (bool): edge e carries its tensor from placement p (the producer's output) to
   placement q (the consumer's input).                      transport: sum_q y[e, p, q] = sum_{s: out(s) = p} x[src, s]
                                                                       sum_p y[e, p, q] = sum_{s: in(s) = q} x[dst, s]
@@ -11,9 +11,11 @@ Variables and constraints, each family built in its own function below:
   or more edges that can cost something, per pair of placements with a positive cost: the
   tensor is resharded from p to Q, once for all its consumers.
                                                            z[t, p, Q] >= y[e, p, q]  for every e in t whose column q is Q
+  (``y`` and ``z``, with their costs in the objective: ``_edge_vars``)
 - ``exposed[g]`` (int >= 0): the part of one instance of group g's parameter gathers and gradient
   reductions that its compute cannot hide.                  exposed[g] >= sum_{t in g} cost_t - sum_{n in g} compute_n(x)
-- memory (bytes per device):                               sum_n mult_n * mem_n(x) <= budget
+                                                           -> ``_exposed``
+- memory (bytes per device):                               sum_n mult_n * mem_n(x) <= budget   -> ``_memory``
 
 where a transfer's cost is sum_{p, q} cost_e[p, q] y[e, p, q] for a lone edge and
 sum_{p, Q} cost_t[p, Q] z[t, p, Q] for a shared one (minimising pushes each z down to the OR of
@@ -23,45 +25,55 @@ Objective (picoseconds): sum_n mult_n (compute_n + comm_n)(x) + sum_{t not overl
 + sum_g mult_g exposed[g] — exactly ``problem.evaluate`` linearised. Ties (hidden communication
 costs nothing) are broken lexicographically by a second solve that keeps the step time at the
 first solve's value and minimises hidden traffic plus memory, so among equally fast plans the one
-that moves and holds less wins.
+that moves and holds less wins. The secondary objective's units: hidden traffic in whole microseconds
+(``_edge_vars``) plus memory in whole MB (10^6 bytes, ``formulate``), coarse on purpose: the
+second solve only orders plans of equal step time.
+
+``solve_axis.solve_by_axis`` relaxes this for large multi-axis meshes: the same formulation on
+HiGHS with continuous transports, re-solving one mesh axis at a time with the others fixed.
 
 The search is deterministic: one worker, a fixed seed, and a bound on deterministic time (wall
-clock only as a cap); it starts from a hint (the best recipe), so a time limit still returns a
-plan no worse than that hint.
+clock only as a cap); it starts from a warm start (the best recipe), so a time limit still returns a
+plan no worse than that start.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 from autopar.errors import InfeasibleError
 from autopar.passes.search.problem import Problem, evaluate, incident_transfers, local_cost
 
-NS = 1e12  # objective unit: picoseconds (integer costs; finer units keep rounding below any real difference)
+PS_PER_S = 1e12  # objective unit: picoseconds (integer costs; finer units keep rounding below any real difference)
 
 
 @dataclass
 class Solution:
+    """The solver's answer: one strategy per (merged) problem node, the objective and bound in
+    seconds, the solver's status and its statistics (variables, constraints, times)."""
+
     choice: list[int]
-    objective: float  # seconds, as the solver saw it (rounded to ns)
+    objective: float  # seconds, as the solver saw it (rounded to picoseconds)
     bound: float
     status: str
     stats: dict = field(default_factory=dict)
 
     @property
     def gap(self) -> float:
+        """The relative gap between the objective and the solver's bound (0: proven optimal)."""
         return 0.0 if self.objective <= 0 else max(0.0, (self.objective - self.bound) / self.objective)
 
 
-def _ns(x: float) -> int:
-    return int(round(x * NS))
+def _ps(x: float) -> int:
+    """Seconds as whole picoseconds, the solver's integer cost unit."""
+    return int(round(x * PS_PER_S))
 
 
 def solve(
     problem: Problem,
-    hint: Optional[Sequence[int]] = None,
+    warm_start: Optional[Sequence[int]] = None,
     deterministic_time: float = 30.0,
     time_limit: Optional[float] = None,
 ) -> Solution:
@@ -71,7 +83,7 @@ def solve(
     When some tensor has several consumers, the exact model (shared
     reshardings) is solved from the optimum of the same model with every consumer paying its own
     resharding (an upper bound of the evaluator, whose LP is the tight transport one; solved in a
-    fraction of the time), or from the hint if that is cheaper by the evaluator. From a poor hint
+    fraction of the time), or from the warm start if that is cheaper by the evaluator. From a poor warm start
     (a recipe) the exact model's search can take long to find good plans (measured: an MLP on a
     (2, 2) mesh, FEASIBLE and 8% off after 20 s of deterministic time; warm-started, OPTIMAL
     after 0.6 s); a time limit still returns a plan no worse than the warm start."""
@@ -82,7 +94,7 @@ def solve(
     ok = (cp_model.OPTIMAL, cp_model.FEASIBLE)
     stages = []
     if any(len(t) > 1 for t in problem.transfers):
-        built, x, primary, _ = _build(problem, hint, shared=False)
+        built, x, primary, _ = formulate(problem, warm_start, shared=False)
         built.minimize(primary)
         model = built.model
         solver = _solver(deterministic_time / 2, time_limit)
@@ -93,10 +105,10 @@ def solve(
         stages.append({"model": "per-consumer reshardings", "status": solver.status_name(status),
                        "deterministic_time": round(solver.deterministic_time, 3)})
         first = _read(solver, x)
-        if hint is None or _fits_better(problem, first, hint):
-            hint = first
+        if warm_start is None or _fits_better(problem, first, warm_start):
+            warm_start = first
 
-    built, x, primary, secondary = _build(problem, hint, shared=True)
+    built, x, primary, secondary = formulate(problem, warm_start, shared=True)
     built.minimize(primary)
     model = built.model
     solver = _solver(max(deterministic_time - det, deterministic_time / 2), time_limit)
@@ -130,7 +142,7 @@ def solve(
     }
     if stages:
         stats["warm_start"] = stages[0]
-    sol = Solution(choice, best / NS, bound / NS, name, stats)
+    sol = Solution(choice, best / PS_PER_S, bound / PS_PER_S, name, stats)
     stats["gap"] = round(sol.gap, 6)
     return sol
 
@@ -144,9 +156,48 @@ def _fits_better(problem: Problem, a: Sequence[int], b: Sequence[int]) -> bool:
     return ca.peak_memory <= problem.memory_budget and ca.step_time <= cb.step_time
 
 
+class ModelBackend(Protocol):
+    """The building blocks ``formulate`` writes a model with; ``CpSatModel`` (below) and
+    ``solve_axis.HighsModel`` implement them. Linear rows and objectives are lists of
+    (coefficient, variable)."""
+
+    def bool(self, name: str) -> Any:
+        """A new 0/1 variable (a strategy choice)."""
+
+    def frac(self, name: str) -> Any:
+        """A new variable in [0, 1] (a transport; integral once the choices are)."""
+
+    def num(self, upper: float, name: str) -> Any:
+        """A new variable in [0, upper] (exposed communication)."""
+
+    def exactly_one(self, vs) -> None:
+        """Exactly one of the 0/1 variables ``vs`` is 1."""
+
+    def implies(self, a, b) -> None:
+        """``a`` = 1 forces ``b`` = 1."""
+
+    def linear(self, terms, lo=None, hi=None) -> None:
+        """lo <= sum(c * v) <= hi (None: unbounded on that side)."""
+
+    def minimize(self, terms) -> None:
+        """The objective to minimise."""
+
+    def time(self, seconds: float) -> Any:
+        """Seconds in the model's cost unit."""
+
+    def mem(self, nbytes: float) -> Any:
+        """Bytes in the model's memory unit."""
+
+    def mem_limit(self, nbytes: float) -> Any:
+        """The memory budget in the model's memory unit."""
+
+    def warm_start(self, v, value: int) -> None:
+        """Suggest ``value`` for variable ``v`` (a no-op where the solver takes no warm start)."""
+
+
 class CpSatModel:
-    """The formulation's building blocks on CP-SAT: every variable integral, costs in integer
-    picoseconds, memory in bytes. Linear rows and objectives are lists of (coefficient, variable)."""
+    """The formulation's building blocks on CP-SAT (a ``ModelBackend``): every variable integral,
+    costs in integer picoseconds, memory in bytes."""
 
     def __init__(self) -> None:
         from ortools.sat.python import cp_model
@@ -186,7 +237,7 @@ class CpSatModel:
 
     @staticmethod
     def time(seconds: float) -> int:
-        return _ns(seconds)
+        return _ps(seconds)
 
     @staticmethod
     def mem(nbytes: float) -> int:
@@ -196,13 +247,13 @@ class CpSatModel:
     def mem_limit(nbytes: float) -> int:
         return int(nbytes)
 
-    def hint(self, v, value: int) -> None:
+    def warm_start(self, v, value: int) -> None:
         self.model.AddHint(v, value)
 
 
-def _build(problem: Problem, hint: Optional[Sequence[int]], shared: bool, m=None):
+def formulate(problem: Problem, warm_start: Optional[Sequence[int]], shared: bool, m: Optional[ModelBackend] = None):
     """The model on backend ``m`` (default: a new ``CpSatModel``): variables, constraints,
-    hint; returns it with ``x`` and the objective terms as (coefficient, variable) lists
+    warm start; returns it with ``x`` and the objective terms as (coefficient, variable) lists
     (primary: step time in the backend's unit; secondary: hidden traffic and memory). ``shared``
     False prices every edge on its own (each consumer pays its resharding)."""
     m = CpSatModel() if m is None else m
@@ -220,10 +271,10 @@ def _build(problem: Problem, hint: Optional[Sequence[int]], shared: bool, m=None
     comm = _edge_vars(m, problem, x, primary, secondary, shared)
     _exposed(m, problem, x, comm, primary)
     _memory(m, problem, x)
-    if hint is not None:
+    if warm_start is not None:
         for i, vars_ in x.items():
             for s, v in vars_.items():
-                m.hint(v, 1 if hint[i] == s else 0)
+                m.warm_start(v, 1 if warm_start[i] == s else 0)
     return m, x, primary, secondary
 
 
@@ -249,7 +300,7 @@ def _node_vars(m, problem: Problem) -> dict[int, dict[int, object]]:
     """One-hot ``x[n, s]`` over the strategies each node's hints allow."""
     x: dict[int, dict[int, object]] = {}
     for i, n in enumerate(problem.nodes):
-        allowed = n.allowed if n.allowed is not None else range(len(n.strategies))
+        allowed = n.alive()
         x[i] = {s: m.bool(f"x{i}_{s}") for s in allowed}
         m.exactly_one(list(x[i].values()))
     return x
@@ -364,7 +415,7 @@ def greedy(problem: Problem) -> list[int]:
     for i in order:
         n = problem.nodes[i]
         best, best_cost = None, None
-        for s in (n.allowed if n.allowed is not None else range(len(n.strategies))):
+        for s in n.alive():
             c = local_cost(problem, incident, choice, i, s)
             if best_cost is None or c < best_cost - 1e-15:  # near-ties keep the earlier strategy
                 best, best_cost = s, c
@@ -382,7 +433,7 @@ def improve(problem: Problem, choice: Sequence[int], sweeps: int = 5) -> list[in
     for _ in range(sweeps):
         changed = False
         for i, n in enumerate(problem.nodes):
-            options = n.allowed if n.allowed is not None else range(len(n.strategies))
+            options = n.alive()
             cost = {s: local_cost(problem, incident, choice, i, s) for s in options}
             best = min(options, key=lambda s: (cost[s], s != choice[i], s))
             if best != choice[i] and cost[best] < cost[choice[i]] - 1e-15:

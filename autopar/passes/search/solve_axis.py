@@ -7,7 +7,7 @@ local search; each round then starts from the current choice and keeps it unless
 is faster by the evaluator, so the step time never gets worse.
 
 Rounds are solved by HiGHS (through OR-Tools' linear solver wrapper), with the same formulation as
-the CP-SAT model (``solve._build``) but continuous transports: measured on the 32-layer
+the CP-SAT model (``solve.formulate``) but continuous transports: measured on the 32-layer
 LLaMA-3-8B shape on an (8, 8) mesh (8k variables per round), HiGHS's LP-based heuristics find the
 round's optimum within a second and prove it within 1% at the root, where CP-SAT took 4-12 s per
 round to reach the same plan. A round stops at ``AXIS_GAP`` relative gap (the cost model is not
@@ -22,7 +22,7 @@ import time
 from typing import Optional, Sequence
 
 from autopar.passes.search.problem import Problem, evaluate
-from autopar.passes.search.solve import Solution, _build, improve
+from autopar.passes.search.solve import Solution, formulate, improve
 
 #: Above this many transport variables a multi-axis mesh's ILP is solved one mesh axis at a time
 #: (HiGHS rounds, this module). Measured: tiny GPT on a (2, 2) mesh (39k transport
@@ -43,8 +43,8 @@ AXIS_WALL_CAP = 120.0
 
 
 class HighsModel:
-    """The formulation's building blocks on HiGHS: 0/1 strategy choices, continuous transports
-    (the transport rows make them integral once the choices are), costs in microseconds (HiGHS
+    """The formulation's building blocks on HiGHS (a ``solve.ModelBackend``): 0/1 strategy choices,
+    continuous transports (the transport rows make them integral once the choices are), costs in microseconds (HiGHS
     warns on costs below 1e-6) and memory in GB."""
 
     def __init__(self) -> None:
@@ -102,7 +102,7 @@ class HighsModel:
 
     mem_limit = mem
 
-    def hint(self, v, value: int) -> None:  # no warm start on HiGHS (see the module docstring)
+    def warm_start(self, v, value: int) -> None:  # no warm start on HiGHS (see the module docstring)
         pass
 
 
@@ -111,7 +111,7 @@ def solve_round(problem: Problem, time_limit: Optional[float]) -> tuple[Optional
     None when HiGHS found none within its limits, and the round's statistics."""
     from ortools.linear_solver import pywraplp
 
-    m, x, primary, _ = _build(problem, None, shared=True, m=HighsModel())
+    m, x, primary, _ = formulate(problem, None, shared=True, m=HighsModel())
     m.minimize(primary)
     solver = m.solver
     solver.SetNumThreads(1)
@@ -140,8 +140,8 @@ def edge_var_count(problem: Problem) -> int:
     for e in problem.edges:
         src = problem.nodes[e.src]
         dst = problem.nodes[e.dst]
-        rows = {e.src_place[s] for s in (src.allowed if src.allowed is not None else range(len(src.strategies)))}
-        cols = {e.dst_place[s] for s in (dst.allowed if dst.allowed is not None else range(len(dst.strategies)))}
+        rows = {e.src_place[s] for s in src.alive()}
+        cols = {e.dst_place[s] for s in dst.alive()}
         total += len(rows) * len(cols)
     return total
 
@@ -165,7 +165,7 @@ def solve_by_axis(
     # Local search first (cheap): measured, a start nearer the optimum makes the rounds both
     # faster and better (LLaMA-3-8B shape, 32 layers, (8, 8): 4.6 s of CPU instead of 8.9 s, a
     # plan 1% faster). It ignores memory: a polished start over the budget is only a starting
-    # point (every round's plan fits, and replaces it); if no round finds one, the hint stands.
+    # point (every round's plan fits, and replaces it); if no round finds one, the start stands.
     original, fits = list(choice), True
     polished = improve(problem, choice)
     cost = evaluate(problem, polished)

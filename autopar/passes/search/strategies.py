@@ -67,10 +67,12 @@ def node_strategies(graph: Graph, node: Node, mesh: Mesh) -> list[Strategy]:
 
 
 def output_placement(strat: Strategy, index: int) -> Placements:
+    """Output ``index``'s placement on every mesh axis under strategy ``strat``."""
     return tuple(s.outputs[index] for s in strat)  # type: ignore[misc]
 
 
 def input_placement(strat: Strategy, index: int) -> Placements:
+    """The placement on every mesh axis in which strategy ``strat`` reads input ``index``."""
     return tuple(s.inputs[index] for s in strat)
 
 

@@ -110,12 +110,16 @@ def dedupe(items: Iterable[Case]) -> list[Case]:
 
 @dataclass
 class Report:
+    """The outcome of proving rules: cases checked, and every strategy whose reassembled result
+    differed from the op on whole tensors."""
+
     checked: int = 0
     ops: set = field(default_factory=set)
     pairs: set = field(default_factory=set)  # distinct (op, signature text)
     failures: list = field(default_factory=list)
 
     def add(self, case: Case, strategy, res: CheckResult) -> None:
+        """Record one checked strategy's result."""
         self.checked += 1
         self.ops.add(case.call.op)
         self.pairs.add((case.call.op, " | ".join(str(s) for s in strategy)))
@@ -161,12 +165,15 @@ def mutants(sig) -> list:
 
 @dataclass
 class MutationReport:
+    """How many deliberately wrong signatures (mutants) the proof caught, and which it missed."""
+
     total: int = 0  # mutants that are not valid signatures of the rule
     caught: int = 0
     survivors: list = field(default_factory=list)
 
     @property
     def rate(self) -> float:
+        """The fraction of mutants caught."""
         return self.caught / self.total if self.total else 1.0
 
 
