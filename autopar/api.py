@@ -1,5 +1,5 @@
 """``autopar.plan``: run the passes in order — capture, fold, strategies, cost, merge, solve — and
-hand back a Plan (``autopar/plan.py``; assembled in ``autopar/passes/report.py``)."""
+hand back a Plan (``autopar/plans/schema.py``; assembled in ``autopar/passes/report.py``)."""
 
 from __future__ import annotations
 
@@ -392,7 +392,7 @@ def _infeasible(graph: Graph, problem: Problem, budget: float) -> InfeasibleErro
     the sum of every node's leanest strategy — exact, no search needed.
     """
     from autopar.passes.problem import MEMORY_KINDS
-    from autopar.plan import human_bytes
+    from autopar.plans import human_bytes
 
     need = dict.fromkeys(MEMORY_KINDS, 0.0)
     tops = []

@@ -10,3 +10,8 @@ class AutoparError(Exception):
 class CaptureError(AutoparError):
     """The model could not be captured as a graph (untraceable code, unsupported inputs or outputs,
     missing gradients)."""
+
+
+class PlanError(AutoparError, ValueError):
+    """A plan that cannot be used: unreadable file, wrong schema version, unknown module, a plan
+    made for another graph."""

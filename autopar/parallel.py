@@ -23,7 +23,7 @@ from autopar.ir.graph import Graph
 from autopar.ir.placement import from_dtensor, format_placements, local_block, to_dtensor
 from autopar.mesh import Mesh
 from autopar.passes.lower import Program, Slot, lower, resolve
-from autopar.plan import Plan, load_plan
+from autopar.plans import Plan, load_plan
 from autopar.runtime import collectives as C
 from autopar.runtime.spmd import execution_precision, precision_context
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from autopar.errors import AutoparError
-from autopar.plan import SCHEMA_VERSION, Plan, PlanError, human_bytes, human_time, load_plan
+from autopar.plans import SCHEMA_VERSION, Plan, PlanError, human_bytes, human_time, load_plan
 
 MIB = 1 << 20
 

@@ -57,7 +57,7 @@ def _sha(d: dict) -> str:
 
 
 def build_plan(planned: "Planned"):
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     g, mesh, prob, folding = planned.graph, planned.mesh, planned.problem, planned.folding
     choice = planned.choice

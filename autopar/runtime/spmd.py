@@ -169,7 +169,7 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     """
     from autopar.ir.capture import capture
     from autopar.passes.lower import resolve
-    from autopar.plan import Plan, load_plan
+    from autopar.plans import Plan, load_plan
 
     if not isinstance(plan, Plan):
         plan = load_plan(plan)
