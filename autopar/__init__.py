@@ -10,8 +10,14 @@ from autopar import recipes
 from autopar.errors import AutoparError, CaptureError
 from autopar.ir.hint import hint
 from autopar.cost_model.mesh import Mesh
-from autopar.plan import Plan, PlanError, load_plan
+from autopar.plans import Plan, PlanError, load_plan
 from autopar.runtime.launch import LaunchError, launch
+
+# The deprecated submodule ``autopar.plan`` (now ``autopar.plans``) is loaded before the function of the
+# same name is bound: loaded later, by ``from autopar.plan import ...``, it would rebind ``autopar.plan``.
+import autopar.plan as _plan_module  # noqa: E402  isort: skip
+
+del _plan_module
 
 # Imported last: the submodule ``autopar.plan`` would otherwise shadow the function.
 from autopar.api import plan, simulate  # noqa: E402  isort: skip

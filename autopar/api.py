@@ -18,7 +18,7 @@ from autopar.ir.rules.proof.interp import device_coords
 from autopar.passes.lower import lower, resolve
 from autopar.passes.pipeline import run_passes
 from autopar.passes.report import build_plan
-from autopar.plan import Plan, load_plan
+from autopar.plans import Plan, load_plan
 from autopar.runtime.precision import execution_precision
 from autopar.runtime.threads import gather_slots, placeholder_values, simulate_programs
 

@@ -65,3 +65,8 @@ class LaunchError(AutoparError):
 
 class CollectiveError(AutoparError, RuntimeError):
     """A collective that cannot complete: no backend, or ranks that stopped agreeing."""
+
+
+class PlanError(AutoparError, ValueError):
+    """A plan that cannot be used: unreadable file, wrong schema version, unknown module, a plan
+    made for another graph."""

@@ -23,7 +23,7 @@ from autopar.ir.graph import Graph
 from autopar.ir.placement import from_dtensor, format_placements, local_block, to_dtensor
 from autopar.cost_model.mesh import Mesh, require_mesh
 from autopar.passes.lower import lower, resolve
-from autopar.plan import Plan, load_plan
+from autopar.plans import Plan, load_plan
 from autopar.program import collectives as C
 from autopar.program.program import Program, Slot
 from autopar.runtime.collectives import ProcessGroupComm, _Recorder

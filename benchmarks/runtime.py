@@ -192,7 +192,7 @@ def run(cfg: dict, plans: list, steps: int, warmup: int, cprofile: bool) -> dict
     from torch.nn.parallel import DistributedDataParallel
 
     import autopar
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # full_tensor() on (2, 2)
     rank, world = dist.get_rank(), dist.get_world_size()

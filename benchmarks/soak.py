@@ -35,7 +35,7 @@ def train(cfg: dict, plans: list, steps: int) -> float:
     """On every rank: compile each plan, then run ``steps`` rounds of forward, backward and AdamW
     over all of them in turn."""
     import autopar
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     runs = []
     for text, axes in plans:

@@ -40,7 +40,7 @@ def main(argv=None) -> autopar.Plan:
         plan.save(args.save)
         print(f"saved {args.save}")
     if args.html:
-        from autopar.plan_html import write_html
+        from autopar.plans.html import write_html
 
         write_html(plan, args.html)
         print(f"wrote {args.html}")

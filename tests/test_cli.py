@@ -332,7 +332,8 @@ def test_debug_shows_the_traceback(tmp_path):
 # -- in process: the parsers and the progress line -------------------------------------------------
 
 def test_parsers():
-    from autopar.cli import CLIError, parse_bytes, parse_kw, parse_mesh, split_hint
+    from autopar.cli.args import parse_bytes, parse_kw, parse_mesh, split_hint
+    from autopar.cli.errors import CLIError
 
     assert parse_mesh("dp=8, tp=8") == {"dp": 8, "tp": 8} and list(parse_mesh("tp=2,dp=4")) == ["tp", "dp"]
     for bad in ("dp", "dp=0", "dp=2,dp=2", "8", "dp=2,", "2dp=2"):
@@ -348,7 +349,7 @@ def test_parsers():
 
 
 def test_progress_line_only_on_a_terminal(monkeypatch):
-    from autopar.cli_progress import PLAN_PHASES, Progress
+    from autopar.cli.progress import PLAN_PHASES, Progress
 
     class Tty(io.StringIO):
         def isatty(self):

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from autopar.errors import AutoparError
-from autopar.plan import SCHEMA_VERSION, Plan, PlanError, human_bytes, human_time, load_plan
+from autopar.plans import SCHEMA_VERSION, Plan, PlanError, human_bytes, human_time, load_plan
 
 MIB = 1 << 20
 
@@ -294,3 +294,27 @@ def test_check_graph():
     assert "nodes: 14 -> 17" in msg and "aten.add 0 -> 1" in msg and "aten.mm 6 -> 7" in msg
     with pytest.raises(PlanError, match="attributes or connections"):
         p.check_graph("d" * 64, p.graph)
+
+
+def test_old_module_paths_still_work():
+    """``autopar.plan`` and ``autopar.plan_html`` are deprecated re-exports of ``autopar.plans``; importing
+    them (first thing, in a fresh interpreter) must not turn ``autopar.plan`` from the function into a module."""
+    import subprocess
+    import sys
+
+    code = (
+        "import types\n"
+        "from autopar.plan import SCHEMA_VERSION, Plan, PlanError, human_bytes, human_time, load_plan\n"
+        "import autopar, autopar.errors, autopar.plans, autopar.plans.html, autopar.plan_html\n"
+        "assert callable(autopar.plan) and not isinstance(autopar.plan, types.ModuleType), autopar.plan\n"
+        "assert autopar.plan.__module__ == 'autopar.api'\n"
+        "assert (Plan, PlanError, load_plan, SCHEMA_VERSION) == (autopar.plans.Plan, autopar.plans.PlanError,\n"
+        "        autopar.plans.load_plan, autopar.plans.SCHEMA_VERSION)\n"
+        "assert PlanError is autopar.errors.PlanError and issubclass(PlanError, (autopar.AutoparError, ValueError))\n"
+        "assert (human_bytes, human_time) == (autopar.plans.human_bytes, autopar.plans.human_time)\n"
+        "assert autopar.plan_html.render_html is autopar.plans.html.render_html\n"
+        "assert autopar.plan_html.write_html is autopar.plans.html.write_html\n"
+        "print('ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The plan's HTML page (autopar.plan_html): contents, escaping, determinism and self-containment on a
+"""The plan's HTML page (autopar.plans.html): contents, escaping, determinism and self-containment on a
 real small plan, then the page opened in a real headless browser (Chromium) to prove its script runs
 without errors and sorts the module table."""
 
@@ -16,8 +16,8 @@ import pytest
 
 import autopar
 from autopar.models import make
-from autopar.plan import Plan, load_plan
-from autopar.plan_html import render_html, write_html
+from autopar.plans import Plan, load_plan
+from autopar.plans.html import render_html, write_html
 
 #: bytes per device: small enough that the ddp recipe (about 31 KiB) does not fit
 BUDGET = 24_000

@@ -29,7 +29,7 @@ from autopar.passes.search.propagate import propagate
 from autopar.passes.search.solve import Solution, greedy, solve
 from autopar.passes.search.solve_axis import FULL_ILP_LIMIT, edge_var_count, solve_by_axis
 from autopar.passes.search.strategies import node_strategies, resolve_hints
-from autopar.plan import human_bytes
+from autopar.plans.format import human_bytes
 
 #: The memory budget when none is given: this fraction of the device's memory.
 DEFAULT_BUDGET_FRACTION = 0.9

@@ -34,7 +34,7 @@ def build_plan(planned: "Planned"):
     """The user's ``Plan`` from the passes' result: placements by FQN and input, every node's
     strategy, each resharding with its collectives (bucketed as the program runs them), per-module
     summaries with alternatives, the recipes' baselines and the solver's statistics."""
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     g, mesh, prob, folding = planned.graph, planned.mesh, planned.problem, planned.folding
     choice = planned.choice

@@ -9,7 +9,7 @@
 
 ``--quick`` uses the small GPT in step 1 too and short searches (tests); ``--no-train`` stops after
 step 2. This module imports only the standard library at the top: the training ranks import it
-to find ``_train_rank``.
+to find ``_train_rank`` (pickled by reference as ``autopar.cli.demo._train_rank``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ GPU_AXES = {"dp": 2, "tp": 4}
 
 
 def _say(text: str = "") -> None:
+    """Print a line of the demo's output at once (ranks and progress lines interleave)."""
     print(text, flush=True)
 
 
@@ -62,6 +63,7 @@ def _train(model, steps: int, batch: int, seq: int) -> list[float]:
 
 
 def _vocab(model) -> int:
+    """The vocabulary size of the demo's GPT (or of the ParallelModule wrapping it)."""
     inner = getattr(model, "module", model)  # a ParallelModule wraps the user's model
     return int(inner.cfg.vocab_size)
 
@@ -86,7 +88,7 @@ def _train_rank(plan_path: str, axes: dict, state: dict, steps: int) -> dict:
 
 def _recipes_line(plan) -> str:
     """The plan against the hand-written recipes, in one sentence."""
-    from autopar.plan import human_bytes
+    from autopar.plans import human_bytes
 
     mine = f"{plan.step_time * 1e3:.2f} ms per step, {human_bytes(plan.peak_memory)} per device"
     if plan.source.startswith("recipe:"):
@@ -101,15 +103,17 @@ def _recipes_line(plan) -> str:
 
 
 def demo(quick: bool = False, train: bool = True, steps: int | None = None) -> int:
-    from autopar.cli import CLIError
-    from autopar.cli_progress import PLAN_PHASES, Progress, is_terminal
+    """Run the demo (the module docstring's steps 1-3; ``train=False`` stops after step 2) -> the
+    exit status: 1 when the sharded run's loss differs from the single-device run's."""
+    from autopar.cli.errors import USAGE, CLIError
+    from autopar.cli.progress import PLAN_PHASES, Progress, is_terminal
 
     steps = steps if steps is not None else (2 if quick else 5)
     if steps < 1:
-        raise CLIError(f"--steps {steps}: give at least 1 training step", 2)
+        raise CLIError(f"--steps {steps}: give at least 1 training step", USAGE)
     if train and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         raise CLIError("the demo starts its own 4 processes: run `autopar demo` directly, not under torchrun "
-                       "(or unset RANK and WORLD_SIZE), or pass --no-train", 2)
+                       "(or unset RANK and WORLD_SIZE), or pass --no-train", USAGE)
     tty = is_terminal()
     t_start = time.perf_counter()
     _say("autopar demo: loading torch and autopar ...")

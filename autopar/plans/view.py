@@ -1,4 +1,4 @@
-"""Rendering of a Plan for the terminal: ``summary``, ``explain`` and ``diff``.
+"""Rendering of a Plan for the terminal: ``summary``, ``explain`` and ``diff`` (``Plan.summary`` etc. call these).
 
 Everything here reads only the Plan's own data, so a saved plan can be shown, explained and compared
 without the model or a solve. Lines stay within ``WIDTH`` characters where the content allows.
@@ -11,10 +11,12 @@ import textwrap
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Iterable
 
-from autopar.plan import SOLVER_TIMING_KEYS, PlanError, _canon, human_bytes, human_time
+from autopar.errors import PlanError
+from autopar.plans.format import (SOLVER_TIMING_KEYS, canon, clip, device_count, human_bytes, human_time, mesh_text,
+                                  relative_name)
 
-if TYPE_CHECKING:
-    from autopar.plan import Plan
+if TYPE_CHECKING:  # the Plan's methods call into this module: no import of it at run time
+    from autopar.plans.schema import Plan
 
 WIDTH = 120
 MAX_ROWS = 60
@@ -26,23 +28,15 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.3f}"
 
 
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: max(width - 3, 0)] + "..."
-
-
 def _in_scope(module: str, path: str) -> bool:
     return path == "" or module == path or module.startswith(path + ".")
-
-
-def _rel(fqn: str, path: str) -> str:
-    return fqn[len(path) + 1:] if path and fqn.startswith(path + ".") else fqn
 
 
 def _compact(placements: dict[str, str], path: str) -> str:
     """``{"a.wq": "B, S(0)", "a.wk": "B, S(0)"}`` under ``a`` -> ``"wq,wk: B,S(0)"``."""
     groups: dict[str, list[str]] = defaultdict(list)
     for fqn, p in placements.items():
-        groups[p.replace(" ", "")].append(_rel(fqn, path))
+        groups[p.replace(" ", "")].append(relative_name(fqn, path))
     return "; ".join(f"{','.join(names)}: {p}" for p, names in groups.items())
 
 
@@ -56,19 +50,6 @@ def _wrap_items(head: str, items: list[str], sep: str = ", ", tail: str = "") ->
             cur = "  "
         cur += piece
     return lines + [cur.rstrip()]
-
-
-def mesh_text(mesh: dict) -> str:
-    """``"dp=2 x tp=4 (h100)"``."""
-    axes = " x ".join(f"{k}={v}" for k, v in (mesh.get("axes") or {}).items()) or "(no axes)"
-    return f"{axes} ({mesh.get('device', '?')})"
-
-
-def _devices(mesh: dict) -> int:
-    n = 1
-    for v in (mesh.get("axes") or {}).values():
-        n *= int(v)
-    return n
 
 
 def _module_paths(plan: "Plan") -> list[str]:
@@ -99,7 +80,7 @@ def summary(plan: "Plan", full: bool = False) -> str:
     """Per-module table, totals, memory split, collectives, baselines, solver and planning times."""
     prec = plan.precision.get("name", "?")
     mode = "training" if plan.training else "inference"
-    lines = [_clip(f"autopar plan: mesh {mesh_text(plan.mesh)}, {_devices(plan.mesh)} devices, {prec}, {mode}, "
+    lines = [clip(f"autopar plan: mesh {mesh_text(plan.mesh)}, {device_count(plan.mesh)} devices, {prec}, {mode}, "
                    f"source {plan.source}", WIDTH)]
     mods = plan.modules
     modw = min(max([len(m.get("path") or "(root)") for m in mods] + [6]), 36)
@@ -141,7 +122,7 @@ def summary(plan: "Plan", full: bool = False) -> str:
         lines += _wrap_items(f"collectives (bucket size {human_bytes(plan.bucket_size)}): ",
                              [_collective_text(c) for c in plan.collectives], "; ")
     lines += _baselines(plan)
-    lines.append(_clip(_solver_text(plan.solver), WIDTH))
+    lines.append(clip(_solver_text(plan.solver), WIDTH))
     if plan.phases:
         lines += _wrap_items("planning: ", [f"{k} {human_time(v)}" for k, v in plan.phases.items()])
     return "\n".join(lines)
@@ -162,7 +143,7 @@ def _baselines(plan: "Plan") -> list[str]:
     for name in sorted(plan.baselines):
         b = plan.baselines[name]
         if "error" in b:
-            out.append(_clip(f"  {name:<{w}}  error: {b['error']}", WIDTH))
+            out.append(clip(f"  {name:<{w}}  error: {b['error']}", WIDTH))
             continue
         st = b.get("step_time")
         ratio = f"{st / plan.step_time:.2f}x" if st is not None and plan.step_time else "-"
@@ -241,7 +222,7 @@ def explain(plan: "Plan", module_path: str) -> str:
             lines.append(f"      {ax}: {sig}{tag}")
         ins = " | ".join(str(x) for x in n.get("inputs") or []) or "-"
         outs = " | ".join("-" if x is None else str(x) for x in n.get("outputs") or []) or "-"
-        lines.append(_clip(f"      in: {ins}   out: {outs}", WIDTH))
+        lines.append(clip(f"      in: {ins}   out: {outs}", WIDTH))
         for r in by_consumer.get(str(n.get("name")), []):
             lines += _resharding_line(r, "      ")
     others = [r for r in plan.reshardings if str(r.get("consumer")) not in names and (
@@ -271,7 +252,7 @@ def explain(plan: "Plan", module_path: str) -> str:
 # -- diff -------------------------------------------------------------------------------------------
 
 def _same(a: Any, b: Any) -> bool:
-    return _canon(a) == _canon(b)
+    return canon(a) == canon(b)
 
 
 def _delta(label: str, a: float, b: float, fmt) -> str:
@@ -335,4 +316,7 @@ def diff(a: "Plan", b: "Plan", limit: int = 40) -> str:
         out.append("decisions and estimates are equal; details differ in: " + ", ".join(rest))
     if not out:
         return "plans are identical"
-    return "\n".join(["plans differ (first -> second):"] + [_clip(line, WIDTH) for line in out])
+    return "\n".join(["plans differ (first -> second):"] + [clip(line, WIDTH) for line in out])
+
+
+__all__ = ["MAX_ROWS", "WIDTH", "diff", "explain", "summary"]

@@ -25,6 +25,7 @@ _CLEAR = "\r\033[K"
 
 
 def is_terminal(stream: Optional[TextIO] = None) -> bool:
+    """Whether ``stream`` (default ``sys.stderr``) is a terminal; False for a closed or odd stream."""
     stream = sys.stderr if stream is None else stream
     try:
         return bool(stream.isatty())
@@ -99,11 +100,7 @@ class Progress:
             i = self.phases.index(phase)
             self.phase = self.phases[i + 1] if i + 1 < len(self.phases) else "finishing"
 
-    # -- public ---------------------------------------------------------------------------------
-    def set_phase(self, phase: str) -> None:
-        with self._lock:
-            self.phase = phase
-
+    # -- the drawing thread, and the context manager ------------------------------------------------
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             with self._lock:

@@ -1,0 +1,141 @@
+"""The commands: one ``cmd_*`` function per ``autopar`` command, taking the parsed arguments and
+returning the exit status; every expected failure is a ``CLIError``. autopar itself is imported inside
+them, so ``autopar --help`` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from autopar.cli.args import parse_hints, parse_kw, parse_mesh
+from autopar.cli.errors import USAGE, CLIError
+from autopar.cli.target import call_factory, exception_line, import_target, user_frame, where_raised
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``autopar plan``: plan MODULE:FACTORY for the mesh, save the plan, print its summary."""
+    axes = parse_mesh(args.mesh)
+    kw = parse_kw(args.kw)
+    hints = parse_hints(args.hint, list(axes))
+    out = args.output
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise CLIError(f"-o {out!r}: the directory {folder!r} does not exist; create it or write elsewhere", USAGE)
+    if os.path.isdir(out):
+        raise CLIError(f"-o {out!r} is a directory; give a file name such as {os.path.join(out, 'plan.json')!r}", USAGE)
+
+    import autopar
+    from autopar.cli.progress import PLAN_PHASES, Progress, is_terminal
+    from autopar.errors import MeshError
+
+    try:
+        mesh = autopar.Mesh(axes, device=args.device, profile=args.profile)
+    except MeshError as e:
+        if args.profile and "profile" in str(e):
+            raise CLIError(f"--profile {args.profile!r}: {e}") from e
+        raise CLIError(f"--mesh {args.mesh!r} --device {args.device}: {e}", USAGE) from e
+    name, factory, file = import_target(args.target)
+    model, inputs, kwargs = call_factory(name, factory, file, kw)
+
+    plan_kw: dict[str, Any] = dict(training=not args.inference, hints=hints or None, memory_budget=args.memory_budget,
+                                   time_limit=args.time_limit)
+    if args.search_time is not None:
+        plan_kw["deterministic_time"] = args.search_time
+    if args.recipe:
+        plan_kw["recipe"] = args.recipe
+    what = f"planning {name} for mesh {axes} ({args.device})"
+    tty = is_terminal()
+    try:
+        with Progress("planning", PLAN_PHASES, enabled=tty):
+            plan = autopar.plan(model, mesh, inputs, kwargs or None, progress=tty, **plan_kw)
+    except autopar.AutoparError as e:
+        msg = str(e)
+        for path in hints:  # say it in the command line's words
+            msg = msg.replace(f"hints[{path!r}]", f"--hint {path}={hints[path]}")
+        raise CLIError(f"{what} failed: {msg}") from e
+    except Exception as e:
+        user = user_frame(e)
+        if user is not None:  # the model's forward (or its inputs) went wrong while being captured
+            raise CLIError(f"{what} failed in the model's code at {user}: {exception_line(e)}; check that "
+                           f"model(*example_inputs) runs" + ("" if args.inference else " and returns the loss")) from e
+        raise CLIError(f"{what} failed: internal error {exception_line(e)} (at {where_raised(e)}); rerun with --debug "
+                       f"for the traceback and report it") from e
+    try:
+        plan.save(out)
+    except OSError as e:
+        raise CLIError(f"cannot write the plan to {out!r}: {e.strerror or e}") from e
+    print(plan.summary(full=args.full))
+    print(f"\nsaved the plan to {out}; show it again with `autopar show {out}`, "
+          f"explain a module with `autopar explain {out} MODULE_PATH`")
+    return 0
+
+
+def load(path: str):
+    """``autopar.load_plan`` with CLI wording for the usual mistakes."""
+    import autopar
+
+    if not os.path.exists(path):
+        raise CLIError(f"no plan file at {path!r}: make one with `autopar plan MODULE:FACTORY --mesh ... -o {path}`")
+    try:
+        return autopar.load_plan(path)
+    except autopar.PlanError as e:
+        raise CLIError(f"{e} (a plan file is what `autopar plan -o` or Plan.save writes)") from e
+    except OSError as e:
+        raise CLIError(f"cannot read the plan file {path!r}: {e.strerror or e}") from e
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """``autopar show``: a saved plan's summary table, or (``--html``) its HTML page."""
+    plan = load(args.plan)
+    if args.html is not None:
+        from autopar.plans.html import write_html
+
+        try:
+            write_html(plan, args.html)
+        except OSError as e:
+            raise CLIError(f"--html {args.html!r}: cannot write the page: {e.strerror or e}") from e
+        print(f"wrote {args.html}")
+        return 0
+    print(plan.summary(full=args.full))
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """``autopar explain``: one module's (or parameter's) strategies, reshardings and alternatives."""
+    import autopar
+
+    plan = load(args.plan)
+    try:
+        text = plan.explain(args.module_path)
+    except autopar.PlanError as e:
+        raise CLIError(f"{args.plan}: {e}; `autopar show {args.plan} --full` lists every module") from e
+    print(text)
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """``autopar diff``: what differs between two saved plans."""
+    a, b = load(args.a), load(args.b)
+    print(a.diff(b))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``autopar demo``: see ``autopar.cli.demo``."""
+    from autopar.cli.demo import demo
+
+    return demo(quick=args.quick, train=not args.no_train, steps=args.steps)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """``autopar calibrate``: measure this machine into a hardware profile."""
+    from autopar.cost_model.calibrate import calibrate
+
+    hw = calibrate(args.output, nprocs=args.nprocs, quick=args.quick)
+    print(f"wrote {args.output}: {hw.name}; use it with autopar.Mesh(..., device='cpu', profile='{args.output}')")
+    return 0
+
+
+__all__ = ["cmd_calibrate", "cmd_demo", "cmd_diff", "cmd_explain", "cmd_plan", "cmd_show", "load"]

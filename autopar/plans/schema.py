@@ -1,0 +1,347 @@
+"""The Plan: what ``autopar.plan(...)`` decided and what the cost model predicts for it.
+
+A Plan is plain data (dicts, lists, strings, numbers) so it can be saved, loaded, shown, explained
+and compared without the model and without solving again. The planner fills it
+(``autopar/passes/report.py``); this module owns its layout (the entry shapes below), its JSON file
+format and ``load_plan``; ``autopar.plans.view`` renders it for the terminal and
+``autopar.plans.html`` as a page.
+
+File format: canonical JSON (keys sorted, indent 1, floats rounded to 12 significant digits), so
+saving the same plan twice, or an equal plan made on another run, gives identical bytes. Wall-clock
+figures (``phases`` and the solver's ``wall_time``) live under one ``"timing"`` key, which
+``save``/``to_json`` leave out unless ``timing=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, Optional, TypedDict, Union
+
+from autopar.errors import PlanError
+from autopar.plans import view
+from autopar.plans.format import SOLVER_TIMING_KEYS, canon
+
+SCHEMA_VERSION = 1
+
+
+# -- entry shapes (what the planner writes; readers use .get() since hand-made plans may lack keys) --
+
+class Fingerprint(TypedDict, total=False):
+    """sha256 hex digests of what shaped the plan."""
+    graph: str
+    mesh: str
+    hardware: str
+
+
+class GraphSummary(TypedDict, total=False):
+    """The captured graph in brief, to say why a plan is stale (``graph_differences``)."""
+    nodes: int
+    ops: int
+    params: int
+    fqns: list[str]
+    inputs: dict[str, str]  # input name -> tensor spec text
+    ops_hist: dict[str, int]  # op -> count
+    blocks: dict[str, list[list[int]]]  # FQN -> [[dim, blocks], ...] for dims of equal blocks
+
+
+class NodeEntry(TypedDict, total=False):
+    """One IR op node with its chosen strategy, in graph order."""
+    name: str
+    op: str
+    module: str
+    phase: str
+    strategy: list[str]  # per mesh axis
+    tags: list[str]
+    inputs: list[str]  # placement text per input
+    outputs: list[Optional[str]]
+    compute: float
+
+
+class ReshardingStep(TypedDict):
+    """One collective of a resharding."""
+    kind: str
+    axis: str
+    bytes: int
+    time: float
+
+
+#: "from" is a Python keyword, hence the functional form
+Resharding = TypedDict("Resharding", {
+    "tensor": str, "consumers": list[str], "consumer": str, "kind": str, "from": str, "to": str,
+    "bytes": int,  # the whole tensor
+    "time": float, "steps": list[ReshardingStep], "module": Optional[str],
+    "bucket": int,  # gradients sharing a collective
+}, total=False)
+Resharding.__doc__ = "A placement change on the way from a tensor's producer to its consumer(s)."
+
+
+class Collective(TypedDict, total=False):
+    """A collective the program issues ``count`` times per step."""
+    kind: str
+    axis: str
+    bytes: int  # per call
+    count: int
+    phase: str
+    bucketed: bool
+
+
+class Alternative(TypedDict, total=False):
+    """Another strategy of a module's op and how much it would add to the step time."""
+    name: str
+    time: float
+    comm: float
+    delta: float
+
+
+class ModuleEntry(TypedDict, total=False):
+    """Per-module totals and its parameters' placements."""
+    path: str
+    time: float
+    comm: float
+    bytes: int
+    memory: int
+    placements: dict[str, str]  # parameter FQN -> placement text
+    alternatives: list[Alternative]
+
+
+class Baseline(TypedDict, total=False):
+    """A hand-written recipe priced by the same cost model, or the error that kept it out."""
+    step_time: float
+    peak_memory: int
+    fits: bool
+    error: str
+
+
+def _copy(x: Any) -> Any:
+    """A deep copy of plain data (dicts, lists, tuples as lists), numbers untouched."""
+    if isinstance(x, Mapping):
+        return {k: _copy(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_copy(v) for v in x]
+    return x
+
+
+# -- the plan ---------------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    """One parallelization decision for one (graph, mesh, hardware), with its predicted costs.
+
+    Placements are per-mesh-axis SBP text in mesh-axis order (``"S(0), B"``: sharded on dim 0
+    along the first axis, broadcast along the second). Times are seconds, memory bytes per device.
+    """
+
+    # identity
+    fingerprint: Fingerprint
+    mesh: dict  # Mesh.to_dict(): {"axes", "device", "hardware", "links"}
+    precision: dict  # Precision.to_dict()
+    training: bool
+    memory_budget: int
+    # estimates
+    step_time: float
+    compute_time: float
+    comm_time: float
+    peak_memory: int
+    memory: dict[str, int]  # params, grads, optimizer, activations -> bytes
+    # decisions
+    placements: dict[str, str]  # FQN | "input:0" | kw name -> "S(0), B"
+    nodes: list[NodeEntry]
+    reshardings: list[Resharding]
+    collectives: list[Collective]
+    bucket_size: int
+    baselines: dict[str, Baseline]  # recipe name -> its estimate
+    solver: dict
+    source: str  # "search" | "recipe:fsdp" ...
+    modules: list[ModuleEntry]
+    phases: dict[str, float]  # planning wall times: capture, fold, ..., total
+    graph: GraphSummary
+    schema_version: int = field(default=SCHEMA_VERSION)
+
+    # -- derived --------------------------------------------------------------------------------
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """The mesh axis names, in mesh order."""
+        return tuple(self.mesh.get("axes", {}).keys())
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The mesh axis sizes, in mesh order."""
+        return tuple(int(v) for v in self.mesh.get("axes", {}).values())
+
+    @property
+    def fits(self) -> bool:
+        """Whether the predicted peak memory per device is within the budget."""
+        return self.peak_memory <= self.memory_budget
+
+    def module(self, path: str) -> dict | None:
+        """The ``modules`` entry for ``path``, or None."""
+        return next((m for m in self.modules if m.get("path") == path), None)
+
+    # -- persistence ----------------------------------------------------------------------------
+
+    def to_dict(self, timing: bool = True) -> dict:
+        """JSON-able deep copy; ``Plan.from_dict(p.to_dict()) == p``. Wall-clock figures go under
+        ``"timing"`` (left out with ``timing=False``); ``"axis_names"`` keeps the mesh axis order,
+        which sorted JSON keys would lose."""
+        d: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name != "phases":
+                d[f.name] = _copy(getattr(self, f.name))
+        d["axis_names"] = list(self.axis_names)
+        solver_timing = {k: d["solver"].pop(k) for k in SOLVER_TIMING_KEYS if k in d["solver"]}
+        if timing:
+            d["timing"] = {"phases": _copy(self.phases), "solver": solver_timing}
+        return d
+
+    @staticmethod
+    def from_dict(d: Mapping) -> "Plan":
+        """Inverse of ``to_dict``; a PlanError names a wrong schema version, missing fields or
+        fields of the wrong type."""
+        if not isinstance(d, Mapping):
+            raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
+        if "schema_version" not in d:
+            raise PlanError("not an autopar plan: it has no 'schema_version' (expected a file written by Plan.save)")
+        version = d["schema_version"]
+        if version != SCHEMA_VERSION:
+            raise PlanError(f"plan schema version {version!r} found, this autopar reads version {SCHEMA_VERSION}: "
+                            f"make the plan again with autopar.plan(...) (or use the autopar version that wrote it)")
+        names = [f.name for f in fields(Plan) if f.name not in ("phases", "schema_version")]
+        missing = [n for n in names if n not in d]
+        if missing:
+            raise PlanError(f"plan lacks the field(s) {', '.join(missing)} (schema version {SCHEMA_VERSION})")
+        kw: dict[str, Any] = {n: _copy(d[n]) for n in names}
+        for n, want in _FIELD_TYPES.items():
+            v = kw[n]
+            if want == (int,) and isinstance(v, float) and v.is_integer():
+                v = kw[n] = int(v)  # a byte count written as 8e10
+            ok = isinstance(v, want) and not (isinstance(v, bool) and bool not in want)
+            if not ok:
+                wanted = " or ".join(t.__name__ for t in want)
+                raise PlanError(f"plan field {n!r} should be {wanted}, got {type(v).__name__} {v!r:.60}")
+            if want == (int, float):
+                kw[n] = float(v)
+        order = d.get("axis_names")
+        if order is not None:  # restore the mesh axis order that sorted JSON keys lost
+            mesh = kw["mesh"]
+            for key in ("axes", "links"):
+                if isinstance(mesh.get(key), dict) and set(mesh[key]) == set(order):
+                    mesh[key] = {a: mesh[key][a] for a in order}
+        timing = d.get("timing") or {}
+        kw["phases"] = _copy(timing.get("phases") or {})
+        kw["solver"].update(_copy(timing.get("solver") or {}))
+        return Plan(**kw)
+
+    def to_json(self, timing: bool = False) -> str:
+        """Canonical JSON text: identical bytes for equal plans. Without ``timing`` the planning
+        wall times are left out, so runs that decide the same give the same file."""
+        return json.dumps(canon(self.to_dict(timing=timing)), sort_keys=True, indent=1, separators=(",", ": ")) + "\n"
+
+    def save(self, path: Union[str, os.PathLike], timing: bool = False) -> None:
+        """Write ``to_json(timing)`` to ``path`` (through a temporary file, so a reader never sees
+        half a plan)."""
+        text = self.to_json(timing=timing)
+        tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+
+    # -- rendering (autopar.plans.view) ----------------------------------------------------------
+
+    def summary(self, full: bool = False) -> str:
+        """Terminal table by module, totals, baselines and solver figures (lines <= 120 chars)."""
+        return view.summary(self, full=full)
+
+    def explain(self, module_path: str) -> str:
+        """Chosen strategy, compute time and incoming reshardings of every op in a module (or the
+        module of a parameter FQN), and the module's alternatives."""
+        return view.explain(self, module_path)
+
+    def diff(self, other: "Plan") -> str:
+        """What differs between two plans: placements, estimates, source, mesh, precision."""
+        return view.diff(self, other)
+
+    def __str__(self) -> str:
+        """The summary table."""
+        return self.summary()
+
+    # -- staleness ------------------------------------------------------------------------------
+
+    def check_graph(self, graph_fingerprint: str, graph_info: Mapping) -> None:
+        """Raise PlanError when the plan was made for another graph, listing what differs between
+        ``self.graph`` and ``graph_info`` (same layout) so the user sees why it is stale."""
+        mine = self.fingerprint.get("graph")
+        if mine == graph_fingerprint:
+            return
+        diffs = graph_differences(self.graph, graph_info)
+        what = "\n  ".join(diffs) if diffs else "(no difference in parameters, inputs or op counts: the ops' " \
+                                                 "attributes or connections changed)"
+        raise PlanError(f"this plan was made for another graph (plan {str(mine)[:12]}, model {str(graph_fingerprint)[:12]}); "
+                        f"what changed since the plan was made:\n  {what}\nmake a new plan with autopar.plan(...)")
+
+
+def graph_differences(old: Mapping, new: Mapping, limit: int = 12) -> list[str]:
+    """Lines saying how graph summary ``new`` differs from ``old``: parameters added and removed,
+    input shapes, node/op/parameter counts, op histogram."""
+    out: list[str] = []
+
+    def listed(items: list[str]) -> str:
+        more = f", ... {len(items) - limit} more" if len(items) > limit else ""
+        return ", ".join(items[:limit]) + more
+
+    old_f, new_f = set(old.get("fqns") or ()), set(new.get("fqns") or ())
+    if new_f - old_f:
+        out.append(f"parameters added: {listed(sorted(new_f - old_f))}")
+    if old_f - new_f:
+        out.append(f"parameters removed: {listed(sorted(old_f - new_f))}")
+    old_in, new_in = old.get("inputs") or {}, new.get("inputs") or {}
+    for k in sorted(set(old_in) | set(new_in)):
+        a, b = old_in.get(k, "(absent)"), new_in.get(k, "(absent)")
+        if a != b:
+            out.append(f"input {k}: {a} -> {b}")
+    for k, label in (("nodes", "nodes"), ("ops", "ops"), ("params", "parameter count")):
+        if old.get(k) != new.get(k):
+            out.append(f"{label}: {old.get(k)} -> {new.get(k)}")
+    old_h, new_h = old.get("ops_hist") or {}, new.get("ops_hist") or {}
+    ops = [f"{op} {old_h.get(op, 0)} -> {new_h.get(op, 0)}"
+           for op in sorted(set(old_h) | set(new_h)) if old_h.get(op, 0) != new_h.get(op, 0)]
+    if ops:
+        out.append(f"op counts: {listed(ops)}")
+    return out
+
+
+_NUM = (int, float)
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "fingerprint": (dict,), "mesh": (dict,), "precision": (dict,), "training": (bool,),
+    "memory_budget": (int,), "step_time": _NUM, "compute_time": _NUM, "comm_time": _NUM,
+    "peak_memory": (int,), "memory": (dict,), "placements": (dict,), "nodes": (list,),
+    "reshardings": (list,), "collectives": (list,), "bucket_size": (int,), "baselines": (dict,),
+    "solver": (dict,), "source": (str,), "modules": (list,), "graph": (dict,),
+}
+
+
+def load_plan(path: Union[str, os.PathLike]) -> Plan:
+    """Read a plan saved by ``Plan.save``; a PlanError says plainly what is wrong with the file."""
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise PlanError(f"no plan file at {p!r}: make one with autopar.plan(...) and save it with plan.save(path)")
+    if os.path.isdir(p):
+        raise PlanError(f"{p!r} is a directory, not a plan file")
+    try:
+        with open(p, encoding="utf-8") as fh:
+            d = json.load(fh)
+    except UnicodeDecodeError:
+        raise PlanError(f"{p!r} is not a plan file: it is not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{p!r} is not a plan file: invalid JSON at line {e.lineno} column {e.colno} ({e.msg})") from None
+    try:
+        return Plan.from_dict(d)
+    except PlanError as e:
+        raise PlanError(f"{p!r}: {e}") from None
+
+
+__all__ = ["SCHEMA_VERSION", "SOLVER_TIMING_KEYS", "Alternative", "Baseline", "Collective", "Fingerprint",
+           "GraphSummary", "ModuleEntry", "NodeEntry", "Plan", "PlanError", "Resharding", "ReshardingStep",
+           "graph_differences", "load_plan"]
