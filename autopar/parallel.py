@@ -17,6 +17,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from autopar import _torch_compat as tc
 from autopar._torch_compat import install_strided_checkpointing
 from autopar.errors import AutoparError
 from autopar.ir.graph import Graph
@@ -49,8 +50,7 @@ def _dtensor(local: torch.Tensor, dmesh, slot: Slot):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local block, without ``to_local``'s autograd node (programs run without grad)."""
-    local = getattr(t, "_local_tensor", None)
-    return local if local is not None else t.to_local()
+    return tc.local_tensor(t)
 
 
 class _Step(torch.autograd.Function):
@@ -68,18 +68,15 @@ class _Step(torch.autograd.Function):
         outs, saved = pm._run_forward([_local(p) for p in params] + list(values[n_params:]))
         ctx.pm, ctx.saved, ctx.n_params = pm, saved, n_params
         ctx.params = params
-        ctx.specs = [p._spec for p in params]
+        ctx.specs = [tc.dtensor_spec(p) for p in params]
         return outs[0]
 
     @staticmethod
     def backward(ctx, grad_loss):
-        from torch.distributed.tensor import DTensor
-
         pm = ctx.pm
         grads = pm._run_backward(ctx.saved, grad_loss)
         ctx.saved = None
-        grads = [DTensor(g.to(spec.tensor_meta.dtype), spec, requires_grad=False)
-                 for g, spec in zip(grads, ctx.specs)]
+        grads = [tc.dtensor_from_spec(g, spec) for g, spec in zip(grads, ctx.specs)]
         rest = [None] * (len(pm.program.inputs) - ctx.n_params)
         params, ctx.params = ctx.params, None
         if _deliver(ctx, params, grads):
@@ -107,10 +104,10 @@ def _deliver(ctx, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor])
     for (node, _), p in zip(nodes, params):
         if node is None:  # a parameter that does not require grad gets none
             continue
-        if getattr(node, "variable", None) is not p or p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+        if getattr(node, "variable", None) is not p or tc.has_grad_hooks(p):
             return False
         try:
-            if not torch._C._will_engine_execute_node(node):
+            if not tc.will_engine_execute(node):
                 return False
         except RuntimeError:  # autograd.grad(): gradients are returned, not accumulated
             return False
@@ -173,7 +170,7 @@ class ParallelModule(torch.nn.Module):
         stack.enter_context(torch.no_grad())
         stack.enter_context(precision_context(self.precision, self._device_type()))
         if self._recording is not None:
-            stack.enter_context(C._Recorder(self._axis_of_group, self._recording))
+            stack.enter_context(C.record_executed(self._axis_of_group, self._recording))
         return stack
 
     def _device_type(self) -> str:
@@ -196,11 +193,11 @@ class ParallelModule(torch.nn.Module):
 
     def _param(self, fqn: str):
         mod, name = self._owners[fqn]
-        return mod._parameters[name]
+        return tc.parameter_table(mod)[name]
 
     def _buffer(self, fqn: str):
         mod, name = self._owners[fqn]
-        return mod._buffers[name]
+        return tc.buffer_table(mod)[name]
 
     def _buffer_local(self, fqn: str) -> torch.Tensor:
         return _local(self._buffer(fqn))
@@ -342,19 +339,19 @@ def _distribute_state(model: torch.nn.Module, graph: Graph, program: Program, dm
         dt = _dtensor(block, dmesh, slot)
         if slot.kind == "param":
             new = torch.nn.Parameter(dt, requires_grad=old.requires_grad)
-            mod._parameters[name] = new
+            tc.parameter_table(mod)[name] = new
         else:
-            mod._buffers[name] = dt
+            tc.buffer_table(mod)[name] = dt
             new = dt
         done[slot.key] = new
     for alias, canon in graph.aliases.items():
         if canon in done:
             owner, _, name = alias.rpartition(".")
             mod = model.get_submodule(owner)
-            if name in mod._parameters:
-                mod._parameters[name] = done[canon]
+            if name in tc.parameter_table(mod):
+                tc.parameter_table(mod)[name] = done[canon]
             else:
-                mod._buffers[name] = done[canon]
+                tc.buffer_table(mod)[name] = done[canon]
 
 
 __all__ = ["CompileError", "ParallelModule", "compile"]
