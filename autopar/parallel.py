@@ -17,6 +17,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from autopar import _torch_compat as tc
 from autopar._torch_compat import install_strided_checkpointing
 from autopar.errors import CompileError
 from autopar.ir.graph import Graph
@@ -26,7 +27,7 @@ from autopar.passes.lower import lower, resolve
 from autopar.plans import Plan, load_plan
 from autopar.program import collectives as C
 from autopar.program.program import Program, Slot
-from autopar.runtime.collectives import ProcessGroupComm, _Recorder
+from autopar.runtime.collectives import ProcessGroupComm, record_executed
 from autopar.runtime.precision import execution_precision
 
 
@@ -47,8 +48,7 @@ def _dtensor(local: torch.Tensor, dmesh, slot: Slot):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local block, without ``to_local``'s autograd node (programs run without grad)."""
-    local = getattr(t, "_local_tensor", None)
-    return local if local is not None else t.to_local()
+    return tc.local_tensor(t)
 
 
 class _Step(torch.autograd.Function):
@@ -66,18 +66,15 @@ class _Step(torch.autograd.Function):
         outs, saved = pm._run_forward([_local(p) for p in params] + list(values[n_params:]))
         ctx.pm, ctx.saved, ctx.n_params = pm, saved, n_params
         ctx.params = params
-        ctx.specs = [p._spec for p in params]
+        ctx.specs = [tc.dtensor_spec(p) for p in params]
         return outs[0]
 
     @staticmethod
     def backward(ctx, grad_loss):
-        from torch.distributed.tensor import DTensor
-
         pm = ctx.pm
         grads = pm._run_backward(ctx.saved, grad_loss)
         ctx.saved = None
-        grads = [DTensor(g.to(spec.tensor_meta.dtype), spec, requires_grad=False)
-                 for g, spec in zip(grads, ctx.specs)]
+        grads = [tc.dtensor_from_spec(g, spec) for g, spec in zip(grads, ctx.specs)]
         rest = [None] * (len(pm.program.inputs) - ctx.n_params)
         params, ctx.params = ctx.params, None
         if _deliver(ctx, params, grads):
@@ -105,10 +102,10 @@ def _deliver(ctx, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor])
     for (node, _), p in zip(nodes, params):
         if node is None:  # a parameter that does not require grad gets none
             continue
-        if getattr(node, "variable", None) is not p or p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+        if getattr(node, "variable", None) is not p or tc.has_grad_hooks(p):
             return False
         try:
-            if not torch._C._will_engine_execute_node(node):
+            if not tc.will_engine_execute(node):
                 return False
         except RuntimeError:  # autograd.grad(): gradients are returned, not accumulated
             return False
@@ -170,7 +167,7 @@ class ParallelModule(torch.nn.Module):
         stack.enter_context(C.use_backend(self._comm))
         stack.enter_context(torch.no_grad())
         if self._recording is not None:
-            stack.enter_context(_Recorder(self._axis_of_group, self._recording))
+            stack.enter_context(record_executed(self._axis_of_group, self._recording))
         return stack
 
     def _run_forward(self, local_inputs: list) -> tuple[list, list]:
@@ -190,11 +187,11 @@ class ParallelModule(torch.nn.Module):
 
     def _param(self, fqn: str):
         mod, name = self._owners[fqn]
-        return mod._parameters[name]
+        return tc.parameter_table(mod)[name]
 
     def _buffer(self, fqn: str):
         mod, name = self._owners[fqn]
-        return mod._buffers[name]
+        return tc.buffer_table(mod)[name]
 
     def _buffer_local(self, fqn: str) -> torch.Tensor:
         return _local(self._buffer(fqn))
@@ -336,19 +333,19 @@ def _distribute_state(model: torch.nn.Module, graph: Graph, program: Program, dm
         dt = _dtensor(block, dmesh, slot)
         if slot.kind == "param":
             new = torch.nn.Parameter(dt, requires_grad=old.requires_grad)
-            mod._parameters[name] = new
+            tc.parameter_table(mod)[name] = new
         else:
-            mod._buffers[name] = dt
+            tc.buffer_table(mod)[name] = dt
             new = dt
         done[slot.key] = new
     for alias, canon in graph.aliases.items():
         if canon in done:
             owner, _, name = alias.rpartition(".")
             mod = model.get_submodule(owner)
-            if name in mod._parameters:
-                mod._parameters[name] = done[canon]
+            if name in tc.parameter_table(mod):
+                tc.parameter_table(mod)[name] = done[canon]
             else:
-                mod._buffers[name] = done[canon]
+                tc.buffer_table(mod)[name] = done[canon]
 
 
 __all__ = ["CompileError", "ParallelModule", "compile"]

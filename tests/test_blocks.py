@@ -57,16 +57,16 @@ def test_local_block_takes_a_piece_of_every_block():
 
 
 def test_strided_pieces_for_checkpoints_match_dtensor():
-    from autopar._torch_compat import _held_indices
+    from autopar._torch_compat import held_indices
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     pl = (Shard(1), _StridedShard(0, split_factor=3))
     for c0 in range(2):
         for c1 in range(2):
-            assert _held_indices(24, 0, pl, (2, 2), (c0, c1)) == [
+            assert held_indices(24, 0, pl, (2, 2), (c0, c1)) == [
                 r for b in range(3) for r in range(b * 8 + c1 * 4, b * 8 + c1 * 4 + 4)]
-            assert _held_indices(6, 1, pl, (2, 2), (c0, c1)) == list(range(3 * c0, 3 * c0 + 3))
+            assert held_indices(6, 1, pl, (2, 2), (c0, c1)) == list(range(3 * c0, 3 * c0 + 3))
 
 
 def test_megatron_tp_computes_whole_heads_with_megatron_collectives():

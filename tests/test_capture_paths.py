@@ -1,4 +1,4 @@
-"""The one-pass joint trace (``_torch_compat._export_joint_fast``) gives the graph AOTAutograd's
+"""The one-pass joint trace (``_torch_compat.aot._export_joint_fast``) gives the graph AOTAutograd's
 export gives: same nodes, arguments, descriptors and the metadata autopar reads. A torch upgrade
 that breaks the equivalence fails here, not silently in a plan."""
 

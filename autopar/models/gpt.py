@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar._torch_compat import after_conversion
+
 from .common import build_on, family_make, token_pair
 
 _GPT3 = dict(vocab_size=50304, block_size=2048)
@@ -107,6 +109,9 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+# Conversions such as ``to_empty`` may replace the two tied references separately;
+# re-tie afterwards so the model keeps one shared embedding/head matrix.
+@after_conversion(lambda gpt: setattr(gpt.lm_head, "weight", gpt.wte.weight))
 class GPT(nn.Module):
     """Token ids ``[B, T]`` -> logits ``[B, T, vocab]``; ``forward`` returns the mean LM loss."""
 
@@ -121,13 +126,6 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False, dtype=cfg.dtype)
         self.lm_head.weight = self.wte.weight
         self.init_weights()
-
-    def _apply(self, fn, recurse: bool = True):
-        # Conversions such as ``to_empty`` may replace the two tied references separately;
-        # re-tie afterwards so the model keeps one shared embedding/head matrix.
-        super()._apply(fn, recurse)
-        self.lm_head.weight = self.wte.weight
-        return self
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -20,6 +20,8 @@ from typing import Sequence
 
 import torch
 
+from autopar import _torch_compat as tc
+
 
 class Bucket(torch.nn.Module):
     """Packs a bucket's gradients into one flat buffer, kept between steps (see the module's
@@ -40,9 +42,8 @@ class Bucket(torch.nn.Module):
 
 
 def _only_held_here(buf: torch.Tensor) -> bool:
-    """Whether no tensor but ``buf`` itself uses ``buf``'s memory (the storage object asked here
-    holds the other reference)."""
-    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2
+    """Whether no tensor but ``buf`` itself uses ``buf``'s memory."""
+    return tc.storage_use_count(buf) <= 1
 
 
 def unflatten(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:

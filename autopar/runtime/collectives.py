@@ -19,7 +19,8 @@ import threading
 from typing import Iterator, Optional, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar import _torch_compat as tc
 
 from autopar.errors import CollectiveError
 from autopar.program.collectives import Executed
@@ -40,66 +41,46 @@ class ProcessGroupComm:
         return self.sizes[axis]
 
     def all_gather(self, x, axis, dim):
-        from torch.distributed import _functional_collectives as fc
-
-        return fc.all_gather_single(x.contiguous(), dim, self.groups[axis])
+        return tc.functional_all_gather(x.contiguous(), dim, self.groups[axis])
 
     def reduce_scatter(self, x, axis, dim, reduce):
-        from torch.distributed import _functional_collectives as fc
-
-        return fc.reduce_scatter_single(x.contiguous(), reduce, dim, self.groups[axis])
+        return tc.functional_reduce_scatter(x.contiguous(), reduce, dim, self.groups[axis])
 
     def all_reduce(self, x, axis, reduce):
-        from torch.distributed import _functional_collectives as fc
-
-        return fc.all_reduce(x.contiguous(), reduce, self.groups[axis])
+        return tc.functional_all_reduce(x.contiguous(), reduce, self.groups[axis])
 
     def all_reduce_(self, x, axis, reduce):
-        from torch.distributed import _functional_collectives as fc
-
         if not x.is_contiguous():  # the collective needs a dense buffer: reduce a dense copy
             return self.all_reduce(x, axis, reduce)
-        out = torch.ops._c10d_functional.all_reduce_(x, reduce.lower(), self.groups[axis].group_name)
-        return fc._maybe_wrap_tensor(out)  # waited like the functional collectives' results
+        return tc.functional_all_reduce_(x, reduce, self.groups[axis])  # waited like the others' results
 
     def all_to_all(self, x, axis):
-        from torch.distributed import _functional_collectives as fc
-
-        return fc.all_to_all_single(x, None, None, self.groups[axis])
+        return tc.functional_all_to_all(x, self.groups[axis])
 
 
-class _Recorder(TorchDispatchMode):
-    """Lists every ``_c10d_functional`` collective dispatched while active."""
+def record_executed(axis_of_group: dict[str, str], out: list):
+    """A context manager that appends to ``out`` every functional collective dispatched while it
+    is active, as ``Executed`` (``axis_of_group``: process-group name -> mesh axis name)."""
 
-    def __init__(self, axis_of_group: dict[str, str], out: list):
-        super().__init__()
-        self.axis_of_group = axis_of_group
-        self.out = out
+    def note(func, args, kwargs, result) -> None:
+        name = tc.functional_collective_name(func)
+        if name is None:
+            return
+        x = args[0]
+        nbytes = x.numel() * x.element_size()
+        group = args[-1]
+        axis = axis_of_group.get(group, group)
+        if name == "all_gather_into_tensor":
+            out.append(Executed("all_gather", axis, nbytes * args[1]))
+        elif name == "reduce_scatter_tensor":
+            out.append(Executed("reduce_scatter", axis, nbytes))
+        elif name in ("all_reduce", "all_reduce_"):
+            out.append(Executed("all_reduce", axis, nbytes))
+        elif name == "all_to_all_single":
+            size = len(args[1]) if args[1] else tc.process_group(group).size()
+            out.append(Executed("all_to_all", axis, nbytes * size))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        ns = getattr(func, "namespace", "")
-        if ns == "_c10d_functional":
-            name = func._opname
-            x = args[0]
-            nbytes = x.numel() * x.element_size()
-            group = args[-1]
-            if name == "all_gather_into_tensor":
-                self.out.append(Executed("all_gather", self.axis_of_group.get(group, group), nbytes * args[1]))
-            elif name == "reduce_scatter_tensor":
-                self.out.append(Executed("reduce_scatter", self.axis_of_group.get(group, group), nbytes))
-            elif name in ("all_reduce", "all_reduce_"):
-                self.out.append(Executed("all_reduce", self.axis_of_group.get(group, group), nbytes))
-            elif name == "all_to_all_single":
-                size = len(args[1]) if args[1] else self._size(group)
-                self.out.append(Executed("all_to_all", self.axis_of_group.get(group, group), nbytes * size))
-        return func(*args, **kwargs)
-
-    @staticmethod
-    def _size(group_name: str) -> int:
-        import torch.distributed.distributed_c10d as c10d
-
-        return c10d._resolve_process_group(group_name).size()
+    return tc.record_dispatch(note)
 
 
 # -- threads (simulation) ------------------------------------------------------------------------
@@ -203,7 +184,7 @@ def _reduce(parts: list[torch.Tensor], reduce: str) -> torch.Tensor:
 def record_collectives(axis_of_group: Optional[dict[str, str]] = None) -> Iterator[list[Executed]]:
     """Collect the process-group collectives this thread dispatches inside the block."""
     out: list[Executed] = []
-    with _Recorder(axis_of_group or {}, out):
+    with record_executed(axis_of_group or {}, out):
         yield out
 
 

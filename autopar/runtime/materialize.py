@@ -21,6 +21,7 @@ import hashlib
 
 import torch
 
+from autopar import _torch_compat as tc
 from autopar.errors import MaterializeError
 
 #: The methods that may rebuild a module's own tensors, in order of preference.
@@ -47,7 +48,7 @@ def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
     tied in the copy (one placeholder per tensor)."""
     memo: dict[int, object] = {}
     for sub in module.modules():
-        for table in (sub._parameters, sub._buffers):
+        for table in (tc.parameter_table(sub), tc.buffer_table(sub)):
             for t in table.values():
                 if t is None or id(t) in memo:
                     continue

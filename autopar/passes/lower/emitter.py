@@ -276,7 +276,7 @@ class Emitter:
 
 def _fill_inputs(plain: PlainCall, ins: Sequence[fx.Node]) -> tuple[tuple, dict]:
     """``plain``'s arguments with its ``Input`` placeholders replaced by the op node's inputs."""
-    from torch.utils._pytree import tree_map
+    from autopar._torch_compat import tree_map
 
     put = (lambda a: ins[a.k] if isinstance(a, Input) else a)
     return tuple(tree_map(put, list(plain.args))), dict(tree_map(put, dict(plain.kwargs)))

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
+from autopar._torch_compat import FakeTensorMode, record_dispatch, tree_flatten, tree_map
 from autopar.ir.rules.base import LocalCtx, run_local
 
 
@@ -46,22 +46,11 @@ class Input:
 def plain_call(ctx: LocalCtx, shapes: Sequence[Sequence[int]]) -> Optional[PlainCall]:
     """The single op ``run_local(ctx, ...)`` runs on inputs of ``shapes`` (this device's blocks, in
     ``ctx.call.in_specs``' dtypes), or None when it does anything else."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     calls: list[tuple[Any, tuple, dict, Any]] = []
-
-    class _Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            out = func(*args, **kwargs)
-            calls.append((func, args, kwargs, out))
-            return out
-
     try:
         with FakeTensorMode(), torch.no_grad():
             probes = [torch.empty(tuple(s), dtype=spec.dtype) for s, spec in zip(shapes, ctx.call.in_specs)]
-            with _Record():
+            with record_dispatch(lambda *call: calls.append(call)):
                 result = run_local(ctx, probes)
     except Exception:  # noqa: BLE001 - whatever fails on fake tensors stays a LocalOp
         return None

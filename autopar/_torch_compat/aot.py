@@ -1,53 +1,34 @@
-"""The one place that touches private torch APIs (torch 2.13).
+"""AOTAutograd's joint export (``torch._functorch``), and autopar's one-pass joint tracer built on
+AOTAutograd's own helpers (torch 2.13).
 
-Capture needs a few internals that have no public equivalent yet: AOTAutograd's joint export with
-input/output descriptors (and, for the one-pass joint trace, ``make_fx`` with the helpers
-AOTAutograd itself uses around it), ``FakeTensorMode`` and its exceptions, and fx's node-metadata
-annotation.
-Everything else in autopar imports them from here, so a torch upgrade is fixed in one file.
+Wraps: ``aot_export_joint_with_descriptors`` and the input/output descriptor classes
+(``torch._functorch._aot_autograd.descriptors``), ``torch._decomp.get_decompositions``, and, for
+``_export_joint_fast``, ``make_fx`` with the pieces AOTAutograd runs around it (python dispatcher,
+saved-tensor-hooks tracing, partitioner tags, stack-trace hooks, ``copy_fwd_metadata_to_bw_nodes``,
+``_reparametrize_module``, ``_use_lazy_graph_module``).
+
+On a torch upgrade: check those import paths and signatures, and run ``tests/test_capture_paths.py``:
+it compares the one-pass trace with AOTAutograd's export node by node (names, arguments,
+descriptors, ``partitioner_tag``, ``custom`` metadata). ``_export_joint_fast`` is 100 lines of
+autopar's own tracing, not a thin wrapper: when AOTAutograd changes what its export does around
+``make_fx``, this is where to follow it (or set ``FAST_JOINT = False``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
-from typing import Any
 
 import torch
 import torch.fx.traceback as _fx_traceback
 import torch.utils._pytree as pytree
 from torch._decomp import get_decompositions
 from torch._functorch._aot_autograd import descriptors as _desc
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensor,
-    FakeTensorMode,
-)
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-__all__ = [
-    "FakeTensor",
-    "FakeTensorMode",
-    "ParamAOTInput",
-    "BufferAOTInput",
-    "PlainAOTInput",
-    "TangentAOTInput",
-    "PlainAOTOutput",
-    "GradAOTOutput",
-    "InputMutationAOTOutput",
-    "DATA_DEPENDENT_ERRORS",
-    "annotate",
-    "preserve_node_meta",
-    "export_joint",
-    "decompositions",
-    "data_dependent_op",
-    "use_flat_calling_convention",
-    "pytree",
-    "strided_shard",
-    "install_strided_checkpointing",
-]
+_log = logging.getLogger(__name__)
 
 ParamAOTInput = _desc.ParamAOTInput
 BufferAOTInput = _desc.BufferAOTInput
@@ -57,22 +38,21 @@ PlainAOTOutput = _desc.PlainAOTOutput
 GradAOTOutput = _desc.GradAOTOutput
 InputMutationAOTOutput = _desc.InputMutationAOTOutput
 
-#: Exceptions fake tensors raise on an op whose output shape or value depends on tensor data.
-DATA_DEPENDENT_ERRORS = (DynamicOutputShapeException, DataDependentOutputException, GuardOnDataDependentSymNode)
-
-annotate = _fx_traceback.annotate
-preserve_node_meta = _fx_traceback.preserve_node_meta
-
 
 def decompositions(ops: list) -> dict:
     """torch's decompositions for ``ops`` (OpOverloads or packets)."""
     return get_decompositions(ops)
 
 
-#: Try the one-pass joint trace first (``_export_joint_fast``); False: always AOTAutograd's export.
-FAST_JOINT = True
 #: How many exports took each path (tests check the fast path is the one that runs).
 JOINT_PATHS = {"fast": 0, "aot": 0}
+
+
+def _fast_joint() -> bool:
+    """``autopar._torch_compat.FAST_JOINT``: the switch lives on the package, where callers set it."""
+    from autopar import _torch_compat
+
+    return _torch_compat.FAST_JOINT
 
 
 class _NotFast(Exception):
@@ -87,13 +67,14 @@ def export_joint(module: torch.nn.Module, args: tuple, kwargs: dict, decomps: di
     A training step of a module that mutates nothing is traced in one pass (``_export_joint_fast``,
     about 1.6x faster, the same graph); anything else, and any failure of that pass, goes through
     AOTAutograd's export, which also reports genuine capture errors."""
-    if FAST_JOINT and torch.is_grad_enabled():
+    if _fast_joint() and torch.is_grad_enabled():
         try:
             gm = _export_joint_fast(module, args, kwargs, decomps)
             JOINT_PATHS["fast"] += 1
             return gm
-        except Exception:  # noqa: BLE001 - AOTAutograd's export decides (and reports errors)
-            pass
+        except Exception as e:  # noqa: BLE001 - AOTAutograd's export decides (and reports errors)
+            _log.debug("one-pass joint trace of %s fell back to AOTAutograd's export: %s: %s",
+                       type(module).__name__, type(e).__name__, e)
     JOINT_PATHS["aot"] += 1
     # imported here: AOTAutograd pulls in dynamo (~1.5 s), which plan files and the CLI's show,
     # explain and diff never need
@@ -214,125 +195,5 @@ def _export_joint_fast(module, args, kwargs, decomps, loss_dtype=torch.float32):
     return gm
 
 
-def use_flat_calling_convention(gm: torch.fx.GraphModule) -> None:
-    """Make ``gm`` take its placeholders as flat positional arguments and return a flat tuple
-    (the export's pytree in/out specs no longer hold once placeholders are removed)."""
-    gm.graph._codegen = torch.fx.graph.CodeGen()
-
-
-def data_dependent_op(exc: BaseException) -> str | None:
-    """The op named by a data-dependent fake-tensor exception, if it says."""
-    func: Any = getattr(exc, "func", None)
-    if func is not None:
-        return str(func)
-    return None
-
-
-
-# ---------------------------------------------------------------------------------------------
-# DTensor's ``_StridedShard``: dims of equal blocks (``TensorSpec.blocks``) split block by block
-
-
-def strided_shard(dim: int, blocks: int):
-    """DTensor's placement for a split of ``dim`` that cuts each of its ``blocks`` equal blocks
-    alike (a device holds its piece of every block, in block order)."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    return _StridedShard(dim, split_factor=blocks)
-
-
-def _held_indices(size: int, dim: int, placements, mesh_shape, coords) -> list[int]:
-    """The global indices along ``dim`` of a DTensor's local block, in local order (``Shard``
-    takes its chunk; ``_StridedShard(sf)`` cuts the current block into ``sf`` equal blocks and
-    takes its chunk of each: left to right over the mesh axes, as DTensor does)."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    idx = list(range(size))
-    for p, n, c in zip(placements, mesh_shape, coords):
-        if isinstance(p, _StridedShard) and p.dim == dim:
-            sf = int(p.split_factor)
-            block = len(idx) // sf
-            piece = -(-block // n)
-            idx = [i for b in range(sf) for i in idx[b * block:(b + 1) * block][c * piece:(c + 1) * piece]]
-        elif isinstance(p, Shard) and p.dim == dim:
-            piece = -(-len(idx) // n)
-            idx = idx[c * piece:(c + 1) * piece]
-    return idx
-
-
-def _strided_pieces(t) -> list | None:
-    """A ``_StridedShard`` DTensor's local block as the contiguous pieces of the global tensor it is
-    made of: ``[(global offsets, sizes, local starts)]``; None for any other DTensor."""
-    import itertools
-
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    if not any(isinstance(p, _StridedShard) for p in t.placements):
-        return None
-    mesh, coords = t.device_mesh, t.device_mesh.get_coordinate()
-    if coords is None:
-        return []
-    runs_per_dim = []
-    for d, size in enumerate(t.shape):
-        idx = _held_indices(size, d, t.placements, mesh.shape, coords)
-        runs, start = [], 0  # (global start, local start, length) of each run of consecutive indices
-        for k in range(1, len(idx) + 1):
-            if k == len(idx) or idx[k] != idx[k - 1] + 1:
-                runs.append((idx[start], start, k - start))
-                start = k
-        runs_per_dim.append(runs)
-    return [(tuple(r[0] for r in combo), tuple(r[2] for r in combo), tuple(r[1] for r in combo))
-            for combo in itertools.product(*runs_per_dim)]
-
-
-def install_strided_checkpointing() -> None:
-    """Teach ``torch.distributed.checkpoint`` the ``_StridedShard`` blocks autopar makes.
-
-    DCP describes a DTensor's local block as one chunk at its first global offset; a block holding
-    a piece of each of several blocks of the global tensor is several chunks, so torch 2.13 refuses
-    to save it ("overlapping chunks") and would load the wrong rows into it. This describes it as
-    one chunk per contiguous piece (DTensor's own checkpoint hooks, patched once; every other
-    DTensor goes the original way)."""
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-    from torch.distributed.tensor import DTensor
-
-    if getattr(DTensor, "_autopar_strided_checkpointing", False):
-        return
-    orig_write, orig_chunks, orig_shard = (DTensor.__create_write_items__, DTensor.__create_chunk_list__,
-                                           DTensor.__get_tensor_shard__)
-
-    def write_items(self, fqn, obj):
-        pieces = _strided_pieces(self)
-        if pieces is None:
-            return orig_write(self, fqn, obj)
-        props = TensorProperties.create_from_tensor(self.to_local())
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(off),
-                                                                                 sizes=torch.Size(size)),
-                                                      properties=props, size=self.size()))
-                for off, size, _ in pieces]
-
-    def chunk_list(self):
-        pieces = _strided_pieces(self)
-        if pieces is None:
-            return orig_chunks(self)
-        return [ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)) for off, size, _ in pieces]
-
-    def tensor_shard(self, index):
-        pieces = _strided_pieces(self)
-        if pieces is None:
-            return orig_shard(self, index)
-        local = self.to_local()
-        for off, size, start in pieces:
-            if index.offset is not None and tuple(index.offset) == off:
-                for d, (s, n) in enumerate(zip(start, size)):
-                    local = local.narrow(d, s, n)
-                return local  # a view: DCP loads into it in place
-        raise ValueError(f"{index.fqn!r}: no piece of this rank's block starts at {index.offset}")
-
-    DTensor.__create_write_items__ = write_items
-    DTensor.__create_chunk_list__ = chunk_list
-    DTensor.__get_tensor_shard__ = tensor_shard
-    DTensor._autopar_strided_checkpointing = True
+__all__ = ["BufferAOTInput", "GradAOTOutput", "InputMutationAOTOutput", "JOINT_PATHS", "ParamAOTInput",
+           "PlainAOTInput", "PlainAOTOutput", "TangentAOTInput", "decompositions", "export_joint"]

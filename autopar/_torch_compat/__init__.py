@@ -1,0 +1,85 @@
+"""The one place that touches private torch APIs (torch 2.13).
+
+autopar needs a few torch internals that have no public equivalent yet. Each module here wraps one
+private surface and says, in its docstring, what to check on a torch upgrade:
+
+- ``aot``: AOTAutograd's joint export with input/output descriptors, decompositions, and
+  autopar's one-pass joint tracer built on AOTAutograd's helpers;
+- ``fake``: ``FakeTensorMode``, the data-dependent-op exceptions, ``record_dispatch``;
+- ``fx``: node-metadata annotation, a graph's calling convention, torch's pytree;
+- ``dtensor``: ``_StridedShard`` and its checkpointing, a DTensor's local tensor and spec;
+- ``c10d``: the functional collectives and their dispatcher ops;
+- ``autograd``: autograd-engine and storage bindings of ``torch._C``;
+- ``nn``: ``nn.Module``'s parameter/buffer tables and its conversion hook.
+
+Everything else in autopar imports these names from here (``from autopar import _torch_compat as
+tc``), never from torch's private modules (``tests/test_private_api.py`` enforces it), so a torch
+upgrade is fixed in this package.
+"""
+
+from __future__ import annotations
+
+from autopar._torch_compat.aot import (
+    JOINT_PATHS,
+    BufferAOTInput,
+    GradAOTOutput,
+    InputMutationAOTOutput,
+    ParamAOTInput,
+    PlainAOTInput,
+    PlainAOTOutput,
+    TangentAOTInput,
+    decompositions,
+    export_joint,
+)
+from autopar._torch_compat.autograd import has_grad_hooks, storage_use_count, will_engine_execute
+from autopar._torch_compat.c10d import (
+    functional_all_gather,
+    functional_all_reduce,
+    functional_all_reduce_,
+    functional_all_to_all,
+    functional_collective_name,
+    functional_reduce_scatter,
+    process_group,
+)
+from autopar._torch_compat.dtensor import (
+    dtensor_from_spec,
+    dtensor_spec,
+    held_indices,
+    install_strided_checkpointing,
+    local_tensor,
+    strided_shard,
+)
+from autopar._torch_compat.fake import (
+    DATA_DEPENDENT_ERRORS,
+    FakeTensor,
+    FakeTensorMode,
+    data_dependent_op,
+    record_dispatch,
+)
+from autopar._torch_compat.fx import (
+    annotate,
+    preserve_node_meta,
+    pytree,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+    tree_unflatten,
+    use_flat_calling_convention,
+)
+from autopar._torch_compat.nn import after_conversion, buffer_table, parameter_table
+
+#: Try the one-pass joint trace first (``aot._export_joint_fast``); False: always AOTAutograd's
+#: export. Set here (``tc.FAST_JOINT = False``): ``export_joint`` reads it from the package.
+FAST_JOINT = True
+
+__all__ = [
+    "BufferAOTInput", "DATA_DEPENDENT_ERRORS", "FAST_JOINT", "FakeTensor", "FakeTensorMode", "GradAOTOutput",
+    "InputMutationAOTOutput", "JOINT_PATHS", "ParamAOTInput", "PlainAOTInput", "PlainAOTOutput",
+    "TangentAOTInput", "after_conversion", "annotate", "buffer_table", "data_dependent_op", "decompositions",
+    "dtensor_from_spec", "dtensor_spec", "export_joint", "functional_all_gather", "functional_all_reduce",
+    "functional_all_reduce_", "functional_all_to_all", "functional_collective_name", "functional_reduce_scatter",
+    "has_grad_hooks", "held_indices", "install_strided_checkpointing", "local_tensor", "parameter_table",
+    "preserve_node_meta", "process_group", "pytree", "record_dispatch", "storage_use_count", "strided_shard",
+    "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "use_flat_calling_convention",
+    "will_engine_execute",
+]

@@ -1,0 +1,76 @@
+"""torch's functional collectives (``torch.distributed._functional_collectives``), the in-place
+all-reduce op beneath them (``torch.ops._c10d_functional.all_reduce_``), and looking a process
+group up by name (``distributed_c10d._resolve_process_group``), torch 2.13.
+
+On a torch upgrade: check that the four functional collectives keep their signatures and return
+``AsyncCollectiveTensor``s waited at first use; that ``_c10d_functional`` keeps its namespace and
+op names (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``, ``all_reduce_``,
+``all_to_all_single``, the group's name last among the arguments; ``record_collectives`` in
+``runtime/collectives.py`` reads them); and ``_maybe_wrap_tensor``. Imports are deferred: importing
+autopar does not import torch.distributed's collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+#: The dispatcher namespace of the ops the functional collectives issue.
+_NAMESPACE = "_c10d_functional"
+
+
+def functional_all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """All-gather of ``x`` along ``dim`` over ``group`` (an ``AsyncCollectiveTensor``)."""
+    from torch.distributed import _functional_collectives as fc
+
+    return fc.all_gather_single(x, dim, group)
+
+
+def functional_reduce_scatter(x: torch.Tensor, reduce: str, dim: int, group: Any) -> torch.Tensor:
+    """Reduce-scatter of ``x`` along ``dim`` over ``group`` with ``reduce`` ("sum", "avg", ...)."""
+    from torch.distributed import _functional_collectives as fc
+
+    return fc.reduce_scatter_single(x, reduce, dim, group)
+
+
+def functional_all_reduce(x: torch.Tensor, reduce: str, group: Any) -> torch.Tensor:
+    """All-reduce of ``x`` over ``group`` into a new tensor."""
+    from torch.distributed import _functional_collectives as fc
+
+    return fc.all_reduce(x, reduce, group)
+
+
+def functional_all_reduce_(x: torch.Tensor, reduce: str, group: Any) -> torch.Tensor:
+    """All-reduce of the dense tensor ``x`` over ``group``, written into ``x`` itself (no copy of
+    the input); returned wrapped like the functional collectives' results, to be waited on."""
+    from torch.distributed import _functional_collectives as fc
+
+    out = torch.ops._c10d_functional.all_reduce_(x, reduce.lower(), group.group_name)
+    return fc._maybe_wrap_tensor(out)
+
+
+def functional_all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Equal-split all-to-all of ``x`` along dim 0 over ``group``."""
+    from torch.distributed import _functional_collectives as fc
+
+    return fc.all_to_all_single(x, None, None, group)
+
+
+def functional_collective_name(func: Any) -> Optional[str]:
+    """The name of a functional collective op seen at dispatch (``"all_reduce"``,
+    ``"all_gather_into_tensor"``, ...), or None for any other op."""
+    if getattr(func, "namespace", "") != _NAMESPACE:
+        return None
+    return func._opname
+
+
+def process_group(name: str) -> Any:
+    """The process group named ``name`` (a collective op's group argument)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._resolve_process_group(name)
+
+
+__all__ = ["functional_all_gather", "functional_all_reduce", "functional_all_reduce_", "functional_all_to_all",
+           "functional_collective_name", "functional_reduce_scatter", "process_group"]

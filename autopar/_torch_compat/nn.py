@@ -1,0 +1,46 @@
+"""``nn.Module`` internals (torch 2.13): its own parameter and buffer tables (``_parameters``,
+``_buffers``) and ``_apply``, the method every tensor conversion (``to``, ``to_empty``, ``cuda``,
+``half``, ...) goes through.
+
+On a torch upgrade: check that those tables are still plain dicts keyed by attribute name (a
+``None`` entry for a registered-but-unset tensor), and that conversions still call
+``_apply(fn, recurse)`` (``tests/test_models.py`` checks GPT's tied head survives ``to_empty``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import torch
+
+_M = TypeVar("_M", bound=type)
+
+
+def parameter_table(module: torch.nn.Module) -> dict:
+    """``module``'s own parameters by attribute name: the live dict. Reading or assigning an entry
+    skips ``nn.Module.__getattr__``/``__setattr__`` (a DTensor ``Parameter`` put in as it is)."""
+    return module._parameters
+
+
+def buffer_table(module: torch.nn.Module) -> dict:
+    """``module``'s own buffers by attribute name: the live dict (as ``parameter_table``)."""
+    return module._buffers
+
+
+def after_conversion(hook: Callable[[torch.nn.Module], None]) -> Callable[[_M], _M]:
+    """Class decorator: ``hook(module)`` runs after every tensor conversion of an instance
+    (``to``, ``to_empty``, ``cuda``, ``half``, ...), e.g. to re-tie weights a conversion replaced
+    one reference at a time."""
+    def decorate(cls: _M) -> _M:
+        def _apply(self, fn, recurse=True):
+            out = super(cls, self)._apply(fn, recurse)
+            hook(self)
+            return out
+
+        cls._apply = _apply
+        return cls
+
+    return decorate
+
+
+__all__ = ["after_conversion", "buffer_table", "parameter_table"]
