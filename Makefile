@@ -19,7 +19,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The import contract first (pyproject.toml, [tool.importlinter]): it names any import against the layers.
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q --durations=15
 
 demo: $(STAMP)
