@@ -7,9 +7,9 @@
 """
 
 from autopar import recipes
+from autopar.cost_model.mesh import Mesh
 from autopar.errors import AutoparError, CaptureError
 from autopar.ir.hint import hint
-from autopar.cost_model.mesh import Mesh
 from autopar.plans import Plan, PlanError, load_plan
 from autopar.runtime.launch import LaunchError, launch
 

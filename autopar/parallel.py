@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from autopar import _torch_compat as tc
 from autopar._torch_compat import install_strided_checkpointing
+from autopar.cost_model.mesh import Mesh, require_mesh
 from autopar.errors import CompileError
 from autopar.ir.graph import Graph
-from autopar.ir.placement import from_dtensor, format_placements, local_block, to_dtensor
-from autopar.cost_model.mesh import Mesh, require_mesh
+from autopar.ir.placement import format_placements, from_dtensor, local_block, to_dtensor
 from autopar.passes.lower import lower, resolve
 from autopar.plans import Plan, load_plan
 from autopar.program import collectives as C
@@ -275,11 +275,12 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     The other keywords are ``autopar.plan``'s. The model's parameters are replaced, in place, by
     DTensors holding this rank's blocks.
     """
+    from torch.distributed.device_mesh import init_device_mesh
+
     from autopar.api import plan as make_plan
     from autopar.ir.capture import as_args, capture
     from autopar.ir.fingerprint import graph_fingerprint
     from autopar.runtime.launch import ensure_process_group
-    from torch.distributed.device_mesh import init_device_mesh
 
     require_mesh(mesh)
     ensure_process_group(mesh.size, f"mesh {mesh.axes}")

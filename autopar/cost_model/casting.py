@@ -43,8 +43,8 @@ import torch
 
 from autopar.cost_model.precision import Precision, element_bytes
 from autopar.ir.graph import Graph, Node, Ref, Role, TensorSpec
-from autopar.ir.rules.base import OpCall
 from autopar.ir.layers import layer_members
+from autopar.ir.rules.base import OpCall
 
 #: Precisions that cast: name -> (compute dtype, dtype gradients are reduced in).
 CASTING: dict[str, tuple[torch.dtype, torch.dtype]] = {

@@ -20,7 +20,6 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from autopar.cost_model.hardware import Hardware, Link, get_hardware
 from autopar.errors import MeshError
 
-
 LinkLike = Union[Link, tuple, list, dict]
 
 

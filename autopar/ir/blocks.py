@@ -18,6 +18,7 @@ split factor, and lowering, simulation and DTensor placements cut such dims bloc
 from __future__ import annotations
 
 import dataclasses
+
 from autopar.ir.dimflow import spread
 from autopar.ir.graph import Graph, Ref
 

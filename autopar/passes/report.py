@@ -9,13 +9,13 @@ import json
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
+from autopar.cost_model.buckets import BUCKET_SIZE, collective_calls, mark_grad_buckets
+from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
 from autopar.cost_model.comm import reshard_steps
 from autopar.ir.fingerprint import graph_fingerprint, graph_info
 from autopar.ir.graph import Ref
-from autopar.ir.views import param_views
 from autopar.ir.placement import B, format_placements
-from autopar.cost_model.buckets import BUCKET_SIZE, collective_calls, mark_grad_buckets
-from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
+from autopar.ir.views import param_views
 from autopar.passes.search.problem import MEMORY_KINDS, evaluate, incident_transfers, local_cost
 from autopar.passes.search.strategies import input_placement, output_placement
 

@@ -12,8 +12,16 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Iterable
 
 from autopar.errors import PlanError
-from autopar.plans.format import (SOLVER_TIMING_KEYS, canon, clip, device_count, human_bytes, human_time, mesh_text,
-                                  relative_name)
+from autopar.plans.format import (
+    SOLVER_TIMING_KEYS,
+    canon,
+    clip,
+    device_count,
+    human_bytes,
+    human_time,
+    mesh_text,
+    relative_name,
+)
 
 if TYPE_CHECKING:  # the Plan's methods call into this module: no import of it at run time
     from autopar.plans.schema import Plan

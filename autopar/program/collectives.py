@@ -21,7 +21,6 @@ import torch
 
 from autopar.errors import CollectiveError
 
-
 _local = threading.local()
 
 

@@ -21,10 +21,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from autopar import _torch_compat as tc
-
 from autopar.errors import CollectiveError
 from autopar.program.collectives import Executed
-
 
 # -- process groups ----------------------------------------------------------------------------
 

@@ -15,10 +15,10 @@ import torch
 
 from autopar.errors import CollectiveError, SimulationError
 from autopar.ir.placement import local_block
+from autopar.ir.rules.proof.interp import collect, device_coords
 from autopar.program import collectives as C
 from autopar.program.program import Program
 from autopar.runtime.collectives import ThreadComm, ThreadMesh
-from autopar.ir.rules.proof.interp import collect, device_coords
 
 
 @dataclass

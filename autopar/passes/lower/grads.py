@@ -11,11 +11,11 @@ import operator
 import torch
 import torch.fx as fx
 
-from autopar.ir.placement import B, chunk_range, local_shape
 from autopar.cost_model.buckets import grad_buckets, grad_steps
+from autopar.ir.placement import B, chunk_range, local_shape
+from autopar.passes.lower.reshard import wait_for
 from autopar.passes.search.strategies import output_placement
 from autopar.program import bucket
-from autopar.passes.lower.reshard import wait_for
 from autopar.program import collectives as C
 
 

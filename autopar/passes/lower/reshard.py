@@ -10,10 +10,10 @@ import math
 import torch
 import torch.fx as fx
 
+from autopar.cost_model.casting import transfer_bytes
 from autopar.cost_model.comm import reshard_steps
 from autopar.ir.graph import Ref, Role
 from autopar.ir.placement import B, Partial, Placements, chunk_range, expand_blocks, local_shape
-from autopar.cost_model.casting import transfer_bytes
 from autopar.program import collectives as C
 
 

@@ -14,17 +14,17 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Optional
 
+from autopar.cost_model.buckets import grad_time
+from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
 from autopar.cost_model.comm import reshard_time
 from autopar.cost_model.compute import compute_time
 from autopar.cost_model.memory import activation_bytes, param_state_bytes
+from autopar.cost_model.mesh import Mesh
 from autopar.cost_model.precision import Precision
 from autopar.ir.graph import Graph, Phase, Ref, Role
 from autopar.ir.placement import B, Placements, local_shape
 from autopar.ir.rules import op_call
 from autopar.ir.views import param_views
-from autopar.cost_model.mesh import Mesh
-from autopar.cost_model.buckets import grad_time
-from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
 from autopar.passes.search.fold import Folding
 from autopar.passes.search.problem import MEMORY_KINDS, Group, PEdge, PNode, Problem
 from autopar.passes.search.strategies import Constraint, HintError, input_placement, output_placement

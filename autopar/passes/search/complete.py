@@ -23,7 +23,6 @@ from autopar.passes.search.solve import InfeasibleError, greedy, improve, solve
 from autopar.passes.search.solve_axis import FULL_ILP_LIMIT, edge_var_count
 from autopar.passes.search.strategies import output_placement
 
-
 #: Seconds added to a forbidden resharding while completing a recipe (far above any real step).
 FORBIDDEN = 1e3
 

@@ -18,6 +18,7 @@ from torch.fx.node import map_aggregate
 from autopar.ir.graph import Graph, Node, Ref
 from autopar.ir.layers import layers as _layers
 
+
 @dataclass
 class LayerGroup:
     """``instances[i]`` lists the node names of layer ``i`` in graph order; all have one shape."""

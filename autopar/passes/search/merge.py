@@ -22,7 +22,6 @@ from autopar.ir.views import FOLLOWERS
 from autopar.passes.search.problem import MEMORY_KINDS, PEdge, PNode, Problem
 
 
-
 @dataclass
 class Merged:
     """The smaller problem and how to expand its choice back to the original's."""

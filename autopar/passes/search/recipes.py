@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+from autopar.cost_model.mesh import Mesh
 from autopar.errors import RecipeError
 from autopar.ir.dimflow import spread
 from autopar.ir.graph import Graph, Ref, TensorSpec
 from autopar.ir.placement import B, Placements, Split, blocks_fit
-from autopar.cost_model.mesh import Mesh
 
 NAMES = ("ddp", "fsdp", "megatron_tp", "megatron_sp", "fsdp_tp")
 

@@ -14,13 +14,13 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from autopar.cost_model.mesh import Mesh
 from autopar.errors import HintError
 from autopar.ir.graph import Graph, Node, Ref, Role, TensorSpec
-from autopar.ir.placement import (B, Placement, PlacementError, Placements, Split, blocks_fit, format_placements,
-                                  parse)
-from autopar.ir.rules import op_call, strategies as rule_strategies
+from autopar.ir.placement import B, Placement, PlacementError, Placements, Split, blocks_fit, format_placements, parse
+from autopar.ir.rules import op_call
+from autopar.ir.rules import strategies as rule_strategies
 from autopar.ir.rules.dimmap import Signature, Strategy
-from autopar.cost_model.mesh import Mesh
 
 
 def fits(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> bool:

@@ -6,8 +6,17 @@ import math
 from typing import TYPE_CHECKING
 
 from autopar.plans.format import finite_float
-from autopar.plans.html.cells import (bytes_text, css_class, escape, header_cell, is_number, percent, sort_key,
-                                      svg_coord, time_text)
+from autopar.plans.html.cells import (
+    bytes_text,
+    css_class,
+    escape,
+    header_cell,
+    is_number,
+    percent,
+    sort_key,
+    svg_coord,
+    time_text,
+)
 
 if TYPE_CHECKING:
     from autopar.plans.schema import Plan

@@ -5,8 +5,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from autopar.plans.format import device_count, finite_float, relative_name
-from autopar.plans.html.cells import (bar_cell, bytes_text, chip, escape, full_name, header_cell, is_number, per_axis,
-                                      percent, placement_chips, sort_key, steps_text, time_text)
+from autopar.plans.html.cells import (
+    bar_cell,
+    bytes_text,
+    chip,
+    escape,
+    full_name,
+    header_cell,
+    is_number,
+    per_axis,
+    percent,
+    placement_chips,
+    sort_key,
+    steps_text,
+    time_text,
+)
 
 if TYPE_CHECKING:
     from autopar.plans.schema import Plan

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from autopar.ir.placement import Partial, Placement, Split, check_blocks, chunk_range, expand_blocks, local_shape
-from autopar.ir.rules.base import LocalCtx, OpCall, Strategy, run_local, substitute, as_list
+from autopar.ir.rules.base import LocalCtx, OpCall, Strategy, as_list, run_local, substitute
 
 Coords = tuple[int, ...]
 
