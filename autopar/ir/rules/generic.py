@@ -22,7 +22,8 @@ def float_flags(call: OpCall) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
 
 
 def linear_in(inputs: Sequence[int], outputs: Sequence[int], kind: str = "sum") -> Linear:
-    """The input indices in which an op is linear (a partial sum passes through)."""
+    """The op is jointly linear in the inputs ``inputs``: when they all hold partial sums (of ``kind``),
+    so do the outputs ``outputs``."""
     return Linear(frozenset(inputs), frozenset(outputs), kind)
 
 
