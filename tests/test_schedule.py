@@ -6,7 +6,6 @@ node, and on the programs the lowering makes for an FSDP plan."""
 from __future__ import annotations
 
 import copy
-from typing import Optional
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ aten = torch.ops.aten
 
 # -- a hand-built program ------------------------------------------------------------------------
 
-def _op(g: fx.Graph, target, args, module: Optional[str] = None, **kwargs) -> fx.Node:
+def _op(g: fx.Graph, target, args, module: str | None = None, **kwargs) -> fx.Node:
     n = g.call_function(target, args, kwargs)
     n.meta["autopar_module"] = module
     return n
