@@ -100,7 +100,7 @@ def test_hand_built_program_is_scheduled_as_documented():
     # the same nodes, and the same result
     assert sorted(x.name for x in before.nodes) == sorted(x.name for x in g.nodes)
     torch.manual_seed(0)
-    ws = [torch.randn(4, 4) for _ in range(2)] + [torch.randn(4, 4, dtype=torch.float32)]
+    ws = [torch.randn(4, 4) for _ in range(3)]
     x = torch.randn(4, 4)
     torch.testing.assert_close(_run(g, *ws, x), _run(before, *ws, x), rtol=0, atol=0)
 
