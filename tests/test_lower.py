@@ -5,7 +5,10 @@ collectives each program ran are the ones its plan predicted."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
+from collections import Counter
 
 import pytest
 import torch
@@ -13,7 +16,8 @@ import torch
 import autopar
 from autopar.errors import LoweringError
 from autopar.passes.lower import lower, resolve
-from autopar.runtime.accounting import differences
+from autopar.program.collectives import COLLECTIVES
+from autopar.runtime.accounting import differences, predicted
 
 from _parity import build, plan_json, rel
 
@@ -36,7 +40,19 @@ def _check(family: str, axes: tuple, recipe=None) -> None:
     # every device runs the collectives the plan predicted (bytes as each device's axis group sees them:
     # the first device holds the largest pieces, as the cost model prices them)
     assert differences(plan, trace[(0,) * len(axes)]) == []
-    assert sum(len(v) for v in trace.values()) > 0 or plan.comm_time == 0
+    # every device ran, and ran the same collectives (kind and axis; bytes differ on uneven meshes)
+    want = Counter()
+    for (kind, axis, _), n in predicted(plan).items():
+        want[(kind, axis)] += n
+    assert set(trace) == set(itertools.product(*(range(n) for _, n in axes)))
+    for coords, ran in trace.items():
+        assert Counter((e.kind, e.axis) for e in ran) == want, coords
+    # communication the plan prices (exposed or not) runs, and everything that runs was priced
+    # (``comm_time`` counts only what compute does not hide, so it may be 0 while collectives run)
+    kinds = {f.__name__ for f in COLLECTIVES}
+    priced = [st["time"] for r in plan.reshardings for st in r["steps"] if st["kind"] in kinds]
+    assert all(t > 0 for t in priced) and (len(priced) > 0) == (sum(want.values()) > 0)
+    assert plan.comm_time == 0 or sum(want.values()) > 0
 
 
 @pytest.mark.parametrize("axes", MESHES, ids=lambda a: "x".join(str(n) for _, n in a))
@@ -61,7 +77,17 @@ def test_program_code_is_readable_python():
     prog = lower(resolve(capture(model, args), plan), (1, 2))
     code = prog.code
     assert "def forward(self, wte_weight" in code and "def backward(self" in code
-    assert "autopar_program_collectives_all_reduce" in code or "all_reduce" in code
+    # one call per collective the plan predicts for a device, by its qualified name, each waited
+    calls = Counter(re.findall(r"= autopar_program_collectives_(\w+)\(", code))
+    want = Counter()
+    for (kind, _, _), n in predicted(plan).items():
+        want[kind] += n
+    assert want["all_reduce"] > 0 and want["all_gather"] > 0  # Megatron TP: both, on this mesh
+    assert {k: calls[k] for k in (f.__name__ for f in COLLECTIVES)} == {
+        k: want[k] for k in (f.__name__ for f in COLLECTIVES)}
+    assert calls["wait"] == sum(want.values())
+    bare = re.findall(r"\b(\w*(?:all_reduce|all_gather|reduce_scatter|all_to_all))\(", code)
+    assert set(bare) <= {f"autopar_program_collectives_{f.__name__}" for f in COLLECTIVES}, set(bare)
     compile(code.replace("# forward", "").split("# backward")[0], "<forward>", "exec")  # valid Python
 
 

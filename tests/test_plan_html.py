@@ -126,8 +126,18 @@ def test_page_shows_the_plan(plan, page):
     for text in ("dp=2", "h100", plan.precision["name"], "source", "search", "step time", "peak memory"):
         assert text in page
     # the recipes: every one named, ddp marked as not fitting, fsdp_tp's error listed
-    for name in plan.baselines:
-        assert f'data-name="{name}"' in page or name in page
+    recipes = page[page.index('<table class="sortable" id="recipes">'):]
+    recipes = recipes[:recipes.index("</table>")]
+    for name, b in plan.baselines.items():
+        e = html.escape(name)
+        if "error" in b:  # listed with its error, and neither charted nor tabled
+            assert f"<li><b>{e}</b>: {html.escape(b['error'])}</li>" in page
+            assert f'data-name="{e}"' not in page and f'<td data-v="{e}">' not in recipes
+            continue
+        cls = "recipe" if b["fits"] else "nofit"
+        assert page.count(f'data-name="{e}"') == 1  # one bar in the chart, classed by whether it fits
+        assert f'<g class="brow b-{cls}" data-name="{e}">' in page
+        assert f'<td data-v="{e}">{e}' in recipes  # and one row in the recipes table
     assert plan.baselines["ddp"]["fits"] is False
     assert re.search(r'<g class="brow b-nofit" data-name="ddp">((?!</g>).)*class="bar-nofit"', page)
     assert "does not fit" in page
