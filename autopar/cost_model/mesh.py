@@ -54,10 +54,12 @@ class Mesh:
             if not isinstance(device, str):
                 raise MeshError(f"Mesh: device must be a preset name such as 'h100' or 'cpu' (or a Hardware), "
                                 f"got {type(device).__name__}")
-            if profile is not None:
-                check_path(profile, "Mesh: profile")
             try:
+                if profile is not None:
+                    check_path(profile, "Mesh: profile")
                 hw = get_hardware(device, profile)
+            except ArgumentError as e:
+                raise MeshError(str(e)) from None
             except ValueError as e:
                 raise MeshError(f"Mesh: {e}") from None
             device_name = str(device).lower()
