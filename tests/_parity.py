@@ -244,7 +244,8 @@ def state_dict_on_rank(text: str) -> dict:
     mesh = autopar.Mesh(dict(zip(plan.axis_names, plan.mesh_shape)), device="cpu")
     pm = autopar.compile(model, mesh, args, plan=plan)
     out = {"keys": sorted(pm.state_dict()), "ref_keys": sorted(ref.state_dict()),
-           "param_names": [n for n, _ in pm.named_parameters()], "ref_param_names": [n for n, _ in ref.named_parameters()]}
+           "param_names": [n for n, _ in pm.named_parameters()],
+           "ref_param_names": [n for n, _ in ref.named_parameters()]}
     result = pm.load_state_dict(ref.state_dict())
     out["missing"], out["unexpected"] = list(result.missing_keys), list(result.unexpected_keys)
     sd = pm.state_dict()

@@ -181,7 +181,8 @@ def test_mesh_arguments():
     m = autopar.Mesh([2, 2], device="cpu")
     assert m.axes == {"dim0": 2, "dim1": 2}
     with pytest.raises(MeshError, match=r"^Mesh axes given as a list are sizes \(named dim0, dim1, ...\), got "
-                                        r"\['dp', 'tp'\]: for named axes pass a dict, e.g. Mesh\(\{'dp': 2, 'tp': 4\}\)$"):
+                                        r"\['dp', 'tp'\]: for named axes pass a dict, "
+                                        r"e.g. Mesh\(\{'dp': 2, 'tp': 4\}\)$"):
         autopar.Mesh(["dp", "tp"])
     assert autopar.Mesh({"dp": 2}, memory="80GiB").hardware.memory == 80 * 2**30
     with pytest.raises(MeshError, match=r"^Mesh: memory \(bytes per device\) must be a positive size such as 60GiB, "
