@@ -62,7 +62,7 @@ def parse_size(value: Union[str, int, float], what: Optional[str] = None, *, all
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise bad
     v = float(value)
-    if math.isnan(v) or v <= 0 or (v == math.inf and not allow_inf):
+    if math.isnan(v) or v < 1 or (v == math.inf and not allow_inf):  # as text: at least one byte
         raise bad
     return value
 

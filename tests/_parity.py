@@ -256,6 +256,11 @@ def state_dict_on_rank(text: str) -> dict:
     back, _ = build("gpt")
     back.load_state_dict({k: v.full_tensor() for k, v in pm.state_dict().items()})
     out["back_err"] = max(rel(v, want[k]) for k, v in back.state_dict().items())
+    try:
+        pm.load_state_dict({"ln_f.weight": torch.zeros(3)}, strict=False)
+        out["shape_error"] = None
+    except autopar.AutoparError as e:
+        out["shape_error"] = str(e)
     pm.eval()
     out["eval"] = (pm.training, pm.module.training, pm.module.wte.training)
     pm.train()

@@ -40,6 +40,7 @@ PLAN_CASES = {
     "negative budget": (dict(memory_budget=-1), r"^autopar.plan: memory_budget must be a positive size such as "
                         r"60GiB, 80GB or 6e10 \(bytes\), got -1$"),
     "zero budget": (dict(memory_budget=0), r"^autopar.plan: memory_budget must be a positive size .*, got 0$"),
+    "budget under a byte": (dict(memory_budget=0.5), r"^autopar.plan: memory_budget .*, got 0.5$"),
     "NaN budget": (dict(memory_budget=math.nan), r"^autopar.plan: memory_budget must be a positive size .*, got nan$"),
     "unreadable budget": (dict(memory_budget="lots"), r"^autopar.plan: memory_budget must be a positive size .*, "
                           r"got 'lots'$"),

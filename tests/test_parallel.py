@@ -5,6 +5,8 @@ steps equal the single-device model's, and the collectives each rank ran are the
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from autopar.runtime.pool import WorkerPool
@@ -95,3 +97,5 @@ def test_state_dict_uses_the_single_device_models_names(pool):
         assert r["loaded_err"] == 0.0 and r["back_err"] == 0.0 and r["tied"]
         assert r["loss_err"] <= 1e-5, r["loss_err"]
         assert r["eval"] == (False, False, False) and r["train"] == (True, True, True)
+        assert re.fullmatch(r"state_dict\['ln_f.weight'\] has shape \(3,\), but the model's ln_f.weight has "
+                            r"\(\d+,\)", r["shape_error"]), r["shape_error"]
