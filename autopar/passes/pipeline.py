@@ -99,7 +99,8 @@ def run_passes(
     clock = _Clock(sys.stderr.isatty() if progress is None else progress)
     example_inputs = as_args(example_inputs)
     # parameters and inputs that already are DTensors keep their placements (hard, like hints)
-    hints = merge_hints(hints, dtensor_hints(model, tuple(example_inputs), example_kwargs or {}, mesh.shape))
+    placed = dtensor_hints(model, tuple(example_inputs), example_kwargs or {}, mesh.shape)
+    hints = merge_hints(hints, placed)
     if graph is None:
         graph = capture(model, tuple(example_inputs), example_kwargs, training=training)
     clock.lap("capture")
@@ -122,7 +123,7 @@ def run_passes(
     for name in names:
         try:
             allowed = recipes.constraints(graph, mesh, name, tensor_axis)
-            _check_recipe_hints(graph, name, allowed, constraints, bool(recipe))
+            _check_recipe_hints(graph, name, allowed, constraints, bool(recipe), {f"hints[{k!r}]" for k in placed})
             # the weights' column/row descent only for a recipe asked for by name: as a baseline
             # for the search it would cost seconds of planning on large meshes
             pinned = recipes.pinned_axes(mesh, name, tensor_axis)
@@ -175,17 +176,20 @@ def run_passes(
 
 
 def _check_recipe_hints(graph: Graph, name: str, allowed: recipes.Allowed, constraints: list[Constraint],
-                        asked: bool) -> None:
+                        asked: bool, dtensors: set[str]) -> None:
     """A recipe that places a hinted tensor otherwise than the hint is not priced: its baseline says
     which hint it conflicts with (pricing it with the hint applied would no longer be the recipe).
-    ``asked``: the recipe was asked for by name, so the error also says what to do."""
+    ``asked``: the recipe was asked for by name, so the error also says what to do. ``dtensors``:
+    the sources of the hints that are DTensors' own placements."""
     for c in constraints:
         ways = allowed.get(c.ref.node)
         if ways is None or c.placements in ways:
             continue
         theirs = " or ".join(format_placements(w) for w in ways)
-        whose = "your hint" if c.source.startswith("hints[") else c.source
-        text = (f"conflicts with {whose} on {graph.user_name(c.ref)}: {name} places it {theirs}, the hint "
+        what = "the DTensor" if c.source in dtensors else "the hint"
+        whose = ("its DTensor placement" if c.source in dtensors else
+                 "your hint" if c.source.startswith("hints[") else c.source)
+        text = (f"conflicts with {whose} on {graph.user_name(c.ref)}: {name} places it {theirs}, {what} "
                 f"{format_placements(c.placements)}")
         if asked:
             raise RecipeError(f"the {name} recipe {text}; drop the hint or choose another recipe")
