@@ -192,7 +192,8 @@ def _check_recipe_hints(graph: Graph, name: str, allowed: recipes.Allowed, const
         text = (f"conflicts with {whose} on {graph.user_name(c.ref)}: {name} places it {theirs}, {what} "
                 f"{format_placements(c.placements)}")
         if asked:
-            raise RecipeError(f"the {name} recipe {text}; drop the hint or choose another recipe")
+            fix = "redistribute it" if c.source in dtensors else "drop the hint"
+            raise RecipeError(f"the {name} recipe {text}; {fix} or choose another recipe")
         raise RecipeError(text)
 
 
