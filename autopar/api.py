@@ -12,15 +12,69 @@ from typing import Optional
 
 import torch
 
-from autopar.cost_model.mesh import Mesh
+from autopar.cost_model.mesh import Mesh, require_mesh
+from autopar.cost_model.precision import get_precision
+from autopar.errors import ArgumentError, MeshError
 from autopar.ir.capture import as_args, capture
+from autopar.ir.graph import Graph
 from autopar.ir.rules.proof.interp import device_coords
 from autopar.passes.lower import lower, resolve
 from autopar.passes.pipeline import run_passes
 from autopar.passes.report import build_plan
+from autopar.passes.search.recipes import NAMES
 from autopar.plans import Plan, load_plan
 from autopar.runtime.precision import execution_precision
 from autopar.runtime.threads import gather_slots, placeholder_values, simulate_programs
+from autopar.validate import (
+    check_bool,
+    check_choice,
+    check_hints,
+    check_keywords,
+    check_kwargs,
+    check_model,
+    check_number,
+    check_path,
+    parse_size,
+)
+
+#: The keywords ``plan`` passes on to ``passes.pipeline.run_passes`` (its own are named in its signature).
+PASS_KEYWORDS = ("precision", "optimizer", "recipe", "tensor_axis", "deterministic_time", "progress", "graph")
+PLAN_KEYWORDS = ("training", "hints", "memory_budget", "time_limit", "search") + PASS_KEYWORDS
+
+
+def check_plan_args(model, mesh, example_kwargs, kw: dict, where: str = "autopar.plan") -> dict:
+    """``plan``'s arguments checked before any work (``compile`` checks them on every rank before
+    rank 0 plans): ``kw`` with ``memory_budget`` read as bytes. An ``ArgumentError`` (a ``MeshError``
+    for the mesh) names the argument."""
+    check_model(model, f"{where}: model")
+    require_mesh(mesh)
+    check_kwargs(example_kwargs, f"{where}: example_kwargs")
+    check_keywords(kw, PLAN_KEYWORDS, where)
+    out = dict(kw)
+    check_bool(kw.get("training", True), f"{where}: training")
+    check_hints(kw.get("hints"), f"{where}: hints")
+    if kw.get("memory_budget") is not None:
+        out["memory_budget"] = parse_size(kw["memory_budget"], f"{where}: memory_budget", allow_inf=True)
+    check_number(kw.get("time_limit"), f"{where}: time_limit (seconds)")
+    check_number(kw.get("deterministic_time", 1.0), f"{where}: deterministic_time", allow_none=False)
+    if kw.get("search", "ilp") not in ("ilp", "propagate"):
+        raise ArgumentError(f"{where}: search={kw['search']!r}: choose 'ilp' (the cheapest plan) or 'propagate' "
+                            "(the annotations spread GSPMD-style, the rest chosen locally)")
+    if kw.get("progress") is not None:
+        check_bool(kw["progress"], f"{where}: progress")
+    try:
+        get_precision(kw.get("precision"), mesh.hardware, kw.get("optimizer", "adamw"))
+    except ValueError as e:
+        raise ArgumentError(f"{where}: {e}") from None
+    check_choice(kw.get("recipe"), NAMES, f"{where}: recipe", allow_none=True)
+    try:
+        mesh.axis(kw.get("tensor_axis", -1))
+    except MeshError as e:
+        raise ArgumentError(f"{where}: tensor_axis: {e}") from None
+    if kw.get("graph") is not None and not isinstance(kw["graph"], Graph):
+        raise ArgumentError(f"{where}: graph must be a Graph from autopar.ir.capture.capture, got "
+                            f"{type(kw['graph']).__name__}")
+    return out
 
 
 def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training: bool = True, hints=None,
@@ -38,11 +92,10 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
     stderr is a terminal), ``recipe`` and ``tensor_axis`` (a named recipe instead of the search, as
     ``autopar.recipes`` calls it), ``graph`` (an already captured graph of this model).
     """
-    if search not in ("ilp", "propagate"):
-        raise ValueError(f"search={search!r}: choose 'ilp' (the cheapest plan) or 'propagate' (the annotations "
-                         "spread GSPMD-style, the rest chosen locally)")
-    planned = run_passes(model, mesh, example_inputs, example_kwargs, training=training, hints=hints,
-                         memory_budget=memory_budget, time_limit=time_limit, search=search, **kw)
+    kw = check_plan_args(model, mesh, example_kwargs, dict(kw, training=training, hints=hints,
+                                                          memory_budget=memory_budget, time_limit=time_limit,
+                                                          search=search))
+    planned = run_passes(model, mesh, example_inputs, example_kwargs, **kw)
     return build_plan(planned)
 
 
@@ -57,10 +110,13 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     in bf16, gradients reduced and returned in fp32, the loss in fp32; see ``cost_model.casting``). Pass a
     dict as ``trace`` to receive the collectives every device executed (``{coords: [Executed, ...]}``).
     """
+    check_model(model, "autopar.simulate: model")
+    check_kwargs(example_kwargs, "autopar.simulate: example_kwargs")
+    check_choice(precision, ("model", "plan"), "autopar.simulate: precision")
+    if trace is not None and not isinstance(trace, dict):
+        raise ArgumentError(f"autopar.simulate: trace must be a dict to fill (or None), got {type(trace).__name__}")
     if not isinstance(plan, Plan):
-        plan = load_plan(plan)
-    if precision not in ("model", "plan"):
-        raise ValueError(f"precision must be 'model' or 'plan', got {precision!r}")
+        plan = load_plan(check_path(plan, "autopar.simulate: plan (a Plan or a saved plan's path)"))
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     graph = capture(model, args, kwargs, training=plan.training)
@@ -86,4 +142,4 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     return tuple(kept), grads
 
 
-__all__ = ["plan", "simulate"]
+__all__ = ["PLAN_KEYWORDS", "check_plan_args", "plan", "simulate"]

@@ -70,3 +70,9 @@ class CollectiveError(AutoparError, RuntimeError):
 class PlanError(AutoparError, ValueError):
     """A plan that cannot be used: unreadable file, wrong schema version, unknown module, a plan
     made for another graph."""
+
+
+class ArgumentError(AutoparError, TypeError, ValueError):
+    """An argument of autopar's API of the wrong type or out of range (a function where a model
+    belongs, a negative budget, a hint value that is not a placement). It is a ``TypeError`` and a
+    ``ValueError`` too, as the checks it replaced raised one or the other."""

@@ -28,7 +28,8 @@ from autopar.plans import Plan, load_plan
 from autopar.program import collectives as C
 from autopar.program.program import Program, Slot
 from autopar.runtime.collectives import ProcessGroupComm, record_executed
-from autopar.runtime.precision import execution_precision
+from autopar.runtime.precision import EXECUTABLE_PRECISIONS, execution_precision
+from autopar.validate import check_choice, check_kwargs, check_model, check_path
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -120,12 +121,20 @@ def _deliver(ctx, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor])
 
 
 class ParallelModule(torch.nn.Module):
-    """The user's model, run as its plan's sharded program on this rank (see ``autopar.compile``)."""
+    """The user's model, run as its plan's sharded program on this rank (see ``autopar.compile``).
+
+    Its parameters, buffers and submodules are the model's, under the model's own names:
+    ``state_dict()`` keys match the single-device model's, so a single-device state dict loads by
+    name (``load_state_dict``; tensors are resharded into the DTensors' blocks) and back. The model
+    itself is ``.module``."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, graph: Graph, dmesh, program: Program,
                  precision: str):
         super().__init__()
-        self.module = model
+        # the model's own tables become this module's (tc.share_tables, at the end): state_dict,
+        # named_parameters and load_state_dict use the single-device model's names, no "module." prefix.
+        # ``module`` is a plain attribute, not a submodule, so it adds no name of its own.
+        object.__setattr__(self, "module", model)
         self.plan = plan
         self.graph = graph
         self.device_mesh = dmesh
@@ -143,6 +152,37 @@ class ParallelModule(torch.nn.Module):
             if s.kind in ("param", "buffer"):
                 owner, _, name = s.key.rpartition(".")
                 self._owners[s.key] = (model.get_submodule(owner), name)
+        tc.share_tables(self, model)  # last: from here on, attributes named like the model's children clash
+
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """Set training mode on this module and the model (whose root is not a child of it)."""
+        super().train(mode)
+        self.module.training = mode
+        return self
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict`` by the single-device model's names; a plain tensor (from a
+        single-device state dict, whole on every rank) is cut into this rank's block of the DTensor
+        of the same name first, without communication. DTensors load as they are."""
+        from torch.distributed.tensor import DTensor
+
+        slots = {s.key: s for s in self.program.inputs if s.kind in ("param", "buffer")}
+        slots.update({a: slots[c] for a, c in self.graph.aliases.items() if c in slots})
+        coords = tuple(self.program.coords)
+        values = {}
+        for key, value in state_dict.items():
+            slot = slots.get(key)
+            if slot is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                if tuple(value.shape) != tuple(slot.spec.shape):
+                    raise CompileError(f"state_dict[{key!r}] has shape {tuple(value.shape)}, but the model's "
+                                       f"{key} has {tuple(slot.spec.shape)}")
+                block = local_block(value, slot.placements, self.program.mesh_shape, coords, slot.spec.blocks)
+                value = _dtensor(block.to(_local(self._state(slot)).device), self.device_mesh, slot)
+            values[key] = value
+        return super().load_state_dict(tc.with_metadata(values, state_dict), strict=strict, assign=assign)
+
+    def _state(self, slot: Slot) -> torch.Tensor:
+        return self._param(slot.key) if slot.kind == "param" else self._buffer(slot.key)
 
     # -- what users look at ---------------------------------------------------------------------
     @property
@@ -277,12 +317,20 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     """
     from torch.distributed.device_mesh import init_device_mesh
 
+    from autopar.api import check_plan_args
     from autopar.api import plan as make_plan
     from autopar.ir.capture import as_args, capture
     from autopar.ir.fingerprint import graph_fingerprint
     from autopar.runtime.launch import ensure_process_group
 
+    # every rank checks its arguments before the first collective: a rank that raised after it would hang the others
+    check_model(model, "autopar.compile: model")
     require_mesh(mesh)
+    check_kwargs(example_kwargs, "autopar.compile: example_kwargs")
+    check_choice(precision, ("plan",) + EXECUTABLE_PRECISIONS, "autopar.compile: precision", allow_none=True)
+    if plan is not None and not isinstance(plan, Plan):
+        check_path(plan, "autopar.compile: plan (a Plan, a saved plan's path, or None)")
+    plan_kwargs = check_plan_args(model, mesh, example_kwargs, plan_kwargs, "autopar.compile")
     ensure_process_group(mesh.size, f"mesh {mesh.axes}")
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from autopar.api import plan
+from autopar.api import check_plan_args, plan
 from autopar.cost_model.mesh import Mesh
+from autopar.errors import ArgumentError
 from autopar.passes.search.recipes import NAMES
 
 
@@ -26,7 +27,12 @@ def _recipe(name: str) -> Callable:
     """The public function for recipe ``name``: ``autopar.plan`` with that recipe's placements."""
 
     def build(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, tensor_axis=-1, **kw):
-        return plan(model, mesh, example_inputs, example_kwargs, recipe=name, tensor_axis=tensor_axis, **kw)
+        where = f"autopar.recipes.{name}"
+        if "recipe" in kw:
+            raise ArgumentError(f"{where} takes no recipe= (it is the {name} recipe); call autopar.plan(..., "
+                                "recipe=...) for another")
+        kw = check_plan_args(model, mesh, example_kwargs, dict(kw, recipe=name, tensor_axis=tensor_axis), where)
+        return plan(model, mesh, example_inputs, example_kwargs, **kw)
 
     build.__name__ = name
     build.__doc__ = f"The {name} recipe as a Plan (see ``autopar.recipes``)."

@@ -227,3 +227,42 @@ def grad_paths_on_rank(text: str) -> dict:
     err["held_kept"] = all(torch.equal(held[n].full_tensor(), before[n]) for n in names)
     err["held_differs"] = any(not torch.equal(params[n].grad.full_tensor(), before[n]) for n in names)
     return err
+
+
+def state_dict_on_rank(text: str) -> dict:
+    """``pmodel.state_dict()`` keys are the single-device model's (no ``module.`` prefix): another
+    single-device model's state dict loads by name into the ParallelModule (each rank cutting its
+    blocks), trains on from there like that model, and its state loads back into a plain model."""
+    import autopar
+
+    plan = autopar.Plan.from_dict(json.loads(text))
+    model, args = build("gpt")
+    ref, _ = build("gpt")
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(-1.5).add_(0.01)  # other values than the compiled model's
+    mesh = autopar.Mesh(dict(zip(plan.axis_names, plan.mesh_shape)), device="cpu")
+    pm = autopar.compile(model, mesh, args, plan=plan)
+    out = {"keys": sorted(pm.state_dict()), "ref_keys": sorted(ref.state_dict()),
+           "param_names": [n for n, _ in pm.named_parameters()],
+           "ref_param_names": [n for n, _ in ref.named_parameters()]}
+    result = pm.load_state_dict(ref.state_dict())
+    out["missing"], out["unexpected"] = list(result.missing_keys), list(result.unexpected_keys)
+    sd = pm.state_dict()
+    want = ref.state_dict()
+    out["loaded_err"] = max(rel(v.full_tensor(), want[k]) for k, v in sd.items())
+    out["tied"] = pm.module.lm_head.weight is pm.module.wte.weight
+    out["loss_err"] = rel(pm(*args), ref(*args))
+    back, _ = build("gpt")
+    back.load_state_dict({k: v.full_tensor() for k, v in pm.state_dict().items()})
+    out["back_err"] = max(rel(v, want[k]) for k, v in back.state_dict().items())
+    try:
+        pm.load_state_dict({"ln_f.weight": torch.zeros(3)}, strict=False)
+        out["shape_error"] = None
+    except autopar.AutoparError as e:
+        out["shape_error"] = str(e)
+    pm.eval()
+    out["eval"] = (pm.training, pm.module.training, pm.module.wte.training)
+    pm.train()
+    out["train"] = (pm.training, pm.module.training, pm.module.wte.training)
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import time
 import warnings
 
@@ -208,6 +209,34 @@ def test_mlp_joint_graph_structure():
     for n in g.ops():
         for r in n.inputs:
             assert isinstance(r, Ref) and g.spec(r) is not None
+
+
+def test_user_names_never_show_internal_node_names():
+    """``Graph.user_name``, which every message naming a tensor uses: parameter and buffer FQNs,
+    ``input:N`` and keyword names, gradients, the loss, and ``module path: op`` for ops."""
+    model = KwModel("tensor")
+    model.lin.bias.requires_grad_(False)
+    x, labels = torch.randn(4, 8, dtype=torch.float64), torch.randint(0, 4, (4,))
+    g = capture(model, (x, 3.0), dict(labels=labels, use_bias=False, mode="b", extra=None))
+    assert g.user_name(g.params["lin.weight"]) == "lin.weight"
+    assert g.user_name(g.node(g.inputs["input:0"])) == "input:0"
+    assert g.user_name(Ref(g.inputs["labels"])) == "labels"
+    assert g.user_name(g.grads["lin.weight"]) == "the gradient of lin.weight"
+    assert g.user_name(g.loss) == "the loss"
+    tangent = next(n for n in g.nodes if n.is_placeholder and n.roles[0] is Role.TANGENT)
+    assert g.user_name(tangent) == "the loss's incoming gradient"
+    mm = next(n for n in g.ops() if n.op == "aten.mm.default" and n.phase is Phase.FORWARD)
+    assert g.user_name(mm) == "<root>: mm" == mm.where()  # x @ lin.weight.t() is written in the root's forward
+    mlp = capture(MLP(), (torch.randn(4, 8), torch.randint(0, 4, (4,))))
+    addmm = next(n for n in mlp.ops() if n.op == "aten.addmm.default" and n.module_path == "layers.1")
+    assert mlp.user_name(addmm) == "layers.1: addmm" and mlp.user_name(mlp.params["head.bias"]) == "head.bias"
+    back = next(n for n in mlp.ops() if n.phase is Phase.BACKWARD and n.module_path == "layers.1")
+    assert mlp.user_name(back).startswith("layers.1: ") and mlp.user_name(back).endswith(" (backward)")
+    for graph in (g, mlp):  # no internal node name (primals_3, mm_7, getitem_2) appears in any of them
+        for n in graph.nodes:
+            for i in range(len(n.outputs)):
+                name = graph.user_name(Ref(n.name, i))
+                assert not re.search(r"[a-z]_\d+\b", name), (n.name, name)
 
 
 def test_mean_loss_is_rewritten_as_sum_over_total_weight():

@@ -5,6 +5,8 @@ steps equal the single-device model's, and the collectives each rank ran are the
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from autopar.runtime.pool import WorkerPool
@@ -81,3 +83,19 @@ def test_gradients_arrive_where_autograd_would_put_them(pool):
         assert not r["autograd_grad_left_grad"] and r["inputs_only"], r
         assert r["hooked"] <= 1e-5 and r["post_hook_saw_grad"] and r["others"] <= 1e-5, r
         assert r["held_kept"] and r["held_differs"], r
+
+
+def test_state_dict_uses_the_single_device_models_names(pool):
+    """A single-device state dict loads by name into the ParallelModule and back (fused qkv weights
+    split block by block on the tensor axis included), and the loaded model computes its loss."""
+    from _parity import state_dict_on_rank
+
+    for r in pool.run(state_dict_on_rank, plan_json("gpt", (("a", 2), ("b", 2)), "megatron_tp")):
+        assert r["keys"] == r["ref_keys"] and "blocks.0.attn.qkv.weight" in r["keys"], r["keys"]
+        assert r["param_names"] == r["ref_param_names"]
+        assert r["missing"] == [] and r["unexpected"] == []
+        assert r["loaded_err"] == 0.0 and r["back_err"] == 0.0 and r["tied"]
+        assert r["loss_err"] <= 1e-5, r["loss_err"]
+        assert r["eval"] == (False, False, False) and r["train"] == (True, True, True)
+        assert re.fullmatch(r"state_dict\['ln_f.weight'\] has shape \(3,\), but the model's ln_f.weight has "
+                            r"\(\d+,\)", r["shape_error"]), r["shape_error"]

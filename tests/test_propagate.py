@@ -78,6 +78,9 @@ def test_dtensor_parameters_and_inputs_keep_their_placements(fake_group, search)
     x = DTensor.from_local(torch.randn(32, 64), fake_group, [Replicate()], run_check=False)
     plan = autopar.plan(model, autopar.Mesh({"tp": 4}, device="h100"), (x,), search=search, progress=False)
     assert plan.placements["up.weight"] == "S(0)" and plan.placements["input:0"] == "B"
+    # a recipe that would place a DTensor otherwise (ddp splits the batch) says so in its baseline
+    assert plan.baselines["ddp"] == {"error": "conflicts with its DTensor placement on input:0: ddp places it S(0), "
+                                              "the DTensor B"}
     with pytest.raises(autopar.AutoparError, match="DTensor placed"):
         autopar.plan(model, autopar.Mesh({"tp": 4}, device="h100"), (x,), hints={"up.weight": "B"},
                      progress=False)

@@ -3,6 +3,7 @@ the folded and merged ILP, the classic strategies are rediscovered, and bad inpu
 
 import itertools
 import math
+import re
 import warnings
 
 import pytest
@@ -245,8 +246,11 @@ def test_model_too_large_to_replicate_gets_parameters_sharded():
 
 def test_memory_budget_too_small_is_a_clear_error():
     model, inputs = _mlp(256, 256, batch=8)
-    with pytest.raises(autopar.errors.InfeasibleError, match="no plan fits the memory budget.*needs"):
+    with pytest.raises(autopar.errors.InfeasibleError, match="no plan fits the memory budget.*needs") as info:
         autopar.plan(model, autopar.Mesh({"dp": 2}, device="h100"), inputs, memory_budget=1000)
+    # the largest tensors by the user's names: parameters by FQN, inputs by input:N, ops by module path: op
+    assert re.search(r"largest tensors at their leanest placement: .*layers.0.weight \(", str(info.value))
+    assert re.search(r"head: t \(", str(info.value)) and not NODE_NAME.search(str(info.value)), str(info.value)
 
 
 def test_plans_are_deterministic(tmp_path):
@@ -286,6 +290,70 @@ def test_bad_hints_are_clear_errors(hints, match):
     mesh = autopar.Mesh({"dp": 2, "tp": 2}, device="h100")
     with pytest.raises(HintError, match=match):
         autopar.plan(model, mesh, inputs, hints=hints)
+
+
+#: An internal node name (``primals_3``, ``mm_7``): no message may show one. (A module path may
+#: look alike, ``ln_1``: the models' messages checked with it have none.)
+NODE_NAME = re.compile(r"\b(primals|tangents)_\d+|\b[a-z]+_\d+\b")
+PLACEHOLDER_NAME = re.compile(r"\b(primals|tangents)_\d+")
+
+
+@pytest.mark.parametrize(
+    "hints, match",
+    [
+        ({"input:0": "S(-3), B"}, r"^hints\['input:0'\]: S\(-3\), B splits dim -3, but input:0 has only 2 dims "
+                                  r"\(shape \[64, 64\]\)$"),
+        ({"layers.0.weight": "S(5), B"}, r"^hints\['layers.0.weight'\]: S\(5\), B splits dim 5, but layers.0.weight "
+                                         r"has shape \[64, 64\]$"),
+        ({"layers.*.bias": "S(0), S(0)", "_hidden": 3}, r"^hints\['layers.\*.bias'\]: S\(0\), S\(0\) cannot split "
+                                                       r"layers.0.bias of shape \[3\] over mesh"),
+        ({"layers.*.weight": "S(0), B", "layers.0.weight": "S(1), B"},
+         r"^contradictory hints for layers.0.weight: S\(0\), B \(hints\['layers.\*.weight'\]\) and S\(1\), B"),
+    ],
+)
+def test_hint_errors_name_the_users_tensor(hints, match):
+    hints = dict(hints)
+    model, inputs = _mlp(64, hints.pop("_hidden", 64), batch=64)
+    with pytest.raises(HintError, match=match) as info:
+        autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, device="h100"), inputs, hints=hints)
+    assert not NODE_NAME.search(str(info.value)), str(info.value)
+
+
+def test_negative_split_dims_in_hints_count_from_the_end():
+    model, inputs = _mlp(64, 64, batch=64)
+    plan = autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, device="h100"), inputs,
+                        hints={"input:0": "dp=S(-1)", "layers.0.weight": "S(-2), S(-1)"})
+    assert plan.placements["input:0"] == "S(1), B"
+    assert plan.placements["layers.0.weight"] == "S(0), S(1)"
+
+
+def test_hint_that_cuts_fused_blocks_unevenly_names_the_parameter():
+    model, inputs = autopar.models.make("gpt", batch=6, n_layer=2, n_embd=32, vocab_size=64, block_size=16)
+    with pytest.raises(HintError, match=r"^hints\['blocks.0.attn.qkv.weight'\]: blocks.0.attn.qkv.weight cannot be "
+                                        r"placed S\(0\): a split would cut its equal blocks unevenly"):
+        autopar.plan(model, autopar.Mesh({"tp": 3}, device="h100"), inputs,
+                     hints={"blocks.0.attn.qkv.weight": "S(0)"})
+
+
+def test_recipes_that_conflict_with_a_hint_say_so_in_the_baselines():
+    """The README's hint (the batch split on dp only) against recipes that also split it on tp: those
+    recipes are not priced, and their baseline says which hint they conflict with."""
+    model, inputs = autopar.models.make("gpt", batch=8, n_layer=2, n_embd=32, vocab_size=64, block_size=16)
+    mesh = autopar.Mesh({"dp": 2, "tp": 2}, device="h100")
+    plan = autopar.plan(model, mesh, inputs, hints={"input:0": "dp=S(0)"}, progress=False)
+    assert plan.baselines["ddp"] == {"error": "conflicts with your hint on input:0: ddp places it S(0), S(0), "
+                                              "the hint S(0), B"}
+    assert plan.baselines["fsdp"] == {"error": "conflicts with your hint on input:0: fsdp places it S(0), S(0), "
+                                               "the hint S(0), B"}
+    assert plan.baselines["megatron_sp"] == {"error": "conflicts with your hint on input:0: megatron_sp places it "
+                                                      "S(0), S(1), the hint S(0), B"}
+    for name in ("megatron_tp", "fsdp_tp"):  # these split the batch on dp only: priced as usual
+        assert plan.baselines[name]["step_time"] > 0, plan.baselines[name]
+    assert "error: conflicts with your hint on input:0: ddp places it S(0), S(0)" in plan.summary()
+    assert not PLACEHOLDER_NAME.search(plan.summary())
+    with pytest.raises(autopar.errors.RecipeError, match=r"^the ddp recipe conflicts with your hint on input:0: ddp "
+                       r"places it S\(0\), S\(0\), the hint S\(0\), B; drop the hint or choose another recipe$"):
+        autopar.recipes.ddp(model, mesh, inputs, hints={"input:0": "dp=S(0)"})
 
 
 @pytest.mark.parametrize("axes, match", [({}, "at least one"), ({"dp": 0}, "size"), ({"dp": 2, "tp": "x"}, "size")])

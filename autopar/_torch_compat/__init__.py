@@ -66,7 +66,7 @@ from autopar._torch_compat.fx import (
     tree_unflatten,
     use_flat_calling_convention,
 )
-from autopar._torch_compat.nn import after_conversion, buffer_table, parameter_table
+from autopar._torch_compat.nn import after_conversion, buffer_table, parameter_table, share_tables, with_metadata
 
 #: Try the one-pass joint trace first (``aot._export_joint_fast``); False: always AOTAutograd's
 #: export. Set here (``tc.FAST_JOINT = False``): ``export_joint`` reads it from the package.
@@ -79,7 +79,7 @@ __all__ = [
     "dtensor_from_spec", "dtensor_spec", "export_joint", "functional_all_gather", "functional_all_reduce",
     "functional_all_reduce_", "functional_all_to_all", "functional_collective_name", "functional_reduce_scatter",
     "has_grad_hooks", "held_indices", "install_strided_checkpointing", "local_tensor", "parameter_table",
-    "preserve_node_meta", "process_group", "pytree", "record_dispatch", "storage_use_count", "strided_shard",
-    "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "use_flat_calling_convention",
-    "will_engine_execute",
+    "preserve_node_meta", "process_group", "pytree", "record_dispatch", "share_tables", "storage_use_count",
+    "strided_shard", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "use_flat_calling_convention",
+    "will_engine_execute", "with_metadata",
 ]

@@ -1,6 +1,6 @@
-"""``nn.Module`` internals (torch 2.13): its own parameter and buffer tables (``_parameters``,
-``_buffers``) and ``_apply``, the method every tensor conversion (``to``, ``to_empty``, ``cuda``,
-``half``, ...) goes through.
+"""``nn.Module`` internals (torch 2.13): its own parameter, buffer and submodule tables
+(``_parameters``, ``_buffers``, ``_non_persistent_buffers_set``, ``_modules``) and ``_apply``, the
+method every tensor conversion (``to``, ``to_empty``, ``cuda``, ``half``, ...) goes through.
 
 On a torch upgrade: check that those tables are still plain dicts keyed by attribute name (a
 ``None`` entry for a registered-but-unset tensor), and that conversions still call
@@ -9,7 +9,8 @@ On a torch upgrade: check that those tables are still plain dicts keyed by attri
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections import OrderedDict
+from typing import Callable, Mapping, TypeVar
 
 import torch
 
@@ -25,6 +26,24 @@ def parameter_table(module: torch.nn.Module) -> dict:
 def buffer_table(module: torch.nn.Module) -> dict:
     """``module``'s own buffers by attribute name: the live dict (as ``parameter_table``)."""
     return module._buffers
+
+
+def share_tables(dst: torch.nn.Module, src: torch.nn.Module) -> None:
+    """Give ``dst`` ``src``'s own parameter, buffer and submodule tables (the same dicts, not copies),
+    so that ``dst.state_dict()``, ``named_parameters()`` and ``load_state_dict`` use ``src``'s names
+    (no prefix) and see every change either side makes."""
+    for table in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+        object.__setattr__(dst, table, getattr(src, table))
+
+
+def with_metadata(values: Mapping, like: Mapping) -> "OrderedDict":
+    """``values`` as a state dict carrying ``like``'s version metadata (``state_dict()``'s
+    ``_metadata``, which ``load_state_dict`` reads to upgrade old formats)."""
+    out = OrderedDict(values)
+    meta = getattr(like, "_metadata", None)
+    if meta is not None:
+        out._metadata = meta  # type: ignore[attr-defined]
+    return out
 
 
 def after_conversion(hook: Callable[[torch.nn.Module], None]) -> Callable[[_M], _M]:
@@ -43,4 +62,4 @@ def after_conversion(hook: Callable[[torch.nn.Module], None]) -> Callable[[_M], 
     return decorate
 
 
-__all__ = ["after_conversion", "buffer_table", "parameter_table"]
+__all__ = ["after_conversion", "buffer_table", "parameter_table", "share_tables", "with_metadata"]

@@ -12,6 +12,8 @@ import re
 from typing import Any, Sequence
 
 from autopar.cli.errors import USAGE, CLIError
+from autopar.errors import ArgumentError
+from autopar.validate import parse_size
 
 #: a Python identifier: mesh axis names, factory keywords, module and attribute names
 IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -86,18 +88,13 @@ def parse_hints(items: Sequence[str], axis_names: Sequence[str]) -> dict[str, st
     return out
 
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-
-
 def parse_bytes(text: str) -> int:
-    """``"60GiB"`` -> 64424509440; ``GB`` is 10^9, ``GiB`` and a bare ``G`` 2^30; no unit: bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS or float(m.group(1)) * _UNITS[unit] < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive size such as 60GiB, 80GB or 6e10 (bytes), got {text!r}")
-    return int(float(m.group(1)) * _UNITS[unit])
+    """``"60GiB"`` -> 64424509440; ``GB`` is 10^9, ``GiB`` and a bare ``G`` 2^30; no unit: bytes
+    (``autopar.validate.parse_size``, which ``autopar.plan(memory_budget=...)`` uses too)."""
+    try:
+        return int(parse_size(text))
+    except ArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def positive_float(text: str) -> float:

@@ -18,7 +18,8 @@ import os
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from autopar.cost_model.hardware import Hardware, Link, get_hardware
-from autopar.errors import MeshError
+from autopar.errors import ArgumentError, MeshError
+from autopar.validate import check_path, parse_size
 
 LinkLike = Union[Link, tuple, list, dict]
 
@@ -29,7 +30,7 @@ class Mesh:
     ``axes`` may also be a torch ``DeviceMesh`` (names from ``mesh_dim_names``, else ``dim0``, ...)
     or a sequence of sizes (named ``dim0``, ...). ``device`` is a preset name (``h100``, ``h200``,
     ``a100``, ``cpu``) or a ready ``Hardware``; ``profile`` a calibrated profile file overriding the
-    preset's figures; ``memory`` overrides the per-device memory budget in bytes.
+    preset's figures; ``memory`` overrides the per-device memory (bytes, or a size such as ``"80GiB"``).
     """
 
     names: tuple[str, ...]
@@ -44,20 +45,29 @@ class Mesh:
         device: str = "h100",
         profile: Optional[Union[str, os.PathLike]] = None,
         links: Optional[Mapping[str, LinkLike]] = None,
-        memory: Optional[int] = None,
+        memory: Optional[Union[int, float, str]] = None,
     ) -> None:
         names, shape = _read_axes(axes)
         if isinstance(device, Hardware):  # a ready Hardware object (e.g. from a plan file)
             hw, device_name = device, device.name
         else:
+            if not isinstance(device, str):
+                raise MeshError(f"Mesh: device must be a preset name such as 'h100' or 'cpu' (or a Hardware), "
+                                f"got {type(device).__name__}")
             try:
+                if profile is not None:
+                    check_path(profile, "Mesh: profile")
                 hw = get_hardware(device, profile)
+            except ArgumentError as e:
+                raise MeshError(str(e)) from None
             except ValueError as e:
                 raise MeshError(f"Mesh: {e}") from None
             device_name = str(device).lower()
         if memory is not None:
-            if isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0:
-                raise MeshError(f"Mesh: memory must be a positive number of bytes per device, got {memory!r}")
+            try:
+                memory = parse_size(memory, "Mesh: memory (bytes per device)")
+            except ArgumentError as e:
+                raise MeshError(str(e)) from None
             hw = dataclasses.replace(hw, memory=int(memory))
         self._setup(names, shape, device_name, hw, _resolve_links(names, shape, hw, links))
 
@@ -161,7 +171,8 @@ class Mesh:
 def require_mesh(mesh: object) -> Mesh:
     """``mesh`` itself when it is an ``autopar.Mesh``; a clear ``TypeError`` otherwise."""
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
+        raise ArgumentError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}: build one, e.g. "
+                            "autopar.Mesh({'dp': 2, 'tp': 4}, device='h100')")
     return mesh
 
 
@@ -174,9 +185,12 @@ def _read_axes(axes: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
     elif hasattr(axes, "mesh_dim_names") and hasattr(axes, "shape"):  # torch DeviceMesh
         sizes = list(axes.shape)
         names = list(axes.mesh_dim_names) if axes.mesh_dim_names else [f"dim{i}" for i in range(len(sizes))]
-    elif isinstance(axes, (list, tuple)):
+    elif isinstance(axes, (list, tuple)):  # sizes only: the axes are named dim0, dim1, ...
         sizes = list(axes)
         names = [f"dim{i}" for i in range(len(sizes))]
+        if any(isinstance(s, str) for s in sizes):
+            raise MeshError(f"Mesh axes given as a list are sizes (named dim0, dim1, ...), got {list(axes)!r}: for "
+                            "named axes pass a dict, e.g. Mesh({'dp': 2, 'tp': 4})")
     else:
         raise MeshError(
             f"Mesh axes must be a dict of name -> size, a torch DeviceMesh or a list of sizes, got {type(axes).__name__}"

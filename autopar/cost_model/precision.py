@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from autopar.cost_model.hardware import Hardware
+from autopar.errors import ArgumentError
 
 #: optimizer -> number of extra state tensors per parameter element (moments)
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1, "none": 0}
@@ -69,10 +70,10 @@ def get_precision(name: Optional[str], hw: Hardware, optimizer: str = "adamw") -
         return name
     key = hw.default_precision if name is None else str(name).lower()
     if key not in _TABLE:
-        raise ValueError(f"unknown precision {name!r}: choose one of {list(PRECISIONS)}")
+        raise ArgumentError(f"unknown precision {name!r}: choose one of {list(PRECISIONS)}")
     opt = str(optimizer).lower()
     if opt not in OPTIMIZER_STATES:
-        raise ValueError(f"unknown optimizer {optimizer!r}: choose one of {list(OPTIMIZER_STATES)}")
+        raise ArgumentError(f"unknown optimizer {optimizer!r}: choose one of {list(OPTIMIZER_STATES)}")
     cb, cd, pb, gb, gab, sb = _TABLE[key]
     return Precision(
         name=key,

@@ -93,6 +93,12 @@ class Ref:
         return self.node if self.index == 0 else f"{self.node}[{self.index}]"
 
 
+def short_op(op: str) -> str:
+    """An op's name without the ``aten.`` namespace and the ``.default`` overload: ``mm``, ``add.Tensor``."""
+    op = op[len("aten."):] if op.startswith("aten.") else op
+    return op[:-len(".default")] if op.endswith(".default") else op
+
+
 @dataclass(eq=False)
 class Node:
     """One op of the program.
@@ -127,8 +133,10 @@ class Node:
         return self.op == "placeholder"
 
     def where(self) -> str:
-        """Human-readable location for error messages."""
-        return f"{self.op} (node {self.name!r}, module {self.module_path or '<root>'!r})"
+        """The op as users know it, for messages: ``module path: op`` (``blocks.0.mlp.fc: mm``),
+        ``(backward)`` added for an op of the backward. Never the internal node name."""
+        text = f"{self.module_path or '<root>'}: {short_op(self.op)}"
+        return text + " (backward)" if self.phase == Phase.BACKWARD else text
 
 
 @dataclass(frozen=True)
@@ -165,6 +173,27 @@ class Graph:
     def node(self, name: str) -> Node:
         """The node called ``name``."""
         return self._by_name[name]
+
+    def user_name(self, x: "Ref | Node | str") -> str:
+        """The user's name of a tensor (a ``Ref``) or of a node's first output: the parameter's or
+        buffer's FQN, ``input:N`` or the keyword input's name, the gradient of a parameter, the loss,
+        or ``module path: op`` (``Node.where``). Every message naming a tensor goes through here:
+        the internal node names (``primals_3``, ``mm_7``) mean nothing to users."""
+        ref = x if isinstance(x, Ref) else Ref(x.name if isinstance(x, Node) else x)
+        node = self._by_name[ref.node]
+        if node.is_placeholder:
+            for table in (self.params, self.buffers, self.inputs):
+                for key, name in table.items():
+                    if name == ref.node:
+                        return key
+            return "the loss's incoming gradient" if node.roles[0] == Role.TANGENT else node.where()
+        for fqn, g in self.grads.items():
+            if g == ref:
+                return f"the gradient of {fqn}"
+        if self.loss == ref:
+            return "the loss"
+        text = node.where()
+        return text if len(node.outputs) == 1 else f"{text} output {ref.index}"
 
     def spec(self, ref: Ref) -> TensorSpec:
         """Shape and dtype of the tensor ``ref`` names."""

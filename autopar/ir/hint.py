@@ -19,6 +19,7 @@ from typing import Sequence, Union
 
 import torch
 
+from autopar.errors import ArgumentError
 from autopar.ir.placement import PlacementError, format_placements, normalize, parse_one, split_top_level
 
 __all__ = ["hint", "canonical_placements"]
@@ -82,5 +83,6 @@ def hint(tensor: torch.Tensor, placements: Union[str, Sequence]) -> torch.Tensor
     Use the returned value (``x = autopar.hint(x, "dp=S(0)")``): the constraint applies to it.
     """
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"autopar.hint expects a tensor, got {type(tensor).__name__}")
+        raise ArgumentError(f"autopar.hint expects a tensor, got {type(tensor).__name__}: hint a tensor of forward, "
+                            "x = autopar.hint(x, 'dp=S(0)')")
     return torch.ops.autopar.hint(tensor, canonical_placements(placements))

@@ -133,7 +133,8 @@ def lift(
             src = n.args[0]
             base = ref_of[src]
             if base.index != 0 or not isinstance(src.meta.get("val"), (tuple, list)):
-                raise CaptureError(f"cannot lift nested getitem {n.name} of {src.name} ({src.target})")
+                raise CaptureError(f"cannot lift a nested tuple output of {src.target} in the captured graph; please "
+                                   "report it with the model")
             ref_of[n] = Ref(base.node, n.args[1])
             continue
         outs_val = n.meta.get("val")
@@ -153,7 +154,8 @@ def lift(
             elif isinstance(desc, tc.TangentAOTInput):
                 roles = [Role.TANGENT]
             else:
-                raise CaptureError(f"capture does not understand graph input {n.name} ({desc!r})")
+                raise CaptureError(f"capture does not understand an input of the traced graph ({desc!r}); please "
+                                   "report it with the model")
             node = Node(n.name, "placeholder", None, (), {}, [], outputs, roles, _phase(n), module_path, n)
         elif n.op == "call_function":
             ins: list[Ref] = []
@@ -181,7 +183,8 @@ def lift(
             users = [(u.meta.get("custom") or {}).get("autopar_module", "") for u in n.users]
             node = Node(n.name, "get_attr", n.target, (), {}, [], outputs, roles, _phase(n), _common_module(users), n)
         else:
-            raise CaptureError(f"unexpected fx node {n.name} ({n.op}) in the captured graph")
+            raise CaptureError(f"unexpected {n.op} node ({n.target}) in the captured graph; please report it "
+                               "with the model")
         nodes.append(node)
         by_name[n.name] = node
         ref_of[n] = Ref(n.name, 0)

@@ -19,6 +19,7 @@ from autopar.errors import InfeasibleError, RecipeError
 from autopar.ir.annotations import dtensor_hints, merge_hints
 from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph
+from autopar.ir.placement import format_placements
 from autopar.passes.search import recipes
 from autopar.passes.search.build import build_problem
 from autopar.passes.search.complete import complete
@@ -28,7 +29,7 @@ from autopar.passes.search.problem import MEMORY_KINDS, Cost, Problem, evaluate
 from autopar.passes.search.propagate import propagate
 from autopar.passes.search.solve import Solution, greedy, solve
 from autopar.passes.search.solve_axis import FULL_ILP_LIMIT, edge_var_count, solve_by_axis
-from autopar.passes.search.strategies import node_strategies, resolve_hints
+from autopar.passes.search.strategies import Constraint, node_strategies, resolve_hints
 from autopar.plans.format import human_bytes
 
 #: The memory budget when none is given: this fraction of the device's memory.
@@ -98,7 +99,8 @@ def run_passes(
     clock = _Clock(sys.stderr.isatty() if progress is None else progress)
     example_inputs = as_args(example_inputs)
     # parameters and inputs that already are DTensors keep their placements (hard, like hints)
-    hints = merge_hints(hints, dtensor_hints(model, tuple(example_inputs), example_kwargs or {}, mesh.shape))
+    placed = dtensor_hints(model, tuple(example_inputs), example_kwargs or {}, mesh.shape)
+    hints = merge_hints(hints, placed)
     if graph is None:
         graph = capture(model, tuple(example_inputs), example_kwargs, training=training)
     clock.lap("capture")
@@ -121,11 +123,13 @@ def run_passes(
     for name in names:
         try:
             allowed = recipes.constraints(graph, mesh, name, tensor_axis)
+            _check_recipe_hints(graph, name, allowed, constraints, bool(recipe), {f"hints[{k!r}]" for k in placed})
             # the weights' column/row descent only for a recipe asked for by name: as a baseline
             # for the search it would cost seconds of planning on large meshes
             pinned = recipes.pinned_axes(mesh, name, tensor_axis)
             regions = recipes.tensor_regions(graph, name) if pinned else None
-            choice = complete(merged, problem, allowed, pinned, orient=bool(recipe), regions=regions)
+            choice = complete(merged, problem, allowed, pinned, orient=bool(recipe), regions=regions,
+                              label=graph.user_name)
         except (RecipeError, InfeasibleError, ValueError) as e:
             if recipe:
                 raise
@@ -171,6 +175,28 @@ def run_passes(
                    choices, clock.phases)
 
 
+def _check_recipe_hints(graph: Graph, name: str, allowed: recipes.Allowed, constraints: list[Constraint],
+                        asked: bool, dtensors: set[str]) -> None:
+    """A recipe that places a hinted tensor otherwise than the hint is not priced: its baseline says
+    which hint it conflicts with (pricing it with the hint applied would no longer be the recipe).
+    ``asked``: the recipe was asked for by name, so the error also says what to do. ``dtensors``:
+    the sources of the hints that are DTensors' own placements."""
+    for c in constraints:
+        ways = allowed.get(c.ref.node)
+        if ways is None or c.placements in ways:
+            continue
+        theirs = " or ".join(format_placements(w) for w in ways)
+        what = "the DTensor" if c.source in dtensors else "the hint"
+        whose = ("its DTensor placement" if c.source in dtensors else
+                 "your hint" if c.source.startswith("hints[") else c.source)
+        text = (f"conflicts with {whose} on {graph.user_name(c.ref)}: {name} places it {theirs}, {what} "
+                f"{format_placements(c.placements)}")
+        if asked:
+            fix = "redistribute it" if c.source in dtensors else "drop the hint"
+            raise RecipeError(f"the {name} recipe {text}; {fix} or choose another recipe")
+        raise RecipeError(text)
+
+
 def _infeasible(graph: Graph, problem: Problem, budget: float) -> InfeasibleError:
     """No plan fits: state the smallest per-device memory any plan needs and what dominates it.
 
@@ -186,15 +212,8 @@ def _infeasible(graph: Graph, problem: Problem, budget: float) -> InfeasibleErro
         if n.mem_total(s):
             tops.append((n.mult * n.mem_total(s), n.name, n.mult))
     tops.sort(reverse=True)
-    names = {v: k for k, v in list(graph.params.items()) + list(graph.buffers.items()) + list(graph.inputs.items())}
-
-    def label(name: str) -> str:
-        if name in names:
-            return names[name]
-        node = graph.node(name)
-        return f"{name} ({node.op.replace('aten.', '')} in {node.module_path or '<root>'})"
-
-    top = ", ".join(f"{label(name)} ({human_bytes(b)}" + (f" over {m} layers)" if m > 1 else ")") for b, name, m in tops[:5])
+    top = ", ".join(f"{graph.user_name(name)} ({human_bytes(b)}" + (f" over {m} layers)" if m > 1 else ")")
+                    for b, name, m in tops[:5])
     total = sum(need.values())
     return InfeasibleError(
         f"no plan fits the memory budget of {human_bytes(budget)} per device: the leanest possible plan needs "

@@ -22,6 +22,7 @@ from typing import Any, Mapping, Optional, TypedDict, Union
 from autopar.errors import PlanError
 from autopar.plans import view
 from autopar.plans.format import SOLVER_TIMING_KEYS, canon
+from autopar.validate import check_path
 
 SCHEMA_VERSION = 1
 
@@ -324,7 +325,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
 
 def load_plan(path: Union[str, os.PathLike]) -> Plan:
     """Read a plan saved by ``Plan.save``; a PlanError says plainly what is wrong with the file."""
-    p = os.fspath(path)
+    p = check_path(path, "load_plan: path")
     if not os.path.exists(p):
         raise PlanError(f"no plan file at {p!r}: make one with autopar.plan(...) and save it with plan.save(path)")
     if os.path.isdir(p):

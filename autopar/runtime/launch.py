@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from autopar.errors import LaunchError
 from autopar.runtime import _rank
+from autopar.validate import check_launch_args
 
 __all__ = ["LaunchError", "ensure_process_group", "in_torchrun", "launch"]
 
@@ -97,6 +98,7 @@ def launch(
 
     ``fn`` cannot receive keyword arguments named ``timeout`` or ``backend`` (they are launch's).
     """
+    check_launch_args(fn, nprocs, timeout, backend)
     if nprocs < 1:
         raise ValueError(f"launch needs nprocs >= 1, got {nprocs}")
     if timeout <= 0:

@@ -61,19 +61,19 @@ def resolve(graph: Graph, plan) -> Resolved:
             continue
         entry = by_name.get(node.name)
         if entry is None:
-            raise LoweringError(f"the plan has no strategy for {node.where()}: plan again for this model")
+            raise LoweringError(f"the plan has no strategy for {graph.user_name(node)}: plan again for this model")
         want = (list(entry["strategy"]), list(entry["tags"]))
         found = [s for s in node_strategies(graph, node, mesh) if ([str(x) for x in s], [x.tag for x in s]) == want]
         if not found:
             raise LoweringError(
-                f"the plan's strategy {' | '.join(want[0])} for {node.where()} is not one autopar's rules allow "
-                "(a plan from another autopar version?): plan again"
+                f"the plan's strategy {' | '.join(want[0])} for {graph.user_name(node)} is not one autopar's rules "
+                "allow (a plan from another autopar version?): plan again"
             )
         strategies[node.name] = found[0]
         calls[node.name] = op_call(graph, node)
         if node.op.startswith(RANDOM_OPS):
             raise LoweringError(
-                f"{node.where()} draws random numbers ({node.op}); a sharded program cannot reproduce the "
+                f"{graph.user_name(node)} draws random numbers ({node.op}); a sharded program cannot reproduce the "
                 "single-device random stream. Set dropout probabilities to 0 (or call model.eval()) before "
                 "compiling"
             )

@@ -22,7 +22,7 @@ from autopar.cost_model.memory import activation_bytes, param_state_bytes
 from autopar.cost_model.mesh import Mesh
 from autopar.cost_model.precision import Precision
 from autopar.ir.graph import Graph, Phase, Ref, Role
-from autopar.ir.placement import B, Placements, local_shape
+from autopar.ir.placement import B, Placements, format_placements, local_shape
 from autopar.ir.rules import op_call
 from autopar.ir.views import param_views
 from autopar.passes.search.fold import Folding
@@ -110,11 +110,10 @@ def _apply_constraints(graph, nodes, index, folding, constraints: list[Constrain
         if pn.allowed is not None:
             ok = [i for i in ok if i in pn.allowed]
         if not ok:
-            node = graph.node(c.ref.node)
-            raise HintError(
-                f"{c.source}: no strategy of {node.where()} produces {', '.join(map(str, c.placements))}; "
-                "the op's sharding rule does not allow that placement (or another hint excludes it)"
-            )
+            why = ("a split would cut its equal blocks unevenly" if graph.node(c.ref.node).is_placeholder
+                   else "the op's sharding rule does not produce that placement")
+            raise HintError(f"{c.source}: {graph.user_name(c.ref)} cannot be placed {format_placements(c.placements)}: "
+                            f"{why} (or another hint excludes it)")
         pn.allowed = ok
 
 

@@ -13,10 +13,10 @@ the splits it may take; ``prefer`` maps a weight to the split the descent settle
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from autopar.cost_model.comm import LOCAL_KINDS, axis_step
-from autopar.ir.placement import Split
+from autopar.ir.placement import Split, format_placements
 from autopar.passes.search.merge import Merged
 from autopar.passes.search.problem import Problem, evaluate
 from autopar.passes.search.solve import InfeasibleError, greedy, improve, solve
@@ -28,12 +28,12 @@ FORBIDDEN = 1e3
 
 
 def complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int], orient: bool = False,
-              regions=None) -> list[int]:
+              regions=None, label: Callable[[str], str] = str) -> list[int]:
     """A cheap choice with the placeholders restricted to ``allowed`` placements, and parameters
     used where they lie on the ``pinned`` axes (no gathers there): greedy, then local search.
     With ``orient``, each pinned weight's split is chosen by coordinate descent (``_orient``).
     ``regions`` (``recipes.TensorRegions``): which dims activations may be split along on the
-    pinned axes, given the weights' splits."""
+    pinned axes, given the weights' splits. ``label`` names a node for messages (``Graph.user_name``)."""
     saved = [n.allowed for n in merged.problem.nodes]
     saved_costs = [e.cost for e in merged.problem.edges]
     try:
@@ -47,7 +47,8 @@ def complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int],
                 if n.allowed is not None:
                     ok = [s for s in ok if s in n.allowed]
                 if not ok:
-                    raise InfeasibleError(f"no strategy of {n.name} has the recipe's placement")
+                    raise InfeasibleError(f"{label(n.name)} cannot take the recipe's placement "
+                                          f"({' or '.join(format_placements(p) for p in allowed[n.name])})")
                 n.allowed = ok
         if not pinned:
             return merged.expand(improve(merged.problem, greedy(merged.problem)), len(problem.nodes))

@@ -122,8 +122,26 @@ def resolve_hints(graph: Graph, mesh: Mesh, hints: Optional[dict[str, object]]) 
                 )
         for t in targets:
             out.append(Constraint(Ref(t), pl, where))
+    out = [_count_from_end(graph, c) for c in out]
     _check(graph, mesh, out)
     return out
+
+
+def _count_from_end(graph: Graph, c: Constraint) -> Constraint:
+    """``S(-1)`` splits the last dim, as ``torch.Tensor.size(-1)`` counts: negative dims counted
+    from the end of the hinted tensor's shape."""
+    if not any(isinstance(p, Split) and p.dim < 0 for p in c.placements):
+        return c
+    spec = graph.spec(c.ref)
+    placements = []
+    for p in c.placements:
+        if isinstance(p, Split) and p.dim < 0:
+            if p.dim < -spec.ndim:
+                raise HintError(f"{c.source}: {format_placements(c.placements)} splits dim {p.dim}, but "
+                                f"{graph.user_name(c.ref)} has only {spec.ndim} dims (shape {list(spec.shape)})")
+            p = Split(p.dim + spec.ndim)
+        placements.append(p)
+    return Constraint(c.ref, tuple(placements), c.source)
 
 
 def _parse(value: object, mesh: Mesh, where: str) -> Placements:
@@ -131,6 +149,9 @@ def _parse(value: object, mesh: Mesh, where: str) -> Placements:
         return parse(value, axis_names=mesh.names, ndim=mesh.ndim)  # type: ignore[arg-type]
     except PlacementError as e:
         raise HintError(f"{where}: {e}") from None
+    except TypeError:  # not a string, not a sequence
+        raise HintError(f"{where}: {value!r} is not a placement; give a string such as 'dp=S(0)' or 'S(0), B'"
+                        ) from None
 
 
 def _check(graph: Graph, mesh: Mesh, constraints: list[Constraint]) -> None:
@@ -140,17 +161,19 @@ def _check(graph: Graph, mesh: Mesh, constraints: list[Constraint]) -> None:
         for p, n, name in zip(c.placements, mesh.shape, mesh.names):
             if isinstance(p, Split) and p.dim >= spec.ndim:
                 raise HintError(f"{c.source}: {format_placements(c.placements)} splits dim {p.dim}, "
-                                f"but the tensor {c.ref} has shape {list(spec.shape)}")
+                                f"but {graph.user_name(c.ref)} has shape {list(spec.shape)}")
         if not fits(spec.shape, c.placements, mesh.shape):
             raise HintError(
-                f"{c.source}: {format_placements(c.placements)} cannot split the tensor of shape {list(spec.shape)} "
+                f"{c.source}: {format_placements(c.placements)} cannot split {graph.user_name(c.ref)} of shape "
+                f"{list(spec.shape)} "
                 f"over mesh {dict(zip(mesh.names, mesh.shape))}: a split dim is smaller than the number of devices "
                 "it is cut over"
             )
         prev = seen.get(c.ref)
         if prev is not None and prev.placements != c.placements:
             raise HintError(
-                f"contradictory hints for {c.ref}: {format_placements(prev.placements)} ({prev.source}) and "
+                f"contradictory hints for {graph.user_name(c.ref)}: {format_placements(prev.placements)} "
+                f"({prev.source}) and "
                 f"{format_placements(c.placements)} ({c.source})"
             )
         seen[c.ref] = c
