@@ -332,8 +332,7 @@ def graph_differences(old: Mapping, new: Mapping, limit: int = 12) -> list[str]:
         out.append(f"parameters removed: {listed(sorted(old_f - new_f))}")
     old_s, new_s = old.get("shapes") or {}, new.get("shapes") or {}
     changed = [f"parameter {k}: {old_s[k]} -> {new_s[k]}" for k in sorted(set(old_s) & set(new_s)) if old_s[k] != new_s[k]]
-    if changed:
-        out.append(f"parameter shapes ({len(changed)} changed): " + listed(changed))
+    out += changed[:limit] + ([f"... {len(changed) - limit} more parameters changed shape"] if len(changed) > limit else [])
     old_in, new_in = old.get("inputs") or {}, new.get("inputs") or {}
     for k in sorted(set(old_in) | set(new_in)):
         a, b = old_in.get(k, "(absent)"), new_in.get(k, "(absent)")

@@ -433,7 +433,8 @@ _KNOWN_KEYS = sorted({k for m in (_PlanFile, _Mesh, _Hardware, _Link, _Precision
 
 
 def _error_text(err: dict) -> str:
-    where = json_path(tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))))
+    where = json_path(tuple(p for p in err["loc"] if not (isinstance(p, str) and (p.startswith("function-")
+                                                                                   or p == "[key]"))))
     kind, value = err["type"], err.get("input")
     if kind == "extra_forbidden":
         key = err["loc"][-1]
