@@ -5,7 +5,6 @@ plan used on a mesh of other axis names, sizes or order names both meshes; the C
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -59,8 +58,11 @@ def test_huge_integers_are_refused_without_converting_them(tmp_path, good, digit
 
 def test_deep_nesting_is_refused(tmp_path, good):
     deep = json.dumps(good).replace('"solver": {', '"solver": {"x": ' + "[" * 100_000 + "]" * 100_000 + ", ", 1)
-    assert re.fullmatch(r"not a plan file: its JSON nests too deep to read \(a plan nests at most 16 levels\)",
-                        _load_error(tmp_path, deep))
+    path = _write(tmp_path, deep)
+    with pytest.raises(PlanError) as e:
+        load_plan(path)
+    assert str(e.value) == (f"{str(path)!r} is not a plan file: its JSON nests too deep to read (a plan nests at "
+                            f"most 16 levels)")
     nested = json.dumps(good).replace('"solver": {', '"solver": {"x": ' + "[" * 20 + "]" * 20 + ", ", 1)
     assert _load_error(tmp_path, nested) == "solver.x" + "[0]" * 15 + ": nested deeper than 16 levels"
 
@@ -142,7 +144,7 @@ def test_files_too_large_or_not_text_are_refused(tmp_path, good, monkeypatch):
     monkeypatch.undo()
     path = tmp_path / "bin.json"
     path.write_bytes(b"\xff\xfe{}")
-    with pytest.raises(PlanError, match=r"bin.json': not a plan file: it is not UTF-8 text$"):
+    with pytest.raises(PlanError, match=r"bin.json' is not a plan file: it is not UTF-8 text$"):
         load_plan(path)
     assert _load_error(tmp_path, "[1, 2]") == "a plan is a JSON object, got list"
 

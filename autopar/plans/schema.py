@@ -367,10 +367,7 @@ def load_plan(path: Union[str, os.PathLike]) -> Plan:
         raise PlanError(f"no plan file at {p!r}: make one with autopar.plan(...) and save it with plan.save(path)")
     if os.path.isdir(p):
         raise PlanError(f"{p!r} is a directory, not a plan file")
-    try:
-        d = read_json(p)
-    except PlanError as e:
-        raise PlanError(f"{p!r}: {e}") from None
+    d = read_json(p)
     try:
         return Plan.from_dict(d)
     except PlanError as e:

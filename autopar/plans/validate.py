@@ -90,23 +90,24 @@ def _parse_int(text: str):
 
 def read_json(path: str) -> Any:
     """The JSON value in the file at ``path``, read with bounds (file size, integer digits, nesting);
-    a PlanError says what is wrong with the file."""
+    a PlanError, naming the file, says what is wrong with it."""
     size = os.path.getsize(path)
     if size > MAX_FILE_BYTES:
-        raise PlanError(f"the file is {size:,} bytes; a plan file is at most {MAX_FILE_BYTES:,} bytes")
+        raise PlanError(f"{path!r}: the file is {size:,} bytes; a plan file is at most {MAX_FILE_BYTES:,} bytes")
     with open(path, "rb") as fh:
         raw = fh.read(MAX_FILE_BYTES + 1)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise PlanError("not a plan file: it is not UTF-8 text") from None
+        raise PlanError(f"{path!r} is not a plan file: it is not UTF-8 text") from None
     try:
         return json.loads(text, parse_int=_parse_int)
     except json.JSONDecodeError as e:
-        raise PlanError(f"not a plan file: invalid JSON at line {e.lineno} column {e.colno} ({e.msg})") from None
+        raise PlanError(f"{path!r} is not a plan file: invalid JSON at line {e.lineno} column {e.colno} "
+                        f"({e.msg})") from None
     except RecursionError:
-        raise PlanError(f"not a plan file: its JSON nests too deep to read (a plan nests at most {MAX_DEPTH} "
-                        f"levels)") from None
+        raise PlanError(f"{path!r} is not a plan file: its JSON nests too deep to read (a plan nests at most "
+                        f"{MAX_DEPTH} levels)") from None
 
 
 # -- values -----------------------------------------------------------------------------------------
