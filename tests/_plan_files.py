@@ -26,3 +26,19 @@ def tiny_plan_json(hidden: int = 32) -> str:
     model, inputs = tiny_mlp(hidden)
     plan = autopar.plan(model, autopar.Mesh(AXES, device="cpu"), inputs, deterministic_time=0.5, progress=False)
     return plan.to_json()
+
+
+def compile_errors_on_rank(plan_paths: list, axes: dict) -> list:
+    """On each rank of a launch: ``autopar.compile`` of the tiny MLP with each saved plan on a mesh
+    of ``axes``, and the error each raised (``"compiled"`` if none)."""
+    import autopar
+
+    out = []
+    for path in plan_paths:
+        model, inputs = tiny_mlp()
+        try:
+            autopar.compile(model, autopar.Mesh(axes, device="cpu"), inputs, plan=path)
+            out.append("compiled")
+        except autopar.AutoparError as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out

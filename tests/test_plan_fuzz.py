@@ -12,12 +12,11 @@ import signal
 import time
 
 import pytest
+from _plan_files import tiny_plan_json
+from test_plan import make_plan
 
 from autopar.plans import Plan, PlanError, load_plan
 from autopar.plans.html import render_html
-
-from _plan_files import tiny_plan_json
-from test_plan import make_plan
 
 CASES = 200  # per base plan
 HANG_S = 10  # a file that takes this long is a hang (the bounds keep every load far below a second)

@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from _plan_files import AXES, compile_errors_on_rank, tiny_mlp, tiny_plan_json
 
 import autopar
 from autopar.errors import CompileError
-from autopar.plans import SCHEMA_VERSION, Plan, PlanError, load_plan
-from autopar.plans import validate
-
-from _plan_files import AXES, tiny_mlp, tiny_plan_json
+from autopar.plans import SCHEMA_VERSION, Plan, PlanError, load_plan, validate
 
 
 @pytest.fixture(scope="module")
@@ -257,3 +255,22 @@ def test_cli_show_prints_one_line_naming_the_field(tmp_path, good, capsys, chang
     assert main(["show", str(path)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "memory_budget: an integer of 5000 digits" in err, err
+
+
+def test_compile_with_a_plan_file_fails_alike_on_every_rank(tmp_path, good):
+    """Rank 0 reads the file; a file it refuses, or a plan for other mesh axes, is the same error on
+    every rank (none is left waiting for rank 0's plan)."""
+    from autopar.runtime.launch import launch
+
+    model, inputs = tiny_mlp()
+    plan = autopar.plan(model, autopar.Mesh({"dp": 2}, device="cpu"), inputs, deterministic_time=0.5, progress=False)
+    ok = tmp_path / "dp.json"
+    plan.save(ok)
+    bad = _write(tmp_path, json.loads(ok.read_text()) | {"step_time": "fast"})
+    results = launch(compile_errors_on_rank, 2, [str(bad), str(ok)], {"data": 2}, timeout=240)
+    assert results[0] == results[1], results
+    assert results[0] == [
+        f"PlanError: {str(bad)!r}: plan field 'step_time' should be int or float, got str 'fast'",
+        ("CompileError: this plan was made for mesh dp=2, not data=2 (axis names differ: the plan's ['dp'], the "
+         "mesh's ['data']): build the mesh as autopar.Mesh({'dp': 2}, ...) or plan again for this mesh"),
+    ]

@@ -305,7 +305,9 @@ class Plan:
         mine, theirs = dict(zip(self.axis_names, self.mesh_shape)), dict(axes)
         if list(mine.items()) == list(theirs.items()):
             return
-        text = lambda m: " x ".join(f"{k}={v}" for k, v in m.items()) or "(no axes)"  # noqa: E731
+        def text(m: Mapping) -> str:
+            return " x ".join(f"{k}={v}" for k, v in m.items()) or "(no axes)"
+
         if mine == theirs:
             why = "the same axes in another order: placements are per axis in mesh order"
         elif set(mine) != set(theirs):

@@ -22,10 +22,19 @@ import numbers
 import os
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, \
-    field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from autopar.cost_model.precision import OPTIMIZER_STATES, PRECISIONS
 from autopar.errors import PlacementError, PlanError
@@ -272,7 +281,7 @@ class _Mesh(_Strict):
         return axes
 
     @model_validator(mode="after")
-    def _links_match(self) -> "_Mesh":
+    def _links_match(self) -> _Mesh:
         if self.links is not None and set(self.links) != set(self.axes):
             raise ValueError(f"links are given for the axes {sorted(self.links)}, the mesh has {list(self.axes)}")
         return self
@@ -280,11 +289,11 @@ class _Mesh(_Strict):
 
 class _Precision(_Strict):
     name: Literal[PRECISIONS]  # type: ignore[valid-type]
-    compute_bytes: Optional[Annotated[int, Field(ge=1, le=16)]] = None
-    compute_dtype: Optional[Name] = None
+    compute_bytes: Annotated[int, Field(ge=1, le=16)] | None = None
+    compute_dtype: Name | None = None
     param_bytes: Annotated[int, Field(ge=1, le=16)] = None
     grad_bytes: Annotated[int, Field(ge=1, le=16)] = None
-    gather_bytes: Optional[Annotated[int, Field(ge=1, le=16)]] = None
+    gather_bytes: Annotated[int, Field(ge=1, le=16)] | None = None
     optimizer: Literal[tuple(OPTIMIZER_STATES)] = None  # type: ignore[valid-type]
     optimizer_bytes: Annotated[int, Field(ge=0, le=64)] = None
 
@@ -314,7 +323,7 @@ class _Node(_Strict):
     strategy: list[Signature] = None
     tags: list[Name] = None
     inputs: list[PlacementText] = None
-    outputs: list[Optional[PlacementText]] = None
+    outputs: list[PlacementText | None] = None
     compute: Seconds = None
 
     @field_validator("strategy", "tags")
@@ -345,7 +354,7 @@ class _Resharding(_Strict):
     bytes: Int = None
     time: Seconds = None
     steps: list[_Step] = None
-    module: Optional[Name] = None
+    module: Name | None = None
     bucket: Count = None
 
 
@@ -387,7 +396,7 @@ class _Solver(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     solver: Text = None
     status: Text = None
-    gap: Optional[Delta] = None
+    gap: Delta | None = None
     variables: Count = None
     constraints: Count = None
     rounds: Count = None
@@ -444,7 +453,7 @@ def _error_text(err: dict) -> str:
         return (f"{where}: unknown key {shown(key)}{hint}; a plan file holds only the keys Plan.save writes, "
                 f"so an unknown key is refused rather than ignored")
     msg = err["msg"]
-    msg = msg[len("Value error, "):] if msg.startswith("Value error, ") else msg
+    msg = msg.removeprefix("Value error, ")
     msg = msg[:1].lower() + msg[1:]
     return f"{where}: {msg}, got {shown(value)}"
 
