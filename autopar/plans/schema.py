@@ -125,6 +125,8 @@ class Baseline(TypedDict, total=False):
 
 def _copy(x: Any) -> Any:
     """A deep copy of plain data (dicts, lists, tuples as lists), numbers untouched."""
+    if type(x) in (str, int, float, bool) or x is None:  # the usual leaves, without the ABC checks below
+        return x
     if isinstance(x, Mapping):
         return {k: _copy(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -207,8 +209,10 @@ class Plan:
 
     @staticmethod
     def from_dict(d: Mapping) -> "Plan":
-        """Inverse of ``to_dict``; a PlanError names a wrong schema version, missing fields or
-        fields of the wrong type."""
+        """Inverse of ``to_dict``; checked against the plan file's schema (``autopar.plans.validate``):
+        a PlanError names a schema version it does not read, missing fields, or the first field (a
+        JSON path) of a wrong type or out of range, with its value. A version 1 plan comes back as
+        version 2 without ``graph.shapes``."""
         if not isinstance(d, Mapping):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         if "schema_version" not in d:
@@ -218,11 +222,11 @@ class Plan:
             raise PlanError(f"plan schema version {shown(version)} found, this autopar reads version {SCHEMA_VERSION} "
                             f"(and the earlier {', '.join(map(str, READABLE_VERSIONS[:-1]))}): make the plan again "
                             f"with autopar.plan(...) (or use the autopar version that wrote it)")
-        check_values(d)
+        plain = check_values(d)
         names = [f.name for f in fields(Plan) if f.name not in ("phases", "schema_version")]
         missing = [n for n in names if n not in d]
         if missing:
-            raise PlanError(f"plan lacks the field(s) {', '.join(missing)} (schema version {SCHEMA_VERSION})")
+            raise PlanError(f"plan lacks the field(s) {', '.join(missing)} (schema version {version})")
         kw: dict[str, Any] = {n: _copy(d[n]) for n in names}
         for n, want in _FIELD_TYPES.items():
             v = kw[n]
@@ -234,7 +238,7 @@ class Plan:
                 raise PlanError(f"plan field {n!r} should be {wanted}, got {type(v).__name__} {shown(v)}")
             if want == (int, float):
                 kw[n] = float(v)
-        check_fields(canon(d))
+        check_fields(d if plain else canon(d))
         order = d.get("axis_names")
         if order is not None:  # restore the mesh axis order that sorted JSON keys lost
             mesh = kw["mesh"]

@@ -121,12 +121,13 @@ def read_json(path: str) -> Any:
 
 # -- values -----------------------------------------------------------------------------------------
 
-def check_values(d: Any) -> None:
+def check_values(d: Any) -> bool:
     """Raise PlanError at the first value out of bounds: nesting deeper than ``MAX_DEPTH``, an
     integer beyond 64 bits, a number that is not finite or beyond ``MAX_NUMBER``, a string too long
-    or holding control characters, more than ``MAX_VALUES`` values in all."""
+    or holding control characters, more than ``MAX_VALUES`` values in all. Returns whether every
+    value is plain JSON data (dict, list, str, int, float, bool, None), as a parsed file is."""
     stack: list[tuple[Any, tuple, int]] = [(d, (), 0)]
-    count = 0
+    count, plain = 0, True
     while stack:
         x, loc, depth = stack.pop()
         count += 1
@@ -134,30 +135,39 @@ def check_values(d: Any) -> None:
             raise PlanError(f"the plan holds more than {MAX_VALUES:,} values")
         if depth > MAX_DEPTH:
             raise PlanError(f"{json_path(loc)}: nested deeper than {MAX_DEPTH} levels")
-        if isinstance(x, str):
+        t = type(x)
+        if t is str:
             _check_text(x, loc)
-        elif x is None or isinstance(x, bool):
+        elif x is None or t is bool:
             pass
+        elif t is dict or (t is not list and isinstance(x, Mapping)):
+            plain = plain and t is dict
+            for k, v in x.items():
+                if type(k) is str:
+                    _check_text(k, loc + (k,), key=True)
+                else:
+                    plain = False
+                stack.append((v, loc + (k,), depth + 1))
+        elif t is list or t is tuple:
+            plain = plain and t is list
+            stack.extend((v, loc + (i,), depth + 1) for i, v in enumerate(x))
         elif isinstance(x, HugeInt):
             raise PlanError(f"{json_path(loc)}: an integer of {len(x.text.lstrip('-'))} digits ({shown(x)}); "
                             f"plan integers fit in 64 bits")
         elif isinstance(x, numbers.Integral):
+            plain = plain and t is int
             if abs(int(x)) > MAX_INT:
                 raise PlanError(f"{json_path(loc)}: the integer {shown(int(x))} does not fit in 64 bits")
         elif isinstance(x, numbers.Real):
+            plain = plain and t is float
             f = float(x)
             if not math.isfinite(f):
                 raise PlanError(f"{json_path(loc)}: {f} is not a finite number")
             if abs(f) > MAX_NUMBER:
                 raise PlanError(f"{json_path(loc)}: {f:g} is out of range (at most {MAX_NUMBER:g} in size)")
-        elif isinstance(x, Mapping):
-            for k, v in x.items():
-                if isinstance(k, str):
-                    _check_text(k, loc + (k,), key=True)
-                stack.append((v, loc + (k,), depth + 1))
-        elif isinstance(x, (list, tuple)):
-            stack.extend((v, loc + (i,), depth + 1) for i, v in enumerate(x))
-        # anything else: canon() names it as a value that cannot be stored
+        else:  # canon() names it as a value that cannot be stored
+            plain = False
+    return plain
 
 
 def _check_text(s: str, loc: tuple, key: bool = False) -> None:
