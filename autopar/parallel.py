@@ -20,7 +20,7 @@ import torch.distributed as dist
 from autopar import _torch_compat as tc
 from autopar._torch_compat import install_strided_checkpointing
 from autopar.cost_model.mesh import Mesh, require_mesh
-from autopar.errors import CompileError
+from autopar.errors import CompileError, PlanError
 from autopar.ir.graph import Graph
 from autopar.ir.placement import format_placements, from_dtensor, local_block, to_dtensor
 from autopar.passes.lower import lower, resolve
@@ -283,13 +283,29 @@ class ParallelModule(torch.nn.Module):
 
 # -- compile ----------------------------------------------------------------------------------------
 
-def _share_plan(plan: Optional[Plan], make) -> Plan:
-    """Rank 0's plan (made by ``make`` or given) on every rank."""
-    box = [None]
+def _share_plan(plan, make) -> Plan:
+    """Rank 0's plan (made by ``make``, given, or read from the file ``plan`` names) on every rank; a
+    plan file rank 0 cannot load is the same PlanError on every rank (none waits for the others)."""
+    box: list = [None]
     if dist.get_rank() == 0:
-        box[0] = (plan if plan is not None else make()).to_json(timing=False)
+        try:
+            got = make() if plan is None else plan if isinstance(plan, Plan) else load_plan(plan)
+            box[0] = ("plan", got.to_json(timing=False))
+        except PlanError as e:
+            box[0] = ("error", str(e))
     dist.broadcast_object_list(box, src=0)
-    return Plan.from_dict(__import__("json").loads(box[0]))
+    kind, text = box[0]
+    if kind == "error":
+        raise PlanError(text)
+    return Plan.from_dict(__import__("json").loads(text))
+
+
+def _check_plan_mesh(plan: Plan, mesh: Mesh) -> None:
+    """A CompileError naming both meshes unless the plan's mesh axes are ``mesh``'s: names, sizes and order."""
+    try:
+        plan.check_mesh(mesh.axes)
+    except PlanError as e:
+        raise CompileError(str(e)) from None
 
 
 def _check_same_graph(fingerprint: str) -> None:
@@ -331,19 +347,15 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     if plan is not None and not isinstance(plan, Plan):
         check_path(plan, "autopar.compile: plan (a Plan, a saved plan's path, or None)")
     plan_kwargs = check_plan_args(model, mesh, example_kwargs, plan_kwargs, "autopar.compile")
+    if isinstance(plan, Plan):  # a plan in hand is checked before any process-group work
+        _check_plan_mesh(plan, mesh)
     ensure_process_group(mesh.size, f"mesh {mesh.axes}")
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
-    if plan is not None and not isinstance(plan, Plan):
-        plan = load_plan(plan) if dist.get_rank() == 0 else None
-        given = True
-    else:
-        given = plan is not None
+    given = plan is not None
     training = plan_kwargs.get("training", True) if not given else None
     shared = _share_plan(plan, lambda: make_plan(model, mesh, args, kwargs, **plan_kwargs))
-    if tuple(shared.mesh_shape) != tuple(mesh.shape):
-        raise CompileError(f"the plan was made for mesh {dict(zip(shared.axis_names, shared.mesh_shape))}, "
-                           f"not {mesh.axes}: plan again for this mesh")
+    _check_plan_mesh(shared, mesh)  # on every rank alike (a plan file is read on rank 0 only)
     if training is not None and shared.training != training:
         raise CompileError("the plan's training mode differs from training=")
     graph = capture(model, args, kwargs, training=shared.training)

@@ -45,6 +45,12 @@ def _two_axis(plan: Plan) -> Plan:
     d["placements"] = {k: f"S(0), {v}" for k, v in d["placements"].items()}
     for m in d["modules"]:
         m["placements"] = {k: f"S(0), {v}" for k, v in m["placements"].items()}
+    for n in d["nodes"]:  # a strategy per axis (load checks it): the dp one again on tp, placements alike
+        n["strategy"], n["tags"] = n["strategy"][:1] + n["strategy"], n["tags"][:1] + n["tags"]
+        n["inputs"] = [f"B, {p}" for p in n["inputs"]]
+        n["outputs"] = [None if p is None else f"B, {p}" for p in n["outputs"]]
+    for r in d["reshardings"]:
+        r["from"], r["to"] = f"B, {r['from']}", f"B, {r['to']}"
     return Plan.from_dict(d)
 
 

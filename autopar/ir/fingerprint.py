@@ -1,7 +1,7 @@
 """Fingerprints of a captured graph: what a plan records so it is never used on another model.
 
 ``graph_fingerprint`` hashes everything that shapes a plan; ``graph_info`` keeps the readable facts
-(counts, FQNs, input shapes, op histogram) a mismatch message compares. The planner's report writes
+(counts, FQNs, input and parameter shapes, op histogram) a mismatch message compares. The planner's report writes
 both into the plan; ``compile`` and the lowering check them.
 """
 
@@ -16,7 +16,7 @@ from autopar.ir.graph import Graph
 
 def graph_info(graph: Graph) -> dict:
     """What a plan records of its graph, so a plan used on another model can say what differs:
-    node and op counts, parameter FQNs, input shapes, an op histogram and block-split parameters."""
+    node and op counts, parameter FQNs, input and parameter shapes, an op histogram and block-split parameters."""
     params = sorted(set(graph.params) | set(getattr(graph, "aliases", {})))
     info = {
         "nodes": len(graph.nodes),
@@ -24,6 +24,7 @@ def graph_info(graph: Graph) -> dict:
         "params": len(params),
         "fqns": params,
         "inputs": {k: str(graph.node(v).out) for k, v in sorted(graph.inputs.items())},
+        "shapes": {k: str(graph.node(v).out) for k, v in sorted(graph.params.items())},
         "ops_hist": dict(sorted(Counter(n.op for n in graph.ops()).items())),
     }
     # parameters with dims of equal blocks (ir.blocks): their splits cut every block alike

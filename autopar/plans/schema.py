@@ -9,7 +9,12 @@ format and ``load_plan``; ``autopar.plans.view`` renders it for the terminal and
 File format: canonical JSON (keys sorted, indent 1, floats rounded to 12 significant digits), so
 saving the same plan twice, or an equal plan made on another run, gives identical bytes. Wall-clock
 figures (``phases`` and the solver's ``wall_time``) live under one ``"timing"`` key, which
-``save``/``to_json`` leave out unless ``timing=True``.
+``save``/``to_json`` leave out unless ``timing=True``. Every file is checked against the schema in
+``autopar.plans.validate`` before a Plan is made of it.
+
+Schema versions: 1 (the first); 2 adds ``graph.shapes`` (each parameter's shape, so a plan used on a
+model whose shapes changed names them). Version 1 files load as version 2 without ``graph.shapes``;
+any other version is a PlanError naming it.
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ from typing import Any, Mapping, Optional, TypedDict, Union
 from autopar.errors import PlanError
 from autopar.plans import view
 from autopar.plans.format import SOLVER_TIMING_KEYS, canon
+from autopar.plans.validate import check_fields, check_values, read_json, shown
 from autopar.validate import check_path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: the versions ``load_plan`` reads (an older one loads with the newer fields left out)
+READABLE_VERSIONS = (1, 2)
 
 
 # -- entry shapes (what the planner writes; readers use .get() since hand-made plans may lack keys) --
@@ -43,6 +51,7 @@ class GraphSummary(TypedDict, total=False):
     params: int
     fqns: list[str]
     inputs: dict[str, str]  # input name -> tensor spec text
+    shapes: dict[str, str]  # parameter FQN -> tensor spec text (schema version 2)
     ops_hist: dict[str, int]  # op -> count
     blocks: dict[str, list[list[int]]]  # FQN -> [[dim, blocks], ...] for dims of equal blocks
 
@@ -117,6 +126,8 @@ class Baseline(TypedDict, total=False):
 
 def _copy(x: Any) -> Any:
     """A deep copy of plain data (dicts, lists, tuples as lists), numbers untouched."""
+    if type(x) in (str, int, float, bool) or x is None:  # the usual leaves, without the ABC checks below
+        return x
     if isinstance(x, Mapping):
         return {k: _copy(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -199,20 +210,24 @@ class Plan:
 
     @staticmethod
     def from_dict(d: Mapping) -> "Plan":
-        """Inverse of ``to_dict``; a PlanError names a wrong schema version, missing fields or
-        fields of the wrong type."""
+        """Inverse of ``to_dict``; checked against the plan file's schema (``autopar.plans.validate``):
+        a PlanError names a schema version it does not read, missing fields, or the first field (a
+        JSON path) of a wrong type or out of range, with its value. A version 1 plan comes back as
+        version 2 without ``graph.shapes``."""
         if not isinstance(d, Mapping):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         if "schema_version" not in d:
             raise PlanError("not an autopar plan: it has no 'schema_version' (expected a file written by Plan.save)")
         version = d["schema_version"]
-        if version != SCHEMA_VERSION:
-            raise PlanError(f"plan schema version {version!r} found, this autopar reads version {SCHEMA_VERSION}: "
-                            f"make the plan again with autopar.plan(...) (or use the autopar version that wrote it)")
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
+            raise PlanError(f"plan schema version {shown(version)} found, this autopar reads version {SCHEMA_VERSION} "
+                            f"(and the earlier {', '.join(map(str, READABLE_VERSIONS[:-1]))}): make the plan again "
+                            f"with autopar.plan(...) (or use the autopar version that wrote it)")
+        plain = check_values(d)
         names = [f.name for f in fields(Plan) if f.name not in ("phases", "schema_version")]
         missing = [n for n in names if n not in d]
         if missing:
-            raise PlanError(f"plan lacks the field(s) {', '.join(missing)} (schema version {SCHEMA_VERSION})")
+            raise PlanError(f"plan lacks the field(s) {', '.join(missing)} (schema version {version})")
         kw: dict[str, Any] = {n: _copy(d[n]) for n in names}
         for n, want in _FIELD_TYPES.items():
             v = kw[n]
@@ -221,9 +236,10 @@ class Plan:
             ok = isinstance(v, want) and not (isinstance(v, bool) and bool not in want)
             if not ok:
                 wanted = " or ".join(t.__name__ for t in want)
-                raise PlanError(f"plan field {n!r} should be {wanted}, got {type(v).__name__} {v!r:.60}")
+                raise PlanError(f"plan field {n!r} should be {wanted}, got {type(v).__name__} {shown(v)}")
             if want == (int, float):
                 kw[n] = float(v)
+        check_fields(d if plain else canon(d))
         order = d.get("axis_names")
         if order is not None:  # restore the mesh axis order that sorted JSON keys lost
             mesh = kw["mesh"]
@@ -277,15 +293,39 @@ class Plan:
         if mine == graph_fingerprint:
             return
         diffs = graph_differences(self.graph, graph_info)
-        what = "\n  ".join(diffs) if diffs else "(no difference in parameters, inputs or op counts: the ops' " \
-                                                 "attributes or connections changed)"
+        if diffs:
+            what = "\n  ".join(diffs)
+        elif "shapes" not in self.graph:
+            what = ("(no difference in parameters, inputs or op counts: the ops' attributes or connections changed, "
+                    "or the parameters' shapes, which this plan (from a schema version 1 file) does not record)")
+        else:
+            what = "(no difference in parameters, inputs or op counts: the ops' attributes or connections changed)"
         raise PlanError(f"this plan was made for another graph (plan {str(mine)[:12]}, model {str(graph_fingerprint)[:12]}); "
-                        f"what changed since the plan was made:\n  {what}\nmake a new plan with autopar.plan(...)")
+                        f"what changed since the plan was made (plan -> model):\n  {what}\n"
+                        f"make a new plan with autopar.plan(...)")
+
+    def check_mesh(self, axes: Mapping[str, int]) -> None:
+        """Raise PlanError unless ``axes`` (a mesh's ``{name: size}``, in mesh order) are the plan's
+        own: the same names, sizes and order. Both meshes are named, and why they differ."""
+        mine, theirs = dict(zip(self.axis_names, self.mesh_shape)), dict(axes)
+        if list(mine.items()) == list(theirs.items()):
+            return
+        def text(m: Mapping) -> str:
+            return " x ".join(f"{k}={v}" for k, v in m.items()) or "(no axes)"
+
+        if mine == theirs:
+            why = "the same axes in another order: placements are per axis in mesh order"
+        elif set(mine) != set(theirs):
+            why = f"axis names differ: the plan's {list(mine)}, the mesh's {list(theirs)}"
+        else:
+            why = "axis sizes differ: " + ", ".join(f"{k} {mine[k]} vs {theirs[k]}" for k in mine if mine[k] != theirs[k])
+        raise PlanError(f"this plan was made for mesh {text(mine)}, not {text(theirs)} ({why}): build the mesh as "
+                        f"autopar.Mesh({mine!r}, ...) or plan again for this mesh")
 
 
 def graph_differences(old: Mapping, new: Mapping, limit: int = 12) -> list[str]:
     """Lines saying how graph summary ``new`` differs from ``old``: parameters added and removed,
-    input shapes, node/op/parameter counts, op histogram."""
+    parameter and input shapes, node/op/parameter counts, op histogram."""
     out: list[str] = []
 
     def listed(items: list[str]) -> str:
@@ -297,6 +337,9 @@ def graph_differences(old: Mapping, new: Mapping, limit: int = 12) -> list[str]:
         out.append(f"parameters added: {listed(sorted(new_f - old_f))}")
     if old_f - new_f:
         out.append(f"parameters removed: {listed(sorted(old_f - new_f))}")
+    old_s, new_s = old.get("shapes") or {}, new.get("shapes") or {}
+    changed = [f"parameter {k}: {old_s[k]} -> {new_s[k]}" for k in sorted(set(old_s) & set(new_s)) if old_s[k] != new_s[k]]
+    out += changed[:limit] + ([f"... {len(changed) - limit} more parameters changed shape"] if len(changed) > limit else [])
     old_in, new_in = old.get("inputs") or {}, new.get("inputs") or {}
     for k in sorted(set(old_in) | set(new_in)):
         a, b = old_in.get(k, "(absent)"), new_in.get(k, "(absent)")
@@ -324,25 +367,20 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
 
 
 def load_plan(path: Union[str, os.PathLike]) -> Plan:
-    """Read a plan saved by ``Plan.save``; a PlanError says plainly what is wrong with the file."""
+    """Read a plan saved by ``Plan.save``; a PlanError says plainly what is wrong with the file: which
+    field (a JSON path such as ``nodes[3].strategy``) holds which value (``autopar.plans.validate``)."""
     p = check_path(path, "load_plan: path")
     if not os.path.exists(p):
         raise PlanError(f"no plan file at {p!r}: make one with autopar.plan(...) and save it with plan.save(path)")
     if os.path.isdir(p):
         raise PlanError(f"{p!r} is a directory, not a plan file")
-    try:
-        with open(p, encoding="utf-8") as fh:
-            d = json.load(fh)
-    except UnicodeDecodeError:
-        raise PlanError(f"{p!r} is not a plan file: it is not UTF-8 text") from None
-    except json.JSONDecodeError as e:
-        raise PlanError(f"{p!r} is not a plan file: invalid JSON at line {e.lineno} column {e.colno} ({e.msg})") from None
+    d = read_json(p)
     try:
         return Plan.from_dict(d)
     except PlanError as e:
         raise PlanError(f"{p!r}: {e}") from None
 
 
-__all__ = ["SCHEMA_VERSION", "SOLVER_TIMING_KEYS", "Alternative", "Baseline", "Collective", "Fingerprint",
+__all__ = ["READABLE_VERSIONS", "SCHEMA_VERSION", "SOLVER_TIMING_KEYS", "Alternative", "Baseline", "Collective", "Fingerprint",
            "GraphSummary", "ModuleEntry", "NodeEntry", "Plan", "PlanError", "Resharding", "ReshardingStep",
            "graph_differences", "load_plan"]

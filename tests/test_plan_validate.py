@@ -1,0 +1,276 @@
+"""Plan files are validated on load (``autopar.plans.validate``): each bad file is one PlanError line
+naming the field and the value; a stale plan names the parameters and inputs whose shapes changed; a
+plan used on a mesh of other axis names, sizes or order names both meshes; the CLI prints one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _plan_files import AXES, compile_errors_on_rank, tiny_mlp, tiny_plan_json
+
+import autopar
+from autopar.errors import CompileError
+from autopar.plans import SCHEMA_VERSION, Plan, PlanError, load_plan, validate
+
+
+@pytest.fixture(scope="module")
+def good() -> dict:
+    return json.loads(tiny_plan_json())
+
+
+def _write(tmp_path, d_or_text, name="bad.json"):
+    path = tmp_path / name
+    path.write_text(d_or_text if isinstance(d_or_text, str) else json.dumps(d_or_text), encoding="utf-8")
+    return path
+
+
+def _load_error(tmp_path, d_or_text) -> str:
+    path = _write(tmp_path, d_or_text)
+    with pytest.raises(PlanError) as e:
+        load_plan(path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{str(path)!r}: "), msg
+    return msg[len(f"{str(path)!r}: "):]
+
+
+def _mutated(good: dict, change) -> dict:
+    d = json.loads(json.dumps(good))
+    change(d)
+    return d
+
+
+# -- the cases of the issue ------------------------------------------------------------------------
+
+def test_axis_size_of_the_wrong_type_names_the_field(tmp_path, good):
+    d = _mutated(good, lambda d: d["mesh"]["axes"].update(dp="two"))
+    assert _load_error(tmp_path, d) == "mesh.axes.dp: input should be a valid integer, got 'two'"
+
+
+@pytest.mark.parametrize("digits", [4000, 5000, 20])
+def test_huge_integers_are_refused_without_converting_them(tmp_path, good, digits):
+    text = json.dumps(good).replace(f'"memory_budget": {good["memory_budget"]}', '"memory_budget": ' + "9" * digits)
+    assert _load_error(tmp_path, text) == (f"memory_budget: an integer of {digits} digits (999999999999...); "
+                                           f"plan integers fit in 64 bits")
+
+
+def test_deep_nesting_is_refused(tmp_path, good):
+    deep = json.dumps(good).replace('"solver": {', '"solver": {"x": ' + "[" * 100_000 + "]" * 100_000 + ", ", 1)
+    path = _write(tmp_path, deep)
+    with pytest.raises(PlanError) as e:
+        load_plan(path)
+    assert str(e.value) == (f"{str(path)!r} is not a plan file: its JSON nests too deep to read (a plan nests at "
+                            f"most 16 levels)")
+    nested = json.dumps(good).replace('"solver": {', '"solver": {"x": ' + "[" * 20 + "]" * 20 + ", ", 1)
+    assert _load_error(tmp_path, nested) == "solver.x" + "[0]" * 15 + ": nested deeper than 16 levels"
+
+
+def test_a_placement_that_does_not_parse_names_the_parameter(tmp_path, good):
+    d = _mutated(good, lambda d: d["placements"].update({"head.bias": "lol"}))
+    assert _load_error(tmp_path, d) == ("placements['head.bias']: cannot parse placement 'lol': expected S(<dim>), B "
+                                        "or P (or P(max), P(min)), got 'lol'")
+    d = _mutated(good, lambda d: d["modules"][0]["placements"].update(weight="S(0)"))
+    assert _load_error(tmp_path, d).startswith("modules[0].placements.weight: placement 'S(0)' has 1 entries but "
+                                               "the mesh has 2 axes")
+    d = _mutated(good, lambda d: d["nodes"][1]["inputs"].__setitem__(0, "S(99999), B"))
+    assert _load_error(tmp_path, d) == ("nodes[1].inputs[0]: placement 'S(99999), B' splits dim 99999; tensor dims "
+                                        "are 0..63, got 'S(99999), B'")
+
+
+@pytest.mark.parametrize("literal, shown", [("NaN", "nan"), ("Infinity", "inf"), ("-Infinity", "-inf"),
+                                            ("1e400", "inf")])
+def test_numbers_that_are_not_finite_are_refused(tmp_path, good, literal, shown):
+    text = json.dumps(good).replace(f'"step_time": {json.dumps(good["step_time"])}', f'"step_time": {literal}')
+    assert _load_error(tmp_path, text) == f"step_time: {shown} is not a finite number"
+
+
+def test_numbers_out_of_range_are_refused(tmp_path, good):
+    d = _mutated(good, lambda d: d["nodes"][2].update(compute=-1.0))
+    assert _load_error(tmp_path, d) == "nodes[2].compute: input should be greater than or equal to 0, got -1.0"
+    d = _mutated(good, lambda d: d["mesh"]["axes"].update(tp=0))
+    assert _load_error(tmp_path, d) == "mesh.axes.tp: input should be greater than or equal to 1, got 0"
+    d = _mutated(good, lambda d: d.update(step_time=1e300))
+    assert _load_error(tmp_path, d) == "step_time: 1e+300 is out of range (at most 1e+30 in size)"
+    d = _mutated(good, lambda d: d["reshardings"][0].update(bytes=True))
+    assert _load_error(tmp_path, d) == "reshardings[0].bytes: input should be a valid integer, got True"
+
+
+def test_unknown_keys_are_refused_with_a_suggestion(tmp_path, good):
+    def typo(d):
+        d["nodes"][3]["stratgy"] = d["nodes"][3].pop("strategy")
+    assert _load_error(tmp_path, _mutated(good, typo)) == (
+        "nodes[3].stratgy: unknown key 'stratgy' (did you mean 'strategy'?); a plan file holds only the keys "
+        "Plan.save writes, so an unknown key is refused rather than ignored")
+    msg = _load_error(tmp_path, _mutated(good, lambda d: d.update(comment="mine")))
+    assert msg.startswith("comment: unknown key 'comment'")
+    # free-form maps take any name: solver statistics
+    d = _mutated(good, lambda d: d["solver"].update(my_note="fast"))
+    assert load_plan(_write(tmp_path, d)).solver["my_note"] == "fast"
+
+
+def test_axis_names_must_agree_across_the_file(tmp_path, good):
+    d = _mutated(good, lambda d: d["nodes"][0].update(strategy=d["nodes"][0]["strategy"][:1]))
+    msg = _load_error(tmp_path, d)
+    assert msg.startswith("nodes[0].strategy: 1 entries for a mesh of 2 axes (dp, tp); give one per axis, got [")
+    d = _mutated(good, lambda d: d["collectives"][0].update(axis="pp"))
+    assert _load_error(tmp_path, d) == "collectives[0].axis: axis 'pp' is not one of the mesh's axes ['dp', 'tp'], got 'pp'"
+    d = _mutated(good, lambda d: d.update(axis_names=["dp", "pp"]))
+    assert _load_error(tmp_path, d) == "axis_names: ['dp', 'pp'] does not list the mesh's axes ['dp', 'tp']"
+    d = _mutated(good, lambda d: d["mesh"]["axes"].update({"d p": 2}))
+    assert _load_error(tmp_path, d).startswith("mesh.axes['d p']: string should match pattern")
+    d = _mutated(good, lambda d: d["mesh"]["links"].pop("tp"))
+    assert _load_error(tmp_path, d).startswith("mesh: links are given for the axes ['dp'], the mesh has ['dp', 'tp']")
+
+
+def test_strings_with_control_characters_are_refused(tmp_path, good):
+    d = _mutated(good, lambda d: d.update(source="search\x1b[2J"))
+    assert _load_error(tmp_path, d) == "source: the string 'search\\x1b[2J' holds control characters"
+    d = _mutated(good, lambda d: d["placements"].update({"evil\u202e.weight": "B, B"}))
+    assert _load_error(tmp_path, d) == "placements['evil\\u202e.weight']: the key 'evil\\u202e.weight' holds control characters"
+    d = _mutated(good, lambda d: d["nodes"][0].update(module="a\nb"))
+    assert _load_error(tmp_path, d) == ("nodes[0].module: a name may not hold control characters, tabs or newlines, "
+                                        "got 'a\\nb'")
+    long = "x" * 70_000
+    d = _mutated(good, lambda d: d.update(source=long))
+    assert _load_error(tmp_path, d) == f"source: a string of 70,000 characters ({validate.shown(long)}); at most 65,536"
+
+
+def test_files_too_large_or_not_text_are_refused(tmp_path, good, monkeypatch):
+    monkeypatch.setattr(validate, "MAX_FILE_BYTES", 1000)
+    size = len(json.dumps(good).encode())
+    assert _load_error(tmp_path, good) == f"the file is {size:,} bytes; a plan file is at most 1,000 bytes"
+    monkeypatch.undo()
+    path = tmp_path / "bin.json"
+    path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(PlanError, match=r"bin.json' is not a plan file: it is not UTF-8 text$"):
+        load_plan(path)
+    assert _load_error(tmp_path, "[1, 2]") == "a plan is a JSON object, got list"
+
+
+# -- schema versions and the unchanged format -----------------------------------------------------
+
+def test_a_saved_plan_loads_and_saves_to_the_same_bytes(tmp_path):
+    text = tiny_plan_json()
+    path = _write(tmp_path, text, "plan.json")
+    plan = load_plan(path)
+    plan.save(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_text(encoding="utf-8") == text
+    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 2
+
+
+def test_version_2_only_adds_parameter_shapes(good):
+    """The format of version 1 is kept: a version 2 file is a version 1 file plus ``graph.shapes``."""
+    assert good["graph"]["shapes"] == {"head.bias": "float32[4]", "head.weight": "float32[4, 32]",
+                                       "layers.0.bias": "float32[32]", "layers.0.weight": "float32[32, 16]",
+                                       "layers.1.bias": "float32[32]", "layers.1.weight": "float32[32, 32]"}
+    assert sorted(good) == sorted(["axis_names", "baselines", "bucket_size", "collectives", "comm_time", "compute_time",
+                                   "fingerprint", "graph", "memory", "memory_budget", "mesh", "modules", "nodes",
+                                   "peak_memory", "placements", "precision", "reshardings", "schema_version", "solver",
+                                   "source", "step_time", "training"])
+
+
+def test_a_version_1_file_loads_with_shapes_left_out(tmp_path, good):
+    old = _mutated(good, lambda d: (d.update(schema_version=1), d["graph"].pop("shapes")))
+    plan = load_plan(_write(tmp_path, old))
+    assert plan.schema_version == SCHEMA_VERSION and "shapes" not in plan.graph
+    assert plan.placements == good["placements"] and plan.nodes == good["nodes"]
+
+
+@pytest.mark.parametrize("version", [0, 3, "2", True, None])
+def test_other_versions_are_refused_naming_the_version(tmp_path, good, version):
+    d = _mutated(good, lambda d: d.update(schema_version=version))
+    assert _load_error(tmp_path, d) == (f"plan schema version {version!r} found, this autopar reads version 2 (and "
+                                        f"the earlier 1): make the plan again with autopar.plan(...) (or use the "
+                                        f"autopar version that wrote it)")
+
+
+# -- a plan meets a model and a mesh --------------------------------------------------------------
+
+def test_a_plan_used_on_a_model_of_other_shapes_names_them():
+    plan = Plan.from_dict(json.loads(tiny_plan_json()))
+    model, inputs = tiny_mlp(hidden=48)
+    with pytest.raises(PlanError) as e:
+        autopar.simulate(model, plan, inputs)
+    msg = str(e.value)
+    assert "this plan was made for another graph" in msg and "(plan -> model)" in msg
+    assert ("(plan -> model):\n  parameter head.weight: float32[4, 32] -> float32[4, 48]\n"
+            "  parameter layers.0.bias: float32[32] -> float32[48]\n"
+            "  parameter layers.0.weight: float32[32, 16] -> float32[48, 16]\n"
+            "  parameter layers.1.bias: float32[32] -> float32[48]\n"
+            "  parameter layers.1.weight: float32[32, 32] -> float32[48, 48]\n") in msg
+    assert "head.bias" not in msg  # its shape did not change
+    assert "(no difference" not in msg
+    model, inputs = tiny_mlp(batch=8)
+    with pytest.raises(PlanError, match=r"input input:0: float32\[4, 16\] -> float32\[8, 16\]\n"
+                                        r"  input input:1: int64\[4\] -> int64\[8\]"):
+        autopar.simulate(model, plan, inputs)
+
+
+def test_a_version_1_plan_on_a_model_of_other_shapes_says_it_records_none(good):
+    old = _mutated(good, lambda d: (d.update(schema_version=1), d["graph"].pop("shapes")))
+    model, inputs = tiny_mlp(hidden=48)
+    with pytest.raises(PlanError, match=r"the parameters' shapes, which this plan \(from a schema version 1 file\) "
+                                        r"does not record"):
+        autopar.simulate(model, Plan.from_dict(old), inputs)
+
+
+@pytest.mark.parametrize("axes, why", [
+    ({"tp": 2, "dp": 2}, "the same axes in another order: placements are per axis in mesh order"),
+    ({"data": 2, "tp": 2}, "axis names differ: the plan's ['dp', 'tp'], the mesh's ['data', 'tp']"),
+    ({"dp": 4, "tp": 1}, "axis sizes differ: dp 2 vs 4, tp 2 vs 1"),
+    ({"dp": 4}, "axis names differ: the plan's ['dp', 'tp'], the mesh's ['dp']"),
+])
+def test_a_plan_used_on_another_mesh_names_both(axes, why):
+    plan = Plan.from_dict(json.loads(tiny_plan_json()))
+    model, inputs = tiny_mlp()
+    theirs = " x ".join(f"{k}={v}" for k, v in axes.items())
+    want = (f"this plan was made for mesh dp=2 x tp=2, not {theirs} ({why}): build the mesh as "
+            f"autopar.Mesh({AXES!r}, ...) or plan again for this mesh")
+    with pytest.raises(PlanError) as e:
+        plan.check_mesh(axes)
+    assert str(e.value) == want
+    with pytest.raises(CompileError) as e:  # before any process group is needed
+        autopar.compile(model, autopar.Mesh(axes, device="cpu"), inputs, plan=plan)
+    assert str(e.value) == want
+    plan.check_mesh(dict(AXES))
+
+
+# -- the command line ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change, field", [
+    (lambda d: d["mesh"]["axes"].update(dp="two"), "mesh.axes.dp: input should be a valid integer, got 'two'"),
+    (lambda d: d["placements"].update({"head.bias": "lol"}), "placements['head.bias']: cannot parse placement 'lol'"),
+    (lambda d: d.update(memory_budget=None), "plan field 'memory_budget' should be int, got NoneType None"),
+])
+def test_cli_show_prints_one_line_naming_the_field(tmp_path, good, capsys, change, field):
+    from autopar.cli import main
+
+    path = _write(tmp_path, _mutated(good, change))
+    assert main(["show", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "internal error" not in err, err
+    assert err.startswith(f"autopar show: error: {str(path)!r}: {field}"), err
+    text = json.dumps(good).replace(f'"memory_budget": {good["memory_budget"]}', '"memory_budget": ' + "9" * 5000)
+    path.write_text(text)
+    assert main(["show", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "memory_budget: an integer of 5000 digits" in err, err
+
+
+def test_compile_with_a_plan_file_fails_alike_on_every_rank(tmp_path, good):
+    """Rank 0 reads the file; a file it refuses, or a plan for other mesh axes, is the same error on
+    every rank (none is left waiting for rank 0's plan)."""
+    from autopar.runtime.launch import launch
+
+    model, inputs = tiny_mlp()
+    plan = autopar.plan(model, autopar.Mesh({"dp": 2}, device="cpu"), inputs, deterministic_time=0.5, progress=False)
+    ok = tmp_path / "dp.json"
+    plan.save(ok)
+    bad = _write(tmp_path, json.loads(ok.read_text()) | {"step_time": "fast"})
+    results = launch(compile_errors_on_rank, 2, [str(bad), str(ok)], {"data": 2}, timeout=240)
+    assert results[0] == results[1], results
+    assert results[0] == [
+        f"PlanError: {str(bad)!r}: plan field 'step_time' should be int or float, got str 'fast'",
+        ("CompileError: this plan was made for mesh dp=2, not data=2 (axis names differ: the plan's ['dp'], the "
+         "mesh's ['data']): build the mesh as autopar.Mesh({'dp': 2}, ...) or plan again for this mesh"),
+    ]
