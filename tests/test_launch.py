@@ -216,7 +216,8 @@ def _fault_plan() -> str:
 
 
 @pytest.mark.parametrize("kind, says", [
-    ("kill", "rank 1 of 4 was killed by SIGKILL (exit code -9) in step 3 before returning a result"),
+    ("kill", "rank 1 of 4 was killed by SIGKILL (exit code -9) in step 3 before returning a result (os._exit, a "
+             "crash, a kill, or a failed start-up import: its stderr may say which)"),
     ("hang", "rank 1 of 4 hung in step 3: it never joined the collective that rank(s) 0, 2, 3 failed in after the "
              f"collective timeout, nor returned (collective_timeout={FAULT_TIMEOUT} s)"),
     ("raise", "rank 1 of 4 raised ValueError in step 3: injected fault on rank 1"),
@@ -229,6 +230,10 @@ def test_fault_in_a_step_stops_every_rank_naming_the_rank_and_the_step(tmp_path,
     first = str(err).splitlines()[0]
     assert first == f"launch(train_with_fault, nprocs=4) failed: {says}", str(err)
     assert err.rank == 1 and err.exitcode == (-9 if kind == "kill" else None)
+    if kind == "hang":  # the survivors' own errors name the rank their roll call did not hear from
+        assert re.search(r"also: rank [023] of 4 raised autopar\.errors\.CollectiveError in step 3: rank [023] of 4: "
+                         r"a collective of step 3 in the (forward|backward) failed \(RuntimeError: .*\); rank\(s\) 1 "
+                         rf"did not report it within {min(FAULT_TIMEOUT, 10)} s", str(err)), str(err)
     pids = _pids(tmp_path)
     assert sorted(pids) == [0, 1, 2, 3] and not any(_alive(p) for p in pids.values())
 

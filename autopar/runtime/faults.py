@@ -30,7 +30,7 @@ _STEP: list[Optional[int]] = [None]
 #: Store keys of the roll call after a failed collective: ``<prefix><attempt>/rank<r>`` holds r's step.
 _FAULT_PREFIX = "autopar/fault/"
 #: The longest a rank waits in that roll call for the other ranks to report the failure too.
-_ROLL_CALL_MAX_S = 20.0
+_ROLL_CALL_MAX_S = 10.0
 
 
 def note_step(step: int) -> None:
@@ -72,7 +72,7 @@ def roll_call(step: Optional[int], wait_s: float) -> Optional[list[int]]:
 def report_collective_failure(exc: BaseException, what: str, timeout_s: Optional[float]) -> Optional[Exception]:
     """The ``CollectiveError`` to raise, from ``exc``, for a collective of ``what`` (e.g. "the forward")
     that failed on this rank; None when ``exc`` is not a failure of torch.distributed. It names this
-    rank, the step, and (after a roll call of at most ``timeout_s`` and 20 s) the ranks that did not
+    rank, the step, and (after a roll call of at most ``timeout_s`` and 10 s) the ranks that did not
     see the failure: the likely culprits. Its ``step`` and ``absent_ranks`` say the same for code."""
     if not _rank.is_distributed_error(exc):
         return None

@@ -46,6 +46,8 @@ __all__ = ["LaunchError", "ensure_process_group", "in_torchrun", "launch"]
 #: After the first failure, how long the parent keeps listening for other ranks' reports before it
 #: stops them: long enough to see a death that caused a peer's "connection closed" error.
 _FAILURE_GRACE_S = 0.5
+#: After a rank died, how long the parent waits for the others to say (on the store) which step they were in.
+_STEP_WAIT_S = 3.0
 #: How long a stopped child gets between SIGTERM and SIGKILL.
 _TERMINATE_GRACE_S = 2.0
 #: How long a rank that has reported may take to exit on its own before it is stopped.
@@ -121,7 +123,8 @@ def launch(
         group.stop()
         raise
     if outcome.failures or outcome.pending:
-        outcome.read_steps(group.store)
+        died = any(f.kind == "died" and f.step is None for f in outcome.failures)
+        outcome.read_steps(group.store, _STEP_WAIT_S if died else 0.0)
         group.stop()
         raise outcome.error(f"launch({_name(fn)}, nprocs={nprocs})", timeout, "the ranks still running were stopped",
                             collective_timeout)
@@ -257,16 +260,22 @@ class _Outcome:
     pending: list[int]
     steps: dict[int, int] = field(default_factory=dict)
 
-    def read_steps(self, store: Any) -> None:
-        """The step of each rank that reported a failed collective on ``store`` (see ``faults.roll_call``)."""
-        for r in range(self.world_size):
-            try:
-                if store.check([fault_key(r)]):
-                    step = int(store.get(fault_key(r)))
-                    if step >= 0:
-                        self.steps[r] = step
-            except Exception:  # the store is only a hint
+    def read_steps(self, store: Any, wait_s: float = 0.0) -> None:
+        """The step of each rank that reported a failed collective on ``store`` (see ``faults.roll_call``),
+        waiting up to ``wait_s`` for a first one (a death's peers write theirs a moment after it)."""
+        until = time.monotonic() + wait_s
+        while True:
+            for r in range(self.world_size):
+                try:
+                    if store.check([fault_key(r)]):
+                        step = int(store.get(fault_key(r)))
+                        if step >= 0:
+                            self.steps[r] = step
+                except Exception:  # the store is only a hint
+                    return
+            if self.steps or time.monotonic() >= until:
                 return
+            time.sleep(0.1)
 
     def primary(self) -> Optional[_Failure]:
         """The likely root cause: a non-distributed exception, else a death, else a rank that never
