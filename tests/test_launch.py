@@ -216,12 +216,12 @@ def _fault_plan() -> str:
 
 
 @pytest.mark.parametrize("kind, says", [
-    ("kill", "rank 1 of 4 was killed by SIGKILL (exit code -9) in step 3 before returning a result (os._exit, a "
-             "crash, a kill, or a failed start-up import: its stderr may say which)"),
-    ("hang", "rank 1 of 4 hung in step 3: it never joined the collective that rank(s) 0, 2, 3 failed in after the "
-             f"collective timeout, nor returned (collective_timeout={FAULT_TIMEOUT} s)"),
+    ("kill", ("rank 1 of 4 was killed by SIGKILL (exit code -9) in step 3 before returning a result (os._exit, a "
+              "crash, a kill, or a failed start-up import: its stderr may say which)")),
+    ("hang", ("rank 1 of 4 hung in step 3: it never joined the collective that rank(s) 0, 2, 3 failed in after the "
+              f"collective timeout, nor returned (collective_timeout={FAULT_TIMEOUT} s)")),
     ("raise", "rank 1 of 4 raised ValueError in step 3: injected fault on rank 1"),
-])
+], ids=["kill", "hang", "raise"])
 def test_fault_in_a_step_stops_every_rank_naming_the_rank_and_the_step(tmp_path, kind, says):
     with pytest.raises(LaunchError) as info:
         launch(train_with_fault, 4, kind, str(tmp_path), _fault_plan(), timeout=RUN_TIMEOUT,
