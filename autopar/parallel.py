@@ -27,9 +27,23 @@ from autopar.passes.lower import lower, resolve
 from autopar.plans import Plan, load_plan
 from autopar.program import collectives as C
 from autopar.program.program import Program, Slot
+from autopar.runtime import faults
 from autopar.runtime.collectives import ProcessGroupComm, record_executed
 from autopar.runtime.precision import EXECUTABLE_PRECISIONS, execution_precision
 from autopar.validate import check_choice, check_kwargs, check_model, check_path
+
+
+def _match_group_timeouts(dmesh) -> Optional[float]:
+    """Give the mesh's groups the default group's collective timeout (``init_device_mesh`` gives the
+    groups it makes torch's 30-minute default) -> that timeout in seconds, or None if unknown."""
+    td = tc.group_timeout()
+    if td is None:
+        return None
+    for i in range(dmesh.ndim):
+        group = dmesh.get_group(i)
+        if tc.group_timeout(group) != td:
+            tc.set_group_timeout(group, td)
+    return td.total_seconds()
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -140,6 +154,9 @@ class ParallelModule(torch.nn.Module):
         self.device_mesh = dmesh
         self.program = program
         self.precision = precision
+        self._collective_timeout_s = _match_group_timeouts(dmesh)
+        #: Forward calls so far: the step number failure messages give (``autopar.runtime.faults``).
+        self.steps = 0
         self._comm = ProcessGroupComm([dmesh.get_group(i) for i in range(dmesh.ndim)], plan.axis_names)
         self._axis_of_group = {dmesh.get_group(i).group_name: name for i, name in enumerate(plan.axis_names)}
         self._recording: Optional[list] = None
@@ -210,9 +227,20 @@ class ParallelModule(torch.nn.Module):
             stack.enter_context(record_executed(self._axis_of_group, self._recording))
         return stack
 
+    def _failed(self, exc: BaseException, what: str) -> BaseException:
+        """``exc`` as a ``CollectiveError`` naming this rank, the step and the likely culprit when it is a
+        failed collective (a peer died, hung or raised); ``exc`` itself otherwise."""
+        return faults.report_collective_failure(exc, what, self._collective_timeout_s) or exc
+
     def _run_forward(self, local_inputs: list) -> tuple[list, list]:
-        with self._context():
-            outs, saved = self.program.run_forward(*local_inputs)
+        try:
+            with self._context():
+                outs, saved = self.program.run_forward(*local_inputs)
+        except Exception as exc:
+            err = self._failed(exc, "the forward")
+            if err is exc:
+                raise
+            raise err from exc
         named = dict(zip(self.program.outputs, outs))
         for slot, value in named.items():
             if slot.kind == "mutation":
@@ -220,9 +248,15 @@ class ParallelModule(torch.nn.Module):
         return [v for s, v in named.items() if s.kind in ("loss", "output")], saved
 
     def _run_backward(self, saved: list, grad_loss: torch.Tensor) -> list:
-        with self._context():
-            grads = [C.wait(g) for g in self.program.backward(*saved, grad_loss.to(self.program.grads[0].spec.dtype)
-                                                               if self.program.grads else grad_loss)]
+        try:
+            with self._context():
+                grads = [C.wait(g) for g in self.program.backward(
+                    *saved, grad_loss.to(self.program.grads[0].spec.dtype) if self.program.grads else grad_loss)]
+        except Exception as exc:
+            err = self._failed(exc, "the backward")
+            if err is exc:
+                raise
+            raise err from exc
         return [grads[self._grad_index[s.key]] for s in self._param_slots]
 
     def _param(self, fqn: str):
@@ -256,6 +290,8 @@ class ParallelModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         """Run the lowered forward program on this rank's blocks (the backward runs at ``loss.backward()``)."""
+        self.steps += 1
+        faults.note_step(self.steps)
         values = []
         training = self.program.backward is not None
         for slot in self.program.inputs:

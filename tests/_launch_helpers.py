@@ -76,3 +76,43 @@ def raise_quickly_on_rank1() -> int:
 
 def sleep(seconds: float) -> None:
     time.sleep(seconds)
+
+
+def fault_case() -> tuple:
+    """``(model, example_inputs, mesh)`` of the fault tests: a tiny MLP on a dp=2 x tp=2 CPU mesh."""
+    import autopar
+    from autopar.models import make
+
+    torch.manual_seed(0)
+    model, args = make("mlp", "tiny", batch=8)
+    return model, args, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu")
+
+
+def train_with_fault(kind: str, pid_dir: str, plan_json: str, bad_rank: int = 1, bad_step: int = 3) -> float:
+    """Train ``fault_case`` under the plan ``plan_json`` through autopar's ParallelModule; rank ``bad_rank``, in
+    step ``bad_step`` between its forward and its backward, is killed (SIGKILL), hangs (never joins
+    the backward's collectives) or raises, as ``kind`` says. Returns the last loss (when no fault fires)."""
+    import signal
+
+    import json
+
+    import autopar
+
+    _note_pid(pid_dir)
+    model, args, mesh = fault_case()
+    pm = autopar.compile(model, mesh, args, plan=autopar.Plan.from_dict(json.loads(plan_json)))
+    opt = torch.optim.SGD(pm.parameters(), lr=0.01)
+    loss = None
+    for step in range(1, bad_step + 2):
+        loss = pm(*args)
+        if dist.get_rank() == bad_rank and step == bad_step:
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif kind == "hang":
+                time.sleep(600)
+            elif kind == "raise":
+                raise ValueError(f"injected fault on rank {bad_rank}")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return float(loss.item())

@@ -40,6 +40,18 @@ def not_a_pair():
 
 def broken(batch=8):
     raise ValueError("no data for batch %d" % batch)
+
+
+def evil():
+    raise ValueError("\\x1b[2J\\x1b]0;owned\\x07gone")
+'''
+
+#: A file next to the factory module named like a package autopar imports while planning: the CLI must
+#: never import it in the package's place (it did, when it put the current directory first on sys.path).
+SHADOW = '''
+import os
+open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "SHADOWED"), "w").write("imported")
+raise ImportError("the test's ortools.py was imported")
 '''
 
 WORKERS = 3
@@ -63,6 +75,7 @@ def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "AUTOPAR_DEBUG", "PYTHONPATH"):
         env.pop(k, None)  # the factory module must be found from the working directory alone
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])  # the autopar under test, not another checkout's
     return env
 
 
@@ -161,6 +174,7 @@ def _main(argv: list) -> tuple[int, str, str]:
 def cli(request, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("cli")
     (cwd / "cli_models.py").write_text(FACTORIES)
+    (cwd / "ortools.py").write_text(SHADOW)
     (cwd / "garbage.json").write_text("{ this is not json")
     (cwd / "notplan.json").write_text('{"hello": "world"}\n')
     runner = Runner(cwd)
@@ -202,6 +216,40 @@ def test_plan_writes_a_plan_that_loads(cli):
     assert plan.placements["input:0"] == "S(0)"  # --hint input:0=dp=S(0)
     assert plan.memory_budget == 2**30  # --memory-budget 1GiB
     assert plan.training and plan.mesh_shape == (2,)
+
+
+def test_plan_never_imports_a_file_named_like_a_package(cli):
+    # `python -m autopar plan` from a directory holding ortools.py: planning imports the installed OR-Tools.
+    run = cli.result("plan_a")
+    assert run.rc == 0, str(run)
+    assert not (cli.cwd / "SHADOWED").exists(), str(run)
+
+
+def test_factory_imports_its_siblings_after_installed_packages(tmp_path, monkeypatch):
+    from importlib.machinery import PathFinder
+
+    from autopar.cli.target import import_target
+
+    (tmp_path / "ortools.py").write_text(SHADOW)
+    (tmp_path / "sibling_helper.py").write_text("BATCH = 4\n")
+    (tmp_path / "sibling_models.py").write_text(
+        "import sibling_helper\nfrom autopar.models import make\n\n\n"
+        "def mlp():\n    return make('mlp', 'tiny', batch=sibling_helper.BATCH, device='meta')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    try:
+        name, factory, file = import_target("sibling_models:mlp")
+        model, inputs = factory()
+    finally:
+        helper = sys.modules.pop("sibling_helper", None)
+        sys.modules.pop("sibling_models", None)
+    assert name == "sibling_models:mlp" and Path(file) == tmp_path / "sibling_models.py"
+    assert helper is not None and Path(helper.__file__) == tmp_path / "sibling_helper.py"
+    assert inputs[0].shape[0] == 4
+    assert sys.path[-1] == str(tmp_path)  # appended, after every installed package
+    found = PathFinder.find_spec("ortools", sys.path)
+    assert found is not None and Path(found.origin).parent.parent != tmp_path and found.origin != str(tmp_path / "ortools.py")
+    assert not (tmp_path / "SHADOWED").exists()
 
 
 def test_a_plan_from_the_cli_runs(cli):
@@ -303,6 +351,11 @@ MORE_ERRORS = {
     "no_output_dir": (["plan", "m:f", "--mesh", "dp=2", "-o", "{cwd}/nodir/p.json"], 2, ["does not exist"]),
     "unknown_command": (["bogus"], 2, ["invalid choice: 'bogus'"]),
     "binary_plan_file": (["show", "{cwd}/binary.json"], 1, ["not a plan file", "UTF-8"]),
+    "factory_message_with_escapes": (["plan", "{cwd}/cli_models.py:evil", "--mesh", "dp=2", "-o", "x.json"], 1,
+                                     ["raised ValueError: \\x1b[2J\\x1b]0;owned\\x07gone"]),
+    "target_named_like_a_package": (["plan", "{cwd}/ortools.py:make", "--mesh", "dp=2", "-o", "x.json"], 1,
+                                    ["'{cwd}/ortools.py' (", "has the name of the installed module 'ortools'",
+                                     "rename your file"]),
 }
 
 
@@ -310,14 +363,18 @@ MORE_ERRORS = {
 def test_more_errors_in_process(tmp_path, name):
     (tmp_path / "cli_models.py").write_text(FACTORIES)
     (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00garbage")
+    (tmp_path / "ortools.py").write_text(SHADOW)
     argv, code, says = MORE_ERRORS[name]
     rc, out, err = _main([a.format(cwd=tmp_path) for a in argv])
     assert rc == code, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
+    assert not any(c in err for c in "\x1b\x07\r"), repr(err)  # control characters reach the terminal escaped
+    assert not (tmp_path / "SHADOWED").exists()
     cmd = argv[0] if argv[0] in ("plan", "show") else None
     assert lines[0].startswith(f"autopar {cmd}: error: " if cmd else "autopar: error: "), err
     for text in says:
+        text = text.format(cwd=tmp_path)
         assert text in lines[0], f"{text!r} not in: {lines[0]}"
 
 

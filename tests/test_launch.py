@@ -10,8 +10,10 @@ per launch.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -21,12 +23,14 @@ from pathlib import Path
 import pytest
 from _launch_helpers import (
     exit_before_all_reduce,
+    fault_case,
     gather_ranks,
     raise_on_rank1,
     raise_quickly_on_rank1,
     report,
     report_and_mismatch,
     sleep,
+    train_with_fault,
 )
 
 from autopar.errors import AutoparError
@@ -189,3 +193,84 @@ def test_pool_worker_death_breaks_the_pool(tmp_path):
         with pytest.raises(LaunchError, match="broken pool"):
             p.run(report, "after")
         assert not any(_alive(pid) for pid in p.pids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults mid-training, each in a fresh launch of 4 gloo ranks (never the shared pool): rank 1, in step 3
+# between its forward and its backward, is killed, hangs or raises. The other ranks must stop with an
+# error naming rank 1 and step 3: within the collective timeout plus the roll call, well inside the
+# run's timeout (which, if it fired instead, would say "timed out" and fail the match).
+
+#: collective timeout of the fault tests (s): compile's own collectives must fit in it on a busy machine
+FAULT_TIMEOUT = 20
+#: the whole run's bound: start-up (4 processes importing torch and autopar) plus FAULT_TIMEOUT + 30 s
+RUN_TIMEOUT = 150
+
+
+@functools.cache
+def _fault_plan() -> str:
+    import autopar
+
+    model, args, mesh = fault_case()
+    return autopar.recipes.megatron_tp(model, mesh, args).to_json()
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("kill", ("rank 1 of 4 was killed by SIGKILL (exit code -9) in step 3 before returning a result (os._exit, a "
+              "crash, a kill, or a failed start-up import: its stderr may say which)")),
+    ("hang", ("rank 1 of 4 hung in step 3: it never joined the collective that rank(s) 0, 2, 3 failed in after the "
+              f"collective timeout, nor returned (collective_timeout={FAULT_TIMEOUT} s)")),
+    ("raise", "rank 1 of 4 raised ValueError in step 3: injected fault on rank 1"),
+], ids=["kill", "hang", "raise"])
+def test_fault_in_a_step_stops_every_rank_naming_the_rank_and_the_step(tmp_path, kind, says):
+    with pytest.raises(LaunchError) as info:
+        launch(train_with_fault, 4, kind, str(tmp_path), _fault_plan(), timeout=RUN_TIMEOUT,
+               collective_timeout=FAULT_TIMEOUT)
+    err = info.value
+    first = str(err).splitlines()[0]
+    assert first == f"launch(train_with_fault, nprocs=4) failed: {says}", str(err)
+    assert err.rank == 1 and err.exitcode == (-9 if kind == "kill" else None)
+    if kind == "hang":  # the survivors' own errors name the rank their roll call did not hear from
+        assert re.search(r"also: rank [023] of 4 raised autopar\.errors\.CollectiveError in step 3: rank [023] of 4: "
+                         r"a collective of step 3 in the (forward|backward) failed \(RuntimeError: .*\); rank\(s\) 1 "
+                         rf"did not report it within {min(FAULT_TIMEOUT, 10)} s", str(err)), str(err)
+    pids = _pids(tmp_path)
+    assert sorted(pids) == [0, 1, 2, 3] and not any(_alive(p) for p in pids.values())
+
+
+TORCHRUN_SCRIPT = """
+import sys
+
+from _launch_helpers import train_with_fault
+
+from autopar.runtime.launch import launch
+
+launch(train_with_fault, 4, "kill", sys.argv[1], open(sys.argv[2]).read(), collective_timeout={timeout})
+"""
+
+
+def test_killed_rank_under_torchrun_stops_the_job(tmp_path):
+    # torchrun's agent sees the death and stops the survivors (blocked in the backward's collectives);
+    # its summary names the rank and the signal. subprocess's timeout is the bound a hang would hit.
+    (tmp_path / "plan.json").write_text(_fault_plan())
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_SCRIPT.format(timeout=FAULT_TIMEOUT))
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(script), str(pid_dir), str(tmp_path / "plan.json")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    root = out[out.index("Root Cause"):] if "Root Cause" in out else out
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root) and "Signal 9 (SIGKILL)" in root, out
+    pids = _pids(pid_dir)
+    assert sorted(pids) == [0, 1, 2, 3] and not any(_alive(p) for p in pids.values())
+
+
+def test_launch_rejects_a_bad_collective_timeout():
+    with pytest.raises(ValueError, match=r"^launch needs a positive collective_timeout in seconds, got 0$"):
+        launch(report, 2, "x", collective_timeout=0)

@@ -318,3 +318,26 @@ def test_old_module_paths_still_work():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+def test_text_output_escapes_control_characters():
+    # Names come from user code or a plan file: an escape sequence in one must reach the terminal as text.
+    evil = "mlp.fc\x1b]0;owned\x07\x1b[2J\r\u202e"
+    p = make_plan()
+    p.modules[1]["path"] = evil
+    p.modules[1]["placements"] = {f"{evil}.weight": "B, S(1)"}
+    p.placements[f"{evil}.weight"] = p.placements.pop("mlp.fc1.weight")
+    for n in p.nodes:
+        if n["module"] == "mlp.fc1":
+            n["module"] = evil
+    q = make_plan(source="search\x1b[31m")
+    texts = {"summary": p.summary(full=True), "explain": p.explain(evil), "diff": p.diff(q)}
+    escaped = "mlp.fc\\x1b]0;owned\\x07\\x1b[2J\\x0d\\u202e"
+    for name, text in texts.items():
+        assert not any(c in text for c in "\x1b\x07\r\u202e"), name
+    assert escaped in texts["explain"] and escaped + ".weight" in texts["diff"]
+    assert "source: search -> search\\x1b[31m" in texts["diff"]
+    assert any(line.startswith(escaped + " ") for line in texts["summary"].splitlines())
+    from autopar.plans.format import printable
+
+    assert printable("a\tb\nc\x00\x7f\x9b") == "a\tb\nc\\x00\\x7f\\x9b"

@@ -39,7 +39,9 @@ from autopar._torch_compat.c10d import (
     functional_all_to_all,
     functional_collective_name,
     functional_reduce_scatter,
+    group_timeout,
     process_group,
+    set_group_timeout,
 )
 from autopar._torch_compat.dtensor import (
     dtensor_from_spec,
@@ -78,8 +80,8 @@ __all__ = [
     "TangentAOTInput", "after_conversion", "annotate", "buffer_table", "data_dependent_op", "decompositions",
     "dtensor_from_spec", "dtensor_spec", "export_joint", "functional_all_gather", "functional_all_reduce",
     "functional_all_reduce_", "functional_all_to_all", "functional_collective_name", "functional_reduce_scatter",
-    "has_grad_hooks", "held_indices", "install_strided_checkpointing", "local_tensor", "parameter_table",
-    "preserve_node_meta", "process_group", "pytree", "record_dispatch", "share_tables", "storage_use_count",
-    "strided_shard", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "use_flat_calling_convention",
-    "will_engine_execute", "with_metadata",
+    "group_timeout", "has_grad_hooks", "held_indices", "install_strided_checkpointing", "local_tensor",
+    "parameter_table", "preserve_node_meta", "process_group", "pytree", "record_dispatch", "set_group_timeout",
+    "share_tables", "storage_use_count", "strided_shard", "tree_flatten", "tree_leaves", "tree_map",
+    "tree_unflatten", "use_flat_calling_convention", "will_engine_execute", "with_metadata",
 ]

@@ -72,5 +72,28 @@ def process_group(name: str) -> Any:
     return c10d._resolve_process_group(name)
 
 
+def group_timeout(group: Any = None) -> Any:
+    """The collective timeout (a ``timedelta``) of ``group`` (the default group when None) on this
+    rank, or None when torch does not say (read from the group's CPU or CUDA backend options)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    group = c10d._get_default_group() if group is None else group
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
+
+
+def set_group_timeout(group: Any, timeout: Any) -> None:
+    """Give ``group``'s collectives the timeout ``timeout`` (a ``timedelta``): groups made by
+    ``init_device_mesh`` get torch's 30-minute default whatever the default group's timeout."""
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d._set_pg_timeout(timeout, group)
+
+
 __all__ = ["functional_all_gather", "functional_all_reduce", "functional_all_reduce_", "functional_all_to_all",
-           "functional_collective_name", "functional_reduce_scatter", "process_group"]
+           "functional_collective_name", "functional_reduce_scatter", "group_timeout", "process_group",
+           "set_group_timeout"]

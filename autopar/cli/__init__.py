@@ -161,8 +161,25 @@ def _one_line(message: str, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 20] + " ... [more with --debug]"
 
 
+def _drop_cwd_from_front() -> None:
+    """``python -m autopar`` puts the current directory first on ``sys.path``: take it off, so that a file there
+    named like a package autopar imports later (``ortools.py``) is not imported in its place. The user's
+    factory module is found in the current directory all the same (``target.import_target``)."""
+    if sys.path and os.path.abspath(sys.path[0] or ".") == os.getcwd():
+        del sys.path[0]
+
+
+def _error_line(prog: str, message: str) -> str:
+    """``<prog>: error: <message as one line>``, its control characters escaped (``plans.format.printable``)."""
+    from autopar.plans.format import printable
+
+    return printable(f"{prog}: error: {_one_line(message)}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``) -> the exit status: 0, ``FAILURE`` or ``USAGE``."""
+    if argv is None:
+        _drop_cwd_from_front()
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("AUTOPAR_DEBUG", "") not in ("", "0")
     prog = "autopar"
@@ -175,7 +192,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CLIError as e:
         if debug:
             traceback.print_exc()
-        print(f"{e.prog or prog}: error: {_one_line(e.message)}", file=sys.stderr)
+        print(_error_line(e.prog or prog, e.message), file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
@@ -193,11 +210,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from autopar.errors import AutoparError
 
         if isinstance(e, AutoparError):
-            msg = _one_line(str(e))
+            msg = str(e)
         else:
             msg = (f"internal error in `{prog}`: {exception_line(e)} (at {where_raised(e)}); "
                    f"rerun with --debug for the traceback and report it")
-        print(f"{prog}: error: {msg}", file=sys.stderr)
+        print(_error_line(prog, msg), file=sys.stderr)
         return FAILURE
 
 

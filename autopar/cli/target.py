@@ -5,6 +5,7 @@ that say where in the user's code something failed (``where_raised``, ``user_fra
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import os
@@ -62,8 +63,13 @@ def exception_line(exc: BaseException) -> str:
 
 
 def import_target(target: str):
-    """``MODULE:FACTORY`` -> (display name, factory, module file). MODULE is a module name importable from the current
-    directory or PYTHONPATH, or a path to a ``.py`` file; FACTORY an attribute of it (dots allowed)."""
+    """``MODULE:FACTORY`` -> (display name, factory, module file). MODULE is a module name found in the current
+    directory (else on PYTHONPATH or among installed packages), or a path to a ``.py`` file; FACTORY an attribute
+    of it (dots allowed).
+
+    Only the user's module is taken from the current directory (or the file's folder): that folder is appended
+    to ``sys.path``, never put first, so the factory's own imports of sibling modules work while a sibling named
+    like an installed package (an ``ortools.py`` next to it) never replaces the package autopar imports later."""
     modname, colon, attr = target.rpartition(":")
     if not colon or not modname.strip() or not attr.strip():
         raise CLIError(f"{target!r} is not MODULE:FACTORY; e.g. `autopar plan mymodels:make_gpt ...` where "
@@ -72,8 +78,6 @@ def import_target(target: str):
     if not all(IDENT.match(a) for a in attr.split(".")):
         raise CLIError(f"{target!r}: FACTORY {attr!r} is not a Python name", USAGE)
     cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)
     if modname.endswith(".py") or os.sep in modname or "/" in modname:
         module, file = _import_file(modname)
     else:
@@ -97,10 +101,63 @@ def import_target(target: str):
     return name, obj, file
 
 
+#: names of the user modules ``import_target`` has loaded (a later target may replace them)
+_LOADED: set[str] = set()
+
+
+def _append_path(folder: str) -> None:
+    """Let the user's module import its siblings in ``folder``, after every installed package."""
+    if folder not in sys.path and not (folder == os.getcwd() and "" in sys.path):
+        sys.path.append(folder)
+
+
+def _check_not_shadowing(name: str, origin: str, what: str) -> None:
+    """CLIError when the user's module ``name`` (file ``origin``) has the name of another module: loading it
+    under that name would replace the other for everything imported later (autopar's own lazy imports too)."""
+    other = sys.modules.get(name)
+    if other is not None and name in _LOADED:  # a user module this process loaded before (another target)
+        return
+    if other is not None:
+        if os.path.abspath(getattr(other, "__file__", None) or "") == os.path.abspath(origin):
+            return
+        found = getattr(other, "__file__", None) or "built in"
+    else:
+        here = os.path.dirname(os.path.abspath(origin))
+        if os.path.basename(origin) == "__init__.py":
+            here = os.path.dirname(here)
+        path = [p for p in sys.path if os.path.abspath(p or ".") != here]
+        spec = importlib.machinery.PathFinder.find_spec(name, path) if name not in sys.builtin_module_names else None
+        if spec is None and name not in sys.builtin_module_names:
+            return
+        found = (spec.origin if spec is not None else None) or "built in"
+    raise CLIError(f"{what} ({short_path(origin)}) has the name of the installed module {name!r} ({found}); "
+                   f"rename your file so that it does not shadow it")
+
+
 def _import_name(modname: str, cwd: str):
-    """Import module ``modname`` by name -> (module, its file); CLIError on every failure."""
+    """Import module ``modname`` -> (module, its file): its top-level package from ``cwd`` when it is there
+    (loaded by location, so ``cwd`` never goes first on ``sys.path``), else by name; CLIError on every failure."""
+    top = modname.split(".")[0]
     try:
+        spec = importlib.machinery.PathFinder.find_spec(top, [cwd])
+        _append_path(cwd)
+        if spec is not None and spec.origin and (top not in sys.modules or top in _LOADED):
+            _check_not_shadowing(top, spec.origin, f"module {top!r}")
+            for loaded in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+                del sys.modules[loaded]  # an earlier target's module of this name, and its submodules
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[top] = module  # pickling (and dataclasses) look the module up by name
+            _LOADED.add(top)
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop(top, None)
+                raise
+        elif spec is not None and spec.origin:
+            _check_not_shadowing(top, spec.origin, f"module {top!r}")
         module = importlib.import_module(modname)
+    except CLIError:
+        raise
     except ModuleNotFoundError as e:
         top = modname.split(".")
         if e.name and any(e.name == ".".join(top[:i + 1]) for i in range(len(top))):
@@ -125,14 +182,14 @@ def _import_file(path: str):
     name = os.path.splitext(os.path.basename(full))[0]
     if not IDENT.match(name):
         raise CLIError(f"cannot import {path!r}: {name!r} is not a valid module name; rename the file")
-    folder = os.path.dirname(full)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)  # so that it can import its neighbours
+    _check_not_shadowing(name, full, f"{path!r}")
+    _append_path(os.path.dirname(full))  # so that it can import its neighbours (after installed packages)
     spec = importlib.util.spec_from_file_location(name, full)
     if spec is None or spec.loader is None:
         raise CLIError(f"cannot import {path!r}: not a Python source file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # pickling (and dataclasses) look the module up by name
+    _LOADED.add(name)
     try:
         spec.loader.exec_module(module)
     except SyntaxError as e:

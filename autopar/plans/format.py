@@ -2,7 +2,8 @@
 
 ``human_bytes`` and ``human_time`` print sizes and durations; ``canon`` makes the canonical JSON form
 of plan data (what ``Plan.to_json`` writes, and what the views compare); ``mesh_text``,
-``device_count``, ``relative_name`` and ``clip`` are the one copy of helpers the views all need.
+``device_count``, ``relative_name`` and ``clip`` are the one copy of helpers the views all need;
+``printable`` is the one escaping of text bound for a terminal.
 Nothing here imports the Plan itself, so every view can use it without an import cycle.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from typing import Any, Mapping, Union
 
 from autopar.errors import PlanError
@@ -88,6 +90,19 @@ def finite_float(x: Any, default: float = 0.0) -> float:
     return f if math.isfinite(f) else default
 
 
+#: what ``printable`` escapes: C0 controls but newline and tab, DEL, C1 controls (CSI among them), and the
+#: bidirectional overrides and isolates (text that displays in another order than it reads)
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: control characters (an ESC starting an escape sequence, a carriage
+    return, a bidi override) become visible escapes such as ``\\x1b``; newlines and tabs stay. Names in a
+    plan (module paths, FQNs) come from user code or a file, and must not drive the terminal."""
+    return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                            else f"\\u{ord(m.group()):04x}", str(text))
+
+
 def clip(text: str, width: int) -> str:
     """``text`` cut to ``width`` characters, ending in ``"..."`` when it was longer."""
     return text if len(text) <= width else text[: max(width - 3, 0)] + "..."
@@ -114,4 +129,4 @@ def device_count(mesh: Mapping) -> int:
 
 
 __all__ = ["SIG_DIGITS", "SOLVER_TIMING_KEYS", "canon", "clip", "device_count", "finite_float", "human_bytes",
-           "human_time", "mesh_text", "relative_name"]
+           "human_time", "mesh_text", "printable", "relative_name"]

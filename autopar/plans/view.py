@@ -1,7 +1,8 @@
 """Rendering of a Plan for the terminal: ``summary``, ``explain`` and ``diff`` (``Plan.summary`` etc. call these).
 
 Everything here reads only the Plan's own data, so a saved plan can be shown, explained and compared
-without the model or a solve. Lines stay within ``WIDTH`` characters where the content allows.
+without the model or a solve. Lines stay within ``WIDTH`` characters where the content allows. Every
+text returned goes through ``printable``: names from a model or a file cannot drive the terminal.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from autopar.plans.format import (
     human_bytes,
     human_time,
     mesh_text,
+    printable,
     relative_name,
 )
 
@@ -133,7 +135,7 @@ def summary(plan: "Plan", full: bool = False) -> str:
     lines.append(clip(_solver_text(plan.solver), WIDTH))
     if plan.phases:
         lines += _wrap_items("planning: ", [f"{k} {human_time(v)}" for k, v in plan.phases.items()])
-    return "\n".join(lines)
+    return printable("\n".join(lines))
 
 
 def _collective_text(c: dict) -> str:
@@ -254,7 +256,7 @@ def explain(plan: "Plan", module_path: str) -> str:
             d = a.get("delta", 0.0)
             lines.append(f"  {str(a.get('name')):<{w}}  {('+' if d >= 0 else '') + human_time(d):>10}  "
                          f"(compute {human_time(a.get('time', 0.0))}, communication {human_time(a.get('comm', 0.0))})")
-    return "\n".join(lines)
+    return printable("\n".join(lines))
 
 
 # -- diff -------------------------------------------------------------------------------------------
@@ -324,7 +326,7 @@ def diff(a: "Plan", b: "Plan", limit: int = 40) -> str:
         out.append("decisions and estimates are equal; details differ in: " + ", ".join(rest))
     if not out:
         return "plans are identical"
-    return "\n".join(["plans differ (first -> second):"] + [clip(line, WIDTH) for line in out])
+    return printable("\n".join(["plans differ (first -> second):"] + [clip(line, WIDTH) for line in out]))
 
 
 __all__ = ["MAX_ROWS", "WIDTH", "diff", "explain", "summary"]

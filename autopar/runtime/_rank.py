@@ -18,6 +18,7 @@ import datetime
 import os
 import pickle
 import sys
+import time
 import traceback
 from typing import Any, Optional
 
@@ -47,13 +48,21 @@ def prepare(rank: int, world_size: int, port: int) -> None:
         torch.set_num_threads(1)
 
 
-def init_group(rank: int, world_size: int, port: int, backend: str, timeout_s: float) -> None:
-    """Join the parent's TCPStore and initialise the default group; ``timeout_s`` also bounds
-    every collective, so one that a peer never enters fails instead of waiting forever."""
-    td = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(HOST, port, is_master=False, timeout=td)
+def init_group(rank: int, world_size: int, port: int, backend: str, timeout_s: float,
+               collective_timeout_s: Optional[float] = None) -> None:
+    """Join the parent's TCPStore and initialise the default group. ``collective_timeout_s``
+    (default ``timeout_s``) bounds every collective, so one that a peer never enters fails instead of
+    waiting forever; the ranks first wait (up to ``timeout_s``) for each other on the store, so that a
+    slow start-up is not held against a short collective timeout."""
+    store = dist.TCPStore(HOST, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    arrived = store.add("autopar/arrived", 1)
+    until = time.monotonic() + timeout_s
+    while arrived < world_size and time.monotonic() < until:
+        time.sleep(0.05)
+        arrived = store.add("autopar/arrived", 0)
     if "nccl" in backend and torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    td = datetime.timedelta(seconds=collective_timeout_s or timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
 
 
@@ -66,18 +75,32 @@ def destroy_group() -> None:
         pass
 
 
+#: Words in the message of a torch.distributed failure that is a plain RuntimeError.
+_DISTRIBUTED_WORDS = ("gloo", "NCCL", "Connection closed by peer", "caused pair closure")
+
+
 def is_distributed_error(exc: BaseException) -> bool:
     """A failure of the communication layer, usually a consequence of a peer's failure. On torch
     2.13 gloo's "Connection closed by peer" and its timeouts are plain ``RuntimeError``s (not
-    ``DistError``) whose message names gloo's source file."""
-    if isinstance(exc, dist.DistError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(k in text for k in ("gloo", "NCCL", "Connection closed by peer"))
+    ``DistError``) whose message names gloo's source file, or says "Application timeout caused pair
+    closure" (a peer's pair timed out first). An exception raised *from* one (autopar's
+    ``CollectiveError``) counts too."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, dist.DistError):
+            return True
+        text = str(exc)
+        if isinstance(exc, RuntimeError) and any(k in text for k in _DISTRIBUTED_WORDS):
+            return True
+        exc, seen = exc.__cause__, seen + 1
+    return False
 
 
 def failure_of(rank: int, exc: BaseException, message: Optional[str] = None) -> dict:
-    """The failure report a rank sends back for exception ``exc``."""
+    """The failure report a rank sends back for exception ``exc``, with the step this rank was in
+    (``autopar.runtime.faults.current_step``, when that module is loaded) and the ranks a failed
+    collective's roll call did not hear from (``absent_ranks``)."""
+    faults = sys.modules.get("autopar.runtime.faults")
     return {
         "rank": rank,
         "kind": "raised",
@@ -85,6 +108,9 @@ def failure_of(rank: int, exc: BaseException, message: Optional[str] = None) -> 
         "message": str(exc) if message is None else message,
         "traceback": "".join(traceback.format_exception(exc)),
         "distributed": is_distributed_error(exc),
+        "step": getattr(exc, "step", None) if getattr(exc, "step", None) is not None else
+        (faults.current_step() if faults is not None else None),
+        "absent": getattr(exc, "absent_ranks", None),
     }
 
 
@@ -109,14 +135,14 @@ def run_task(conn: Any, rank: int, payload: bytes) -> None:
 
 
 def main(mode: str, rank: int, world_size: int, port: int, backend: str, timeout_s: float, conn: Any,
-         argv0: str, payload: Optional[bytes] = None) -> None:
+         argv0: str, payload: Optional[bytes] = None, collective_timeout_s: Optional[float] = None) -> None:
     """``mode`` "launch": run ``payload`` once. ``mode`` "pool": report ready (with the pid), then
     run tasks until ``SHUTDOWN`` or until the parent goes away. The group is destroyed at the end."""
     sys.argv[0] = argv0  # run_path set it to this file; user code should see the parent's, as with spawn
     prepare(rank, world_size, port)
     try:
         try:
-            init_group(rank, world_size, port, backend, timeout_s)
+            init_group(rank, world_size, port, backend, timeout_s, collective_timeout_s)
         except BaseException as exc:
             send(conn, rank, ("raised", failure_of(rank, exc)))
             return

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Optional, Sequence
@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from autopar.errors import LaunchError
 from autopar.runtime import _rank
+from autopar.runtime.faults import fault_key
 from autopar.validate import check_launch_args
 
 __all__ = ["LaunchError", "ensure_process_group", "in_torchrun", "launch"]
@@ -46,6 +47,8 @@ __all__ = ["LaunchError", "ensure_process_group", "in_torchrun", "launch"]
 #: After the first failure, how long the parent keeps listening for other ranks' reports before it
 #: stops them: long enough to see a death that caused a peer's "connection closed" error.
 _FAILURE_GRACE_S = 0.5
+#: After a rank died, how long the parent waits for the others to say (on the store) which step they were in.
+_STEP_WAIT_S = 3.0
 #: How long a stopped child gets between SIGTERM and SIGKILL.
 _TERMINATE_GRACE_S = 2.0
 #: How long a rank that has reported may take to exit on its own before it is stopped.
@@ -68,6 +71,7 @@ def launch(
     /,
     *args: Any,
     timeout: float = 300.0,
+    collective_timeout: Optional[float] = None,
     backend: str = "gloo",
     **kwargs: Any,
 ) -> list:
@@ -91,30 +95,41 @@ def launch(
 
     Failures (local spawn): if a rank raises, ``LaunchError`` names the rank and carries its
     exception type, message and traceback; if a rank dies without raising, ``LaunchError`` gives
-    its exit code or signal within about a second. Either way the other ranks are stopped. If the
-    whole run takes longer than ``timeout`` seconds, every rank is stopped and ``LaunchError`` says
-    it timed out; ``timeout`` is also the process group's timeout, so a collective that a peer never
-    joins errors out rather than waiting forever.
+    its exit code or signal within about a second; a rank that hangs (never enters a collective the
+    others wait in) is named once the others' collectives time out. Either way the other ranks are
+    stopped, and the message gives the step (``ParallelModule``'s count of forward calls) the ranks
+    were in. ``collective_timeout`` (seconds, default ``timeout``) is every process group's
+    collective timeout, including the mesh groups ``autopar.compile`` makes: a collective that a
+    peer never joins fails after it. If the whole run takes longer than ``timeout`` seconds, every
+    rank is stopped and ``LaunchError`` says it timed out. Under torchrun, ``collective_timeout``
+    is the timeout of the group launch initialises (a group you initialise has yours).
 
-    ``fn`` cannot receive keyword arguments named ``timeout`` or ``backend`` (they are launch's).
+    ``fn`` cannot receive keyword arguments named ``timeout``, ``collective_timeout`` or ``backend``
+    (they are launch's).
     """
     check_launch_args(fn, nprocs, timeout, backend)
     if nprocs < 1:
         raise ValueError(f"launch needs nprocs >= 1, got {nprocs}")
     if timeout <= 0:
         raise ValueError(f"launch needs a positive timeout in seconds, got {timeout}")
+    collective_timeout = timeout if collective_timeout is None else collective_timeout
+    if collective_timeout <= 0:
+        raise ValueError(f"launch needs a positive collective_timeout in seconds, got {collective_timeout}")
     if in_torchrun():
-        return [_run_in_this_rank(fn, nprocs, args, kwargs, timeout, backend)]
+        return [_run_in_this_rank(fn, nprocs, args, kwargs, collective_timeout, backend)]
     payload = _pickle_task(fn, args, kwargs, "launch")
-    group = _Group.start("launch", nprocs, backend, timeout, payload)
+    group = _Group.start("launch", nprocs, backend, timeout, payload, collective_timeout_s=collective_timeout)
     try:
         outcome = group.collect(time.monotonic() + timeout, _FAILURE_GRACE_S)
     except BaseException:
         group.stop()
         raise
     if outcome.failures or outcome.pending:
+        died = any(f.kind == "died" and f.step is None for f in outcome.failures)
+        outcome.read_steps(group.store, _STEP_WAIT_S if died else 0.0)
         group.stop()
-        raise outcome.error(f"launch({_name(fn)}, nprocs={nprocs})", timeout, "the ranks still running were stopped")
+        raise outcome.error(f"launch({_name(fn)}, nprocs={nprocs})", timeout, "the ranks still running were stopped",
+                            collective_timeout)
     # Every rank has reported and is now leaving its group and exiting; a torch process takes a
     # second or more to shut down, which the caller need not wait for.
     group.reap_later(_EXIT_GRACE_S)
@@ -177,7 +192,9 @@ def _run_in_this_rank(fn: Callable[..., Any], nprocs: int, args: tuple, kwargs: 
 @dataclass
 class _Failure:
     """One rank's failure as the parent sees it: ``kind`` is "raised" (with the remote exception's
-    type, message and traceback as text), "died" (with ``exitcode``) or "unreadable"."""
+    type, message and traceback as text), "died" (with ``exitcode``), "hung" (it never reported while
+    the others' collectives failed) or "unreadable". ``step`` is the rank's step where known;
+    ``absent`` the ranks its roll call did not hear from (see ``report_collective_failure``)."""
 
     rank: int
     kind: str
@@ -186,15 +203,21 @@ class _Failure:
     traceback: str = ""
     distributed: bool = False  # a torch.distributed error: usually a consequence of a peer's failure
     exitcode: Optional[int] = None
+    step: Optional[int] = None
+    absent: Optional[list] = None
 
     def headline(self, world_size: int) -> str:
+        at = f" in step {self.step}" if self.step is not None else ""
         if self.kind == "died":
-            return (f"rank {self.rank} of {world_size} {_describe_exit(self.exitcode)} before returning a result "
+            return (f"rank {self.rank} of {world_size} {_describe_exit(self.exitcode)}{at} before returning a result "
                     "(os._exit, a crash, a kill, or a failed start-up import: its stderr may say which)")
+        if self.kind == "hung":
+            return (f"rank {self.rank} of {world_size} hung{at}: it never joined the collective that rank(s) "
+                    f"{self.message} failed in after the collective timeout, nor returned")
         first = self.message.strip().splitlines()[0] if self.message.strip() else ""
         if len(first) > 200:
             first = first[:200] + "..."
-        return f"rank {self.rank} of {world_size} raised {self.type_name}" + (f": {first}" if first else "")
+        return f"rank {self.rank} of {world_size} raised {self.type_name}{at}" + (f": {first}" if first else "")
 
 
 def _describe_exit(code: Optional[int]) -> str:
@@ -230,22 +253,54 @@ def _pickle_task(fn: Callable[..., Any], args: tuple, kwargs: dict, where: str) 
 
 @dataclass
 class _Outcome:
-    """What ``_Group.collect`` heard: results by rank, failures in arrival order, ranks not heard."""
+    """What ``_Group.collect`` heard: results by rank, failures in arrival order, ranks not heard, and
+    the steps the ranks' roll calls left on the store (``read_steps``)."""
 
     world_size: int
     results: dict[int, Any]
     failures: list[_Failure]
     pending: list[int]
+    steps: dict[int, int] = field(default_factory=dict)
+
+    def read_steps(self, store: Any, wait_s: float = 0.0) -> None:
+        """The step of each rank that reported a failed collective on ``store`` (see ``faults.roll_call``),
+        waiting up to ``wait_s`` for a first one (a death's peers write theirs a moment after it)."""
+        until = time.monotonic() + wait_s
+        while True:
+            for r in range(self.world_size):
+                try:
+                    if store.check([fault_key(r)]):
+                        step = int(store.get(fault_key(r)))
+                        if step >= 0:
+                            self.steps[r] = step
+                except Exception:  # the store is only a hint
+                    return
+            if self.steps or time.monotonic() >= until:
+                return
+            time.sleep(0.1)
 
     def primary(self) -> Optional[_Failure]:
-        """The likely root cause: a non-distributed exception, else a death, else the first one."""
+        """The likely root cause: a non-distributed exception, else a death, else a rank that never
+        reported while the others' collectives failed (hung), else the first failure."""
         for pick in (lambda f: f.kind == "raised" and not f.distributed, lambda f: f.kind == "died"):
             for f in self.failures:
                 if pick(f):
                     return f
+        comm = [f for f in self.failures if f.distributed]
+        if self.pending and comm:
+            named = [r for f in comm for r in (f.absent or ()) if r in self.pending]
+            rank = named[0] if named else self.pending[0]
+            others = _ranks(sorted(f.rank for f in comm))
+            return _Failure(rank, "hung", message=others, step=self._others_step(rank))
         return self.failures[0] if self.failures else None
 
-    def error(self, what: str, timeout: float, stopped: str) -> LaunchError:
+    def _others_step(self, rank: int) -> Optional[int]:
+        """The step the ranks other than ``rank`` failed in (the most common one), if any said."""
+        steps = [f.step for f in self.failures if f.rank != rank and f.step is not None]
+        steps += [s for r, s in self.steps.items() if r != rank and not any(f.rank == r for f in self.failures)]
+        return max(set(steps), key=steps.count) if steps else None
+
+    def error(self, what: str, timeout: float, stopped: str, collective_timeout: Optional[float] = None) -> LaunchError:
         primary = self.primary()
         if primary is None:
             done = sorted(self.results)
@@ -255,7 +310,12 @@ class _Outcome:
                 + f"; {stopped}. Pass a larger timeout= if the work is legitimately long; otherwise look "
                 "for a rank stuck in a collective that another rank never entered"
             )
-        lines = [f"{what} failed: {primary.headline(self.world_size)}"]
+        if primary.step is None and primary.kind == "died":
+            primary.step = self._others_step(primary.rank)
+        head = primary.headline(self.world_size)
+        if primary.kind == "hung" and collective_timeout is not None:
+            head += f" (collective_timeout={collective_timeout:g} s)"
+        lines = [f"{what} failed: {head}"]
         if primary.traceback:
             lines += [f"--- traceback from rank {primary.rank} ---", primary.traceback.rstrip()]
         others = [f for f in self.failures if f is not primary]
@@ -281,8 +341,10 @@ class _Group:
         return len(self.procs)
 
     @classmethod
-    def start(cls, mode: str, world_size: int, backend: str, timeout_s: float, payload: Optional[bytes] = None) -> "_Group":
-        """Spawn ``world_size`` ranks running ``_rank.main(mode, ...)``. They are started with
+    def start(cls, mode: str, world_size: int, backend: str, timeout_s: float, payload: Optional[bytes] = None,
+              collective_timeout_s: Optional[float] = None) -> "_Group":
+        """Spawn ``world_size`` ranks running ``_rank.main(mode, ...)``; ``timeout_s`` bounds their
+        rendezvous, ``collective_timeout_s`` (default ``timeout_s``) their collectives. They are started with
         ``runpy.run_path`` on ``_rank.py``, not by importing it, so that a rank never imports the
         autopar package (seconds per process, see ``_rank``'s docstring)."""
         store = dist.TCPStore(_rank.HOST, 0, is_master=True, wait_for_workers=False,
@@ -293,7 +355,8 @@ class _Group:
             for rank in range(world_size):
                 ours, theirs = ctx.Pipe(duplex=(mode == "pool"))
                 args = dict(mode=mode, rank=rank, world_size=world_size, port=store.port, backend=backend,
-                            timeout_s=timeout_s, conn=theirs, argv0=sys.argv[0] if sys.argv else "", payload=payload)
+                            timeout_s=timeout_s, conn=theirs, argv0=sys.argv[0] if sys.argv else "", payload=payload,
+                            collective_timeout_s=collective_timeout_s or timeout_s)
                 proc = ctx.Process(
                     target=runpy.run_path,
                     args=(_rank.__file__,),
