@@ -128,7 +128,7 @@ class ParallelModule(torch.nn.Module):
     """The user's model, run as its plan's sharded program on this rank (see ``autopar.compile``)."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, graph: Graph, dmesh, program: Program,
-                 precision: str):
+                 precision: str, groups: Optional[Sequence] = None):
         super().__init__()
         self.module = model
         self.plan = plan
@@ -136,8 +136,10 @@ class ParallelModule(torch.nn.Module):
         self.device_mesh = dmesh
         self.program = program
         self.precision = precision
-        self._comm = C.ProcessGroupComm([dmesh.get_group(i) for i in range(dmesh.ndim)], plan.axis_names)
-        self._axis_of_group = {dmesh.get_group(i).group_name: name for i, name in enumerate(plan.axis_names)}
+        # the program's own groups (``compile``: one gloo worker each), else the device mesh's
+        groups = list(groups) if groups is not None else [dmesh.get_group(i) for i in range(dmesh.ndim)]
+        self._comm = C.ProcessGroupComm(groups, plan.axis_names)
+        self._axis_of_group = {g.group_name: name for g, name in zip(groups, plan.axis_names)}
         self._recording: Optional[list] = None
         self._param_slots = [s for s in program.inputs if s.kind == "param"]
         self._grad_index = {s.key: i for i, s in enumerate(program.grads)}
@@ -319,7 +321,10 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     if any(slot.spec.blocks for slot in program.inputs):  # _StridedShard parameters: teach DCP their pieces
         install_strided_checkpointing()
     _distribute_state(model, graph, program, dmesh, device)
-    return ParallelModule(model, shared, graph, dmesh, program, prec)
+    # gloo: the program's collectives get groups of their own with one worker thread each, since
+    # torch 2.13's two workers corrupt the heap when two collectives finish together (see there)
+    groups = C.single_worker_gloo_groups(dmesh.mesh, dist.get_rank()) if backend == "gloo" else None
+    return ParallelModule(model, shared, graph, dmesh, program, prec, groups)
 
 
 def _distribute_state(model: torch.nn.Module, graph: Graph, program: Program, dmesh, device) -> None:

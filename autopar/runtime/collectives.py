@@ -139,6 +139,61 @@ COLLECTIVES = (all_gather, reduce_scatter, all_reduce, all_to_all)
 
 # -- process groups ----------------------------------------------------------------------------
 
+def axis_groups(mesh_ranks: torch.Tensor) -> list[list[list[int]]]:
+    """For each mesh axis, every group of ranks along it (the ranks whose coordinates differ in
+    that axis only), in an order every rank computes alike."""
+    out = []
+    for axis in range(mesh_ranks.dim()):
+        rows = mesh_ranks.movedim(axis, -1).reshape(-1, mesh_ranks.shape[axis])
+        out.append([[int(r) for r in row] for row in rows])
+    return out
+
+
+def single_worker_gloo_groups(mesh_ranks: torch.Tensor, rank: int) -> list:
+    """This rank's process group on each mesh axis: new gloo groups whose backend runs ONE worker
+    thread (torch's default is two). Every rank must call it, in the same order (``new_group``).
+
+    Why (torch 2.13): ``ProcessGroupGloo::runLoop`` runs a group's collectives on its worker
+    threads, and each worker, after finishing one, writes the group's status record
+    (``pgStatus_->lastCompletedWorkName = opTypeToString(opType)``) without holding the group's
+    lock. Two collectives of one group finishing together race on that ``std::string``; names
+    longer than 15 characters live on the heap (the functional all-gather's
+    "ALLGATHER_COALESCED"), so the race double-frees it: glibc aborts ("double free or corruption
+    (fasttop)", "unaligned tcache/fastbin chunk") or a later collective crashes. Programs keep
+    several collectives in flight (``passes.schedule``), so this hit long runs within minutes. With
+    one worker a group's collectives run one after another on one thread, still under compute."""
+    import os
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torch.distributed import ProcessGroupGloo
+
+    def devices() -> list:  # as torch's own constructor picks them
+        names = os.environ.get("GLOO_SOCKET_IFNAME", "")
+        if len(names) > 1:
+            return [ProcessGroupGloo.create_device(interface=n) for n in names.split(",")]
+        return [ProcessGroupGloo.create_default_device()]
+
+    class OneWorkerGloo(ProcessGroupGloo):
+        def __init__(self, store, group_rank, group_size, timeout):
+            opts = ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = devices()
+            opts._threads = 1
+            super().__init__(store, group_rank, group_size, opts)
+
+    mine = []
+    saved = c10d.ProcessGroupGloo
+    c10d.ProcessGroupGloo = OneWorkerGloo  # the class new_group builds gloo backends with
+    try:
+        for groups in axis_groups(mesh_ranks):
+            made = [dist.new_group(ranks, backend="gloo") for ranks in groups]
+            mine.append(next(g for g, ranks in zip(made, groups) if rank in ranks))
+    finally:
+        c10d.ProcessGroupGloo = saved
+    return mine
+
+
 class ProcessGroupComm:
     """Collectives over one torch process group per mesh axis (this rank's groups)."""
 
@@ -326,8 +381,10 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "axis_groups",
     "record_collectives",
     "reduce_scatter",
+    "single_worker_gloo_groups",
     "use_backend",
     "wait",
 ]
