@@ -26,6 +26,6 @@ def program_groups_on_rank(cases: list) -> list:
         for g in pm._comm.groups:
             backend = g._get_backend(torch.device("cpu"))
             groups.append({"ranks": dist.get_process_group_ranks(g), "threads": backend.options._threads,
-                           "world": g is dist.group.WORLD})
+                           "world": g is dist.group.WORLD, "name": g.group_name})
         out.append({"groups": groups, "grads": all(p.grad is not None for p in pm.parameters())})
     return out

@@ -22,11 +22,13 @@ def test_axis_groups_lists_every_group_along_each_axis():
 def test_programs_collectives_run_on_single_worker_gloo_groups():
     import autopar
 
-    cases = [((("a", 4),), plan_json("mlp", (("a", 4),), "ddp")),
-             ((("a", 2), ("b", 2)), plan_json("mlp", (("a", 2), ("b", 2)), "fsdp"))]
+    flat_case = ((("a", 4),), plan_json("mlp", (("a", 4),), "ddp"))
+    cases = [flat_case, ((("a", 2), ("b", 2)), plan_json("mlp", (("a", 2), ("b", 2)), "fsdp")), flat_case]
     results = autopar.launch(program_groups_on_rank, 4, cases, timeout=300)
     for rank, per_case in enumerate(results):
-        flat, square = per_case
+        flat, square, again = per_case
+        # a later program on the same mesh reuses the groups rather than making new ones
+        assert [g["name"] for g in again["groups"]] == [g["name"] for g in flat["groups"]], (rank, per_case)
         assert flat["grads"] and square["grads"], (rank, per_case)
         # mesh (4,): one group of all four ranks, but not the default group its user made
         assert [g["ranks"] for g in flat["groups"]] == [[0, 1, 2, 3]], (rank, flat)

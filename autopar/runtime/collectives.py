@@ -149,9 +149,14 @@ def axis_groups(mesh_ranks: torch.Tensor) -> list[list[list[int]]]:
     return out
 
 
+#: ``single_worker_gloo_groups``' groups per (default group, mesh), reused by later compiles.
+_ONE_WORKER_GROUPS: dict = {}
+
+
 def single_worker_gloo_groups(mesh_ranks: torch.Tensor, rank: int) -> list:
-    """This rank's process group on each mesh axis: new gloo groups whose backend runs ONE worker
-    thread (torch's default is two). Every rank must call it, in the same order (``new_group``).
+    """This rank's process group on each mesh axis: gloo groups whose backend runs ONE worker
+    thread (torch's default is two), made once per mesh layout and default group, and reused.
+    Every rank must call it, in the same order (``new_group`` is collective over the world).
 
     Why (torch 2.13): ``ProcessGroupGloo::runLoop`` runs a group's collectives on its worker
     threads, and each worker, after finishing one, writes the group's status record
@@ -182,6 +187,10 @@ def single_worker_gloo_groups(mesh_ranks: torch.Tensor, rank: int) -> list:
             opts._threads = 1
             super().__init__(store, group_rank, group_size, opts)
 
+    key = (id(dist.group.WORLD), tuple(mesh_ranks.shape), tuple(mesh_ranks.flatten().tolist()))
+    known = _ONE_WORKER_GROUPS.get(key)
+    if known is not None and all(g in c10d._world.pg_map for g in known):  # not destroyed since
+        return known
     mine = []
     saved = c10d.ProcessGroupGloo
     c10d.ProcessGroupGloo = OneWorkerGloo  # the class new_group builds gloo backends with
@@ -191,6 +200,7 @@ def single_worker_gloo_groups(mesh_ranks: torch.Tensor, rank: int) -> list:
             mine.append(next(g for g, ranks in zip(made, groups) if rank in ranks))
     finally:
         c10d.ProcessGroupGloo = saved
+    _ONE_WORKER_GROUPS[key] = mine
     return mine
 
 
