@@ -38,3 +38,5 @@ def test_programs_collectives_run_on_single_worker_gloo_groups():
         assert [g["ranks"] for g in square["groups"]] == [[b, 2 + b], [2 * a, 2 * a + 1]], (rank, square)
         for g in flat["groups"] + square["groups"]:
             assert g["threads"] == 1, (rank, g)
+            # launch's timeout (300 s here), not gloo's default: a rank that stops fails the others alike
+            assert g["timeout"] == flat["world_timeout"] == 300, (rank, g, flat["world_timeout"])

@@ -191,12 +191,14 @@ def single_worker_gloo_groups(mesh_ranks: torch.Tensor, rank: int) -> list:
     known = _ONE_WORKER_GROUPS.get(key)
     if known is not None and all(g in c10d._world.pg_map for g in known):  # not destroyed since
         return known
+    # the default group's timeout (``autopar.launch``'s), so a collective a peer never joins fails alike
+    timeout = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
     mine = []
     saved = c10d.ProcessGroupGloo
     c10d.ProcessGroupGloo = OneWorkerGloo  # the class new_group builds gloo backends with
     try:
         for groups in axis_groups(mesh_ranks):
-            made = [dist.new_group(ranks, backend="gloo") for ranks in groups]
+            made = [dist.new_group(ranks, backend="gloo", timeout=timeout) for ranks in groups]
             mine.append(next(g for g, ranks in zip(made, groups) if rank in ranks))
     finally:
         c10d.ProcessGroupGloo = saved
