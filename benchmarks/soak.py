@@ -6,7 +6,12 @@ detected``) that ``benchmarks/runtime.py`` hit in 2 of 3 full runs on 2026-11-30
 723d711. No hand-written DDP or DTensor model runs here: at 36f095e, 150 steps of the four plans
 below crashed rank 0 (segfault in an all-to-all's wait in the backward) after about 4 minutes;
 60 steps passed once. Run it with ``PYTHONFAULTHANDLER=1`` to get the Python stack of the rank
-that dies; ``MALLOC_CHECK_=3`` makes glibc check the heap more eagerly.
+that dies (glibc 2.34+ reads ``MALLOC_CHECK_`` only with ``LD_PRELOAD=libc_malloc_debug.so``).
+
+The crash was torch 2.13's gloo backend (two worker threads of one group write its status string
+without a lock; ``benchmarks/gloo_race_repro.py``): at 09d2950 this soak aborted within 90 s in 2
+of 2 runs; since ``compile`` gives programs single-worker gloo groups, 150 steps passed twice and
+300 steps once (281 to 694 s of training each, under load).
 
     PYTHONFAULTHANDLER=1 OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/soak.py [--steps 150]
 
