@@ -28,7 +28,7 @@ from autopar.plans import Plan, load_plan
 from autopar.program import collectives as C
 from autopar.program.program import Program, Slot
 from autopar.runtime import faults
-from autopar.runtime.collectives import ProcessGroupComm, record_executed
+from autopar.runtime.collectives import ProcessGroupComm, record_executed, single_worker_gloo_groups
 from autopar.runtime.precision import EXECUTABLE_PRECISIONS, execution_precision
 from autopar.validate import check_choice, check_kwargs, check_model, check_path
 
@@ -143,7 +143,7 @@ class ParallelModule(torch.nn.Module):
     itself is ``.module``."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, graph: Graph, dmesh, program: Program,
-                 precision: str):
+                 precision: str, groups: Optional[Sequence] = None):
         super().__init__()
         # the model's own tables become this module's (tc.share_tables, at the end): state_dict,
         # named_parameters and load_state_dict use the single-device model's names, no "module." prefix.
@@ -157,8 +157,10 @@ class ParallelModule(torch.nn.Module):
         self._collective_timeout_s = _match_group_timeouts(dmesh)
         #: Forward calls so far: the step number failure messages give (``autopar.runtime.faults``).
         self.steps = 0
-        self._comm = ProcessGroupComm([dmesh.get_group(i) for i in range(dmesh.ndim)], plan.axis_names)
-        self._axis_of_group = {dmesh.get_group(i).group_name: name for i, name in enumerate(plan.axis_names)}
+        # the program's own groups (``compile``: one gloo worker each), else the device mesh's
+        groups = list(groups) if groups is not None else [dmesh.get_group(i) for i in range(dmesh.ndim)]
+        self._comm = ProcessGroupComm(groups, plan.axis_names)
+        self._axis_of_group = {g.group_name: name for g, name in zip(groups, plan.axis_names)}
         self._recording: Optional[list] = None
         self._param_slots = [s for s in program.inputs if s.kind == "param"]
         self._grad_index = {s.key: i for i, s in enumerate(program.grads)}
@@ -407,7 +409,10 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     if any(slot.spec.blocks for slot in program.inputs):  # _StridedShard parameters: teach DCP their pieces
         install_strided_checkpointing()
     _distribute_state(model, graph, program, dmesh, device)
-    return ParallelModule(model, shared, graph, dmesh, program, prec)
+    # gloo: the program's collectives get groups of their own with one worker thread each, since
+    # torch 2.13's two workers corrupt the heap when two collectives finish together (see there)
+    groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank()) if backend == "gloo" else None
+    return ParallelModule(model, shared, graph, dmesh, program, prec, groups)
 
 
 def _distribute_state(model: torch.nn.Module, graph: Graph, program: Program, dmesh, device) -> None:

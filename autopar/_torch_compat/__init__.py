@@ -8,7 +8,8 @@ private surface and says, in its docstring, what to check on a torch upgrade:
 - ``fake``: ``FakeTensorMode``, the data-dependent-op exceptions, ``record_dispatch``;
 - ``fx``: node-metadata annotation, a graph's calling convention, torch's pytree;
 - ``dtensor``: ``_StridedShard`` and its checkpointing, a DTensor's local tensor and spec;
-- ``c10d``: the functional collectives and their dispatcher ops;
+- ``c10d``: the functional collectives and their dispatcher ops, group timeouts;
+- ``gloo``: gloo groups with one worker thread (a workaround for a torch 2.13 race);
 - ``autograd``: autograd-engine and storage bindings of ``torch._C``;
 - ``nn``: ``nn.Module``'s parameter/buffer tables and its conversion hook.
 
@@ -68,6 +69,7 @@ from autopar._torch_compat.fx import (
     tree_unflatten,
     use_flat_calling_convention,
 )
+from autopar._torch_compat.gloo import group_alive, new_one_worker_gloo_groups
 from autopar._torch_compat.nn import after_conversion, buffer_table, parameter_table, share_tables, with_metadata
 
 #: Try the one-pass joint trace first (``aot._export_joint_fast``); False: always AOTAutograd's
@@ -75,13 +77,14 @@ from autopar._torch_compat.nn import after_conversion, buffer_table, parameter_t
 FAST_JOINT = True
 
 __all__ = [
-    "BufferAOTInput", "DATA_DEPENDENT_ERRORS", "FAST_JOINT", "FakeTensor", "FakeTensorMode", "GradAOTOutput",
-    "InputMutationAOTOutput", "JOINT_PATHS", "ParamAOTInput", "PlainAOTInput", "PlainAOTOutput",
-    "TangentAOTInput", "after_conversion", "annotate", "buffer_table", "data_dependent_op", "decompositions",
-    "dtensor_from_spec", "dtensor_spec", "export_joint", "functional_all_gather", "functional_all_reduce",
-    "functional_all_reduce_", "functional_all_to_all", "functional_collective_name", "functional_reduce_scatter",
-    "group_timeout", "has_grad_hooks", "held_indices", "install_strided_checkpointing", "local_tensor",
-    "parameter_table", "preserve_node_meta", "process_group", "pytree", "record_dispatch", "set_group_timeout",
-    "share_tables", "storage_use_count", "strided_shard", "tree_flatten", "tree_leaves", "tree_map",
-    "tree_unflatten", "use_flat_calling_convention", "will_engine_execute", "with_metadata",
+    "after_conversion", "annotate", "buffer_table", "BufferAOTInput", "DATA_DEPENDENT_ERRORS", "data_dependent_op",
+    "decompositions", "dtensor_from_spec", "dtensor_spec", "export_joint", "FakeTensor", "FakeTensorMode",
+    "FAST_JOINT", "functional_all_gather", "functional_all_reduce", "functional_all_reduce_",
+    "functional_all_to_all", "functional_collective_name", "functional_reduce_scatter", "GradAOTOutput",
+    "group_alive", "group_timeout", "has_grad_hooks", "held_indices", "InputMutationAOTOutput",
+    "install_strided_checkpointing", "JOINT_PATHS", "local_tensor", "new_one_worker_gloo_groups", "ParamAOTInput",
+    "parameter_table", "PlainAOTInput", "PlainAOTOutput", "preserve_node_meta", "process_group", "pytree",
+    "record_dispatch", "set_group_timeout", "share_tables", "storage_use_count", "strided_shard", "TangentAOTInput",
+    "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "use_flat_calling_convention",
+    "will_engine_execute", "with_metadata"
 ]

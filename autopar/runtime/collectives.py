@@ -26,6 +26,46 @@ from autopar.program.collectives import Executed
 
 # -- process groups ----------------------------------------------------------------------------
 
+def axis_groups(mesh_ranks: torch.Tensor) -> list[list[list[int]]]:
+    """For each mesh axis, every group of ranks along it (the ranks whose coordinates differ in
+    that axis only), in an order every rank computes alike."""
+    out = []
+    for axis in range(mesh_ranks.dim()):
+        rows = mesh_ranks.movedim(axis, -1).reshape(-1, mesh_ranks.shape[axis])
+        out.append([[int(r) for r in row] for row in rows])
+    return out
+
+
+#: ``single_worker_gloo_groups``' groups per (default group, mesh), reused by later compiles.
+_ONE_WORKER_GROUPS: dict = {}
+
+
+def single_worker_gloo_groups(mesh_ranks: torch.Tensor, rank: int) -> list:
+    """This rank's process group on each mesh axis: gloo groups whose backend runs ONE worker
+    thread (torch's default is two), made once per mesh layout and default group, and reused.
+    Every rank must call it, in the same order (``new_group`` is collective over the world).
+
+    Why: torch 2.13's gloo workers race on the group's status record when two collectives of one
+    group finish together, and double-free it (``_torch_compat/gloo.py`` has the account). Programs
+    keep several collectives in flight (``passes.lower.schedule``), so this hit long runs within
+    minutes. With one worker a group's collectives run one after another, still under compute.
+    The groups keep the default group's timeout (``autopar.launch``'s), so a collective a peer
+    never joins fails alike."""
+    import torch.distributed as dist
+
+    key = (id(dist.group.WORLD), tuple(mesh_ranks.shape), tuple(mesh_ranks.flatten().tolist()))
+    known = _ONE_WORKER_GROUPS.get(key)
+    if known is not None and all(tc.group_alive(g) for g in known):  # not destroyed since
+        return known
+    timeout = tc.group_timeout()
+    mine = []
+    for rank_lists in axis_groups(mesh_ranks):
+        made = tc.new_one_worker_gloo_groups(rank_lists, timeout)
+        mine.append(next(g for g, ranks in zip(made, rank_lists) if rank in ranks))
+    _ONE_WORKER_GROUPS[key] = mine
+    return mine
+
+
 class ProcessGroupComm:
     """Collectives over one torch process group per mesh axis (this rank's groups): a
     ``program.collectives.Backend``, whose methods it implements with functional collectives."""
@@ -186,4 +226,5 @@ def record_collectives(axis_of_group: Optional[dict[str, str]] = None) -> Iterat
         yield out
 
 
-__all__ = ["CollectiveError", "Executed", "ProcessGroupComm", "ThreadComm", "ThreadMesh", "record_collectives"]
+__all__ = ["CollectiveError", "Executed", "ProcessGroupComm", "ThreadComm", "ThreadMesh", "axis_groups",
+           "record_collectives", "single_worker_gloo_groups"]
