@@ -157,6 +157,7 @@ class ParallelModule(torch.nn.Module):
         self._collective_timeout_s = _match_group_timeouts(dmesh)
         #: Forward calls so far: the step number failure messages give (``autopar.runtime.faults``).
         self.steps = 0
+        faults.note_step(None)  # a new program: no step of an earlier one is reported for it
         # the program's own groups (``compile``: one gloo worker each), else the device mesh's
         groups = list(groups) if groups is not None else [dmesh.get_group(i) for i in range(dmesh.ndim)]
         self._comm = ProcessGroupComm(groups, plan.axis_names)
@@ -198,7 +199,13 @@ class ParallelModule(torch.nn.Module):
                 block = local_block(value, slot.placements, self.program.mesh_shape, coords, slot.spec.blocks)
                 value = _dtensor(block.to(_local(self._state(slot)).device), self.device_mesh, slot)
             values[key] = value
-        return super().load_state_dict(tc.with_metadata(values, state_dict), strict=strict, assign=assign)
+        # the model's own method: its hooks, ``_load_from_state_dict`` overrides and version run
+        return self.module.load_state_dict(tc.with_metadata(values, state_dict), strict=strict, assign=assign)
+
+    def state_dict(self, *args, **kwargs):
+        """The model's ``state_dict`` (its own hooks and overrides run): the single-device names, each
+        parameter and buffer a DTensor placed as the plan says."""
+        return self.module.state_dict(*args, **kwargs)
 
     def _state(self, slot: Slot) -> torch.Tensor:
         return self._param(slot.key) if slot.kind == "param" else self._buffer(slot.key)
@@ -292,7 +299,9 @@ class ParallelModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         """Run the lowered forward program on this rank's blocks (the backward runs at ``loss.backward()``)."""
-        self.steps += 1
+        # not ``self.steps += 1``: nn.Module's setter would refuse an int where the model has a
+        # parameter, buffer or child named ``steps`` (the tables are the model's)
+        object.__setattr__(self, "steps", self.steps + 1)
         faults.note_step(self.steps)
         values = []
         training = self.program.backward is not None
@@ -323,7 +332,8 @@ class ParallelModule(torch.nn.Module):
 
 def _share_plan(plan, make) -> Plan:
     """Rank 0's plan (made by ``make``, given, or read from the file ``plan`` names) on every rank; a
-    plan file rank 0 cannot load is the same PlanError on every rank (none waits for the others)."""
+    plan file rank 0 cannot load is the same PlanError on every rank, and a plan rank 0 fails to make
+    raises there and a CompileError saying so on the others (none waits for the others)."""
     box: list = [None]
     if dist.get_rank() == 0:
         try:
@@ -331,10 +341,16 @@ def _share_plan(plan, make) -> Plan:
             box[0] = ("plan", got.to_json(timing=False))
         except PlanError as e:
             box[0] = ("error", str(e))
+        except Exception as e:  # noqa: BLE001 - planning failed: every rank raises it, none waits
+            box[0] = ("failed", f"planning on rank 0 failed: {type(e).__name__}: {e}")
+            dist.broadcast_object_list(box, src=0)
+            raise
     dist.broadcast_object_list(box, src=0)
     kind, text = box[0]
     if kind == "error":
         raise PlanError(text)
+    if kind == "failed":
+        raise CompileError(text)
     return Plan.from_dict(__import__("json").loads(text))
 
 

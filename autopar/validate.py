@@ -39,7 +39,8 @@ def _got(value: Any) -> str:
     if isinstance(value, (str, bool, int, float, type(None))) and len(text) <= 60 and text.isprintable():
         return text
     if len(text) > 60 or not text.isprintable():
-        return f"a {type(value).__name__}"
+        name = type(value).__name__
+        return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
     return f"{text} (a {type(value).__name__})"
 
 
@@ -61,10 +62,18 @@ def parse_size(value: Union[str, int, float], what: Optional[str] = None, *, all
         return int(size)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise bad
-    v = float(value)
+    v = _as_float(value)
     if math.isnan(v) or v < 1 or (v == math.inf and not allow_inf):  # as text: at least one byte
         raise bad
-    return value
+    return math.inf if v == math.inf else value  # an int beyond any float is no limit, as inf is
+
+
+def _as_float(value: numbers.Real) -> float:
+    """``float(value)``, with an int too large for a float read as infinity (not an OverflowError)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 def check_number(value: Any, what: str, *, allow_none: bool = True, integer: bool = False) -> Any:
@@ -74,7 +83,7 @@ def check_number(value: Any, what: str, *, allow_none: bool = True, integer: boo
         return value
     kind = "a positive integer" if integer else "a positive number"
     ok = not isinstance(value, bool) and isinstance(value, numbers.Integral if integer else numbers.Real)
-    if not ok or not 0 < float(value) < math.inf:
+    if not ok or not 0 < _as_float(value) < math.inf:
         raise ArgumentError(f"{what} must be {kind}" + (" or None" if allow_none else "") + f", got {_got(value)}")
     return value
 
@@ -164,12 +173,13 @@ def check_callable(fn: Any, what: str) -> Any:
     return fn
 
 
-def check_launch_args(fn: Any, nprocs: Any, timeout: Any, backend: Any) -> None:
-    """``autopar.launch``'s own arguments: a function, a positive number of ranks and of seconds,
-    a backend name."""
+def check_launch_args(fn: Any, nprocs: Any, timeout: Any, backend: Any, collective_timeout: Any = None) -> None:
+    """``autopar.launch``'s own arguments: a function, a positive number of ranks and of seconds
+    (the run's and, when given, each collective's), a backend name."""
     check_callable(fn, "autopar.launch: fn")
     check_number(nprocs, "autopar.launch: nprocs (the number of ranks)", allow_none=False, integer=True)
     check_number(timeout, "autopar.launch: timeout (seconds)", allow_none=False)
+    check_number(collective_timeout, "autopar.launch: collective_timeout (seconds)")
     if not isinstance(backend, str) or not backend:
         raise ArgumentError(f"autopar.launch: backend must be a torch.distributed backend name such as 'gloo' or "
                             f"'nccl', got {_got(backend)}")

@@ -242,8 +242,11 @@ def state_dict_on_rank(text: str) -> dict:
         for p in ref.parameters():
             p.mul_(-1.5).add_(0.01)  # other values than the compiled model's
     mesh = autopar.Mesh(dict(zip(plan.axis_names, plan.mesh_shape)), device="cpu")
+    seen: list = []  # the model's own state_dict hooks run when the ParallelModule's state_dict is asked for
+    model.register_state_dict_post_hook(lambda module, sd, prefix, meta: seen.append(type(module).__name__))
     pm = autopar.compile(model, mesh, args, plan=plan)
     out = {"keys": sorted(pm.state_dict()), "ref_keys": sorted(ref.state_dict()),
+           "hook_ran": list(seen),
            "param_names": [n for n, _ in pm.named_parameters()],
            "ref_param_names": [n for n, _ in ref.named_parameters()]}
     result = pm.load_state_dict(ref.state_dict())
@@ -265,4 +268,27 @@ def state_dict_on_rank(text: str) -> dict:
     out["eval"] = (pm.training, pm.module.training, pm.module.wte.training)
     pm.train()
     out["train"] = (pm.training, pm.module.training, pm.module.wte.training)
+    out["steps_child"] = _steps_named_child_trains(mesh)
     return out
+
+
+class _StepsNamed(torch.nn.Module):
+    """A model whose child is called ``steps``, like the ParallelModule's step counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.steps(x).pow(2).mean()
+
+
+def _steps_named_child_trains(mesh) -> tuple:
+    """Two forward calls of a compiled model with a child named ``steps``: (the counter, the child's type)."""
+    import autopar
+
+    torch.manual_seed(0)
+    pm = autopar.compile(_StepsNamed(), mesh, (torch.randn(8, 8),), training=True)
+    for _ in range(2):
+        pm(torch.randn(8, 8)).backward()
+    return pm.steps, type(pm.module.steps).__name__

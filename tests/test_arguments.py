@@ -194,3 +194,18 @@ def test_mesh_arguments():
         autopar.Mesh({"dp": 2}, device=3)
     with pytest.raises(MeshError, match=r"^Mesh: profile must be a file path .*, got 3$"):
         autopar.Mesh({"dp": 2}, device="cpu", profile=3)
+
+
+def test_numbers_too_large_for_a_float_are_argument_errors():
+    assert parse_size(10 ** 400, allow_inf=True) == math.inf  # no limit, as inf is; not an OverflowError
+    with pytest.raises(ArgumentError, match=r"^expected a positive size"):
+        parse_size(10 ** 400)
+    with pytest.raises(ArgumentError, match=r"^autopar.plan: time_limit \(seconds\) must be a positive number or None, got an int$"):
+        autopar.plan(MODEL, MESH, INPUTS, time_limit=10 ** 400)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "10", -1])
+def test_launch_checks_its_collective_timeout(bad):
+    with pytest.raises(ArgumentError, match=r"^autopar.launch: collective_timeout \(seconds\) must be a positive number "
+                                            r"or None, got "):
+        autopar.launch(make_lin, 2, collective_timeout=bad)

@@ -92,6 +92,8 @@ def test_state_dict_uses_the_single_device_models_names(pool):
 
     for r in pool.run(state_dict_on_rank, plan_json("gpt", (("a", 2), ("b", 2)), "megatron_tp")):
         assert r["keys"] == r["ref_keys"] and "blocks.0.attn.qkv.weight" in r["keys"], r["keys"]
+        assert r["hook_ran"] == ["GPT"], r["hook_ran"]  # the model's own state_dict ran
+        assert r["steps_child"] == (2, "Linear")  # a child named like the step counter clashes with nothing
         assert r["param_names"] == r["ref_param_names"]
         assert r["missing"] == [] and r["unexpected"] == []
         assert r["loaded_err"] == 0.0 and r["back_err"] == 0.0 and r["tied"]

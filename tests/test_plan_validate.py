@@ -103,6 +103,11 @@ def test_unknown_keys_are_refused_with_a_suggestion(tmp_path, good):
         "Plan.save writes, so an unknown key is refused rather than ignored")
     msg = _load_error(tmp_path, _mutated(good, lambda d: d.update(comment="mine")))
     assert msg.startswith("comment: unknown key 'comment'")
+    # a resharding's keys are known too: a typo there gets its suggestion
+    def typo_resharding(d):
+        d["reshardings"][0]["tensr"] = d["reshardings"][0].pop("tensor")
+    assert _load_error(tmp_path, _mutated(good, typo_resharding)).startswith(
+        "reshardings[0].tensr: unknown key 'tensr' (did you mean 'tensor'?)")
     # free-form maps take any name: solver statistics
     d = _mutated(good, lambda d: d["solver"].update(my_note="fast"))
     assert load_plan(_write(tmp_path, d)).solver["my_note"] == "fast"
@@ -145,6 +150,12 @@ def test_files_too_large_or_not_text_are_refused(tmp_path, good, monkeypatch):
     with pytest.raises(PlanError, match=r"bin.json' is not a plan file: it is not UTF-8 text$"):
         load_plan(path)
     assert _load_error(tmp_path, "[1, 2]") == "a plan is a JSON object, got list"
+    unreadable = tmp_path / "unreadable.json"
+    unreadable.write_text("{}")
+    monkeypatch.setattr(validate, "open", lambda *a, **k: (_ for _ in ()).throw(PermissionError(13, "Permission denied")),
+                        raising=False)
+    with pytest.raises(PlanError, match=r"unreadable.json' is not a plan file: cannot read it \(Permission denied\)$"):
+        load_plan(unreadable)
 
 
 # -- schema versions and the unchanged format -----------------------------------------------------

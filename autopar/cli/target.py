@@ -193,8 +193,10 @@ def _import_file(path: str):
     try:
         spec.loader.exec_module(module)
     except SyntaxError as e:
+        sys.modules.pop(name, None)  # not a half-run module for the next import to find
         raise CLIError(f"importing {path!r} failed: {where_raised(e)}: SyntaxError: {e.msg}; fix the file") from e
     except Exception as e:
+        sys.modules.pop(name, None)
         raise CLIError(f"importing {path!r} raised {exception_line(e)} (at {where_raised(e, full)}); fix the module") from e
     return module, full
 

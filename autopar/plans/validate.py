@@ -100,11 +100,14 @@ def _parse_int(text: str):
 def read_json(path: str) -> Any:
     """The JSON value in the file at ``path``, read with bounds (file size, integer digits, nesting);
     a PlanError, naming the file, says what is wrong with it."""
-    size = os.path.getsize(path)
-    if size > MAX_FILE_BYTES:
-        raise PlanError(f"{path!r}: the file is {size:,} bytes; a plan file is at most {MAX_FILE_BYTES:,} bytes")
-    with open(path, "rb") as fh:
-        raw = fh.read(MAX_FILE_BYTES + 1)
+    try:
+        size = os.path.getsize(path)
+        if size > MAX_FILE_BYTES:
+            raise PlanError(f"{path!r}: the file is {size:,} bytes; a plan file is at most {MAX_FILE_BYTES:,} bytes")
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise PlanError(f"{path!r} is not a plan file: cannot read it ({e.strerror or e})") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -448,7 +451,7 @@ class _PlanFile(_Strict):
 
 
 _KNOWN_KEYS = sorted({k for m in (_PlanFile, _Mesh, _Hardware, _Link, _Precision, _Fingerprint, _Graph, _Node, _Step,
-                                  _Collective, _Alternative, _Module, _Baseline, _Timing) for k in m.model_fields}
+                                  _Collective, _Alternative, _Module, _Baseline, _Timing, _Resharding) for k in m.model_fields}
                      | {"from"})
 
 

@@ -33,8 +33,8 @@ _FAULT_PREFIX = "autopar/fault/"
 _ROLL_CALL_MAX_S = 10.0
 
 
-def note_step(step: int) -> None:
-    """Record that this process has started step ``step`` (see ``current_step``)."""
+def note_step(step: Optional[int]) -> None:
+    """Record that this process has started step ``step`` (see ``current_step``); None: no step yet."""
     _STEP[0] = step
 
 
@@ -88,8 +88,12 @@ def report_collective_failure(exc: BaseException, what: str, timeout_s: Optional
         blame = "which rank failed first is not known here (no store to ask)"
     else:
         blame = "every rank saw it fail"
+    try:
+        who = f"rank {dist.get_rank()} of {dist.get_world_size()}"
+    except (RuntimeError, ValueError):  # the default group is gone: the failure itself still says what ran
+        who = "this rank"
     err = CollectiveError(
-        f"rank {dist.get_rank()} of {dist.get_world_size()}: a collective{at} in {what} failed ({type(exc).__name__}: "
+        f"{who}: a collective{at} in {what} failed ({type(exc).__name__}: "
         f"{first}); {blame}; the collective timeout is autopar.launch(collective_timeout=...) or "
         "torch.distributed.init_process_group(timeout=...)")
     err.step, err.absent_ranks = step, absent

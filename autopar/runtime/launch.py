@@ -107,14 +107,8 @@ def launch(
     ``fn`` cannot receive keyword arguments named ``timeout``, ``collective_timeout`` or ``backend``
     (they are launch's).
     """
-    check_launch_args(fn, nprocs, timeout, backend)
-    if nprocs < 1:
-        raise ValueError(f"launch needs nprocs >= 1, got {nprocs}")
-    if timeout <= 0:
-        raise ValueError(f"launch needs a positive timeout in seconds, got {timeout}")
+    check_launch_args(fn, nprocs, timeout, backend, collective_timeout)
     collective_timeout = timeout if collective_timeout is None else collective_timeout
-    if collective_timeout <= 0:
-        raise ValueError(f"launch needs a positive collective_timeout in seconds, got {collective_timeout}")
     if in_torchrun():
         return [_run_in_this_rank(fn, nprocs, args, kwargs, collective_timeout, backend)]
     payload = _pickle_task(fn, args, kwargs, "launch")
