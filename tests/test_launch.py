@@ -272,5 +272,6 @@ def test_killed_rank_under_torchrun_stops_the_job(tmp_path):
 
 
 def test_launch_rejects_a_bad_collective_timeout():
-    with pytest.raises(ValueError, match=r"^launch needs a positive collective_timeout in seconds, got 0$"):
+    with pytest.raises(ValueError, match=r"^autopar.launch: collective_timeout \(seconds\) must be a positive number "
+                                          r"or None, got 0$"):
         launch(report, 2, "x", collective_timeout=0)
