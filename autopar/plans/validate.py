@@ -39,6 +39,7 @@ from pydantic import (
 from autopar.cost_model.precision import OPTIMIZER_STATES, PRECISIONS
 from autopar.errors import PlacementError, PlanError
 from autopar.ir.placement import Split, parse, parse_one, split_top_level
+from autopar.plans.format import clip
 
 #: bounds on a plan file and its values (far above what a real plan needs)
 MAX_FILE_BYTES = 256 << 20
@@ -73,8 +74,7 @@ class HugeInt:
 
 def shown(value: Any) -> str:
     """``repr(value)`` clipped to ``SHOWN`` characters (control characters escaped by repr)."""
-    text = repr(value)
-    return text if len(text) <= SHOWN else text[: SHOWN - 3] + "..."
+    return clip(repr(value), SHOWN)
 
 
 def json_path(loc: tuple) -> str:
@@ -240,7 +240,7 @@ def _axis(name: str, info: ValidationInfo) -> str:
 
 
 Int = Annotated[int, BeforeValidator(_whole), Field(ge=0, le=MAX_INT)]
-Count = Annotated[int, BeforeValidator(_whole), Field(ge=0, le=MAX_INT)]
+Count = Int  # a count of things: a whole number like any other
 Seconds = Annotated[float, Field(ge=0, le=MAX_NUMBER, allow_inf_nan=False)]
 Delta = Annotated[float, Field(ge=-MAX_NUMBER, le=MAX_NUMBER, allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0, le=MAX_NUMBER, allow_inf_nan=False)]
