@@ -74,11 +74,14 @@ def test_megatron_tp_computes_whole_heads_with_megatron_collectives():
     plan = autopar.Plan.from_dict(json.loads(plan_json("gpt", axes, "megatron_tp")))
     splits = [n for n in plan.nodes if n["op"] == "aten.split.Tensor"]
     assert splits and all(n["tags"] == ["S:blk"] for n in splits), [n["tags"] for n in splits]
-    # Megatron's layout: column-split qkv and fc, row-split proj, vocabulary-split embeddings
+    # Megatron's layout: column-split qkv and fc (with their biases), row-split proj (its bias
+    # replicated), the token embedding split by vocabulary, the position embedding replicated
     for i in range(2):
         for w, way in (("attn.qkv", "S(0)"), ("attn.proj", "S(1)"), ("mlp.fc", "S(0)"), ("mlp.proj", "S(1)")):
             assert plan.placements[f"blocks.{i}.{w}.weight"] == way, (w, plan.placements)
-    assert plan.placements["wte.weight"] == plan.placements["wpe.weight"] == "S(0)"
+        for b, way in (("attn.qkv", "S(0)"), ("attn.proj", "B"), ("mlp.fc", "S(0)"), ("mlp.proj", "B")):
+            assert plan.placements[f"blocks.{i}.{b}.bias"] == way, (b, plan.placements)
+    assert (plan.placements["wte.weight"], plan.placements["wpe.weight"]) == ("S(0)", "B")
     assert "blocks.0.attn.qkv.weight dim 0 (3 blocks)" in plan.summary()  # the user sees the layout
     kinds = {c["kind"] for c in plan.collectives}
     assert "all_to_all" not in kinds, plan.collectives

@@ -124,11 +124,11 @@ def run_passes(
         try:
             allowed = recipes.constraints(graph, mesh, name, tensor_axis)
             _check_recipe_hints(graph, name, allowed, constraints, bool(recipe), {f"hints[{k!r}]" for k in placed})
-            # the weights' column/row descent only for a recipe asked for by name: as a baseline
-            # for the search it would cost seconds of planning on large meshes
+            # the exact ILP completion only for a recipe asked for by name: as a baseline for the
+            # search, greedy plus local search (the search's ILP starts from the best baseline)
             pinned = recipes.pinned_axes(mesh, name, tensor_axis)
             regions = recipes.tensor_regions(graph, name) if pinned else None
-            choice = complete(merged, problem, allowed, pinned, orient=bool(recipe), regions=regions,
+            choice = complete(merged, problem, allowed, pinned, exact=bool(recipe), regions=regions,
                               label=graph.user_name)
         except (RecipeError, InfeasibleError, ValueError) as e:
             if recipe:

@@ -2,18 +2,18 @@
 
 A recipe (``recipes.py``) fixes where parameters and inputs live; ``complete`` fills in every other
 node the cheapest way consistent with that (greedy, then local search), keeping parameters where
-they lie on the recipe's *pinned* axes (Megatron's tensor axis: no weight gathers there). For a
-recipe asked for by name, ``_orient`` chooses each pinned weight's split (column or row) by
-coordinate descent and the ILP polishes the result exactly.
+they lie on the recipe's *pinned* axes (Megatron's tensor axis: no weight gathers there). Every
+weight's placement is the recipe's own (``recipes.tensor_layout``: column or row from the
+dataflow pairing), so nothing is searched but the activations; for a recipe asked for by name the
+ILP then polishes that completion exactly, within a few seconds.
 
-Glossary: a weight is *pinned* on an axis when the recipe forbids gathering it there; its *ways* are
-the splits it may take; ``prefer`` maps a weight to the split the descent settled on; a strategy is
-*alive* when the problem's restrictions still allow it.
+Glossary: a weight is *pinned* on an axis when the recipe forbids gathering it there; a strategy
+is *alive* when the problem's restrictions still allow it.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 from autopar.cost_model.comm import LOCAL_KINDS, axis_step
 from autopar.ir.placement import Split, format_placements
@@ -27,13 +27,13 @@ from autopar.passes.search.strategies import output_placement
 FORBIDDEN = 1e3
 
 
-def complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int], orient: bool = False,
-              regions=None, label: Callable[[str], str] = str) -> list[int]:
+def complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int], exact: bool = False,
+             regions=None, label: Callable[[str], str] = str) -> list[int]:
     """A cheap choice with the placeholders restricted to ``allowed`` placements, and parameters
-    used where they lie on the ``pinned`` axes (no gathers there): greedy, then local search.
-    With ``orient``, each pinned weight's split is chosen by coordinate descent (``_orient``).
-    ``regions`` (``recipes.TensorRegions``): which dims activations may be split along on the
-    pinned axes, given the weights' splits. ``label`` names a node for messages (``Graph.user_name``)."""
+    used where they lie on the ``pinned`` axes (no gathers there): greedy, then local search; with
+    ``exact`` and pinned axes, then the ILP (``_exact_completion``). ``regions`` (``recipes.TensorRegions``):
+    which dims activations may be split along on the pinned axes, given the weights' splits.
+    ``label`` names a node for messages (``Graph.user_name``)."""
     saved = [n.allowed for n in merged.problem.nodes]
     saved_costs = [e.cost for e in merged.problem.edges]
     try:
@@ -52,10 +52,10 @@ def complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int],
                 n.allowed = ok
         if not pinned:
             return merged.expand(improve(merged.problem, greedy(merged.problem)), len(problem.nodes))
-        best, prefer = _orient(merged, problem, pinned, rounds=2 if orient else 0, regions=regions)
-        if orient and edge_var_count(merged.problem) <= FULL_ILP_LIMIT:
-            _pin_in_place(merged.problem, pinned, prefer)
-            _restrict_to_regions(merged.problem, pinned, regions)
+        _pin_in_place(merged.problem, pinned)
+        _restrict_to_regions(merged.problem, pinned, regions)
+        best = merged.expand(improve(merged.problem, greedy(merged.problem)), len(problem.nodes))
+        if exact and edge_var_count(merged.problem) <= FULL_ILP_LIMIT:
             best = _exact_completion(merged, problem, best)
         return best
     finally:
@@ -70,9 +70,9 @@ RECIPE_ILP_TIME = 5.0
 
 
 def _exact_completion(merged: Merged, problem: Problem, start: list[int]) -> list[int]:
-    """The recipe's cheapest completion by the ILP, warm-started from the descent's (which it
-    replaces only when cheaper): coordinate descent flips one weight at a time, and Megatron's
-    pairing of a column-split and a row-split weight is sometimes two flips away."""
+    """The recipe's cheapest completion by the ILP, warm-started from greedy plus local search's
+    (which it replaces only when cheaper): a single-node move cannot switch an activation's split
+    together with every op that reads it."""
     try:
         sol = solve(merged.problem, [start[i] for i in merged.keep], RECIPE_ILP_TIME)
     except InfeasibleError:
@@ -115,72 +115,18 @@ def _splits_outside(strategy, dims_of: dict[int, set[int]], axes: list[int]) -> 
     return False
 
 
-def _orient(merged: Merged, problem: Problem, pinned: list[int], rounds: int = 2,
-            regions=None) -> tuple[list[int], dict]:
-    """Tensor parallelism with each weight split the way (column or row) that makes the completed
-    plan cheapest: Megatron alternates them (a column-split linear feeds a row-split one with no
-    collective between them), which no weight sees alone. From every weight's locally preferred
-    way (``_pin_in_place``), each weight in turn tries its other ways, the rest completed by
-    greedy plus local search, and keeps the cheapest (coordinate descent, until a round changes
-    nothing). Returns the choice and each weight's way. With ``regions``, the weights Megatron
-    pairs (``TensorRegions.pairs``: a column-split weight feeding a row-split one) lie that way,
-    and the descent moves only the others."""
-    mp = merged.problem
-    base = [n.allowed for n in mp.nodes]
-    if regions is not None and rounds:
-        ways_of = regions.pairs()
-        for i, n in enumerate(mp.nodes):
-            if n.name in ways_of:
-                keep = [s for s in n.alive() if all(n.strategies[s][a].outputs[0] == Split(ways_of[n.name])
-                                                     for a in pinned)]
-                base[i] = keep or base[i]
-
-    def complete(prefer: dict) -> tuple[float, list[int], dict]:
-        for n, a in zip(mp.nodes, base):
-            n.allowed = a
-        ways = _pin_in_place(mp, pinned, prefer)
-        _restrict_to_regions(mp, pinned, regions)
-        choice = merged.expand(improve(mp, greedy(mp)), len(problem.nodes))
-        return evaluate(problem, choice).step_time, choice, ways
-
-    best_t, best, ways = complete({})
-    prefer = {src: opts[0] for src, opts in ways.items()}  # opts[0]: the way taken
-    try:
-        for _ in range(rounds):
-            changed = False
-            for src, opts in sorted(ways.items()):  # weights and their views
-                for opt in opts:
-                    if opt == prefer[src]:
-                        continue
-                    t, choice, _ = complete({**prefer, src: opt})
-                    if t < best_t * (1 - 1e-9):
-                        best_t, best, prefer[src], changed = t, choice, opt, True
-            if not changed:
-                break
-    finally:
-        for n, a in zip(mp.nodes, base):
-            n.allowed = a
-    return best, prefer
-
-
 def _in_place(src, dst, pinned: list[int]) -> bool:
     """Whether a tensor placed ``src`` is read as ``dst`` without communication on the pinned axes
     (the same placement, or a local step: slicing a replicated bias is in place)."""
     return all(src[a] == dst[a] or axis_step(src[a], dst[a]) in LOCAL_KINDS for a in pinned)
 
 
-def _pin_in_place(problem: Problem, pinned: list[int], prefer: Optional[dict] = None) -> dict[int, list]:
+def _pin_in_place(problem: Problem, pinned: list[int]) -> None:
     """Megatron's weights are used where they lie on the tensor axis: wherever a parameter (or a
     view of it) has one placement on the ``pinned`` axes, its consumers keep only the strategies
     that read it that way, along the chain of views, until nothing changes. (A penalty alone
     leaves greedy and single-node local search stuck: a weight's forward and backward consumers
-    must switch together.) A consumer with no such strategy keeps all of its own.
-
-    ``prefer`` (parameter node index -> placement on the pinned axes) overrides the choice for
-    those weights. Returns, per weight that could lie more than one way, its ways (the one taken
-    first)."""
-    prefer = prefer or {}
-    ways: dict[int, list] = {}
+    must switch together.) A consumer with no such strategy keeps all of its own."""
     def alive(i: int) -> list[int]:
         return problem.nodes[i].alive()
 
@@ -193,32 +139,6 @@ def _pin_in_place(problem: Problem, pinned: list[int], prefer: Optional[dict] = 
         for a, p in zip(pinned, opt):
             src[a] = p
         return _in_place(src, have, pinned)
-
-    uses: dict[int, list] = {}
-    views = set()  # views of a weight (its transpose in the backward): they follow the weight
-    for e in problem.edges:
-        if e.kind == "param" and e.dst_slot >= 0:
-            uses.setdefault(e.src, []).append(e)
-            views.add(e.dst)
-    # a weight the recipe lets lie either way (column or row) lies the way most of its consumers
-    # can read in place, then the cheaper way for them
-    for src, es in sorted(uses.items()):
-        if src in views:
-            continue
-        options = sorted({pinned_out(es[0], s) for s in alive(src)}, key=str)
-        if len(options) < 2:
-            continue
-
-        def score(opt, es=es):
-            readers = [[s for s in alive(e.dst) if reads(e, s, opt)] for e in es]
-            cost = sum(min(problem.nodes[e.dst].compute[s] for s in r) for e, r in zip(es, readers) if r)
-            return (-sum(1 for r in readers if r), cost)
-
-        best = prefer.get(src)
-        if best not in options:
-            best = min(options, key=lambda o: (score(o), str(o)))
-        ways[src] = [best] + [o for o in options if o != best]
-        problem.nodes[src].allowed = [s for s in alive(src) if pinned_out(es[0], s) == best]
 
     changed = True
     while changed:
@@ -235,7 +155,6 @@ def _pin_in_place(problem: Problem, pinned: list[int], prefer: Optional[dict] = 
             if keep and len(keep) < len(have):
                 problem.nodes[e.dst].allowed = keep
                 changed = True
-    return ways
 
 
 __all__ = ["FORBIDDEN", "RECIPE_ILP_TIME", "complete"]

@@ -49,19 +49,66 @@ def _batch_split(graph: Graph, mesh: Mesh, data_axes: Sequence[int], name: str) 
     return out
 
 
-def _shard_dim(spec: TensorSpec, mesh: Mesh, data: Sequence[int]) -> Optional[int]:
-    """The dim FSDP splits over the data axes: dim 0 when it is large enough, else the largest dim
-    that is (a dim of equal blocks only where ``blocks_fit``)."""
-    shape, pieces = spec.shape, math.prod(mesh.shape[a] for a in data)
+def _fits(spec: TensorSpec, pl: Sequence, mesh: Mesh) -> bool:
+    """Whether placements ``pl`` split ``spec`` into non-empty pieces along every split dim, with
+    dims of equal blocks cut evenly (``blocks_fit``)."""
+    for d in {p.dim for p in pl if isinstance(p, Split)}:
+        if spec.shape[d] < math.prod(n for p, n in zip(pl, mesh.shape) if isinstance(p, Split) and p.dim == d):
+            return False
+    return blocks_fit(spec.shape, pl, mesh.shape, spec.blocks)
+
+
+def _shard_dim(spec: TensorSpec, mesh: Mesh, data: Sequence[int], base: Sequence) -> Optional[int]:
+    """The dim FSDP splits over the data axes, given the placements ``base`` already has (the tensor
+    axis's split): dim 0 when it is free and large enough, else the largest dim that is."""
+    taken = {p.dim for p in base if isinstance(p, Split)}
 
     def ok(d: int) -> bool:
-        pl = [Split(d) if a in data else B for a in range(mesh.ndim)]
-        return shape[d] >= pieces and blocks_fit(shape, pl, mesh.shape, spec.blocks)
+        return d not in taken and _fits(spec, [Split(d) if a in data else p for a, p in enumerate(base)], mesh)
 
-    if shape and ok(0):
+    if spec.shape and ok(0):
         return 0
-    fits = [d for d in range(len(shape)) if ok(d)]
-    return max(fits, key=lambda d: (shape[d], -d)) if fits else None
+    fits = [d for d in range(len(spec.shape)) if ok(d)]
+    return max(fits, key=lambda d: (spec.shape[d], -d)) if fits else None
+
+
+def tensor_layout(graph: Graph) -> dict[str, int]:
+    """Megatron's tensor-parallel weight layout, from the dataflow: ``{parameter node: dim}`` for the
+    parameters split on the tensor axis (the others are replicated there).
+
+    - a pair of weight matrices where a dim of one reaches a dim of the other (``TensorRegions.pairs``:
+      ``wq``'s output features reach ``wo``'s input features through attention): the first used
+      is column-parallel, the second row-parallel;
+    - an embedding table looked up by the model's inputs splits its vocabulary
+      (``VocabParallelEmbedding``); one looked up by computed indices (positions) is replicated;
+    - a matrix of no pair with exactly one dim that does not reach the residual stream (the output
+      head's vocabulary) splits along it (column-parallel, as Megatron's and torchtitan's heads);
+    - a vector a column-parallel weight's split dim reaches (its bias) splits along with it;
+    - everything else (norms, row-parallel biases, routers) is replicated."""
+    regions = TensorRegions(graph)
+    layout = dict(regions.pairs())
+    tables = _embedding_tables(graph)
+    vocab = _token_tables(graph)
+    outside = tables | set(graph.inputs.values())
+    for node in sorted(graph.params.values()):
+        spec = graph.node(node).out
+        if node in layout or spec.ndim != 2:
+            continue
+        if node in tables:
+            if node in vocab:
+                layout[node] = 0
+            continue
+        free = [d for d in range(2) if not any(ref.node in outside for ref, _ in regions.reach(node, d))]
+        if len(free) == 1:
+            layout[node] = free[0]
+    vectors = {v for v in graph.params.values() if graph.node(v).out.ndim == 1}
+    for node, d in sorted(layout.items()):
+        if node in tables:
+            continue
+        for ref, e in regions.reach(node, d):
+            if ref.node in vectors and ref.node not in layout and e == 0 and ref.index == 0:
+                layout[ref.node] = 0
+    return layout
 
 
 def _constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed:
@@ -75,33 +122,23 @@ def _constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed
     elif graph.inputs and t is not None:  # 1-D tensor parallel: every device sees the whole batch
         for node in graph.inputs.values():
             allowed[node] = [tuple(B for _ in mesh.shape)]
+    layout = tensor_layout(graph) if t is not None else {}
     sharded_any = False
-    tables = _embedding_tables(graph)
-    for fqn, node in graph.params.items():
+    for node in graph.params.values():
         spec = graph.node(node).out
-        shape = spec.shape
         base: list = [B] * mesh.ndim
+        if node in layout:
+            base[t] = Split(layout[node])
+            if _fits(spec, base, mesh):
+                sharded_any = True
+            else:  # too small to split on the tensor axis (a few heads of a tiny model)
+                base[t] = B
         if name in ("fsdp", "fsdp_tp") and data:
-            d = _shard_dim(spec, mesh, data)
+            d = _shard_dim(spec, mesh, data, base)
             if d is not None:
                 for a in data:
                     base[a] = Split(d)
-        options = [tuple(base)]
-        if tp and t is not None and len(shape) >= 2:
-            options = []
-            # an embedding table splits its vocabulary (Megatron's VocabParallelEmbedding): split
-            # along the model dim, it would split the whole residual stream
-            for d in ([0] if node in tables else range(len(shape))):
-                if shape[d] >= mesh.shape[t] and all(not (isinstance(p, Split) and p.dim == d) for p in base):
-                    pl = list(base)
-                    pl[t] = Split(d)
-                    if blocks_fit(shape, pl, mesh.shape, spec.blocks):
-                        options.append(tuple(pl))
-            if options:
-                sharded_any = True
-            else:
-                options = [tuple(base)]
-        allowed[node] = options
+        allowed[node] = [tuple(base)]
     if tp and not sharded_any:
         raise RecipeError(f"{name}: the model has no weight matrix that splits over the tensor axis "
                           f"{mesh.names[t]!r} (size {mesh.shape[t]})")
@@ -126,6 +163,26 @@ def _embedding_tables(graph: Graph) -> set[str]:
     return {n.inputs[0].node for n in graph.ops() if n.op == "aten.embedding.default" and n.inputs}
 
 
+def _token_tables(graph: Graph) -> set[str]:
+    """The embedding tables whose indices come from the model's inputs (token ids), not from ops
+    such as ``arange`` alone (position ids)."""
+    inputs = set(graph.inputs.values())
+    out = set()
+    for n in graph.ops():
+        if n.op != "aten.embedding.default" or len(n.inputs) < 2:
+            continue
+        seen, todo = set(), [n.inputs[1].node]
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            todo.extend(r.node for r in graph.node(name).inputs)
+        if seen & inputs:
+            out.add(n.inputs[0].node)
+    return out
+
+
 class TensorRegions:
     """Megatron tensor parallelism splits activations on its tensor axis only between a
     column-split weight and the row-split one after it: along the dims that hold a factor of some
@@ -140,7 +197,8 @@ class TensorRegions:
         self.graph = graph
         self._spread: dict[tuple[str, int], list] = {}
 
-    def _reach(self, node: str, d: int) -> list:
+    def reach(self, node: str, d: int) -> list:
+        """Every ``(tensor, dim)`` dim ``d`` of ``node``'s output reaches through the ops (sorted)."""
         if (node, d) not in self._spread:
             marks, _ = spread(self.graph, {(Ref(node, 0), d): True}, whole=False)
             self._spread[(node, d)] = sorted(marks, key=lambda k: (k[0].node, k[0].index, k[1]))
@@ -150,7 +208,7 @@ class TensorRegions:
         """The dims activations may be split along on the tensor axis, given the weights' splits."""
         out: dict[str, dict[int, set[int]]] = {}
         for node, d in sorted(splits.items()):
-            for ref, dim in self._reach(node, d):
+            for ref, dim in self.reach(node, d):
                 out.setdefault(ref.node, {}).setdefault(ref.index, set()).add(dim)
         return out
 
@@ -174,7 +232,7 @@ class TensorRegions:
         found: dict[str, set[int]] = {}
         for p in mats:
             for d in range(2):
-                reach = self._reach(p, d)
+                reach = self.reach(p, d)
                 if any(ref.node in outside for ref, _ in reach):
                     continue
                 for ref, e in reach:
@@ -187,8 +245,10 @@ class TensorRegions:
 
 
 def tensor_regions(graph: Graph, name: str) -> Optional[TensorRegions]:
-    """The activation rule of recipe ``name`` on its tensor axis (Megatron TP's; None: free)."""
-    return TensorRegions(graph) if name in ("megatron_tp", "fsdp_tp") else None
+    """The activation rule of recipe ``name`` on its tensor axis: Megatron TP's for ``megatron_tp``;
+    None (free: the residual stream may be split on the sequence, as Megatron SP and torchtitan's
+    FSDP x TP split it) for the others."""
+    return TensorRegions(graph) if name == "megatron_tp" else None
 
 
 def constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed:

@@ -1,0 +1,149 @@
+"""The named recipes lay weights out as the systems they are named after do (Megatron-LM,
+torchtitan's FSDP x TP, FSDP2, DDP), on autopar's GPT and LLaMA and on Hugging Face's GPT-2 and
+LLaMA as they are written (GPT-2's ``Conv1D`` stores its weights transposed: the column-parallel
+split is then its dim 1). Placements are written per mesh axis, ``"dp, tp"``."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+import autopar
+
+from _parity import build, plan_json, rel
+
+try:
+    import transformers
+except ImportError:
+    transformers = None
+
+needs_hf = pytest.mark.skipif(transformers is None, reason="transformers is not installed")
+
+#: Megatron's roles of autopar's and Hugging Face's weights: column-parallel (split along their
+#: output features), row-parallel (input features), the vocabulary-parallel token embedding and
+#: head, and what stays whole on the tensor axis.
+COLUMN = r"(attn\.qkv|mlp\.fc|wq|wk|wv|w1|w3|q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|mlp\.c_fc)\.weight$"
+ROW = r"(attn\.proj|mlp\.proj|wo|w2|o_proj|down_proj|attn\.c_proj|mlp\.c_proj)\.weight$"
+COLUMN_BIAS = r"(attn\.qkv|mlp\.fc|c_attn|mlp\.c_fc)\.bias$"
+VOCAB = r"(wte|tok_embeddings|embed_tokens|output|lm_head)\.weight$"
+
+
+def megatron_dim(fqn: str, transposed: bool = False) -> int | None:
+    """The dim Megatron splits parameter ``fqn`` along on the tensor axis (None: replicated).
+    ``transposed``: weights stored (in, out), as GPT-2's ``Conv1D``."""
+    if re.search(COLUMN, fqn):
+        return 1 if transposed else 0
+    if re.search(ROW, fqn):
+        return 0 if transposed else 1
+    if re.search(COLUMN_BIAS, fqn) or re.search(VOCAB, fqn):
+        return 0
+    return None  # norms, row-parallel biases, the position embedding, rotary buffers
+
+
+def params_of(plan) -> dict[str, str]:
+    return {k: v for k, v in plan.placements.items() if "." in k and not k.endswith("inv_freq")}
+
+
+def check_megatron(plan, transposed: bool = False, data: str = "B") -> None:
+    """Every weight on the tensor axis (the last) as Megatron's; ``data``: on the data axis, B (DDP)."""
+    for fqn, pl in params_of(plan).items():
+        d = megatron_dim(fqn, transposed)
+        want = "B" if d is None else f"S({d})"
+        got = [p.strip() for p in re.split(r",\s*(?![^(]*\))", pl)]
+        assert got[-1] == want, (fqn, pl)
+        if len(got) > 1:
+            assert got[0] == data, (fqn, pl)
+
+
+def check_fsdp_tp(plan, transposed: bool = False) -> None:
+    """torchtitan's FSDP x TP: Megatron's split on the tensor axis, and every parameter sharded on
+    the data axis along another dim (a vector split on the tensor axis stays whole on the data axis)."""
+    for fqn, pl in params_of(plan).items():
+        d = megatron_dim(fqn, transposed)
+        dp, tp = [p.strip() for p in re.split(r",\s*(?![^(]*\))", pl)]
+        assert tp == ("B" if d is None else f"S({d})"), (fqn, pl)
+        if d is None:
+            assert dp == "S(0)", (fqn, pl)
+        elif "bias" in fqn:
+            assert dp == "B", (fqn, pl)
+        else:
+            assert dp == f"S({1 - d})", (fqn, pl)
+
+
+def _plan(family: str, axes: dict, recipe: str):
+    model, args = build(family)
+    return getattr(autopar.recipes, recipe)(model, autopar.Mesh(axes, device="cpu"), args, progress=False)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_megatron_tp_and_sp_are_megatrons_layout(family):
+    for recipe in ("megatron_tp", "megatron_sp"):
+        check_megatron(_plan(family, {"dp": 2, "tp": 2}, recipe))
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_fsdp_tp_is_torchtitans_layout(family):
+    check_fsdp_tp(_plan(family, {"dp": 2, "tp": 2}, "fsdp_tp"))
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_fsdp_shards_dim_0_and_ddp_replicates(family):
+    fsdp, ddp = _plan(family, {"dp": 4}, "fsdp"), _plan(family, {"dp": 4}, "ddp")
+    assert set(params_of(fsdp).values()) == {"S(0)"}, params_of(fsdp)
+    assert set(params_of(ddp).values()) == {"B"}, params_of(ddp)
+
+
+def test_fsdp_tp_computes_what_the_model_computes():
+    """The layout runs: the simulator's loss and gradients on (2, 2) are the single device's."""
+    plan = autopar.Plan.from_dict(json.loads(plan_json("llama", (("dp", 2), ("tp", 2)), "fsdp_tp")))
+    check_fsdp_tp(plan)
+    model, args = build("llama")
+    loss, grads = autopar.simulate(model, plan, args)
+    ref = model(*args)
+    ref.backward()
+    assert rel(loss, ref.detach()) < 1e-6
+    for name, p in model.named_parameters():
+        assert rel(grads[name], p.grad) < 1e-6, name
+
+
+def _hf(name: str):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if name == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
+                                           attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
+                                           eos_token_id=0))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                             attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    model.config._attn_implementation = "sdpa"
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    return model, dict(input_ids=ids, labels=ids)
+
+
+@needs_hf
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hugging_face_models_get_the_same_layouts(name):
+    model, kwargs = _hf(name)
+    mesh = autopar.Mesh({"dp": 2, "tp": 2}, device="h100")
+    transposed = name == "gpt2"  # Conv1D: (in, out)
+    check_fsdp_tp(autopar.recipes.fsdp_tp(model, mesh, (), kwargs, progress=False), transposed)
+    check_megatron(autopar.recipes.megatron_tp(model, mesh, (), kwargs, progress=False), transposed)
+
+
+def test_the_layout_checks_can_fail():
+    """The checks reject the old row-parallel-everywhere FSDP x TP layout."""
+
+    class Fake:
+        placements = {"layers.0.attention.wq.weight": "S(0), S(1)"}
+
+    with pytest.raises(AssertionError):
+        check_fsdp_tp(Fake())
+    with pytest.raises(AssertionError):
+        check_megatron(Fake())
