@@ -19,7 +19,7 @@ MESH = {
     "hardware": {"name": "h100", "peak_flops": {"bfloat16": 9.89e14, "float32": 6.7e13}, "hbm_bandwidth": 3.35e12,
                  "memory": 80_000_000_000, "intra_node": {"latency": 3e-6, "bandwidth": 4.5e11},
                  "inter_node": {"latency": 1e-5, "bandwidth": 5e10}, "devices_per_node": 8,
-                 "matmul_efficiency": 0.7, "memory_efficiency": 0.8, "launch_floor": 5e-6,
+                 "nics_per_node": 8, "matmul_efficiency": 0.7, "memory_efficiency": 0.8, "launch_floor": 5e-6,
                  "flash_attention": True, "default_precision": "bf16-mixed"},
     "links": {"tp": {"latency": 3e-6, "bandwidth": 4.5e11}, "dp": {"latency": 1e-5, "bandwidth": 5e10}},
 }

@@ -166,7 +166,7 @@ def test_a_saved_plan_loads_and_saves_to_the_same_bytes(tmp_path):
     plan = load_plan(path)
     plan.save(tmp_path / "again.json")
     assert (tmp_path / "again.json").read_text(encoding="utf-8") == text
-    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 2
+    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 3
 
 
 def test_version_2_only_adds_parameter_shapes(good):
@@ -187,11 +187,11 @@ def test_a_version_1_file_loads_with_shapes_left_out(tmp_path, good):
     assert plan.placements == good["placements"] and plan.nodes == good["nodes"]
 
 
-@pytest.mark.parametrize("version", [0, 3, "2", True, None])
+@pytest.mark.parametrize("version", [0, 4, "2", True, None])
 def test_other_versions_are_refused_naming_the_version(tmp_path, good, version):
     d = _mutated(good, lambda d: d.update(schema_version=version))
-    assert _load_error(tmp_path, d) == (f"plan schema version {version!r} found, this autopar reads version 2 (and "
-                                        f"the earlier 1): make the plan again with autopar.plan(...) (or use the "
+    assert _load_error(tmp_path, d) == (f"plan schema version {version!r} found, this autopar reads version 3 (and "
+                                        f"the earlier 1, 2): make the plan again with autopar.plan(...) (or use the "
                                         f"autopar version that wrote it)")
 
 

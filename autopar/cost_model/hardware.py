@@ -5,7 +5,12 @@ Presets hold datasheet figures; ``autopar.cost_model.calibrate`` measures this m
 profile that ``get_hardware(..., profile=path)`` loads. Planning itself never measures.
 
 Bandwidths are ONE-WAY per device (the ring formulas' beta): half a datasheet's bidirectional
-NVLink figure. Peak FLOP/s are dense (no 2:4 sparsity) figures.
+NVLink figure. Peak FLOP/s are dense (no 2:4 sparsity) figures. ``inter_node`` is one NIC (one
+rail); ``nics_per_node`` says how many a node has, so an axis whose group has several members per
+node is priced with several rails (``autopar.cost_model.mesh.axis_link``).
+
+Profile files: version 1 had no ``nics_per_node``; a profile that gives ``devices_per_node`` but not
+``nics_per_node`` (every version 1 file) loads with one NIC per device, as version 1 priced it.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any, Optional
 
 #: Extra keys a profile file may carry besides the Hardware fields.
 PROFILE_META = ("autopar_profile", "base")
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2 adds nics_per_node
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,9 @@ class Hardware:
     hbm_bandwidth: float  # bytes/s
     memory: int  # bytes per device
     intra_node: Link  # NVLink (GPU presets) / gloo between local processes (cpu)
-    inter_node: Link  # InfiniBand per GPU (GPU presets)
+    inter_node: Link  # one NIC (one rail) of InfiniBand (GPU presets)
     devices_per_node: int
+    nics_per_node: int  # inter-node NICs (rails) per node; NCCL runs one ring per rail
     matmul_efficiency: float  # fraction of peak large matmuls reach
     memory_efficiency: float  # fraction of hbm_bandwidth memory-bound ops reach
     launch_floor: float  # seconds per kernel
@@ -90,6 +96,7 @@ class Hardware:
             "intra_node": self.intra_node.to_dict(),
             "inter_node": self.inter_node.to_dict(),
             "devices_per_node": int(self.devices_per_node),
+            "nics_per_node": int(self.nics_per_node),
             "matmul_efficiency": float(self.matmul_efficiency),
             "memory_efficiency": float(self.memory_efficiency),
             "launch_floor": float(self.launch_floor),
@@ -119,6 +126,7 @@ class Hardware:
             intra_node=Link.from_dict(d["intra_node"]),
             inter_node=Link.from_dict(d["inter_node"]),
             devices_per_node=int(d["devices_per_node"]),
+            nics_per_node=int(d["nics_per_node"]),
             matmul_efficiency=float(d["matmul_efficiency"]),
             memory_efficiency=float(d["memory_efficiency"]),
             launch_floor=float(d["launch_floor"]),
@@ -132,7 +140,8 @@ class Hardware:
         """Raise ValueError naming the first figure that cannot be right."""
         if not self.peak_flops or any(not v > 0 for v in self.peak_flops.values()):
             raise ValueError(f"{self.name}: peak_flops must be a non-empty dtype -> positive FLOP/s map")
-        for f in ("hbm_bandwidth", "memory", "devices_per_node", "matmul_efficiency", "memory_efficiency"):
+        for f in ("hbm_bandwidth", "memory", "devices_per_node", "nics_per_node", "matmul_efficiency",
+                  "memory_efficiency"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"{self.name}: {f} must be positive, got {getattr(self, f)!r}")
         if self.launch_floor < 0:
@@ -145,7 +154,8 @@ class Hardware:
 # H100 SXM5: 989 TFLOP/s dense bf16/fp16 on tensor cores. fp32 is 67 TFLOP/s, the non-tensor-core
 # figure: torch leaves TF32 matmuls off by default (allow_tf32=False), so fp32 matmuls do not reach
 # the 494 TFLOP/s TF32 figure. fp64 67 TFLOP/s (fp64 tensor core). HBM3 3.35 TB/s, 80 GB. NVLink 4:
-# 900 GB/s bidirectional -> 450 GB/s one way. One 400 Gb/s InfiniBand NIC per GPU -> 50 GB/s.
+# 900 GB/s bidirectional -> 450 GB/s one way. One 400 Gb/s InfiniBand NIC per GPU -> 50 GB/s per rail,
+# eight rails per 8-GPU node (DGX/HGX H100).
 _NVLINK4 = Link(latency=4e-6, bandwidth=450e9)
 _IB_NDR = Link(latency=10e-6, bandwidth=50e9)
 _H100_FLOPS = {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float64": 67e12}
@@ -159,6 +169,7 @@ PRESETS: dict[str, Hardware] = {
         intra_node=_NVLINK4,
         inter_node=_IB_NDR,
         devices_per_node=8,
+        nics_per_node=8,
         matmul_efficiency=0.7,
         memory_efficiency=0.8,
         launch_floor=5e-6,
@@ -174,6 +185,7 @@ PRESETS: dict[str, Hardware] = {
         intra_node=_NVLINK4,
         inter_node=_IB_NDR,
         devices_per_node=8,
+        nics_per_node=8,
         matmul_efficiency=0.7,
         memory_efficiency=0.8,
         launch_floor=5e-6,
@@ -182,7 +194,7 @@ PRESETS: dict[str, Hardware] = {
     ),
     # A100 80GB SXM: 312 TFLOP/s dense bf16/fp16; fp32 19.5 (non-tensor-core, as for the H100);
     # fp64 19.5 (tensor core). HBM2e 2039 GB/s. NVLink 3: 600 GB/s bidirectional -> 300 GB/s one
-    # way. One 200 Gb/s HDR InfiniBand NIC per GPU -> 25 GB/s.
+    # way. One 200 Gb/s HDR InfiniBand NIC per GPU -> 25 GB/s per rail, eight per node (DGX A100).
     "a100": Hardware(
         name="a100",
         peak_flops={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12, "float64": 19.5e12},
@@ -191,6 +203,7 @@ PRESETS: dict[str, Hardware] = {
         intra_node=Link(latency=5e-6, bandwidth=300e9),
         inter_node=Link(latency=10e-6, bandwidth=25e9),
         devices_per_node=8,
+        nics_per_node=8,
         matmul_efficiency=0.7,
         memory_efficiency=0.8,
         launch_floor=5e-6,
@@ -199,7 +212,8 @@ PRESETS: dict[str, Hardware] = {
     ),
     # A modest guess for local CPU processes talking over gloo (run `calibrate` for real figures):
     # one process at ~50 GFLOP/s fp32, ~10 GB/s memory bandwidth, gloo over loopback TCP at ~50 us
-    # per step and ~2 GB/s. devices_per_node is large so every mesh axis counts as "intra".
+    # per step and ~2 GB/s. devices_per_node is large so every mesh axis counts as "intra"; one
+# "NIC" per process, so a larger mesh prices as before.
     "cpu": Hardware(
         name="cpu",
         peak_flops={"bfloat16": 25e9, "float16": 25e9, "float32": 50e9, "float64": 25e9},
@@ -208,6 +222,7 @@ PRESETS: dict[str, Hardware] = {
         intra_node=Link(latency=50e-6, bandwidth=2e9),
         inter_node=Link(latency=50e-6, bandwidth=2e9),
         devices_per_node=64,
+        nics_per_node=64,
         matmul_efficiency=0.7,
         memory_efficiency=0.8,
         launch_floor=10e-6,
@@ -259,11 +274,21 @@ def _read_profile(path: str | os.PathLike) -> dict:
     return d
 
 
+def _profile_fields(d: dict) -> dict:
+    """The Hardware fields a profile gives; one NIC per device where it gives ``devices_per_node``
+    but not ``nics_per_node`` (version 1 files, which priced every inter-node axis at one NIC per
+    device)."""
+    fields = {k: v for k, v in d.items() if k not in PROFILE_META}
+    if "devices_per_node" in fields and "nics_per_node" not in fields:
+        fields["nics_per_node"] = fields["devices_per_node"]
+    return fields
+
+
 def load_profile(path: str | os.PathLike) -> Hardware:
     """Read a profile written by ``save_profile``; a partial one is completed from its ``base`` preset."""
     d = _read_profile(path)
     base = d.get("base")
-    fields = {k: v for k, v in d.items() if k not in PROFILE_META}
+    fields = _profile_fields(d)
     if base is not None:
         return _merge(_preset(base), fields)
     return Hardware.from_dict(fields)
@@ -274,8 +299,7 @@ def get_hardware(device: str = "h100", profile: str | os.PathLike | None = None)
     hw = _preset(device)
     if profile is None:
         return hw
-    fields = {k: v for k, v in _read_profile(profile).items() if k not in PROFILE_META}
-    return _merge(hw, fields)
+    return _merge(hw, _profile_fields(_read_profile(profile)))
 
 
 __all__ = ["Hardware", "Link", "PRESETS", "get_hardware", "load_profile", "save_profile"]

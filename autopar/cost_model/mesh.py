@@ -1,10 +1,15 @@
 """Mesh: named device axes, the hardware they run on, and a link model per axis.
 
 Ranks are laid out row-major (the last axis varies fastest, as in torch's DeviceMesh), so the
-innermost axes are the ones that stay within a node. By default an axis gets the hardware's
-``intra_node`` link (NVLink) when its devices, together with every inner axis's, fit in one node,
-and ``inter_node`` (InfiniBand) otherwise: ``Mesh({"dp": 8, "tp": 8})`` on h100 puts tp on NVLink
-and dp on InfiniBand. ``links=`` overrides any axis.
+innermost axes are the ones that stay within a node. By default each axis gets one effective
+``Link`` from ``axis_link``: NVLink when its group (with every inner axis) fits in a node; the
+inter-node link (one NIC) when its group has one member per node; and, when the group has ``k``
+members on each of ``m`` nodes, a hierarchical price (an NVLink phase over ``k`` plus an
+inter-node phase over ``m`` on ``k`` NIC rails) folded into one link so the ring formulas of
+``autopar.cost_model.comm`` apply unchanged (docs/architecture.md, "Links"). ``Mesh({"dp": 8,
+"tp": 8})`` on h100 puts tp on NVLink and dp on InfiniBand; ``Mesh({"dp": 64})`` prices dp with
+eight rails. ``devices_per_node=``/``nics_per_node=`` override the hardware's; ``links=``
+overrides any axis.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ class Mesh:
     ``axes`` may also be a torch ``DeviceMesh`` (names from ``mesh_dim_names``, else ``dim0``, ...)
     or a sequence of sizes (named ``dim0``, ...). ``device`` is a preset name (``h100``, ``h200``,
     ``a100``, ``cpu``) or a ready ``Hardware``; ``profile`` a calibrated profile file overriding the
-    preset's figures; ``memory`` overrides the per-device memory (bytes, or a size such as ``"80GiB"``).
+    preset's figures; ``memory`` overrides the per-device memory (bytes, or a size such as ``"80GiB"``);
+    ``devices_per_node`` and ``nics_per_node`` override the node's shape (the default links follow).
     """
 
     names: tuple[str, ...]
@@ -46,6 +52,8 @@ class Mesh:
         profile: Optional[Union[str, os.PathLike]] = None,
         links: Optional[Mapping[str, LinkLike]] = None,
         memory: Optional[Union[int, float, str]] = None,
+        devices_per_node: Optional[int] = None,
+        nics_per_node: Optional[int] = None,
     ) -> None:
         names, shape = _read_axes(axes)
         if isinstance(device, Hardware):  # a ready Hardware object (e.g. from a plan file)
@@ -69,6 +77,7 @@ class Mesh:
             except ArgumentError as e:
                 raise MeshError(str(e)) from None
             hw = dataclasses.replace(hw, memory=int(memory))
+        hw = _node_overrides(hw, devices_per_node=devices_per_node, nics_per_node=nics_per_node)
         self._setup(names, shape, device_name, hw, _resolve_links(names, shape, hw, links))
 
     def _setup(self, names, shape, device, hw, links) -> None:
@@ -213,13 +222,51 @@ def _read_axes(axes: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
     return tuple(names), tuple(operator.index(s) for s in sizes)
 
 
+def _node_overrides(hw: Hardware, **counts: Optional[int]) -> Hardware:
+    """``hw`` with the node counts given (positive integers) replaced; a MeshError names a bad one."""
+    for name, value in counts.items():
+        if value is None:
+            continue
+        try:
+            ok = not isinstance(value, bool) and operator.index(value) >= 1
+        except TypeError:
+            ok = False
+        if not ok:
+            raise MeshError(f"Mesh: {name} must be a positive integer (a count per node), got {value!r}")
+        hw = dataclasses.replace(hw, **{name: operator.index(value)})
+    return hw
+
+
+def node_layout(n: int, inner: int, devices_per_node: int) -> tuple[int, int]:
+    """``(k, m)`` for an axis of ``n`` devices whose inner axes span ``inner`` ranks: each group has
+    ``k`` members per node on ``m`` nodes. Where ``inner`` does not divide the node or ``k`` does
+    not divide ``n``, the regular layout's figures (``k`` rounded down, ``m`` up)."""
+    k = max(1, min(n, devices_per_node // inner))
+    return k, -(-n // k)
+
+
+def axis_link(n: int, inner: int, hw: Hardware) -> Link:
+    """The one link whose ring formulas price an axis of ``n`` devices (inner span ``inner``) on
+    ``hw``'s nodes: all-gathers and reduce-scatters exactly as the hierarchical collective (an
+    NVLink phase over the ``k`` members of a node, then an inter-node phase over ``m`` nodes on
+    ``k`` rails, fewer where the node has fewer NICs than devices); see docs/architecture.md."""
+    k, m = node_layout(n, inner, hw.devices_per_node)
+    if m == 1:
+        return hw.intra_node
+    share = min(1.0, hw.nics_per_node / hw.devices_per_node)  # rails per device, at most one
+    ai, bi = hw.intra_node.latency, hw.intra_node.bandwidth
+    ae, be = hw.inter_node.latency, hw.inter_node.bandwidth
+    if k == 1:
+        return hw.inter_node if share == 1.0 else Link(ae, be * share)
+    seconds_per_byte = (m - 1) / m / (k * share * be) + (k - 1) / k / bi  # inter phase + intra phase
+    return Link((m * ae + k * ai) / n, (n - 1) / n / seconds_per_byte)
+
+
 def default_links(shape: Sequence[int], hw: Hardware) -> list[Link]:
-    """Innermost axes first: intra_node while the axis and all inner ones fit in one node."""
-    out: list[Link] = [hw.intra_node] * len(shape)
-    span = 1
-    for a in range(len(shape) - 1, -1, -1):
-        span *= shape[a]
-        out[a] = hw.intra_node if span <= hw.devices_per_node else hw.inter_node
+    """``axis_link`` for every axis, each with the span of the axes after it as its inner span."""
+    out: list[Link] = []
+    for a, n in enumerate(shape):
+        out.append(axis_link(n, math.prod(shape[a + 1:]), hw))
     return out
 
 
@@ -239,4 +286,4 @@ def _resolve_links(names, shape, hw: Hardware, links: Optional[Mapping[str, Link
     return out
 
 
-__all__ = ["Mesh", "MeshError", "default_links"]
+__all__ = ["Mesh", "MeshError", "axis_link", "default_links", "node_layout"]

@@ -13,8 +13,12 @@ figures (``phases`` and the solver's ``wall_time``) live under one ``"timing"`` 
 ``autopar.plans.validate`` before a Plan is made of it.
 
 Schema versions: 1 (the first); 2 adds ``graph.shapes`` (each parameter's shape, so a plan used on a
-model whose shapes changed names them). Version 1 files load as version 2 without ``graph.shapes``;
-any other version is a PlanError naming it.
+model whose shapes changed names them); 3 adds ``mesh.hardware.nics_per_node`` (NIC rails per node,
+which the default links of an axis spanning nodes now depend on). Version 1 and 2 files load as
+version 3: without ``graph.shapes`` (version 1), with ``nics_per_node`` set to ``devices_per_node``
+(one NIC per device, as they were priced) and their links as written (every saved plan writes its
+links; a hand-made one without them gets the links versions 1 and 2 priced with), so their prices do
+not change. Any other version is a PlanError naming it.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ from autopar.plans.format import SOLVER_TIMING_KEYS, canon
 from autopar.plans.validate import check_fields, check_values, read_json, shown
 from autopar.validate import check_path
 
-SCHEMA_VERSION = 2
-#: the versions ``load_plan`` reads (an older one loads with the newer fields left out)
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+#: the versions ``load_plan`` reads (an older one loads with the newer fields defaulted or left out)
+READABLE_VERSIONS = (1, 2, 3)
 
 
 # -- entry shapes (what the planner writes; readers use .get() since hand-made plans may lack keys) --
@@ -212,8 +216,8 @@ class Plan:
     def from_dict(d: Mapping) -> "Plan":
         """Inverse of ``to_dict``; checked against the plan file's schema (``autopar.plans.validate``):
         a PlanError names a schema version it does not read, missing fields, or the first field (a
-        JSON path) of a wrong type or out of range, with its value. A version 1 plan comes back as
-        version 2 without ``graph.shapes``."""
+        JSON path) of a wrong type or out of range, with its value. A version 1 or 2 plan comes back
+        as version 3 (see the module's "Schema versions")."""
         if not isinstance(d, Mapping):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         if "schema_version" not in d:
@@ -223,6 +227,8 @@ class Plan:
             raise PlanError(f"plan schema version {shown(version)} found, this autopar reads version {SCHEMA_VERSION} "
                             f"(and the earlier {', '.join(map(str, READABLE_VERSIONS[:-1]))}): make the plan again "
                             f"with autopar.plan(...) (or use the autopar version that wrote it)")
+        if version < 3:
+            d = _nics_of_old_plan(d)
         plain = check_values(d)
         names = [f.name for f in fields(Plan) if f.name not in ("phases", "schema_version")]
         missing = [n for n in names if n not in d]
@@ -246,6 +252,8 @@ class Plan:
             for key in ("axes", "links"):
                 if isinstance(mesh.get(key), dict) and set(mesh[key]) == set(order):
                     mesh[key] = {a: mesh[key][a] for a in order}
+        if version < 3 and "links" not in kw["mesh"]:
+            kw["mesh"]["links"] = _links_of_old_plan(kw["mesh"])
         timing = d.get("timing") or {}
         kw["phases"] = _copy(timing.get("phases") or {})
         kw["solver"].update(_copy(timing.get("solver") or {}))
@@ -364,6 +372,28 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "reshardings": (list,), "collectives": (list,), "bucket_size": (int,), "baselines": (dict,),
     "solver": (dict,), "source": (str,), "modules": (list,), "graph": (dict,),
 }
+
+
+def _nics_of_old_plan(d: Mapping) -> Mapping:
+    """A version 1 or 2 plan with ``mesh.hardware.nics_per_node`` set to its ``devices_per_node``
+    (one NIC per device, what those versions priced with); ``d`` itself when it has no such place
+    (the schema check then says what is wrong)."""
+    mesh = d.get("mesh")
+    hw = mesh.get("hardware") if isinstance(mesh, Mapping) else None
+    if not isinstance(hw, Mapping) or "devices_per_node" not in hw or "nics_per_node" in hw:
+        return d
+    return {**d, "mesh": {**mesh, "hardware": {**hw, "nics_per_node": hw["devices_per_node"]}}}
+
+
+def _links_of_old_plan(mesh: Mapping) -> dict:
+    """The links versions 1 and 2 gave a mesh without ``links``: ``intra_node`` for an axis whose
+    devices, with every inner axis's, fit in one node, ``inter_node`` otherwise."""
+    hw, axes = mesh["hardware"], list(mesh["axes"].items())
+    links, span = {}, 1
+    for name, size in reversed(axes):
+        span *= size
+        links[name] = _copy(hw["intra_node"] if span <= hw["devices_per_node"] else hw["inter_node"])
+    return {name: links[name] for name, _ in axes}
 
 
 def load_plan(path: Union[str, os.PathLike]) -> Plan:

@@ -269,6 +269,7 @@ class _Hardware(_Strict):
     intra_node: _Link
     inter_node: _Link
     devices_per_node: Annotated[int, BeforeValidator(_whole), Field(ge=1, le=MAX_DEVICES)]
+    nics_per_node: Annotated[int, BeforeValidator(_whole), Field(ge=1, le=MAX_DEVICES)]  # schema version 3
     matmul_efficiency: Positive
     memory_efficiency: Positive
     launch_floor: Seconds
