@@ -7,19 +7,25 @@ Prints capture, fold, strategies, cost, merge, solve and total seconds per depth
 post-capture phases under 1.5× the 2-layer case's (identical layers are folded, so depth should
 cost little after capture).
 
-    python benchmarks/plan_time.py [--layers 2 8 32] [--repeat K] [--markdown]
+    python benchmarks/plan_time.py [--layers 2 8 32] [--repeat K] [--markdown] [--against REF]
 
 With ``--repeat`` each depth is planned K times and the run with the smallest total is kept.
+``--against REF`` (a commit) also plans with that commit, side by side: a git worktree of REF
+(made once under the temp dir) and this tree run in turns, one fresh process per depth and side,
+so both see the same machine load; it prints both sides' phases and this / REF per phase. The
+recipes priced as baselines are their own phase (``recipes``) from this tree on; in an older
+tree their time is inside ``solve``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import re
 import sys
 import time
 
-PHASES = ("capture", "fold", "strategies", "cost", "merge", "solve", "total")
+PHASES = ("capture", "fold", "strategies", "cost", "merge", "recipes", "solve", "total")
 TOTAL_TARGET_S = 15.0
 RATIO_TARGET = 1.5
 
@@ -37,7 +43,8 @@ def plan_once(layers: int, batch: int, seq: int) -> dict:
     t0 = time.perf_counter()
     p = run_passes(model, mesh, inputs, progress=False)
     wall = time.perf_counter() - t0
-    out = dict(p.phases)
+    out = {k: 0.0 for k in PHASES}
+    out.update(p.phases)
     out["wall"] = wall
     out["post"] = p.phases["total"] - p.phases["capture"]
     out["source"] = p.source
@@ -57,7 +64,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--against", metavar="REF", help="a commit to plan with side by side (see above)")
     args = ap.parse_args(argv)
+    if args.against:
+        return against(args)
 
     import torch
 
@@ -87,6 +97,56 @@ def main(argv=None) -> int:
         for L, r in rows.items():
             print(f"| {L} | " + " | ".join(f"{r[k]:.2f}" for k in PHASES)
                   + f" | {r['post']:.2f} | {r['nodes']} | {r['solve_nodes']} |")
+    return 0
+
+
+LINE = re.compile(r"^\s*(\d+) layers: (.*?)(?:\s+\||$)", re.M)
+
+
+def phases_in(text: str) -> dict[int, dict[str, float]]:
+    """``{layers: {phase: seconds}}`` from a ``plan_time.py`` run's output (any version's)."""
+    return {int(m.group(1)): {k: float(v) for k, v in re.findall(r"(\w+) ([0-9.]+)", m.group(2))}
+            for m in LINE.finditer(text)}
+
+
+def against(args) -> int:
+    """Plan each depth with commit ``args.against`` and with this tree, in turns (see the docstring)."""
+    import os
+    import pathlib
+    import subprocess
+    import tempfile
+
+    from ab import run_once
+
+    here = pathlib.Path(__file__).resolve().parent.parent
+    sha = subprocess.run(["git", "rev-parse", "--short", args.against], cwd=here, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    base = pathlib.Path(tempfile.gettempdir()) / f"autopar-plan-time-{sha}"
+    if not base.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(base), sha], cwd=here, check=True,
+                       capture_output=True)
+    this = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True).stdout.strip()
+    dirty = " (with uncommitted changes)" if subprocess.run(["git", "status", "--porcelain", "--", "autopar"], cwd=here,
+                                                             capture_output=True, text=True).stdout.strip() else ""
+    print(f"plan time, {sha} (base, {base}) against {this}{dirty} (this), side by side; batch {args.batch}, "
+          f"seq {args.seq}; load {os.getloadavg()[0]:.1f}", flush=True)
+    got: dict[str, dict[int, list[dict]]] = {"base": {}, "this": {}}
+    for L in args.layers:
+        for _ in range(args.repeat):
+            for side, tree in (("base", base), ("this", here)):
+                text, _ = run_once(tree, "plan_time.py", ["--layers", str(L), "--batch", str(args.batch),
+                                                          "--seq", str(args.seq)], 3600)
+                row = phases_in(text)[L]
+                got[side].setdefault(L, []).append(row)
+                print(f"{side:>4} {L:>3} layers: " + "  ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+    print(f"\n| layers | phase | {sha} s | {this} s | this / base |\n|---|---|---|---|---|")
+    for L in args.layers:
+        b = min(got["base"][L], key=lambda r: r["total"])
+        t = min(got["this"][L], key=lambda r: r["total"])
+        for k in PHASES:
+            if k in t or k in b:
+                bv, tv = b.get(k, 0.0), t.get(k, 0.0)
+                print(f"| {L} | {k} | {bv:.2f} | {tv:.2f} | {tv / bv if bv else float('nan'):.2f} |")
     return 0
 
 

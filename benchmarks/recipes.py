@@ -2,7 +2,8 @@
 
 For every (family, size, mesh) cell: plan a training step (bf16 mixed precision, AdamW — the h100
 defaults) with ``autopar.passes.pipeline.run_passes`` and print the searched plan's estimated step time, peak
-memory per device and source ("search", or the recipe it fell back to), every recipe's step time
+memory per device and source ("search", or the recipe it fell back to), the search's own plan
+(what the ILP found, before the best-of with the recipes), every recipe's step time
 and peak memory (or its error), and two checks:
 
 - ``faster``: the chosen plan is no slower than the best recipe that fits the memory budget;
@@ -80,7 +81,10 @@ def run_cell(graph, model, inputs, mesh_key, recipes_names):
     budget = p.problem.memory_budget
     cell.update(status="ok", step=p.cost.step_time, peak=float(p.cost.peak_memory), source=p.source,
                 budget=budget, baselines=p.baselines, phases=p.phases,
-                solver=(p.solution.stats if p.solution is not None else None))
+                solver=(p.solution.stats if p.solution is not None else None),
+                searched=(None if p.searched is None else
+                          {"step_time": p.searched.step_time, "peak_memory": int(p.searched.peak_memory),
+                           "fits": p.searched.peak_memory <= budget}))
     try:  # propagation only (no annotations here: every node's cheapest local choice), same graph
         q = run_passes(model, mesh, inputs, progress=False, graph=graph, search="propagate")
         cell["propagate"] = {"step_time": q.cost.step_time, "peak_memory": int(q.cost.peak_memory),
@@ -206,6 +210,8 @@ def print_row(r, names) -> None:
     if r["status"] == "ok":
         print(f"    search   {_ms(r['step'])} ms / {_gib(r['peak'])} GiB  source={r['source']}  "
               f"budget {_gib(r['budget'])} GiB  -> {verdict(r)}")
+        if r.get("searched"):
+            print(f"    {'search only':<12} {recipe_text(r['searched'])}  (the search's own plan)")
         for n in names:
             b = r["baselines"].get(n)
             if b is not None:
@@ -233,7 +239,7 @@ def summarize(cells) -> None:
 
 
 def print_markdown(cells, names) -> None:
-    hdr = ["model", "size", "batch×seq", "mesh", "searched (ms / GiB, source)"] + list(names) + \
+    hdr = ["model", "size", "batch×seq", "mesh", "plan (ms / GiB, source)", "search only"] + list(names) + \
         ["propagate", "verdict", "wall s"]
     print("| " + " | ".join(hdr) + " |")
     print("|" + "---|" * len(hdr))
@@ -244,7 +250,9 @@ def print_markdown(cells, names) -> None:
         if r["status"] == "ok":
             src = r["source"].replace("recipe:", "")
             s = f"**{_ms(r['step'])} / {_gib(r['peak'])}** {src}"
-            rec = []
+            own = r.get("searched")
+            rec = ["-" if own is None else f"{_ms(own['step_time'])} / {_gib(own['peak_memory'])}"
+                   + ("" if own["fits"] else " ✗")]
             for n in names:
                 b = r["baselines"].get(n)
                 if b is None:
@@ -261,11 +269,11 @@ def print_markdown(cells, names) -> None:
             v = verdict(r)
         elif r["status"] == "infeasible":
             s = "nothing fits: " + _short_infeasible(r["error"])
-            rec = [""] * (len(names) + 1)
+            rec = [""] * (len(names) + 2)
             v = "nothing fits"
         else:
             s = "ERROR: " + r["error"][:80].replace("|", "/")
-            rec = [""] * (len(names) + 1)
+            rec = [""] * (len(names) + 2)
             v = "ERROR"
         print("| " + " | ".join(base + [s] + rec + [v, f"{r['wall_s']:.1f}"]) + " |")
 

@@ -87,3 +87,46 @@ def spread(graph: Graph, seeds: dict[Key, Hashable], *, whole: bool,
                         if (r2, d2) != (ref, d) and fs & _factors(dims2, d2, dm.sizes, whole):
                             mark((r2, d2), value)
     return marks, conflict
+
+
+def linked_dims(graph: Graph) -> dict[Key, tuple[Key, ...]]:
+    """For every ``(tensor, dim)`` that shares a factor with another, every key its property would
+    reach (``spread`` from it alone with ``whole=False`` and one value: its connected component,
+    since sharing a factor is symmetric), sorted in graph order. One pass over the graph: what
+    many single-seed ``spread`` calls would each recompute. Keys linked to nothing are absent."""
+    from autopar.ir.rules.base import dimmap, op_call
+
+    parent: dict[Key, Key] = {}
+
+    def find(k: Key) -> Key:
+        root = k
+        while parent.setdefault(root, root) != root:
+            root = parent[root]
+        while parent[k] != root:  # path compression
+            parent[k], k = root, parent[k]
+        return root
+
+    for node in graph.nodes:
+        dm = None if node.is_placeholder else dimmap(op_call(graph, node))
+        if dm is None:  # placeholders, constants
+            continue
+        holders: dict = {}  # factor -> first key holding it
+        for r, dims in _tensor_dims(node, dm):
+            for d in range(len(dims)):
+                for f in _factors(dims, d, dm.sizes, False):
+                    first = holders.setdefault(f, (r, d))
+                    if first != (r, d):
+                        a, b = find(first), find((r, d))
+                        if a != b:
+                            parent[b] = a
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    groups: dict[Key, list[Key]] = {}
+    for k in parent:
+        groups.setdefault(find(k), []).append(k)
+    out: dict[Key, tuple[Key, ...]] = {}
+    for members in groups.values():
+        ordered = tuple(sorted(members, key=lambda k: (order[k[0].node], k[0].index, k[1])))
+        for k in ordered:
+            out[k] = ordered
+    return out
+

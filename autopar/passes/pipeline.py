@@ -41,7 +41,8 @@ class Planned:
     """Everything the passes produced, for the report (and for tests): the graph, its folding, the
     priced ``Problem`` and its merged form, the chosen strategy per problem node (``choice``) with
     its ``cost``, where it came from (``source``: "search", "recipe:NAME" or "propagate"), the
-    solver's ``solution``, every recipe's baseline figures and choice, and seconds per phase."""
+    solver's ``solution``, every recipe's baseline figures and choice, seconds per phase, and the
+    search's own plan's cost (``searched``: None when no search ran), which a recipe may beat."""
 
     graph: Graph
     mesh: Mesh
@@ -56,6 +57,7 @@ class Planned:
     baselines: dict[str, dict]
     recipe_choices: dict[str, list[int]]
     phases: dict[str, float] = field(default_factory=dict)
+    searched: Optional[Cost] = None
 
 
 class _Clock:
@@ -139,10 +141,11 @@ def run_passes(
         choices[name] = choice
         baselines[name] = {"step_time": cost.step_time, "peak_memory": int(cost.peak_memory),
                            "fits": cost.peak_memory <= budget}
+    clock.lap("recipes")
     fitting = [n for n in choices if baselines[n]["fits"]]
     best_recipe = min(fitting or choices, key=lambda n: (baselines[n]["step_time"], n)) if choices else None
 
-    solution = None
+    solution, searched_cost = None, None
     if recipe:
         choice, source = choices[recipe], f"recipe:{recipe}"
     elif search == "propagate":  # the annotations spread through the graph; no ILP
@@ -160,7 +163,8 @@ def run_passes(
             searched = None
         candidates = []
         if searched is not None:
-            candidates.append((evaluate(problem, searched), 0, "search", searched))
+            searched_cost = evaluate(problem, searched)
+            candidates.append((searched_cost, 0, "search", searched))
         for k, name in enumerate(sorted(choices)):
             candidates.append((evaluate(problem, choices[name]), 1 + k, f"recipe:{name}", choices[name]))
         fits = [c for c in candidates if c[0].peak_memory <= budget]
@@ -172,7 +176,7 @@ def run_passes(
     cost = evaluate(problem, choice)
     clock.phases["total"] = round(time.perf_counter() - clock.start, 4)
     return Planned(graph, mesh, folding, problem, merged, prec, choice, cost, source, solution, baselines,
-                   choices, clock.phases)
+                   choices, clock.phases, searched_cost)
 
 
 def _check_recipe_hints(graph: Graph, name: str, allowed: recipes.Allowed, constraints: list[Constraint],

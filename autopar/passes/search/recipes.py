@@ -8,11 +8,12 @@ activation rule of Megatron TP. The recipes themselves are described in ``autopa
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional, Sequence
 
 from autopar.cost_model.mesh import Mesh
 from autopar.errors import RecipeError
-from autopar.ir.dimflow import spread
+from autopar.ir.dimflow import linked_dims
 from autopar.ir.graph import Graph, Ref, TensorSpec
 from autopar.ir.placement import B, Placements, Split, blocks_fit
 
@@ -72,6 +73,10 @@ def _shard_dim(spec: TensorSpec, mesh: Mesh, data: Sequence[int], base: Sequence
     return max(fits, key=lambda d: (spec.shape[d], -d)) if fits else None
 
 
+#: ``tensor_layout`` per graph (the three tensor-parallel recipes of one plan share it).
+_LAYOUTS: "weakref.WeakKeyDictionary[Graph, dict[str, int]]" = weakref.WeakKeyDictionary()
+
+
 def tensor_layout(graph: Graph) -> dict[str, int]:
     """Megatron's tensor-parallel weight layout, from the dataflow: ``{parameter node: dim}`` for the
     parameters split on the tensor axis (the others are replicated there).
@@ -85,7 +90,9 @@ def tensor_layout(graph: Graph) -> dict[str, int]:
       head's vocabulary) splits along it (column-parallel, as Megatron's and torchtitan's heads);
     - a vector a column-parallel weight's split dim reaches (its bias) splits along with it;
     - everything else (norms, row-parallel biases, routers) is replicated."""
-    regions = TensorRegions(graph)
+    if graph in _LAYOUTS:
+        return dict(_LAYOUTS[graph])
+    regions = regions_of(graph)
     layout = dict(regions.pairs())
     tables = _embedding_tables(graph)
     vocab = _token_tables(graph)
@@ -108,7 +115,8 @@ def tensor_layout(graph: Graph) -> dict[str, int]:
         for ref, e in regions.reach(node, d):
             if ref.node in vectors and ref.node not in layout and e == 0 and ref.index == 0:
                 layout[ref.node] = 0
-    return layout
+    _LAYOUTS[graph] = layout
+    return dict(layout)
 
 
 def _constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed:
@@ -191,18 +199,24 @@ class TensorRegions:
     (a reduce-scatter and an all-gather where Megatron all-reduces: ``megatron_sp``'s shape).
 
     ``allowed(splits)`` (parameter node -> its split dim) gives ``{node: {output: dims}}``, the dims
-    each tensor may be split along there; the spread from each weight dim is computed once."""
+    each tensor may be split along there; what every dim reaches is found in one pass
+    (``dimflow.linked_dims``)."""
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
-        self._spread: dict[tuple[str, int], list] = {}
+        self._links = linked_dims(graph)
+        self._sorted: dict[int, list] = {}  # id(component) -> its keys, sorted by name
+
+    def _component(self, node: str, d: int) -> tuple:
+        key = (Ref(node, 0), d)
+        return self._links.get(key, (key,))
 
     def reach(self, node: str, d: int) -> list:
         """Every ``(tensor, dim)`` dim ``d`` of ``node``'s output reaches through the ops (sorted)."""
-        if (node, d) not in self._spread:
-            marks, _ = spread(self.graph, {(Ref(node, 0), d): True}, whole=False)
-            self._spread[(node, d)] = sorted(marks, key=lambda k: (k[0].node, k[0].index, k[1]))
-        return self._spread[(node, d)]
+        comp = self._component(node, d)
+        if id(comp) not in self._sorted:
+            self._sorted[id(comp)] = sorted(comp, key=lambda k: (k[0].node, k[0].index, k[1]))
+        return self._sorted[id(comp)]
 
     def allowed(self, splits: dict[str, int]) -> dict[str, dict[int, set[int]]]:
         """The dims activations may be split along on the tensor axis, given the weights' splits."""
@@ -230,13 +244,18 @@ class TensorRegions:
         # an embedding table is not a pair
         outside = tables | set(g.inputs.values())
         found: dict[str, set[int]] = {}
+        mat_set = set(mats)
+        members: dict[int, Optional[list]] = {}  # id(component) -> its matrix dims (None: touches outside)
         for p in mats:
             for d in range(2):
-                reach = self.reach(p, d)
-                if any(ref.node in outside for ref, _ in reach):
+                comp = self._component(p, d)
+                if id(comp) not in members:
+                    touches = any(ref.node in outside for ref, _ in comp)
+                    members[id(comp)] = None if touches else [(r, e) for r, e in comp if r.node in mat_set]
+                if members[id(comp)] is None:
                     continue
-                for ref, e in reach:
-                    if ref.node == p or ref.node not in mats or ref.index:
+                for ref, e in members[id(comp)]:
+                    if ref.node == p or ref.index:
                         continue
                     (a, da), (b, db) = sorted([(p, d), (ref.node, e)], key=lambda x: first.get(x[0], 0))
                     found.setdefault(a, set()).add(da)
@@ -248,7 +267,18 @@ def tensor_regions(graph: Graph, name: str) -> Optional[TensorRegions]:
     """The activation rule of recipe ``name`` on its tensor axis: Megatron TP's for ``megatron_tp``;
     None (free: the residual stream may be split on the sequence, as Megatron SP and torchtitan's
     FSDP x TP split it) for the others."""
-    return TensorRegions(graph) if name == "megatron_tp" else None
+    return regions_of(graph) if name == "megatron_tp" else None
+
+
+#: ``TensorRegions`` per graph, shared by ``tensor_layout`` and ``tensor_regions``.
+_REGIONS: "weakref.WeakKeyDictionary[Graph, TensorRegions]" = weakref.WeakKeyDictionary()
+
+
+def regions_of(graph: Graph) -> TensorRegions:
+    """The graph's ``TensorRegions``, made once."""
+    if graph not in _REGIONS:
+        _REGIONS[graph] = TensorRegions(graph)
+    return _REGIONS[graph]
 
 
 def constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed:
