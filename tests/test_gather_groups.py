@@ -122,26 +122,27 @@ def test_grouped_gather_pays_its_share_of_one_latency():
     shape, eb = (4096, 4096), 2
     alone = reshard_time(shape, src, dst, mesh, eb)
     (step,) = reshard_steps(shape, src, dst, mesh, eb)
-    latency = 8 * mesh.links[0].latency
-    assert gather_time(shape, src, dst, mesh, eb, 1.0) == pytest.approx(alone)
-    assert gather_time(shape, src, dst, mesh, eb, 0.25) == pytest.approx(alone - 0.75 * latency)
-    # outside layers: a full group's share (all of it from BUCKET_SIZE bytes up)
-    assert gather_time(shape, src, dst, mesh, eb, None) == pytest.approx(alone)
-    small = (64,)
-    assert gather_time(small, src, dst, mesh, eb, None) < reshard_time(small, src, dst, mesh, eb)
-    # anything but all-gathers is priced on its own
-    assert gather_time(shape, src, parse("S(1)"), mesh, eb, 0.1) == reshard_time(shape, src, parse("S(1)"), mesh, eb)
     assert step.kind == "all_gather"
+    latency = 8 * mesh.links[0].latency
+    assert gather_time(shape, src, dst, mesh, eb, (1.0, False)) == pytest.approx(alone)
+    assert gather_time(shape, src, dst, mesh, eb, (0.25, False)) == pytest.approx(alone - 0.75 * latency)
+    # outside layers groups close at BUCKET_SIZE: a 32 MiB gather fills its own, whatever its share
+    assert gather_time(shape, src, dst, mesh, eb, (0.25, True)) == pytest.approx(alone)
+    small = (64,)
+    assert gather_time(small, src, dst, mesh, eb, (0.5, True)) == pytest.approx(
+        reshard_time(small, src, dst, mesh, eb) - 0.5 * latency)
+    # anything but all-gathers is priced on its own
+    other = parse("S(1)")
+    assert gather_time(shape, src, other, mesh, eb, (0.1, False)) == reshard_time(shape, src, other, mesh, eb)
 
 
-def test_a_layers_shares_sum_to_one():
+def test_shares_sum_to_one_per_layer_and_outside():
     model, args = build("llama")
     graph = capture(model, args)
     shares = gather_shares(graph)
     per_layer = Counter()
     for fqn, node in graph.params.items():
-        if layer_of(fqn) is not None:
-            per_layer[layer_of(fqn)] += shares[node]
-        else:
-            assert shares[node] is None
-    assert per_layer and all(v == pytest.approx(1.0) for v in per_layer.values())
+        part, by_bytes = shares[node]
+        assert by_bytes == (layer_of(fqn) is None)
+        per_layer[layer_of(fqn)] += part
+    assert len(per_layer) >= 3 and all(v == pytest.approx(1.0) for v in per_layer.values()), per_layer

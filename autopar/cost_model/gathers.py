@@ -75,39 +75,40 @@ def gather_groups(graph: Graph, gathers: Sequence[tuple[Hashable, Ref, str, Sequ
     return out
 
 
-def gather_shares(graph: Graph) -> dict[str, Optional[float]]:
-    """For every parameter and layout view of one (``ir.views.param_views``): its share of its
-    layer instance's parameter elements, the part of a layer group's latency its gather pays (a
-    layer's parameters are gathered together); None outside the numbered layers, where groups
-    fill by bytes (``gather_time`` then takes the share of a full group)."""
-    totals: dict[tuple, int] = {}
+def gather_shares(graph: Graph) -> dict[str, tuple[float, bool]]:
+    """For every parameter and layout view of one (``ir.views.param_views``): the part of its
+    group's latency its gather pays, as ``(share, by_bytes)``. A layer's parameters are gathered
+    together: the share is the parameter's part of its layer instance's elements. Outside the
+    numbered layers, its part of all those parameters' elements, and ``by_bytes`` (groups there
+    also close at ``BUCKET_SIZE``: ``gather_time`` takes at least its bytes' part of a full group)."""
+    totals: dict[Optional[tuple], int] = {}
     for fqn, node in graph.params.items():
         layer = layer_of(fqn)
-        if layer is not None:
-            totals[layer] = totals.get(layer, 0) + graph.spec(Ref(node)).numel
-    out: dict[str, Optional[float]] = {}
+        totals[layer] = totals.get(layer, 0) + graph.spec(Ref(node)).numel
+    out: dict[str, tuple[float, bool]] = {}
     fqn_of = {node: fqn for fqn, node in graph.params.items()}
     for name in param_views(graph):
         fqn = param_of(graph, name, fqn_of)
         layer = layer_of(fqn) if fqn else None
-        total = totals.get(layer) if layer is not None else None
-        out[name] = graph.spec(Ref(name)).numel / total if total else None
+        total = totals.get(layer) if fqn else None
+        out[name] = (graph.spec(Ref(name)).numel / total if total else 1.0, layer is None)
     return out
 
 
-def gather_time(shape, src, dst, mesh, elem_bytes: int, share: Optional[float]) -> float:
+def gather_time(shape, src, dst, mesh, elem_bytes: int, share: tuple[float, bool] = (1.0, False)) -> float:
     """Seconds to gather a parameter from ``src`` to ``dst``. When its steps are all-gathers, its
     group pays each collective's latency once: the gather pays the bandwidth term of each step and
-    ``share`` of the latency (None: its bytes' share of a full ``BUCKET_SIZE`` group, all of it
-    from there up). Otherwise the resharding's own time."""
+    its ``share`` of the latency (``gather_shares``; with ``by_bytes``, at least its bytes' part of
+    a full ``BUCKET_SIZE`` group). Otherwise the resharding's own time."""
     if tuple(src) == tuple(dst):
         return 0.0
     steps = reshard_steps(shape, src, dst, mesh, elem_bytes)
     if gather_key(steps, None, elem_bytes) is None:
         return sum(s.time for s in steps)
-    if share is None:
-        share = min(1.0, steps[0].bytes / BUCKET_SIZE)
-    return shared_latency_time(steps, min(1.0, share), mesh)
+    part, by_bytes = share
+    if by_bytes:
+        part = max(part, steps[0].bytes / BUCKET_SIZE)
+    return shared_latency_time(steps, min(1.0, part), mesh)
 
 
 def mark_param_groups(graph: Graph, reshardings: list[dict], mesh, precision) -> None:
