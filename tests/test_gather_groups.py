@@ -146,3 +146,48 @@ def test_shares_sum_to_one_per_layer_and_outside():
         assert by_bytes == (layer_of(fqn) is None)
         per_layer[layer_of(fqn)] += part
     assert len(per_layer) >= 3 and all(v == pytest.approx(1.0) for v in per_layer.values()), per_layer
+
+
+def test_two_step_groups_are_issued_a_layer_ahead_with_their_chain():
+    """On (2, 2) each layer's group gathers on one axis, then the other: both steps are issued
+    before the layer ahead of the group's first use starts (the cut between them moves up with
+    them), and the last step is waited for only just before its members are cut out."""
+    from autopar.passes.lower import lower, resolve
+    from autopar.program import collectives as C
+    from test_schedule import _is_compute, _layer_spans
+
+    axes = MESHES[1]
+    plan = autopar.Plan.from_dict(json.loads(plan_json("llama", axes, "fsdp")))
+    model, args = build("llama")
+    forward = lower(resolve(capture(model, args), plan), (0, 0)).forward
+    order = list(forward.graph.nodes)
+    pos = {n: i for i, n in enumerate(order)}
+    spans = _layer_spans(forward)
+    layers = []
+    for n in order:
+        key = layer_of(n.meta.get("autopar_module") or "") if _is_compute(n) else None
+        if key is not None and key not in layers:
+            layers.append(key)
+    checked = set()
+    for first in order:
+        if not (first.target is C.all_gather and first.args[0].target is pack_shards
+                and all(x.op == "placeholder" or x.all_input_nodes[0].op == "placeholder"
+                        for x in first.args[0].args[0])):
+            continue
+        (w1,) = first.users
+        assert w1.prev is first  # the first step is waited at once: the next step needs it
+        (cut1,) = w1.users
+        pack2 = next(iter(next(iter(cut1.users)).users))
+        (last,) = pack2.users
+        assert last.target is C.all_gather and last.args[1] != first.args[1]
+        (w2,) = last.users
+        (cut2,) = w2.users
+        assert w2.next is cut2
+        reader = min((u for item in cut2.users for u in item.users), key=pos.get)
+        key = layer_of(reader.meta.get("autopar_module") or "")
+        if key is None:  # the parameters outside the layers: gathered where the program starts
+            continue
+        k = layers.index(key)
+        assert pos[last] < spans[max(k - 1, 0)][0], (last.name, k)
+        checked.add(k)
+    assert len(layers) >= 2 and checked == set(range(len(layers))), checked
