@@ -6,6 +6,7 @@ steps equal the single-device model's, and the collectives each rank ran are the
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import pytest
 
@@ -43,6 +44,22 @@ def test_searched_plan_trains_like_one_device(pool, family, axes):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipes_train_like_one_device(pool, recipe):
     _check(pool, "gpt", (("a", 2), ("b", 2)), recipe)
+
+
+def test_layer_grouped_fsdp_trains_like_one_device(pool):
+    """FSDP gathers each layer's parameters with one all-gather per phase (``cost_model.gathers``)
+    on gloo: the same training as one device, and the collectives each rank ran are the predicted
+    ones, one per group. (GPT's FSDP on (2, 2) runs grouped too, in ``test_recipes_...``.)"""
+    import json
+
+    import autopar
+
+    axes = (("a", 4),)
+    text = plan_json("llama", axes, "fsdp")
+    plan = autopar.Plan.from_dict(json.loads(text))
+    sizes = Counter(r["bucket"] for r in plan.reshardings if r["kind"] == "param" and r.get("bucket") is not None)
+    assert sizes and max(sizes.values()) >= 4, sizes  # a layer's attention and MLP weights together
+    _check(pool, "llama", axes, "fsdp")
 
 
 def test_bf16_mixed_plan_computes_in_bf16_with_fp32_master_weights(pool):

@@ -48,8 +48,13 @@ def grad_time(shape, src, dst, mesh, elem_bytes: int) -> float:
     steps = reshard_steps(shape, src, dst, mesh, elem_bytes)
     if bucket_key(steps, None) is None:
         return sum(s.time for s in steps)
+    return shared_latency_time(steps, min(1.0, steps[0].bytes / BUCKET_SIZE), mesh)
+
+
+def shared_latency_time(steps: Sequence[Step], share: float, mesh) -> float:
+    """Seconds of ``steps`` run by a collective that several tensors share: each step's bandwidth
+    term and ``share`` of its latency (the whole latency at ``share`` 1)."""
     n, links = mesh.shape, mesh.links
-    share = min(1.0, steps[0].bytes / BUCKET_SIZE)
     latency = [collective_time(s.kind, 0, n[s.axis], links[s.axis]) for s in steps]
     return sum(s.time - (1.0 - share) * lat for s, lat in zip(steps, latency))
 
@@ -112,19 +117,22 @@ def mark_grad_buckets(graph: Graph, reshardings: list[dict], mesh, precision) ->
 def collective_calls(reshardings: list[dict]) -> list[tuple[str, str, str, int, bool]]:
     """The collectives one device runs per step for a plan's reshardings, one entry per call:
     ``(what moves, collective, axis, bytes, bucketed)``. Local steps move nothing; gradients that
-    share a bucket are one call per bucket and step, of their summed bytes."""
+    share a bucket, and parameter gathers that share a group (``cost_model.gathers``), are one call
+    per bucket or group and step, of their summed bytes."""
     calls: list[tuple[str, str, str, int, bool]] = []
-    bucketed: dict[int, list] = {}
+    bucketed: dict[tuple[str, int], list] = {}  # (kind, bucket or group index) -> its steps
     for r in reshardings:
         if r.get("bucket") is not None:
-            b = bucketed.setdefault(r["bucket"], [[s["kind"], s["axis"], 0] for s in r["steps"]])
+            b = bucketed.setdefault((r["kind"], r["bucket"]), [[s["kind"], s["axis"], 0] for s in r["steps"]])
             for entry, st in zip(b, r["steps"]):
                 entry[2] += int(st["bytes"])
             continue
         calls.extend((r["kind"], st["kind"], st["axis"], int(st["bytes"]), False)
                      for st in r["steps"] if st["kind"] not in LOCAL_KINDS)
-    calls.extend(("grad", coll, axis, nbytes, True) for steps in bucketed.values() for coll, axis, nbytes in steps)
+    calls.extend((kind, coll, axis, nbytes, True) for (kind, _), steps in bucketed.items()
+                 for coll, axis, nbytes in steps)
     return calls
 
 
-__all__ = ["BUCKETED_KINDS", "BUCKET_SIZE", "bucket_key", "collective_calls", "grad_buckets", "grad_steps", "grad_time", "mark_grad_buckets"]
+__all__ = ["BUCKETED_KINDS", "BUCKET_SIZE", "bucket_key", "collective_calls", "grad_buckets", "grad_steps", "grad_time", "mark_grad_buckets",
+           "shared_latency_time"]

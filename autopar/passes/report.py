@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from autopar.cost_model.buckets import BUCKET_SIZE, collective_calls, mark_grad_buckets
 from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
 from autopar.cost_model.comm import reshard_steps
+from autopar.cost_model.gathers import mark_param_groups
 from autopar.ir.fingerprint import graph_fingerprint, graph_info
 from autopar.ir.graph import Ref
 from autopar.ir.placement import B, format_placements
@@ -63,6 +64,7 @@ def build_plan(planned: "Planned"):
         })
     reshardings = _reshardings(planned, strat)
     mark_grad_buckets(g, reshardings, mesh, planned.precision)  # as the lowering groups them
+    mark_param_groups(g, reshardings, mesh, planned.precision)
     mesh_dict = mesh.to_dict()
     cost = planned.cost
     return Plan(

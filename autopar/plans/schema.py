@@ -86,7 +86,7 @@ Resharding = TypedDict("Resharding", {
     "tensor": str, "consumers": list[str], "consumer": str, "kind": str, "from": str, "to": str,
     "bytes": int,  # the whole tensor
     "time": float, "steps": list[ReshardingStep], "module": Optional[str],
-    "bucket": int,  # gradients sharing a collective
+    "bucket": int,  # gradients sharing a bucket, or parameter gathers a group (per kind)
 }, total=False)
 Resharding.__doc__ = "A placement change on the way from a tensor's producer to its consumer(s)."
 

@@ -1,4 +1,5 @@
-"""Packing a gradient bucket into one flat buffer and cutting it back, as lowered programs call it.
+"""Packing a gradient bucket into one flat buffer and cutting it back, and the same for a group of
+parameter shards gathered together (``pack_shards``, ``cut_gathered``), as lowered programs call it.
 
 A bucket of n gradients written op by op costs 2n + 2 program ops per step (a reshape of each
 gradient, the concatenation, the split and a reshape of each piece), a Python-level dispatch each
@@ -52,4 +53,38 @@ def unflatten(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch
     return [p.view(s) for p, s in zip(pieces, shapes)]
 
 
-__all__ = ["Bucket", "unflatten"]
+#: How one tensor of a gathered group is laid out: (dim gathered, piece: the padded length of that
+#: dim on each rank, the tensor's local shape before, the gathered length of that dim, its shape after).
+Layout = tuple[int, int, Sequence[int], int, Sequence[int]]
+
+
+def pack_shards(xs: Sequence[torch.Tensor], layouts: Sequence[Layout]) -> torch.Tensor:
+    """One flat buffer of the group's local shards for an all-gather on dim 0: each shard with its
+    gathered dim moved first and padded to its piece (equal on every rank), flattened, in order."""
+    flat = []
+    for x, (d, piece, have, _, _) in zip(xs, layouts):
+        t = x.reshape(have).movedim(d, 0)
+        if t.shape[0] != piece:
+            t = torch.cat([t, t.new_zeros((piece - t.shape[0],) + tuple(t.shape[1:]))])
+        flat.append(t.reshape(-1))
+    return torch.cat(flat)
+
+
+def cut_gathered(buf: torch.Tensor, n: int, layouts: Sequence[Layout]) -> list[torch.Tensor]:
+    """The group's tensors out of the all-gathered buffer of ``pack_shards`` (``n`` ranks' buffers
+    one after another): each one's pieces of every rank joined along its gathered dim, trimmed of
+    padding, in its shape after the gather (a dense copy: FSDP's copy-out)."""
+    rows = buf.view(n, -1)
+    out, at = [], 0
+    for d, piece, have, size, after in layouts:
+        rest = [s for i, s in enumerate(have) if i != d]
+        k = piece * math.prod(rest)
+        t = rows[:, at:at + k].reshape([n * piece] + rest)
+        at += k
+        if size != n * piece:
+            t = t[:size]
+        out.append(t.movedim(0, d).contiguous().view(after))
+    return out
+
+
+__all__ = ["Bucket", "Layout", "cut_gathered", "pack_shards", "unflatten"]

@@ -34,6 +34,7 @@ from autopar.ir.placement import B, Placements, local_shape
 from autopar.ir.rules.base import LocalCtx, has_local, local_args
 from autopar.ir.rules.dimmap import Strategy
 from autopar.ir.views import param_views
+from autopar.passes.lower.gathers import grouped_gather, plan_groups
 from autopar.passes.lower.grads import bucketed_grads
 from autopar.passes.lower.plain_local import Input, PlainCall, plain_call
 from autopar.passes.lower.reshard import reshard
@@ -73,6 +74,9 @@ class Emitter:
         # parameters and layout views of them: resharded per phase, never saved gathered (as FSDP)
         self.params = param_views(self.g)
         self.used_names: set[str] = set()
+        self.emitted: set[str] = set()  # graph nodes emitted (a group's gather may emit a view early)
+        # parameter gathers that share one collective (``gathers.py``): key -> the group's members
+        self.gather_groups = plan_groups(self)
 
     # values ---------------------------------------------------------------------------------------
     def value(self, ref: Ref, want: Placements, where: fx.Graph, dtype: Optional[torch.dtype] = None) -> fx.Node:
@@ -80,35 +84,41 @@ class Emitter:
         if dtype is not None:
             key = (id(where), ref, want, dtype)
             if key not in self.cache:
-                self.cache[key] = self._cast(self.value(ref, want, where), dtype, where)
+                self.cache[key] = self.cast(self.value(ref, want, where), dtype, where)
             return self.cache[key]
         key = (id(where), ref, want)
         if key in self.cache:
             return self.cache[key]
-        node, home, have = self.base[ref]
         is_param = ref.node in self.params
+        if is_param:
+            grouped = grouped_gather(self, ref, want, where)
+            if grouped is not None:
+                return grouped
+        node, home, have = self.base[ref]
         if where is self.bg and home is self.fg and not is_param:
             fkey = (id(self.fg), ref, want)
             if fkey in self.cache:  # resharded in forward already: save it
-                out = self._import(self.cache[fkey])
+                out = self.import_value(self.cache[fkey])
                 self.cache[key] = out
                 return out
         if where is not home:
-            node = self._import(node)
+            node = self.import_value(node)
         entry = self.casts.entry_cast(self.g, ref) if self.casts is not None else None
         if entry is not None:  # before any gather: one cast per resharding, moved with it by ``schedule``
-            node = self._cast(node, entry, where)
+            node = self.cast(node, entry, where)
         out = self._reshard(node, ref, have, want, where)
         self.cache[key] = out
         return out
 
     @staticmethod
-    def _cast(x: fx.Node, dtype: torch.dtype, where: fx.Graph) -> fx.Node:
+    def cast(x: fx.Node, dtype: torch.dtype, where: fx.Graph) -> fx.Node:
+        """``x`` cast to ``dtype`` in program ``where``, marked for ``schedule``."""
         out = where.call_function(torch.ops.aten._to_copy.default, (x,), {"dtype": dtype})
         out.meta["autopar_cast"] = True  # ``schedule`` moves it with the collective it feeds
         return out
 
-    def _import(self, fnode: fx.Node) -> fx.Node:
+    def import_value(self, fnode: fx.Node) -> fx.Node:
+        """Forward value ``fnode`` in the backward: saved by the forward, a backward placeholder."""
         if fnode not in self.saved_in:
             self.saved.append(fnode)
             ph = self.bg.placeholder(f"saved_{fnode.name}")
@@ -123,13 +133,28 @@ class Emitter:
     def emit(self) -> None:
         """Emit every node of the graph into the forward or backward program, in graph order."""
         for node in self.g.nodes:
-            strat = self.res.strategies[node.name]
-            if node.is_placeholder:
-                self._placeholder(node, strat)
-            elif node.op == "get_attr":
-                self._constant(node, strat)
-            else:
-                self._op(node, strat)
+            if node.name not in self.emitted:
+                self._emit_node(node)
+
+    def ensure_emitted(self, name: str) -> None:
+        """Emit node ``name`` now if it was not yet (with the nodes it reads): a view of a parameter
+        whose group's gather runs before the view's own place in the graph."""
+        if name in self.emitted:
+            return
+        node = self.g.node(name)
+        for r in node.inputs:
+            self.ensure_emitted(r.node)
+        self._emit_node(node)
+
+    def _emit_node(self, node: Node) -> None:
+        self.emitted.add(node.name)
+        strat = self.res.strategies[node.name]
+        if node.is_placeholder:
+            self._placeholder(node, strat)
+        elif node.op == "get_attr":
+            self._constant(node, strat)
+        else:
+            self._op(node, strat)
 
     def fresh_name(self, text: str) -> str:
         """A program-wide unique, identifier-safe name made from ``text``."""
@@ -213,7 +238,7 @@ class Emitter:
             src = self.base[r][2]
             out = self._reshard(self.grad_source(fqn, src), r, src, pl, self.bg)
         have = self.casts.grad if self.casts is not None else g.spec(r).dtype
-        return out if have == g.spec(r).dtype else self._cast(out, g.spec(r).dtype, self.bg)
+        return out if have == g.spec(r).dtype else self.cast(out, g.spec(r).dtype, self.bg)
 
     def _dtype(self, ref: Ref) -> torch.dtype:
         return self.casts.dtype(self.g, ref) if self.casts is not None else self.g.spec(ref).dtype

@@ -8,6 +8,7 @@ compute as the cost model's overlap groups assume.
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -23,10 +24,56 @@ _LOCAL_VIEWS = frozenset({_aten.t.default, _aten.transpose.int, _aten.permute.de
 
 
 def _moves_with(node: fx.Node) -> bool:
-    """A cast (mixed precision) or a local view (a weight's shard transposed before its gather)
-    between a collective and its source: it moves up with the collective."""
+    """A cast (mixed precision), a local view (a weight's shard transposed before its gather) or a
+    gather group's packing (and, between two steps, its cutting: ``passes/lower/gathers.py``)
+    between a collective and its sources: it moves up with the collective."""
     return (node.op == "call_function" and bool(node.all_input_nodes)
-            and (bool(node.meta.get("autopar_cast")) or node.target in _LOCAL_VIEWS))
+            and (bool(node.meta.get("autopar_cast")) or bool(node.meta.get("autopar_pack"))
+                 or node.target in _LOCAL_VIEWS))
+
+
+def _feeding(c: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The nodes that move with collective ``c`` (``_moves_with``, up from its input), and the
+    values they start from, each in program order."""
+    moving: set[fx.Node] = set()
+    sources: set[fx.Node] = set()
+    stack = list(c.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in moving or n in sources:
+            continue
+        if _moves_with(n):
+            moving.add(n)
+            stack.extend(n.all_input_nodes)
+        else:
+            sources.add(n)
+    return sorted(moving), sorted(sources)
+
+
+def _cut(node: fx.Node) -> bool:
+    """A gather group's cutting of its gathered buffer, or one member taken from it."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return bool(node.meta.get("autopar_cut"))
+
+
+def _first_reader(w: fx.Node) -> fx.Node:
+    """The first node that uses the result of wait ``w``, past the rest of its resharding: the
+    next steps' collectives and waits, and a gather group's packing and cutting (the first reader
+    of any of its members)."""
+    seen: set[fx.Node] = set()
+    stack, reads = list(w.users), []
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and (n.target is C.wait or n.target in C.COLLECTIVES
+                                        or n.meta.get("autopar_pack") or _cut(n)):
+            stack.extend(n.users)
+        else:
+            reads.append(n)
+    return min(reads) if reads else min(w.users)
 
 
 def _layer(node: fx.Node) -> Optional[str]:
@@ -73,25 +120,23 @@ def schedule(graph: fx.Graph) -> None:
             continue
         c = w.args[0]
         users = sorted(w.users)
-        producers = c.all_input_nodes
-        after = max(producers) if producers else top
-        # casts and local views the lowering made for this collective move with it
-        chain: list[fx.Node] = []  # from the collective's input back towards its source
-        while after is not None and _moves_with(after):
-            chain.append(after)
-            after = max(after.all_input_nodes)
-        if after is not None and after.op == "placeholder" and users and current[users[0]] >= 0:
-            after = starts[max(current[users[0]] - 1, 0)].prev  # a layer ahead of its use
-            while after.op == "call_function" and (after.target is C.wait or _moves_with(after)):
-                after = after.prev  # issued before the waits and casts that open that layer
+        # casts, local views and a group's packing the lowering made for this collective move with it
+        chain, sources = _feeding(c)
+        after = max(sources) if sources else top
+        first = _first_reader(w) if users else None
+        if after is not None and after.op == "placeholder" and first is not None and current[first] >= 0:
+            after = starts[max(current[first] - 1, 0)].prev  # a layer ahead of its use
+            while after.op == "call_function" and (after.target is C.wait or _moves_with(after) or _cut(after)):
+                after = after.prev  # issued before the waits, casts and cuts that open that layer
         if after is not None and after < c:
-            for n in reversed(chain):  # each reads the source (before ``after``) or the previous one
+            for n in chain:  # in program order: each reads a source (before ``after``) or an earlier one
                 if after < n:  # up, never down: a view may have other users
                     after.append(n)
                     after = n
             after.append(c)
-        if users and users[0].op == "call_function" and users[0].target in C.COLLECTIVES:
-            c.append(w)  # the next step of the same reshard: keep the chain together, early
+        if users and users[0].op == "call_function" and (users[0].target in C.COLLECTIVES
+                                                         or users[0].meta.get("autopar_pack")):
+            c.append(w)  # the next step of the same reshard or group: keep the chain together, early
         elif users and users[0].op != "output":
             users[0].prepend(w)
 

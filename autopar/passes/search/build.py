@@ -17,6 +17,7 @@ from typing import Optional
 from autopar.cost_model.buckets import grad_time
 from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
 from autopar.cost_model.comm import reshard_time
+from autopar.cost_model.gathers import gather_shares, gather_time
 from autopar.cost_model.compute import compute_time
 from autopar.cost_model.memory import activation_bytes, param_state_bytes
 from autopar.cost_model.mesh import Mesh
@@ -142,6 +143,7 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
     # (src rep, out, kind, phase or None) -> producer instance -> the edge keys it feeds
     feeds: dict[tuple, dict] = defaultdict(lambda: defaultdict(set))
     params = param_views(graph)
+    shares = gather_shares(graph)  # a gather's part of its layer group's latency
     policy = cast_policy(graph, precision)  # the dtype each value moves in (the lowering casts alike)
 
     def add(key: tuple, kind: str, ref: Ref, phase) -> None:
@@ -189,11 +191,13 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
                 dst_p = [output_placement(s, 0) if slot == -1 else input_placement(s, slot) for s in nodes[dst].strategies]
                 places_out = sorted(set(src_p), key=src_p.index)
                 places_in = sorted(set(dst_p), key=dst_p.index)
-                # gradients that join a bucket share its collectives' latency (cost_model/buckets.py)
-                price = grad_time if kind == "grad" else reshard_time
-                mkey = (kind == "grad", tuple(spec.shape), eb, tuple(places_out), tuple(places_in))
+                # gradients that join a bucket share its collectives' latency (cost_model/buckets.py),
+                # parameter gathers their group's (cost_model/gathers.py)
+                part = shares.get(ref.node) if kind == "param" else None
+                mkey = (kind, part, tuple(spec.shape), eb, tuple(places_out), tuple(places_in))
                 if mkey not in matrices:  # many edges carry same-shaped tensors between the same placements
-                    matrices[mkey] = [[price(spec.shape, p, q, mesh, eb) for q in places_in] for p in places_out]
+                    matrices[mkey] = [[_price(kind, spec.shape, p, q, mesh, eb, part) for q in places_in]
+                                      for p in places_out]
                 cost = matrices[mkey]
                 built[key] = ([places_out.index(p) for p in src_p], [places_in.index(q) for q in dst_p],
                               places_out, places_in, cost, eb)
@@ -211,6 +215,16 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
         edges.extend(members)
     edges.sort(key=lambda e: (e.src, e.src_out, e.dst, e.dst_slot, e.share))
     return edges
+
+
+def _price(kind: str, shape, src, dst, mesh: Mesh, eb: int, share: Optional[tuple[float, bool]]) -> float:
+    """Seconds of one resharding: a gradient's in its bucket, a parameter gather's in its group,
+    anything else on its own."""
+    if kind == "grad":
+        return grad_time(shape, src, dst, mesh, eb)
+    if kind == "param":
+        return gather_time(shape, src, dst, mesh, eb, share or (1.0, False))
+    return reshard_time(shape, src, dst, mesh, eb)
 
 
 def _loss_sink(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) -> None:
