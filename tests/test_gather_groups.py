@@ -124,28 +124,24 @@ def test_grouped_gather_pays_its_share_of_one_latency():
     (step,) = reshard_steps(shape, src, dst, mesh, eb)
     assert step.kind == "all_gather"
     latency = 8 * mesh.links[0].latency
-    assert gather_time(shape, src, dst, mesh, eb, (1.0, False)) == pytest.approx(alone)
-    assert gather_time(shape, src, dst, mesh, eb, (0.25, False)) == pytest.approx(alone - 0.75 * latency)
-    # outside layers groups close at BUCKET_SIZE: a 32 MiB gather fills its own, whatever its share
-    assert gather_time(shape, src, dst, mesh, eb, (0.25, True)) == pytest.approx(alone)
-    small = (64,)
-    assert gather_time(small, src, dst, mesh, eb, (0.5, True)) == pytest.approx(
-        reshard_time(small, src, dst, mesh, eb) - 0.5 * latency)
+    assert gather_time(shape, src, dst, mesh, eb, 1.0) == pytest.approx(alone)
+    assert gather_time(shape, src, dst, mesh, eb, 0.25) == pytest.approx(alone - 0.75 * latency)
     # anything but all-gathers is priced on its own
     other = parse("S(1)")
-    assert gather_time(shape, src, other, mesh, eb, (0.1, False)) == reshard_time(shape, src, other, mesh, eb)
+    assert gather_time(shape, src, other, mesh, eb, 0.1) == reshard_time(shape, src, other, mesh, eb)
 
 
-def test_shares_sum_to_one_per_layer_and_outside():
+def test_shares_sum_to_one_per_layer_and_are_whole_outside():
     model, args = build("llama")
     graph = capture(model, args)
     shares = gather_shares(graph)
     per_layer = Counter()
     for fqn, node in graph.params.items():
-        part, by_bytes = shares[node]
-        assert by_bytes == (layer_of(fqn) is None)
-        per_layer[layer_of(fqn)] += part
-    assert len(per_layer) >= 3 and all(v == pytest.approx(1.0) for v in per_layer.values()), per_layer
+        if layer_of(fqn) is None:  # outside the numbered layers: the whole latency each
+            assert shares[node] == 1.0, fqn
+        else:
+            per_layer[layer_of(fqn)] += shares[node]
+    assert len(per_layer) >= 2 and all(v == pytest.approx(1.0) for v in per_layer.values()), per_layer
 
 
 def test_two_step_groups_are_issued_a_layer_ahead_with_their_chain():

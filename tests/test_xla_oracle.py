@@ -30,10 +30,7 @@ class MatmulChain(torch.nn.Module):
 
     def forward(self, x):
         h = hint(x @ self.w1, "S(1)")
-        # XLA reduces the row-parallel product's partial sums; pinning them keeps the planner from
-        # gathering the weight and the activation instead (a parameter gathered alone pays only its
-        # share of its group's latency in the cost model: cost_model/gathers.py)
-        return hint(hint(h @ self.w2, "P"), "B")
+        return hint(h @ self.w2, "B")
 
 
 class MegatronMLP(torch.nn.Module):
@@ -46,10 +43,7 @@ class MegatronMLP(torch.nn.Module):
     def forward(self, x):
         a = hint(x @ self.w1, "S(1)")
         h = hint(torch.nn.functional.gelu(a), "S(1)")
-        # XLA reduces the row-parallel product's partial sums; pinning them keeps the planner from
-        # gathering the weight and the activation instead (a parameter gathered alone pays only its
-        # share of its group's latency in the cost model: cost_model/gathers.py)
-        return hint(hint(h @ self.w2, "P"), self.out)
+        return hint(h @ self.w2, self.out)
 
 
 class Attention(torch.nn.Module):
@@ -64,10 +58,7 @@ class Attention(torch.nn.Module):
         o = hint(torch.nn.functional.scaled_dot_product_attention(q, k, v), "S(1)")
         t = hint(o.transpose(1, 2), "S(2)")
         r = hint(t.reshape(2, 16, 64), "S(2)")
-        # XLA reduces the row-parallel product's partial sums; pinning them keeps the planner from
-        # gathering the weight and the activation instead (a parameter gathered alone pays only its
-        # share of its group's latency in the cost model: cost_model/gathers.py)
-        return hint(hint(r @ self.wo, "P"), "B")
+        return hint(r @ self.wo, "B")
 
 
 class ReshapeBetweenLayouts(torch.nn.Module):

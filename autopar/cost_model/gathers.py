@@ -9,7 +9,7 @@ step) in the order the program first reads them. A group runs one all-gather per
 buffer, so it pays each collective's latency once. The plan's report (``mark_param_groups``) and
 the lowering both call ``gather_groups``, so the collectives a plan predicts are the ones its
 program runs; the cost model prices each gather at its bandwidth and its share of the group's
-latency (``gather_time``).
+latency (``gather_time``; outside the numbered layers, the whole latency).
 """
 
 from __future__ import annotations
@@ -75,40 +75,36 @@ def gather_groups(graph: Graph, gathers: Sequence[tuple[Hashable, Ref, str, Sequ
     return out
 
 
-def gather_shares(graph: Graph) -> dict[str, tuple[float, bool]]:
+def gather_shares(graph: Graph) -> dict[str, float]:
     """For every parameter and layout view of one (``ir.views.param_views``): the part of its
-    group's latency its gather pays, as ``(share, by_bytes)``. A layer's parameters are gathered
-    together: the share is the parameter's part of its layer instance's elements. Outside the
-    numbered layers, its part of all those parameters' elements, and ``by_bytes`` (groups there
-    also close at ``BUCKET_SIZE``: ``gather_time`` takes at least its bytes' part of a full group)."""
+    group's latency its gather pays. A layer's parameters are gathered together: the share is the
+    parameter's part of its layer instance's elements. Outside the numbered layers the whole
+    latency: those groups are few (embedding, final norm, head), and a model without numbered
+    layers may gather one weight alone (priced at a share, the ILP took gathers that ran alone for
+    cheaper than the all-reduce they replaced)."""
     totals: dict[Optional[tuple], int] = {}
     for fqn, node in graph.params.items():
         layer = layer_of(fqn)
         totals[layer] = totals.get(layer, 0) + graph.spec(Ref(node)).numel
-    out: dict[str, tuple[float, bool]] = {}
+    out: dict[str, float] = {}
     fqn_of = {node: fqn for fqn, node in graph.params.items()}
     for name in param_views(graph):
         fqn = param_of(graph, name, fqn_of)
         layer = layer_of(fqn) if fqn else None
-        total = totals.get(layer) if fqn else None
-        out[name] = (graph.spec(Ref(name)).numel / total if total else 1.0, layer is None)
+        out[name] = graph.spec(Ref(name)).numel / totals[layer] if layer is not None else 1.0
     return out
 
 
-def gather_time(shape, src, dst, mesh, elem_bytes: int, share: tuple[float, bool] = (1.0, False)) -> float:
+def gather_time(shape, src, dst, mesh, elem_bytes: int, share: float = 1.0) -> float:
     """Seconds to gather a parameter from ``src`` to ``dst``. When its steps are all-gathers, its
     group pays each collective's latency once: the gather pays the bandwidth term of each step and
-    its ``share`` of the latency (``gather_shares``; with ``by_bytes``, at least its bytes' part of
-    a full ``BUCKET_SIZE`` group). Otherwise the resharding's own time."""
+    its ``share`` of the latency (``gather_shares``). Otherwise the resharding's own time."""
     if tuple(src) == tuple(dst):
         return 0.0
     steps = reshard_steps(shape, src, dst, mesh, elem_bytes)
     if gather_key(steps, None, elem_bytes) is None:
         return sum(s.time for s in steps)
-    part, by_bytes = share
-    if by_bytes:
-        part = max(part, steps[0].bytes / BUCKET_SIZE)
-    return shared_latency_time(steps, min(1.0, part), mesh)
+    return shared_latency_time(steps, min(1.0, share), mesh)
 
 
 def mark_param_groups(graph: Graph, reshardings: list[dict], mesh, precision) -> None:

@@ -217,13 +217,13 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
     return edges
 
 
-def _price(kind: str, shape, src, dst, mesh: Mesh, eb: int, share: Optional[tuple[float, bool]]) -> float:
+def _price(kind: str, shape, src, dst, mesh: Mesh, eb: int, share: Optional[float]) -> float:
     """Seconds of one resharding: a gradient's in its bucket, a parameter gather's in its group,
     anything else on its own."""
     if kind == "grad":
         return grad_time(shape, src, dst, mesh, eb)
     if kind == "param":
-        return gather_time(shape, src, dst, mesh, eb, share or (1.0, False))
+        return gather_time(shape, src, dst, mesh, eb, 1.0 if share is None else share)
     return reshard_time(shape, src, dst, mesh, eb)
 
 
