@@ -5,7 +5,8 @@ reduce-scatters and all-gathers (DDP: all-reduces, on one axis or several; FSDP:
 reduce-scatter; on a 2-D mesh e.g. an all-reduce on one axis, then an all-gather on the other)
 joins a bucket of gradients with the same sequence of collectives, axes and reductions and the
 same dtype: the bucket runs one collective per step. Buckets fill in the order the backward
-produces the gradients and close at ``BUCKET_SIZE`` bytes (of their first step). The plan's report
+produces the gradients and close at ``BUCKET_SIZE`` bytes (of their first step), except that
+reductions with a reduce-scatter (FSDP's) group per layer instance, as FSDP2 does. The plan's report
 and the lowering both call ``grad_buckets``, so the collectives a plan predicts are the ones its
 program runs. Other gradient reshardings (an all-to-all, or a local step) run alone.
 """
@@ -17,6 +18,7 @@ from typing import Optional, Sequence
 from autopar.cost_model.comm import LOCAL_KINDS, Step, collective_time, reshard_steps
 from autopar.cost_model.precision import element_bytes
 from autopar.ir.graph import Graph
+from autopar.ir.layers import layer_of
 from autopar.ir.placement import parse
 
 #: Bytes per bucket (DDP's default, 25 MiB).
@@ -36,11 +38,13 @@ def bucket_key(steps: Sequence[Step], dtype) -> Optional[tuple]:
     return tuple((s.kind, s.axis, s.reduce if s.kind != "all_gather" else "") for s in steps), str(dtype)
 
 
-def grad_time(shape, src, dst, mesh, elem_bytes: int) -> float:
+def grad_time(shape, src, dst, mesh, elem_bytes: int, layer_share: Optional[float] = None) -> float:
     """Seconds to reduce a gradient from ``src`` to its parameter's placement ``dst``. When its
     steps can be bucketed, a bucket pays each collective's latency once for all its gradients
     (DDP's reason to bucket), so a gradient pays the bandwidth term of each step and its share of
-    the latency, in proportion to its bytes in a full bucket (the whole latency from
+    the latency: with a reduce-scatter in a numbered layer (``layer_share``: its part of the
+    layer's elements), its part of the layer's bucket (FSDP2 reduces a layer's gradients in one
+    collective); otherwise in proportion to its bytes in a full bucket (the whole latency from
     ``BUCKET_SIZE`` bytes up: such a gradient fills its own bucket). Otherwise the resharding's
     own time."""
     if tuple(src) == tuple(dst):
@@ -48,7 +52,15 @@ def grad_time(shape, src, dst, mesh, elem_bytes: int) -> float:
     steps = reshard_steps(shape, src, dst, mesh, elem_bytes)
     if bucket_key(steps, None) is None:
         return sum(s.time for s in steps)
+    if layer_share is not None and _per_layer(steps):
+        return shared_latency_time(steps, min(1.0, layer_share), mesh)
     return shared_latency_time(steps, min(1.0, steps[0].bytes / BUCKET_SIZE), mesh)
+
+
+def _per_layer(steps: Sequence[Step]) -> bool:
+    """Whether a bucketed gradient reduction groups per layer (FSDP's reduce-scatter) rather than
+    in ``BUCKET_SIZE`` buckets (DDP's all-reduce)."""
+    return any(s.kind == "reduce_scatter" for s in steps)
 
 
 def shared_latency_time(steps: Sequence[Step], share: float, mesh) -> float:
@@ -79,18 +91,22 @@ def _key(spec, steps: Sequence[Step]) -> Optional[tuple]:
 def grad_buckets(graph: Graph, steps: dict[str, Sequence[Step]]) -> dict[str, int]:
     """``{fqn: bucket index}`` for the gradients (fqn -> their resharding steps) that can be
     bucketed, in the order the backward produces them; indices count buckets in the order they
-    fill."""
+    open. Reductions with a reduce-scatter (FSDP) group per layer instance (``ir.layers.layer_of``),
+    whatever their bytes, as FSDP2 reduces a layer's gradients at once; the others, and those
+    outside the numbered layers, fill ``BUCKET_SIZE`` buckets."""
     where = {n.name: i for i, n in enumerate(graph.nodes)}
     keys = {fqn: _key(graph.spec(graph.grads[fqn]), st) for fqn, st in steps.items()}
     order = sorted((fqn for fqn, key in keys.items() if key is not None),
                    key=lambda f: (where[graph.grads[f].node], f))
-    open_bucket: dict[tuple, tuple[int, int]] = {}  # key -> (bucket index, bytes so far)
+    open_bucket: dict[tuple, tuple[int, int]] = {}  # (key, layer) -> (bucket index, bytes so far)
     out: dict[str, int] = {}
     count = 0
     for fqn in order:
-        key, nbytes = keys[fqn], steps[fqn][0].bytes
+        nbytes = steps[fqn][0].bytes
+        layer = layer_of(fqn) if _per_layer(steps[fqn]) else None
+        key = (keys[fqn], layer)
         cur = open_bucket.get(key)
-        if cur is None or (cur[1] and cur[1] + nbytes > BUCKET_SIZE):
+        if cur is None or (layer is None and cur[1] and cur[1] + nbytes > BUCKET_SIZE):
             cur = (count, 0)
             count += 1
         out[fqn] = cur[0]

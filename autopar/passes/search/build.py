@@ -17,12 +17,13 @@ from typing import Optional
 from autopar.cost_model.buckets import grad_time
 from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
 from autopar.cost_model.comm import reshard_time
-from autopar.cost_model.gathers import gather_shares, gather_time
 from autopar.cost_model.compute import compute_time
+from autopar.cost_model.gathers import gather_shares, gather_time
 from autopar.cost_model.memory import activation_bytes, param_state_bytes
 from autopar.cost_model.mesh import Mesh
 from autopar.cost_model.precision import Precision
 from autopar.ir.graph import Graph, Phase, Ref, Role
+from autopar.ir.layers import layer_of
 from autopar.ir.placement import B, Placements, format_placements, local_shape
 from autopar.ir.rules import op_call
 from autopar.ir.views import param_views
@@ -144,6 +145,9 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
     feeds: dict[tuple, dict] = defaultdict(lambda: defaultdict(set))
     params = param_views(graph)
     shares = gather_shares(graph)  # a gather's part of its layer group's latency
+    # a gradient's part of its layer's (FSDP: reduce-scatter) bucket: its parameter's part of the layer
+    grad_share = {g.node: shares[graph.params[fqn]] for fqn, g in graph.grads.items()
+                  if layer_of(fqn) is not None and graph.params[fqn] in shares}
     policy = cast_policy(graph, precision)  # the dtype each value moves in (the lowering casts alike)
 
     def add(key: tuple, kind: str, ref: Ref, phase) -> None:
@@ -193,7 +197,7 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
                 places_in = sorted(set(dst_p), key=dst_p.index)
                 # gradients that join a bucket share its collectives' latency (cost_model/buckets.py),
                 # parameter gathers their group's (cost_model/gathers.py)
-                part = shares.get(ref.node) if kind == "param" else None
+                part = shares.get(ref.node) if kind == "param" else grad_share.get(ref.node) if kind == "grad" else None
                 mkey = (kind, part, tuple(spec.shape), eb, tuple(places_out), tuple(places_in))
                 if mkey not in matrices:  # many edges carry same-shaped tensors between the same placements
                     matrices[mkey] = [[_price(kind, spec.shape, p, q, mesh, eb, part) for q in places_in]
@@ -221,7 +225,7 @@ def _price(kind: str, shape, src, dst, mesh: Mesh, eb: int, share: Optional[floa
     """Seconds of one resharding: a gradient's in its bucket, a parameter gather's in its group,
     anything else on its own."""
     if kind == "grad":
-        return grad_time(shape, src, dst, mesh, eb)
+        return grad_time(shape, src, dst, mesh, eb, share)
     if kind == "param":
         return gather_time(shape, src, dst, mesh, eb, 1.0 if share is None else share)
     return reshard_time(shape, src, dst, mesh, eb)
