@@ -1,7 +1,8 @@
 """Layer-grouped parameter gathers (``cost_model.gathers``, ``passes/lower/gathers.py``): under FSDP
 each layer's parameters are gathered by one all-gather per step and phase, as FSDP2 does; the plan
 predicts one collective per group and the simulated programs run exactly those, computing what the
-single-device model computes. Also the packing itself, and the price of a grouped gather."""
+single-device model computes; their gradients' reduce-scatters likewise run one per layer. Also the
+packing itself, and the price of a grouped gather."""
 
 from __future__ import annotations
 
@@ -62,6 +63,19 @@ def test_layer_grouped_fsdp_matches_one_device_and_runs_the_predicted_collective
     calls = [c for c in collective_calls(plan.reshardings) if c[0] == "param"]
     assert len(calls) == sum(len(moving(r)) for r in alone) + sum(len(m[0]["steps"]) for m in groups.values())
     assert len(calls) < sum(len(moving(r)) for r in plan.reshardings if r["kind"] == "param") / 2
+
+    # gradients: each layer instance's reduce-scatters are one bucket (FSDP2's one per layer)
+    rs_buckets: dict[int, set] = defaultdict(set)
+    for r in plan.reshardings:
+        if r["kind"] == "grad" and any(s["kind"] == "reduce_scatter" for s in r["steps"]):
+            fqn = r["consumer"][len("param:"):]
+            # a fused qkv (dims of equal blocks) reduce-scatters alone: cost_model/buckets.py
+            assert r.get("bucket") is not None or layer_of(fqn) is None or graph.spec(graph.grads[fqn]).blocks, r
+            if r.get("bucket") is not None:
+                rs_buckets[r["bucket"]].add(layer_of(r["consumer"][len("param:"):]))
+    per_layer = [layers for layers in rs_buckets.values() if None not in layers]
+    assert per_layer and all(len(layers) == 1 for layers in per_layer), rs_buckets
+    assert {next(iter(x)) for x in per_layer} == {layer_of(f) for f in graph.params if layer_of(f) is not None}
 
     trace: dict = {}
     loss, grads = autopar.simulate(model, plan, args, trace=trace)
