@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import shutil
@@ -350,6 +351,8 @@ MORE_ERRORS = {
     "missing_option": (["plan", "m:f", "--mesh", "dp=2"], 2, ["-o/--output", "autopar plan --help"]),
     "no_output_dir": (["plan", "m:f", "--mesh", "dp=2", "-o", "{cwd}/nodir/p.json"], 2, ["does not exist"]),
     "unknown_command": (["bogus"], 2, ["invalid choice: 'bogus'"]),
+    "bad_nics_per_node": (["plan", "m:f", "--mesh", "dp=2", "--nics-per-node", "0", "-o", "x.json"], 2,
+                          ["--nics-per-node", "positive whole number", "'0'"]),
     "binary_plan_file": (["show", "{cwd}/binary.json"], 1, ["not a plan file", "UTF-8"]),
     "factory_message_with_escapes": (["plan", "{cwd}/cli_models.py:evil", "--mesh", "dp=2", "-o", "x.json"], 1,
                                      ["raised ValueError: \\x1b[2J\\x1b]0;owned\\x07gone"]),
@@ -376,6 +379,24 @@ def test_more_errors_in_process(tmp_path, name):
     for text in says:
         text = text.format(cwd=tmp_path)
         assert text in lines[0], f"{text!r} not in: {lines[0]}"
+
+
+def test_node_shape_reaches_the_plans_mesh(tmp_path):
+    """--devices-per-node / --nics-per-node price the mesh's links (an axis over two nodes of four
+    NICs each is slower than over one rail per GPU) and are saved with the plan."""
+    import autopar
+
+    (tmp_path / "cli_models.py").write_text(FACTORIES)
+    links = {}
+    for nics in ("8", "4"):
+        out = tmp_path / f"p{nics}.json"
+        rc, _, err = _main(["plan", f"{tmp_path}/cli_models.py:mlp", "--mesh", "dp=16", "--devices-per-node", "8",
+                            "--nics-per-node", nics, "-o", str(out)])
+        assert rc == 0, err
+        plan = json.loads(out.read_text())
+        assert plan["mesh"]["hardware"]["nics_per_node"] == int(nics)
+        links[nics] = autopar.load_plan(out).mesh["links"]["dp"]
+    assert links["4"]["bandwidth"] < links["8"]["bandwidth"]
 
 
 def test_debug_shows_the_traceback(tmp_path):

@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         device_preset,
         parse_bytes,
         positive_float,
+        positive_int,
     )
     from autopar.cli.commands import (
         cmd_calibrate,
@@ -105,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", type=device_preset, default="h100",
                    help=f"hardware preset to price on: {', '.join(device_choices())} (default h100)")
     p.add_argument("--profile", metavar="PATH", help="a hardware profile from `autopar calibrate`")
+    p.add_argument("--devices-per-node", type=positive_int, metavar="N",
+                   help="devices per node (default: the preset's, 8 for GPUs); axes spanning nodes are priced on NIC rails")
+    p.add_argument("--nics-per-node", type=positive_int, metavar="N",
+                   help="network cards per node (default: the preset's, 8 for GPUs: one rail per GPU)")
     p.add_argument("--kw", action="append", default=[], metavar="NAME=VALUE",
                    help="an argument of FACTORY, read as a Python literal (else a string); repeatable")
     p.add_argument("--hint", action="append", default=[], metavar="PATH=PLACEMENTS",

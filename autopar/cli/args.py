@@ -108,6 +108,17 @@ def positive_float(text: str) -> float:
     return v
 
 
+def positive_int(text: str) -> int:
+    """``--devices-per-node``/``--nics-per-node``: a positive whole number."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return v
+
+
 def device_choices() -> list[str]:
     """The hardware preset names ``--device`` accepts."""
     from autopar.cost_model.hardware import PRESETS

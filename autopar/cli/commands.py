@@ -31,7 +31,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from autopar.errors import MeshError
 
     try:
-        mesh = autopar.Mesh(axes, device=args.device, profile=args.profile)
+        mesh = autopar.Mesh(axes, device=args.device, profile=args.profile, devices_per_node=args.devices_per_node,
+                            nics_per_node=args.nics_per_node)
     except MeshError as e:
         if args.profile and "profile" in str(e):
             raise CLIError(f"--profile {args.profile!r}: {e}") from e

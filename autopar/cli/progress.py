@@ -17,7 +17,7 @@ import time
 from typing import Optional, Sequence, TextIO
 
 #: The phases ``autopar.plan`` reports, in order (``passes/pipeline.py``'s ``_Clock``).
-PLAN_PHASES = ("capture", "fold", "strategies", "cost", "merge", "solve")
+PLAN_PHASES = ("capture", "fold", "strategies", "cost", "merge", "recipes", "solve")
 
 _LAP = re.compile(r"^autopar: (\w+)\s")
 _FRAMES = "|/-\\"
