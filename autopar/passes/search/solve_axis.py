@@ -37,10 +37,7 @@ AXIS_NODE_LIMIT = 2000
 #: Further HiGHS options for every round. No restarts: measured, HiGHS's root restarts spend most
 #: of a round re-solving the root LP without a better plan (tiny GPT on a (2, 2) mesh: 3.5 s
 #: instead of 6.6 s for four rounds, the same plan; the 32-layer LLaMA-3-8B shape: 3.2 s against 4.1 s).
-#: No presolve: measured, from torchtitan's FSDP x TP as the start (2-layer LLaMA-3-8B shape on
-#: (8, 8) H100) each tensor-axis round spent 3.5 s in presolve and the root LP instead of 0.6 s;
-#: without it the four rounds took 3.7 s instead of 8.2 s, to a plan 2% faster (33.5 ms, not 34.3).
-HIGHS_OPTIONS: dict = {"mip_allow_restart": "false", "presolve": "off"}
+HIGHS_OPTIONS: dict = {"mip_allow_restart": "false"}
 #: Wall-clock cap per round, seconds, when the caller gives no time limit.
 AXIS_WALL_CAP = 120.0
 
