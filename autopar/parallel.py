@@ -7,6 +7,8 @@ Each rank lowers the plan for its own mesh coordinates. Parameters and buffers b
 with the plan's placements, so optimizers, ``state_dict`` and ``torch.distributed.checkpoint``
 work on them unchanged; ``forward`` runs the lowered forward program and the loss's backward runs
 the lowered backward program, whose gradients arrive as DTensors placed like their parameters.
+A program with random ops (dropout) draws them from rank 0's seed and a step counter that each
+forward advances; ``state_dict`` carries both under ``RANDOM_KEY``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from autopar.cost_model.mesh import Mesh, require_mesh
 from autopar.errors import CompileError, PlanError
 from autopar.ir.graph import Graph
 from autopar.ir.placement import format_placements, from_dtensor, local_block, to_dtensor
+from autopar.ir.rules.random_ops import draw_seed
 from autopar.passes.lower import lower, resolve
 from autopar.plans import Plan, load_plan
 from autopar.program import collectives as C
@@ -59,6 +62,10 @@ def _dtensor(local: torch.Tensor, dmesh, slot: Slot):
 
     return DTensor.from_local(local, dmesh, to_dtensor(slot.placements, slot.spec.blocks), run_check=False,
                               shape=torch.Size(slot.spec.shape), stride=_contiguous_stride(slot.spec.shape))
+
+
+#: The ``state_dict`` entry of a program with random ops: ``int64 [seed, step]`` (the next forward's step).
+RANDOM_KEY = "_autopar_random"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -191,6 +198,11 @@ class ParallelModule(torch.nn.Module):
         coords = tuple(self.program.coords)
         values = {}
         for key, value in state_dict.items():
+            if key == RANDOM_KEY and self.program.random is not None:  # seed and step of the random draws
+                whole = value.full_tensor() if isinstance(value, DTensor) else value
+                seed, step = (int(v) for v in whole.tolist())
+                self.program.random.seed, self.program.random.step = seed, step
+                continue
             slot = slots.get(key)
             if slot is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
                 if tuple(value.shape) != tuple(slot.spec.shape):
@@ -204,8 +216,13 @@ class ParallelModule(torch.nn.Module):
 
     def state_dict(self, *args, **kwargs):
         """The model's ``state_dict`` (its own hooks and overrides run): the single-device names, each
-        parameter and buffer a DTensor placed as the plan says."""
-        return self.module.state_dict(*args, **kwargs)
+        parameter and buffer a DTensor placed as the plan says; with random ops also ``RANDOM_KEY``
+        (seed and step, so a restored run draws the masks the saved one would have drawn next)."""
+        out = self.module.state_dict(*args, **kwargs)
+        rs = self.program.random
+        if rs is not None:
+            out[kwargs.get("prefix", "") + RANDOM_KEY] = torch.tensor([rs.seed, rs.step], dtype=torch.int64)
+        return out
 
     def _state(self, slot: Slot) -> torch.Tensor:
         return self._param(slot.key) if slot.kind == "param" else self._buffer(slot.key)
@@ -250,6 +267,8 @@ class ParallelModule(torch.nn.Module):
             if err is exc:
                 raise
             raise err from exc
+        if self.program.random is not None:  # the next forward draws new numbers
+            self.program.random.step += 1
         named = dict(zip(self.program.outputs, outs))
         for slot, value in named.items():
             if slot.kind == "mutation":
@@ -422,6 +441,10 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else None
     prec = execution_precision(precision or "plan", shared.precision.get("name", "fp32"), device)
     program = lower(res, coords, device, prec)
+    if program.random is not None:  # every rank draws (their generators advance alike); rank 0's is used
+        box = [draw_seed()]
+        dist.broadcast_object_list(box, src=0)
+        program.random.seed = int(box[0])
     if any(slot.spec.blocks for slot in program.inputs):  # _StridedShard parameters: teach DCP their pieces
         install_strided_checkpointing()
     _distribute_state(model, graph, program, dmesh, device)
@@ -466,4 +489,4 @@ def _distribute_state(model: torch.nn.Module, graph: Graph, program: Program, dm
                 tc.buffer_table(mod)[name] = done[canon]
 
 
-__all__ = ["CompileError", "ParallelModule", "compile"]
+__all__ = ["RANDOM_KEY", "CompileError", "ParallelModule", "compile"]

@@ -113,6 +113,7 @@ def capture(
     mark_blocks(graph)
     if training:
         _check_grads(graph, mc)
+    _refuse_random_ops(graph)
     _warn_attention_dropout(graph)
     return graph
 
@@ -398,6 +399,21 @@ _DROPOUT = ("aten.native_dropout", "aten.bernoulli")
 _SOFTMAX = ("aten._safe_softmax.default", "aten._softmax.default")
 
 
+def _refuse_random_ops(graph: Graph) -> None:
+    """A ``CaptureError`` naming the random ops autopar cannot draw alike on every placement (before
+    any planning): ``ir.rules.random_ops.SUPPORTED`` lists those it can."""
+    from autopar.ir.rules.random_ops import SUPPORTED, unsupported_random
+
+    bad = unsupported_random([n.op for n in graph.ops()])
+    if bad:
+        where = sorted({f"{n.op} in {n.module_path or '<root>'!r}" for n in graph.ops() if n.op in bad})
+        raise CaptureError(
+            f"the model draws random numbers with {', '.join(where)}; autopar draws only "
+            f"{', '.join(SUPPORTED)} the same on every placement. Set that op's probability to 0, call "
+            "model.eval(), or write it with dropout / bernoulli_(p) / rand_like"
+        )
+
+
 def _warn_attention_dropout(graph: Graph) -> None:
     """Attention with dropout_p > 0 is decomposed by torch (bmm + softmax + dropout)."""
     drop = {n.module_path for n in graph.ops() if n.op.startswith(_DROPOUT)}
@@ -406,7 +422,7 @@ def _warn_attention_dropout(graph: Graph) -> None:
     if both:
         warnings.warn(
             f"attention in module(s) {', '.join(repr(m or '<root>') for m in both)} uses dropout, so torch decomposed it "
-            "into bmm + softmax + dropout (batch*heads*seq^2 scores in memory); attention stays fused only "
-            "with dropout_p=0: set the attention dropout to 0 for planning",
+            "into bmm + softmax + dropout (batch*heads*seq^2 scores in memory); it runs correctly, but attention "
+            "stays fused only with dropout_p=0: set the attention dropout to 0 for a smaller plan",
             stacklevel=3,
         )

@@ -1,0 +1,275 @@
+"""Dropout and random ops: the counter-based draw (``autopar.ir.rules.random_ops``), its placement
+independence, sharded programs against their own 1-device program, and the step in the state dict."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import CaptureError
+from autopar.ir.capture import capture
+from autopar.ir.graph import Ref, TensorSpec
+from autopar.ir.placement import local_block
+from autopar.ir.rules import strategies
+from autopar.ir.rules.base import LocalCtx, OpCall
+from autopar.ir.rules.proof.interp import device_coords
+from autopar.ir.rules.random_ops import (
+    SUPPORTED,
+    _M64,
+    draw,
+    draw_key,
+    draw_local,
+    global_index,
+    hash_indices,
+    splitmix,
+)
+from autopar.parallel import RANDOM_KEY
+
+from _dropout_helpers import P, build_gpt, train_and_restore_on_rank
+
+N = 1 << 20
+
+
+def _dropout_mask(key: int, n: int = N, p: float = P) -> torch.Tensor:
+    x = torch.ones(n, dtype=torch.float64)
+    return draw("aten.native_dropout.default", (x, p, True), {}, [x], torch.arange(n), key)[1]
+
+
+def _within_4_sigma(rate: float, expected: float, n: int) -> bool:
+    return abs(rate - expected) <= 4 * math.sqrt(expected * (1 - expected) / n)
+
+
+# -- the generator ----------------------------------------------------------------------------------
+
+def test_hash_is_splitmix64_of_the_index():
+    """The vectorized int64 hash is splitmix64 exactly (so int64 overflow wraps as it must)."""
+    key = 0x0123456789ABCDEF
+    idx = torch.arange(500, dtype=torch.int64) * 7919 + (1 << 40)
+    got = [v & _M64 for v in hash_indices(key, idx).tolist()]
+    assert got == [splitmix((key + i * 0x9E3779B97F4A7C15) & _M64) for i in idx.tolist()]
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_rate_is_within_4_sigma_of_1_minus_p(p):
+    keep = _dropout_mask(draw_key(1234, 0, "native_dropout"), p=p)
+    assert _within_4_sigma(keep.double().mean().item(), 1 - p, N)
+    x = torch.ones(N, dtype=torch.float64)
+    out, mask = draw("aten.native_dropout.default", (x, p, True), {}, [x], torch.arange(N), 7)
+    assert torch.equal(out[mask], torch.full_like(out[mask], 1 / (1 - p))) and (out[~mask] == 0).all()
+
+
+def test_other_draws_follow_their_distributions():
+    x = torch.zeros(N, dtype=torch.float64)
+    idx, key = torch.arange(N), draw_key(5, 3, "op")
+    b = draw("aten.bernoulli.p", (x, 0.25), {}, [x], idx, key)[0]
+    assert set(b.unique().tolist()) == {0.0, 1.0} and _within_4_sigma(b.mean().item(), 0.25, N)
+    probs = torch.linspace(0, 1, N, dtype=torch.float64)
+    bp = draw("aten.bernoulli.default", (probs,), {}, [probs], idx, key)[0]
+    assert abs(bp.mean().item() - 0.5) <= 4 * math.sqrt(1 / 6 / N)  # var of Bernoulli(U): 1/6
+    u = draw("aten.rand_like.default", (x,), {}, [x], idx, key)[0]
+    assert u.min() >= 0 and u.max() < 1 and abs(u.mean().item() - 0.5) <= 4 * math.sqrt(1 / 12 / N)
+    z = draw("aten.randn_like.default", (x,), {}, [x], idx, key)[0]
+    assert abs(z.mean().item()) <= 4 / math.sqrt(N) and abs(z.var().item() - 1) <= 4 * math.sqrt(2 / N)
+
+
+def test_masks_differ_across_steps_ops_and_elements():
+    """Two independent masks agree on a fraction p^2 + (1-p)^2 of the elements (within 4 sigma):
+    so do masks of other steps, other ops, other seeds, and neighbouring elements of one mask."""
+    base = _dropout_mask(draw_key(1, 0, "native_dropout"))
+    agree = P * P + (1 - P) * (1 - P)
+    for other in (draw_key(1, 1, "native_dropout"), draw_key(1, 0, "native_dropout_1"),
+                  draw_key(2, 0, "native_dropout")):
+        rate = (base == _dropout_mask(other)).double().mean().item()
+        assert _within_4_sigma(rate, agree, N), rate
+    half = N // 2
+    rate = (base[0::2] == base[1::2]).double().mean().item()  # neighbours
+    assert _within_4_sigma(rate, agree, half), rate
+    rate = (base[:half] == base[half:]).double().mean().item()  # far apart
+    assert _within_4_sigma(rate, agree, half), rate
+    assert torch.equal(base, _dropout_mask(draw_key(1, 0, "native_dropout")))  # a recomputation redraws it
+
+
+# -- placement independence -------------------------------------------------------------------------
+
+def _dropout_call(shape, blocks=()) -> OpCall:
+    spec = TensorSpec(tuple(shape), torch.float64, blocks)
+    return OpCall("aten.native_dropout.default", torch.ops.aten.native_dropout.default, (Ref("x", 0), P, True), {},
+                  [spec], [spec, TensorSpec(tuple(shape), torch.bool, blocks)])
+
+
+@pytest.mark.parametrize("shape,blocks", [((4, 6, 8), ()), ((4, 12, 6), ((1, 3),))], ids=["plain", "blocks"])
+def test_every_piece_draws_the_whole_tensors_piece_and_copies_agree(shape, blocks):
+    """On a (2, 2) mesh, under every strategy the rule offers (block-split dims included), each
+    device's output and mask are its block of the 1-device draw; replicated copies hence agree."""
+    call = _dropout_call(shape, blocks)
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    key = draw_key(9, 4, "native_dropout_2")
+    one = draw_local(LocalCtx(call, strategies(call, (1,))[0], (1,), (0,)), [x], key)
+    mesh = (2, 2)
+    strats = strategies(call, mesh)
+    assert len(strats) > 4 and any(any(str(s.outputs[0]).startswith("S") for s in st) for st in strats)
+    for st in strats:
+        pl_in = [s.inputs[0] for s in st]
+        for c in device_coords(mesh):
+            ctx = LocalCtx(call, st, mesh, c)
+            got = draw_local(ctx, [local_block(x, pl_in, mesh, c, blocks)], key)
+            for j in (0, 1):
+                want = local_block(one[j], ctx.out_placements(j), mesh, c, blocks)
+                assert torch.equal(got[j], want), (st, c, j)
+
+
+def test_global_index_numbers_a_block_by_its_place_in_the_whole_tensor():
+    from autopar.ir.placement import B, Split
+
+    shape, blocks = (4, 12, 6), ((1, 3),)
+    whole = torch.arange(math.prod(shape)).view(shape)
+    for pl in [(Split(0), Split(1)), (Split(1), Split(2)), (B, Split(1)), (Split(2), B)]:
+        for c in device_coords((2, 2)):
+            assert torch.equal(global_index(shape, pl, (2, 2), c, blocks), local_block(whole, pl, (2, 2), c, blocks))
+
+
+# -- whole programs -------------------------------------------------------------------------------
+
+def _plan(model, args, axes, kwargs=None, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.plan(model, autopar.Mesh(axes, device="cpu"), args, kwargs, progress=False, **kw)
+
+
+def _simulate(model, plan, args, kwargs=None, seed=5):
+    torch.manual_seed(seed)  # simulate draws the run's seed from torch's default generator
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.simulate(model, plan, args, kwargs)
+
+
+def _assert_same(a, b, tol):
+    (la, ga), (lb, gb) = a, b
+    assert abs(la.item() - lb.item()) <= tol * abs(lb.item()), (la, lb)
+    assert ga.keys() == gb.keys()
+    for k in ga:
+        assert torch.allclose(ga[k], gb[k], rtol=tol, atol=tol * gb[k].abs().max().item()), k
+
+
+@pytest.fixture(scope="module")
+def gpt_plans():
+    model, args = build_gpt()
+    return {"one": _plan(model, args, {"a": 1}), "search": _plan(model, args, {"a": 2, "b": 2}),
+            "megatron_tp": _plan(model, args, {"a": 2, "b": 2}, recipe="megatron_tp")}
+
+
+@pytest.mark.parametrize("which", ["search", "megatron_tp"])
+def test_gpt_with_dropout_on_2x2_equals_its_one_device_program(gpt_plans, which):
+    model, args = build_gpt()
+    ops = {n.op for n in capture(model, args).ops()}
+    assert "aten.native_dropout.default" in ops
+    one = _simulate(model, gpt_plans["one"], args)
+    _assert_same(_simulate(model, gpt_plans[which], args), one, 1e-9)
+    # the draw matters: another seed, or no dropout, is another loss
+    assert abs(_simulate(model, gpt_plans["one"], args, seed=6)[0].item() - one[0].item()) > 1e-6
+    model.eval()
+    plain = model(*args).item()
+    assert abs(plain - one[0].item()) > 1e-6
+
+
+@pytest.mark.parametrize("which", ["search", "megatron_tp"])
+def test_the_plans_split_the_dropout_masks(gpt_plans, which):
+    """The parity above is not vacuous: dropout runs on a device's piece of its tensor."""
+    drops = [n for n in gpt_plans[which].nodes if n["op"] == "aten.native_dropout.default"]
+    assert len(drops) == 7 and any("S(" in n["outputs"][1] for n in drops), drops
+
+
+def _hf_gpt2():
+    transformers = pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    transformers.logging.set_verbosity_error()
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64, bos_token_id=0,
+                     eos_token_id=0)  # attn_pdrop, resid_pdrop, embd_pdrop: their default 0.1
+    assert cfg.attn_pdrop == cfg.resid_pdrop == cfg.embd_pdrop == 0.1
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg).to(torch.float64)
+    model.config._attn_implementation = "sdpa"
+    model.train()
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    return model, dict(input_ids=ids, labels=ids)
+
+
+def test_hugging_face_gpt2_with_default_dropout_on_2x2_equals_its_one_device_program():
+    model, kwargs = _hf_gpt2()
+    g = capture(model, (), kwargs)
+    assert sum(n.op == "aten.native_dropout.default" for n in g.ops()) >= 5
+    one = _simulate(model, _plan(model, (), {"a": 1}, kwargs), (), kwargs)
+    many = _simulate(model, _plan(model, (), {"a": 2, "b": 2}, kwargs), (), kwargs)
+    _assert_same(many, one, 1e-9)
+    assert abs(_simulate(model, _plan(model, (), {"a": 1}, kwargs), (), kwargs, seed=6)[0].item()
+               - one[0].item()) > 1e-6
+
+
+def test_unsupported_random_ops_are_refused_by_name_at_capture():
+    """Before planning: the op and its module are named."""
+
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return (y * torch.randint_like(y, 3)).sum()
+
+    with pytest.raises(CaptureError, match=r"(?s)aten\.randint_like\.default in '<root>'.*native_dropout"):
+        autopar.plan(Noisy(), autopar.Mesh({"a": 2}, device="cpu"), (torch.randn(4, 8),), progress=False)
+    assert "aten.rand_like.default" in SUPPORTED
+
+
+def test_drop_path_style_ops_run_placement_independently():
+    """``new_empty(...).bernoulli_(p)`` (DropPath) and ``rand_like`` are drawn like dropout."""
+
+    class DropPath(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8).double()
+
+        def forward(self, x):
+            y = self.lin(x)
+            keep = y.new_empty((y.shape[0], 1)).bernoulli_(0.7)
+            return (y * keep / 0.7 + 0.1 * torch.rand_like(y) * y).sum()
+
+    model, x = DropPath(), torch.randn(16, 8, dtype=torch.float64)
+    ops = {n.op for n in capture(model, (x,)).ops()}
+    assert {"aten.bernoulli.p", "aten.rand_like.default"} <= ops
+    one = _simulate(model, _plan(model, (x,), {"a": 1}), (x,))
+    for recipe in ("ddp", None):
+        _assert_same(_simulate(model, _plan(model, (x,), {"a": 2, "b": 2}, recipe=recipe), (x,)), one, 1e-9)
+
+
+# -- gloo: the seed, the step and the state dict --------------------------------------------------
+
+def test_gloo_training_matches_simulation_and_the_state_dict_keeps_seed_and_step(gpt_plans):
+    """On 4 gloo ranks (megatron_tp on (2, 2)): the first loss equals the simulated program's with
+    the same torch seed; the state dict carries [seed, step] (step 2 after two forwards), and a
+    module compiled from another seed and other weights, after loading it, draws what the saved
+    one draws next."""
+    from autopar.runtime.pool import WorkerPool
+
+    plan = gpt_plans["megatron_tp"]
+    model, args = build_gpt()
+    torch.manual_seed(11)
+    want = autopar.simulate(model, plan, args)[0].item()
+    with WorkerPool(4, timeout=300.0) as pool:
+        results = pool.run(train_and_restore_on_rank, plan.to_json(), 11)
+    for rank, r in enumerate(results):
+        assert abs(r["losses"][0] - want) <= 1e-9 * abs(want), (rank, r["losses"], want)
+        assert r["losses"] == results[0]["losses"]
+        seed, step = r["random"]
+        assert step == 2 and seed == results[0]["random"][0]
+        assert r["other_random"][1] == 0 and r["other_random"][0] != seed
+        assert r["restored_random"] == [seed, 2]
+        assert abs(r["restored_next"] - r["next"]) <= 1e-9 * abs(r["next"]), (rank, r)
+    assert RANDOM_KEY == "_autopar_random"
