@@ -3,12 +3,12 @@ independence, sharded programs against their own 1-device program, and the step 
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 
 import pytest
 import torch
+from _dropout_helpers import P, build_gpt, train_and_restore_on_rank
 
 import autopar
 from autopar.errors import CaptureError
@@ -19,8 +19,8 @@ from autopar.ir.rules import strategies
 from autopar.ir.rules.base import LocalCtx, OpCall
 from autopar.ir.rules.proof.interp import device_coords
 from autopar.ir.rules.random_ops import (
-    SUPPORTED,
     _M64,
+    SUPPORTED,
     draw,
     draw_key,
     draw_local,
@@ -29,8 +29,6 @@ from autopar.ir.rules.random_ops import (
     splitmix,
 )
 from autopar.parallel import RANDOM_KEY
-
-from _dropout_helpers import P, build_gpt, train_and_restore_on_rank
 
 N = 1 << 20
 
@@ -181,7 +179,11 @@ def test_gpt_with_dropout_on_2x2_equals_its_one_device_program(gpt_plans, which)
 def test_the_plans_split_the_dropout_masks(gpt_plans, which):
     """The parity above is not vacuous: dropout runs on a device's piece of its tensor."""
     drops = [n for n in gpt_plans[which].nodes if n["op"] == "aten.native_dropout.default"]
-    assert len(drops) == 7 and any("S(" in n["outputs"][1] for n in drops), drops
+    assert len(drops) == 5 and any("S(" in n["outputs"][1] for n in drops), drops
+    attn = [n for n in gpt_plans[which].nodes if n["op"].startswith("aten._scaled_dot_product_flash_attention")]
+    assert len(attn) == 4 and all("S(" in n["outputs"][0] for n in attn), attn
+    if which == "megatron_tp":  # heads split on the tensor axis, with the dropout inside
+        assert all(n["outputs"][0] == "S(0), S(1)" for n in attn if n["phase"] == "forward"), attn
 
 
 def _hf_gpt2():
@@ -203,7 +205,9 @@ def _hf_gpt2():
 def test_hugging_face_gpt2_with_default_dropout_on_2x2_equals_its_one_device_program():
     model, kwargs = _hf_gpt2()
     g = capture(model, (), kwargs)
-    assert sum(n.op == "aten.native_dropout.default" for n in g.ops()) >= 5
+    assert sum(n.op == "aten.native_dropout.default" for n in g.ops()) == 5
+    fused = [n.args[3] for n in g.ops() if n.op == "aten._scaled_dot_product_flash_attention_for_cpu.default"]
+    assert fused == [0.1, 0.1]  # attention fused, with its dropout
     one = _simulate(model, _plan(model, (), {"a": 1}, kwargs), (), kwargs)
     many = _simulate(model, _plan(model, (), {"a": 2, "b": 2}, kwargs), (), kwargs)
     _assert_same(many, one, 1e-9)
@@ -273,3 +277,83 @@ def test_gloo_training_matches_simulation_and_the_state_dict_keeps_seed_and_step
         assert r["restored_random"] == [seed, 2]
         assert abs(r["restored_next"] - r["next"]) <= 1e-9 * abs(r["next"]), (rank, r)
     assert RANDOM_KEY == "_autopar_random"
+
+
+# -- attention with dropout: one fused op -------------------------------------------------------
+
+def _attention_calls(b=2, h=4, hk=4, s=6, d=4, p=0.3, causal=True):
+    from autopar.ir.rules.random_attention import ATTN_BWD, ATTN_FWD
+
+    f64 = torch.float64
+    q, k = TensorSpec((b, h, s, d), f64), TensorSpec((b, hk, s, d), f64)
+    lse = TensorSpec((b, h, s), f64)
+    fwd = OpCall(ATTN_FWD, None, (Ref("q", 0), Ref("k", 0), Ref("v", 0), p, causal), {}, [q, k, k], [q, lse])
+    bwd = OpCall(ATTN_BWD, None, (Ref("g", 0), Ref("q", 0), Ref("k", 0), Ref("v", 0), Ref("o", 0), Ref("f", 1), p,
+                                  causal), {}, [q, q, k, k, q, lse], [q, k, k])
+    gen = torch.Generator().manual_seed(1)
+    qkv = [torch.randn(t.shape, dtype=f64, generator=gen) for t in (q, k, k)]
+    return fwd, bwd, qkv, torch.randn(q.shape, dtype=f64, generator=gen)
+
+
+def test_attention_with_dropout_matches_autograd_of_its_own_forward():
+    """On one device the fused op is softmax attention with the drawn mask: its backward is
+    autograd's of that forward (GQA: 2 query heads per key head), and with p -> 0 it is SDPA."""
+    from autopar.ir.rules.random_attention import _keep, attention_local
+
+    for hk in (4, 2):
+        fwd, bwd, (q, k, v), g = _attention_calls(hk=hk)
+        one = lambda call: LocalCtx(call, strategies(call, (1,))[0], (1,), (0,))
+        out, lse = attention_local(one(fwd), [q, k, v], 77)
+        dq, dk, dv = attention_local(one(bwd), [g, q, k, v, out, lse], 77)
+        keep = _keep(one(fwd), 0, k.shape[2], 77, 0.3, None).double()
+        assert 0.5 < keep.mean().item() < 0.9
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ke, ve = kr.repeat_interleave(4 // hk, 1), vr.repeat_interleave(4 // hk, 1)
+        sc = qr @ ke.transpose(-1, -2) / 2.0 + torch.full((6, 6), float("-inf"), dtype=torch.float64).triu(1)
+        ref = (torch.softmax(sc, -1) * keep / 0.7) @ ve
+        ref.backward(g)
+        assert torch.allclose(out, ref, atol=1e-12)
+        for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+            assert torch.allclose(got, want, atol=1e-12)
+    fwd, _, (q, k, v), _ = _attention_calls(p=1e-300)
+    out, _ = attention_local(LocalCtx(fwd, strategies(fwd, (1,))[0], (1,), (0,)), [q, k, v], 5)
+    assert torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-12)
+
+
+@pytest.mark.parametrize("hk", [4, 2], ids=["mha", "gqa"])
+def test_attention_with_dropout_draws_the_whole_mask_under_every_strategy(hk):
+    """Every strategy of the fused forward and backward on (2, 2) (batch, heads, query positions,
+    partial gradients) reassembles to the 1-device result: each block draws its part of the mask."""
+    from autopar.ir.rules.proof.interp import collect
+    from autopar.ir.rules.random_attention import attention_local
+
+    fwd, bwd, qkv, g = _attention_calls(hk=hk)
+    one = lambda call: LocalCtx(call, strategies(call, (1,))[0], (1,), (0,))
+    out, lse = attention_local(one(fwd), qkv, 123)
+    whole = {"fwd": (qkv, [out, lse]), "bwd": ([g, *qkv, out, lse], attention_local(one(bwd), [g, *qkv, out, lse], 123))}
+    mesh = (2, 2)
+    for name, call in (("fwd", fwd), ("bwd", bwd)):
+        ins, want = whole[name]
+        strats = strategies(call, mesh)
+        assert any(any(str(s.inputs[0]) == "S(2)" for s in st) for st in strats)  # query positions split
+        for st in strats:
+            per = {}
+            for c in device_coords(mesh):
+                ctx = LocalCtx(call, st, mesh, c)
+                per[c] = attention_local(ctx, [local_block(x, ctx.in_placements(i), mesh, c)
+                                               for i, x in enumerate(ins)], 123)
+            for j, w in enumerate(want):
+                got = collect({c: per[c][j] for c in per}, [s.outputs[j] for s in st], mesh, rtol=1e-9)
+                assert torch.allclose(got, w, atol=1e-10), (name, st, j)
+
+
+def test_attention_with_dropout_stays_one_fused_op_in_capture():
+    model, args = build_gpt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "decomposed attention" warning either
+        g = capture(model, args)
+    from autopar.ir.rules.random_attention import ATTN_BWD, ATTN_FWD, attention_dropout
+
+    fused = [n for n in g.ops() if n.op in (ATTN_FWD, ATTN_BWD)]
+    assert len(fused) == 4 and all(attention_dropout(n.op, n.args, n.kwargs) == P for n in fused)
+    assert not any(n.op in ("aten._safe_softmax.default", "aten._softmax.default") for n in g.ops())

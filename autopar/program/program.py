@@ -18,7 +18,8 @@ import torch.fx as fx
 from autopar.ir.graph import TensorSpec
 from autopar.ir.placement import Placements
 from autopar.ir.rules.base import LocalCtx, run_local
-from autopar.ir.rules.random_ops import draw_key, draw_local
+from autopar.ir.rules.random_attention import random_local
+from autopar.ir.rules.random_ops import draw_key
 from autopar.program import collectives as C
 
 
@@ -95,8 +96,9 @@ class LocalOp(torch.nn.Module):
 
 
 class RandomOp(torch.nn.Module):
-    """A random op (dropout, ``bernoulli``, ...): this device's block of the whole tensor's draw,
-    keyed on the program's seed and step and the IR node's name (``ir.rules.random_ops``)."""
+    """A random op (dropout, ``bernoulli``, attention with dropout, ...): this device's block of the
+    whole tensor's draw, keyed on the program's seed and step and an IR node's name (its own; an
+    attention backward's forward), see ``ir.rules.random_ops``."""
 
     def __init__(self, ctx: LocalCtx, node: str, state: RandomState):
         super().__init__()
@@ -106,7 +108,7 @@ class RandomOp(torch.nn.Module):
 
     def forward(self, *xs):
         """Draw this device's block for the current step."""
-        out = draw_local(self.ctx, list(xs), draw_key(self.state.seed, self.state.step, self.node))
+        out = random_local(self.ctx, list(xs), draw_key(self.state.seed, self.state.step, self.node))
         return tuple(out) if len(self.ctx.call.out_specs) > 1 else out[0]
 
     def extra_repr(self) -> str:

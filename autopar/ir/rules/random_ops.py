@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from autopar.ir.placement import Placement, Split, expand_blocks, local_range
+from autopar.ir.placement import Placement, expand_blocks, local_range
 from autopar.ir.rules.base import OFFSET_READS, LocalCtx, OpCall, register
 from autopar.ir.rules.dimmap import DimMap
 from autopar.ir.rules.generic import pointwise_map
