@@ -85,6 +85,8 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pm: "ParallelModule", n_params: int, *values):
         params = values[:n_params]
+        # the backward redraws this forward's masks (attention with dropout): it runs at this step
+        ctx.step = pm.program.random.step if pm.program.random is not None else None
         outs, saved = pm._run_forward([_local(p) for p in params] + list(values[n_params:]))
         ctx.pm, ctx.saved, ctx.n_params = pm, saved, n_params
         ctx.params = params
@@ -94,7 +96,7 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         pm = ctx.pm
-        grads = pm._run_backward(ctx.saved, grad_loss)
+        grads = pm._run_backward(ctx.saved, grad_loss, ctx.step)
         ctx.saved = None
         grads = [tc.dtensor_from_spec(g, spec) for g, spec in zip(grads, ctx.specs)]
         rest = [None] * (len(pm.program.inputs) - ctx.n_params)
@@ -275,8 +277,12 @@ class ParallelModule(torch.nn.Module):
                 self._buffer_local(slot.key).copy_(value)
         return [v for s, v in named.items() if s.kind in ("loss", "output")], saved
 
-    def _run_backward(self, saved: list, grad_loss: torch.Tensor) -> list:
+    def _run_backward(self, saved: list, grad_loss: torch.Tensor, step: Optional[int] = None) -> list:
+        rs = self.program.random
+        later = rs.step if rs is not None else None
         try:
+            if rs is not None and step is not None:  # the forward's step, not the one after it
+                rs.step = step
             with self._context():
                 grads = [C.wait(g) for g in self.program.backward(
                     *saved, grad_loss.to(self.program.grads[0].spec.dtype) if self.program.grads else grad_loss)]
@@ -285,6 +291,9 @@ class ParallelModule(torch.nn.Module):
             if err is exc:
                 raise
             raise err from exc
+        finally:
+            if rs is not None:
+                rs.step = later  # type: ignore[assignment]
         return [grads[self._grad_index[s.key]] for s in self._param_slots]
 
     def _param(self, fqn: str):

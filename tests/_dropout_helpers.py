@@ -19,11 +19,11 @@ def build_gpt(dtype=torch.float64):
     return make("gpt", "tiny", batch=4, seq=16, dtype=dtype, dropout=P)
 
 
-def train_and_restore_on_rank(text: str, seed: int) -> dict:
+def train_and_restore_on_rank(text: str, seed: int, grads: dict) -> dict:
     """Compile the dropout GPT under plan ``text`` after ``torch.manual_seed(seed)``; report the
-    first step's loss, the ``state_dict``'s random entry after two SGD steps, and the third step's
-    loss from the trained module and from a fresh module (other seed, other weights) that loaded
-    its state dict."""
+    first step's loss and the worst relative error of its gradients against ``grads``, the
+    ``state_dict``'s random entry after two SGD steps, and the third step's loss from the trained
+    module and from a fresh module (other seed, other weights) that loaded its state dict."""
     import autopar
     from autopar.parallel import RANDOM_KEY
 
@@ -34,9 +34,12 @@ def train_and_restore_on_rank(text: str, seed: int) -> dict:
     pm = autopar.compile(model, mesh, args, plan=plan)
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     out: dict = {"losses": []}
-    for _ in range(2):
+    for step in range(2):
         loss = pm(*args)
         loss.backward()
+        if step == 0:
+            out["grad"] = max(((p.grad.full_tensor() - grads[n]).norm() / grads[n].norm()).item()
+                              for n, p in pm.module.named_parameters())
         opt.step()
         opt.zero_grad(set_to_none=True)
         out["losses"].append(loss.item())

@@ -256,8 +256,8 @@ def test_drop_path_style_ops_run_placement_independently():
 # -- gloo: the seed, the step and the state dict --------------------------------------------------
 
 def test_gloo_training_matches_simulation_and_the_state_dict_keeps_seed_and_step(gpt_plans):
-    """On 4 gloo ranks (megatron_tp on (2, 2)): the first loss equals the simulated program's with
-    the same torch seed; the state dict carries [seed, step] (step 2 after two forwards), and a
+    """On 4 gloo ranks (megatron_tp on (2, 2)): the first loss and gradients equal the simulated
+    program's with the same torch seed; the state dict carries [seed, step] (step 2 after two forwards), and a
     module compiled from another seed and other weights, after loading it, draws what the saved
     one draws next."""
     from autopar.runtime.pool import WorkerPool
@@ -265,11 +265,13 @@ def test_gloo_training_matches_simulation_and_the_state_dict_keeps_seed_and_step
     plan = gpt_plans["megatron_tp"]
     model, args = build_gpt()
     torch.manual_seed(11)
-    want = autopar.simulate(model, plan, args)[0].item()
+    want, grads = autopar.simulate(model, plan, args)
+    want = want.item()
     with WorkerPool(4, timeout=300.0) as pool:
-        results = pool.run(train_and_restore_on_rank, plan.to_json(), 11)
+        results = pool.run(train_and_restore_on_rank, plan.to_json(), 11, grads)
     for rank, r in enumerate(results):
         assert abs(r["losses"][0] - want) <= 1e-9 * abs(want), (rank, r["losses"], want)
+        assert r["grad"] <= 1e-9, (rank, r["grad"])  # the backward redraws its forward's attention masks
         assert r["losses"] == results[0]["losses"]
         seed, step = r["random"]
         assert step == 2 and seed == results[0]["random"][0]
