@@ -25,7 +25,6 @@ from autopar.cost_model.mesh import Mesh, require_mesh
 from autopar.errors import CompileError, PlanError
 from autopar.ir.graph import Graph
 from autopar.ir.placement import format_placements, from_dtensor, local_block, to_dtensor
-from autopar.ir.rules.random_ops import draw_seed
 from autopar.passes.lower import lower, resolve
 from autopar.plans import Plan, load_plan
 from autopar.program import collectives as C
@@ -33,6 +32,7 @@ from autopar.program.program import Program, Slot
 from autopar.runtime import faults
 from autopar.runtime.collectives import ProcessGroupComm, record_executed, single_worker_gloo_groups
 from autopar.runtime.precision import EXECUTABLE_PRECISIONS, execution_precision
+from autopar.runtime.random_state import RANDOM_KEY, at_step, load_random_entry, random_entry, share_seed
 from autopar.validate import check_choice, check_kwargs, check_model, check_path
 
 
@@ -62,10 +62,6 @@ def _dtensor(local: torch.Tensor, dmesh, slot: Slot):
 
     return DTensor.from_local(local, dmesh, to_dtensor(slot.placements, slot.spec.blocks), run_check=False,
                               shape=torch.Size(slot.spec.shape), stride=_contiguous_stride(slot.spec.shape))
-
-
-#: The ``state_dict`` entry of a program with random ops: ``int64 [seed, step]`` (the next forward's step).
-RANDOM_KEY = "_autopar_random"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -201,9 +197,7 @@ class ParallelModule(torch.nn.Module):
         values = {}
         for key, value in state_dict.items():
             if key == RANDOM_KEY and self.program.random is not None:  # seed and step of the random draws
-                whole = value.full_tensor() if isinstance(value, DTensor) else value
-                seed, step = (int(v) for v in whole.tolist())
-                self.program.random.seed, self.program.random.step = seed, step
+                load_random_entry(self.program, value)
                 continue
             slot = slots.get(key)
             if slot is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
@@ -221,9 +215,9 @@ class ParallelModule(torch.nn.Module):
         parameter and buffer a DTensor placed as the plan says; with random ops also ``RANDOM_KEY``
         (seed and step, so a restored run draws the masks the saved one would have drawn next)."""
         out = self.module.state_dict(*args, **kwargs)
-        rs = self.program.random
-        if rs is not None:
-            out[kwargs.get("prefix", "") + RANDOM_KEY] = torch.tensor([rs.seed, rs.step], dtype=torch.int64)
+        if self.program.random is not None:
+            where = next((_local(p).device for p in self.module.parameters()), None)
+            out[kwargs.get("prefix", "") + RANDOM_KEY] = random_entry(self.program, self.device_mesh, where)
         return out
 
     def _state(self, slot: Slot) -> torch.Tensor:
@@ -278,12 +272,8 @@ class ParallelModule(torch.nn.Module):
         return [v for s, v in named.items() if s.kind in ("loss", "output")], saved
 
     def _run_backward(self, saved: list, grad_loss: torch.Tensor, step: Optional[int] = None) -> list:
-        rs = self.program.random
-        later = rs.step if rs is not None else None
         try:
-            if rs is not None and step is not None:  # the forward's step, not the one after it
-                rs.step = step
-            with self._context():
+            with at_step(self.program, step), self._context():  # the forward's step, not the one after it
                 grads = [C.wait(g) for g in self.program.backward(
                     *saved, grad_loss.to(self.program.grads[0].spec.dtype) if self.program.grads else grad_loss)]
         except Exception as exc:
@@ -291,9 +281,6 @@ class ParallelModule(torch.nn.Module):
             if err is exc:
                 raise
             raise err from exc
-        finally:
-            if rs is not None:
-                rs.step = later  # type: ignore[assignment]
         return [grads[self._grad_index[s.key]] for s in self._param_slots]
 
     def _param(self, fqn: str):
@@ -450,10 +437,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else None
     prec = execution_precision(precision or "plan", shared.precision.get("name", "fp32"), device)
     program = lower(res, coords, device, prec)
-    if program.random is not None:  # every rank draws (their generators advance alike); rank 0's is used
-        box = [draw_seed()]
-        dist.broadcast_object_list(box, src=0)
-        program.random.seed = int(box[0])
+    share_seed(program)  # with random ops: every rank draws with rank 0's seed
     if any(slot.spec.blocks for slot in program.inputs):  # _StridedShard parameters: teach DCP their pieces
         install_strided_checkpointing()
     _distribute_state(model, graph, program, dmesh, device)

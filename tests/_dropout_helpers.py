@@ -24,6 +24,8 @@ def train_and_restore_on_rank(text: str, seed: int, grads: dict) -> dict:
     first step's loss and the worst relative error of its gradients against ``grads``, the
     ``state_dict``'s random entry after two SGD steps, and the third step's loss from the trained
     module and from a fresh module (other seed, other weights) that loaded its state dict."""
+    from torch.distributed.tensor import DTensor
+
     import autopar
     from autopar.parallel import RANDOM_KEY
 
@@ -44,8 +46,9 @@ def train_and_restore_on_rank(text: str, seed: int, grads: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         out["losses"].append(loss.item())
     state = pm.state_dict()
-    out["random"] = state[RANDOM_KEY].tolist()
-    saved = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in state.items()}
+    out["random_is_dtensor"] = isinstance(state[RANDOM_KEY], DTensor)
+    out["random"] = state[RANDOM_KEY].full_tensor().tolist()
+    saved = {k: v.full_tensor().clone() for k, v in state.items()}  # whole tensors, as the user guide saves
     out["next"] = pm(*args).item()
     other, _ = build_gpt()
     with torch.no_grad():
@@ -53,8 +56,8 @@ def train_and_restore_on_rank(text: str, seed: int, grads: dict) -> dict:
             p.add_(1.0)
     torch.manual_seed(seed + 1)
     pm2 = autopar.compile(other, mesh, args, plan=plan)
-    out["other_random"] = pm2.state_dict()[RANDOM_KEY].tolist()
+    out["other_random"] = pm2.state_dict()[RANDOM_KEY].full_tensor().tolist()
     pm2.load_state_dict(saved)
-    out["restored_random"] = pm2.state_dict()[RANDOM_KEY].tolist()
+    out["restored_random"] = pm2.state_dict()[RANDOM_KEY].full_tensor().tolist()
     out["restored_next"] = pm2(*args).item()
     return out

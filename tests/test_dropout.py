@@ -273,6 +273,7 @@ def test_gloo_training_matches_simulation_and_the_state_dict_keeps_seed_and_step
         assert abs(r["losses"][0] - want) <= 1e-9 * abs(want), (rank, r["losses"], want)
         assert r["grad"] <= 1e-9, (rank, r["grad"])  # the backward redraws its forward's attention masks
         assert r["losses"] == results[0]["losses"]
+        assert r["random_is_dtensor"]
         seed, step = r["random"]
         assert step == 2 and seed == results[0]["random"][0]
         assert r["other_random"][1] == 0 and r["other_random"][0] != seed
