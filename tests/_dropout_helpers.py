@@ -19,11 +19,13 @@ def build_gpt(dtype=torch.float64):
     return make("gpt", "tiny", batch=4, seq=16, dtype=dtype, dropout=P)
 
 
-def train_and_restore_on_rank(text: str, seed: int, grads: dict) -> dict:
+def train_and_restore_on_rank(text: str, seed: int, grads: dict, ckpt_dir: str) -> dict:
     """Compile the dropout GPT under plan ``text`` after ``torch.manual_seed(seed)``; report the
     first step's loss and the worst relative error of its gradients against ``grads``, the
     ``state_dict``'s random entry after two SGD steps, and the third step's loss from the trained
-    module and from a fresh module (other seed, other weights) that loaded its state dict."""
+    module and from a fresh module (other seed, other weights) that loaded its state dict through
+    ``torch.distributed.checkpoint`` (saved to ``ckpt_dir``)."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
     import autopar
@@ -48,7 +50,7 @@ def train_and_restore_on_rank(text: str, seed: int, grads: dict) -> dict:
     state = pm.state_dict()
     out["random_is_dtensor"] = isinstance(state[RANDOM_KEY], DTensor)
     out["random"] = state[RANDOM_KEY].full_tensor().tolist()
-    saved = {k: v.full_tensor().clone() for k, v in state.items()}  # whole tensors, as the user guide saves
+    dcp.save(state, checkpoint_id=ckpt_dir)
     out["next"] = pm(*args).item()
     other, _ = build_gpt()
     with torch.no_grad():
@@ -57,7 +59,9 @@ def train_and_restore_on_rank(text: str, seed: int, grads: dict) -> dict:
     torch.manual_seed(seed + 1)
     pm2 = autopar.compile(other, mesh, args, plan=plan)
     out["other_random"] = pm2.state_dict()[RANDOM_KEY].full_tensor().tolist()
-    pm2.load_state_dict(saved)
+    target = pm2.state_dict()
+    dcp.load(target, checkpoint_id=ckpt_dir)
+    pm2.load_state_dict(target)
     out["restored_random"] = pm2.state_dict()[RANDOM_KEY].full_tensor().tolist()
     out["restored_next"] = pm2(*args).item()
     return out

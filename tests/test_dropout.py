@@ -255,11 +255,11 @@ def test_drop_path_style_ops_run_placement_independently():
 
 # -- gloo: the seed, the step and the state dict --------------------------------------------------
 
-def test_gloo_training_matches_simulation_and_the_state_dict_keeps_seed_and_step(gpt_plans):
+def test_gloo_training_matches_simulation_and_the_state_dict_keeps_seed_and_step(gpt_plans, tmp_path):
     """On 4 gloo ranks (megatron_tp on (2, 2)): the first loss and gradients equal the simulated
     program's with the same torch seed; the state dict carries [seed, step] (step 2 after two forwards), and a
     module compiled from another seed and other weights, after loading it, draws what the saved
-    one draws next."""
+    one draws next (saved and loaded with torch.distributed.checkpoint)."""
     from autopar.runtime.pool import WorkerPool
 
     plan = gpt_plans["megatron_tp"]
@@ -268,7 +268,7 @@ def test_gloo_training_matches_simulation_and_the_state_dict_keeps_seed_and_step
     want, grads = autopar.simulate(model, plan, args)
     want = want.item()
     with WorkerPool(4, timeout=300.0) as pool:
-        results = pool.run(train_and_restore_on_rank, plan.to_json(), 11, grads)
+        results = pool.run(train_and_restore_on_rank, plan.to_json(), 11, grads, str(tmp_path / "ckpt"))
     for rank, r in enumerate(results):
         assert abs(r["losses"][0] - want) <= 1e-9 * abs(want), (rank, r["losses"], want)
         assert r["grad"] <= 1e-9, (rank, r["grad"])  # the backward redraws its forward's attention masks
@@ -360,3 +360,17 @@ def test_attention_with_dropout_stays_one_fused_op_in_capture():
     fused = [n for n in g.ops() if n.op in (ATTN_FWD, ATTN_BWD)]
     assert len(fused) == 4 and all(attention_dropout(n.op, n.args, n.kwargs) == P for n in fused)
     assert not any(n.op in ("aten._safe_softmax.default", "aten._softmax.default") for n in g.ops())
+
+
+def test_a_plain_state_dict_entry_sets_seed_and_step():
+    """``model.load_state_dict`` of whole tensors (the user guide's single-device round trip) takes
+    the random entry as a plain tensor too; a program without random ops ignores it."""
+    from autopar.program.program import Program, RandomState
+    from autopar.runtime.random_state import load_random_entry
+
+    prog = Program((0,), (1,), ("a",), None, [], [], 0, random=RandomState(1, 2))
+    load_random_entry(prog, torch.tensor([(1 << 62) + 5, 7]))
+    assert (prog.random.seed, prog.random.step) == ((1 << 62) + 5, 7)
+    plain = Program((0,), (1,), ("a",), None, [], [], 0)
+    load_random_entry(plain, torch.tensor([3, 4]))
+    assert plain.random is None
