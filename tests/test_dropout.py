@@ -215,6 +215,34 @@ def test_hugging_face_gpt2_with_default_dropout_on_2x2_equals_its_one_device_pro
                - one[0].item()) > 1e-6
 
 
+def test_hugging_face_bert_with_a_padding_mask_and_default_dropout_on_2x2_equals_its_one_device_program():
+    """An encoder: no causal mask, a padding mask passed to the fused attention with dropout."""
+    transformers = pytest.importorskip("transformers")
+    from transformers import BertConfig, BertForMaskedLM
+
+    transformers.logging.set_verbosity_error()
+    cfg = BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     vocab_size=100, max_position_embeddings=64)  # both dropouts: their default 0.1
+    torch.manual_seed(0)
+    model = BertForMaskedLM(cfg).to(torch.float64)
+    model.config._attn_implementation = "sdpa"
+    model.train()
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    pad = torch.ones(4, 16, dtype=torch.long)
+    pad[0, 12:] = 0
+    kwargs = dict(input_ids=ids, attention_mask=pad, labels=ids)
+    fused = [n for n in capture(model, (), kwargs).ops() if n.op == "aten._scaled_dot_product_flash_attention_for_cpu.default"]
+    assert len(fused) == 2 and all(n.args[3] == 0.1 and "attn_mask" in n.kwargs for n in fused)
+    one = _simulate(model, _plan(model, (), {"a": 1}, kwargs), (), kwargs)
+    for recipe in (None, "ddp"):
+        (loss, grads) = _simulate(model, _plan(model, (), {"a": 2, "b": 2}, kwargs, recipe=recipe), (), kwargs)
+        assert abs(loss.item() - one[0].item()) <= 1e-9 * abs(one[0].item())
+        # one scale for all gradients: the key biases' are zero up to roundoff (softmax ignores a shift)
+        scale = max(g.abs().max().item() for g in one[1].values())
+        for k, g in grads.items():
+            assert torch.allclose(g, one[1][k], rtol=1e-9, atol=1e-9 * scale), (recipe, k)
+
+
 def test_unsupported_random_ops_are_refused_by_name_at_capture():
     """Before planning: the op and its module are named."""
 
@@ -321,6 +349,44 @@ def test_attention_with_dropout_matches_autograd_of_its_own_forward():
     fwd, _, (q, k, v), _ = _attention_calls(p=1e-300)
     out, _ = attention_local(LocalCtx(fwd, strategies(fwd, (1,))[0], (1,), (0,)), [q, k, v], 5)
     assert torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["additive", "bool"])
+def test_attention_with_dropout_applies_its_attention_mask(kind):
+    """A padding mask (``[b 1 1 t]``, as encoders pass it) reaches the fused op's math, forward and
+    backward, on one device and under every (2, 2) strategy."""
+    from autopar.ir.rules.proof.interp import collect
+    from autopar.ir.rules.random_attention import ATTN_BWD, ATTN_FWD, _keep, attention_local
+
+    fwd, bwd, (q, k, v), g = _attention_calls(causal=False)
+    valid = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    valid[0, ..., 4:] = False
+    m = valid if kind == "bool" else torch.zeros(valid.shape, dtype=torch.float64).masked_fill(~valid, float("-inf"))
+    mspec = TensorSpec(tuple(m.shape), m.dtype)
+    fwd = OpCall(ATTN_FWD, None, fwd.args, {"attn_mask": Ref("m", 0)}, fwd.in_specs + [mspec], fwd.out_specs)
+    bwd = OpCall(ATTN_BWD, None, bwd.args, {"attn_mask": Ref("m", 0)}, bwd.in_specs + [mspec], bwd.out_specs)
+    one = lambda call: LocalCtx(call, strategies(call, (1,))[0], (1,), (0,))
+    out, lse = attention_local(one(fwd), [q, k, v, m], 31)
+    grads = attention_local(one(bwd), [g, q, k, v, out, lse, m], 31)
+    keep = _keep(one(fwd), 0, 6, 31, 0.3, None).double()
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    sc = (qr @ kr.transpose(-1, -2) / 2.0).masked_fill(~valid, float("-inf"))
+    ref = (torch.softmax(sc, -1) * keep / 0.7) @ vr
+    ref.backward(g)
+    assert torch.allclose(out, ref, atol=1e-12)
+    for got, want in zip(grads, (qr.grad, kr.grad, vr.grad)):
+        assert torch.allclose(got, want, atol=1e-12)
+    mesh = (2, 2)
+    for call, ins, want in ((fwd, [q, k, v, m], [out, lse]), (bwd, [g, q, k, v, out, lse, m], grads)):
+        for st in strategies(call, mesh):
+            per = {}
+            for c in device_coords(mesh):
+                ctx = LocalCtx(call, st, mesh, c)
+                per[c] = attention_local(ctx, [local_block(x, ctx.in_placements(i), mesh, c)
+                                               for i, x in enumerate(ins)], 31)
+            for j, w in enumerate(want):
+                got = collect({c: per[c][j] for c in per}, [s.outputs[j] for s in st], mesh, rtol=1e-9)
+                assert torch.allclose(got, w, atol=1e-10), (call.op, st, j)
 
 
 @pytest.mark.parametrize("hk", [4, 2], ids=["mha", "gqa"])
