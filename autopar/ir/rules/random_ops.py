@@ -5,8 +5,9 @@ random stream. Every element's number is a hash of ``(seed, step, op, global ele
 ``key`` mixes seed, step and op (the IR node's name, the same under every placement) into one
 64-bit integer, and each element of a device's block hashes ``key`` with its index in the *whole*
 tensor (under block-split dims too). A block therefore holds exactly the piece of the whole
-tensor's draw that it covers, and replicated copies draw alike. The hash is splitmix64's
-finalizer on wrapping int64 arithmetic, vectorized over the block with torch integer ops.
+tensor's draw that it covers, and replicated copies draw alike. The hash is splitmix64 of
+``key + index * golden`` on wrapping int64 arithmetic, vectorized over the block with torch
+integer ops.
 
 The numbers differ from torch's own (Philox or MT) streams: a model's masks under autopar are not
 the ones its eager forward would draw, only the same on every placement.
