@@ -18,6 +18,7 @@ from autopar.errors import ArgumentError, MeshError
 from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph
 from autopar.ir.rules.proof.interp import device_coords
+from autopar.ir.rules.random_ops import draw_seed
 from autopar.passes.lower import lower, resolve
 from autopar.passes.pipeline import run_passes
 from autopar.passes.report import build_plan
@@ -109,6 +110,8 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     ``precision="plan"``: the plan's precision, e.g. "bf16-mixed" (bf16 compute, parameters gathered
     in bf16, gradients reduced and returned in fp32, the loss in fp32; see ``cost_model.casting``). Pass a
     dict as ``trace`` to receive the collectives every device executed (``{coords: [Executed, ...]}``).
+    Random ops (dropout) draw from a seed taken from torch's default generator, the same whatever
+    the plan's placements (``ir.rules.random_ops``), but not torch's own eager stream.
     """
     check_model(model, "autopar.simulate: model")
     check_kwargs(example_kwargs, "autopar.simulate: example_kwargs")
@@ -124,6 +127,10 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     run_prec = execution_precision(precision, plan.precision.get("name", "model"))
     programs = {c: lower(res, c, precision=run_prec) for c in device_coords(res.mesh.shape)}
     first = programs[(0,) * len(res.mesh.shape)]
+    if first.random is not None:  # one seed for every device, from torch's generator; step 0
+        seed = draw_seed()
+        for prog in programs.values():
+            prog.random.seed = seed  # type: ignore[union-attr]
     values = placeholder_values(first.inputs, model, args, kwargs)
     results, executed = simulate_programs(programs, values, run_prec)
     if trace is not None:

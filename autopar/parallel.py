@@ -7,6 +7,8 @@ Each rank lowers the plan for its own mesh coordinates. Parameters and buffers b
 with the plan's placements, so optimizers, ``state_dict`` and ``torch.distributed.checkpoint``
 work on them unchanged; ``forward`` runs the lowered forward program and the loss's backward runs
 the lowered backward program, whose gradients arrive as DTensors placed like their parameters.
+A program with random ops (dropout) draws them from rank 0's seed and a step counter that each
+forward advances; ``state_dict`` carries both under ``RANDOM_KEY``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from autopar.program.program import Program, Slot
 from autopar.runtime import faults
 from autopar.runtime.collectives import ProcessGroupComm, record_executed, single_worker_gloo_groups
 from autopar.runtime.precision import EXECUTABLE_PRECISIONS, execution_precision
+from autopar.runtime.random_state import RANDOM_KEY, at_step, load_random_entry, random_entry, share_seed
 from autopar.validate import check_choice, check_kwargs, check_model, check_path
 
 
@@ -78,6 +81,8 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pm: "ParallelModule", n_params: int, *values):
         params = values[:n_params]
+        # the backward redraws this forward's masks (attention with dropout): it runs at this step
+        ctx.step = pm.program.random.step if pm.program.random is not None else None
         outs, saved = pm._run_forward([_local(p) for p in params] + list(values[n_params:]))
         ctx.pm, ctx.saved, ctx.n_params = pm, saved, n_params
         ctx.params = params
@@ -87,7 +92,7 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         pm = ctx.pm
-        grads = pm._run_backward(ctx.saved, grad_loss)
+        grads = pm._run_backward(ctx.saved, grad_loss, ctx.step)
         ctx.saved = None
         grads = [tc.dtensor_from_spec(g, spec) for g, spec in zip(grads, ctx.specs)]
         rest = [None] * (len(pm.program.inputs) - ctx.n_params)
@@ -191,6 +196,9 @@ class ParallelModule(torch.nn.Module):
         coords = tuple(self.program.coords)
         values = {}
         for key, value in state_dict.items():
+            if key == RANDOM_KEY and self.program.random is not None:  # seed and step of the random draws
+                load_random_entry(self.program, value)
+                continue
             slot = slots.get(key)
             if slot is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
                 if tuple(value.shape) != tuple(slot.spec.shape):
@@ -204,8 +212,13 @@ class ParallelModule(torch.nn.Module):
 
     def state_dict(self, *args, **kwargs):
         """The model's ``state_dict`` (its own hooks and overrides run): the single-device names, each
-        parameter and buffer a DTensor placed as the plan says."""
-        return self.module.state_dict(*args, **kwargs)
+        parameter and buffer a DTensor placed as the plan says; with random ops also ``RANDOM_KEY``
+        (seed and step, so a restored run draws the masks the saved one would have drawn next)."""
+        out = self.module.state_dict(*args, **kwargs)
+        if self.program.random is not None:
+            where = next((_local(p).device for p in self.module.parameters()), None)
+            out[kwargs.get("prefix", "") + RANDOM_KEY] = random_entry(self.program, self.device_mesh, where)
+        return out
 
     def _state(self, slot: Slot) -> torch.Tensor:
         return self._param(slot.key) if slot.kind == "param" else self._buffer(slot.key)
@@ -250,15 +263,17 @@ class ParallelModule(torch.nn.Module):
             if err is exc:
                 raise
             raise err from exc
+        if self.program.random is not None:  # the next forward draws new numbers
+            self.program.random.step += 1
         named = dict(zip(self.program.outputs, outs))
         for slot, value in named.items():
             if slot.kind == "mutation":
                 self._buffer_local(slot.key).copy_(value)
         return [v for s, v in named.items() if s.kind in ("loss", "output")], saved
 
-    def _run_backward(self, saved: list, grad_loss: torch.Tensor) -> list:
+    def _run_backward(self, saved: list, grad_loss: torch.Tensor, step: Optional[int] = None) -> list:
         try:
-            with self._context():
+            with at_step(self.program, step), self._context():  # the forward's step, not the one after it
                 grads = [C.wait(g) for g in self.program.backward(
                     *saved, grad_loss.to(self.program.grads[0].spec.dtype) if self.program.grads else grad_loss)]
         except Exception as exc:
@@ -422,6 +437,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else None
     prec = execution_precision(precision or "plan", shared.precision.get("name", "fp32"), device)
     program = lower(res, coords, device, prec)
+    share_seed(program)  # with random ops: every rank draws with rank 0's seed
     if any(slot.spec.blocks for slot in program.inputs):  # _StridedShard parameters: teach DCP their pieces
         install_strided_checkpointing()
     _distribute_state(model, graph, program, dmesh, device)
@@ -466,4 +482,4 @@ def _distribute_state(model: torch.nn.Module, graph: Graph, program: Program, dm
                 tc.buffer_table(mod)[name] = done[canon]
 
 
-__all__ = ["CompileError", "ParallelModule", "compile"]
+__all__ = ["RANDOM_KEY", "CompileError", "ParallelModule", "compile"]

@@ -645,30 +645,40 @@ def test_error_no_loss():
 
 
 def test_warning_attention_dropout():
+    """SDPA with dropout stays one fused op (its dropout_p kept: ``ir.rules.random_attention``);
+    attention written as softmax + dropout by hand is named, with the fused alternative."""
+
     class DropAttn(nn.Module):
-        def __init__(self):
+        def __init__(self, by_hand):
             super().__init__()
             self.qkv = nn.Linear(8, 8)
+            self.by_hand = by_hand
 
         def forward(self, x):
             q = self.qkv(x).view(2, 4, 2, 4).transpose(1, 2)
+            if self.by_hand:
+                w = F.dropout(torch.softmax(q @ q.transpose(-1, -2) * 0.5, -1), 0.1, training=True)
+                return (w @ q).sum()
             return F.scaled_dot_product_attention(q, q, q, dropout_p=0.1).sum()
 
     class Net(nn.Module):
-        def __init__(self):
+        def __init__(self, by_hand=False):
             super().__init__()
-            self.attn = DropAttn()
+            self.attn = DropAttn(by_hand)
 
         def forward(self, x):
             return self.attn(x)
 
-    with pytest.warns(UserWarning, match=r"attention in module\(s\) 'attn' uses dropout.*dropout_p=0") as rec:
-        g = capture(Net(), (torch.randn(2, 4, 8),))
+    with pytest.warns(UserWarning, match=r"attention in module\(s\) 'attn' computes softmax \+ dropout unfused.*"
+                      r"scaled_dot_product_attention") as rec:
+        g = capture(Net(by_hand=True), (torch.randn(2, 4, 8),))
     assert len([w for w in rec if "dropout" in str(w.message)]) == 1
     assert FUSED_ATTN not in g.op_names()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        g = capture(Net(), (torch.randn(2, 4, 8),))  # fused, with its dropout: no warning
         capture(TinyGPT(), tokens())  # no dropout: no warning
+    assert [n.args[3] for n in g.ops() if n.op == FUSED_ATTN] == [0.1]
 
 
 # ---------------------------------------------------------------------------------------------

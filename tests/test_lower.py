@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import autopar
-from autopar.errors import LoweringError
 from autopar.passes.lower import lower, resolve
 from autopar.program.collectives import COLLECTIVES
 from autopar.runtime.accounting import differences, predicted
@@ -101,24 +100,29 @@ def test_plan_for_another_graph_is_refused():
         resolve(other, plan)
 
 
-def test_random_ops_are_refused_by_name():
+def test_random_ops_are_drawn_or_refused_by_name():
+    """Dropout lowers (to the counter-based draw, tests/test_dropout.py); a random op autopar cannot
+    draw alike on every placement is refused by name at capture, before planning."""
     torch.manual_seed(0)
 
     class Drop(torch.nn.Module):
-        def __init__(self):
+        def __init__(self, noise=False):
             super().__init__()
             self.lin = torch.nn.Linear(8, 8)
             self.drop = torch.nn.Dropout(0.5)
+            self.noise = noise
 
         def forward(self, x):
-            return self.drop(self.lin(x)).sum()
+            y = self.drop(self.lin(x))
+            return (y * torch.randint_like(y, 3)).sum() if self.noise else y.sum()
 
     model, x = Drop(), torch.randn(16, 8)
     mesh = autopar.Mesh({"a": 2}, device="cpu")
-    with pytest.warns(UserWarning):
-        plan = autopar.plan(model, mesh, (x,), progress=False)
-    with pytest.raises(LoweringError, match="(?s)drop.*random.*dropout"):
-        autopar.simulate(model, plan, (x,))
+    plan = autopar.plan(model, mesh, (x,), progress=False)
+    loss, grads = autopar.simulate(model, plan, (x,))
+    assert torch.isfinite(loss) and set(grads) == {"lin.weight", "lin.bias"}
+    with pytest.raises(autopar.CaptureError, match=r"(?s)randint_like.*'<root>'.*native_dropout"):
+        autopar.plan(Drop(noise=True), mesh, (x,), progress=False)
 
 
 def test_a_precision_no_program_runs_at_is_refused():

@@ -37,6 +37,7 @@ from autopar.ir.blocks import mark_blocks
 from autopar.ir.graph import Graph
 from autopar.ir.lift import drop_constant_inputs, lift, merge_tied
 from autopar.ir.placement import PlacementError
+from autopar.ir.rules.random_attention import fused_dropout_attention
 
 __all__ = ["capture", "normalize_mean_losses"]
 
@@ -92,7 +93,8 @@ def capture(
     mc.forward = _wrap_forward(mc.forward, training)  # instance attribute: hooks still run
     decomps = tc.decompositions(_DECOMPOSE)
     grad_mode = torch.enable_grad() if training else torch.no_grad()
-    with grad_mode, tc.preserve_node_meta():  # the tracker closes inside: it restores fx's annotations
+    # attention with dropout is recorded fused, with its dropout_p (ir.rules.random_attention)
+    with grad_mode, tc.preserve_node_meta(), fused_dropout_attention():  # the tracker closes inside
         try:
             gm = tc.export_joint(mc, fargs, fkwargs, decomps)
         except Exception as e:  # noqa: BLE001 - re-raised as one clear message
@@ -113,6 +115,7 @@ def capture(
     mark_blocks(graph)
     if training:
         _check_grads(graph, mc)
+    _refuse_random_ops(graph)
     _warn_attention_dropout(graph)
     return graph
 
@@ -398,15 +401,31 @@ _DROPOUT = ("aten.native_dropout", "aten.bernoulli")
 _SOFTMAX = ("aten._safe_softmax.default", "aten._softmax.default")
 
 
+def _refuse_random_ops(graph: Graph) -> None:
+    """A ``CaptureError`` naming the random ops autopar cannot draw alike on every placement (before
+    any planning): ``ir.rules.random_ops.SUPPORTED`` lists those it can."""
+    from autopar.ir.rules.random_ops import SUPPORTED, unsupported_random
+
+    bad = unsupported_random([n.op for n in graph.ops()])
+    if bad:
+        where = sorted({f"{n.op} in {n.module_path or '<root>'!r}" for n in graph.ops() if n.op in bad})
+        raise CaptureError(
+            f"the model draws random numbers with {', '.join(where)}; autopar draws only "
+            f"{', '.join(SUPPORTED)} the same on every placement. Set that op's probability to 0, call "
+            "model.eval(), or write it with dropout / bernoulli_(p) / rand_like"
+        )
+
+
 def _warn_attention_dropout(graph: Graph) -> None:
-    """Attention with dropout_p > 0 is decomposed by torch (bmm + softmax + dropout)."""
+    """Attention written as softmax + dropout (not ``F.scaled_dot_product_attention``, which stays
+    fused with its dropout) keeps batch*heads*seq^2 scores and masks in memory: say so."""
     drop = {n.module_path for n in graph.ops() if n.op.startswith(_DROPOUT)}
     soft = {n.module_path for n in graph.ops() if n.op in _SOFTMAX}
     both = sorted(drop & soft)
     if both:
         warnings.warn(
-            f"attention in module(s) {', '.join(repr(m or '<root>') for m in both)} uses dropout, so torch decomposed it "
-            "into bmm + softmax + dropout (batch*heads*seq^2 scores in memory); attention stays fused only "
-            "with dropout_p=0: set the attention dropout to 0 for planning",
+            f"attention in module(s) {', '.join(repr(m or '<root>') for m in both)} computes softmax + dropout "
+            "unfused (batch*heads*seq^2 scores and masks in memory); it runs correctly, but "
+            "F.scaled_dot_product_attention(..., dropout_p=p) would keep it one fused op",
             stacklevel=3,
         )

@@ -3,7 +3,8 @@
 A ``Program`` holds one rank's forward and backward ``fx.GraphModule``s and the ``Slot``s that say
 what each input and output is (a parameter's FQN, ``input:0``, the loss, a gradient) and how it is
 placed. Its graphs call plain aten ops, ``LocalOp`` modules (rules that need this device's
-offsets), and the collectives of ``program.collectives``.
+offsets), ``RandomOp`` modules (random draws keyed by the program's ``RandomState``), and the
+collectives of ``program.collectives``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch.fx as fx
 from autopar.ir.graph import TensorSpec
 from autopar.ir.placement import Placements
 from autopar.ir.rules.base import LocalCtx, run_local
+from autopar.ir.rules.random_attention import random_local
+from autopar.ir.rules.random_ops import draw_key
 from autopar.program import collectives as C
 
 
@@ -28,6 +31,15 @@ class Slot:
     key: str  # FQN, input key ("input:0" / keyword), or output position
     placements: Placements
     spec: TensorSpec
+
+
+@dataclass
+class RandomState:
+    """What a program's random draws are keyed on besides op and element: the run's seed (the same on
+    every rank) and the step, which the driver advances once per forward."""
+
+    seed: int = 0
+    step: int = 0
 
 
 @dataclass
@@ -43,6 +55,8 @@ class Program:
     n_saved: int
     backward: Optional[fx.GraphModule] = None
     grads: list[Slot] = field(default_factory=list)
+    #: The key of its random ops (dropout); None when it draws nothing.
+    random: Optional[RandomState] = None
 
     def run_forward(self, *inputs) -> tuple[list, list]:
         """Run the forward program on this thread's collective backend: its outputs, and the values
@@ -81,4 +95,25 @@ class LocalOp(torch.nn.Module):
         return f"{self.ctx.call.op}, " + " | ".join(str(s) for s in self.ctx.strategy)
 
 
-__all__ = ["LocalOp", "Program", "Slot"]
+class RandomOp(torch.nn.Module):
+    """A random op (dropout, ``bernoulli``, attention with dropout, ...): this device's block of the
+    whole tensor's draw, keyed on the program's seed and step and an IR node's name (its own; an
+    attention backward's forward), see ``ir.rules.random_ops``."""
+
+    def __init__(self, ctx: LocalCtx, node: str, state: RandomState):
+        super().__init__()
+        self.ctx = ctx
+        self.node = node
+        self.state = state  # shared by every RandomOp of the program: the driver sets seed and step
+
+    def forward(self, *xs):
+        """Draw this device's block for the current step."""
+        out = random_local(self.ctx, list(xs), draw_key(self.state.seed, self.state.step, self.node))
+        return tuple(out) if len(self.ctx.call.out_specs) > 1 else out[0]
+
+    def extra_repr(self) -> str:
+        """The op, its node and its strategy, as ``print(program)`` shows them."""
+        return f"{self.ctx.call.op} ({self.node}), " + " | ".join(str(s) for s in self.ctx.strategy)
+
+
+__all__ = ["LocalOp", "Program", "RandomOp", "RandomState", "Slot"]

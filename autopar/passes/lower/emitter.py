@@ -33,6 +33,7 @@ from autopar.ir.graph import Node, Phase, Ref
 from autopar.ir.placement import B, Placements, local_shape
 from autopar.ir.rules.base import LocalCtx, has_local, local_args
 from autopar.ir.rules.dimmap import Strategy
+from autopar.ir.rules.random_attention import is_random_call, key_node
 from autopar.ir.views import param_views
 from autopar.passes.lower.gathers import grouped_gather, plan_groups
 from autopar.passes.lower.grads import bucketed_grads
@@ -42,7 +43,7 @@ from autopar.passes.lower.resolve import Resolved, placeholder_key
 from autopar.passes.lower.schedule import schedule
 from autopar.passes.lower.simplify import drop_identities
 from autopar.passes.search.strategies import input_placement, output_placement
-from autopar.program.program import LocalOp, Program, Slot
+from autopar.program.program import LocalOp, Program, RandomOp, RandomState, Slot
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 _RESHAPE = torch.ops.aten.reshape.default
@@ -77,6 +78,8 @@ class Emitter:
         self.emitted: set[str] = set()  # graph nodes emitted (a group's gather may emit a view early)
         # parameter gathers that share one collective (``gathers.py``): key -> the group's members
         self.gather_groups = plan_groups(self)
+        # the key of the program's random draws (seed and step set by the driver): one per program
+        self.random = RandomState() if any(is_random_call(n.op, n.args, n.kwargs) for n in self.g.ops()) else None
 
     # values ---------------------------------------------------------------------------------------
     def value(self, ref: Ref, want: Placements, where: fx.Graph, dtype: Optional[torch.dtype] = None) -> fx.Node:
@@ -188,8 +191,14 @@ class Emitter:
         if casts is not None:
             call = casts.op_call(self.g, node, call)
         ctx = LocalCtx(call, strat, self.mesh_shape, self.coords)
-        plain = self._plain_local(node, strat, ctx) if has_local(node.op) else None
-        if plain is not None:  # the rule's local code runs one plain op on this device: call it
+        random = is_random_call(node.op, node.args, node.kwargs)
+        plain = self._plain_local(node, strat, ctx) if has_local(node.op) and not random else None
+        if random:  # this device's block of the whole tensor's draw (``ir.rules.random_ops``)
+            assert self.random is not None
+            mod_name = self.fresh_name(f"{node.name}_random")
+            self.root.add_module(mod_name, RandomOp(ctx, key_node(self.g, node), self.random))
+            out = where.call_module(mod_name, tuple(ins))
+        elif plain is not None:  # the rule's local code runs one plain op on this device: call it
             out = where.call_function(plain.target, *_fill_inputs(plain, ins))
         elif has_local(node.op):
             mod_name = self.fresh_name(f"{node.name}_local")
@@ -296,7 +305,7 @@ class Emitter:
                 gm.graph.lint()
                 gm.recompile()
         return Program(self.coords, self.mesh_shape, tuple(res.mesh.names), forward, slots_in, slots_out,
-                       len(self.saved), backward, grad_slots)
+                       len(self.saved), backward, grad_slots, self.random)
 
 
 def _fill_inputs(plain: PlainCall, ins: Sequence[fx.Node]) -> tuple[tuple, dict]:

@@ -21,12 +21,12 @@ from autopar.ir.placement import format_placements
 from autopar.ir.rules import op_call
 from autopar.ir.rules.base import OpCall
 from autopar.ir.rules.dimmap import Strategy
+from autopar.ir.rules.random_ops import RANDOM_BASES, unsupported_random
 from autopar.passes.search.strategies import node_strategies, output_placement
 
-#: Ops whose values depend on a random stream: a sharded program cannot reproduce them.
-RANDOM_OPS = ("aten.native_dropout", "aten.bernoulli", "aten.rand", "aten.randn", "aten.randint",
-              "aten.normal", "aten.uniform", "aten.multinomial", "aten.randperm", "aten.rand_like",
-              "aten.randn_like", "aten.randint_like")
+#: Ops whose values depend on a random stream (names without overload); ``ir.rules.random_ops``
+#: draws the supported ones placement-independently, capture refuses the others.
+RANDOM_OPS = tuple(sorted(RANDOM_BASES))
 
 @dataclass
 class Resolved:
@@ -71,11 +71,10 @@ def resolve(graph: Graph, plan) -> Resolved:
             )
         strategies[node.name] = found[0]
         calls[node.name] = op_call(graph, node)
-        if node.op.startswith(RANDOM_OPS):
+        if unsupported_random([node.op]):  # capture refuses these; a graph built otherwise stops here
             raise LoweringError(
-                f"{graph.user_name(node)} draws random numbers ({node.op}); a sharded program cannot reproduce the "
-                "single-device random stream. Set dropout probabilities to 0 (or call model.eval()) before "
-                "compiling"
+                f"{graph.user_name(node)} draws random numbers with {node.op}, which autopar cannot draw the same "
+                "on every placement: set its probability to 0 (or call model.eval()) before compiling"
             )
     return Resolved(graph, mesh, precision, strategies, calls)
 

@@ -1,0 +1,67 @@
+"""What gloo ranks run in tests/test_dropout.py (spawned pool workers import this module; it
+imports only torch at module level)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+#: The dropout probability of the test models: high, so a wrong mask shows in the loss.
+P = 0.3
+
+
+def build_gpt(dtype=torch.float64):
+    """autopar's tiny GPT with dropout everywhere (embeddings, attention, residuals, MLP)."""
+    from autopar.models import make
+
+    torch.manual_seed(0)
+    return make("gpt", "tiny", batch=4, seq=16, dtype=dtype, dropout=P)
+
+
+def train_and_restore_on_rank(text: str, seed: int, grads: dict, ckpt_dir: str) -> dict:
+    """Compile the dropout GPT under plan ``text`` after ``torch.manual_seed(seed)``; report the
+    first step's loss and the worst relative error of its gradients against ``grads``, the
+    ``state_dict``'s random entry after two SGD steps, and the third step's loss from the trained
+    module and from a fresh module (other seed, other weights) that loaded its state dict through
+    ``torch.distributed.checkpoint`` (saved to ``ckpt_dir``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    import autopar
+    from autopar.parallel import RANDOM_KEY
+
+    plan = autopar.Plan.from_dict(json.loads(text))
+    mesh = autopar.Mesh(dict(zip(plan.axis_names, plan.mesh_shape)), device="cpu")
+    model, args = build_gpt()
+    torch.manual_seed(seed)
+    pm = autopar.compile(model, mesh, args, plan=plan)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    out: dict = {"losses": []}
+    for step in range(2):
+        loss = pm(*args)
+        loss.backward()
+        if step == 0:
+            out["grad"] = max(((p.grad.full_tensor() - grads[n]).norm() / grads[n].norm()).item()
+                              for n, p in pm.module.named_parameters())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out["losses"].append(loss.item())
+    state = pm.state_dict()
+    out["random_is_dtensor"] = isinstance(state[RANDOM_KEY], DTensor)
+    out["random"] = state[RANDOM_KEY].full_tensor().tolist()
+    dcp.save(state, checkpoint_id=ckpt_dir)
+    out["next"] = pm(*args).item()
+    other, _ = build_gpt()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    torch.manual_seed(seed + 1)
+    pm2 = autopar.compile(other, mesh, args, plan=plan)
+    out["other_random"] = pm2.state_dict()[RANDOM_KEY].full_tensor().tolist()
+    target = pm2.state_dict()
+    dcp.load(target, checkpoint_id=ckpt_dir)
+    pm2.load_state_dict(target)
+    out["restored_random"] = pm2.state_dict()[RANDOM_KEY].full_tensor().tolist()
+    out["restored_next"] = pm2(*args).item()
+    return out
