@@ -10,7 +10,8 @@ config keeps its own default rates). ``dtype`` converts the weights (float64 hel
   buffer, ``TransformerBlock`` with ``attention`` / ``feed_forward``, blocks in a ``ModuleDict``.
   It is not torchtitan's code; it follows the same structure and the same computation.
 * Hugging Face ``transformers`` models from their config classes: GPT-2 (learned positions),
-  LLaMA (RoPE, GQA), BERT (encoder), T5 and BART (encoder-decoder), ViT (vision), Mixtral (MoE).
+  LLaMA (RoPE, GQA), BERT (encoder), T5 (encoder-decoder), ViT (vision), Mixtral (MoE); BART
+  (encoder-decoder) too, which does not capture yet.
 * ``torch_encoder``: ``nn.TransformerEncoder`` under a token embedding and a head.
 """
 
@@ -305,7 +306,8 @@ def hf_mixtral(dropout: bool = False):
     return _hf(MixtralForCausalLM(cfg)), (), {"input_ids": ids, "labels": ids}
 
 
-#: Every corpus model by name.
+#: Every corpus model by name. (``hf_bart`` is left out: its decoder does not capture yet, see
+#: ``tests/test_corpus.py::test_bart_captures``.)
 CORPUS: dict[str, Callable] = {
     "titan_llama": titan_llama,
     "torch_encoder": torch_encoder,
@@ -313,7 +315,6 @@ CORPUS: dict[str, Callable] = {
     "hf_llama": hf_llama,
     "hf_bert": hf_bert,
     "hf_t5": hf_t5,
-    "hf_bart": hf_bart,
     "hf_vit": hf_vit,
     "hf_mixtral": hf_mixtral,
 }
