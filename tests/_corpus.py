@@ -241,7 +241,8 @@ def hf_gpt2(dropout: bool = False):
     """GPT-2: learned positions, ``Conv1D`` weights, tied head."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = _config(GPT2Config, dropout, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, vocab_size=VOCAB, n_positions=64)
+    cfg = _config(GPT2Config, dropout, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, vocab_size=VOCAB, n_positions=64,
+                  bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)  # the default 50256 is outside the vocabulary
     ids = _ids()
     return _hf(GPT2LMHeadModel(cfg)), (), {"input_ids": ids, "labels": ids}
 

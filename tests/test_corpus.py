@@ -17,7 +17,7 @@ from autopar.ir.rules import has_rule
 
 transformers = pytest.importorskip("transformers")
 
-from _corpus import CORPUS, build  # noqa: E402
+from _corpus import CORPUS, build
 
 NAMES = list(CORPUS)
 #: Models that compute parts in fp32 whatever their dtype, so a float64 build holds to fp32
