@@ -96,6 +96,17 @@ def test_op_without_rule_runs_replicated_with_one_warning():
     assert len(msgs) == 1 and "aten.fancy_op.default" in msgs[0] and "layers.0.mlp" in msgs[0]
 
 
+def test_the_no_rule_warning_speaks_to_the_user():
+    """The warning says where the op is, what running it whole costs, and what to do."""
+    from autopar.ir.rules.base import no_rule_message
+
+    c = call("aten.fancy_op.default", None, (Ref,), [(256, 1024)], [(256, 1024)])
+    msg = no_rule_message(c)
+    assert "aten.fancy_op.default" in msg and "'layers.0.mlp'" in msg and "(256, 1024)" in msg
+    assert "every device runs it whole" in msg and "1 MiB" in msg  # 256 * 1024 float32
+    assert "To avoid it" in msg and "autopar/ir/rules" not in msg
+
+
 def test_spec_notation_parses_merged_and_size_one_dims():
     dm = from_spec("b (h d), 1 n -> b h d n", [(2, 12), (1, 5)], [(2, 3, 4, 5)])
     assert dm.inputs[0] == [("b",), ("h", "d")]

@@ -2,10 +2,11 @@
 
 Importing this package registers every rule (``generic`` for the data-only ops, ``special`` for the
 ops whose local implementation needs offsets, ``vision`` and ``moe`` for the CNN and
-mixture-of-experts ops, ``random_ops`` for dropout and the other random draws).
+mixture-of-experts ops, ``indexing`` for positional writes and advanced indexing, ``complex`` for
+complex RoPE, ``random_ops`` for dropout and the other random draws).
 """
 
-from autopar.ir.rules import generic, layout, moe, random_ops, special, vision  # noqa: F401  (registration)
+from autopar.ir.rules import complex, generic, indexing, layout, moe, random_ops, special, vision  # noqa: F401  (registration)
 from autopar.ir.rules.base import (
     RULES,
     LocalCtx,

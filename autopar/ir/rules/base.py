@@ -176,6 +176,28 @@ def _splits_blocks(call: OpCall, sig: Signature) -> bool:
     return False
 
 
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.3g} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.3g} KiB"
+
+
+def no_rule_message(call: OpCall) -> str:
+    """What an op without a sharding rule means for the user: where it is, what running it
+    replicated costs, and what they can do about it."""
+    ins = [s for s in call.in_specs if s is not None]
+    outs = [s for s in call.out_specs if s is not None]
+    shapes = ", ".join(str(tuple(s.shape)) for s in ins) or "no tensors"
+    gathered = sum(s.nbytes for s in ins)
+    held = sum(s.nbytes for s in outs)
+    return (
+        f"autopar: {call.op} in module {call.module_path or '<root>'!r} (inputs {shapes}) has no sharding "
+        f"rule, so every device runs it whole: its inputs are gathered in full on every device first "
+        f"(up to {_mib(gathered)} of communication per call where they were split) and every device computes "
+        f"and holds all of it ({_mib(held)} of output), which also keeps the ops around it from splitting. "
+        "To avoid it: write that code with more common tensor ops, or ask autopar's maintainers for a rule "
+        "for this op (quote this message)."
+    )
+
+
 def signatures(call: OpCall, min_size: int = 2) -> list[Signature]:
     """The op's one-axis signatures; an op without a rule gets all-``B`` and one warning."""
     rule = RULES.get(call.op)
@@ -185,11 +207,7 @@ def signatures(call: OpCall, min_size: int = 2) -> list[Signature]:
         key = (call.op, call.module_path)
         if key not in _warned:
             _warned.add(key)
-            warnings.warn(
-                f"autopar: no sharding rule for {call.where()}; it will run replicated (all B). "
-                "Add a rule in autopar/ir/rules (see docs/architecture.md).",
-                stacklevel=2,
-            )
+            warnings.warn(no_rule_message(call), stacklevel=2)
         return [replicate_signature(len(call.in_specs), call.out_specs)]
     dm = _build(rule, call)
     sigs = enumerate_signatures(dm, min_size=min_size)
@@ -289,6 +307,7 @@ __all__ = [
     "Strategy",
     "has_local",
     "local_args",
+    "no_rule_message",
     "op_call",
     "register",
     "run_local",

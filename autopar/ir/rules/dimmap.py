@@ -171,6 +171,8 @@ def linear_signature(dm: DimMap, lin: Linear, tag: str) -> Optional[Signature]:
     """The signature taking ``P`` in ``lin.inputs`` to ``P`` in ``lin.outputs``."""
     if dm.float_inputs and not all(dm.float_inputs[i] for i in lin.inputs):
         return None
+    if dm.float_outputs and not all(dm.float_outputs[j] for j in lin.outputs if j < len(dm.float_outputs)):
+        return None  # a partial sum cast to integers (``.long()``) is not the cast of the sum
     ins = tuple(Partial(lin.kind) if i in lin.inputs else B for i in range(len(dm.inputs)))
     outs = tuple(
         None if dims is None else (Partial(lin.kind) if j in lin.outputs else B) for j, dims in enumerate(dm.outputs)

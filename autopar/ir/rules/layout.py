@@ -312,7 +312,7 @@ def _stack(call: OpCall) -> DimMap:
     )
 
 
-@register("aten._softmax.default", "aten._log_softmax.default")
+@register("aten._softmax.default", "aten._log_softmax.default", "aten._safe_softmax.default")
 def _softmax(call: OpCall) -> DimMap:
     x = call.in_specs[0]
     dim = norm_dim(call.arg(1, "dim"), x.ndim)

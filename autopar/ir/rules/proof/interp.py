@@ -125,7 +125,7 @@ def collect(
             else:
                 first = parts[0]
                 tol = rtol if rtol is not None else _TOLERANCE.get(first.dtype, 1e-2)
-                atol = tol * (first.abs().max().item() if first.numel() and first.is_floating_point() else 0.0)
+                atol = tol * (first.abs().max().item() if first.numel() and (first.is_floating_point() or first.is_complex()) else 0.0)
                 for other in parts[1:]:
                     if other.shape != first.shape or not torch.allclose(other, first, rtol=tol, atol=atol, equal_nan=True):
                         raise Mismatch(f"B blocks differ between devices on mesh axis {axis}")
@@ -182,7 +182,7 @@ def check_strategy(
     """
     gen = torch.Generator().manual_seed(seed)
     if tol is None:  # the least precise float among inputs and outputs sets the bar
-        dtypes = [t.dtype for t in inputs if t.is_floating_point()] + [
+        dtypes = [t.dtype for t in inputs if t.is_floating_point() or t.is_complex()] + [
             s.dtype for s in call.out_specs if s is not None and s.is_float
         ]
         tol = max([_TOLERANCE.get(dt, 1e-2) for dt in dtypes], default=1e-7)
@@ -216,10 +216,11 @@ def check_strategy(
         if got.shape != exp.shape:
             return CheckResult(False, f"output {j}: shape {tuple(got.shape)} != {tuple(exp.shape)}")
         if exp.is_floating_point() or exp.is_complex():
-            denom = exp.double().norm().item()
-            err = (got.double() - exp.double()).norm().item() / max(denom, 1e-30)
+            wide = torch.complex128 if exp.is_complex() else torch.float64  # .double() drops imaginary parts
+            denom = exp.to(wide).norm().item()
+            err = (got.to(wide) - exp.to(wide)).norm().item() / max(denom, 1e-30)
             if denom == 0.0:
-                err = (got.double() - exp.double()).norm().item()
+                err = (got.to(wide) - exp.to(wide)).norm().item()
             if not err <= tol:  # also catches NaN
                 return CheckResult(False, f"output {j}: relative error {err:.3g}", err)
             worst = max(worst, err)
