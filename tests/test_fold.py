@@ -2,6 +2,7 @@
 are alike, and the problem's size does not grow with depth."""
 
 import json
+import random
 import warnings
 
 import pytest
@@ -210,3 +211,32 @@ def test_functional_loop_decoder_plans_run_as_the_model():
     assert rel(loss, ref.detach()) < 1e-6
     for name, p in model.named_parameters():
         assert rel(grads[name], p.grad) < 1e-6, name
+
+
+def test_the_cut_is_where_fewest_values_cross():
+    """``_cut``'s one sweep finds what counting the crossing values at every cut finds."""
+    from autopar.ir.layers import _cut
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randrange(3, 30)
+        last_read = [rng.choice([p, rng.randrange(p, n + 5)]) for p in range(n)]
+        start, nxt = rng.randrange(0, n // 2), rng.randrange(n // 2 + 1, n + 1)
+        last = rng.randrange(start, nxt)
+        crossing = [sum(1 for p in range(start, c) if last_read[p] >= c) for c in range(last + 1, nxt + 1)]
+        best = min(crossing)
+        assert _cut(start, last, nxt, last_read) == max(k for k, x in enumerate(crossing) if x == best)
+
+
+def test_without_sequence_numbers_module_paths_stand_in():
+    """A graph whose nodes carry no autograd sequence numbers (the backward cannot follow its
+    forward op) still folds, by module paths."""
+    model, args = M.make("llama", device="meta", n_layers=3)
+    graph = capture(model, args)
+    for n in graph.nodes:
+        if n.fx_node is not None:
+            n.fx_node.meta.pop("seq_nr", None)
+    group = fold(graph).groups[0]
+    assert (group.prefix, group.indices) == ("layers", [0, 1, 2])
+    assert all(graph.node(n).module_path.startswith(f"layers.{i}") or not graph.node(n).module_path
+               for i, names in zip(group.indices, group.instances) for n in names)

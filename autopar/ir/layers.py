@@ -200,20 +200,24 @@ def _forward_windows(graph: Graph, anchors: dict[str, Key]) -> Optional[dict[str
 
 def _cut(start: int, last: int, nxt: int, last_read: list[int]) -> int:
     """How many of the ops between an instance's last parameter use (``last``) and the next
-    instance's first (``nxt``) stay with it: the cut where the fewest values cross (the residual
-    stream alone, where the layer's own ops end), the latest such cut on a tie."""
-    best, at = None, 0
-    for c in range(last + 1, nxt + 1):
-        crossing = sum(1 for p in range(start, c) if last_read[p] >= c)
-        if best is None or crossing <= best:
-            best, at = crossing, c - last - 1
+    instance's first (``nxt``) stay with it: the cut where the fewest values made since ``start``
+    cross (the residual stream alone, where the layer's own ops end), the latest such cut on a tie.
+    One sweep: a value crosses cut ``c`` when it is made before ``c`` and read at ``c`` or later."""
+    ends: dict[int, int] = defaultdict(int)
+    for p in range(start, nxt):
+        ends[last_read[p]] += 1
+    crossing = sum(1 for p in range(start, last + 1) if last_read[p] > last)
+    best, at = crossing, 0
+    for c in range(last + 1, nxt):  # from cut c to cut c + 1: op c's value joins, values last read at c leave
+        crossing += (last_read[c] > c) - (ends[c] - (last_read[c] == c))
+        if crossing <= best:
+            best, at = crossing, c - last
     return at
 
 
-def _structural(graph: Graph, forward_owner: dict[str, Key], accumulate: Optional[str]) -> dict[str, Key]:
+def _structural(graph: Graph, forward_owner: dict[str, Key]) -> dict[str, Key]:
     """The structural rule's backward part: an op follows the forward op it differentiates (same
-    autograd sequence number); gradient accumulations by ``accumulate`` ("min": the lowest
-    instance among their inputs', "added": ``_accumulation_owner``, None: outside)."""
+    autograd sequence number); gradient accumulations stay outside (``_with_accumulations``)."""
     owner = dict(forward_owner)
     seq_owner: dict[int, Key] = {}
     for n in graph.nodes:
@@ -221,14 +225,21 @@ def _structural(graph: Graph, forward_owner: dict[str, Key], accumulate: Optiona
             s = _seq_nr(n)
             if s is not None:
                 seq_owner.setdefault(s, owner[n.name])
-    backward = [n for n in graph.nodes if not n.is_placeholder and n.phase == Phase.BACKWARD]
-    for node in backward:
-        s = _seq_nr(node)
-        if not _is_accumulation(node) and s is not None and s in seq_owner:
-            owner[node.name] = seq_owner[s]
+    for node in graph.nodes:
+        if node.phase == Phase.BACKWARD and not node.is_placeholder and not _is_accumulation(node):
+            s = _seq_nr(node)
+            if s is not None and s in seq_owner:
+                owner[node.name] = seq_owner[s]
+    return owner
+
+
+def _with_accumulations(graph: Graph, base: dict[str, Key], accumulate: str) -> dict[str, Key]:
+    """``base`` with the gradient accumulations joined by ``accumulate`` ("min": the lowest
+    instance among their inputs', "added": ``_accumulation_owner``)."""
+    owner = dict(base)
     users = graph.users() if accumulate == "added" else {}
-    for node in backward if accumulate else ():
-        if _is_accumulation(node):
+    for node in graph.nodes:
+        if node.phase == Phase.BACKWARD and _is_accumulation(node):
             key = (_accumulate(graph, node, owner) if accumulate == "min"
                    else _accumulation_owner(graph, node, owner, users))
             if key is not None:
@@ -272,18 +283,20 @@ def _matching(forward: list[Node], other: list[int], mine: list[int], ref: list[
 # agreement
 
 
+_STATIC: "weakref.WeakKeyDictionary[Node, tuple]" = weakref.WeakKeyDictionary()
+
+
 def _signature(node: Node, members: dict[str, int]) -> tuple:
     """What must agree between instances, position by position, for them to fold: op, outputs,
-    non-tensor arguments, phase, and the wiring (an input made inside the instance by its position)."""
-
-    def ref_key(r: Ref):
-        at = members.get(r.node)
-        return ("in", at, r.index) if at is not None else ("out", r.index)
-
-    args = map_aggregate(node.args, lambda a: ref_key(a) if isinstance(a, Ref) else a)
-    kwargs = map_aggregate(node.kwargs, lambda a: ref_key(a) if isinstance(a, Ref) else a)
-    outer = sum(1 for r in node.inputs if r.node not in members)
-    return node.op, tuple(node.outputs), repr(args), repr(kwargs), node.phase, outer
+    non-tensor arguments, phase, and the wiring (an input made inside the instance by its position,
+    one made outside as "outside")."""
+    static = _STATIC.get(node)
+    if static is None:  # all but the wiring: the same whatever the membership (computed once)
+        args = map_aggregate(node.args, lambda a: "<tensor>" if isinstance(a, Ref) else a)
+        kwargs = map_aggregate(node.kwargs, lambda a: "<tensor>" if isinstance(a, Ref) else a)
+        static = _STATIC[node] = (node.op, tuple(node.outputs), repr(args), repr(kwargs), node.phase)
+    wiring = tuple((members.get(r.node, -1), r.index) for r in node.inputs)
+    return static, wiring
 
 
 def _group(graph: Graph, owner: dict[str, Key]) -> dict[Key, list[str]]:
@@ -332,7 +345,10 @@ def _find(graph: Graph) -> Layers:
     on ties)."""
     anchors = _placeholder_layers(graph)
     windows = _forward_windows(graph, anchors)
-    structural = [] if windows is None else [_structural(graph, windows, a) for a in ("added", "min", None)]
+    structural = []
+    if windows is not None:
+        base = _structural(graph, windows)
+        structural = [_with_accumulations(graph, base, "added"), _with_accumulations(graph, base, "min"), base]
     fallback = _group(graph, _by_module_path(graph, anchors, True))
     grouped = [_group(graph, c) for c in structural] + [fallback, _group(graph, _by_module_path(graph, anchors, False))]
     instances: dict[Key, tuple[str, ...]] = {}
