@@ -200,10 +200,14 @@ def test_gather_shares_follow_the_instances():
 
 def test_functional_loop_decoder_plans_run_as_the_model():
     """The searched plan of the functional-loop decoder on (2, 2) runs in the simulator and gives
-    the single device's loss and gradients, and planning it twice gives the same bytes."""
+    the single device's loss and gradients, planning it twice gives the same bytes, and its
+    per-module figures are by the user's module paths."""
     text = plan_json("llama_loop", (("dp", 2), ("tp", 2)))
     assert plan_json.__wrapped__("llama_loop", (("dp", 2), ("tp", 2))) == text
     plan = autopar.Plan.from_dict(json.loads(text))
+    # per-module figures stay by the user's module paths (the parent's own ops under the root)
+    paths = {m["path"] for m in plan.modules}
+    assert {"", "layers.0.wq", "layers.1.w2", "layers.1.ffn_norm"} <= paths, sorted(paths)
     model, args = build("llama_loop")
     loss, grads = autopar.simulate(model, plan, args)
     ref = model(*args)
