@@ -8,11 +8,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _parity import build, plan_json, rel
 from torch import nn
 
 import autopar
 import autopar.models as M
-from _parity import build, plan_json, rel
 from autopar.cost_model.casting import cast_policy
 from autopar.cost_model.gathers import gather_shares
 from autopar.cost_model.precision import get_precision
@@ -87,24 +87,24 @@ class _Encoder(nn.Module):
         return F.cross_entropy(y.reshape(-1, 100), targets.reshape(-1))
 
 
-def _model(name: str, layers: int):
-    """``(model, args, kwargs)`` of one of the models whose folding is tested, at ``layers`` layers."""
+def _model(name: str, depth: int):
+    """``(model, args, kwargs)`` of one of the models whose folding is tested, at ``depth`` layers."""
     torch.manual_seed(0)
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     if name in ("llama", "llama_loop", "gpt"):
-        model, args = M.make(name, device="meta", **{"n_layer" if name == "gpt" else "n_layers": layers})
+        model, args = M.make(name, device="meta", **{"n_layer" if name == "gpt" else "n_layers": depth})
         return model, args, None
     if name == "encoder":
-        return _Encoder(layers), (ids, ids), None
+        return _Encoder(depth), (ids, ids), None
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     transformers.logging.set_verbosity_error()
     if name == "hf_gpt2":
-        model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
+        model = GPT2LMHeadModel(GPT2Config(n_layer=depth, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
                                            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
                                            eos_token_id=0))
     else:
-        model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=depth,
                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
                                              attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0))
     model.config._attn_implementation = "sdpa"
@@ -131,11 +131,11 @@ def test_merged_problem_has_as_many_nodes_at_2_and_8_layers(name):
     """Every instance folds (its own ops, the parent's ops between the layers, their backward), so
     the problem the solver sees is the same size at any depth."""
     sizes = []
-    for layers in (2, 8):
-        model, args, kwargs = _model(name, layers)
+    for depth in (2, 8):
+        model, args, kwargs = _model(name, depth)
         graph = capture(model, args, kwargs)
         folding, merged = _merged(graph)
-        assert len(folding.groups) == 1 and folding.groups[0].count == layers, [
+        assert len(folding.groups) == 1 and folding.groups[0].count == depth, [
             (g.prefix, g.indices) for g in folding.groups]
         sizes.append(len(merged.problem.nodes))
     assert sizes[0] == sizes[1], sizes
