@@ -1,5 +1,8 @@
 """Planning time per phase: the LLaMA-3-8B shape (batch 64, sequence 2048, training) on an (8, 8)
-H100 mesh, at 2, 8 and 32 layers.
+H100 mesh, at 2, 8 and 32 layers. ``--model`` picks the code that has that shape: ``llama`` (the
+built-in ``autopar.models.llama``), ``llama_loop`` (the same model written with its layer code in the
+parent's ``forward``: RoPE, attention and residual adds outside the layer modules) or ``hf_llama``
+(Hugging Face's ``LlamaForCausalLM``, built on ``meta`` from its config).
 
 Prints capture, fold, strategies, cost, merge, solve and total seconds per depth (from
 ``autopar.passes.pipeline.run_passes``'s ``phases``), and the ratio of the deepest case's post-capture time
@@ -7,7 +10,8 @@ Prints capture, fold, strategies, cost, merge, solve and total seconds per depth
 post-capture phases under 1.5× the 2-layer case's (identical layers are folded, so depth should
 cost little after capture).
 
-    python benchmarks/plan_time.py [--layers 2 8 32] [--repeat K] [--markdown] [--against REF]
+    python benchmarks/plan_time.py [--model llama|llama_loop|hf_llama] [--layers 2 8 32] [--repeat K]
+                                   [--markdown] [--against REF]
 
 With ``--repeat`` each depth is planned K times and the run with the smallest total is kept.
 ``--against REF`` (a commit) also plans with that commit, side by side: a git worktree of REF
@@ -30,18 +34,47 @@ TOTAL_TARGET_S = 15.0
 RATIO_TARGET = 1.5
 
 
-def plan_once(layers: int, batch: int, seq: int) -> dict:
+MODELS = ("llama", "llama_loop", "hf_llama")
+
+
+def build(model: str, layers: int, batch: int, seq: int):
+    """``(module, args, kwargs)``: ``model`` at the LLaMA-3-8B shape with ``layers`` layers, on meta."""
+    from autopar.models import make
+
+    if model != "hf_llama":
+        module, inputs = make(model, size="llama3-8b", batch=batch, seq=seq, device="meta", n_layers=layers)
+        return module, inputs, None
+    import torch
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autopar.models.llama import PRESETS
+
+    transformers.logging.set_verbosity_error()
+    p = PRESETS["llama3-8b"]
+    cfg = LlamaConfig(hidden_size=p["dim"], intermediate_size=p["ffn_dim"], num_hidden_layers=layers,
+                      num_attention_heads=p["n_heads"], num_key_value_heads=p["n_kv_heads"],
+                      vocab_size=p["vocab_size"], max_position_embeddings=p["max_seq_len"],
+                      rope_theta=p["rope_theta"], rms_norm_eps=p["norm_eps"], attention_dropout=0.0,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    with torch.device("meta"):
+        module = LlamaForCausalLM(cfg)
+    module.config._attn_implementation = "sdpa"
+    ids = torch.randint(0, p["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
+    return module, (), {"input_ids": ids, "labels": ids}
+
+
+def plan_once(layers: int, batch: int, seq: int, model: str = "llama") -> dict:
     import autopar
     from autopar.passes.pipeline import run_passes
     from autopar.cost_model import comm
-    from autopar.models import make
 
     comm.cache_clear()  # every depth prices its reshardings from a cold memo, as a fresh process does
 
-    model, inputs = make("llama", size="llama3-8b", batch=batch, seq=seq, device="meta", n_layers=layers)
+    module, args, kwargs = build(model, layers, batch, seq)
     mesh = autopar.Mesh({"dp": 8, "tp": 8}, device="h100")
     t0 = time.perf_counter()
-    p = run_passes(model, mesh, inputs, progress=False)
+    p = run_passes(module, mesh, args, kwargs, progress=False)
     wall = time.perf_counter() - t0
     out = {k: 0.0 for k in PHASES}
     out.update(p.phases)
@@ -52,13 +85,14 @@ def plan_once(layers: int, batch: int, seq: int) -> dict:
     out["peak_gib"] = p.cost.peak_memory / 1024 ** 3
     out["nodes"] = len(p.graph)
     out["solve_nodes"] = len(p.merged.problem.nodes)
-    del p, model
+    del p, module
     gc.collect()
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=MODELS, default="llama", help="the code of the model (see above)")
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seq", type=int, default=2048)
@@ -72,9 +106,10 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    print(f"model {args.model}, batch {args.batch}, seq {args.seq}, (8, 8) h100", flush=True)
     rows = {}
     for L in args.layers:
-        runs = [plan_once(L, args.batch, args.seq) for _ in range(args.repeat)]
+        runs = [plan_once(L, args.batch, args.seq, args.model) for _ in range(args.repeat)]
         rows[L] = min(runs, key=lambda r: r["total"])
         r = rows[L]
         print(f"{L:>3} layers: " + "  ".join(f"{k} {r[k]:.2f}" for k in PHASES)
@@ -134,8 +169,9 @@ def against(args) -> int:
     for L in args.layers:
         for _ in range(args.repeat):
             for side, tree in (("base", base), ("this", here)):
-                text, _ = run_once(tree, "plan_time.py", ["--layers", str(L), "--batch", str(args.batch),
-                                                          "--seq", str(args.seq)], 3600)
+                model = ["--model", args.model] if args.model != "llama" else []  # older trees: llama only
+                text, _ = run_once(tree, "plan_time.py", model + ["--layers", str(L), "--batch", str(args.batch),
+                                                                  "--seq", str(args.seq)], 3600)
                 row = phases_in(text)[L]
                 got[side].setdefault(L, []).append(row)
                 print(f"{side:>4} {L:>3} layers: " + "  ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)

@@ -1,13 +1,28 @@
-"""Fold: repeated layers are found, their instances are alike, and the problem's size does not
-grow with depth."""
+"""Fold: repeated layers are found (from the graph, whatever the module structure), their instances
+are alike, and the problem's size does not grow with depth."""
 
+import json
+import random
 import warnings
 
 import pytest
+import torch
+import torch.nn.functional as F
+from _parity import build, plan_json, rel
+from torch import nn
 
+import autopar
 import autopar.models as M
+from autopar.cost_model.casting import cast_policy
+from autopar.cost_model.gathers import gather_shares
+from autopar.cost_model.precision import get_precision
 from autopar.ir.capture import capture
+from autopar.ir.graph import Phase
+from autopar.ir.layers import layer_members, layer_of, layers
+from autopar.passes.search.build import build_problem
 from autopar.passes.search.fold import fold
+from autopar.passes.search.merge import merge
+from autopar.passes.search.strategies import node_strategies
 
 warnings.simplefilter("ignore")
 
@@ -44,3 +59,188 @@ def test_instances_are_alike_node_by_node():
 def test_distinct_layers_do_not_fold():
     model, inputs = M.make("cnn", device="meta")  # every stage has its own widths
     assert fold(capture(model, inputs)).groups == []
+
+
+# ---------------------------------------------------------------------------------------------
+# structural folding: layers found from the graph, whatever the module structure
+
+try:
+    import transformers
+except ImportError:  # pragma: no cover - transformers is a test dependency
+    transformers = None
+
+needs_hf = pytest.mark.skipif(transformers is None, reason="transformers is not installed")
+
+
+class _Encoder(nn.Module):
+    """``nn.TransformerEncoder`` with an embedding and a head, returning a mean loss."""
+
+    def __init__(self, layers: int):
+        super().__init__()
+        self.emb = nn.Embedding(100, 32)
+        self.encoder = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True), layers, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 100)
+
+    def forward(self, ids, targets):
+        y = self.head(self.encoder(self.emb(ids)))
+        return F.cross_entropy(y.reshape(-1, 100), targets.reshape(-1))
+
+
+def _model(name: str, depth: int):
+    """``(model, args, kwargs)`` of one of the models whose folding is tested, at ``depth`` layers."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    if name in ("llama", "llama_loop", "gpt"):
+        model, args = M.make(name, device="meta", **{"n_layer" if name == "gpt" else "n_layers": depth})
+        return model, args, None
+    if name == "encoder":
+        return _Encoder(depth), (ids, ids), None
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    if name == "hf_gpt2":
+        model = GPT2LMHeadModel(GPT2Config(n_layer=depth, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
+                                           attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
+                                           eos_token_id=0))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=depth,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                             attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    model.config._attn_implementation = "sdpa"
+    return model, (), dict(input_ids=ids, labels=ids)
+
+
+def _merged(graph):
+    """The folding and the merged ILP of ``graph`` on a (2, 2) CPU mesh (the planning passes up to
+    the solve)."""
+    mesh = autopar.Mesh({"dp": 2, "tp": 2}, device="cpu")
+    folding = fold(graph)
+    strategies = {n.name: node_strategies(graph, n, mesh) for n in graph.nodes
+                  if folding.representative(n.name) == n.name}
+    problem = build_problem(graph, mesh, folding, strategies, get_precision(None, mesh.hardware), 1e15)
+    return folding, merge(problem, {n.name: n.op for n in graph.nodes})
+
+
+MODELS = ["llama_loop", "llama", "gpt", "encoder",
+          pytest.param("hf_llama", marks=needs_hf), pytest.param("hf_gpt2", marks=needs_hf)]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_merged_problem_has_as_many_nodes_at_2_and_8_layers(name):
+    """Every instance folds (its own ops, the parent's ops between the layers, their backward), so
+    the problem the solver sees is the same size at any depth."""
+    sizes = []
+    for depth in (2, 8):
+        model, args, kwargs = _model(name, depth)
+        graph = capture(model, args, kwargs)
+        folding, merged = _merged(graph)
+        assert len(folding.groups) == 1 and folding.groups[0].count == depth, [
+            (g.prefix, g.indices) for g in folding.groups]
+        sizes.append(len(merged.problem.nodes))
+    assert sizes[0] == sizes[1], sizes
+
+
+def _functional_ops(graph):
+    """The ops the functional-loop decoder runs in its own ``forward`` between the layers' linears
+    (attention, RoPE's products, SwiGLU's product, residual adds), forward and backward."""
+    return [n for n in graph.ops() if n.module_path == "" and (
+        "scaled_dot_product" in n.op or n.op in ("aten.silu.default", "aten.silu_backward.default", "aten.cat.default"))]
+
+
+def test_the_parents_ops_belong_to_the_layer_they_run_for():
+    model, args = M.make("llama_loop", n_layers=4)
+    graph = capture(model, args)
+    found = layers(graph)
+    ops = _functional_ops(graph)
+    assert {graph.node(n.name).phase for n in ops} == {Phase.FORWARD, Phase.BACKWARD}
+    for n in ops:
+        assert found.of(n.name) is not None, n.where()
+    # attention i (forward and backward) belongs to instance i: the i-th forward one, and the
+    # backward ones in reverse
+    attn = [n.name for n in graph.ops() if "scaled_dot_product" in n.op]
+    fwd = [n for n in attn if graph.node(n).phase == Phase.FORWARD]
+    bwd = [n for n in attn if graph.node(n).phase == Phase.BACKWARD]
+    assert [found.of(n) for n in fwd] == [("layers", i) for i in range(4)]
+    assert [found.of(n) for n in bwd] == [("layers", i) for i in reversed(range(4))]
+    # the parameters anchor their instance; the embedding, the final norm and the head stay outside
+    for fqn, node in graph.params.items():
+        assert found.of(node) == (layer_of(fqn) if fqn.startswith("layers.") else None), fqn
+    assert found.alike == {"layers": (0, 1, 2, 3)}
+    assert layer_members(graph) == found.members()
+
+
+def test_cast_policy_treats_every_instance_alike():
+    """The cast policy's layer region is the folding's: under bf16-mixed the ops at one position of
+    every instance compute in one dtype, parent-forward ops included."""
+    model, args = M.make("llama_loop", n_layers=3)
+    graph = capture(model, args)
+    policy = cast_policy(graph, "bf16-mixed")
+    group = fold(graph).groups[0]
+    assert group.count == 3
+    for names in group.instances[1:]:
+        assert [policy.modes.get(n) for n in names] == [policy.modes.get(n) for n in group.instances[0]]
+    assert all(policy.modes[n.name] == torch.bfloat16 for n in _functional_ops(graph) if n.phase == Phase.FORWARD)
+
+
+def test_gather_shares_follow_the_instances():
+    """Parameter gathers are grouped per instance of the membership: each instance's shares sum
+    to one latency, and the parameters outside the layers share the rest."""
+    model, args = M.make("llama_loop", n_layers=3)
+    graph = capture(model, args)
+    found = layers(graph)
+    per_instance: dict = {}
+    for fqn, node in graph.params.items():
+        part, by_bytes = gather_shares(graph)[node]
+        assert by_bytes == (found.of(node) is None), fqn
+        per_instance[found.of(node)] = per_instance.get(found.of(node), 0.0) + part
+    assert set(per_instance) == {None} | {("layers", i) for i in range(3)}
+    assert all(abs(v - 1.0) < 1e-9 for v in per_instance.values()), per_instance
+
+
+def test_functional_loop_decoder_plans_run_as_the_model():
+    """The searched plan of the functional-loop decoder on (2, 2) runs in the simulator and gives
+    the single device's loss and gradients, planning it twice gives the same bytes, and its
+    per-module figures are by the user's module paths."""
+    text = plan_json("llama_loop", (("dp", 2), ("tp", 2)))
+    assert plan_json.__wrapped__("llama_loop", (("dp", 2), ("tp", 2))) == text
+    plan = autopar.Plan.from_dict(json.loads(text))
+    # per-module figures stay by the user's module paths (the parent's own ops under the root)
+    paths = {m["path"] for m in plan.modules}
+    assert {"", "layers.0.wq", "layers.1.w2", "layers.1.ffn_norm"} <= paths, sorted(paths)
+    model, args = build("llama_loop")
+    loss, grads = autopar.simulate(model, plan, args)
+    ref = model(*args)
+    ref.backward()
+    assert rel(loss, ref.detach()) < 1e-6
+    for name, p in model.named_parameters():
+        assert rel(grads[name], p.grad) < 1e-6, name
+
+
+def test_the_cut_is_where_fewest_values_cross():
+    """``_cut``'s one sweep finds what counting the crossing values at every cut finds."""
+    from autopar.ir.layers import _cut
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randrange(3, 30)
+        last_read = [rng.choice([p, rng.randrange(p, n + 5)]) for p in range(n)]
+        start, nxt = rng.randrange(0, n // 2), rng.randrange(n // 2 + 1, n + 1)
+        last = rng.randrange(start, nxt)
+        crossing = [sum(1 for p in range(start, c) if last_read[p] >= c) for c in range(last + 1, nxt + 1)]
+        best = min(crossing)
+        assert _cut(start, last, nxt, last_read) == max(k for k, x in enumerate(crossing) if x == best)
+
+
+def test_without_sequence_numbers_module_paths_stand_in():
+    """A graph whose nodes carry no autograd sequence numbers (the backward cannot follow its
+    forward op) still folds, by module paths."""
+    model, args = M.make("llama", device="meta", n_layers=3)
+    graph = capture(model, args)
+    for n in graph.nodes:
+        if n.fx_node is not None:
+            n.fx_node.meta.pop("seq_nr", None)
+    group = fold(graph).groups[0]
+    assert (group.prefix, group.indices) == ("layers", [0, 1, 2])
+    assert all(graph.node(n).module_path.startswith(f"layers.{i}") or not graph.node(n).module_path
+               for i, names in zip(group.indices, group.instances) for n in names)

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 from autopar.cost_model.comm import LOCAL_KINDS, Step, collective_time, reshard_steps
 from autopar.cost_model.precision import element_bytes
 from autopar.ir.graph import Graph
-from autopar.ir.layers import layer_of
+from autopar.ir.layers import layers
 from autopar.ir.placement import parse
 
 #: Bytes per bucket (DDP's default, 25 MiB).
@@ -91,7 +91,7 @@ def _key(spec, steps: Sequence[Step]) -> Optional[tuple]:
 def grad_buckets(graph: Graph, steps: dict[str, Sequence[Step]]) -> dict[str, int]:
     """``{fqn: bucket index}`` for the gradients (fqn -> their resharding steps) that can be
     bucketed, in the order the backward produces them; indices count buckets in the order they
-    open. Reductions with a reduce-scatter (FSDP) group per layer instance (``ir.layers.layer_of``),
+    open. Reductions with a reduce-scatter (FSDP) group per layer instance (``ir.layers.layers``),
     whatever their bytes, as FSDP2 reduces a layer's gradients at once; the others, and those
     outside the numbered layers, fill ``BUCKET_SIZE`` buckets."""
     where = {n.name: i for i, n in enumerate(graph.nodes)}
@@ -101,9 +101,10 @@ def grad_buckets(graph: Graph, steps: dict[str, Sequence[Step]]) -> dict[str, in
     open_bucket: dict[tuple, tuple[int, int]] = {}  # (key, layer) -> (bucket index, bytes so far)
     out: dict[str, int] = {}
     count = 0
+    membership = layers(graph)
     for fqn in order:
         nbytes = steps[fqn][0].bytes
-        layer = layer_of(fqn) if _per_layer(steps[fqn]) else None
+        layer = membership.of(graph.params[fqn]) if _per_layer(steps[fqn]) else None
         key = (keys[fqn], layer)
         cur = open_bucket.get(key)
         if cur is None or (layer is None and cur[1] and cur[1] + nbytes > BUCKET_SIZE):

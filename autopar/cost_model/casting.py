@@ -14,13 +14,13 @@ the cost model (``transfer_bytes``) and the lowering both read:
 - full precision (the captured dtype, normally fp32) is kept where it is cheap and matters:
   *the loss region* — the forward ops from the first op after the last matmul-like op up to the
   loss (the decomposed log-softmax, ``nll_loss``, the mean's division; any elementwise loss such as
-  MSE) — and every op outside the numbered layers whose floating inputs are all full precision:
+  MSE) — and every op outside the layers whose floating inputs are all full precision:
   the loss's backward (seeded by the fp32 tangent) up to the first matmul, buffers (kept in their
   own dtype, as FSDP does: rotary tables, norm statistics), values made from integers
   (``arange(...).float()``, masks). A compute-dtype op reading such a value casts it down where it
-  reads it. Inside a numbered layer (``blocks.3``, as ``fold`` finds them) every op with a floating
-  input computes in the compute dtype, so all instances of a layer are alike and the planner's one
-  price for a folded layer holds for each;
+  reads it. Inside a layer instance (``ir.layers``: ``blocks.3`` and the ops run between its weights,
+  as ``fold`` folds them) every op with a floating input computes in the compute dtype, so all
+  instances of a layer are alike and the planner's one price for a folded layer holds for each;
 - kernel outputs that are always fp32 (attention's log-sum-exp) keep it and are never cast: the
   backward kernels require it;
 - explicit conversions of a floating value to another floating dtype (a model's own ``.float()``)
@@ -129,7 +129,7 @@ class CastPolicy:
 def loss_region(graph: Graph, layers: frozenset[str] = frozenset()) -> frozenset[str]:
     """The forward ops the loss is computed by after the last matmul-like op (``COMPUTE_OPS``):
     walking back from the loss through producers, stopping at those ops, at placeholders and at
-    the ops of numbered layers (``layers``)."""
+    the ops of layer instances (``layers``)."""
     if graph.loss is None:
         return frozenset()
     seen: set[str] = set()

@@ -3,8 +3,8 @@
 A parameter (or a layout view of one) resharded for its consumer by all-gathers only (FSDP: one
 all-gather; over two data axes, one per axis) joins a *group* of gathers with the same sequence of
 axes, the same dtype and bytes per element, in the same phase (the backward gathers again) and of
-the same layer instance (``ir.layers.layer_of`` of the parameter's FQN: ``layers.3``); gathers of
-parameters outside the numbered layers fill groups of up to ``BUCKET_SIZE`` bytes (of their first
+the same layer instance (``ir.layers.layers``, the membership ``fold`` folds by: ``layers.3``); gathers of
+parameters outside the layers fill groups of up to ``BUCKET_SIZE`` bytes (of their first
 step) in the order the program first reads them. A group runs one all-gather per step on a packed
 buffer, so it pays each collective's latency once. The plan's report (``mark_param_groups``) and
 the lowering both call ``gather_groups``, so the collectives a plan predicts are the ones its
@@ -20,7 +20,7 @@ from autopar.cost_model.buckets import BUCKET_SIZE, shared_latency_time
 from autopar.cost_model.comm import Step, reshard_steps
 from autopar.cost_model.precision import element_bytes
 from autopar.ir.graph import Graph, Ref
-from autopar.ir.layers import layer_of
+from autopar.ir.layers import layers
 from autopar.ir.placement import parse
 from autopar.ir.views import param_views
 
@@ -54,6 +54,7 @@ def gather_groups(graph: Graph, gathers: Sequence[tuple[Hashable, Ref, str, Sequ
     moves. Indices count groups in the order they open."""
     layer_of_ref: dict[str, Optional[tuple]] = {}
     fqn_of = {node: fqn for fqn, node in graph.params.items()}
+    membership = layers(graph)
     open_group: dict[tuple, tuple[int, int]] = {}  # (phase, layer, key) -> (group index, bytes so far)
     out: dict[Hashable, int] = {}
     count = 0
@@ -63,7 +64,7 @@ def gather_groups(graph: Graph, gathers: Sequence[tuple[Hashable, Ref, str, Sequ
             continue
         if ref.node not in layer_of_ref:
             fqn = param_of(graph, ref.node, fqn_of)
-            layer_of_ref[ref.node] = layer_of(fqn) if fqn else None
+            layer_of_ref[ref.node] = membership.of(graph.params[fqn]) if fqn else None
         layer = layer_of_ref[ref.node]
         nbytes = steps[0].bytes
         cur = open_group.get((phase, layer, gkey))
@@ -82,15 +83,16 @@ def gather_shares(graph: Graph) -> dict[str, float]:
     latency: those groups are few (embedding, final norm, head), and a model without numbered
     layers may gather one weight alone (priced at a share, the ILP took gathers that ran alone for
     cheaper than the all-reduce they replaced)."""
+    membership = layers(graph)
     totals: dict[Optional[tuple], int] = {}
     for fqn, node in graph.params.items():
-        layer = layer_of(fqn)
+        layer = membership.of(node)
         totals[layer] = totals.get(layer, 0) + graph.spec(Ref(node)).numel
     out: dict[str, float] = {}
     fqn_of = {node: fqn for fqn, node in graph.params.items()}
     for name in param_views(graph):
         fqn = param_of(graph, name, fqn_of)
-        layer = layer_of(fqn) if fqn else None
+        layer = membership.of(graph.params[fqn]) if fqn else None
         out[name] = graph.spec(Ref(name)).numel / totals[layer] if layer is not None else 1.0
     return out
 

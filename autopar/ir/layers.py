@@ -1,58 +1,55 @@
-"""Layers: the numbered modules of a model (``layers.3``, ``blocks.0``, a root ``nn.Sequential``'s ``0``).
+"""Layers: the repeated blocks of a model, found from the graph, and the one membership every pass uses.
 
-One rule serves every pass that needs layers, so they cannot disagree: ``fold`` groups alike
-instances, the cast policy keeps layer ops in the compute dtype, and the lowering's schedule issues
-parameter gathers one layer ahead. A node belongs to the first numbered module on its module path
-(a parameter: on its FQN).
+One rule serves every pass that needs layers, so they cannot disagree: ``fold`` folds agreeing
+instances, the cast policy keeps layer ops in the compute dtype, and parameter gathers are grouped
+per layer instance. Instances are anchored by their parameters and buffers: those whose FQN has a
+numbered module (``layers.3.wq.weight``: instance 3 of ``layers``). Their ops are found from the
+graph, whatever module ran them (docs/architecture.md, "Fold, merge, solve"):
+
+- forward: instance i owns the forward ops from its first parameter use to its last, and the ops
+  after its last up to instance i+1's first (residual adds, RoPE, attention, anything written in
+  the parent's ``forward``, reads of shared buffers) up to a *cut*: the point of that gap where the
+  fewest values cross (the residual stream alone; the latest such point on a tie), at the same
+  offset in every gap; what follows the cut (a norm's statistics, computed before its weight is
+  read) belongs to instance i+1. Instance 0 also owns the ops just before its first parameter use
+  that agree one by one with those instance 1 owns before its own, and the last instance the ops
+  after its last use that agree with those its predecessor owns after its own;
+- backward: an op follows the forward op it differentiates (autograd's sequence number). A gradient
+  accumulation (the sum of a tensor's gradients from its several uses) has none: it joins the
+  lowest instance among its inputs', or the instance of the use whose gradient it adds
+  (``_accumulation_owner``), or stays outside, whichever folds best (below);
+- instances *agree* when their node sequences do, position by position (op, output shapes and
+  dtypes, non-tensor arguments, phase, and wiring: an input made inside the instance by its
+  position); the largest set of agreeing instances of a prefix is what ``fold`` folds.
+
+The module-path rule (a node belongs to the first numbered module on its module path; module-less
+accumulations to the lowest instance among their inputs', or none) gives further candidates, for
+graphs without autograd sequence numbers and prefixes whose instances' parameter uses interleave.
+Of the candidates, a prefix takes the one that folds best (``_score``): most nodes folded per added
+layer, then most nodes folded.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Optional
 
-from autopar.ir.graph import Graph, Node
+from torch.fx.node import map_aggregate
+
+from autopar.ir.graph import Graph, Node, Phase, Ref
+
+Key = tuple[str, int]
 
 
-def layer_of(path: str) -> Optional[tuple[str, int]]:
+def layer_of(path: str) -> Optional[Key]:
     """``"model.layers.3.attn"`` -> ``("model.layers", 3)``: the first numbered module on the path."""
     parts = path.split(".")
     for i, p in enumerate(parts):
         if p.isdigit():
             return ".".join(parts[:i]), int(p)
     return None
-
-
-def _node_layer(node: Node, param_of: dict[str, str]) -> Optional[tuple[str, int]]:
-    """The layer of an op (its module path) or of a parameter or buffer placeholder (its FQN)."""
-    if node.is_placeholder:
-        fqn = param_of.get(node.name)
-        return layer_of(fqn) if fqn else None
-    return layer_of(node.module_path) if node.module_path else None
-
-
-def layers(graph: Graph, with_accumulation: bool) -> dict[tuple[str, int], list[str]]:
-    """Layer (prefix, index) -> its node names in graph order; ``with_accumulation`` also takes in
-    the module-less gradient accumulations that sum one layer's tensors."""
-    param_of = {name: fqn for fqn, name in list(graph.params.items()) + list(graph.buffers.items())}
-    by_layer: dict[tuple[str, int], list[str]] = defaultdict(list)
-    owner: dict[str, tuple[str, int]] = {}
-    for node in graph.nodes:
-        key = _node_layer(node, param_of)
-        if key is None and with_accumulation and not node.is_placeholder and not node.module_path:
-            # Gradient accumulation (a tensor used twice, e.g. the residual stream) has no module:
-            # it belongs to the lowest layer among its inputs' (the layer whose tensor it sums).
-            keys = [owner[r.node] for r in node.inputs if r.node in owner]
-            key = min(keys) if keys and len({k[0] for k in keys}) == 1 else None
-        if key is not None:
-            owner[node.name] = key
-            by_layer[key].append(node.name)
-    return by_layer
-
-
-def layer_members(graph: Graph) -> frozenset[str]:
-    """Every op of a numbered layer, gradient accumulation included, as ``fold`` groups them."""
-    return frozenset(n for names in layers(graph, True).values() for n in names)
 
 
 def layer_key(path: str) -> Optional[str]:
@@ -62,3 +59,320 @@ def layer_key(path: str) -> Optional[str]:
         return None
     prefix, index = found
     return f"{prefix}.{index}" if prefix else str(index)
+
+
+@dataclass(frozen=True)
+class Layers:
+    """The layer membership of a graph: ``instances[(prefix, i)]`` lists instance i's node names in
+    graph order (parameter placeholders included); ``alike[prefix]`` the indices of the instances
+    that agree node by node (two or more; absent when none do), which ``fold`` folds."""
+
+    instances: dict[Key, tuple[str, ...]]
+    alike: dict[str, tuple[int, ...]]
+    owner: dict[str, Key] = field(default_factory=dict, repr=False)
+
+    def of(self, name: str) -> Optional[Key]:
+        """The instance node ``name`` belongs to, or None outside the layers."""
+        return self.owner.get(name)
+
+    def members(self) -> frozenset[str]:
+        """Every node of every instance (agreeing or not)."""
+        return frozenset(self.owner)
+
+
+_CACHE: "weakref.WeakKeyDictionary[Graph, Layers]" = weakref.WeakKeyDictionary()
+
+
+def layers(graph: Graph) -> Layers:
+    """The graph's layer membership (computed once per graph)."""
+    got = _CACHE.get(graph)
+    if got is None:
+        got = _CACHE[graph] = _find(graph)
+    return got
+
+
+def layer_members(graph: Graph) -> frozenset[str]:
+    """Every node of a layer instance, as ``fold`` groups them."""
+    return layers(graph).members()
+
+
+# ---------------------------------------------------------------------------------------------
+# the candidate memberships
+
+
+def _placeholder_layers(graph: Graph) -> dict[str, Key]:
+    """Parameter and buffer placeholders of numbered modules -> their instance (by FQN)."""
+    out = {}
+    for fqn, name in list(graph.params.items()) + list(graph.buffers.items()):
+        key = layer_of(fqn)
+        if key is not None:
+            out[name] = key
+    return out
+
+
+def _seq_nr(node: Node) -> Optional[int]:
+    meta = node.fx_node.meta if node.fx_node is not None else {}
+    s = meta.get("seq_nr")
+    return None if s is None or int(s) < 0 else int(s)
+
+
+def _is_accumulation(node: Node) -> bool:
+    """A gradient accumulation (the sum of a tensor's gradients from its several uses)."""
+    return bool(node.fx_node is not None and node.fx_node.meta.get("is_gradient_acc"))
+
+
+def _accumulate(graph: Graph, node: Node, owner: dict[str, Key]) -> Optional[Key]:
+    """The lowest instance among a gradient accumulation's inputs' (one prefix only), else None."""
+    keys = [owner[r.node] for r in node.inputs if r.node in owner]
+    return min(keys) if keys and len({k[0] for k in keys}) == 1 else None
+
+
+def _accumulation_owner(graph: Graph, node: Node, owner: dict[str, Key], users: dict[str, list[str]]) -> Optional[Key]:
+    """A gradient accumulation adds the gradient of one use of a tensor to the sum of the others':
+    it follows that use (the instance of the backward op that made the gradient). The first of a
+    chain adds two uses' gradients and follows the first (autograd sums the latest use first). An
+    input is a partial sum when it is an accumulation read by this one alone."""
+    def partial(r: Ref) -> bool:
+        return _is_accumulation(graph.node(r.node)) and users[r.node] == [node.name]
+
+    added = [r for r in node.inputs if not partial(r)]
+    return owner.get(added[0].node) if added else None
+
+
+def _by_module_path(graph: Graph, anchors: dict[str, Key], with_acc: bool) -> dict[str, Key]:
+    """The module-path rule: the first numbered module on a node's module path; with ``with_acc``
+    module-less gradient accumulations join the lowest instance among their inputs'."""
+    owner: dict[str, Key] = {}
+    for node in graph.nodes:
+        if node.is_placeholder:
+            key = anchors.get(node.name)
+        else:
+            key = layer_of(node.module_path) if node.module_path else None
+            if key is None and with_acc and not node.module_path:
+                key = _accumulate(graph, node, owner)
+        if key is not None:
+            owner[node.name] = key
+    return owner
+
+
+def _forward_windows(graph: Graph, anchors: dict[str, Key]) -> Optional[dict[str, Key]]:
+    """The structural rule's forward part (module docstring): the anchors and the forward ops of
+    each prefix's instances, or None without autograd sequence numbers (the backward could not
+    follow). A prefix whose instances' parameter uses interleave is left out."""
+    forward = [n for n in graph.nodes if not n.is_placeholder and n.phase == Phase.FORWARD]
+    if not any(_seq_nr(n) is not None for n in forward):
+        return None
+    at = {n.name: k for k, n in enumerate(forward)}
+    uses: dict[Key, list[int]] = defaultdict(list)
+    reads_param = [False] * len(forward)
+    last_read = list(range(len(forward)))  # forward position of each op's last forward reader
+    for k, n in enumerate(forward):
+        for r in n.inputs:
+            key = anchors.get(r.node)
+            if key is not None:
+                uses[key].append(k)
+                reads_param[k] = True
+            elif r.node in at:
+                last_read[at[r.node]] = k
+    owner: dict[str, Key] = {}
+    for prefix in sorted({p for p, _ in uses}):
+        idx = sorted(i for p, i in uses if p == prefix)
+        first = [min(uses[(prefix, i)]) for i in idx]
+        last = [max(uses[(prefix, i)]) for i in idx]
+        if len(idx) < 2 or any(last[j] >= first[j + 1] for j in range(len(idx) - 1)):
+            continue
+        owner.update((n, key) for n, key in anchors.items() if key[0] == prefix)
+        cut = _cut(first[0], last[0], first[1], last_read)
+        bounds = [(min(last[j - 1] + 1 + cut, first[j]) if j else first[0], min(last[j] + 1 + cut, first[j + 1])
+                   if j + 1 < len(idx) else last[j] + 1) for j in range(len(idx))]
+        windows = [list(range(a, b)) for a, b in bounds]
+        # the first instance takes the ops before its weights that agree with what the second runs
+        # before its own; the last, those after its weights that agree with what the one before runs
+        ahead = list(range(bounds[1][0], first[1]))
+        windows[0] = _matching(forward, windows[1], windows[0], ahead, reads_param, before=True) + windows[0]
+        behind = list(range(last[-2] + 1, bounds[-2][1]))
+        windows[-1] += _matching(forward, windows[-2], windows[-1], behind, reads_param, before=False)
+        for i, window in zip(idx, windows):
+            for k in window:
+                owner.setdefault(forward[k].name, (prefix, i))
+    return owner
+
+
+def _cut(start: int, last: int, nxt: int, last_read: list[int]) -> int:
+    """How many of the ops between an instance's last parameter use (``last``) and the next
+    instance's first (``nxt``) stay with it: the cut where the fewest values made since ``start``
+    cross (the residual stream alone, where the layer's own ops end), the latest such cut on a tie.
+    One sweep: a value crosses cut ``c`` when it is made before ``c`` and read at ``c`` or later."""
+    ends: dict[int, int] = defaultdict(int)
+    for p in range(start, nxt):
+        ends[last_read[p]] += 1
+    crossing = sum(1 for p in range(start, last + 1) if last_read[p] > last)
+    best, at = crossing, 0
+    for c in range(last + 1, nxt):  # from cut c to cut c + 1: op c's value joins, values last read at c leave
+        crossing += (last_read[c] > c) - (ends[c] - (last_read[c] == c))
+        if crossing <= best:
+            best, at = crossing, c - last
+    return at
+
+
+def _structural(graph: Graph, forward_owner: dict[str, Key]) -> dict[str, Key]:
+    """The structural rule's backward part: an op follows the forward op it differentiates (same
+    autograd sequence number); gradient accumulations stay outside (``_with_accumulations``)."""
+    owner = dict(forward_owner)
+    seq_owner: dict[int, Key] = {}
+    for n in graph.nodes:
+        if n.phase == Phase.FORWARD and not n.is_placeholder and n.name in owner:
+            s = _seq_nr(n)
+            if s is not None:
+                seq_owner.setdefault(s, owner[n.name])
+    for node in graph.nodes:
+        if node.phase == Phase.BACKWARD and not node.is_placeholder and not _is_accumulation(node):
+            s = _seq_nr(node)
+            if s is not None and s in seq_owner:
+                owner[node.name] = seq_owner[s]
+    return owner
+
+
+def _with_accumulations(graph: Graph, base: dict[str, Key], accumulate: str) -> dict[str, Key]:
+    """``base`` with the gradient accumulations joined by ``accumulate`` ("min": the lowest
+    instance among their inputs', "added": ``_accumulation_owner``)."""
+    owner = dict(base)
+    users = graph.users() if accumulate == "added" else {}
+    for node in graph.nodes:
+        if node.phase == Phase.BACKWARD and _is_accumulation(node):
+            key = (_accumulate(graph, node, owner) if accumulate == "min"
+                   else _accumulation_owner(graph, node, owner, users))
+            if key is not None:
+                owner[node.name] = key
+    return owner
+
+
+def _matching(forward: list[Node], other: list[int], mine: list[int], ref: list[int], reads_param: list[bool],
+              before: bool) -> list[int]:
+    """The ops right after (``before``: right before) ``mine`` that agree one by one with ``ref``
+    (the same stretch of the ``other`` instance, positions in ``other``): the longest such run that
+    reads no parameter. After: it stops at the first op that differs; before: the longest agreeing
+    run ending where ``mine`` starts."""
+    if not ref:
+        return []
+    ref_pos = {forward[k].name: j for j, k in enumerate(other)}
+    want = [_signature(forward[k], ref_pos) for k in ref]
+    if before:
+        for m in range(len(ref), 0, -1):
+            cand = list(range(mine[0] - m, mine[0]))
+            if cand[0] < 0 or any(reads_param[c] for c in cand):
+                continue
+            pos = {forward[k].name: j + len(ref) - m for j, k in enumerate(cand + mine)}
+            if [_signature(forward[c], pos) for c in cand] == want[len(ref) - m:]:
+                return cand
+        return []
+    pos = {forward[k].name: j for j, k in enumerate(mine)}
+    taken: list[int] = []
+    for j, k in enumerate(ref):
+        c = mine[-1] + 1 + j
+        if c >= len(forward) or reads_param[c]:
+            break
+        pos[forward[c].name] = len(mine) + j
+        if _signature(forward[c], pos) != want[j]:
+            break
+        taken.append(c)
+    return taken
+
+
+# ---------------------------------------------------------------------------------------------
+# agreement
+
+
+_STATIC: "weakref.WeakKeyDictionary[Node, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _signature(node: Node, members: dict[str, int]) -> tuple:
+    """What must agree between instances, position by position, for them to fold: op, outputs,
+    non-tensor arguments, phase, and the wiring (an input made inside the instance by its position,
+    one made outside as "outside")."""
+    static = _STATIC.get(node)
+    if static is None:  # all but the wiring: the same whatever the membership (computed once)
+        args = map_aggregate(node.args, lambda a: "<tensor>" if isinstance(a, Ref) else a)
+        kwargs = map_aggregate(node.kwargs, lambda a: "<tensor>" if isinstance(a, Ref) else a)
+        static = _STATIC[node] = (node.op, tuple(node.outputs), repr(args), repr(kwargs), node.phase)
+    wiring = tuple((members.get(r.node, -1), r.index) for r in node.inputs)
+    return static, wiring
+
+
+def _group(graph: Graph, owner: dict[str, Key]) -> dict[Key, list[str]]:
+    out: dict[Key, list[str]] = defaultdict(list)
+    for node in graph.nodes:
+        key = owner.get(node.name)
+        if key is not None:
+            out[key].append(node.name)
+    return out
+
+
+def _classes(graph: Graph, by_key: dict[Key, list[str]], prefix: str) -> list[list[int]]:
+    """The instances of ``prefix`` grouped by their node sequences (agreeing instances together)."""
+    alike: dict[tuple, list[int]] = defaultdict(list)
+    for i in sorted(i for p, i in by_key if p == prefix):
+        names = by_key[(prefix, i)]
+        members = {n: k for k, n in enumerate(names)}
+        alike[tuple(_signature(graph.node(n), members) for n in names)].append(i)
+    return list(alike.values())
+
+
+def _largest(by_key: dict[Key, list[str]], prefix: str, classes: list[list[int]]) -> tuple[int, ...]:
+    """The class covering the most nodes (two instances or more), else ``()``."""
+    best = max(classes, key=lambda ix: (len(ix) * len(by_key[(prefix, ix[0])]), -ix[0]), default=[])
+    return tuple(best) if len(best) >= 2 else ()
+
+
+def _score(by_key: dict[Key, list[str]], prefix: str, classes: list[list[int]]) -> tuple[int, int]:
+    """How well a candidate membership folds ``prefix``, larger better: first the nodes it folds per
+    added layer (an instance's length, where the middle instances agree: then every added layer
+    folds, and the problem does not grow with depth; the first and the last instance may differ,
+    as they touch the embedding or the head), then the nodes it folds at this depth. With two
+    instances there is no middle one: the shorter instance's length stands for it."""
+    idx = sorted(i for p, i in by_key if p == prefix)
+    ix = _largest(by_key, prefix, classes)
+    folded = (len(ix) - 1) * len(by_key[(prefix, ix[0])]) if ix else 0
+    if len(idx) == 2:
+        return min(len(by_key[(prefix, i)]) for i in idx), folded
+    middle = set(idx[1:-1])
+    per_layer = next((len(by_key[(prefix, c[0])]) for c in classes if middle <= set(c) and len(c) >= 2), 0)
+    return per_layer, folded
+
+
+def _find(graph: Graph) -> Layers:
+    """Per prefix, the candidate membership that folds best (``_score``; the structural rule first
+    on ties)."""
+    anchors = _placeholder_layers(graph)
+    windows = _forward_windows(graph, anchors)
+    structural = []
+    if windows is not None:
+        base = _structural(graph, windows)
+        structural = [_with_accumulations(graph, base, "added"), _with_accumulations(graph, base, "min"), base]
+    fallback = _group(graph, _by_module_path(graph, anchors, True))
+    grouped = [_group(graph, c) for c in structural] + [fallback, _group(graph, _by_module_path(graph, anchors, False))]
+    instances: dict[Key, tuple[str, ...]] = {}
+    alike: dict[str, tuple[int, ...]] = {}
+    owner: dict[str, Key] = {}
+    for prefix in sorted({p for p, _ in fallback}):
+        best, score, ix = fallback, None, ()
+        for by_key in grouped:
+            if not any(p == prefix for p, _ in by_key):
+                continue
+            classes = _classes(graph, by_key, prefix)
+            got = _score(by_key, prefix, classes)
+            if score is None or got > score:
+                best, score, ix = by_key, got, _largest(by_key, prefix, classes)
+        mine = {}
+        for key in sorted(k for k in best if k[0] == prefix):
+            mine[key] = [n for n in best[key] if n not in owner]  # a node another prefix took stays there
+            instances[key] = tuple(mine[key])
+            owner.update((n, key) for n in mine[key])
+        if any(len(mine[k]) != len(best[k]) for k in mine):
+            ix = _largest(mine, prefix, _classes(graph, mine, prefix))
+        if ix:
+            alike[prefix] = ix
+    return Layers(instances, alike, owner)
+
+
+__all__ = ["Layers", "layer_key", "layer_members", "layer_of", "layers"]

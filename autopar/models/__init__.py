@@ -1,4 +1,5 @@
-"""A small zoo of configurable test models (MLP, GPT, LLaMA, ResNet, MoE).
+"""A small zoo of configurable test models (MLP, GPT, LLaMA, ResNet, MoE; ``llama_loop``: LLaMA written
+with its layer code in the parent's ``forward``, as user code often is).
 
 Each family module has a ``@dataclass`` config with ``PRESETS``, ``build(cfg, device)``,
 ``example_inputs(cfg, batch, ...)`` and ``make(size, batch, ...)``; every model's
@@ -15,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from . import cnn, gpt, llama, mlp, moe
+from . import cnn, gpt, llama, llama_loop, mlp, moe
 from .cnn import CNNConfig, ResNet
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig
@@ -26,6 +27,7 @@ MODELS: dict[str, Callable[..., tuple[nn.Module, tuple[torch.Tensor, ...]]]] = {
     "mlp": mlp.make,
     "gpt": gpt.make,
     "llama": llama.make,
+    "llama_loop": llama_loop.make,
     "cnn": cnn.make,
     "moe": moe.make,
 }
@@ -34,6 +36,7 @@ PRESETS: dict[str, dict[str, dict]] = {
     "mlp": mlp.PRESETS,
     "gpt": gpt.PRESETS,
     "llama": llama.PRESETS,
+    "llama_loop": llama_loop.PRESETS,
     "cnn": cnn.PRESETS,
     "moe": moe.PRESETS,
 }
@@ -65,7 +68,7 @@ def num_params(model: nn.Module) -> int:
 
 __all__ = [
     "MODELS", "PRESETS", "make", "num_params",
-    "mlp", "gpt", "llama", "cnn", "moe",
+    "mlp", "gpt", "llama", "llama_loop", "cnn", "moe",
     "MLP", "MLPConfig", "GPT", "GPTConfig", "Llama", "LlamaConfig",
     "ResNet", "CNNConfig", "MoEModel", "MoEConfig",
 ]

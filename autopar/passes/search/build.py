@@ -23,7 +23,7 @@ from autopar.cost_model.memory import activation_bytes, param_state_bytes
 from autopar.cost_model.mesh import Mesh
 from autopar.cost_model.precision import Precision
 from autopar.ir.graph import Graph, Phase, Ref, Role
-from autopar.ir.layers import layer_of
+from autopar.ir.layers import layers
 from autopar.ir.placement import B, Placements, format_placements, local_shape
 from autopar.ir.rules import op_call
 from autopar.ir.views import param_views
@@ -146,8 +146,9 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
     params = param_views(graph)
     shares = gather_shares(graph)  # a gather's part of its layer group's latency
     # a gradient's part of its layer's (FSDP: reduce-scatter) bucket: its parameter's part of the layer
+    membership = layers(graph)
     grad_share = {g.node: shares[graph.params[fqn]] for fqn, g in graph.grads.items()
-                  if layer_of(fqn) is not None and graph.params[fqn] in shares}
+                  if membership.of(graph.params[fqn]) is not None and graph.params[fqn] in shares}
     policy = cast_policy(graph, precision)  # the dtype each value moves in (the lowering casts alike)
 
     def add(key: tuple, kind: str, ref: Ref, phase) -> None:
