@@ -6,9 +6,11 @@ so ``h += x``, ``x.mul_(s)`` or ``F.silu(x, inplace=True)`` on a tensor the mode
 as ``add_``/``mul_``/``silu_`` nodes. ``make_fx`` points later uses of the mutated tensor at the
 in-place node, so such a node can become its out-of-place op (``add``, ``mul``, ``silu``) whenever
 no other alias of the mutated memory is read after it: what functionalization would produce, for a
-fraction of its cost. Mutations of inputs, parameters, buffers or constants, of memory that an
-earlier view still reads afterwards, and ops without a same-signature functional variant are left
-alone and reported, so that the caller falls back to AOTAutograd's functionalized export.
+fraction of its cost. A write through a reshape (``view``) of a tensor also becomes the functional
+op, viewed back to the tensor's shape for its later readers. Mutations of inputs, parameters,
+buffers or constants, writes through other views (slices, transposes), of memory that an earlier
+view still reads afterwards, and ops without a same-signature functional variant are reported, so
+that the caller falls back to AOTAutograd's functionalized export.
 
 On a torch upgrade: check that ``make_fx`` still re-points a mutated tensor's proxy at the
 in-place node (``tests/test_capture_inplace.py`` compares against AOTAutograd's export and the
@@ -62,65 +64,121 @@ def functional_twin(op: Any) -> Optional[torch._ops.OpOverload]:
     return twin
 
 
+#: View ops whose write-back is a view back to the input's shape (same elements, same order).
+_RESHAPES = (aten.view.default, aten._unsafe_view.default)
+
+
 def functionalize_intermediates(gm: torch.fx.GraphModule, fake_mode) -> tuple[int, Optional[str]]:
     """Rewrite every in-place op on an intermediate of ``gm`` as its functional twin.
 
-    Returns ``(rewritten, reason)``: ``reason`` is None when the graph is now free of mutations
-    this pass can see, else why it is not (the graph is then unchanged). Safe means: the mutated
-    memory belongs to no placeholder or constant, and every node aliasing it that precedes the
-    mutation is read no later than the mutation (eager code would otherwise read the new values
-    through it)."""
+    Returns ``(rewritten, reason)``: ``reason`` is None when the graph is free of mutations, else
+    why a mutation could not be rewritten; the graph is then partly rewritten and must be
+    discarded. A mutation of ``base`` or of a reshape (``view``) of it is rewritten when the memory
+    belongs to no placeholder or constant and no other alias of it is read after the mutation;
+    later reads of ``base`` read the new value (reshaped back). Autograd's own write-backs into
+    views of gradients (``CopySlices``) are of that form."""
     graph = gm.graph
-    nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    muts = [n for n in nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-            and n.target._schema.is_mutable]
-    if not muts:
+    if not any(_mutable(n) for n in graph.nodes):
         return 0, None
+    graph.eliminate_dead_code()  # views autograd replays and drops are not reads
+    nodes = list(graph.nodes)
+    pos = {n: float(i) for i, n in enumerate(nodes)}
+    cls: dict[torch.fx.Node, StorageWeakRef] = {}
     members: dict[StorageWeakRef, list[torch.fx.Node]] = {}
     outer: set = set()  # memory the caller owns: inputs, parameters, buffers, constants
     for n in nodes:
         s = _storage(n)
         if s is None:
             continue
+        cls[n] = s
         members.setdefault(s, []).append(n)
         if n.op in ("placeholder", "get_attr"):
             outer.add(s)
-    plan = []
-    for m in muts:
+    fresh: set[torch.fx.Node] = set()  # the rewrite's own results: new memory
+    count = 0
+    for m in [n for n in nodes if _mutable(n)]:
+        written = [a for a, spec in zip(m.args, m.target._schema.arguments)
+                   if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.fx.Node)]
+        if any(cls.get(a) in outer for a in written):
+            return count, f"op {m.target} mutates an input, parameter, buffer or constant"
         twin = functional_twin(m.target)
         if twin is None:
-            return 0, f"op {m.target} mutates and has no functional twin"
-        target = m.args[0] if m.args else None
-        s = _storage(target) if isinstance(target, torch.fx.Node) else None
-        if s is None or _storage(m) != s:
-            return 0, f"op {m.target}: cannot tell which memory it mutates"
-        if s in outer:
-            return 0, f"op {m.target} mutates an input, parameter, buffer or constant"
+            return count, f"op {m.target} mutates and has no functional twin"
+        s = cls.get(m.args[0]) if isinstance(m.args[0], torch.fx.Node) else None
+        if s is None or cls.get(m) != s:
+            return count, f"op {m.target}: cannot tell which memory it mutates"
+        chain = [m.args[0]]  # base, reshapes of it, ..., the mutated tensor
+        while chain[0] not in fresh:
+            x = chain[0]
+            if x.op == "call_function" and x.target in _RESHAPES and cls.get(x.args[0]) == s:
+                chain.insert(0, x.args[0])
+            elif x.op == "call_function" and any(cls.get(i) == s for i in x.all_input_nodes):
+                return count, f"op {m.target} writes through a view ({x.target}) of another tensor"
+            else:
+                break
+        base = chain[0]
         for x in members[s]:
-            if pos[x] < pos[m] and any(pos[u] > pos[m] for u in x.users):
-                return 0, f"op {m.target} mutates memory that {x.name} still reads afterwards"
-        vals = torch.fx.node.map_arg(m.args, lambda a: a.meta["val"])
-        kvals = torch.fx.node.map_arg(m.kwargs, lambda a: a.meta["val"])
-        with fake_mode:
-            new = twin(*vals, **kvals)
-            # in place keeps self's dtype (bf16 += fp32 stays bf16), where the functional op promotes
-            cast = new.to(m.meta["val"].dtype) if new.dtype != m.meta["val"].dtype else None
-        if tuple(new.shape) != tuple(m.meta["val"].shape):
-            return 0, f"op {m.target}: its functional twin gives shape {tuple(new.shape)}"
-        plan.append((m, twin, new, cast))
-    for m, twin, new, cast in plan:
-        with graph.inserting_before(m):
-            out = f = graph.call_function(twin, m.args, m.kwargs)
-            f.meta.update(m.meta)
-            f.meta["val"] = new
-            if cast is not None:
-                out = graph.call_function(aten._to_copy.default, (f,), {"dtype": cast.dtype})
-                out.meta.update(m.meta)
-                out.meta["val"] = cast
-        m.replace_all_uses_with(out)
+            if x is not base and pos[x] < pos[m] and any(pos[u] > pos[m] for u in x.users):
+                return count, f"op {m.target} mutates memory that {x.name} still reads afterwards"
+        later = [u for u in base.users if pos[u] > pos[m]]
+        try:
+            made = _rewrite(graph, m, twin, chain, fake_mode)
+        except _Unsupported as e:
+            return count, f"op {m.target}: {e}"
+        for k, n in enumerate(made):
+            pos[n] = pos[m] + (k + 1) / (len(made) + 1)
+            cls[n] = s
+            members[s].append(n)
+            fresh.add(n)
+        for u in later:  # eager code reads the new values through the base
+            u.replace_input_with(base, made[-1])
+        m.replace_all_uses_with(made[-1 - (len(chain) - 1)])
         graph.erase_node(m)
-    return len(plan), None
+        members[s].remove(m)
+        count += 1
+    return count, None
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _mutable(n: torch.fx.Node) -> bool:
+    return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+
+
+def _rewrite(graph, m, twin, chain, fake_mode) -> list[torch.fx.Node]:
+    """Insert ``twin(*m.args)`` before ``m`` (cast to the mutated dtype if the twin promotes), then
+    one ``view`` back per reshape in ``chain``: the nodes made, the new base last."""
+    old = m.meta["val"]
+    with fake_mode:
+        new = twin(*torch.fx.node.map_arg(m.args, lambda a: a.meta["val"]),
+                   **torch.fx.node.map_arg(m.kwargs, lambda a: a.meta["val"]))
+        if tuple(new.shape) != tuple(old.shape):
+            raise _Unsupported(f"its functional twin gives shape {tuple(new.shape)}")
+        steps = [(twin, m.args, m.kwargs, new)]
+        if new.dtype != old.dtype:  # in place keeps self's dtype (bf16 += fp32 stays bf16); the twin promotes
+            new = new.to(old.dtype)
+            steps.append((aten._to_copy.default, None, {"dtype": old.dtype}, new))
+        for link in reversed(chain[1:]):
+            shape = list(link.args[0].meta["val"].shape)
+            try:
+                new = new.view(shape)
+            except RuntimeError as e:
+                raise _Unsupported(f"cannot view the new value back as {shape}") from e
+            steps.append((aten.view.default, None, (shape,), new))
+    made: list[torch.fx.Node] = []
+    with graph.inserting_before(m):
+        for target, args, rest, val in steps:
+            if args is None:  # applied to the previous step's result
+                args, kwargs = ((made[-1], *rest), {}) if isinstance(rest, tuple) else ((made[-1],), rest)
+            else:
+                kwargs = rest
+            n = graph.call_function(target, args, kwargs)
+            n.meta.update(m.meta)
+            n.meta["val"] = val
+            made.append(n)
+    return made
 
 
 __all__ = ["functional_twin", "functionalize_intermediates"]
