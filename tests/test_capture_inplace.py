@@ -54,7 +54,7 @@ def _aot(model, args):
 
 
 def _mutating(g) -> list[str]:
-    return sorted({n.op for n in g.ops() if n.op.split(".")[1].endswith("_")})
+    return sorted({n.op for n in g.ops() if n.op.count(".") >= 2 and n.op.split(".")[1].endswith("_")})
 
 
 class _Ops(nn.Module):
@@ -112,7 +112,8 @@ class _ReadsOldView(nn.Module):
 
 
 class _SliceWrite(nn.Module):
-    """A write through a slice of a tensor read whole afterwards (a scatter, not an in-place op)."""
+    """Writes through a slice and a select of tensors read whole afterwards: ``slice_scatter`` and
+    ``select_scatter`` of the new values (autograd's write-back in the backward is one too)."""
 
     def __init__(self):
         super().__init__()
@@ -121,6 +122,22 @@ class _SliceWrite(nn.Module):
     def forward(self, x):
         h = self.a(x)
         h[:, :4].mul_(2.0)
+        shifted = torch.zeros_like(x)  # Hugging Face's T5 shifts its labels right this way
+        shifted[:, 1:] = x[:, :-1]
+        shifted[:, 0] = 1.0
+        return (h * h * shifted).sum()
+
+
+class _TransposeWrite(nn.Module):
+    """A write through a transpose of a tensor read whole afterwards: left to AOTAutograd."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        h.t()[:4].mul_(2.0)
         return (h * h).sum()
 
 
@@ -179,7 +196,37 @@ def test_in_place_add_keeps_the_mutated_dtype():
     assert_matches_eager(g, model, args, tol=1e-2)  # bf16 rounding against eager's own kernels
 
 
-@pytest.mark.parametrize("cls", [_ReadsOldView, _SliceWrite, _BufferUpdate])
+def test_writes_through_slices_become_scatters():
+    torch.manual_seed(0)
+    model, x = _SliceWrite().double(), (torch.randn(4, 8, dtype=torch.float64),)
+    g, path = _path(model, x)
+    assert path == "fast"
+    assert {"aten.slice_scatter.default", "aten.select_scatter.default"} <= set(g.op_names())
+    assert not _mutating(g), _mutating(g)
+    assert_matches_eager(g, model, x, tol=1e-12)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_hugging_face_t5_takes_the_one_pass_trace():
+    """T5 shifts its labels right by writing into slices of a fresh tensor (``_shift_right``)."""
+    import transformers
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4,
+                                                vocab_size=100, dropout_rate=0.0, decoder_start_token_id=0))
+    model = model.double()
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(input_ids=ids, labels=ids)
+    before = dict(tc.JOINT_PATHS)
+    g = capture(model, (), kwargs)
+    assert tc.JOINT_PATHS["fast"] == before["fast"] + 1
+    assert "aten.slice_scatter.default" in g.op_names()
+    assert_matches_eager(g, model, (), kwargs, tol=1e-6)  # T5's loss is computed in float32
+
+
+@pytest.mark.parametrize("cls", [_ReadsOldView, _TransposeWrite, _BufferUpdate])
 def test_mutations_functionalization_must_see_fall_back(cls):
     torch.manual_seed(0)
     model, x = cls().double(), (torch.randn(4, 8, dtype=torch.float64),)

@@ -6,11 +6,13 @@ so ``h += x``, ``x.mul_(s)`` or ``F.silu(x, inplace=True)`` on a tensor the mode
 as ``add_``/``mul_``/``silu_`` nodes. ``make_fx`` points later uses of the mutated tensor at the
 in-place node, so such a node can become its out-of-place op (``add``, ``mul``, ``silu``) whenever
 no other alias of the mutated memory is read after it: what functionalization would produce, for a
-fraction of its cost. A write through a reshape (``view``) of a tensor also becomes the functional
-op, viewed back to the tensor's shape for its later readers. Mutations of inputs, parameters,
-buffers or constants, writes through other views (slices, transposes), of memory that an earlier
-view still reads afterwards, and ops without a same-signature functional variant are reported, so
-that the caller falls back to AOTAutograd's functionalized export.
+fraction of its cost. A write through views of a tensor (``view``, ``slice``, ``select``: T5's
+``shifted[..., 1:] = ids[..., :-1]``, autograd's write-backs in the backward) becomes the
+functional op written back into the tensor (a ``view`` back, ``slice_scatter``,
+``select_scatter``) for its later readers. Mutations of inputs, parameters, buffers or constants,
+writes through other views (transposes, ``as_strided``), of memory that an earlier view still
+reads afterwards, and ops without a same-signature functional variant are reported, so that the
+caller falls back to AOTAutograd's functionalized export.
 
 On a torch upgrade: check that ``make_fx`` still re-points a mutated tensor's proxy at the
 in-place node (``tests/test_capture_inplace.py`` compares against AOTAutograd's export and the
@@ -64,8 +66,10 @@ def functional_twin(op: Any) -> Optional[torch._ops.OpOverload]:
     return twin
 
 
-#: View ops whose write-back is a view back to the input's shape (same elements, same order).
+#: View ops a write through which is undone by a view back to the input's shape.
 _RESHAPES = (aten.view.default, aten._unsafe_view.default)
+#: View ops a write through which is embedded back into the input by a scatter (same arguments).
+_SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: aten.select_scatter.default}
 
 
 def functionalize_intermediates(gm: torch.fx.GraphModule, fake_mode) -> tuple[int, Optional[str]]:
@@ -73,10 +77,10 @@ def functionalize_intermediates(gm: torch.fx.GraphModule, fake_mode) -> tuple[in
 
     Returns ``(rewritten, reason)``: ``reason`` is None when the graph is free of mutations, else
     why a mutation could not be rewritten; the graph is then partly rewritten and must be
-    discarded. A mutation of ``base`` or of a reshape (``view``) of it is rewritten when the memory
-    belongs to no placeholder or constant and no other alias of it is read after the mutation;
-    later reads of ``base`` read the new value (reshaped back). Autograd's own write-backs into
-    views of gradients (``CopySlices``) are of that form."""
+    discarded. A mutation of ``base`` or of a view of it (``view``, ``slice``, ``select``) is
+    rewritten when the memory belongs to no placeholder or constant and no other alias of it is read
+    after the mutation; later reads of ``base`` read the new value written back into it. Autograd's
+    own write-backs into views of gradients (``CopySlices``) are of that form."""
     graph = gm.graph
     if not any(_mutable(n) for n in graph.nodes):
         return 0, None
@@ -107,10 +111,11 @@ def functionalize_intermediates(gm: torch.fx.GraphModule, fake_mode) -> tuple[in
         s = cls.get(m.args[0]) if isinstance(m.args[0], torch.fx.Node) else None
         if s is None or cls.get(m) != s:
             return count, f"op {m.target}: cannot tell which memory it mutates"
-        chain = [m.args[0]]  # base, reshapes of it, ..., the mutated tensor
+        chain = [m.args[0]]  # base, views of it (reshapes, slices, selects), ..., the mutated tensor
         while chain[0] not in fresh:
             x = chain[0]
-            if x.op == "call_function" and x.target in _RESHAPES and cls.get(x.args[0]) == s:
+            if x.op == "call_function" and (x.target in _RESHAPES or x.target in _SCATTERS) \
+                    and cls.get(x.args[0]) == s:
                 chain.insert(0, x.args[0])
             elif x.op == "call_function" and any(cls.get(i) == s for i in x.all_input_nodes):
                 return count, f"op {m.target} writes through a view ({x.target}) of another tensor"
@@ -143,14 +148,20 @@ class _Unsupported(Exception):
     pass
 
 
+_PREV = object()  # in a step's arguments: the node the previous step made
+
+
 def _mutable(n: torch.fx.Node) -> bool:
     return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
 
 
 def _rewrite(graph, m, twin, chain, fake_mode) -> list[torch.fx.Node]:
-    """Insert ``twin(*m.args)`` before ``m`` (cast to the mutated dtype if the twin promotes), then
-    one ``view`` back per reshape in ``chain``: the nodes made, the new base last."""
+    """Insert ``twin(*m.args)`` before ``m`` (cast to the mutated dtype if the twin promotes), then,
+    for each view in ``chain`` from the mutated tensor up, the op that writes the new value back
+    into the view's input (a ``view`` back, a ``slice_scatter``, a ``select_scatter``): the nodes
+    made, the new base last."""
     old = m.meta["val"]
+    # (target, args, kwargs, value); _PREV in args stands for the previous step's node
     with fake_mode:
         new = twin(*torch.fx.node.map_arg(m.args, lambda a: a.meta["val"]),
                    **torch.fx.node.map_arg(m.kwargs, lambda a: a.meta["val"]))
@@ -159,21 +170,24 @@ def _rewrite(graph, m, twin, chain, fake_mode) -> list[torch.fx.Node]:
         steps = [(twin, m.args, m.kwargs, new)]
         if new.dtype != old.dtype:  # in place keeps self's dtype (bf16 += fp32 stays bf16); the twin promotes
             new = new.to(old.dtype)
-            steps.append((aten._to_copy.default, None, {"dtype": old.dtype}, new))
-        for link in reversed(chain[1:]):
-            shape = list(link.args[0].meta["val"].shape)
+            steps.append((aten._to_copy.default, (_PREV,), {"dtype": old.dtype}, new))
+        for link in reversed(chain[1:]):  # write the new value back into each view's input
+            parent = link.args[0]
+            if link.target in _SCATTERS:
+                scatter = _SCATTERS[link.target]
+                new = scatter(parent.meta["val"], new, *link.args[1:], **link.kwargs)
+                steps.append((scatter, (parent, _PREV, *link.args[1:]), dict(link.kwargs), new))
+                continue
+            shape = list(parent.meta["val"].shape)
             try:
                 new = new.view(shape)
             except RuntimeError as e:
                 raise _Unsupported(f"cannot view the new value back as {shape}") from e
-            steps.append((aten.view.default, None, (shape,), new))
+            steps.append((aten.view.default, (_PREV, shape), {}, new))
     made: list[torch.fx.Node] = []
     with graph.inserting_before(m):
-        for target, args, rest, val in steps:
-            if args is None:  # applied to the previous step's result
-                args, kwargs = ((made[-1], *rest), {}) if isinstance(rest, tuple) else ((made[-1],), rest)
-            else:
-                kwargs = rest
+        for target, args, kwargs, val in steps:
+            args = tuple(made[-1] if a is _PREV else a for a in args)
             n = graph.call_function(target, args, kwargs)
             n.meta.update(m.meta)
             n.meta["val"] = val
