@@ -59,7 +59,8 @@ def functional_twin(op: Any) -> Optional[torch._ops.OpOverload]:
         return None
     packet = getattr(getattr(torch.ops, ns, None), name[:-1], None)
     twin = getattr(packet, op._overloadname, None) if packet is not None else None
-    if not isinstance(twin, torch._ops.OpOverload) or twin._schema.is_mutable:
+    if not isinstance(twin, torch._ops.OpOverload) or twin._schema.is_mutable \
+            or any(r.alias_info is not None for r in twin._schema.returns):  # unsqueeze_ -> a view: not here
         return None
     if [_type_key(a) for a in twin._schema.arguments] != [_type_key(a) for a in schema.arguments]:
         return None
