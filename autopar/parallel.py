@@ -407,6 +407,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     from autopar.ir.capture import as_args, capture
     from autopar.ir.fingerprint import graph_fingerprint
     from autopar.runtime.launch import ensure_process_group
+    from autopar.runtime.materialize import check_materializable
 
     # every rank checks its arguments before the first collective: a rank that raised after it would hang the others
     check_model(model, "autopar.compile: model")
@@ -418,6 +419,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     plan_kwargs = check_plan_args(model, mesh, example_kwargs, plan_kwargs, "autopar.compile")
     if isinstance(plan, Plan):  # a plan in hand is checked before any process-group work
         _check_plan_mesh(plan, mesh)
+    materializer = check_materializable(model)  # a meta tensor nothing can rebuild is named before planning
     ensure_process_group(mesh.size, f"mesh {mesh.axes}")
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
@@ -440,16 +442,17 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     share_seed(program)  # with random ops: every rank draws with rank 0's seed
     if any(slot.spec.blocks for slot in program.inputs):  # _StridedShard parameters: teach DCP their pieces
         install_strided_checkpointing()
-    _distribute_state(model, graph, program, dmesh, device)
+    _distribute_state(model, graph, program, dmesh, device, materializer)
     # gloo: the program's collectives get groups of their own with one worker thread each, since
     # torch 2.13's two workers corrupt the heap when two collectives finish together (see there)
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank()) if backend == "gloo" else None
     return ParallelModule(model, shared, graph, dmesh, program, prec, groups)
 
 
-def _distribute_state(model: torch.nn.Module, graph: Graph, program: Program, dmesh, device) -> None:
+def _distribute_state(model: torch.nn.Module, graph: Graph, program: Program, dmesh, device,
+                      materializer=None) -> None:
     """Replace every parameter and buffer by a DTensor holding this rank's block (tied weights stay
-    tied); meta tensors are materialized by ``materialize``."""
+    tied); meta tensors are rebuilt by ``materializer`` (``runtime.materialize``)."""
     from autopar.runtime.materialize import full_value
 
     coords = tuple(dmesh.get_coordinate())
@@ -460,7 +463,7 @@ def _distribute_state(model: torch.nn.Module, graph: Graph, program: Program, dm
         owner, _, name = slot.key.rpartition(".")
         mod = model.get_submodule(owner)
         old = getattr(mod, name)
-        whole = full_value(model, slot.key, old)
+        whole = full_value(model, slot.key, old, materializer)
         block = local_block(whole, slot.placements, program.mesh_shape, coords, slot.spec.blocks)
         if device is not None:
             block = block.to(device)

@@ -8,8 +8,10 @@ tests/test_launch.py); one 4-rank ``WorkerPool`` serves the whole module, so pro
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
-from _ckpt_helpers import materialize_meta, meta_digests, optimizer_state, reshard_through_dcp
+from _ckpt_helpers import hf_meta_models, materialize_meta, meta_digests, optimizer_state, reshard_through_dcp
 
 from autopar.runtime.pool import WorkerPool
 
@@ -59,6 +61,18 @@ def test_meta_model_materializes_and_unrebuildable_buffer_is_named(pool):
     msg = r["error"]
     assert msg is not None, "a meta buffer with no way to rebuild it must fail compile"
     assert "'scale'" in msg and "meta" in msg and "reset_parameters" in msg and "_MetaBuffer" in msg
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_hugging_face_models_built_on_meta_compile_and_train(pool):
+    res = pool.run(hf_meta_models)
+    for name in ("gpt2", "llama"):
+        r = res[0][name]
+        assert r["meta_left"] == [], name
+        assert r["finite"], name
+        assert all(x[name]["digest"] == r["digest"] for x in res[1:]), f"{name}: ranks rebuilt different values"
+        assert all(x[name]["losses"] == r["losses"] for x in res), name
+        assert r["losses"][1] < r["losses"][0], (name, r["losses"])
 
 
 def test_adamw_state_is_placed_like_params_and_round_trips(pool):

@@ -5,7 +5,8 @@ private surface and says, in its docstring, what to check on a torch upgrade:
 
 - ``aot``: AOTAutograd's joint export with input/output descriptors, decompositions, and
   autopar's one-pass joint tracer built on AOTAutograd's helpers;
-- ``fake``: ``FakeTensorMode``, the data-dependent-op exceptions, ``record_dispatch``;
+- ``fake``: ``FakeTensorMode``, the data-dependent-op exceptions, ``record_dispatch``, ``record_writes``;
+- ``inplace``: in-place ops on intermediates of a traced graph made functional (for ``aot``);
 - ``fx``: node-metadata annotation, a graph's calling convention, torch's pytree;
 - ``dtensor``: ``_StridedShard`` and its checkpointing, a DTensor's local tensor and spec;
 - ``c10d``: the functional collectives and their dispatcher ops, group timeouts;
@@ -58,6 +59,8 @@ from autopar._torch_compat.fake import (
     FakeTensorMode,
     data_dependent_op,
     record_dispatch,
+    record_writes,
+    storage_key,
 )
 from autopar._torch_compat.fx import (
     annotate,
@@ -84,7 +87,8 @@ __all__ = [
     "group_alive", "group_timeout", "has_grad_hooks", "held_indices", "InputMutationAOTOutput",
     "install_strided_checkpointing", "JOINT_PATHS", "local_tensor", "new_one_worker_gloo_groups", "ParamAOTInput",
     "parameter_table", "PlainAOTInput", "PlainAOTOutput", "preserve_node_meta", "process_group", "pytree",
-    "record_dispatch", "set_group_timeout", "share_tables", "storage_use_count", "strided_shard", "TangentAOTInput",
+    "record_dispatch", "record_writes", "set_group_timeout", "share_tables", "storage_key", "storage_use_count",
+    "strided_shard", "TangentAOTInput",
     "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "use_flat_calling_convention",
     "will_engine_execute", "with_metadata"
 ]

@@ -28,6 +28,8 @@ from torch._functorch._aot_autograd import descriptors as _desc
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
+from autopar._torch_compat.inplace import functionalize_intermediates
+
 _log = logging.getLogger(__name__)
 
 ParamAOTInput = _desc.ParamAOTInput
@@ -178,7 +180,10 @@ def _export_joint_fast(module, args, kwargs, decomps, loss_dtype=torch.float32):
             return _export_joint_fast(module, args, kwargs, decomps, loss_dtype=seen_dtype[0])
         raise
     graph = gm.graph
-    for n in graph.nodes:  # functionalization would have removed these: only pure graphs take this path
+    _, reason = functionalize_intermediates(gm, fake_mode)  # x += y, relu_ on intermediates
+    if reason is not None:
+        raise _NotFast(reason)
+    for n in graph.nodes:  # what is left mutating (none, after the rewrite) or is not an aten op falls back
         if n.op == "call_function" and n.target is not operator.getitem and not (
                 isinstance(n.target, torch._ops.OpOverload) and not n.target._schema.is_mutable):
             raise _NotFast(f"op {n.target} (mutating, or not an aten OpOverload)")

@@ -55,4 +55,32 @@ def record_dispatch(on_op: Callable[[Any, tuple, dict, Any], None]) -> TorchDisp
     return _DispatchRecorder(on_op)
 
 
-__all__ = ["DATA_DEPENDENT_ERRORS", "FakeTensor", "FakeTensorMode", "data_dependent_op", "record_dispatch"]
+def storage_key(t: Any) -> Any:
+    """A hashable key of ``t``'s storage, equal for every view of it (meta tensors included)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+def record_writes(written: set) -> TorchDispatchMode:
+    """A context manager under which every op runs unchanged and ``storage_key`` of each tensor an
+    op writes (``normal_``'s ``self``, ``copy_``'s destination, an ``out=``) is added to ``written``."""
+    import torch
+
+    def on_op(func, args, kwargs, out):
+        schema = getattr(func, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            return
+        for i, spec in enumerate(schema.arguments):
+            if spec.alias_info is None or not spec.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(spec.name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    written.add(storage_key(t))
+
+    return _DispatchRecorder(on_op)
+
+
+__all__ = ["DATA_DEPENDENT_ERRORS", "FakeTensor", "FakeTensorMode", "data_dependent_op", "record_dispatch",
+           "record_writes", "storage_key"]
