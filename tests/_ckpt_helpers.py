@@ -138,8 +138,9 @@ def materialize_meta() -> dict:
 
 
 def hf_meta_models() -> dict:
-    """Hugging Face GPT-2 and LLaMA (tiny) built on meta compile (FSDP on (4,)) and train two AdamW
-    steps: no tensor is left on meta, every rank holds the same finite values, the loss goes down."""
+    """Hugging Face GPT-2 and LLaMA (tiny, every dropout rate 0.1) built on meta compile (FSDP on
+    (4,)) and train three AdamW steps: no tensor is left on meta, every rank holds the same finite
+    values and draws the same masks (the same losses), the loss goes down."""
     import autopar
     from test_materialize import hf_model  # the parent's tests/ is on sys.path
 
@@ -147,14 +148,14 @@ def hf_meta_models() -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 100, (BATCH, SEQ), generator=g)
     for name in ("gpt2", "llama"):
-        model = hf_model(name, "meta")
+        model = hf_model(name, "meta", dropout=0.1)
         model.config._attn_implementation = "sdpa"
         pm = autopar.compile(model, autopar.Mesh({"dp": 4}, device="cpu"), (), dict(input_ids=ids, labels=ids),
                              recipe="fsdp")
         full = _full(pm)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-6)
         losses = []
-        for _ in range(2):
+        for _ in range(3):
             loss = pm(input_ids=ids, labels=ids)
             loss.backward()
             opt.step()
@@ -165,6 +166,7 @@ def hf_meta_models() -> dict:
             "finite": all(bool(torch.isfinite(t).all()) for t in full.values()),
             "digest": {n: _digest(t) for n, t in full.items()},
             "losses": losses,
+            "random": pm.program.random is not None,  # dropout is drawn, not dropped
         }
     return out
 

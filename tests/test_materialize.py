@@ -23,19 +23,20 @@ except ImportError:  # pragma: no cover - a test dependency
 needs_hf = pytest.mark.skipif(transformers is None, reason="transformers is not installed")
 
 
-def hf_model(name: str, device=None):
-    """Tiny Hugging Face GPT-2 / LLaMA with their default options (dropout off), as in test_capture."""
+def hf_model(name: str, device=None, dropout: float = 0.0):
+    """Tiny Hugging Face GPT-2 / LLaMA with their default options, as in test_capture, and
+    ``dropout`` as every dropout rate of the config (off by default)."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     transformers.logging.set_verbosity_error()
     with torch.device(device) if device else torch.device("cpu"):
         if name == "gpt2":
             return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
-                                              attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
-                                              eos_token_id=0))
+                                              attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=dropout,
+                                              bos_token_id=0, eos_token_id=0))
         return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                                            attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+                                            attention_dropout=dropout, bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
 def _values(model) -> dict[str, torch.Tensor]:
