@@ -185,16 +185,18 @@ def test_cast_policy_treats_every_instance_alike():
 
 def test_gather_shares_follow_the_instances():
     """Parameter gathers are grouped per instance of the membership: each instance's shares sum
-    to one latency, and the parameters outside the layers share the rest."""
+    to one latency; a parameter outside the layers pays the whole latency."""
     model, args = M.make("llama_loop", n_layers=3)
     graph = capture(model, args)
     found = layers(graph)
+    shares = gather_shares(graph)
     per_instance: dict = {}
     for fqn, node in graph.params.items():
-        part, by_bytes = gather_shares(graph)[node]
-        assert by_bytes == (found.of(node) is None), fqn
-        per_instance[found.of(node)] = per_instance.get(found.of(node), 0.0) + part
-    assert set(per_instance) == {None} | {("layers", i) for i in range(3)}
+        if found.of(node) is None:
+            assert shares[node] == 1.0, fqn
+            continue
+        per_instance[found.of(node)] = per_instance.get(found.of(node), 0.0) + shares[node]
+    assert set(per_instance) == {("layers", i) for i in range(3)}
     assert all(abs(v - 1.0) < 1e-9 for v in per_instance.values()), per_instance
 
 

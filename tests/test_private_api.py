@@ -41,7 +41,7 @@ TORCH_PRIVATE_ATTRS = frozenset({
     # OpOverload / OpOverloadPacket
     "_opname", "_schema", "_overloadpacket", "_overloadname",
     # fx
-    "_codegen", "_input_nodes", "_erased",
+    "_codegen", "_input_nodes", "_erased", "_rename", "_graph_namespace",
 })
 
 #: Private ``nn.Module`` methods that torch calls itself: overriding one depends on torch's internals.

@@ -66,6 +66,7 @@ from autopar._torch_compat.fx import (
     annotate,
     preserve_node_meta,
     pytree,
+    rename_node,
     tree_flatten,
     tree_leaves,
     tree_map,
@@ -80,6 +81,7 @@ from autopar._torch_compat.nn import after_conversion, buffer_table, parameter_t
 FAST_JOINT = True
 
 __all__ = [
+    "rename_node",
     "after_conversion", "annotate", "buffer_table", "BufferAOTInput", "DATA_DEPENDENT_ERRORS", "data_dependent_op",
     "decompositions", "dtensor_from_spec", "dtensor_spec", "export_joint", "FakeTensor", "FakeTensorMode",
     "FAST_JOINT", "functional_all_gather", "functional_all_reduce", "functional_all_reduce_",

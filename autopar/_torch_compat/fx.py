@@ -4,7 +4,8 @@
 On a torch upgrade: check that ``torch.fx.traceback.annotate`` still puts its dict under
 ``node.meta["custom"]`` (capture reads it back), that ``preserve_node_meta`` still exists, that
 ``torch.fx.graph.CodeGen`` is the flat default code generator and ``Graph._codegen`` where a graph
-keeps it, and that ``torch.utils._pytree`` keeps ``tree_flatten``/``tree_map``/``keystr``.
+keeps it, that ``torch.utils._pytree`` keeps ``tree_flatten``/``tree_map``/``keystr``, and that
+``Node._rename`` still renames through the graph's namespace.
 """
 
 from __future__ import annotations
@@ -30,5 +31,14 @@ def use_flat_calling_convention(gm: torch.fx.GraphModule) -> None:
     gm.graph._codegen = torch.fx.graph.CodeGen()
 
 
-__all__ = ["annotate", "preserve_node_meta", "pytree", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten",
-           "use_flat_calling_convention"]
+def rename_node(node: torch.fx.Node, candidate: str) -> str:
+    """Name ``node`` ``candidate``, or ``candidate_N`` when the node's graph already has that name,
+    through the graph's namespace, so later nodes fx names itself never take it (assigning
+    ``node.name`` bypasses the namespace: a later ``slice_scatter`` fx names itself can then get the
+    same name, and ``Graph.lint`` fails). Returns the name taken."""
+    node._rename(candidate)
+    return node.name
+
+
+__all__ = ["annotate", "preserve_node_meta", "pytree", "rename_node", "tree_flatten", "tree_leaves", "tree_map",
+           "tree_unflatten", "use_flat_calling_convention"]

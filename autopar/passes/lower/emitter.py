@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 import torch
 import torch.fx as fx
 
+from autopar import _torch_compat as tc
 from autopar.errors import LoweringError
 from autopar.ir.graph import Node, Phase, Ref
 from autopar.ir.placement import B, Placements, local_shape
@@ -212,7 +213,7 @@ class Emitter:
             # (attention's output follows the query's layout; a sliced, collected block is dense)
             target = _RESHAPE if node.target in _VIEWS else node.target
             out = where.call_function(target, tuple(args), dict(kwargs))
-        out.name = self.fresh_name(node.name)
+        self.used_names.add(tc.rename_node(out, self.fresh_name(node.name)))
         out.meta["autopar_module"] = node.module_path
         tensors = [j for j, spec in enumerate(node.outputs) if spec is not None]
         multi = len(node.outputs) > 1
