@@ -133,13 +133,16 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """Token ids ``[B, S]`` -> logits ``[B, S, vocab]``; ``forward`` returns the mean LM loss."""
+    """Token ids ``[B, S]`` -> logits ``[B, S, vocab]``; ``forward`` returns the mean LM loss.
+    ``block`` is the class of one layer (a subclass may lay its layers out otherwise)."""
+
+    block: type = TransformerBlock
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=cfg.dtype)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(self.block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=cfg.dtype)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=cfg.dtype)
         cos, sin = rope_tables(cfg)

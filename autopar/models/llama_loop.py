@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .common import build_on, family_make, token_pair
-from .llama import PRESETS, LlamaConfig, RMSNorm, rope_tables
+from .common import build_on, family_make
+from .llama import PRESETS, Llama, LlamaConfig, RMSNorm, example_inputs
 
 __all__ = ["PRESETS", "LoopLayer", "LoopLlama", "build", "example_inputs", "make"]
 
@@ -41,37 +41,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
-class LoopLlama(nn.Module):
-    """Token ids ``[B, S]`` -> mean LM loss; every op between the layers' linears is the parent's."""
+class LoopLlama(Llama):
+    """``models.llama.Llama`` with its layers' code in its own ``logits``: every op between the
+    layers' linears is the parent's (the weights, their initialisation and the loss are Llama's)."""
+
+    block = LoopLayer
 
     def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
         if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads or (cfg.dim // cfg.n_heads) % 2:
             raise ValueError("need dim % n_heads == 0, n_heads % n_kv_heads == 0 and an even head_dim")
-        self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=cfg.dtype)
-        self.layers = nn.ModuleList(LoopLayer(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=cfg.dtype)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=cfg.dtype)
-        cos, sin = rope_tables(cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        super().__init__(cfg)
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """N(0, 0.02) weights, unit norms, fresh RoPE tables (needed after ``to_empty``)."""
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            elif isinstance(m, RMSNorm):
-                m.reset_parameters()
-        cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy; ``targets`` is ``[B, S]`` int64."""
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, S, vocab_size]`` for int64 ``tokens [B, S]`` (``S <= max_seq_len``)."""
         cfg = self.cfg
         B, S = tokens.shape
         H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.dim // cfg.n_heads
@@ -89,23 +71,12 @@ class LoopLlama(nn.Module):
             h = h + layer.wo(y.transpose(1, 2).reshape(B, S, H * hd))
             x = layer.ffn_norm(h)
             h = h + layer.w2(F.silu(layer.w1(x)) * layer.w3(x))
-        logits = self.output(self.norm(h))
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+        return self.output(self.norm(h))
 
 
 def build(cfg: LlamaConfig, device: torch.device | str | None = None) -> LoopLlama:
     """Construct a ``LoopLlama`` directly on ``device`` (``"meta"`` allocates nothing)."""
     return build_on(LoopLlama, cfg, device)
-
-
-def example_inputs(
-    cfg: LlamaConfig, batch: int = 2, seq: int | None = None, device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens, targets)``, both ``[batch, seq]`` int64; ``seq`` defaults to ``max_seq_len``."""
-    seq = cfg.max_seq_len if seq is None else seq
-    if seq > cfg.max_seq_len:
-        raise ValueError(f"seq {seq} exceeds max_seq_len {cfg.max_seq_len}")
-    return token_pair(cfg.vocab_size, batch, seq, device)
 
 
 make = family_make(LlamaConfig, build, example_inputs, has_seq=True)
