@@ -54,6 +54,18 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return d / n if n > 0 else d
 
 
+def simulated_errors(model, plan, args, **kw) -> tuple[float, dict[str, float]]:
+    """The simulator's loss and gradients under ``plan`` against the model's own on one device:
+    ``(relative loss error, {parameter name: relative gradient error})``; ``kw`` goes to
+    ``autopar.simulate`` (e.g. ``trace=``)."""
+    import autopar
+
+    loss, grads = autopar.simulate(model, plan, args, **kw)
+    ref = model(*args)
+    ref.backward()
+    return rel(loss, ref.detach()), {name: rel(grads[name], p.grad) for name, p in model.named_parameters()}
+
+
 def train_on_rank(family: str, axes: tuple, text: str) -> dict:
     """On every gloo rank: compile ``family`` under the plan, train ``STEPS`` AdamW steps next to
     the single-device model and report the worst relative errors and the collectives that ran."""

@@ -13,7 +13,7 @@ import torch
 
 import autopar
 
-from _parity import build, plan_json, rel
+from _parity import build, plan_json, simulated_errors
 
 try:
     import transformers
@@ -101,27 +101,19 @@ def test_fsdp_tp_computes_what_the_model_computes():
     plan = autopar.Plan.from_dict(json.loads(plan_json("llama", (("dp", 2), ("tp", 2)), "fsdp_tp")))
     check_fsdp_tp(plan)
     model, args = build("llama")
-    loss, grads = autopar.simulate(model, plan, args)
-    ref = model(*args)
-    ref.backward()
-    assert rel(loss, ref.detach()) < 1e-6
-    for name, p in model.named_parameters():
-        assert rel(grads[name], p.grad) < 1e-6, name
+    loss_err, grad_errs = simulated_errors(model, plan, args)
+    assert loss_err < 1e-6
+    for name, err in grad_errs.items():
+        assert err < 1e-6, name
 
 
 def _hf(name: str):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    """Tiny Hugging Face GPT-2 or LLaMA with its default options (``test_materialize.hf_model``) and
+    token ids as inputs and labels."""
+    from test_materialize import hf_model
 
-    transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    if name == "gpt2":
-        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
-                                           attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
-                                           eos_token_id=0))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                                             attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    model = hf_model(name)
     model.config._attn_implementation = "sdpa"
     ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(0))
     return model, dict(input_ids=ids, labels=ids)
