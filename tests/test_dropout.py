@@ -351,11 +351,26 @@ def test_attention_with_dropout_matches_autograd_of_its_own_forward():
     assert torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-12)
 
 
+def _check_attention_blocks(call, st, ins, want, seed: int, label) -> None:
+    """Strategy ``st`` of the fused attention ``call`` on (2, 2): every device runs its blocks of
+    ``ins`` (drawing with ``seed``), and the reassembled outputs equal ``want``, the 1-device ones."""
+    from autopar.ir.rules.proof.interp import collect
+    from autopar.ir.rules.random_attention import attention_local
+
+    mesh = (2, 2)
+    per = {}
+    for c in device_coords(mesh):
+        ctx = LocalCtx(call, st, mesh, c)
+        per[c] = attention_local(ctx, [local_block(x, ctx.in_placements(i), mesh, c) for i, x in enumerate(ins)], seed)
+    for j, w in enumerate(want):
+        got = collect({c: per[c][j] for c in per}, [s.outputs[j] for s in st], mesh, rtol=1e-9)
+        assert torch.allclose(got, w, atol=1e-10), (label, st, j)
+
+
 @pytest.mark.parametrize("kind", ["additive", "bool"])
 def test_attention_with_dropout_applies_its_attention_mask(kind):
     """A padding mask (``[b 1 1 t]``, as encoders pass it) reaches the fused op's math, forward and
     backward, on one device and under every (2, 2) strategy."""
-    from autopar.ir.rules.proof.interp import collect
     from autopar.ir.rules.random_attention import ATTN_BWD, ATTN_FWD, _keep, attention_local
 
     fwd, bwd, (q, k, v), g = _attention_calls(causal=False)
@@ -376,24 +391,15 @@ def test_attention_with_dropout_applies_its_attention_mask(kind):
     assert torch.allclose(out, ref, atol=1e-12)
     for got, want in zip(grads, (qr.grad, kr.grad, vr.grad)):
         assert torch.allclose(got, want, atol=1e-12)
-    mesh = (2, 2)
     for call, ins, want in ((fwd, [q, k, v, m], [out, lse]), (bwd, [g, q, k, v, out, lse, m], grads)):
-        for st in strategies(call, mesh):
-            per = {}
-            for c in device_coords(mesh):
-                ctx = LocalCtx(call, st, mesh, c)
-                per[c] = attention_local(ctx, [local_block(x, ctx.in_placements(i), mesh, c)
-                                               for i, x in enumerate(ins)], 31)
-            for j, w in enumerate(want):
-                got = collect({c: per[c][j] for c in per}, [s.outputs[j] for s in st], mesh, rtol=1e-9)
-                assert torch.allclose(got, w, atol=1e-10), (call.op, st, j)
+        for st in strategies(call, (2, 2)):
+            _check_attention_blocks(call, st, ins, want, 31, call.op)
 
 
 @pytest.mark.parametrize("hk", [4, 2], ids=["mha", "gqa"])
 def test_attention_with_dropout_draws_the_whole_mask_under_every_strategy(hk):
     """Every strategy of the fused forward and backward on (2, 2) (batch, heads, query positions,
     partial gradients) reassembles to the 1-device result: each block draws its part of the mask."""
-    from autopar.ir.rules.proof.interp import collect
     from autopar.ir.rules.random_attention import attention_local
 
     fwd, bwd, qkv, g = _attention_calls(hk=hk)
@@ -406,14 +412,7 @@ def test_attention_with_dropout_draws_the_whole_mask_under_every_strategy(hk):
         strats = strategies(call, mesh)
         assert any(any(str(s.inputs[0]) == "S(2)" for s in st) for st in strats)  # query positions split
         for st in strats:
-            per = {}
-            for c in device_coords(mesh):
-                ctx = LocalCtx(call, st, mesh, c)
-                per[c] = attention_local(ctx, [local_block(x, ctx.in_placements(i), mesh, c)
-                                               for i, x in enumerate(ins)], 123)
-            for j, w in enumerate(want):
-                got = collect({c: per[c][j] for c in per}, [s.outputs[j] for s in st], mesh, rtol=1e-9)
-                assert torch.allclose(got, w, atol=1e-10), (name, st, j)
+            _check_attention_blocks(call, st, ins, want, 123, name)
 
 
 def test_attention_with_dropout_stays_one_fused_op_in_capture():
