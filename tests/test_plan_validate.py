@@ -166,18 +166,20 @@ def test_a_saved_plan_loads_and_saves_to_the_same_bytes(tmp_path):
     plan = load_plan(path)
     plan.save(tmp_path / "again.json")
     assert (tmp_path / "again.json").read_text(encoding="utf-8") == text
-    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 3
+    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 4
 
 
-def test_version_2_only_adds_parameter_shapes(good):
-    """The format of version 1 is kept: a version 2 file is a version 1 file plus ``graph.shapes``."""
+def test_later_versions_only_add_fields(good):
+    """The format of version 1 is kept: version 2 adds ``graph.shapes``, 3 ``mesh.hardware.nics_per_node``,
+    4 ``checkpointing``, ``kept_gathers`` and ``layer_groups``."""
     assert good["graph"]["shapes"] == {"head.bias": "float32[4]", "head.weight": "float32[4, 32]",
                                        "layers.0.bias": "float32[32]", "layers.0.weight": "float32[32, 16]",
                                        "layers.1.bias": "float32[32]", "layers.1.weight": "float32[32, 32]"}
-    assert sorted(good) == sorted(["axis_names", "baselines", "bucket_size", "collectives", "comm_time", "compute_time",
-                                   "fingerprint", "graph", "memory", "memory_budget", "mesh", "modules", "nodes",
-                                   "peak_memory", "placements", "precision", "reshardings", "schema_version", "solver",
-                                   "source", "step_time", "training"])
+    version_1 = ["axis_names", "baselines", "bucket_size", "collectives", "comm_time", "compute_time", "fingerprint",
+                 "graph", "memory", "memory_budget", "mesh", "modules", "nodes", "peak_memory", "placements",
+                 "precision", "reshardings", "schema_version", "solver", "source", "step_time", "training"]
+    assert sorted(good) == sorted(version_1 + ["checkpointing", "kept_gathers", "layer_groups"])
+    assert "nics_per_node" in good["mesh"]["hardware"]
 
 
 def test_a_version_1_file_loads_with_shapes_left_out(tmp_path, good):
@@ -187,11 +189,34 @@ def test_a_version_1_file_loads_with_shapes_left_out(tmp_path, good):
     assert plan.placements == good["placements"] and plan.nodes == good["nodes"]
 
 
-@pytest.mark.parametrize("version", [0, 4, "2", True, None])
+def test_a_version_3_file_loads_with_nothing_recomputed_or_kept(tmp_path, good):
+    old = _mutated(good, lambda d: (d.update(schema_version=3), [d.pop(k) for k in ("checkpointing", "kept_gathers",
+                                                                                   "layer_groups")]))
+    plan = load_plan(_write(tmp_path, old))
+    assert plan.schema_version == 4
+    assert (plan.checkpointing, plan.kept_gathers, plan.layer_groups) == ({}, [], [])
+
+
+def test_version_4_fields_round_trip_and_a_wrong_mode_is_refused(tmp_path, good):
+    group = {"prefix": "layers", "count": 2, "paths": ["layers.0", "layers.1"], "checkpointed": 1, "mode": "full",
+             "saved_bytes": 4096, "input_bytes": 512, "recompute_time": 0.001, "kept_gathers": False}
+    new = _mutated(good, lambda d: d.update(schema_version=4, checkpointing={"layers.0": "full"},
+                                            kept_gathers=["layers.1"], layer_groups=[group]))
+    plan = load_plan(_write(tmp_path, new))
+    assert plan.checkpointing == {"layers.0": "full"} and plan.kept_gathers == ["layers.1"]
+    assert plan.layer_groups == [group]
+    assert Plan.from_dict(json.loads(plan.to_json())) == plan
+    bad = _mutated(new, lambda d: d.update(checkpointing={"layers.0": "some"}))
+    assert _load_error(tmp_path, bad) == "checkpointing['layers.0']: input should be 'full' or 'selective', got 'some'"
+    lacking = _mutated(new, lambda d: d.pop("layer_groups"))
+    assert _load_error(tmp_path, lacking) == "plan lacks the field(s) layer_groups (schema version 4)"
+
+
+@pytest.mark.parametrize("version", [0, 5, "2", True, None])
 def test_other_versions_are_refused_naming_the_version(tmp_path, good, version):
     d = _mutated(good, lambda d: d.update(schema_version=version))
-    assert _load_error(tmp_path, d) == (f"plan schema version {version!r} found, this autopar reads version 3 (and "
-                                        f"the earlier 1, 2): make the plan again with autopar.plan(...) (or use the "
+    assert _load_error(tmp_path, d) == (f"plan schema version {version!r} found, this autopar reads version 4 (and "
+                                        f"the earlier 1, 2, 3): make the plan again with autopar.plan(...) (or use the "
                                         f"autopar version that wrote it)")
 
 

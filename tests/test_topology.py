@@ -12,7 +12,7 @@ import pytest
 from autopar.cost_model.comm import collective_time
 from autopar.cost_model.hardware import PRESETS, Hardware, Link, get_hardware, load_profile, save_profile
 from autopar.cost_model.mesh import Mesh, MeshError, axis_link, node_layout
-from autopar.plans import Plan, PlanError, load_plan
+from autopar.plans import SCHEMA_VERSION, Plan, PlanError, load_plan
 
 H100 = PRESETS["h100"]
 NVLINK, IB = H100.intra_node, H100.inter_node
@@ -191,7 +191,7 @@ def test_a_saved_version_2_plan_loads_with_its_prices():
     d = _v2()
     assert d["schema_version"] == 2 and "nics_per_node" not in d["mesh"]["hardware"]
     plan = load_plan(V2_PLAN)
-    assert plan.schema_version == 3
+    assert plan.schema_version == SCHEMA_VERSION
     assert plan.mesh["hardware"]["nics_per_node"] == plan.mesh["hardware"]["devices_per_node"] == 8
     mesh = Mesh.from_dict(plan.mesh)
     assert mesh.link("dp") == IB and mesh.link("tp") == NVLINK
@@ -208,7 +208,7 @@ def test_a_version_2_plan_saves_as_version_3_and_loads_again(tmp_path):
     plan = load_plan(V2_PLAN)
     plan.save(tmp_path / "v3.json")
     again = json.loads((tmp_path / "v3.json").read_text(encoding="utf-8"))
-    assert again["schema_version"] == 3 and again["mesh"]["hardware"]["nics_per_node"] == 8
+    assert again["schema_version"] == SCHEMA_VERSION and again["mesh"]["hardware"]["nics_per_node"] == 8
     assert load_plan(tmp_path / "v3.json") == plan
 
 

@@ -18,7 +18,11 @@ which the default links of an axis spanning nodes now depend on). Version 1 and 
 version 3: without ``graph.shapes`` (version 1), with ``nics_per_node`` set to ``devices_per_node``
 (one NIC per device, as they were priced) and their links as written (every saved plan writes its
 links; a hand-made one without them gets the links versions 1 and 2 priced with), so their prices do
-not change. Any other version is a PlanError naming it.
+not change. Version 4 adds the memory/time trade-offs: ``checkpointing`` (module path of each
+recomputed layer instance -> ``"full"`` or ``"selective"``), ``kept_gathers`` (module paths whose
+gathered parameters are kept from the forward for the backward) and ``layer_groups`` (per group of
+alike layers, what checkpointing saves and costs); a version 1-3 file loads with nothing
+recomputed or kept, as it was priced. Any other version is a PlanError naming it.
 """
 
 from __future__ import annotations
@@ -34,9 +38,9 @@ from autopar.plans.format import SOLVER_TIMING_KEYS, canon
 from autopar.plans.validate import check_fields, check_values, read_json, shown
 from autopar.validate import check_path
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: the versions ``load_plan`` reads (an older one loads with the newer fields defaulted or left out)
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 
 # -- entry shapes (what the planner writes; readers use .get() since hand-made plans may lack keys) --
@@ -120,6 +124,20 @@ class ModuleEntry(TypedDict, total=False):
     alternatives: list[Alternative]
 
 
+class LayerGroupEntry(TypedDict, total=False):
+    """One group of alike layer instances (the folding's groups) and its memory/time trade-off
+    (schema version 4). Bytes per device and seconds per instance."""
+    prefix: str  # the instances' common module path prefix, e.g. "layers"
+    count: int  # instances in the group
+    paths: list[str]  # the instances' module paths
+    checkpointed: int  # instances recomputed
+    mode: str  # "none" | "full" | "selective"
+    saved_bytes: int  # activations one instance saves for the backward when not recomputed
+    input_bytes: int  # what one recomputed instance keeps instead (its inputs; "selective": and the outputs it saves)
+    recompute_time: float  # seconds one recomputed instance adds to the backward
+    kept_gathers: bool  # gathered parameters kept from the forward for the backward
+
+
 class Baseline(TypedDict, total=False):
     """A hand-written recipe priced by the same cost model, or the error that kept it out."""
     step_time: float
@@ -173,6 +191,10 @@ class Plan:
     modules: list[ModuleEntry]
     phases: dict[str, float]  # planning wall times: capture, fold, ..., total
     graph: GraphSummary
+    # memory/time trade-offs (schema version 4; older files load with these empty)
+    checkpointing: dict[str, str] = field(default_factory=dict)  # module path -> "full" | "selective"
+    kept_gathers: list[str] = field(default_factory=list)  # module paths whose gathers are kept
+    layer_groups: list[LayerGroupEntry] = field(default_factory=list)
     schema_version: int = field(default=SCHEMA_VERSION)
 
     # -- derived --------------------------------------------------------------------------------
@@ -217,7 +239,7 @@ class Plan:
         """Inverse of ``to_dict``; checked against the plan file's schema (``autopar.plans.validate``):
         a PlanError names a schema version it does not read, missing fields, or the first field (a
         JSON path) of a wrong type or out of range, with its value. A version 1 or 2 plan comes back
-        as version 3 (see the module's "Schema versions")."""
+        as version 4 (see the module's "Schema versions")."""
         if not isinstance(d, Mapping):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         if "schema_version" not in d:
@@ -231,6 +253,8 @@ class Plan:
             d = _nics_of_old_plan(d)
         plain = check_values(d)
         names = [f.name for f in fields(Plan) if f.name not in ("phases", "schema_version")]
+        if version < 4:
+            d = {**d, **{k: _copy(v) for k, v in _V4_DEFAULTS.items() if k not in d}}
         missing = [n for n in names if n not in d]
         if missing:
             raise PlanError(f"plan lacks the field(s) {', '.join(missing)} (schema version {version})")
@@ -371,7 +395,12 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "peak_memory": (int,), "memory": (dict,), "placements": (dict,), "nodes": (list,),
     "reshardings": (list,), "collectives": (list,), "bucket_size": (int,), "baselines": (dict,),
     "solver": (dict,), "source": (str,), "modules": (list,), "graph": (dict,),
+    "checkpointing": (dict,), "kept_gathers": (list,), "layer_groups": (list,),
 }
+
+
+#: the fields version 4 added, as an older plan (priced without them) has them
+_V4_DEFAULTS: dict[str, Any] = {"checkpointing": {}, "kept_gathers": [], "layer_groups": []}
 
 
 def _nics_of_old_plan(d: Mapping) -> Mapping:
@@ -411,6 +440,6 @@ def load_plan(path: Union[str, os.PathLike]) -> Plan:
         raise PlanError(f"{p!r}: {e}") from None
 
 
-__all__ = ["READABLE_VERSIONS", "SCHEMA_VERSION", "SOLVER_TIMING_KEYS", "Alternative", "Baseline", "Collective", "Fingerprint",
-           "GraphSummary", "ModuleEntry", "NodeEntry", "Plan", "PlanError", "Resharding", "ReshardingStep",
+__all__ = ["READABLE_VERSIONS", "SCHEMA_VERSION", "SOLVER_TIMING_KEYS", "Alternative", "Baseline", "Collective",
+           "Fingerprint", "GraphSummary", "LayerGroupEntry", "ModuleEntry", "NodeEntry", "Plan", "PlanError", "Resharding", "ReshardingStep",
            "graph_differences", "load_plan"]

@@ -405,6 +405,18 @@ class _Baseline(_Strict):
     error: Text = None
 
 
+class _LayerGroup(_Strict):
+    prefix: Name = None
+    count: Count = None
+    paths: list[Name] = None
+    checkpointed: Count = None
+    mode: Literal["none", "full", "selective"] = None
+    saved_bytes: Int = None
+    input_bytes: Int = None
+    recompute_time: Seconds = None
+    kept_gathers: bool = None
+
+
 class _Solver(BaseModel):
     """The solver's statistics: the figures the views print are typed, the rest is free-form."""
     model_config = ConfigDict(extra="allow", strict=True)
@@ -449,10 +461,13 @@ class _PlanFile(_Strict):
     modules: list[_Module]
     phases: dict[Name, Seconds] = None  # the Plan's field; a file keeps it under timing
     graph: _Graph
+    checkpointing: dict[Name, Literal["full", "selective"]] = None  # schema version 4
+    kept_gathers: list[Name] = None  # schema version 4
+    layer_groups: list[_LayerGroup] = None  # schema version 4
 
 
 _KNOWN_KEYS = sorted({k for m in (_PlanFile, _Mesh, _Hardware, _Link, _Precision, _Fingerprint, _Graph, _Node, _Step,
-                                  _Collective, _Alternative, _Module, _Baseline, _Timing, _Resharding) for k in m.model_fields}
+                                  _Collective, _Alternative, _Module, _Baseline, _Timing, _Resharding, _LayerGroup) for k in m.model_fields}
                      | {"from"})
 
 
