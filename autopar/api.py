@@ -23,6 +23,7 @@ from autopar.passes.lower import lower, resolve
 from autopar.passes.pipeline import run_passes
 from autopar.passes.report import build_plan
 from autopar.passes.search.recipes import NAMES
+from autopar.passes.search.checkpoint import check_pin
 from autopar.plans import Plan, load_plan
 from autopar.runtime.precision import execution_precision
 from autopar.runtime.threads import gather_slots, placeholder_values, simulate_programs
@@ -39,7 +40,8 @@ from autopar.validate import (
 )
 
 #: The keywords ``plan`` passes on to ``passes.pipeline.run_passes`` (its own are named in its signature).
-PASS_KEYWORDS = ("precision", "optimizer", "recipe", "tensor_axis", "deterministic_time", "progress", "graph")
+PASS_KEYWORDS = ("precision", "optimizer", "recipe", "tensor_axis", "deterministic_time", "progress", "graph",
+                 "checkpointing")
 PLAN_KEYWORDS = ("training", "hints", "memory_budget", "time_limit", "search") + PASS_KEYWORDS
 
 
@@ -68,6 +70,7 @@ def check_plan_args(model, mesh, example_kwargs, kw: dict, where: str = "autopar
     except ValueError as e:
         raise ArgumentError(f"{where}: {e}") from None
     check_choice(kw.get("recipe"), NAMES, f"{where}: recipe", allow_none=True)
+    check_pin(kw.get("checkpointing"), f"{where}: checkpointing")
     try:
         mesh.axis(kw.get("tensor_axis", -1))
     except MeshError as e:
@@ -91,7 +94,11 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
     ``optimizer`` ("adamw", "sgd", ...: its state is priced), ``deterministic_time`` (CP-SAT's
     deterministic seconds, default 20), ``progress`` (print each phase's time; default: when
     stderr is a terminal), ``recipe`` and ``tensor_axis`` (a named recipe instead of the search, as
-    ``autopar.recipes`` calls it), ``graph`` (an already captured graph of this model).
+    ``autopar.recipes`` calls it), ``graph`` (an already captured graph of this model),
+    ``checkpointing`` (which layer instances recompute their activations in the backward:
+    ``"none"``, ``"full"``, ``"selective"`` for every repeated layer, or a dict from module-path
+    globs to those, e.g. ``{"layers.[0-9]": "full"}``; default: the search recomputes the fewest
+    layers that let the fastest plan fit, and nothing when the fastest plan fits as it is).
     """
     kw = check_plan_args(model, mesh, example_kwargs, dict(kw, training=training, hints=hints,
                                                           memory_budget=memory_budget, time_limit=time_limit,

@@ -8,6 +8,7 @@ evaluator as the searched plan.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from autopar.ir.annotations import dtensor_hints, merge_hints
 from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph
 from autopar.ir.placement import format_placements
-from autopar.passes.search import recipes
+from autopar.passes.search import checkpoint, recipes
 from autopar.passes.search.build import build_problem
 from autopar.passes.search.complete import complete
 from autopar.passes.search.fold import Folding, fold
@@ -58,6 +59,9 @@ class Planned:
     recipe_choices: dict[str, list[int]]
     phases: dict[str, float] = field(default_factory=dict)
     searched: Optional[Cost] = None
+    recompute: Optional[checkpoint.Choice] = None  # what the plan recomputes (``problem`` is priced with it)
+    terms: list[checkpoint.GroupTerms] = field(default_factory=list)
+    unscaled: Optional[Problem] = None  # ``problem`` priced without recomputation
 
 
 class _Clock:
@@ -95,8 +99,11 @@ def run_passes(
     progress: Optional[bool] = None,
     graph: Optional[Graph] = None,
     search: str = "ilp",
+    checkpointing: checkpoint.Pin = None,
 ) -> Planned:
-    """The planning passes; ``recipe`` fixes that recipe's placements instead of searching."""
+    """The planning passes; ``recipe`` fixes that recipe's placements instead of searching;
+    ``checkpointing`` pins the recomputation (``passes.search.checkpoint.pinned``) instead of
+    searching it."""
     require_mesh(mesh)
     clock = _Clock(sys.stderr.isatty() if progress is None else progress)
     example_inputs = as_args(example_inputs)
@@ -116,7 +123,8 @@ def run_passes(
     budget = float(memory_budget) if memory_budget is not None else DEFAULT_BUDGET_FRACTION * mesh.hardware.memory
     problem = build_problem(graph, mesh, folding, strategies, prec, budget, constraints)
     clock.lap("cost")
-    merged = merge(problem, {n.name: n.op for n in graph.nodes})
+    ops = {n.name: n.op for n in graph.nodes}
+    merged = merge(problem, ops)
     clock.lap("merge")
 
     names = [recipe] if recipe else list(recipes.NAMES)
@@ -142,41 +150,127 @@ def run_passes(
         baselines[name] = {"step_time": cost.step_time, "peak_memory": int(cost.peak_memory),
                            "fits": cost.peak_memory <= budget}
     clock.lap("recipes")
-    fitting = [n for n in choices if baselines[n]["fits"]]
-    best_recipe = min(fitting or choices, key=lambda n: (baselines[n]["step_time"], n)) if choices else None
 
     solution, searched_cost = None, None
+    unscaled = problem
+    terms = checkpoint.group_terms(graph, folding, problem, mesh, prec) if folding.groups else []
+    pin = checkpoint.pinned(checkpointing, terms)
+    recompute = pin or checkpoint.Choice(tuple("full" for _ in terms), tuple(0 for _ in terms))
+    if pin is not None and pin.any:
+        problem = checkpoint.with_checkpointing(problem, terms, pin)
+        merged = merge(problem, ops)
     if recipe:
         choice, source = choices[recipe], f"recipe:{recipe}"
     elif search == "propagate":  # the annotations spread through the graph; no ILP
         choice, source = propagate(problem), "propagate"
     else:
-        start = choices[best_recipe] if best_recipe else greedy(problem)
-        warm_start = [start[i] for i in merged.keep]
-        try:
-            if edge_var_count(merged.problem) <= FULL_ILP_LIMIT or mesh.ndim == 1:
-                solution = solve(merged.problem, warm_start, deterministic_time, time_limit)
-            else:
-                solution = solve_by_axis(merged.problem, warm_start, mesh.ndim, 2, time_limit)
-            searched = merged.expand(solution.choice, len(problem.nodes))
-        except InfeasibleError:
-            searched = None
+        search_args = (mesh, deterministic_time, time_limit)
+        # first without the budget: a plan that fits so is the best of every choice (recomputing
+        # only adds time), and planning costs what it did before checkpointing was searched
+        solution, searched = _solve(merged, problem, choices, *search_args, budget=False)
+        found = [(recompute, problem, merged, solution, searched)]
+        over = searched is None or evaluate(problem, searched).peak_memory > budget
+        if over:
+            solution, searched = _solve(merged, problem, choices, *search_args, budget=True)
+            found = [(recompute, problem, merged, solution, searched)]
+        if over and pin is None and terms:
+            found += _recompute_candidates(problem, terms, choices, ops, clock, *search_args)
         candidates = []
-        if searched is not None:
-            searched_cost = evaluate(problem, searched)
-            candidates.append((searched_cost, 0, "search", searched))
-        for k, name in enumerate(sorted(choices)):
-            candidates.append((evaluate(problem, choices[name]), 1 + k, f"recipe:{name}", choices[name]))
+        for order, (rc, prob, mrg, sol, chosen) in enumerate(found):
+            if chosen is not None:
+                candidates.append((evaluate(prob, chosen), order, 0, "search", chosen, rc, prob, mrg, sol))
+            for k, name in enumerate(sorted(choices)):
+                candidates.append((evaluate(prob, choices[name]), order, 1 + k, f"recipe:{name}", choices[name],
+                                   rc, prob, mrg, None))
         fits = [c for c in candidates if c[0].peak_memory <= budget]
         if not fits:
-            raise _infeasible(graph, problem, budget)
-        best = min(fits, key=lambda c: (c[0].step_time, c[1]))
-        choice, source = best[3], best[2]
+            raise _infeasible(graph, problem, budget, terms)
+        best = min(fits, key=lambda c: (c[0].step_time, c[1], c[2]))
+        _, _, _, source, choice, recompute, problem, merged, solution = best
+        if solution is None:  # a recipe won: the search's figures are those of its own plan at that choice
+            solution = next((c[8] for c in candidates if c[3] == "search" and c[5] == recompute), None)
+        searched_cost = next((c[0] for c in candidates if c[3] == "search" and c[5] == recompute), None)
     clock.lap("solve")
     cost = evaluate(problem, choice)
     clock.phases["total"] = round(time.perf_counter() - clock.start, 4)
     return Planned(graph, mesh, folding, problem, merged, prec, choice, cost, source, solution, baselines,
-                   choices, clock.phases, searched_cost)
+                   choices, clock.phases, searched_cost, recompute, terms, unscaled)
+
+
+def _solve(merged: Merged, problem: Problem, choices: dict[str, list[int]], mesh: Mesh,
+           deterministic_time: float, time_limit: Optional[float], budget: bool):
+    """The search's plan of ``problem`` (``(solution, choice)``; ``(None, None)`` when the solver finds
+    none), warm-started from the best recipe (the best that fits, with the budget), without the
+    memory budget unless ``budget``."""
+    fitting = [n for n in choices if evaluate(problem, choices[n]).peak_memory <= problem.memory_budget]
+    pool = fitting if budget and fitting else list(choices)
+    starts = sorted(pool, key=lambda n: (evaluate(problem, choices[n]).step_time, n))
+    start = choices[starts[0]] if starts else greedy(problem)
+    target = merged.problem if budget else Problem(merged.problem.nodes, merged.problem.edges, merged.problem.groups,
+                                                   math.inf)
+    warm_start = [start[i] for i in merged.keep]
+    try:
+        if edge_var_count(target) <= FULL_ILP_LIMIT or mesh.ndim == 1:
+            solution = solve(target, warm_start, deterministic_time, time_limit)
+        else:
+            solution = solve_by_axis(target, warm_start, mesh.ndim, 2, time_limit)
+    except InfeasibleError:
+        return None, None
+    return solution, merged.expand(solution.choice, len(problem.nodes))
+
+
+def _recompute_candidates(problem: Problem, terms: list[checkpoint.GroupTerms], choices: dict[str, list[int]],
+                          ops: dict[str, str], clock: "_Clock", mesh: Mesh, deterministic_time: float,
+                          time_limit: Optional[float]) -> list[tuple]:
+    """Plans that recompute, for a problem whose best plan does not fit: per mode, from the fewest
+    recomputed instances with which any plan fits (the leanest memory is exact and cheap: it is a
+    sum over nodes), then more while the plan gets faster. Every candidate is a full solve."""
+    top = max(t.count for t in terms)
+    out = []
+    for mode in checkpoint.MODES:
+        priced: dict[int, Problem] = {}
+
+        def at(level: int) -> Problem:
+            if level not in priced:
+                priced[level] = checkpoint.with_checkpointing(problem, terms, checkpoint.levels(terms, mode, level))
+            return priced[level]
+
+        # recomputing the last instance saves nothing (its backward follows at once), so at most top - 1
+        ladder = [lv for lv in range(1, top) if leanest(at(lv)) <= problem.memory_budget]
+        if not ladder:
+            continue
+        best_time = math.inf
+        trials = _trials(ladder[0], top - 1)
+        for level in trials:
+            prob = at(level)
+            merged = merge(prob, ops)
+            solution, chosen = _solve(merged, prob, choices, mesh, deterministic_time, time_limit, budget=True)
+            if chosen is None:
+                continue
+            cost = evaluate(prob, chosen)
+            out.append((checkpoint.levels(terms, mode, level), prob, merged, solution, chosen))
+            if clock.progress:
+                print(f"autopar: recompute {mode} {level}/{top}: {cost.step_time * 1e3:.1f} ms", file=sys.stderr)
+            if cost.step_time >= best_time and len(trials) < len(ladder):
+                break  # a sample of many levels: stop where recomputing more stops paying
+            best_time = cost.step_time
+    return out
+
+
+def _trials(first: int, last: int) -> list[int]:
+    """The recomputation levels tried from the fewest that fits: every one when few, else doubling steps."""
+    if last - first <= 3:
+        return list(range(first, last + 1))
+    out, step = [first], 1
+    while first + step < last:
+        out.append(first + step)
+        step *= 2
+    return out + [last]
+
+
+def leanest(problem: Problem) -> float:
+    """The least memory per device any plan of ``problem`` needs (memory is a sum over nodes)."""
+    return sum(n.mult * min(n.mem_total(s) for s in n.alive()) for n in problem.nodes)
 
 
 def _check_recipe_hints(graph: Graph, name: str, allowed: recipes.Allowed, constraints: list[Constraint],
@@ -201,7 +295,8 @@ def _check_recipe_hints(graph: Graph, name: str, allowed: recipes.Allowed, const
         raise RecipeError(text)
 
 
-def _infeasible(graph: Graph, problem: Problem, budget: float) -> InfeasibleError:
+def _infeasible(graph: Graph, problem: Problem, budget: float,
+                terms: Optional[list[checkpoint.GroupTerms]] = None) -> InfeasibleError:
     """No plan fits: state the smallest per-device memory any plan needs and what dominates it.
 
     Memory is a sum over nodes with no coupling between them, so the minimum over all plans is
@@ -219,11 +314,23 @@ def _infeasible(graph: Graph, problem: Problem, budget: float) -> InfeasibleErro
     top = ", ".join(f"{graph.user_name(name)} ({human_bytes(b)}" + (f" over {m} layers)" if m > 1 else ")")
                     for b, name, m in tops[:5])
     total = sum(need.values())
+    state = need["params"] + need["grads"] + need["optimizer"]
+    deepest = max((t.count for t in terms or ()), default=0)
+    if deepest > 1:  # what recomputing every layer instance but the last could save at best
+        least = min(leanest(checkpoint.with_checkpointing(problem, terms, checkpoint.levels(terms, m, deepest - 1)))
+                    for m in checkpoint.MODES)
+        verdict = "cannot help" if least > budget else "was tried"
+        recompute = (f" Recomputing activations {verdict}: with every layer recomputed the leanest plan "
+                     f"needs {human_bytes(least)}" + (f", and the model state alone (parameters, gradients, optimizer) "
+                                                      f"needs {human_bytes(state)}" if state > budget else "") + ".")
+    else:
+        recompute = " The model has no repeated layers to recompute." if terms is not None else ""
     return InfeasibleError(
         f"no plan fits the memory budget of {human_bytes(budget)} per device: the leanest possible plan needs "
         f"{human_bytes(total)} per device (params {human_bytes(need['params'])}, grads {human_bytes(need['grads'])}, "
         f"optimizer {human_bytes(need['optimizer'])}, activations {human_bytes(need['activations'])}); "
-        f"largest tensors at their leanest placement: {top}. Use more devices, a smaller batch, or raise memory_budget."
+        f"largest tensors at their leanest placement: {top}.{recompute} Use more devices, a smaller batch, or raise "
+        f"memory_budget."
     )
 
 

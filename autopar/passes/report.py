@@ -17,6 +17,7 @@ from autopar.ir.fingerprint import graph_fingerprint, graph_info
 from autopar.ir.graph import Ref
 from autopar.ir.placement import B, format_placements
 from autopar.ir.views import param_views
+from autopar.passes.search.checkpoint import checkpointed_paths, group_figures
 from autopar.passes.search.problem import MEMORY_KINDS, edge_cost, incident_transfers, local_cost, transfer_cost
 from autopar.passes.search.strategies import input_placement, output_placement
 
@@ -89,6 +90,10 @@ def build_plan(planned: "Planned"):
         modules=_modules(planned, strat, reshardings),
         phases=planned.phases,
         graph=graph_info(g),
+        checkpointing=checkpointed_paths(planned.terms, planned.recompute) if planned.recompute else {},
+        kept_gathers=[],
+        layer_groups=(group_figures(planned.unscaled, planned.terms, planned.recompute, choice)
+                      if planned.recompute and planned.unscaled is not None else []),
     )
 
 
