@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from autopar.ir.graph import Graph, Phase, Ref
 from autopar.ir.layers import Key, Layers
+from autopar.ir.views import param_views
 
 #: the checkpointing modes, as ``Plan.checkpointing`` names them
 MODES = ("full", "selective")
@@ -42,7 +43,9 @@ def instance_plan(graph: Graph, membership: Layers, key: Key, mode: str) -> tupl
         raise ValueError(f"checkpointing mode {mode!r}: expected one of {MODES}")
     names = membership.instances[key]
     inside = set(names)
-    forward = [graph.node(n) for n in names if graph.node(n).phase == Phase.FORWARD and not graph.node(n).is_placeholder]
+    views = param_views(graph)  # the backward derives parameters' views again in any case
+    forward = [graph.node(n) for n in names if graph.node(n).phase == Phase.FORWARD
+               and not graph.node(n).is_placeholder and n not in views]
     made = {n.name for n in forward}
     kept: set[Ref] = set()
     needed: set[Ref] = set()  # forward values of the instance the backward reads

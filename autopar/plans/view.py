@@ -128,6 +128,7 @@ def summary(plan: "Plan", full: bool = False) -> str:
     split = [f"{k} {human_bytes(v)}" for k, v in plan.memory.items()]
     lines += _wrap_items(f"peak memory {human_bytes(plan.peak_memory)} of {human_bytes(plan.memory_budget)} per device "
                          f"({verdict}): ", split)
+    lines += _layer_groups(plan)
     if plan.collectives:
         lines += _wrap_items(f"collectives (bucket size {human_bytes(plan.bucket_size)}): ",
                              [_collective_text(c) for c in plan.collectives], "; ")
@@ -136,6 +137,31 @@ def summary(plan: "Plan", full: bool = False) -> str:
     if plan.phases:
         lines += _wrap_items("planning: ", [f"{k} {human_time(v)}" for k, v in plan.phases.items()])
     return printable("\n".join(lines))
+
+
+def _layer_groups(plan: "Plan", path: str = "") -> list[str]:
+    """Per group of alike layers (under ``path``): what recomputes and what that saves and costs."""
+    groups = [g for g in getattr(plan, "layer_groups", []) or []
+              if not path or any(_in_scope(p, path) or _in_scope(path, p) for p in g.get("paths", []))]
+    if not groups:
+        return []
+    out = ["", "activation checkpointing (per group of alike layers; per instance: saved when not recomputed, "
+               "kept when recomputed, re-run time):"]
+    for g in groups:
+        k, n, mode = g.get("checkpointed", 0), g.get("count", 0), g.get("mode", "none")
+        what = f"{k} of {n} recomputed ({mode}: {_span(g.get('paths', [])[:k])})" if k else f"none of {n} recomputed"
+        saved = g.get("saved_bytes", 0) - g.get("input_bytes", 0)
+        out.append(f"  {g.get('prefix') or '(root)'}: {what}; saves {human_bytes(g.get('saved_bytes', 0))}, "
+                   f"keeps {human_bytes(g.get('input_bytes', 0))}, re-run {human_time(g.get('recompute_time', 0.0))}"
+                   + (f"; in all {human_bytes(k * saved)} less memory, {human_time(k * g.get('recompute_time', 0.0))} "
+                      f"more time" if k else ""))
+        if g.get("kept_gathers"):
+            out.append(f"    gathered parameters kept from the forward for the backward")
+    return out
+
+
+def _span(paths: list[str]) -> str:
+    return paths[0] if len(paths) == 1 else f"{paths[0]} .. {paths[-1]}" if paths else "-"
 
 
 def _collective_text(c: dict) -> str:
@@ -245,6 +271,10 @@ def explain(plan: "Plan", module_path: str) -> str:
         lines.append("parameter and other reshardings:")
         for r in others:
             lines += _resharding_line(r, "  ", show_consumer=True)
+    mode = (getattr(plan, "checkpointing", {}) or {}).get(path)
+    if mode:
+        lines.append(f"checkpointed ({mode}): its activations are recomputed in the backward")
+    lines += _layer_groups(plan, path)
     for m in mods:
         alts = m.get("alternatives") or []
         if not alts:
@@ -316,6 +346,11 @@ def diff(a: "Plan", b: "Plan", limit: int = 40) -> str:
     for label, x, y in (("reshardings", a.reshardings, b.reshardings), ("collectives", a.collectives, b.collectives)):
         if not _same(x, y):
             out.append(f"{label}: {len(x)} -> {len(y)}" + ("" if len(x) != len(y) else " (contents differ)"))
+    if a.checkpointing != b.checkpointing:
+        out.append(f"checkpointing: {len(a.checkpointing)} -> {len(b.checkpointing)} layer instances recomputed"
+                   + ("" if len(a.checkpointing) != len(b.checkpointing) else " (which or how differs)"))
+    if a.kept_gathers != b.kept_gathers:
+        out.append(f"kept gathers: {len(a.kept_gathers)} -> {len(b.kept_gathers)} layer instances")
     if a.bucket_size != b.bucket_size:
         out.append(f"bucket size: {human_bytes(a.bucket_size)} -> {human_bytes(b.bucket_size)}")
     rest = [k for k in ("nodes", "modules", "baselines", "graph") if not _same(getattr(a, k), getattr(b, k))]

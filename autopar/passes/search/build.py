@@ -4,7 +4,8 @@ Reads the graph, its folding, the candidate strategies and the hints; writes a `
 (``passes/search/problem.py``). Folded layers are priced once and carry their multiplicity.
 Memory per device: each parameter's stored weights, gradient and optimizer state under its
 placement, and every forward activation that the backward reads (live at the peak, between
-forward and backward), in the precision's bytes. Edges are grouped into transfers (``_edges``):
+forward and backward; not the parameters' layout views, which the backward derives again), in the
+precision's bytes. Edges are grouped into transfers (``_edges``):
 one resharding of a tensor to a placement serves all its consumers that need that placement.
 (Not counted: the memory of a resharded copy kept for the backward.)
 """
@@ -53,6 +54,8 @@ def build_problem(
         if n.phase == Phase.BACKWARD:
             users_backward.update(r for r in n.inputs if graph.node(r.node).phase == Phase.FORWARD)
     param_node = {name: fqn for fqn, name in graph.params.items()}
+    # parameters' layout views are derived again in the backward (the lowering never saves them)
+    views = param_views(graph)
 
     # Overlap groups: (layer group or outside, phase). Parameter gathers for forward use run under
     # that phase's forward compute (issued a layer ahead); gradient reductions under the backward.
@@ -90,7 +93,7 @@ def build_problem(
                                                  for j in range(len(n.outputs))], mesh)
                 pn.compute.append(compute_time(call, ins, outs, hw, precision))
                 for j, spec in enumerate(n.outputs):
-                    if spec is not None and Ref(n.name, j) in users_backward:
+                    if spec is not None and Ref(n.name, j) in users_backward and n.name not in views:
                         mem["activations"] += activation_bytes(spec.shape, spec.dtype, output_placement(s, j), mesh, precision)
             pn.comm.append(0.0)
             for k in MEMORY_KINDS:

@@ -1,0 +1,102 @@
+"""Activation checkpointing chosen by the search (``passes/search/checkpoint.py``): the memory it
+saves and the time it costs are priced per group of alike layers, the search recomputes only when
+the fastest plan does not fit, and ``checkpointing=`` pins the choice."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar import models
+from autopar.errors import ArgumentError, InfeasibleError
+
+
+def _gpt(layers: int = 4):
+    return models.make("gpt", "tiny", batch=8, n_layer=layers)
+
+
+def test_a_budget_sweep_recomputes_only_when_needed_and_time_never_falls_as_memory_shrinks():
+    """Solved exactly (CP-SAT, a 1-D mesh, every count of recomputed layers tried): each plan fits
+    its budget, the largest budget recomputes nothing, the smallest feasible one recomputes, and
+    the estimated step time never decreases as the budget shrinks."""
+    model, inputs = _gpt()
+    mesh = autopar.Mesh({"dp": 2}, device="cpu")
+    free = autopar.plan(model, mesh, inputs, progress=False)
+    assert free.checkpointing == {}
+    rows = []
+    for fraction in (1.0, 0.8, 0.7, 0.6, 0.55, 0.5, 0.45, 0.4):
+        budget = int(free.peak_memory * fraction)
+        try:
+            plan = autopar.plan(model, mesh, inputs, memory_budget=budget, progress=False)
+        except InfeasibleError:
+            break
+        assert plan.peak_memory <= budget
+        rows.append((fraction, plan.step_time, len(plan.checkpointing)))
+    assert rows[0][2] == 0 and rows[-1][2] > 0, rows
+    times = [t for _, t, _ in rows]
+    assert all(a <= b * (1 + 1e-9) for a, b in zip(times, times[1:])), rows
+
+
+def test_pinned_recomputation_prices_what_it_saves_and_costs():
+    """Under one placement (the ddp recipe), recomputing every instance changes the activation
+    memory by what ``layer_groups`` reports: ``(c - 1) * saved - c * kept`` less (the backward of
+    the first recomputed instance holds its values again), and adds its re-run time."""
+    model, inputs = _gpt()
+    mesh = autopar.Mesh({"dp": 2}, device="cpu")
+    plain = autopar.recipes.ddp(model, mesh, inputs, progress=False)
+    for mode in ("full", "selective"):
+        plan = autopar.recipes.ddp(model, mesh, inputs, checkpointing=mode, progress=False)
+        assert plan.placements == plain.placements
+        (group,) = plan.layer_groups
+        c = group["count"]
+        assert group["checkpointed"] == c and group["mode"] == mode
+        assert plan.checkpointing == {p: mode for p in group["paths"]}
+        less = (c - 1) * group["saved_bytes"] - c * group["input_bytes"]
+        assert less > 0
+        assert plain.memory["activations"] - plan.memory["activations"] == pytest.approx(less, abs=c)
+        assert plan.step_time - plain.step_time == pytest.approx(c * group["recompute_time"], rel=1e-6)
+    full, selective = (autopar.recipes.ddp(model, mesh, inputs, checkpointing=m, progress=False).layer_groups[0]
+                       for m in ("full", "selective"))
+    # selective keeps the attention and every other matmul's outputs: more kept, less re-run
+    assert selective["input_bytes"] > full["input_bytes"]
+    assert selective["recompute_time"] < full["recompute_time"]
+
+
+def test_pins_by_module_path_glob_and_their_errors():
+    model, inputs = _gpt()
+    mesh = autopar.Mesh({"dp": 2}, device="cpu")
+    plan = autopar.plan(model, mesh, inputs, checkpointing={"blocks.[01]": "full"}, progress=False)
+    assert plan.checkpointing == {"blocks.0": "full", "blocks.1": "full"}
+    assert plan.layer_groups[0]["checkpointed"] == 2
+    assert autopar.plan(model, mesh, inputs, checkpointing="none", progress=False).checkpointing == {}
+    with pytest.raises(ArgumentError, match=r"checkpointing='some': expected one of 'none', 'full', 'selective'"):
+        autopar.plan(model, mesh, inputs, checkpointing="some")
+    with pytest.raises(ArgumentError, match=r"recomputed instances must be the first ones \(blocks.2 asked\)"):
+        autopar.plan(model, mesh, inputs, checkpointing={"blocks.2": "full"}, progress=False)
+    with pytest.raises(ArgumentError, match=r"'decoder.\*' match no layer instance"):
+        autopar.plan(model, mesh, inputs, checkpointing={"decoder.*": "full"}, progress=False)
+    with pytest.raises(ArgumentError, match=r"take one mode \(full and selective asked\)"):
+        autopar.plan(model, mesh, inputs, checkpointing={"blocks.0": "full", "blocks.1": "selective"},
+                     progress=False)
+
+
+def test_when_model_state_alone_exceeds_the_budget_the_error_says_recomputing_cannot_help():
+    model, inputs = _gpt()
+    mesh = autopar.Mesh({"dp": 2}, device="cpu")
+    free = autopar.plan(model, mesh, inputs, progress=False)
+    state = free.memory["params"] + free.memory["grads"] + free.memory["optimizer"]
+    with pytest.raises(InfeasibleError, match=r"Recomputing activations cannot help: with every layer recomputed "
+                                              r"the leanest plan needs .*, and the model state alone"):
+        autopar.plan(model, mesh, inputs, memory_budget=state // 4, progress=False)
+
+
+def test_a_plan_saved_with_checkpointing_loads_and_shows_it(tmp_path):
+    model, inputs = _gpt()
+    mesh = autopar.Mesh({"dp": 2}, device="cpu")
+    plan = autopar.plan(model, mesh, inputs, checkpointing={"blocks.0": "selective"}, progress=False)
+    plan.save(tmp_path / "p.json")
+    again = autopar.load_plan(tmp_path / "p.json")
+    assert again.checkpointing == {"blocks.0": "selective"} and again.to_json() == plan.to_json()
+    text = plan.summary()
+    assert "activation checkpointing" in text and "1 of 4 recomputed (selective: blocks.0)" in text
+    assert "checkpointed (selective)" in plan.explain("blocks.0")
