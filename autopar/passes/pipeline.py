@@ -170,8 +170,9 @@ def run_passes(
         solution, searched = _solve(merged, problem, choices, *search_args, budget=False)
         found = [(recompute, problem, merged, solution, searched)]
         over = searched is None or evaluate(problem, searched).peak_memory > budget
-        if over:
-            solution, searched = _solve(merged, problem, choices, *search_args, budget=True)
+        if over:  # (no solve when even the leanest plan is over the budget)
+            solution, searched = (_solve(merged, problem, choices, *search_args, budget=True)
+                                  if leanest(problem) <= budget else (None, None))
             found = [(recompute, problem, merged, solution, searched)]
         if over and pin is None and terms:
             found += _recompute_candidates(problem, terms, choices, ops, clock, *search_args)
