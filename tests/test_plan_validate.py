@@ -11,7 +11,8 @@ from _plan_files import AXES, compile_errors_on_rank, tiny_mlp, tiny_plan_json
 
 import autopar
 from autopar.errors import CompileError
-from autopar.plans import SCHEMA_VERSION, Plan, PlanError, load_plan, validate
+from autopar.plans import bounds
+from autopar.plans import SCHEMA_VERSION, Plan, PlanError, load_plan
 
 
 @pytest.fixture(scope="module")
@@ -137,11 +138,11 @@ def test_strings_with_control_characters_are_refused(tmp_path, good):
                                         "got 'a\\nb'")
     long = "x" * 70_000
     d = _mutated(good, lambda d: d.update(source=long))
-    assert _load_error(tmp_path, d) == f"source: a string of 70,000 characters ({validate.shown(long)}); at most 65,536"
+    assert _load_error(tmp_path, d) == f"source: a string of 70,000 characters ({bounds.shown(long)}); at most 65,536"
 
 
 def test_files_too_large_or_not_text_are_refused(tmp_path, good, monkeypatch):
-    monkeypatch.setattr(validate, "MAX_FILE_BYTES", 1000)
+    monkeypatch.setattr(bounds, "MAX_FILE_BYTES", 1000)
     size = len(json.dumps(good).encode())
     assert _load_error(tmp_path, good) == f"the file is {size:,} bytes; a plan file is at most 1,000 bytes"
     monkeypatch.undo()
@@ -152,7 +153,7 @@ def test_files_too_large_or_not_text_are_refused(tmp_path, good, monkeypatch):
     assert _load_error(tmp_path, "[1, 2]") == "a plan is a JSON object, got list"
     unreadable = tmp_path / "unreadable.json"
     unreadable.write_text("{}")
-    monkeypatch.setattr(validate, "open", lambda *a, **k: (_ for _ in ()).throw(PermissionError(13, "Permission denied")),
+    monkeypatch.setattr(bounds, "open", lambda *a, **k: (_ for _ in ()).throw(PermissionError(13, "Permission denied")),
                         raising=False)
     with pytest.raises(PlanError, match=r"unreadable.json' is not a plan file: cannot read it \(Permission denied\)$"):
         load_plan(unreadable)

@@ -35,7 +35,8 @@ from typing import Any, Mapping, Optional, TypedDict, Union
 from autopar.errors import PlanError
 from autopar.plans import view
 from autopar.plans.format import SOLVER_TIMING_KEYS, canon
-from autopar.plans.validate import check_fields, check_values, read_json, shown
+from autopar.plans.bounds import check_values, read_json, shown
+from autopar.plans.validate import check_fields
 from autopar.validate import check_path
 
 SCHEMA_VERSION = 4
