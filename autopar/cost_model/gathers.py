@@ -123,7 +123,8 @@ def mark_param_groups(graph: Graph, reshardings: list[dict], mesh, precision) ->
         eb[ref] = element_bytes(spec.dtype, "gather", precision)
         steps = reshard_steps(spec.shape, parse(r["from"], ndim=mesh.ndim), parse(r["to"], ndim=mesh.ndim), mesh,
                               eb[ref])
-        gathers.append((i, ref, graph.node(r["consumer"]).phase.value, steps))
+        # (a checkpointed layer's forward op, re-run in the backward, reads its weight there)
+        gathers.append((i, ref, r.get("phase") or graph.node(r["consumer"]).phase.value, steps))
         entry_of[i] = r
     for i, b in gather_groups(graph, gathers, eb).items():
         entry_of[i]["bucket"] = b

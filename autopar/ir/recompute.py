@@ -18,7 +18,7 @@ are kept by their producers.
 from __future__ import annotations
 
 from autopar.ir.graph import Graph, Phase, Ref
-from autopar.ir.layers import Key, Layers
+from autopar.ir.layers import Key, Layers, layers
 from autopar.ir.views import param_views
 
 #: the checkpointing modes, as ``Plan.checkpointing`` names them
@@ -81,4 +81,24 @@ def instance_plan(graph: Graph, membership: Layers, key: Key, mode: str) -> tupl
     return frozenset(kept), frozenset(redo)
 
 
-__all__ = ["ATTENTION", "MATMULS", "MODES", "instance_plan"]
+def recomputed_ops(graph: Graph, checkpointing: dict[str, str]) -> frozenset[str]:
+    """Every forward op the backward re-runs for ``checkpointing`` (``Plan.checkpointing``: module
+    path of each recomputed layer instance -> mode); a ValueError names a path that is no layer
+    instance of ``graph`` or an unknown mode."""
+    if not checkpointing or not graph.training:  # (no backward: nothing to recompute)
+        return frozenset()
+    membership = layers(graph)
+    paths = {(f"{prefix}.{i}" if prefix else str(i)): (prefix, i) for prefix, i in membership.instances}
+    out: set[str] = set()
+    for path, mode in sorted(checkpointing.items()):
+        if path not in paths:
+            known = ", ".join(sorted(paths)[:4]) or "none"
+            raise ValueError(f"the plan checkpoints {path!r}, which is not a layer instance of this model "
+                             f"(instances: {known} ...)")
+        if mode not in MODES:
+            raise ValueError(f"the plan checkpoints {path!r} in mode {mode!r}: expected one of {MODES}")
+        out |= instance_plan(graph, membership, paths[path], mode)[1]
+    return frozenset(out)
+
+
+__all__ = ["ATTENTION", "MATMULS", "MODES", "instance_plan", "recomputed_ops"]

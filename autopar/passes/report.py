@@ -16,6 +16,7 @@ from autopar.cost_model.gathers import mark_param_groups
 from autopar.ir.fingerprint import graph_fingerprint, graph_info
 from autopar.ir.graph import Ref
 from autopar.ir.placement import B, format_placements
+from autopar.ir.recompute import recomputed_ops
 from autopar.ir.views import param_views
 from autopar.passes.search.checkpoint import checkpointed_paths, group_figures
 from autopar.passes.search.problem import MEMORY_KINDS, edge_cost, incident_transfers, local_cost, transfer_cost
@@ -108,10 +109,10 @@ def _reshardings(planned: "Planned", strat) -> list[dict]:
     out = []
     seen: dict[tuple, dict] = {}
 
-    def add(ref: Ref, consumer: str, kind: str, src, dst, module: str, phase=None):
+    def add(ref: Ref, consumer: str, kind: str, src, dst, module: str, phase=None, label=None):
         if tuple(src) == tuple(dst):
             return
-        key = (ref, kind, tuple(dst), phase)
+        key = (ref, label or kind, tuple(dst), phase)
         if key in seen:
             seen[key]["consumers"].append(consumer)
             return
@@ -120,23 +121,42 @@ def _reshardings(planned: "Planned", strat) -> list[dict]:
         eb = transfer_bytes(g, ref, role, prec, policy)
         steps = reshard_steps(spec.shape, src, dst, mesh, eb)
         seen[key] = {
-            "tensor": str(ref), "consumer": consumer, "consumers": [consumer], "kind": kind,
+            "tensor": str(ref), "consumer": consumer, "consumers": [consumer], "kind": label or kind,
             "from": format_placements(src), "to": format_placements(dst), "bytes": spec.numel * eb,
             "time": sum(s.time for s in steps),
             "steps": [{"kind": s.kind, "axis": mesh.names[s.axis], "bytes": int(s.bytes), "time": s.time} for s in steps],
             "module": module,
         }
+        if phase == "backward" and g.node(consumer).phase.value != phase:  # a re-run forward op's gather
+            seen[key]["phase"] = phase
         out.append(seen[key])
 
 
     views = param_views(g)
+    redo = (recomputed_ops(g, checkpointed_paths(planned.terms, planned.recompute))
+            if planned.recompute and planned.recompute.any else frozenset())
+    # (ref, placement) read in the forward, and read again in the backward by a re-run op (or, for
+    # a re-run value, by any backward op): the backward reshards it again (``passes/lower/emitter``)
+    forward_reads: set[tuple] = set()
+    again: dict[tuple, tuple[str, str]] = {}
     for n in g.ops():
         st = strat(n.name)
         for slot, r in enumerate(n.inputs):
             src = output_placement(strat(r.node), r.index)
             kind = "param" if r.node in views else "activation"
-            add(r, n.name, kind, src, input_placement(st, slot), n.module_path,
-                n.phase.value if kind == "param" else None)
+            dst = input_placement(st, slot)
+            add(r, n.name, kind, src, dst, n.module_path, n.phase.value if kind == "param" else None)
+            if kind == "param" and n.name in redo:  # a re-run op reads its weight in the backward
+                add(r, n.name, kind, src, dst, n.module_path, "backward")
+            if kind != "activation" or tuple(src) == tuple(dst):
+                continue
+            if n.phase.value == "forward":
+                forward_reads.add((r, tuple(dst)))
+            if n.name in redo or (r.node in redo and n.phase.value == "backward"):
+                again.setdefault((r, tuple(dst)), (n.name, n.module_path))
+    for (r, dst), (consumer, module) in again.items():
+        if (r, dst) in forward_reads:
+            add(r, consumer, "activation", output_placement(strat(r.node), r.index), dst, module, label="recompute")
     for fqn, gref in g.grads.items():
         dst = output_placement(strat(g.params[fqn]), 0)
         add(gref, f"param:{fqn}", "grad", output_placement(strat(gref.node), gref.index), dst,

@@ -238,6 +238,7 @@ class _Resharding(_Strict):
     steps: list[_Step] = None
     module: Name | None = None
     bucket: Count = None
+    phase: Literal["backward"] = None  # schema version 4: a gather for a re-run (checkpointed) forward op
 
 
 class _Collective(_Strict):

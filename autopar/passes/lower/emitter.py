@@ -15,7 +15,9 @@ resharded by the cost model's own steps (``reshard_steps``), so the collectives 
 ones the plan priced. A tensor is resharded once per target placement and phase and shared by
 every consumer that needs it; an activation resharded in forward is saved for the backward,
 while parameters are gathered again in the backward (as FSDP does, so gathered weights are not
-held between the two). Under a mixed or 16-bit precision the program casts as ``cost_model.casting``
+held between the two). A checkpointed layer instance's forward ops (``Resolved.recomputed``) are
+not saved: the backward runs them again where their values are first needed, collectives included.
+Under a mixed or 16-bit precision the program casts as ``cost_model.casting``
 decides: parameters before their gathers, op inputs after their resharding, gradients before
 their reduction.
 """
@@ -73,6 +75,12 @@ class Emitter:
         self.cache: dict[tuple[int, Ref, Placements], fx.Node] = {}
         self.saved: list[fx.Node] = []  # forward values the backward reads, in order
         self.saved_in: dict[fx.Node, fx.Node] = {}  # forward node -> its backward placeholder
+        # rebase[ref] = (backward fx node, backward, placements) of a recomputed forward value
+        self.rebase: dict[Ref, tuple[fx.Node, fx.Graph, Placements]] = {}
+        # (value, placement) a re-run op reads: resharded again in the backward from what is saved,
+        # never saved resharded, so the saved set and the collectives are those the plan priced
+        self.reread = {(r, input_placement(res.strategies[n], k))
+                       for n in res.recomputed for k, r in enumerate(self.g.node(n).inputs)}
         # parameters and layout views of them: resharded per phase, never saved gathered (as FSDP)
         self.params = param_views(self.g)
         self.used_names: set[str] = set()
@@ -98,8 +106,11 @@ class Emitter:
             grouped = grouped_gather(self, ref, want, where)
             if grouped is not None:
                 return grouped
-        node, home, have = self.base[ref]
-        if where is self.bg and home is self.fg and not is_param:
+        if where is self.bg and ref.node in self.res.recomputed:
+            node, home, have = self._recomputed(ref)  # re-run in the backward, never saved
+        else:
+            node, home, have = self.base[ref]
+        if where is self.bg and home is self.fg and not is_param and (ref, want) not in self.reread:
             fkey = (id(self.fg), ref, want)
             if fkey in self.cache:  # resharded in forward already: save it
                 out = self.import_value(self.cache[fkey])
@@ -184,8 +195,22 @@ class Emitter:
         where = self.fg if node.phase == Phase.FORWARD else self.bg
         self.base[Ref(node.name, 0)] = (where.get_attr(name), where, output_placement(strat, 0))
 
-    def _op(self, node: Node, strat: Strategy) -> None:
-        where = self.fg if node.phase == Phase.FORWARD or not self.g.training else self.bg
+    def _recomputed(self, ref: Ref) -> tuple[fx.Node, fx.Graph, Placements]:
+        """Forward value ``ref`` of a checkpointed instance, made again in the backward where it is
+        first needed: its op re-runs on values that are saved or themselves recomputed, with the
+        reshardings (and so the collectives) between them (``plan.checkpointing``)."""
+        if ref not in self.rebase:
+            node = self.g.node(ref.node)
+            self._op(node, self.res.strategies[node.name], self.bg, self.rebase)
+        return self.rebase[ref]
+
+    def _op(self, node: Node, strat: Strategy, where: Optional[fx.Graph] = None,
+            table: Optional[dict] = None) -> None:
+        """Emit ``node`` into its phase's program (or ``where``), its outputs recorded in ``self.base``
+        (or ``table``)."""
+        if where is None:
+            where = self.fg if node.phase == Phase.FORWARD or not self.g.training else self.bg
+        table = self.base if table is None else table
         casts, call = self.casts, self.res.calls[node.name]
         ins = [self.value(r, input_placement(strat, k), where, casts and casts.input_dtype(self.g, node, r))
                for k, r in enumerate(node.inputs)]
@@ -215,11 +240,13 @@ class Emitter:
             out = where.call_function(target, tuple(args), dict(kwargs))
         self.used_names.add(tc.rename_node(out, self.fresh_name(node.name)))
         out.meta["autopar_module"] = node.module_path
+        if table is self.rebase:
+            out.meta["autopar_recomputed"] = True  # a checkpointed instance's forward op, run again
         tensors = [j for j, spec in enumerate(node.outputs) if spec is not None]
         multi = len(node.outputs) > 1
         for j in tensors:
             val = where.call_function(operator.getitem, (out, j)) if multi else out
-            self.base[Ref(node.name, j)] = (val, where, output_placement(strat, j))
+            table[Ref(node.name, j)] = (val, where, output_placement(strat, j))
 
     def _plain_local(self, node: Node, strat: Strategy, ctx: LocalCtx) -> Optional[PlainCall]:
         """The one plain op ``node``'s local implementation runs on this device, if that is all it

@@ -35,9 +35,11 @@ def plan_groups(em) -> dict[GatherKey, list[tuple[GatherKey, list]]]:
     (``cost_model.gathers.gather_groups``, over the graph's ops in order)."""
     g, res = em.g, em.res
     gathers, steps_of, eb = [], {}, {}
-    for node in g.ops():
+    # a checkpointed layer's forward ops read their weights again in the backward
+    reads = [(node, (node.phase if g.training else Phase.FORWARD).value) for node in g.ops()]
+    reads += [(node, Phase.BACKWARD.value) for node in g.ops() if node.name in res.recomputed]
+    for node, phase in reads:
         strat = res.strategies[node.name]
-        phase = (node.phase if g.training else Phase.FORWARD).value
         for slot, r in enumerate(node.inputs):
             if r.node not in em.params:
                 continue

@@ -18,6 +18,7 @@ from autopar.errors import LoweringError
 from autopar.ir.fingerprint import graph_fingerprint, graph_info
 from autopar.ir.graph import Graph, Node, Role
 from autopar.ir.placement import format_placements
+from autopar.ir.recompute import recomputed_ops
 from autopar.ir.rules import op_call
 from autopar.ir.rules.base import OpCall
 from autopar.ir.rules.dimmap import Strategy
@@ -37,6 +38,8 @@ class Resolved:
     precision: Precision
     strategies: dict[str, Strategy]
     calls: dict[str, OpCall]
+    #: forward ops the backward runs again (``plan.checkpointing``'s instances, ``ir.recompute``)
+    recomputed: frozenset[str] = frozenset()
     _casts: dict = field(default_factory=dict, repr=False)
 
     def cast(self, precision: str) -> Optional[CastPolicy]:
@@ -76,7 +79,11 @@ def resolve(graph: Graph, plan) -> Resolved:
                 f"{graph.user_name(node)} draws random numbers with {node.op}, which autopar cannot draw the same "
                 "on every placement: set its probability to 0 (or call model.eval()) before compiling"
             )
-    return Resolved(graph, mesh, precision, strategies, calls)
+    try:
+        redo = recomputed_ops(graph, plan.checkpointing)
+    except ValueError as e:
+        raise LoweringError(f"{e}: plan again for this model") from None
+    return Resolved(graph, mesh, precision, strategies, calls, redo)
 
 
 def _placeholder_strategy(graph: Graph, node: Node, plan, mesh: Mesh) -> Strategy:

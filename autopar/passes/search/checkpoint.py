@@ -7,8 +7,8 @@ by rescaling its nodes (``with_checkpointing``), so every solver and ``evaluate`
 price any problem:
 
 - time: each forward op that a checkpointed instance recomputes runs ``c + k`` times instead of
-  ``c``, and so do the activation reshardings feeding it from inside its instance (the
-  recomputation re-runs its collectives);
+  ``c``, and so do the activation reshardings feeding it (the recomputation re-runs its
+  collectives, from the values the instance keeps);
 - memory at the true peak: with the first ``k`` instances recomputed, the peak is at the end of
   the forward, ``(c - k) * S + k * I``, where ``S`` is what one instance saves for the backward and
   ``I`` what a recomputed one keeps (its outputs that later instances read, and in selective mode
@@ -122,12 +122,13 @@ def with_checkpointing(problem: Problem, terms: list[GroupTerms], choice: Choice
                 time_scale[i] = scale
             nodes[i] = replace(pn, memory={**pn.memory, "activations": new_act},
                                compute=[x * scale for x in pn.compute], comm=[x * scale for x in pn.comm])
-    # a resharding feeding a recomputed op inside its instance runs again with it: the transfer's
-    # edges (one resharding per target placement) take the consumer's scale together
+    # a resharding feeding a recomputed op runs again with it (from the saved value: the lowering
+    # never saves a resharded copy for a re-run op): the transfer's edges (one resharding per target
+    # placement) take the consumer's scale together
     edges = list(problem.edges)
     for ks in problem.transfers:
         first = problem.edges[ks[0]]
-        if first.kind != "activation" or first.src not in time_scale:
+        if first.kind != "activation":
             continue
         scale = max((time_scale.get(problem.edges[k].dst, 1.0) for k in ks), default=1.0)
         if scale != 1.0:
@@ -204,7 +205,7 @@ def levels(terms: list[GroupTerms], mode: str, level: int) -> Choice:
 def group_figures(problem: Problem, terms: list[GroupTerms], recompute: Choice, choice: list[int]) -> list[dict]:
     """Per folded group, at ``choice`` on the problem priced without recomputation: the bytes one
     instance saves, what a recomputed one keeps instead and the seconds its re-run adds (its
-    recomputed ops and the activation reshardings between them), in its chosen mode (``"full"``
+    recomputed ops and the activation reshardings feeding them), in its chosen mode (``"full"``
     when nothing recomputes)."""
     out = []
     for t, mode, k in zip(terms, recompute.modes, recompute.counts):
@@ -214,7 +215,7 @@ def group_figures(problem: Problem, terms: list[GroupTerms], recompute: Choice, 
         seconds = sum(problem.nodes[i].compute[choice[i]] + problem.nodes[i].comm[choice[i]] for i in redo)
         for ks in problem.transfers:
             first = problem.edges[ks[0]]
-            if first.kind == "activation" and first.src in redo and any(problem.edges[j].dst in redo for j in ks):
+            if first.kind == "activation" and any(problem.edges[j].dst in redo for j in ks):
                 seconds += transfer_cost([problem.edges[j] for j in ks], choice) * first.mult / t.count
         out.append({"prefix": t.prefix, "count": t.count, "paths": list(t.paths), "checkpointed": k,
                     "mode": mode if k else "none", "saved_bytes": int(saved), "input_bytes": int(kept),
