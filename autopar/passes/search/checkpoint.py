@@ -163,6 +163,9 @@ def pinned(pin: Pin, terms: list[GroupTerms], where: str = "checkpointing") -> O
         return None
     check_pin(pin, where)
     if isinstance(pin, str):
+        if pin != "none" and not terms:
+            raise ArgumentError(f"{where}={pin!r}: the model has no repeated layers to checkpoint (autopar "
+                                f"recomputes alike instances of a numbered module, such as layers.0, layers.1, ...)")
         mode = "full" if pin == "none" else pin
         return Choice(tuple(mode for _ in terms), tuple(0 if pin == "none" else t.count for t in terms))
     modes, counts = [], []
