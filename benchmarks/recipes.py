@@ -19,7 +19,10 @@ or more, so DDP/FSDP apply everywhere):
     (8, 8)   64 × 2048       (4, 8, 8) 256 × 2048
 
     python benchmarks/recipes.py [--families gpt llama] [--sizes 125M 1B ...]
-        [--meshes 8 2x4 8x8 4x8x8] [--layers N] [--quick] [--markdown]
+        [--meshes 8 2x4 8x8 4x8x8] [--layers N] [--quick] [--markdown] [--checkpointing]
+
+With ``--checkpointing`` every recipe is priced a second time with every layer recomputed (the
+better of ``"full"`` and ``"selective"``); the plan column says what the search recomputes.
 
 The captured graph is shared between meshes with the same batch (``graph=``); per-cell wall time
 is capture (when the cell captured) plus the planning passes.
@@ -58,8 +61,39 @@ def _ms(t) -> str:
     return f"{t * 1e3:.1f}"
 
 
-def run_cell(graph, model, inputs, mesh_key, recipes_names):
-    """One planning run; returns a dict describing the cell."""
+def _recompute_text(p) -> str:
+    """What the plan recomputes: "none" or per layer group "k/count mode"."""
+    rc = p.recompute
+    if rc is None or not rc.any:
+        return "none"
+    return ", ".join(f"{k}/{t.count} {m}" for t, m, k in zip(p.terms, rc.modes, rc.counts) if k)
+
+
+def checkpointed_recipes(graph, model, inputs, mesh, names) -> dict:
+    """Each recipe priced with every layer recomputed, per mode; the better of the two (fitting
+    first, then faster) with its mode, or the error."""
+    from autopar.passes.pipeline import run_passes
+
+    out = {}
+    for name in names:
+        found = []
+        for mode in ("full", "selective"):
+            try:
+                q = run_passes(model, mesh, inputs, progress=False, graph=graph, recipe=name, checkpointing=mode)
+            except Exception as e:  # noqa: BLE001 - shown in the cell
+                out.setdefault(name, {"error": f"{type(e).__name__}: {e}"})
+                continue
+            budget = q.problem.memory_budget
+            found.append({"step_time": q.cost.step_time, "peak_memory": int(q.cost.peak_memory),
+                          "fits": q.cost.peak_memory <= budget, "mode": mode})
+        if found:
+            out[name] = min(found, key=lambda b: (not b["fits"], b["step_time"]))
+    return out
+
+
+def run_cell(graph, model, inputs, mesh_key, recipes_names, checkpointing: bool = False):
+    """One planning run; returns a dict describing the cell (with ``checkpointing``, each recipe
+    priced again with every layer recomputed: ``cell["checkpointed"]``)."""
     import autopar
     from autopar.passes.pipeline import run_passes
     from autopar.errors import InfeasibleError
@@ -79,7 +113,10 @@ def run_cell(graph, model, inputs, mesh_key, recipes_names):
         return cell
     cell["plan_s"] = time.perf_counter() - t0
     budget = p.problem.memory_budget
+    if checkpointing:
+        cell["checkpointed"] = checkpointed_recipes(graph, model, inputs, mesh, recipes_names)
     cell.update(status="ok", step=p.cost.step_time, peak=float(p.cost.peak_memory), source=p.source,
+                recompute=_recompute_text(p),
                 budget=budget, baselines=p.baselines, phases=p.phases,
                 solver=(p.solution.stats if p.solution is not None else None),
                 searched=(None if p.searched is None else
@@ -141,6 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="cap the number of layers (default: full depth)")
     ap.add_argument("--quick", action="store_true", help="125M and 1B on (8,) and (2, 4)")
     ap.add_argument("--markdown", action="store_true", help="print a markdown table at the end")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="also price each recipe with every layer recomputed (the better of full and selective)")
     args = ap.parse_args(argv)
     if args.quick:
         args.families = [f for f in args.families if f in QUICK["families"]]
@@ -183,7 +222,7 @@ def main(argv=None) -> int:
                         graphs[batch] = (graph, model, inputs, nparams, layers)
                     graph, model, inputs, nparams, layers = graphs[batch]
                     row.update(params=nparams, layers=layers)
-                    cell = run_cell(graph, model, inputs, mk, R.NAMES)
+                    cell = run_cell(graph, model, inputs, mk, R.NAMES, args.checkpointing)
                 except Exception as e:  # noqa: BLE001
                     cell = {"mesh": mk, "status": "error", "error": f"{type(e).__name__}: {e}", "plan_s": 0.0,
                             "tb": traceback.format_exc()}
@@ -209,13 +248,15 @@ def print_row(r, names) -> None:
     print(head)
     if r["status"] == "ok":
         print(f"    search   {_ms(r['step'])} ms / {_gib(r['peak'])} GiB  source={r['source']}  "
-              f"budget {_gib(r['budget'])} GiB  -> {verdict(r)}")
+              f"recompute {r['recompute']}  budget {_gib(r['budget'])} GiB  -> {verdict(r)}")
         if r.get("searched"):
             print(f"    {'search only':<12} {recipe_text(r['searched'])}  (the search's own plan)")
         for n in names:
             b = r["baselines"].get(n)
             if b is not None:
-                print(f"    {n:<12} {recipe_text(b)}")
+                c = r.get("checkpointed", {}).get(n)
+                more = "" if c is None else f"   recomputed: {recipe_text(c)}" + (f" ({c['mode']})" if "mode" in c else "")
+                print(f"    {n:<12} {recipe_text(b)}{more}")
         if r.get("propagate"):
             print(f"    {'propagate':<12} {recipe_text(r['propagate'])}")
     else:
@@ -249,7 +290,8 @@ def print_markdown(cells, names) -> None:
         base = [fam, r["size"] + lay, f"{r['batch']}×{r['seq']}", r["mesh"]]
         if r["status"] == "ok":
             src = r["source"].replace("recipe:", "")
-            s = f"**{_ms(r['step'])} / {_gib(r['peak'])}** {src}"
+            s = f"**{_ms(r['step'])} / {_gib(r['peak'])}** {src}" + (
+                "" if r.get("recompute", "none") == "none" else f", recompute {r['recompute']}")
             own = r.get("searched")
             rec = ["-" if own is None else f"{_ms(own['step_time'])} / {_gib(own['peak_memory'])}"
                    + ("" if own["fits"] else " ✗")]
@@ -263,6 +305,10 @@ def print_markdown(cells, names) -> None:
                                else "error: " + e[:60].replace("|", "/"))
                 else:
                     rec.append(f"{_ms(b['step_time'])} / {_gib(b['peak_memory'])}" + ("" if b["fits"] else " ✗"))
+                c = r.get("checkpointed", {}).get(n)
+                if c is not None and "error" not in c and rec[-1] and not rec[-1].startswith(("n/a", "error")):
+                    rec[-1] += (f"; {c['mode']}: {_ms(c['step_time'])} / {_gib(c['peak_memory'])}"
+                                + ("" if c["fits"] else " ✗"))
             b = r.get("propagate") or {"error": "not run"}
             rec.append("error: " + b["error"][:60].replace("|", "/") if "error" in b else
                        f"{_ms(b['step_time'])} / {_gib(b['peak_memory'])}" + ("" if b["fits"] else " ✗"))

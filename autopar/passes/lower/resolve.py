@@ -79,6 +79,9 @@ def resolve(graph: Graph, plan) -> Resolved:
                 f"{graph.user_name(node)} draws random numbers with {node.op}, which autopar cannot draw the same "
                 "on every placement: set its probability to 0 (or call model.eval()) before compiling"
             )
+    if plan.kept_gathers:  # (schema version 4 has the field; no search or lowering writes it yet)
+        raise LoweringError(f"the plan keeps gathered parameters of {plan.kept_gathers[0]!r} for the backward, "
+                            "which this autopar version does not run yet: plan again (or empty kept_gathers)")
     try:
         redo = recomputed_ops(graph, plan.checkpointing)
     except ValueError as e:
