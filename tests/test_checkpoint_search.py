@@ -100,3 +100,8 @@ def test_a_plan_saved_with_checkpointing_loads_and_shows_it(tmp_path):
     text = plan.summary()
     assert "activation checkpointing" in text and "1 of 4 recomputed (selective: blocks.0)" in text
     assert "checkpointed (selective)" in plan.explain("blocks.0")
+    from autopar.plans.html import render_html
+
+    page = render_html(plan)
+    assert '<section id="layer-groups">' in page and ">1 of 4</td><td>selective</td><td><code>blocks.0</code>" in page
+    assert 'id="layer-groups"' not in render_html(autopar.Plan.from_dict({**plan.to_dict(), "layer_groups": []}))

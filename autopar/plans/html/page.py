@@ -17,7 +17,7 @@ from typing import Optional, Union
 from autopar.errors import PlanError
 from autopar.plans.html.cells import escape
 from autopar.plans.html.charts import baselines_section, memory_section
-from autopar.plans.html.sections import communication_section, header_section, modules_section
+from autopar.plans.html.sections import communication_section, header_section, layer_groups_section, modules_section
 from autopar.plans.schema import Plan
 
 _CSP = ("default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:; "
@@ -54,12 +54,13 @@ def render_html(plan: "Plan", title: Optional[str] = None) -> str:
         "<nav>",
         " \u00b7 ".join(f'<a href="#{a}">{t}</a>' for a, t in (
             ("modules-section", "modules"), ("communication", "communication"), ("memory", "memory"),
-            ("baselines", "recipes"))),
+            ("baselines", "recipes")) + ((("layer-groups", "checkpointing"),) if p.layer_groups else ())),
         "</nav>",
         "<main>",
         modules_section(p),
         communication_section(p),
         memory_section(p),
+        layer_groups_section(p),
         baselines_section(p),
         "</main>",
         f'<footer>autopar plan, schema version {escape(p.schema_version)}; graph {escape((p.fingerprint or {}).get("graph", ""))}'

@@ -1,4 +1,5 @@
-"""The top of the plan's HTML page and its tables: the header, the modules and the communication."""
+"""The top of the plan's HTML page and its tables: the header, the modules, the layer groups' memory
+trade-offs (activation checkpointing) and the communication."""
 
 from __future__ import annotations
 
@@ -288,4 +289,38 @@ def communication_section(plan: "Plan") -> str:
     return "".join(out)
 
 
-__all__ = ["MAX_COMM_BARS", "MAX_RESHARDINGS", "communication_section", "header_section", "modules_section"]
+def layer_groups_section(plan: "Plan") -> str:
+    """Per group of alike layers: how many instances recompute their activations, in which mode, and
+    what that saves and costs (per instance and in all); empty when the model has no such group."""
+    groups = [g for g in getattr(plan, "layer_groups", None) or [] if isinstance(g, dict)]
+    if not groups:
+        return ""
+    rows = []
+    for g in groups:
+        k, n = int(finite_float(g.get("checkpointed"))), int(finite_float(g.get("count")))
+        saved, kept = finite_float(g.get("saved_bytes")), finite_float(g.get("input_bytes"))
+        rerun = finite_float(g.get("recompute_time"))
+        paths = [str(p) for p in g.get("paths") or []]
+        which = (f"{escape(paths[0])}" + (f" .. {escape(paths[k - 1])}" if k > 1 else "")) if k and paths else "-"
+        rows.append(
+            f'<tr><td><code>{escape(g.get("prefix") or "(root)")}</code></td>'
+            f'<td class="num" data-v="{sort_key(k)}">{k} of {n}</td><td>{escape(g.get("mode", "none"))}</td>'
+            f'<td><code>{which}</code></td>'
+            f'<td class="num" data-v="{sort_key(saved)}">{escape(bytes_text(saved))}</td>'
+            f'<td class="num" data-v="{sort_key(kept)}">{escape(bytes_text(kept))}</td>'
+            f'<td class="num" data-v="{sort_key(rerun)}">{escape(time_text(rerun))}</td>'
+            f'<td class="num" data-v="{sort_key(k * (saved - kept))}">{escape(bytes_text(k * (saved - kept)))}</td>'
+            f'<td class="num" data-v="{sort_key(k * rerun)}">{escape(time_text(k * rerun))}</td></tr>')
+    head = "".join(header_cell(label, key, num=num) for label, key, num in (
+        ("layers", "prefix", False), ("recomputed", "k", True), ("mode", "mode", False),
+        ("instances", "which", False), ("saved per instance", "saved", True), ("kept if recomputed", "kept", True),
+        ("re-run per instance", "rerun", True), ("memory saved", "less", True), ("time added", "more", True)))
+    return ('<section id="layer-groups"><h2>Activation checkpointing</h2><p class="sub">Per group of alike '
+            'layers: the first instances recompute their forward in the backward; a recomputed instance keeps '
+            'only its inputs (and, selective, the attention and every other matmul output).</p>'
+            f'<div class="scroll"><table class="sortable" id="layer-groups-table"><thead><tr>{head}</tr></thead>'
+            f'<tbody>{"".join(rows)}</tbody></table></div></section>')
+
+
+__all__ = ["MAX_COMM_BARS", "MAX_RESHARDINGS", "communication_section", "header_section", "layer_groups_section",
+           "modules_section"]
