@@ -37,12 +37,12 @@ RATIO_TARGET = 1.5
 MODELS = ("llama", "llama_loop", "hf_llama")
 
 
-def build(model: str, layers: int, batch: int, seq: int):
-    """``(module, args, kwargs)``: ``model`` at the LLaMA-3-8B shape with ``layers`` layers, on meta."""
+def build(model: str, layers: int, batch: int, seq: int, size: str = "llama3-8b"):
+    """``(module, args, kwargs)``: ``model`` at the shape of LLaMA preset ``size`` with ``layers`` layers, on meta."""
     from autopar.models import make
 
     if model != "hf_llama":
-        module, inputs = make(model, size="llama3-8b", batch=batch, seq=seq, device="meta", n_layers=layers)
+        module, inputs = make(model, size=size, batch=batch, seq=seq, device="meta", n_layers=layers)
         return module, inputs, None
     import torch
     import transformers
@@ -51,7 +51,7 @@ def build(model: str, layers: int, batch: int, seq: int):
     from autopar.models.llama import PRESETS
 
     transformers.logging.set_verbosity_error()
-    p = PRESETS["llama3-8b"]
+    p = PRESETS[size]
     cfg = LlamaConfig(hidden_size=p["dim"], intermediate_size=p["ffn_dim"], num_hidden_layers=layers,
                       num_attention_heads=p["n_heads"], num_key_value_heads=p["n_kv_heads"],
                       vocab_size=p["vocab_size"], max_position_embeddings=p["max_seq_len"],
@@ -64,14 +64,14 @@ def build(model: str, layers: int, batch: int, seq: int):
     return module, (), {"input_ids": ids, "labels": ids}
 
 
-def plan_once(layers: int, batch: int, seq: int, model: str = "llama") -> dict:
+def plan_once(layers: int, batch: int, seq: int, model: str = "llama", size: str = "llama3-8b") -> dict:
     import autopar
     from autopar.passes.pipeline import run_passes
     from autopar.cost_model import comm
 
     comm.cache_clear()  # every depth prices its reshardings from a cold memo, as a fresh process does
 
-    module, args, kwargs = build(model, layers, batch, seq)
+    module, args, kwargs = build(model, layers, batch, seq, size)
     mesh = autopar.Mesh({"dp": 8, "tp": 8}, device="h100")
     t0 = time.perf_counter()
     p = run_passes(module, mesh, args, kwargs, progress=False)
@@ -83,6 +83,9 @@ def plan_once(layers: int, batch: int, seq: int, model: str = "llama") -> dict:
     out["source"] = p.source
     out["step_ms"] = p.cost.step_time * 1e3
     out["peak_gib"] = p.cost.peak_memory / 1024 ** 3
+    rc = p.recompute
+    out["recompute"] = ("none" if rc is None or not rc.any else
+                        ", ".join(f"{m} {k}/{t.count}" for t, m, k in zip(p.terms, rc.modes, rc.counts) if k))
     out["nodes"] = len(p.graph)
     out["solve_nodes"] = len(p.merged.problem.nodes)
     del p, module
@@ -94,6 +97,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=MODELS, default="llama", help="the code of the model (see above)")
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
+    ap.add_argument("--size", default="llama3-8b", help="the LLaMA preset whose dims the model takes (llama3-70b, ...)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=1)
@@ -106,15 +110,15 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    print(f"model {args.model}, batch {args.batch}, seq {args.seq}, (8, 8) h100", flush=True)
+    print(f"model {args.model} ({args.size} dims), batch {args.batch}, seq {args.seq}, (8, 8) h100", flush=True)
     rows = {}
     for L in args.layers:
-        runs = [plan_once(L, args.batch, args.seq, args.model) for _ in range(args.repeat)]
+        runs = [plan_once(L, args.batch, args.seq, args.model, args.size) for _ in range(args.repeat)]
         rows[L] = min(runs, key=lambda r: r["total"])
         r = rows[L]
         print(f"{L:>3} layers: " + "  ".join(f"{k} {r[k]:.2f}" for k in PHASES)
               + f"  | post-capture {r['post']:.2f} s; {r['nodes']} graph nodes, {r['solve_nodes']} after merge;"
-              f" plan {r['step_ms']:.1f} ms / {r['peak_gib']:.1f} GiB ({r['source']})"
+              f" plan {r['step_ms']:.1f} ms / {r['peak_gib']:.1f} GiB ({r['source']}; recompute {r['recompute']})"
               + (f"; totals {[round(x['total'], 2) for x in runs]}" if args.repeat > 1 else ""))
         sys.stdout.flush()
 

@@ -6,7 +6,8 @@ memory per device and source ("search", or the recipe it fell back to), the sear
 (what the ILP found, before the best-of with the recipes), every recipe's step time
 and peak memory (or its error), and two checks:
 
-- ``faster``: the chosen plan is no slower than the best recipe that fits the memory budget;
+- ``faster``: the chosen plan is no slower than the best recipe that fits the memory budget (with
+  ``--checkpointing``, recomputing or not);
 - ``fits``: the chosen plan fits wherever any recipe fits.
 
 Where nothing fits, the cell says so with the memory the leanest plan would need (the
@@ -129,6 +130,7 @@ def run_cell(graph, model, inputs, mesh_key, recipes_names, checkpointing: bool 
     except Exception as e:  # noqa: BLE001
         cell["propagate"] = {"error": f"{type(e).__name__}: {e}"}
     fitting = [b for b in p.baselines.values() if "error" not in b and b["fits"]]
+    fitting += [b for b in cell.get("checkpointed", {}).values() if "error" not in b and b["fits"]]
     fits = p.cost.peak_memory <= budget
     if fitting:
         best = min(b["step_time"] for b in fitting)
