@@ -21,8 +21,9 @@ links; a hand-made one without them gets the links versions 1 and 2 priced with)
 not change. Version 4 adds the memory/time trade-offs: ``checkpointing`` (module path of each
 recomputed layer instance -> ``"full"`` or ``"selective"``), ``kept_gathers`` (module paths whose
 gathered parameters are kept from the forward for the backward) and ``layer_groups`` (per group of
-alike layers, what checkpointing saves and costs); a version 1-3 file loads with nothing
-recomputed or kept, as it was priced. Any other version is a PlanError naming it.
+alike layers, what checkpointing saves and costs), and reshardings that a recomputation runs
+again (``kind`` ``"recompute"``; a re-run op's weight gathers in the backward carry ``phase``); a
+version 1-3 file loads with nothing recomputed or kept, as it was priced. Any other version is a PlanError naming it.
 """
 
 from __future__ import annotations
@@ -90,8 +91,9 @@ class ReshardingStep(TypedDict):
 Resharding = TypedDict("Resharding", {
     "tensor": str, "consumers": list[str], "consumer": str, "kind": str, "from": str, "to": str,
     "bytes": int,  # the whole tensor
-    "time": float, "steps": list[ReshardingStep], "module": Optional[str],
+    "time": float, "steps": list[ReshardingStep], "module": Optional[str],  # kind: activation, param, grad, recompute
     "bucket": int,  # gradients sharing a bucket, or parameter gathers a group (per kind)
+    "phase": str,  # "backward": a gather for a forward op re-run in the backward (version 4)
 }, total=False)
 Resharding.__doc__ = "A placement change on the way from a tensor's producer to its consumer(s)."
 
