@@ -3,8 +3,8 @@ parameter shards gathered together (``pack_shards``, ``cut_gathered``), as lower
 
 A bucket of n gradients written op by op costs 2n + 2 program ops per step (a reshape of each
 gradient, the concatenation, the split and a reshape of each piece), a Python-level dispatch each
-on CPU. Here a ``Bucket`` module call packs the gradients (one concatenation into a flat vector:
-the one copy a bucket needs) and ``unflatten`` cuts the reduced buffer into views of their shapes.
+on CPU. Here a ``Bucket`` module call copies one gradient into the flat vector (the one copy a
+bucket needs), and ``unflatten`` cuts the reduced buffer into views of their shapes.
 
 ``Bucket`` packs into a buffer it keeps between steps, as DDP keeps its buckets: a new buffer
 every step is fresh memory to allocate and touch (0.7 ms of a 42 ms step of one rank's program, for
@@ -25,21 +25,35 @@ from autopar import _torch_compat as tc
 
 
 class Bucket(torch.nn.Module):
-    """Packs a bucket's gradients into one flat buffer, kept between steps (see the module's
-    docstring); the result is never a view of an input, since callers reduce it in place."""
+    """A bucket's flat buffer, kept between steps (see the module's docstring): each call copies
+    one gradient into it, so a lowered program packs each gradient as soon as the backward makes
+    it and frees the gradient's own memory at once (packing all at the end would hold every
+    gradient twice for a moment). The buffer is never a view of an input: callers reduce it in place."""
 
     def __init__(self) -> None:
         super().__init__()
         self._buf: torch.Tensor | None = None
 
-    def forward(self, xs: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Pack ``grads`` into the kept flat buffer (a new one when something still views it)."""
-        n = sum(x.numel() for x in xs)
-        buf = self._buf
-        if buf is None or buf.numel() != n or buf.dtype != xs[0].dtype or buf.device != xs[0].device \
-                or not _only_held_here(buf):
-            buf = self._buf = torch.empty(n, dtype=xs[0].dtype, device=xs[0].device)
-        return torch.cat([x.reshape(-1) for x in xs], out=buf)
+    def forward(self, buf: torch.Tensor | None, x: torch.Tensor, offset: int, total: int) -> torch.Tensor:
+        """``x`` copied into the flat buffer at element ``offset``; the buffer is returned. The first
+        gradient of a step passes ``buf=None`` and gets the kept buffer of ``total`` elements (a new
+        one when its size or dtype differs, or when something still views it)."""
+        if buf is None:
+            buf = self._buf
+            if buf is None or buf.numel() != total or buf.dtype != x.dtype or buf.device != x.device \
+                    or not _only_held_here(buf):
+                buf = self._buf = torch.empty(total, dtype=x.dtype, device=x.device)
+        buf.narrow(0, offset, x.numel()).view(x.shape).copy_(x)
+        return buf
+
+    def pack(self, xs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Every gradient of ``xs`` packed in order (what a step's calls do one by one)."""
+        total, buf, offset = sum(x.numel() for x in xs), None, 0
+        for x in xs:
+            buf = self(buf, x, offset, total)
+            offset += x.numel()
+        assert buf is not None
+        return buf
 
 
 def _only_held_here(buf: torch.Tensor) -> bool:

@@ -47,13 +47,18 @@ def bucketed_grads(em) -> dict[str, fx.Node]:
 
 
 def bucket_all_reduce(em, xs, refs, steps) -> list[fx.Node]:
-    """One all-reduce per step (mesh axis) of the whole bucket: the gradients packed into one new
-    flat buffer, reduced in place, and cut back into views of their shapes."""
+    """One all-reduce per step (mesh axis) of the whole bucket: the gradients packed one by one into
+    a flat buffer (each as soon as it is made: ``pack_as_made``), reduced in place, and cut back
+    into views of their shapes."""
     call = em.bg.call_function
     shapes = [list(em.local_shape_of(r)) for r in refs]
     name = em.fresh_name("grad_bucket")
     em.root.add_module(name, bucket.Bucket())  # its buffer is kept between steps
-    done = em.bg.call_module(name, (list(xs),))
+    total, offset, done = sum(math.prod(s) for s in shapes), 0, None
+    for x, shape in zip(xs, shapes):
+        done = em.bg.call_module(name, (done, x, offset, total))
+        done.meta["autopar_bucket_put"] = True
+        offset += math.prod(shape)
     for step in steps:  # one all-reduce of the whole bucket per mesh axis
         done = wait_for(call(C.all_reduce, (done, step.axis, step.reduce, True)), em.bg)  # a fresh buffer
     parts = call(bucket.unflatten, (done, shapes))
@@ -113,3 +118,16 @@ def bucket_steps(em, xs, refs, srcs, dsts, steps) -> list[fx.Node]:
             cur[a] = B if step.kind == "all_gather" else dst[a]
     assert all(tuple(cur) == tuple(dst) for cur, dst in zip(curs, dsts)), (curs, dsts)
     return xs
+
+
+def pack_as_made(graph: fx.Graph) -> None:
+    """Move each gradient's copy into its bucket (``bucket_all_reduce``) to just after the gradient
+    is made (and after the bucket's previous copy), so the gradient's own memory is freed there."""
+    last_input = max((n for n in graph.nodes if n.op == "placeholder"), default=None)
+    for node in [n for n in graph.nodes if n.meta.get("autopar_bucket_put")]:
+        sources = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        after = max(sources)  # fx nodes compare by their place in the graph
+        if after.op == "placeholder":
+            after = last_input
+        if after.next is not node:
+            after.append(node)
