@@ -9,6 +9,9 @@ import pytest
 import autopar
 from autopar import models
 from autopar.errors import ArgumentError, InfeasibleError
+from autopar.ir.capture import capture
+from autopar.ir.layers import layers
+from autopar.ir.recompute import recompute_peak_share
 
 
 def _gpt(layers: int = 4):
@@ -39,9 +42,11 @@ def test_a_budget_sweep_recomputes_only_when_needed_and_time_never_falls_as_memo
 
 def test_pinned_recomputation_prices_what_it_saves_and_costs():
     """Under one placement (the ddp recipe), recomputing every instance changes the activation
-    memory by what ``layer_groups`` reports: ``(c - 1) * saved - c * kept`` less (the backward of
-    the first recomputed instance holds its values again), and adds its re-run time."""
+    memory by what ``layer_groups`` reports: ``(c - p) * saved - c * kept`` less (the backward of
+    a recomputed instance holds ``p * saved`` of re-run values at most, ``p`` from
+    ``ir.recompute.recompute_peak_share``), and adds its re-run time."""
     model, inputs = _gpt()
+    graph = capture(model, inputs)
     mesh = autopar.Mesh({"dp": 2}, device="cpu")
     plain = autopar.recipes.ddp(model, mesh, inputs, progress=False)
     for mode in ("full", "selective"):
@@ -51,9 +56,11 @@ def test_pinned_recomputation_prices_what_it_saves_and_costs():
         c = group["count"]
         assert group["checkpointed"] == c and group["mode"] == mode
         assert plan.checkpointing == {p: mode for p in group["paths"]}
-        less = (c - 1) * group["saved_bytes"] - c * group["input_bytes"]
+        p = recompute_peak_share(graph, layers(graph), ("blocks", 0), mode)
+        assert 0 < p < 1
+        less = (c - p) * group["saved_bytes"] - c * group["input_bytes"]
         assert less > 0
-        assert plain.memory["activations"] - plan.memory["activations"] == pytest.approx(less, abs=c)
+        assert plain.memory["activations"] - plan.memory["activations"] == pytest.approx(less, abs=2 * c)
         assert plan.step_time - plain.step_time == pytest.approx(c * group["recompute_time"], rel=1e-6)
     full, selective = (autopar.recipes.ddp(model, mesh, inputs, checkpointing=m, progress=False).layer_groups[0]
                        for m in ("full", "selective"))

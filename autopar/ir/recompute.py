@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from autopar.ir.graph import Graph, Phase, Ref
 from autopar.ir.layers import Key, Layers, layers
-from autopar.ir.views import param_views
+from autopar.ir.views import ALIASES, param_views, storage_shares
 
 #: the checkpointing modes, as ``Plan.checkpointing`` names them
 MODES = ("full", "selective")
@@ -101,4 +101,68 @@ def recomputed_ops(graph: Graph, checkpointing: dict[str, str]) -> frozenset[str
     return frozenset(out)
 
 
-__all__ = ["ATTENTION", "MATMULS", "MODES", "instance_plan", "recomputed_ops"]
+def recompute_peak_share(graph: Graph, membership: Layers, key: Key, mode: str) -> float:
+    """The most bytes of re-run values alive at once in instance ``key``'s backward, as a share of
+    what the instance saves when it is not checkpointed (whole tensors, placements aside).
+
+    The lowering re-runs a forward op where the backward first needs its value (or a re-run op
+    needs it) and frees the value after its last reader, so a checkpointed instance never holds
+    all of its recomputed values at once: its backward walks through them. Views allocate nothing
+    and count for nothing, here and in the saved bytes (``views.storage_shares``)."""
+    _, redo = instance_plan(graph, membership, key, mode)
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    users = graph.users()
+    born: dict[str, int] = {}
+
+    def readers(name: str) -> list[str]:
+        return [u for u in users[name] if u in redo or graph.node(u).phase == Phase.BACKWARD]
+
+    def birth(name: str) -> int:  # the backward op before which it is re-run (first need, maybe through re-run ops)
+        if name not in born:
+            born[name] = min((order[u] if u not in redo else birth(u) for u in readers(name)), default=len(order))
+        return born[name]
+
+    def moment(name: str) -> tuple[int, int, int]:  # a backward op runs after the re-runs it triggers
+        return (birth(name), 0, order[name]) if name in redo else (order[name], 1, 0)
+
+    events: list[tuple[tuple[int, int, int], int, int]] = []
+    for name in sorted(redo, key=order.__getitem__, reverse=True):  # readers first: shallow recursion
+        node = graph.node(name)
+        if node.op in ALIASES:
+            continue
+        nbytes = sum(o.nbytes for o in node.outputs if o is not None)
+        last = max((moment(u) for u in _through_views(graph, name, readers)), default=moment(name))
+        events += [(moment(name), 0, nbytes), (last, 1, -nbytes)]  # freed after its last reader ran
+    live = peak = 0
+    for _, _, d in sorted(events):
+        live += d
+        peak = max(peak, live)
+    saved = saved_bytes(graph, membership, key)
+    return peak / saved if saved else 0.0
+
+
+def _through_views(graph: Graph, name: str, readers) -> list[str]:
+    """``readers(name)``, and the readers of any view of it (a view keeps its base's storage)."""
+    out, todo = [], list(readers(name))
+    while todo:
+        u = todo.pop()
+        out.append(u)
+        if graph.node(u).op in ALIASES:
+            todo.extend(readers(u))
+    return out
+
+
+def saved_bytes(graph: Graph, membership: Layers, key: Key) -> int:
+    """Bytes of instance ``key``'s forward values that the backward reads (whole tensors; the
+    parameters' views left out, each storage once and whole), as the cost model counts them."""
+    views = param_views(graph)
+    inside = set(membership.instances[key])
+    backward = {n.name for n in graph.nodes if n.phase == Phase.BACKWARD}
+    refs = [r for n in graph.nodes if n.name in backward for r in n.inputs
+            if r.node in inside and r.node not in views and not graph.node(r.node).is_placeholder
+            and graph.node(r.node).phase == Phase.FORWARD]
+    shares = storage_shares(graph, set(refs))
+    return int(sum(graph.spec(r).nbytes * k for r, k in shares.items()))
+
+
+__all__ = ["ATTENTION", "MATMULS", "MODES", "instance_plan", "recompute_peak_share", "recomputed_ops", "saved_bytes"]

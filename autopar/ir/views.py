@@ -7,7 +7,7 @@ overlap with earlier compute, and the lowering issues a layer ahead).
 
 from __future__ import annotations
 
-from autopar.ir.graph import Graph
+from autopar.ir.graph import Graph, Ref
 
 #: Ops that only relabel or copy their single input: resharding commutes with them.
 FOLLOWERS = frozenset(
@@ -29,4 +29,46 @@ def param_views(graph: Graph) -> set[str]:
     for n in graph.nodes:
         if n.op in FOLLOWERS and len(n.inputs) == 1 and n.inputs[0].node in out:
             out.add(n.name)
+    return out
+
+
+#: Ops whose output is a view of their input's storage (the program allocates nothing for them).
+#: ``reshape`` copies a block it cannot view; the lowering's blocks are dense, so it views them.
+ALIASES = frozenset(
+    {
+        "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.t.default",
+        "aten.transpose.int", "aten.permute.default", "aten.unsqueeze.default", "aten.squeeze.dim",
+        "aten.squeeze.dims", "aten.squeeze.default", "aten.detach.default", "aten.alias.default",
+        "aten.expand.default", "aten.slice.Tensor", "aten.select.int", "aten.unbind.int",
+        "aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.narrow.default",
+        "aten.view_as_real.default", "aten.view_as_complex.default", "aten.diagonal.default",
+    }
+)
+
+
+def storage_root(graph: Graph, ref: Ref) -> Ref:
+    """The value whose storage ``ref`` views: followed through ``ALIASES`` ops to the first value
+    that is not a view (``ref`` itself when it is none)."""
+    while True:
+        n = graph.node(ref.node)
+        if n.op not in ALIASES or not n.inputs:
+            return ref
+        ref = n.inputs[0]
+
+
+def storage_shares(graph: Graph, refs) -> dict[Ref, float]:
+    """Per ref of ``refs`` (values saved together), the bytes its storage adds as a multiple of its
+    own bytes: a view keeps its whole base alive, so the first of ``refs`` (in graph order) on a
+    storage counts the base's size (``numel(base) / numel(ref)``), and the others on it nothing."""
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    seen: set[Ref] = set()
+    out: dict[Ref, float] = {}
+    for r in sorted(refs, key=lambda r: (order[r.node], r.index)):
+        root = storage_root(graph, r)
+        if root in seen:
+            out[r] = 0.0
+        else:
+            own, base = graph.spec(r).numel, graph.spec(root).numel
+            out[r] = base / own if own else 1.0
+        seen.add(root)
     return out

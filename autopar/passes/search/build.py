@@ -4,7 +4,8 @@ Reads the graph, its folding, the candidate strategies and the hints; writes a `
 (``passes/search/problem.py``). Folded layers are priced once and carry their multiplicity.
 Memory per device: each parameter's stored weights, gradient and optimizer state under its
 placement, and every forward activation that the backward reads (live at the peak, between
-forward and backward; not the parameters' layout views, which the backward derives again), in the
+forward and backward; not the parameters' layout views, which the backward derives again), each
+storage once and whole (a saved view keeps its base alive: ``ir.views.storage_shares``), in the
 precision's bytes. Edges are grouped into transfers (``_edges``):
 one resharding of a tensor to a placement serves all its consumers that need that placement.
 (Not counted: the memory of a resharded copy kept for the backward.)
@@ -27,7 +28,7 @@ from autopar.ir.graph import Graph, Phase, Ref, Role
 from autopar.ir.layers import layers
 from autopar.ir.placement import B, Placements, format_placements, local_shape
 from autopar.ir.rules import op_call
-from autopar.ir.views import param_views
+from autopar.ir.views import param_views, storage_shares
 from autopar.passes.search.fold import Folding
 from autopar.passes.search.problem import MEMORY_KINDS, Group, PEdge, PNode, Problem
 from autopar.passes.search.strategies import Constraint, HintError, input_placement, output_placement
@@ -56,6 +57,8 @@ def build_problem(
     param_node = {name: fqn for fqn, name in graph.params.items()}
     # parameters' layout views are derived again in the backward (the lowering never saves them)
     views = param_views(graph)
+    # what a saved value's storage adds (a view keeps its whole base; two views of one base, one storage)
+    shares = storage_shares(graph, [r for r in users_backward if r.node not in views])
 
     # Overlap groups: (layer group or outside, phase). Parameter gathers for forward use run under
     # that phase's forward compute (issued a layer ahead); gradient reductions under the backward.
@@ -93,8 +96,10 @@ def build_problem(
                                                  for j in range(len(n.outputs))], mesh)
                 pn.compute.append(compute_time(call, ins, outs, hw, precision))
                 for j, spec in enumerate(n.outputs):
-                    if spec is not None and Ref(n.name, j) in users_backward and n.name not in views:
-                        mem["activations"] += activation_bytes(spec.shape, spec.dtype, output_placement(s, j), mesh, precision)
+                    r = Ref(n.name, j)
+                    if spec is not None and r in users_backward and n.name not in views:
+                        mem["activations"] += shares[r] * activation_bytes(spec.shape, spec.dtype, output_placement(s, j),
+                                                                           mesh, precision)
             pn.comm.append(0.0)
             for k in MEMORY_KINDS:
                 pn.memory[k].append(mem[k])

@@ -9,11 +9,13 @@ price any problem:
 - time: each forward op that a checkpointed instance recomputes runs ``c + k`` times instead of
   ``c``, and so do the activation reshardings feeding it (the recomputation re-runs its
   collectives, from the values the instance keeps);
-- memory at the true peak: with the first ``k`` instances recomputed, the peak is at the end of
-  the forward, ``(c - k) * S + k * I``, where ``S`` is what one instance saves for the backward and
-  ``I`` what a recomputed one keeps (its outputs that later instances read, and in selective mode
-  the values the policy saves); when every instance recomputes (``k = c``) the backward of the
-  first one holds its recomputed values on top: ``c * I + S``.
+- memory at the true peak: with the first ``k`` instances recomputed, ``(c - k) * S + k * I + R``,
+  where ``S`` is what one instance saves for the backward, ``I`` what a recomputed one keeps (its
+  outputs that later instances read, and in selective mode the values the policy saves) and
+  ``R`` the most of its re-run values alive at once in its backward (``p * S``, ``p`` from
+  ``ir.recompute.recompute_peak_share``: the backward re-runs ops where it first needs them and
+  frees their values after their last reader). The program holds every saved value until its
+  backward ends, so the peak is in the backward of a recomputed instance.
 
 The outer search (``candidates``) runs the solver once per candidate choice; docs/architecture.md
 says why the count is searched outside the ILP.
@@ -32,7 +34,8 @@ from autopar.cost_model.precision import Precision
 from autopar.errors import ArgumentError
 from autopar.ir.graph import Graph, Phase
 from autopar.ir.layers import layers
-from autopar.ir.recompute import MODES, instance_plan
+from autopar.ir.recompute import MODES, instance_plan, recompute_peak_share
+from autopar.ir.views import storage_shares
 from autopar.passes.search.fold import Folding
 from autopar.passes.search.problem import Problem, transfer_cost
 from autopar.passes.search.strategies import output_placement
@@ -54,6 +57,7 @@ class GroupTerms:
     kept: dict[str, dict[int, list[float]]]
     recomputed: dict[str, frozenset[int]]
     forward: frozenset[int]  # the group's forward nodes (problem indices)
+    peak_share: dict[str, float]  # per mode: re-run values alive at once, as a share of S
 
 
 @dataclass(frozen=True)
@@ -80,10 +84,13 @@ def group_terms(graph: Graph, folding: Folding, problem: Problem, mesh: Mesh, pr
                             and not graph.node(n).is_placeholder)
         kept: dict[str, dict[int, list[float]]] = {}
         recomputed: dict[str, frozenset[int]] = {}
+        share: dict[str, float] = {}
         for mode in MODES:
+            share[mode] = recompute_peak_share(graph, membership, (group.prefix, group.indices[0]), mode)
             saved, redo = instance_plan(graph, membership, (group.prefix, group.indices[0]), mode)
             recomputed[mode] = frozenset(problem.index[n] for n in redo if n in problem.index)
             per: dict[int, list[float]] = {}
+            shares = storage_shares(graph, saved)
             for ref in saved:
                 i = problem.index.get(ref.node)
                 if i is None:
@@ -92,11 +99,11 @@ def group_terms(graph: Graph, folding: Folding, problem: Problem, mesh: Mesh, pr
                 pn = problem.nodes[i]
                 row = per.setdefault(i, [0.0] * len(pn.strategies))
                 for s, strat in enumerate(pn.strategies):
-                    row[s] += float(activation_bytes(spec.shape, spec.dtype, output_placement(strat, ref.index),
-                                                     mesh, precision))
+                    row[s] += shares[ref] * float(activation_bytes(spec.shape, spec.dtype,
+                                                                   output_placement(strat, ref.index), mesh, precision))
             kept[mode] = per
         paths = tuple(f"{group.prefix}.{i}" if group.prefix else str(i) for i in group.indices)
-        out.append(GroupTerms(group.prefix, group.count, paths, kept, recomputed, forward))
+        out.append(GroupTerms(group.prefix, group.count, paths, kept, recomputed, forward, share))
     return out
 
 
@@ -110,7 +117,7 @@ def with_checkpointing(problem: Problem, terms: list[GroupTerms], choice: Choice
         if not k:
             continue
         c = t.count
-        s_coef = (c - k + (1 if k == c else 0)) / c  # per instance, of what one instance saves
+        s_coef = (c - k + t.peak_share[mode]) / c  # per instance, of what one instance saves
         i_coef = k / c
         for i in t.forward:
             pn = nodes[i]
