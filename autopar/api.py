@@ -108,7 +108,7 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
 
 
 def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Optional[dict] = None, *,
-             precision: str = "model", trace: Optional[dict] = None):
+             precision: str = "model", trace: Optional[dict] = None, measure_memory: bool = False):
     """Run ``plan``'s lowered program for every device of its mesh in this process.
 
     Returns ``(outputs, grads)``: for a training plan ``outputs`` is the loss and ``grads`` maps each
@@ -119,12 +119,21 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     dict as ``trace`` to receive the collectives every device executed (``{coords: [Executed, ...]}``).
     Random ops (dropout) draw from a seed taken from torch's default generator, the same whatever
     the plan's placements (``ir.rules.random_ops``), but not torch's own eager stream.
+
+    With ``measure_memory=True`` it returns ``(outputs, grads, memory)``: ``memory`` maps each
+    device's coordinates to its measured step (``runtime.memory``): ``peak``, ``params``,
+    ``grads``, ``optimizer``, ``activations`` and ``temporaries`` in bytes, the peak of the
+    distinct storages live during the step split by what they hold. Each device then holds its
+    blocks as copies of its own and, as optimizer state, the plan's optimizer bytes per parameter
+    element (what a step after the first holds), so the figures compare with ``plan.memory``.
     """
     check_model(model, "autopar.simulate: model")
     check_kwargs(example_kwargs, "autopar.simulate: example_kwargs")
     check_choice(precision, ("model", "plan"), "autopar.simulate: precision")
     if trace is not None and not isinstance(trace, dict):
         raise ArgumentError(f"autopar.simulate: trace must be a dict to fill (or None), got {type(trace).__name__}")
+    if not isinstance(measure_memory, bool):
+        raise ArgumentError(f"autopar.simulate: measure_memory must be True or False, got {measure_memory!r}")
     if not isinstance(plan, Plan):
         plan = load_plan(check_path(plan, "autopar.simulate: plan (a Plan or a saved plan's path)"))
     args = as_args(example_inputs)
@@ -139,7 +148,9 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
         for prog in programs.values():
             prog.random.seed = seed  # type: ignore[union-attr]
     values = placeholder_values(first.inputs, model, args, kwargs)
-    results, executed = simulate_programs(programs, values, run_prec)
+    memory: Optional[dict] = {} if measure_memory else None
+    results, executed = simulate_programs(programs, values, run_prec, memory=memory,
+                                          optimizer_bytes=int(plan.precision.get("optimizer_bytes", 0)))
     if trace is not None:
         trace.update(executed)
     shape = res.mesh.shape
@@ -152,8 +163,8 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
         for alias, canon in graph.aliases.items():
             if canon in grads:
                 grads[alias] = grads[canon]
-        return kept[0], grads
-    return tuple(kept), grads
+        return (kept[0], grads, memory) if measure_memory else (kept[0], grads)
+    return (tuple(kept), grads, memory) if measure_memory else (tuple(kept), grads)
 
 
 __all__ = ["PLAN_KEYWORDS", "check_plan_args", "plan", "simulate"]

@@ -24,15 +24,17 @@ from autopar._torch_compat import install_strided_checkpointing
 from autopar.cost_model.mesh import Mesh, require_mesh
 from autopar.errors import CompileError, PlanError
 from autopar.ir.graph import Graph
-from autopar.ir.placement import format_placements, from_dtensor, local_block, to_dtensor
+from autopar.ir.placement import format_placements, from_dtensor, local_block
 from autopar.passes.lower import lower, resolve
 from autopar.plans import Plan, load_plan
 from autopar.program import collectives as C
 from autopar.program.program import Program, Slot
 from autopar.runtime import faults
 from autopar.runtime.collectives import ProcessGroupComm, record_executed, single_worker_gloo_groups
+from autopar.runtime.memory import MemoryTracker, optimizer_state
 from autopar.runtime.precision import EXECUTABLE_PRECISIONS, execution_precision
 from autopar.runtime.random_state import RANDOM_KEY, at_step, load_random_entry, random_entry, share_seed
+from autopar.runtime.state import distribute_state, dtensor_block
 from autopar.validate import check_choice, check_kwargs, check_model, check_path
 
 
@@ -47,21 +49,6 @@ def _match_group_timeouts(dmesh) -> Optional[float]:
         if tc.group_timeout(group) != td:
             tc.set_group_timeout(group, td)
     return td.total_seconds()
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
-
-
-def _dtensor(local: torch.Tensor, dmesh, slot: Slot):
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, dmesh, to_dtensor(slot.placements, slot.spec.blocks), run_check=False,
-                              shape=torch.Size(slot.spec.shape), stride=_contiguous_stride(slot.spec.shape))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -83,7 +70,12 @@ class _Step(torch.autograd.Function):
         params = values[:n_params]
         # the backward redraws this forward's masks (attention with dropout): it runs at this step
         ctx.step = pm.program.random.step if pm.program.random is not None else None
+        memory = pm._memory
+        if memory is not None:
+            pm._begin_memory(params, values[n_params:])
         outs, saved = pm._run_forward([_local(p) for p in params] + list(values[n_params:]))
+        if memory is not None:
+            memory.mark(saved, "activations")
         ctx.pm, ctx.saved, ctx.n_params = pm, saved, n_params
         ctx.params = params
         ctx.specs = [tc.dtensor_spec(p) for p in params]
@@ -93,6 +85,9 @@ class _Step(torch.autograd.Function):
     def backward(ctx, grad_loss):
         pm = ctx.pm
         grads = pm._run_backward(ctx.saved, grad_loss, ctx.step)
+        if pm._memory is not None:
+            pm._memory.mark(grads, "grads")
+            pm._memory.finish()
         ctx.saved = None
         grads = [tc.dtensor_from_spec(g, spec) for g, spec in zip(grads, ctx.specs)]
         rest = [None] * (len(pm.program.inputs) - ctx.n_params)
@@ -168,6 +163,8 @@ class ParallelModule(torch.nn.Module):
         self._comm = ProcessGroupComm(groups, plan.axis_names)
         self._axis_of_group = {g.group_name: name for g, name in zip(groups, plan.axis_names)}
         self._recording: Optional[list] = None
+        self._memory: Optional[MemoryTracker] = None
+        self._memory_optimizer: Optional[torch.optim.Optimizer] = None
         self._param_slots = [s for s in program.inputs if s.kind == "param"]
         self._grad_index = {s.key: i for i, s in enumerate(program.grads)}
         # (owning module, attribute) of every parameter and buffer slot: looked up every step
@@ -205,7 +202,7 @@ class ParallelModule(torch.nn.Module):
                     raise CompileError(f"state_dict[{key!r}] has shape {tuple(value.shape)}, but the model's "
                                        f"{key} has {tuple(slot.spec.shape)}")
                 block = local_block(value, slot.placements, self.program.mesh_shape, coords, slot.spec.blocks)
-                value = _dtensor(block.to(_local(self._state(slot)).device), self.device_mesh, slot)
+                value = dtensor_block(block.to(_local(self._state(slot)).device), self.device_mesh, slot)
             values[key] = value
         # the model's own method: its hooks, ``_load_from_state_dict`` overrides and version run
         return self.module.load_state_dict(tc.with_metadata(values, state_dict), strict=strict, assign=assign)
@@ -240,13 +237,47 @@ class ParallelModule(torch.nn.Module):
         finally:
             self._recording = None
 
+    def track_memory(self, optimizer: Optional[torch.optim.Optimizer] = None, enabled: bool = True) -> "ParallelModule":
+        """Measure each step's memory on this rank from the next forward on (``memory_stats``);
+        ``optimizer`` is the one that steps this module (its state is counted as ``optimizer``).
+        Measuring costs time (every op is watched): switch it off with ``enabled=False``."""
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise CompileError(f"track_memory: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        object.__setattr__(self, "_memory", MemoryTracker() if enabled else None)
+        object.__setattr__(self, "_memory_optimizer", optimizer if enabled else None)
+        return self
+
+    def memory_stats(self) -> dict[str, int]:
+        """This rank's measured memory in the last step (forward and backward) since
+        ``track_memory``, in bytes: ``peak``, the peak of the distinct storages live during the
+        step, and what they held at that moment: ``params`` (parameters and buffers), ``grads``,
+        ``optimizer`` (the state of the optimizer given to ``track_memory``), ``activations``
+        (what the forward saved for the backward) and ``temporaries`` (the rest: values between
+        ops, collective and bucket buffers); ``step``, the steps measured so far. Compare with
+        ``plan.memory`` from the second step on, once the optimizer holds its state."""
+        if self._memory is None:
+            raise CompileError("memory_stats: memory is not being measured: call pmodel.track_memory(optimizer) "
+                               "before the steps to measure")
+        if self._memory.last is None:
+            raise CompileError("memory_stats: no step has finished since track_memory: run a forward and backward first")
+        return dict(self._memory.last)
+
     # -- running -------------------------------------------------------------------------------
+    def _begin_memory(self, params: Sequence[torch.Tensor], rest: Sequence[torch.Tensor]) -> None:
+        """Start measuring a step: what lives before it is the state, the optimizer's and the inputs."""
+        buffers = [self._buffer(s.key) for s in self.program.inputs if s.kind == "buffer"]
+        grads = [p.grad for p in params if p.grad is not None]
+        self._memory.begin(params=list(params) + buffers, optimizer=optimizer_state(self._memory_optimizer),
+                           grads=grads, inputs=[r for r in rest if isinstance(r, torch.Tensor)])
+
     def _context(self):
         stack = contextlib.ExitStack()
         stack.enter_context(C.use_backend(self._comm))
         stack.enter_context(torch.no_grad())
         if self._recording is not None:
             stack.enter_context(record_executed(self._axis_of_group, self._recording))
+        if self._memory is not None:
+            stack.enter_context(self._memory.watching())
         return stack
 
     def _failed(self, exc: BaseException, what: str) -> BaseException:
@@ -337,9 +368,13 @@ class ParallelModule(torch.nn.Module):
             if order != list(range(n)):
                 raise CompileError("the lowered program does not list parameters first")  # lowering invariant
             return _Step.apply(self, n, *[values[i] for i in order + rest])
+        if self._memory is not None:
+            self._begin_memory([self._param(s.key) for s in self._param_slots], values)
         outs, _ = self._run_forward(values)
+        if self._memory is not None:
+            self._memory.finish()
         slots = [s for s in self.program.outputs if s.kind == "output"]
-        wrapped = tuple(_dtensor(o, self.device_mesh, s) for o, s in zip(outs, slots))
+        wrapped = tuple(dtensor_block(o, self.device_mesh, s) for o, s in zip(outs, slots))
         return wrapped[0] if len(wrapped) == 1 else wrapped
 
 
@@ -442,47 +477,11 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     share_seed(program)  # with random ops: every rank draws with rank 0's seed
     if any(slot.spec.blocks for slot in program.inputs):  # _StridedShard parameters: teach DCP their pieces
         install_strided_checkpointing()
-    _distribute_state(model, graph, program, dmesh, device, materializer)
+    distribute_state(model, graph, program, dmesh, device, materializer)
     # gloo: the program's collectives get groups of their own with one worker thread each, since
     # torch 2.13's two workers corrupt the heap when two collectives finish together (see there)
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank()) if backend == "gloo" else None
     return ParallelModule(model, shared, graph, dmesh, program, prec, groups)
-
-
-def _distribute_state(model: torch.nn.Module, graph: Graph, program: Program, dmesh, device,
-                      materializer=None) -> None:
-    """Replace every parameter and buffer by a DTensor holding this rank's block (tied weights stay
-    tied); meta tensors are rebuilt by ``materializer`` (``runtime.materialize``)."""
-    from autopar.runtime.materialize import full_value
-
-    coords = tuple(dmesh.get_coordinate())
-    done: dict[str, torch.Tensor] = {}
-    for slot in program.inputs:
-        if slot.kind not in ("param", "buffer"):
-            continue
-        owner, _, name = slot.key.rpartition(".")
-        mod = model.get_submodule(owner)
-        old = getattr(mod, name)
-        whole = full_value(model, slot.key, old, materializer)
-        block = local_block(whole, slot.placements, program.mesh_shape, coords, slot.spec.blocks)
-        if device is not None:
-            block = block.to(device)
-        dt = _dtensor(block, dmesh, slot)
-        if slot.kind == "param":
-            new = torch.nn.Parameter(dt, requires_grad=old.requires_grad)
-            tc.parameter_table(mod)[name] = new
-        else:
-            tc.buffer_table(mod)[name] = dt
-            new = dt
-        done[slot.key] = new
-    for alias, canon in graph.aliases.items():
-        if canon in done:
-            owner, _, name = alias.rpartition(".")
-            mod = model.get_submodule(owner)
-            if name in tc.parameter_table(mod):
-                tc.parameter_table(mod)[name] = done[canon]
-            else:
-                tc.buffer_table(mod)[name] = done[canon]
 
 
 __all__ = ["RANDOM_KEY", "CompileError", "ParallelModule", "compile"]

@@ -23,6 +23,7 @@ import torch
 from autopar import _torch_compat as tc
 from autopar.errors import CollectiveError
 from autopar.program.collectives import Executed
+from autopar.runtime.memory import unobserved
 
 # -- process groups ----------------------------------------------------------------------------
 
@@ -143,6 +144,13 @@ class _Exchange:
             raise CollectiveError(f"simulated ranks issued different collectives together: {sorted(kinds)}")
         return [t for _, t in got]
 
+    def sync(self, what: str) -> None:
+        """Wait until every member got here (after a ``swap``: all have read every slot's tensor)."""
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            raise CollectiveError(f"simulated ranks stopped agreeing at {what} (a rank failed or diverged)") from None
+
 
 class ThreadMesh:
     """The shared state of a simulated mesh: one exchange per (axis, group)."""
@@ -177,23 +185,31 @@ class ThreadComm:
     def axis_size(self, axis: int) -> int:
         return self.mesh.mesh_shape[axis]
 
+    def _exchange(self, axis: int) -> _Exchange:
+        return self.mesh.exchanges[(axis, tuple(c for i, c in enumerate(self.coords) if i != axis))]
+
     def _swap(self, axis: int, x: torch.Tensor, what: str, group_bytes: int) -> list[torch.Tensor]:
-        key = tuple(c for i, c in enumerate(self.coords) if i != axis)
         self.executed.append(Executed(what, self.mesh.axis_names[axis], group_bytes))
-        return self.mesh.exchanges[(axis, key)].swap(self.coords[axis], x, what)
+        return self._exchange(axis).swap(self.coords[axis], x, what)
 
     def all_gather(self, x, axis, dim):
         n = self.axis_size(axis)
         return torch.cat(self._swap(axis, x, "all_gather", _nbytes(x) * n), dim=dim)
 
     def reduce_scatter(self, x, axis, dim, reduce):
-        full = _reduce(self._swap(axis, x, "reduce_scatter", _nbytes(x)), reduce)
-        return full.chunk(self.axis_size(axis), dim=dim)[self.coords[axis]].contiguous()
+        n, i = self.axis_size(axis), self.coords[axis]
+        parts = self._swap(axis, x, "reduce_scatter", _nbytes(x))
+        return _reduce([p.chunk(n, dim=dim)[i] for p in parts], reduce)
 
     def all_reduce(self, x, axis, reduce):
         return _reduce(self._swap(axis, x, "all_reduce", _nbytes(x)), reduce)
 
-    all_reduce_ = all_reduce  # the exchange makes a new tensor anyway
+    def all_reduce_(self, x, axis, reduce):
+        parts = self._swap(axis, x, "all_reduce", _nbytes(x))
+        with unobserved():  # gloo reduces in place: the simulator's scratch is not the program's memory
+            reduced = _reduce(parts, reduce)
+        self._exchange(axis).sync("all_reduce")  # every member has read x before any overwrites its own
+        return x.copy_(reduced)
 
     def all_to_all(self, x, axis):
         n = self.axis_size(axis)
@@ -206,16 +222,21 @@ def _nbytes(x: torch.Tensor) -> int:
 
 
 def _reduce(parts: list[torch.Tensor], reduce: str) -> torch.Tensor:
-    stacked = torch.stack(parts)
-    if reduce == "sum":
-        return stacked.sum(0)
-    if reduce == "max":
-        return stacked.amax(0)
-    if reduce == "min":
-        return stacked.amin(0)
+    """The reduction of equal-shaped ``parts`` into one new tensor (the only one it allocates, as a
+    real collective's result: ``simulate(..., measure_memory=True)`` counts it)."""
+    if reduce not in ("sum", "avg", "max", "min"):
+        raise CollectiveError(f"unknown reduction {reduce!r}")
+    out = parts[0].contiguous().clone()
+    for p in parts[1:]:
+        if reduce in ("sum", "avg"):
+            out.add_(p)
+        elif reduce == "max":
+            torch.maximum(out, p, out=out)
+        else:
+            torch.minimum(out, p, out=out)
     if reduce == "avg":
-        return stacked.mean(0)
-    raise CollectiveError(f"unknown reduction {reduce!r}")
+        out.div_(len(parts))
+    return out
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ so a 64-device plan of a small model can be checked against the model itself on 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -19,6 +20,7 @@ from autopar.ir.rules.proof.interp import collect, device_coords
 from autopar.program import collectives as C
 from autopar.program.program import Program
 from autopar.runtime.collectives import ThreadComm, ThreadMesh
+from autopar.runtime.memory import MemoryTracker
 
 
 @dataclass
@@ -31,14 +33,29 @@ class RankResult:
 
 
 def run_step(prog: Program, local_inputs: Sequence[torch.Tensor], tangent: Optional[torch.Tensor] = None,
-             precision: str = "model") -> tuple[list, list]:
-    """Forward (and, for training programs, backward with seed ``tangent``) on this thread's backend."""
+             precision: str = "model", memory: Optional[MemoryTracker] = None,
+             optimizer: Sequence[torch.Tensor] = ()) -> tuple[list, list]:
+    """Forward (and, for training programs, backward with seed ``tangent``) on this thread's backend.
+    With ``memory``, the step is measured there (``optimizer``: the state held through it)."""
+    watch = memory.watching if memory is not None else contextlib.nullcontext
+    if memory is not None:
+        state = [t for t, s in zip(local_inputs, prog.inputs) if s.kind in ("param", "buffer")]
+        rest = [t for t, s in zip(local_inputs, prog.inputs) if s.kind not in ("param", "buffer")]
+        memory.begin(params=state, optimizer=optimizer, inputs=rest)
     with torch.no_grad():
-        outputs, saved = prog.run_forward(*local_inputs)
+        with watch():
+            outputs, saved = prog.run_forward(*local_inputs)
+        if memory is not None:
+            memory.mark(saved, "activations")
         grads: list = []
         if prog.backward is not None:
             seed = tangent if tangent is not None else torch.ones((), dtype=outputs[0].dtype)
-            grads = [C.wait(g) for g in prog.backward(*saved, seed)]
+            with watch():
+                grads = [C.wait(g) for g in prog.backward(*saved, seed)]
+            if memory is not None:
+                memory.mark(grads, "grads")
+    if memory is not None:
+        memory.finish()
     return outputs, grads
 
 
@@ -75,10 +92,16 @@ def run_threads(fn: Callable[[tuple[int, ...]], Any], mesh_shape: Sequence[int],
 
 
 def simulate_programs(programs: dict[tuple[int, ...], Program], placeholders: Sequence[torch.Tensor],
-                      precision: str = "model", tangent: Optional[torch.Tensor] = None):
+                      precision: str = "model", tangent: Optional[torch.Tensor] = None,
+                      memory: Optional[dict] = None, optimizer_bytes: int = 0):
     """Run every device's lowered program (``programs``: coords -> Program, one per device of the
     mesh) on blocks of the whole tensors ``placeholders`` (in the programs' input order).
-    Returns ``(results, executed)``: per-device outputs and gradients, and the collectives each ran."""
+    Returns ``(results, executed)``: per-device outputs and gradients, and the collectives each ran.
+
+    With ``memory`` (a dict), each device's step is measured (``runtime.memory``) into
+    ``memory[coords]``: its blocks are copies of their own (not views of the whole tensors), and
+    it holds ``optimizer_bytes`` per element of each floating-point parameter block as optimizer
+    state, as a training step after the first does."""
     first = next(iter(programs.values()))
     mesh_shape, names = first.mesh_shape, first.axis_names
 
@@ -86,7 +109,15 @@ def simulate_programs(programs: dict[tuple[int, ...], Program], placeholders: Se
         prog = programs[coords]
         local = [local_block(t, slot.placements, mesh_shape, coords, slot.spec.blocks)
                  for t, slot in zip(placeholders, prog.inputs)]
-        outs, grads = run_step(prog, local, tangent, precision)
+        tracker, state = None, []
+        if memory is not None:
+            local = [t.clone() for t in local]
+            tracker = MemoryTracker()
+            state = [torch.zeros(t.numel() * optimizer_bytes, dtype=torch.uint8)
+                     for t, s in zip(local, prog.inputs) if s.kind == "param" and t.is_floating_point()]
+        outs, grads = run_step(prog, local, tangent, precision, tracker, state)
+        if tracker is not None:
+            memory[coords] = tracker.last
         return RankResult(outs, grads)
 
     return run_threads(one, mesh_shape, names)

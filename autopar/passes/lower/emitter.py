@@ -39,11 +39,11 @@ from autopar.ir.rules.dimmap import Strategy
 from autopar.ir.rules.random_attention import is_random_call, key_node
 from autopar.ir.views import param_views
 from autopar.passes.lower.gathers import grouped_gather, plan_groups
-from autopar.passes.lower.grads import bucketed_grads
+from autopar.passes.lower.grads import bucketed_grads, pack_as_made
 from autopar.passes.lower.plain_local import Input, PlainCall, plain_call
 from autopar.passes.lower.reshard import reshard
 from autopar.passes.lower.resolve import Resolved, placeholder_key
-from autopar.passes.lower.schedule import schedule
+from autopar.passes.lower.schedule import mark_recomputation, schedule
 from autopar.passes.lower.simplify import drop_identities
 from autopar.passes.search.strategies import input_placement, output_placement
 from autopar.program.program import LocalOp, Program, RandomOp, RandomState, Slot
@@ -329,7 +329,11 @@ class Emitter:
         for gm in (forward, backward):
             if gm is not None:
                 drop_identities(gm.graph)
+                if gm is backward:
+                    pack_as_made(gm.graph)
                 schedule(gm.graph)
+                if gm is backward:
+                    mark_recomputation(gm.graph)
                 gm.graph.lint()
                 gm.recompile()
         return Program(self.coords, self.mesh_shape, tuple(res.mesh.names), forward, slots_in, slots_out,

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from autopar.ir.layers import layer_key
 from autopar.program import collectives as C
+from autopar.program import marks
 
 _aten = torch.ops.aten
 #: Local layout ops (no data moves between devices) that may stand between a parameter and its gather.
@@ -142,3 +143,26 @@ def schedule(graph: fx.Graph) -> None:
 
 
 __all__ = ["schedule"]
+
+
+def _recomputed(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target is operator.getitem:
+        node = node.args[0]  # type: ignore[assignment]
+    return bool(node.meta.get("autopar_recomputed"))
+
+
+def mark_recomputation(graph: fx.Graph) -> None:
+    """Bracket each run of re-executed forward ops in the backward ``graph`` with
+    ``program.marks.recomputing(True)`` / ``(False)`` calls (nothing when nothing re-runs)."""
+    inside = False
+    for node in list(graph.nodes):
+        if node.op in ("placeholder", "output"):
+            continue
+        now = _recomputed(node)
+        if now != inside:
+            with graph.inserting_before(node):
+                graph.call_function(marks.recomputing, (now,))
+            inside = now
+    if inside:
+        with graph.inserting_before(next(n for n in graph.nodes if n.op == "output")):
+            graph.call_function(marks.recomputing, (False,))

@@ -1,0 +1,127 @@
+"""Measured memory per rank against the plan's prediction, on 4 local gloo processes.
+
+For GPT- and LLaMA-style models at a size where activations dominate the memory (batch 16 x 128
+tokens, width 128, 4 layers, fp32 on CPU), the searched plan on (4,) and on (2, 2), and the
+``fsdp`` recipe on (4,), with checkpointing pinned off and on every layer (``"full"``): each rank compiles the plan, trains
+``--steps`` AdamW steps with ``pmodel.track_memory(optimizer)`` on, and reports its last step's
+``pmodel.memory_stats()`` (``autopar.runtime.memory``: the peak of distinct live storages during
+the forward and backward, split into parameters, gradients, optimizer state, saved activations
+and temporaries). The table sets each against ``plan.peak_memory`` and ``plan.memory``: the
+measured peak and activations of the largest rank over the predicted (the plan's figures are the
+largest rank's).
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/memory.py [--steps 3] [--simulate] [--markdown]
+
+``--simulate`` measures with ``autopar.simulate(..., measure_memory=True)`` in this process
+instead (one step; the optimizer state is the plan's bytes per parameter element; the
+simulator's all-reduce returns a new buffer where gloo reduces in place, so a gradient bucket
+counts twice there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+
+import torch
+
+import autopar
+from autopar.models import make
+
+SHAPES = {"gpt": dict(n_embd=128, n_head=4, n_layer=4, block_size=128, vocab_size=256),
+          "llama": dict(dim=128, n_heads=4, n_kv_heads=2, ffn_dim=384, n_layers=4, vocab_size=256, max_seq_len=128)}
+MESHES = {"4": {"dp": 4}, "2x2": {"dp": 2, "tp": 2}}
+#: (mesh, recipe or None for the search)
+SETUPS = [("4", None), ("2x2", None), ("4", "fsdp")]
+BATCH, SEQ = 16, 128
+
+
+def _model(family: str):
+    torch.manual_seed(0)
+    return make(family, "tiny", batch=BATCH, seq=SEQ, **SHAPES[family])
+
+
+def _plan(family: str, mesh: str, recipe, checkpointing: str) -> autopar.Plan:
+    model, args = _model(family)
+    make_plan = autopar.plan if recipe is None else getattr(autopar.recipes, recipe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return make_plan(model, autopar.Mesh(MESHES[mesh], device="cpu"), args, progress=False,
+                         checkpointing=checkpointing)
+
+
+def _measure_on_rank(cases: list, steps: int) -> list[dict]:
+    """On every gloo rank: each case's plan compiled and trained ``steps`` steps; the last step's stats."""
+    out = []
+    for family, mesh, text in cases:
+        model, args = _model(family)
+        pm = autopar.compile(model, autopar.Mesh(MESHES[mesh], device="cpu"), args,
+                             plan=autopar.Plan.from_dict(json.loads(text)))
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        pm.track_memory(opt)
+        for _ in range(steps):
+            pm(*args).backward()
+            opt.step()
+            opt.zero_grad()
+        out.append(pm.memory_stats())
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--simulate", action="store_true", help="measure in the simulator instead of on gloo")
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--families", nargs="+", default=["gpt", "llama"], choices=sorted(SHAPES))
+    a = ap.parse_args(argv)
+    cases = [(f, m, r, ck) for f in a.families for m, r in SETUPS for ck in ("none", "full")]
+    t0 = time.time()
+    plans = {c: _plan(*c) for c in cases}
+    print(f"planned {len(cases)} cases in {time.time() - t0:.1f} s", file=sys.stderr)
+    t0 = time.time()
+    if a.simulate:
+        measured = {}
+        for c in cases:
+            model, args = _model(c[0])
+            _, _, mem = autopar.simulate(model, plans[c], args, measure_memory=True)
+            measured[c] = list(mem.values())
+    else:
+        texts = [(c[0], c[1], plans[c].to_json(timing=False)) for c in cases]
+        per_rank = autopar.launch(_measure_on_rank, 4, texts, a.steps, timeout=1200.0)
+        measured = {c: [r[i] for r in per_rank] for i, c in enumerate(cases)}
+    print(f"measured in {time.time() - t0:.1f} s", file=sys.stderr)
+    mib = 1 << 20
+    head = ["model", "mesh", "plan", "checkpointing", "predicted peak MiB", "measured peak MiB", "peak ratio",
+            "predicted activations MiB", "measured at the peak MiB", "ratio", "most alive at once MiB", "ratio",
+            "params / grads / optimizer / temporaries at the peak MiB"]
+    rows = []
+    worst = 0.0
+    for c in cases:
+        plan, got = plans[c], max(measured[c], key=lambda s: s["peak"])
+        pa = plan.memory["activations"]
+        ratio, aratio, most = got["peak"] / plan.peak_memory, got["activations"] / pa, got["activations_peak"] / pa
+        if c[2] is None:
+            worst = max(worst, abs(ratio - 1), abs(aratio - 1))
+        rest = " / ".join(f"{got[k] / mib:.2f}" for k in ("params", "grads", "optimizer", "temporaries"))
+        rows.append([c[0], "x".join(str(v) for v in MESHES[c[1]].values()), c[2] or "search", c[3],
+                     f"{plan.peak_memory / mib:.2f}", f"{got['peak'] / mib:.2f}", f"{ratio:.3f}", f"{pa / mib:.2f}",
+                     f"{got['activations'] / mib:.2f}", f"{aratio:.3f}", f"{got['activations_peak'] / mib:.2f}",
+                     f"{most:.3f}", rest])
+    if a.markdown:
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+    else:
+        for r in [head] + rows:
+            print("  ".join(r))
+    print(f"searched plans: largest deviation of the peak or the activations at the peak from the prediction: "
+          f"{worst * 100:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
