@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 export OMP_NUM_THREADS ?= 1
+# pytest-xdist workers for `make test` (one per core of the 2-core CI machine; files stay whole on a
+# worker, so a module's shared gloo pool and captures are made once). TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test install clean
 
@@ -22,7 +25,7 @@ install: $(STAMP)
 # The import contract first (pyproject.toml, [tool.importlinter]): it names any import against the layers.
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 demo: $(STAMP)
 	$(PY) -m autopar demo

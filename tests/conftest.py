@@ -8,6 +8,24 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPORT: list[str] = []
 
 
+def pytest_sessionfinish(session):
+    """Under pytest-xdist a worker hands its lines to the controller, which prints them."""
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:
+        out["autopar_report"] = list(REPORT)
+
+
+try:
+    import xdist  # noqa: F401  (pytest refuses a hook it does not know: this one is xdist's)
+except ImportError:
+    pass
+else:
+
+    def pytest_testnodedown(node, error):
+        """The controller keeps each finished worker's lines."""
+        REPORT.extend(getattr(node, "workeroutput", {}).get("autopar_report", []))
+
+
 def pytest_terminal_summary(terminalreporter):
     if REPORT:
         terminalreporter.write_sep("-", "autopar figures")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -60,17 +59,15 @@ def measure_launch_floor(reps: int = 2000) -> float:
     return _best_time(run, 3) / reps
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gloo_worker(rank: int, world: int, port: int, out_path: str, big_bytes: int, reps: int) -> None:
-    """One process of the link measurement; rank 0 writes ``{"t_small", "t_big"}`` (seconds)."""
+    """One process of the link measurement; rank 0 writes ``{"t_small", "t_big"}`` (seconds).
+    Joins the store the parent hosts on ``port`` as a client."""
+    import datetime
+
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
 
         def timed(t: torch.Tensor, k: int) -> float:
@@ -96,13 +93,18 @@ def _gloo_worker(rank: int, world: int, port: int, out_path: str, big_bytes: int
 def measure_link(nprocs: int = 2, big_bytes: int = 64 << 20, reps: int = 5) -> Link:
     """gloo link between ``nprocs`` local processes, from all_reduce times via the ring formula:
     latency a = t_tiny / (2(n-1)); bandwidth b = 2(n-1)/n * B / (t_big - 2(n-1) a)."""
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
+    # the parent hosts the store on a port the OS picks (port 0): two measurements, or a
+    # measurement beside a test run, cannot race for a port
+    store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "link.json")
-        mp.spawn(_gloo_worker, args=(nprocs, _free_port(), out, big_bytes, reps), nprocs=nprocs, join=True)
+        mp.spawn(_gloo_worker, args=(nprocs, store.port, out, big_bytes, reps), nprocs=nprocs, join=True)
         with open(out) as f:
             r = json.load(f)
+    del store
     n = nprocs
     alpha = max(r["t_small"] / (2 * (n - 1)), 1e-9)
     transfer = r["t_big"] - 2 * (n - 1) * alpha
