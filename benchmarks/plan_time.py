@@ -80,7 +80,13 @@ def build(model: str, layers: int, batch: int, seq: int, size: str = "llama3-8b"
     from autopar.models import make
 
     if model.startswith("corpus:"):
-        return _corpus().build(model.split(":", 1)[1], layers=layers)
+        c, name = _corpus(), model.split(":", 1)[1]
+        if name not in c.CORPUS:  # hf_bart: in the module, not (yet) in the corpus the tests run
+            import torch
+
+            torch.manual_seed(0)
+            return getattr(c, name)(layers=layers)
+        return c.build(name, layers=layers)
     if model == "titan_llama":
         return _titan(layers, batch, seq, size)
     if model != "hf_llama":
