@@ -2,7 +2,10 @@
 H100 mesh, at 2, 8 and 32 layers. ``--model`` picks the code that has that shape: ``llama`` (the
 built-in ``autopar.models.llama``), ``llama_loop`` (the same model written with its layer code in the
 parent's ``forward``: RoPE, attention and residual adds outside the layer modules) or ``hf_llama``
-(Hugging Face's ``LlamaForCausalLM``, built on ``meta`` from its config).
+(Hugging Face's ``LlamaForCausalLM``, built on ``meta`` from its config) or ``titan_llama`` (the
+torchtitan-style Llama 3 of ``tests/_corpus.py``, complex RoPE, at the same dims). ``corpus:NAME``
+plans corpus model NAME of ``tests/_corpus.py`` at its tiny size (hidden 64, batch 4, sequence 16)
+on a (2, 2) H100 mesh instead.
 
 Prints capture, fold, strategies, cost, merge, solve and total seconds per depth (from
 ``autopar.passes.pipeline.run_passes``'s ``phases``), and the ratio of the deepest case's post-capture time
@@ -10,7 +13,7 @@ Prints capture, fold, strategies, cost, merge, solve and total seconds per depth
 post-capture phases under 1.5× the 2-layer case's (identical layers are folded, so depth should
 cost little after capture).
 
-    python benchmarks/plan_time.py [--model llama|llama_loop|hf_llama] [--layers 2 8 32] [--repeat K]
+    python benchmarks/plan_time.py [--model llama|llama_loop|hf_llama|titan_llama|corpus:NAME] [--layers 2 8 32] [--repeat K]
                                    [--markdown] [--against REF]
 
 With ``--repeat`` each depth is planned K times and the run with the smallest total is kept.
@@ -34,13 +37,58 @@ TOTAL_TARGET_S = 15.0
 RATIO_TARGET = 1.5
 
 
-MODELS = ("llama", "llama_loop", "hf_llama")
+MODELS = ("llama", "llama_loop", "hf_llama", "titan_llama")
+#: the corpus of tests/_corpus.py at its tiny size (hidden 64, its own batch and sequence), as ``corpus:NAME``
+CORPUS = ("titan_llama", "torch_encoder", "hf_gpt2", "hf_llama", "hf_bert", "hf_t5", "hf_bart", "hf_vit", "hf_mixtral")
+CORPUS_MESH = {"dp": 2, "tp": 2}
+
+
+def _corpus():
+    import pathlib
+
+    tests = str(pathlib.Path(__file__).resolve().parent.parent / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import _corpus
+
+    return _corpus
+
+
+def _titan(layers: int, batch: int, seq: int, size: str):
+    """The torchtitan-style Llama 3 of the corpus (complex RoPE) at preset ``size``'s dims, on meta."""
+    import torch
+
+    from autopar.models.llama import PRESETS
+
+    c = _corpus()
+    p = PRESETS[size]
+    a = c.TitanArgs(dim=p["dim"], n_layers=layers, n_heads=p["n_heads"], n_kv_heads=p["n_kv_heads"],
+                    vocab_size=p["vocab_size"], norm_eps=p["norm_eps"], rope_theta=p["rope_theta"],
+                    max_seq_len=max(p["max_seq_len"], seq))
+    with torch.device("meta"):
+        module = c.WithLoss(c.TitanTransformer(a))
+        # the feed-forward width of the preset (Llama 3 rounds 4 * dim * 2/3 * multiplier to it)
+        for block in module.model.layers.values():
+            block.feed_forward = c.FeedForward(p["dim"], p["ffn_dim"] * 3 // 2, 1, None)
+    ids = torch.randint(0, p["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
+    return module, (ids, torch.roll(ids, -1, 1)), {}
 
 
 def build(model: str, layers: int, batch: int, seq: int, size: str = "llama3-8b"):
-    """``(module, args, kwargs)``: ``model`` at the shape of LLaMA preset ``size`` with ``layers`` layers, on meta."""
+    """``(module, args, kwargs)``: ``model`` at the shape of LLaMA preset ``size`` with ``layers`` layers, on meta
+    (``corpus:NAME``: corpus model NAME at its tiny size, on CPU)."""
     from autopar.models import make
 
+    if model.startswith("corpus:"):
+        c, name = _corpus(), model.split(":", 1)[1]
+        if name not in c.CORPUS:  # hf_bart: in the module, not (yet) in the corpus the tests run
+            import torch
+
+            torch.manual_seed(0)
+            return getattr(c, name)(layers=layers)
+        return c.build(name, layers=layers)
+    if model == "titan_llama":
+        return _titan(layers, batch, seq, size)
     if model != "hf_llama":
         module, inputs = make(model, size=size, batch=batch, seq=seq, device="meta", n_layers=layers)
         return module, inputs, None
@@ -72,7 +120,7 @@ def plan_once(layers: int, batch: int, seq: int, model: str = "llama", size: str
     comm.cache_clear()  # every depth prices its reshardings from a cold memo, as a fresh process does
 
     module, args, kwargs = build(model, layers, batch, seq, size)
-    mesh = autopar.Mesh({"dp": 8, "tp": 8}, device="h100")
+    mesh = autopar.Mesh(CORPUS_MESH if model.startswith("corpus:") else {"dp": 8, "tp": 8}, device="h100")
     t0 = time.perf_counter()
     p = run_passes(module, mesh, args, kwargs, progress=False)
     wall = time.perf_counter() - t0
@@ -95,7 +143,8 @@ def plan_once(layers: int, batch: int, seq: int, model: str = "llama", size: str
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=MODELS, default="llama", help="the code of the model (see above)")
+    ap.add_argument("--model", choices=MODELS + tuple(f"corpus:{n}" for n in CORPUS), default="llama",
+                    help="the code of the model (see above)")
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
     ap.add_argument("--size", default="llama3-8b", help="the LLaMA preset whose dims the model takes (llama3-70b, ...)")
     ap.add_argument("--batch", type=int, default=64)
@@ -110,7 +159,14 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    print(f"model {args.model} ({args.size} dims), batch {args.batch}, seq {args.seq}, (8, 8) h100", flush=True)
+    import os
+
+    if args.model.startswith("corpus:"):
+        print(f"model {args.model} (tiny corpus dims, its own batch and sequence), (2, 2) h100; "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
+    else:
+        print(f"model {args.model} ({args.size} dims), batch {args.batch}, seq {args.seq}, (8, 8) h100; "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
     rows = {}
     for L in args.layers:
         runs = [plan_once(L, args.batch, args.seq, args.model, args.size) for _ in range(args.repeat)]

@@ -179,10 +179,10 @@ def _ids(seed: int = 0, batch: int = BATCH, seq: int = SEQ) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def titan_llama(dropout: bool = False):
+def titan_llama(dropout: bool = False, layers: int = LAYERS):
     """The torchtitan-style Llama 3 (it has no dropout) with a cross-entropy loss."""
     ids = _ids()
-    return WithLoss(TitanTransformer(TitanArgs())), (ids, torch.roll(ids, -1, 1)), {}
+    return WithLoss(TitanTransformer(TitanArgs(n_layers=layers))), (ids, torch.roll(ids, -1, 1)), {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,12 +192,12 @@ def titan_llama(dropout: bool = False):
 class TorchEncoder(nn.Module):
     """``nn.TransformerEncoder`` with its default layer options, under an embedding and a head."""
 
-    def __init__(self, dropout: bool):
+    def __init__(self, dropout: bool, layers: int = LAYERS):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
         kw = {} if dropout else {"dropout": 0.0}
         layer = nn.TransformerEncoderLayer(HIDDEN, nhead=4, dim_feedforward=4 * HIDDEN, batch_first=True, **kw)
-        self.encoder = nn.TransformerEncoder(layer, num_layers=LAYERS, enable_nested_tensor=False)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
         self.head = nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -205,10 +205,10 @@ class TorchEncoder(nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten(0, 1))
 
 
-def torch_encoder(dropout: bool = False):
+def torch_encoder(dropout: bool = False, layers: int = LAYERS):
     """``nn.TransformerEncoder`` (2 layers, 4 heads) trained as a token classifier."""
     ids = _ids()
-    return TorchEncoder(dropout), (ids, torch.roll(ids, -1, 1)), {}
+    return TorchEncoder(dropout, layers), (ids, torch.roll(ids, -1, 1)), {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,71 +237,71 @@ def _hf(model):
     return model
 
 
-def hf_gpt2(dropout: bool = False):
+def hf_gpt2(dropout: bool = False, layers: int = LAYERS):
     """GPT-2: learned positions, ``Conv1D`` weights, tied head."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = _config(GPT2Config, dropout, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, vocab_size=VOCAB, n_positions=64,
+    cfg = _config(GPT2Config, dropout, n_embd=HIDDEN, n_layer=layers, n_head=4, vocab_size=VOCAB, n_positions=64,
                   bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)  # the default 50256 is outside the vocabulary
     ids = _ids()
     return _hf(GPT2LMHeadModel(cfg)), (), {"input_ids": ids, "labels": ids}
 
 
-def hf_llama(dropout: bool = False):
+def hf_llama(dropout: bool = False, layers: int = LAYERS):
     """LLaMA: RoPE, grouped-query attention (4 heads, 2 KV heads), SwiGLU, RMSNorm."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = _config(LlamaConfig, dropout, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+    cfg = _config(LlamaConfig, dropout, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
     ids = _ids()
     return _hf(LlamaForCausalLM(cfg)), (), {"input_ids": ids, "labels": ids}
 
 
-def hf_bert(dropout: bool = False):
+def hf_bert(dropout: bool = False, layers: int = LAYERS):
     """BERT: a post-norm encoder with token-type and position embeddings, masked-LM head."""
     from transformers import BertConfig, BertForMaskedLM
 
-    cfg = _config(BertConfig, dropout, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
+    cfg = _config(BertConfig, dropout, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4,
                   intermediate_size=2 * HIDDEN, vocab_size=VOCAB, max_position_embeddings=64)
     ids = _ids()
     return _hf(BertForMaskedLM(cfg)), (), {"input_ids": ids, "labels": _ids(1)}
 
 
-def hf_t5(dropout: bool = False):
+def hf_t5(dropout: bool = False, layers: int = LAYERS):
     """T5: encoder-decoder with relative position buckets and cross-attention."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    cfg = _config(T5Config, dropout, d_model=HIDDEN, d_kv=16, d_ff=2 * HIDDEN, num_layers=LAYERS,
-                  num_decoder_layers=LAYERS, num_heads=4, vocab_size=VOCAB, decoder_start_token_id=0, pad_token_id=0)
+    cfg = _config(T5Config, dropout, d_model=HIDDEN, d_kv=16, d_ff=2 * HIDDEN, num_layers=layers,
+                  num_decoder_layers=layers, num_heads=4, vocab_size=VOCAB, decoder_start_token_id=0, pad_token_id=0)
     return _hf(T5ForConditionalGeneration(cfg)), (), {"input_ids": _ids(), "labels": _ids(1, seq=SEQ // 2)}
 
 
-def hf_bart(dropout: bool = False):
+def hf_bart(dropout: bool = False, layers: int = LAYERS):
     """BART: encoder-decoder with learned positions and cross-attention."""
     from transformers import BartConfig, BartForConditionalGeneration
 
-    cfg = _config(BartConfig, dropout, d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS,
+    cfg = _config(BartConfig, dropout, d_model=HIDDEN, encoder_layers=layers, decoder_layers=layers,
                   encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * HIDDEN,
                   decoder_ffn_dim=2 * HIDDEN, vocab_size=VOCAB, max_position_embeddings=64)
     return _hf(BartForConditionalGeneration(cfg)), (), {"input_ids": _ids(), "labels": _ids(1, seq=SEQ // 2)}
 
 
-def hf_vit(dropout: bool = False):
+def hf_vit(dropout: bool = False, layers: int = LAYERS):
     """ViT: patch-embedding convolution, class token, encoder, classification head."""
     from transformers import ViTConfig, ViTForImageClassification
 
-    cfg = _config(ViTConfig, dropout, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
+    cfg = _config(ViTConfig, dropout, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4,
                   intermediate_size=2 * HIDDEN, image_size=32, patch_size=8, num_labels=10)
     pixels = torch.randn(BATCH, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     labels = torch.randint(0, 10, (BATCH,), generator=torch.Generator().manual_seed(1))
     return _hf(ViTForImageClassification(cfg)), (), {"pixel_values": pixels, "labels": labels}
 
 
-def hf_mixtral(dropout: bool = False):
+def hf_mixtral(dropout: bool = False, layers: int = LAYERS):
     """Mixtral: sparse mixture of experts (8 experts, top 2) under LLaMA-style attention."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    cfg = _config(MixtralConfig, dropout, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+    cfg = _config(MixtralConfig, dropout, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
     ids = _ids()
     return _hf(MixtralForCausalLM(cfg)), (), {"input_ids": ids, "labels": ids}
@@ -321,10 +321,12 @@ CORPUS: dict[str, Callable] = {
 }
 
 
-def build(name: str, dropout: bool = False, dtype: Optional[torch.dtype] = None, seed: int = 0):
-    """``(model, args, kwargs)`` of corpus model ``name``, seeded; floating inputs follow ``dtype``."""
+def build(name: str, dropout: bool = False, dtype: Optional[torch.dtype] = None, seed: int = 0,
+          layers: int = LAYERS):
+    """``(model, args, kwargs)`` of corpus model ``name`` with ``layers`` blocks (per stack), seeded;
+    floating inputs follow ``dtype``."""
     torch.manual_seed(seed)
-    model, args, kwargs = CORPUS[name](dropout=dropout)
+    model, args, kwargs = CORPUS[name](dropout=dropout, layers=layers)
     if dtype is not None:
         # Module.to(real dtype) would drop the imaginary part of complex buffers (freqs_cis): keep
         # them complex, at the matching precision

@@ -110,6 +110,53 @@ def _placeholder_layers(graph: Graph) -> dict[str, Key]:
     return out
 
 
+def _common_anchors(graph: Graph, anchors: dict[str, Key]) -> dict[str, Key]:
+    """The anchors every instance of their prefix has (the same FQN below ``prefix.i.``). One an
+    instance has alone (T5's relative position bias, in the first block only) anchors nothing: what
+    it computes is made once and read by every instance (``_shared_out``)."""
+    suffix: dict[str, str] = {}
+    for fqn, name in list(graph.params.items()) + list(graph.buffers.items()):
+        key = anchors.get(name)
+        if key is not None:
+            suffix[name] = fqn[len(f"{key[0]}.{key[1]}."):] if key[0] else fqn[len(f"{key[1]}."):]
+    count: dict[tuple[str, str], set[int]] = defaultdict(set)
+    for name, key in anchors.items():
+        count[(key[0], suffix[name])].add(key[1])
+    indices: dict[str, set[int]] = defaultdict(set)
+    for key in anchors.values():
+        indices[key[0]].add(key[1])
+    return {name: key for name, key in anchors.items() if count[(key[0], suffix[name])] == indices[key[0]]}
+
+
+def _shared_out(forward: list[Node], windows: list[list[int]], common: dict[str, Key]) -> list[list[int]]:
+    """``windows`` without the ops an instance computes once for all of them: a value that depends
+    on none of the instance's own parameters (common anchors) yet is read by another instance
+    (T5's position bias and its mask, made in the first block and passed to the others), and the
+    ops of the same kind that only it reads. They stay outside the instances, so the first
+    instance agrees with the others."""
+    at = {n.name: k for k, n in enumerate(forward)}
+    window_of = {k: j for j, w in enumerate(windows) for k in w}
+    readers: dict[int, list[int]] = defaultdict(list)
+    for k, n in enumerate(forward):
+        for r in n.inputs:
+            if r.node in at:
+                readers[at[r.node]].append(k)
+    out = []
+    for j, window in enumerate(windows):
+        dep: dict[int, bool] = {}
+        for k in window:
+            dep[k] = any(r.node in common or dep.get(at.get(r.node, -1), False) for r in forward[k].inputs)
+        excluded: set[int] = set()
+        for k in reversed(window):
+            if dep[k]:
+                continue
+            mine = [u for u in readers[k] if window_of.get(u) == j]
+            if any(window_of.get(u, j) != j for u in readers[k]) or (mine and all(u in excluded for u in mine)):
+                excluded.add(k)
+        out.append([k for k in window if k not in excluded] if excluded else window)
+    return out
+
+
 def _seq_nr(node: Node) -> Optional[int]:
     meta = node.fx_node.meta if node.fx_node is not None else {}
     s = meta.get("seq_nr")
@@ -163,6 +210,7 @@ def _forward_windows(graph: Graph, anchors: dict[str, Key]) -> Optional[dict[str
     if not any(_seq_nr(n) is not None for n in forward):
         return None
     at = {n.name: k for k, n in enumerate(forward)}
+    anchors = _common_anchors(graph, anchors)
     uses: dict[Key, list[int]] = defaultdict(list)
     reads_param = [False] * len(forward)
     last_read = list(range(len(forward)))  # forward position of each op's last forward reader
@@ -185,13 +233,14 @@ def _forward_windows(graph: Graph, anchors: dict[str, Key]) -> Optional[dict[str
         cut = _cut(first[0], last[0], first[1], last_read)
         bounds = [(min(last[j - 1] + 1 + cut, first[j]) if j else first[0], min(last[j] + 1 + cut, first[j + 1])
                    if j + 1 < len(idx) else last[j] + 1) for j in range(len(idx))]
-        windows = [list(range(a, b)) for a, b in bounds]
+        windows = _shared_out(forward, [list(range(a, b)) for a, b in bounds], anchors)
         # the first instance takes the ops before its weights that agree with what the second runs
         # before its own; the last, those after its weights that agree with what the one before runs
         ahead = list(range(bounds[1][0], first[1]))
         windows[0] = _matching(forward, windows[1], windows[0], ahead, reads_param, before=True) + windows[0]
         behind = list(range(last[-2] + 1, bounds[-2][1]))
         windows[-1] += _matching(forward, windows[-2], windows[-1], behind, reads_param, before=False)
+        windows = _shared_out(forward, windows, anchors)
         for i, window in zip(idx, windows):
             for k in window:
                 owner.setdefault(forward[k].name, (prefix, i))
@@ -219,16 +268,18 @@ def _structural(graph: Graph, forward_owner: dict[str, Key]) -> dict[str, Key]:
     """The structural rule's backward part: an op follows the forward op it differentiates (same
     autograd sequence number); gradient accumulations stay outside (``_with_accumulations``)."""
     owner = dict(forward_owner)
-    seq_owner: dict[int, Key] = {}
+    # a sequence number is the autograd op's that took it first: the ops after it that carry it too
+    # (non-differentiable ones, such as a mask built after it) do not make its backward theirs
+    seq_owner: dict[int, Optional[Key]] = {}
     for n in graph.nodes:
-        if n.phase == Phase.FORWARD and not n.is_placeholder and n.name in owner:
+        if n.phase == Phase.FORWARD and not n.is_placeholder:
             s = _seq_nr(n)
             if s is not None:
-                seq_owner.setdefault(s, owner[n.name])
+                seq_owner.setdefault(s, owner.get(n.name))
     for node in graph.nodes:
         if node.phase == Phase.BACKWARD and not node.is_placeholder and not _is_accumulation(node):
             s = _seq_nr(node)
-            if s is not None and s in seq_owner:
+            if s is not None and seq_owner.get(s) is not None:
                 owner[node.name] = seq_owner[s]
     return owner
 
@@ -329,12 +380,12 @@ def _score(by_key: dict[Key, list[str]], prefix: str, classes: list[list[int]]) 
     added layer (an instance's length, where the middle instances agree: then every added layer
     folds, and the problem does not grow with depth; the first and the last instance may differ,
     as they touch the embedding or the head), then the nodes it folds at this depth. With two
-    instances there is no middle one: the shorter instance's length stands for it."""
+    instances there is no middle one: the shorter instance's length stands for it if they agree."""
     idx = sorted(i for p, i in by_key if p == prefix)
     ix = _largest(by_key, prefix, classes)
     folded = (len(ix) - 1) * len(by_key[(prefix, ix[0])]) if ix else 0
-    if len(idx) == 2:
-        return min(len(by_key[(prefix, i)]) for i in idx), folded
+    if len(idx) == 2:  # (when the two agree: two that differ fold nothing)
+        return (min(len(by_key[(prefix, i)]) for i in idx) if ix else 0), folded
     middle = set(idx[1:-1])
     per_layer = next((len(by_key[(prefix, c[0])]) for c in classes if middle <= set(c) and len(c) >= 2), 0)
     return per_layer, folded
