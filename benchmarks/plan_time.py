@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import re
 import sys
 import time
@@ -159,14 +160,9 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    import os
-
-    if args.model.startswith("corpus:"):
-        print(f"model {args.model} (tiny corpus dims, its own batch and sequence), (2, 2) h100; "
-              f"load {os.getloadavg()[0]:.1f}", flush=True)
-    else:
-        print(f"model {args.model} ({args.size} dims), batch {args.batch}, seq {args.seq}, (8, 8) h100; "
-              f"load {os.getloadavg()[0]:.1f}", flush=True)
+    shape = ("tiny corpus dims, its own batch and sequence), (2, 2) h100" if args.model.startswith("corpus:")
+             else f"{args.size} dims), batch {args.batch}, seq {args.seq}, (8, 8) h100")
+    print(f"model {args.model} ({shape}; load {os.getloadavg()[0]:.1f}", flush=True)
     rows = {}
     for L in args.layers:
         runs = [plan_once(L, args.batch, args.seq, args.model, args.size) for _ in range(args.repeat)]
@@ -206,7 +202,6 @@ def phases_in(text: str) -> dict[int, dict[str, float]]:
 
 def against(args) -> int:
     """Plan each depth with commit ``args.against`` and with this tree, in turns (see the docstring)."""
-    import os
     import pathlib
     import subprocess
     import tempfile
