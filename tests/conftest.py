@@ -15,15 +15,18 @@ def pytest_sessionfinish(session):
         out["autopar_report"] = list(REPORT)
 
 
-try:
-    import xdist  # noqa: F401  (pytest refuses a hook it does not know: this one is xdist's)
-except ImportError:
-    pass
-else:
+class _XdistReport:
+    """xdist's hook, registered only when the xdist plugin is active (pytest refuses a hook it does
+    not know, so under ``-p no:xdist`` it must not exist even though xdist is importable)."""
 
-    def pytest_testnodedown(node, error):
+    def pytest_testnodedown(self, node, error):
         """The controller keeps each finished worker's lines."""
         REPORT.extend(getattr(node, "workeroutput", {}).get("autopar_report", []))
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_XdistReport(), "autopar-xdist-report")
 
 
 def pytest_terminal_summary(terminalreporter):
