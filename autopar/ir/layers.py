@@ -14,18 +14,21 @@ graph, whatever module ran them (docs/architecture.md, "Fold, merge, solve"):
   read) belongs to instance i+1. Instance 0 also owns the ops just before its first parameter use
   that agree one by one with those instance 1 owns before its own, and the last instance the ops
   after its last use that agree with those its predecessor owns after its own;
-- backward: an op follows the forward op it differentiates (autograd's sequence number). A gradient
+- backward: an op follows the forward op it differentiates (autograd's sequence number; where no
+  forward op carries the number, as for an in-place op rewritten at capture, its module path's
+  instance). A gradient
   accumulation (the sum of a tensor's gradients from its several uses) has none: it joins the
   lowest instance among its inputs', or the instance of the use whose gradient it adds
   (``_accumulation_owner``), or stays outside, whichever folds best (below);
 - instances *agree* when their node sequences do, position by position (op, output shapes and
   dtypes, non-tensor arguments, phase, and wiring: an input made inside the instance by its
-  position); the largest set of agreeing instances of a prefix is what ``fold`` folds.
+  position), or when one lacks only gradient accumulations the others have (``ir.agreement``);
+  the largest set of agreeing instances of a prefix is what ``fold`` folds.
 
 The module-path rule (a node belongs to the first numbered module on its module path; module-less
 accumulations to the lowest instance among their inputs', or none) gives further candidates, for
 graphs without autograd sequence numbers and prefixes whose instances' parameter uses interleave.
-Of the candidates, a prefix takes the one that folds best (``_score``): most nodes folded per added
+Of the candidates, a prefix takes the one that folds best (``agreement.score``): most nodes folded per added
 layer, then most nodes folded.
 """
 
