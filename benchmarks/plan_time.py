@@ -82,7 +82,7 @@ def build(model: str, layers: int, batch: int, seq: int, size: str = "llama3-8b"
 
     if model.startswith("corpus:"):
         c, name = _corpus(), model.split(":", 1)[1]
-        if name not in c.CORPUS:  # hf_bart: in the module, not (yet) in the corpus the tests run
+        if name not in c.CORPUS:  # a builder of the module that the corpus the tests run leaves out
             import torch
 
             torch.manual_seed(0)

@@ -251,13 +251,13 @@ def test_without_sequence_numbers_module_paths_stand_in():
 
 @needs_hf
 @pytest.mark.parametrize("name", ["titan_llama", "torch_encoder", "hf_gpt2", "hf_llama", "hf_bert", "hf_t5",
-                                  "hf_vit", "hf_mixtral"])
+                                  "hf_vit", "hf_mixtral", "hf_bart"])
 def test_corpus_models_fold_every_block(name):
     """Each corpus model's blocks all fold, at 2 layers and at 8, and the merged problem is as
     large at 8 layers as at 2: T5's relative position bias, computed in the first block only and
     read by all, stays outside the instances, and the last block, which lacks its own gradient
-    accumulation of that bias (and of the encoder output the decoder blocks read), folds with the
-    others; Mixtral's router backward (an in-place division rewritten at capture, whose backward has
+    accumulation of that bias (and of the encoder output the decoder blocks read; BART's too), folds
+    with the others; Mixtral's router backward (an in-place division rewritten at capture, whose backward has
     no forward op of its sequence number) stays in its layer."""
     import _corpus
 
