@@ -354,7 +354,12 @@ def _find(graph: Graph) -> Layers:
     for prefix in sorted({p for p, _ in fallback}):
         best, best_score, classes, where = fallback, None, [], {}
         for by_key in grouped:
-            if not any(p == prefix for p, _ in by_key):
+            lengths = [len(names) for (p, _), names in by_key.items() if p == prefix]
+            if not lengths:
+                continue
+            # no score can pass (longest instance, every other instance folded at that length):
+            # a candidate that cannot beat the best so far is not compared node by node
+            if best_score is not None and (max(lengths), (len(lengths) - 1) * max(lengths)) <= best_score:
                 continue
             got_classes, got_where = agreeing(graph, by_key, prefix)
             got = score(by_key, prefix, got_classes)
