@@ -9,8 +9,8 @@ on a (2, 2) H100 mesh instead.
 
 Prints capture, fold, strategies, cost, merge, solve and total seconds per depth (from
 ``autopar.passes.pipeline.run_passes``'s ``phases``) and the process's CPU seconds for the whole
-plan (``cpu``: on a shared, loaded machine the wall-clock phases inflate, CPU time far less), and the ratio of the deepest case's post-capture time
-(total − capture) to the shallowest's. Targets: the 32-layer case under 15 s in total; its
+plan (``cpu``: on a shared, loaded machine the wall-clock phases inflate, CPU time far less), and
+the ratio of the deepest case's post-capture time (total − capture) to the shallowest's. Targets: the 32-layer case under 15 s in total; its
 post-capture phases under 1.5× the 2-layer case's (identical layers are folded, so depth should
 cost little after capture).
 
@@ -181,7 +181,8 @@ def main(argv=None) -> int:
         rows[L] = min(runs, key=lambda r: r["total"])
         r = rows[L]
         print(f"{L:>3} layers: " + "  ".join(f"{k} {r[k]:.2f}" for k in PHASES)
-              + f"  | cpu {r['cpu']:.2f}; post-capture {r['post']:.2f} s; {r['nodes']} graph nodes, {r['solve_nodes']} after merge;"
+              + f"  | cpu {r['cpu']:.2f}; post-capture {r['post']:.2f} s; {r['nodes']} graph nodes,"
+              f" {r['solve_nodes']} after merge;"
               f" plan {r['step_ms']:.1f} ms / {r['peak_gib']:.1f} GiB ({r['source']}; recompute {r['recompute']})"
               + (f"; totals {[round(x['total'], 2) for x in runs]}" if args.repeat > 1 else ""))
         sys.stdout.flush()
