@@ -10,9 +10,9 @@ on a (2, 2) H100 mesh instead.
 Prints capture, fold, strategies, cost, merge, solve and total seconds per depth (from
 ``autopar.passes.pipeline.run_passes``'s ``phases``) and the process's CPU seconds for the whole
 plan (``cpu``: on a shared, loaded machine the wall-clock phases inflate, CPU time far less), and
-the ratio of the deepest case's post-capture time (total − capture) to the shallowest's. Targets: the 32-layer case under 15 s in total; its
-post-capture phases under 1.5× the 2-layer case's (identical layers are folded, so depth should
-cost little after capture).
+the ratio of the deepest case's post-capture time (total − capture) to the shallowest's. Targets:
+the 32-layer case under 15 s in total; its post-capture phases under 1.5× the 2-layer case's
+(identical layers are folded, so depth should cost little after capture).
 
     python benchmarks/plan_time.py [--model llama|llama_loop|hf_llama|titan_llama|corpus:NAME] [--layers 2 8 32] [--repeat K]
                                    [--markdown] [--cpu] [--against REF]
