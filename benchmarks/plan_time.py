@@ -8,13 +8,19 @@ plans corpus model NAME of ``tests/_corpus.py`` at its tiny size (hidden 64, bat
 on a (2, 2) H100 mesh instead.
 
 Prints capture, fold, strategies, cost, merge, solve and total seconds per depth (from
-``autopar.passes.pipeline.run_passes``'s ``phases``), and the ratio of the deepest case's post-capture time
-(total − capture) to the shallowest's. Targets: the 32-layer case under 15 s in total; its
-post-capture phases under 1.5× the 2-layer case's (identical layers are folded, so depth should
-cost little after capture).
+``autopar.passes.pipeline.run_passes``'s ``phases``) and the process's CPU seconds for the whole
+plan (``cpu``: on a shared, loaded machine the wall-clock phases inflate, CPU time far less), and
+the ratio of the deepest case's post-capture time (total − capture) to the shallowest's. Targets:
+the 32-layer case under 15 s in total; its post-capture phases under 1.5× the 2-layer case's
+(identical layers are folded, so depth should cost little after capture).
 
     python benchmarks/plan_time.py [--model llama|llama_loop|hf_llama|titan_llama|corpus:NAME] [--layers 2 8 32] [--repeat K]
-                                   [--markdown] [--against REF]
+                                   [--markdown] [--cpu] [--against REF]
+
+``--cpu`` times every phase in this process's CPU seconds (``time.perf_counter`` is replaced by
+``time.process_time`` in this process, so the solver's wall-time caps count CPU time too): on a
+shared machine under load, wall-clock phases inflate with the load and ratios between runs drift,
+while CPU seconds stay near what an idle machine's wall clock shows (the planner runs one thread).
 
 With ``--repeat`` each depth is planned K times and the run with the smallest total is kept.
 ``--against REF`` (a commit) also plans with that commit, side by side: a git worktree of REF
@@ -82,7 +88,7 @@ def build(model: str, layers: int, batch: int, seq: int, size: str = "llama3-8b"
 
     if model.startswith("corpus:"):
         c, name = _corpus(), model.split(":", 1)[1]
-        if name not in c.CORPUS:  # hf_bart: in the module, not (yet) in the corpus the tests run
+        if name not in c.CORPUS:  # a builder of the module that the corpus the tests run leaves out
             import torch
 
             torch.manual_seed(0)
@@ -122,12 +128,13 @@ def plan_once(layers: int, batch: int, seq: int, model: str = "llama", size: str
 
     module, args, kwargs = build(model, layers, batch, seq, size)
     mesh = autopar.Mesh(CORPUS_MESH if model.startswith("corpus:") else {"dp": 8, "tp": 8}, device="h100")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     p = run_passes(module, mesh, args, kwargs, progress=False)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = {k: 0.0 for k in PHASES}
     out.update(p.phases)
     out["wall"] = wall
+    out["cpu"] = cpu  # this process's CPU seconds: what a loaded machine inflates least
     out["post"] = p.phases["total"] - p.phases["capture"]
     out["source"] = p.source
     out["step_ms"] = p.cost.step_time * 1e3
@@ -153,6 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--against", metavar="REF", help="a commit to plan with side by side (see above)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="every phase in this process's CPU seconds instead of wall-clock ones (see above)")
     args = ap.parse_args(argv)
     if args.against:
         return against(args)
@@ -160,16 +169,20 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    if args.cpu:  # the planner's clock (and its solver's wall-time caps) count this process's CPU time
+        time.perf_counter = time.process_time
     shape = ("tiny corpus dims, its own batch and sequence), (2, 2) h100" if args.model.startswith("corpus:")
              else f"{args.size} dims), batch {args.batch}, seq {args.seq}, (8, 8) h100")
-    print(f"model {args.model} ({shape}; load {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"model {args.model} ({shape}; load {os.getloadavg()[0]:.1f}"
+          + ("; phases in CPU seconds" if args.cpu else ""), flush=True)
     rows = {}
     for L in args.layers:
         runs = [plan_once(L, args.batch, args.seq, args.model, args.size) for _ in range(args.repeat)]
         rows[L] = min(runs, key=lambda r: r["total"])
         r = rows[L]
         print(f"{L:>3} layers: " + "  ".join(f"{k} {r[k]:.2f}" for k in PHASES)
-              + f"  | post-capture {r['post']:.2f} s; {r['nodes']} graph nodes, {r['solve_nodes']} after merge;"
+              + f"  | cpu {r['cpu']:.2f}; post-capture {r['post']:.2f} s; {r['nodes']} graph nodes,"
+              f" {r['solve_nodes']} after merge;"
               f" plan {r['step_ms']:.1f} ms / {r['peak_gib']:.1f} GiB ({r['source']}; recompute {r['recompute']})"
               + (f"; totals {[round(x['total'], 2) for x in runs]}" if args.repeat > 1 else ""))
         sys.stdout.flush()

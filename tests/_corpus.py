@@ -10,8 +10,8 @@ config keeps its own default rates). ``dtype`` converts the weights (float64 hel
   buffer, ``TransformerBlock`` with ``attention`` / ``feed_forward``, blocks in a ``ModuleDict``.
   It is not torchtitan's code; it follows the same structure and the same computation.
 * Hugging Face ``transformers`` models from their config classes: GPT-2 (learned positions),
-  LLaMA (RoPE, GQA), BERT (encoder), T5 (encoder-decoder), ViT (vision), Mixtral (MoE); BART
-  (encoder-decoder) too, which does not capture yet.
+  LLaMA (RoPE, GQA), BERT (encoder), T5 (encoder-decoder), ViT (vision), Mixtral (MoE), BART
+  (encoder-decoder, learned positions).
 * ``torch_encoder``: ``nn.TransformerEncoder`` under a token embedding and a head.
 """
 
@@ -307,8 +307,7 @@ def hf_mixtral(dropout: bool = False, layers: int = LAYERS):
     return _hf(MixtralForCausalLM(cfg)), (), {"input_ids": ids, "labels": ids}
 
 
-#: Every corpus model by name. (``hf_bart`` is left out: its decoder does not capture yet, see
-#: ``tests/test_corpus.py::test_bart_captures``.)
+#: Every corpus model by name.
 CORPUS: dict[str, Callable] = {
     "titan_llama": titan_llama,
     "torch_encoder": torch_encoder,
@@ -318,6 +317,7 @@ CORPUS: dict[str, Callable] = {
     "hf_t5": hf_t5,
     "hf_vit": hf_vit,
     "hf_mixtral": hf_mixtral,
+    "hf_bart": hf_bart,
 }
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from autopar.cost_model.hardware import Link
-from autopar.ir.placement import Broadcast, Partial, Placement, Split, local_shape
+from autopar.ir.placement import Broadcast, Partial, Placement, Split
 
 if TYPE_CHECKING:
     from autopar.cost_model.mesh import Mesh
@@ -115,9 +115,12 @@ def step_bytes(shape: Sequence[int], cur: Sequence[Placement], dst: Placement, a
     """Bytes of one step's buffer as the axis group sees it: the local block with ``axis`` taken
     as ``B``, each dim the step splits or gathers padded to a multiple of the axis size (uneven
     splits run as equal, zero-padded pieces)."""
-    seen = list(cur)
-    seen[axis] = Broadcast()
-    block = list(local_shape(shape, seen, mesh_shape, (0,) * len(mesh_shape)))
+    # the block at coordinates 0 (``local_shape``'s, computed directly: this runs for every step of
+    # every resharding the search prices): each split of another axis ceil-divides its dim
+    block = list(shape)
+    for a, p in enumerate(cur):
+        if a != axis and isinstance(p, Split):
+            block[p.dim] = -(-block[p.dim] // mesh_shape[a])
     n = mesh_shape[axis]
     for p in (cur[axis], dst):
         if isinstance(p, Split) and n > 1:

@@ -14,18 +14,21 @@ graph, whatever module ran them (docs/architecture.md, "Fold, merge, solve"):
   read) belongs to instance i+1. Instance 0 also owns the ops just before its first parameter use
   that agree one by one with those instance 1 owns before its own, and the last instance the ops
   after its last use that agree with those its predecessor owns after its own;
-- backward: an op follows the forward op it differentiates (autograd's sequence number). A gradient
+- backward: an op follows the forward op it differentiates (autograd's sequence number; where no
+  forward op carries the number, as for an in-place op rewritten at capture, its module path's
+  instance). A gradient
   accumulation (the sum of a tensor's gradients from its several uses) has none: it joins the
   lowest instance among its inputs', or the instance of the use whose gradient it adds
   (``_accumulation_owner``), or stays outside, whichever folds best (below);
 - instances *agree* when their node sequences do, position by position (op, output shapes and
   dtypes, non-tensor arguments, phase, and wiring: an input made inside the instance by its
-  position); the largest set of agreeing instances of a prefix is what ``fold`` folds.
+  position), or when one lacks only gradient accumulations the others have (``ir.agreement``);
+  the largest set of agreeing instances of a prefix is what ``fold`` folds.
 
 The module-path rule (a node belongs to the first numbered module on its module path; module-less
 accumulations to the lowest instance among their inputs', or none) gives further candidates, for
 graphs without autograd sequence numbers and prefixes whose instances' parameter uses interleave.
-Of the candidates, a prefix takes the one that folds best (``_score``): most nodes folded per added
+Of the candidates, a prefix takes the one that folds best (``agreement.score``): most nodes folded per added
 layer, then most nodes folded.
 """
 
@@ -36,11 +39,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from torch.fx.node import map_aggregate
-
+from autopar.ir.agreement import Key, agreeing, group_by_key, is_accumulation, largest, score, signature
 from autopar.ir.graph import Graph, Node, Phase, Ref
-
-Key = tuple[str, int]
 
 
 def layer_of(path: str) -> Optional[Key]:
@@ -70,6 +70,9 @@ class Layers:
     instances: dict[Key, tuple[str, ...]]
     alike: dict[str, tuple[int, ...]]
     owner: dict[str, Key] = field(default_factory=dict, repr=False)
+    #: an agreeing instance that lacks some of the first's gradient accumulations (``agreement.align``):
+    #: the position in the first instance of each of its nodes (absent: node k at position k)
+    positions: dict[Key, tuple[int, ...]] = field(default_factory=dict)
 
     def of(self, name: str) -> Optional[Key]:
         """The instance node ``name`` belongs to, or None outside the layers."""
@@ -163,11 +166,6 @@ def _seq_nr(node: Node) -> Optional[int]:
     return None if s is None or int(s) < 0 else int(s)
 
 
-def _is_accumulation(node: Node) -> bool:
-    """A gradient accumulation (the sum of a tensor's gradients from its several uses)."""
-    return bool(node.fx_node is not None and node.fx_node.meta.get("is_gradient_acc"))
-
-
 def _accumulate(graph: Graph, node: Node, owner: dict[str, Key]) -> Optional[Key]:
     """The lowest instance among a gradient accumulation's inputs' (one prefix only), else None."""
     keys = [owner[r.node] for r in node.inputs if r.node in owner]
@@ -180,7 +178,7 @@ def _accumulation_owner(graph: Graph, node: Node, owner: dict[str, Key], users: 
     chain adds two uses' gradients and follows the first (autograd sums the latest use first). An
     input is a partial sum when it is an accumulation read by this one alone."""
     def partial(r: Ref) -> bool:
-        return _is_accumulation(graph.node(r.node)) and users[r.node] == [node.name]
+        return is_accumulation(graph.node(r.node)) and users[r.node] == [node.name]
 
     added = [r for r in node.inputs if not partial(r)]
     return owner.get(added[0].node) if added else None
@@ -276,11 +274,18 @@ def _structural(graph: Graph, forward_owner: dict[str, Key]) -> dict[str, Key]:
             s = _seq_nr(n)
             if s is not None:
                 seq_owner.setdefault(s, owner.get(n.name))
+    keys = set(forward_owner.values())
     for node in graph.nodes:
-        if node.phase == Phase.BACKWARD and not node.is_placeholder and not _is_accumulation(node):
+        if node.phase == Phase.BACKWARD and not node.is_placeholder and not is_accumulation(node):
             s = _seq_nr(node)
             if s is not None and seq_owner.get(s) is not None:
                 owner[node.name] = seq_owner[s]
+            elif s is not None and s not in seq_owner and node.module_path:
+                # no forward op carries its number (an in-place op rewritten at capture: Mixtral's
+                # ``routing_weights /= sum``): it follows its module path, if that names an instance
+                key = layer_of(node.module_path)
+                if key in keys:
+                    owner[node.name] = key
     return owner
 
 
@@ -290,7 +295,7 @@ def _with_accumulations(graph: Graph, base: dict[str, Key], accumulate: str) -> 
     owner = dict(base)
     users = graph.users() if accumulate == "added" else {}
     for node in graph.nodes:
-        if node.phase == Phase.BACKWARD and _is_accumulation(node):
+        if node.phase == Phase.BACKWARD and is_accumulation(node):
             key = (_accumulate(graph, node, owner) if accumulate == "min"
                    else _accumulation_owner(graph, node, owner, users))
             if key is not None:
@@ -307,14 +312,14 @@ def _matching(forward: list[Node], other: list[int], mine: list[int], ref: list[
     if not ref:
         return []
     ref_pos = {forward[k].name: j for j, k in enumerate(other)}
-    want = [_signature(forward[k], ref_pos) for k in ref]
+    want = [signature(forward[k], ref_pos) for k in ref]
     if before:
         for m in range(len(ref), 0, -1):
             cand = list(range(mine[0] - m, mine[0]))
             if cand[0] < 0 or any(reads_param[c] for c in cand):
                 continue
             pos = {forward[k].name: j + len(ref) - m for j, k in enumerate(cand + mine)}
-            if [_signature(forward[c], pos) for c in cand] == want[len(ref) - m:]:
+            if [signature(forward[c], pos) for c in cand] == want[len(ref) - m:]:
                 return cand
         return []
     pos = {forward[k].name: j for j, k in enumerate(mine)}
@@ -324,106 +329,54 @@ def _matching(forward: list[Node], other: list[int], mine: list[int], ref: list[
         if c >= len(forward) or reads_param[c]:
             break
         pos[forward[c].name] = len(mine) + j
-        if _signature(forward[c], pos) != want[j]:
+        if signature(forward[c], pos) != want[j]:
             break
         taken.append(c)
     return taken
 
 
-# ---------------------------------------------------------------------------------------------
-# agreement
-
-
-_STATIC: "weakref.WeakKeyDictionary[Node, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _signature(node: Node, members: dict[str, int]) -> tuple:
-    """What must agree between instances, position by position, for them to fold: op, outputs,
-    non-tensor arguments, phase, and the wiring (an input made inside the instance by its position,
-    one made outside as "outside")."""
-    static = _STATIC.get(node)
-    if static is None:  # all but the wiring: the same whatever the membership (computed once)
-        args = map_aggregate(node.args, lambda a: "<tensor>" if isinstance(a, Ref) else a)
-        kwargs = map_aggregate(node.kwargs, lambda a: "<tensor>" if isinstance(a, Ref) else a)
-        static = _STATIC[node] = (node.op, tuple(node.outputs), repr(args), repr(kwargs), node.phase)
-    wiring = tuple((members.get(r.node, -1), r.index) for r in node.inputs)
-    return static, wiring
-
-
-def _group(graph: Graph, owner: dict[str, Key]) -> dict[Key, list[str]]:
-    out: dict[Key, list[str]] = defaultdict(list)
-    for node in graph.nodes:
-        key = owner.get(node.name)
-        if key is not None:
-            out[key].append(node.name)
-    return out
-
-
-def _classes(graph: Graph, by_key: dict[Key, list[str]], prefix: str) -> list[list[int]]:
-    """The instances of ``prefix`` grouped by their node sequences (agreeing instances together)."""
-    alike: dict[tuple, list[int]] = defaultdict(list)
-    for i in sorted(i for p, i in by_key if p == prefix):
-        names = by_key[(prefix, i)]
-        members = {n: k for k, n in enumerate(names)}
-        alike[tuple(_signature(graph.node(n), members) for n in names)].append(i)
-    return list(alike.values())
-
-
-def _largest(by_key: dict[Key, list[str]], prefix: str, classes: list[list[int]]) -> tuple[int, ...]:
-    """The class covering the most nodes (two instances or more), else ``()``."""
-    best = max(classes, key=lambda ix: (len(ix) * len(by_key[(prefix, ix[0])]), -ix[0]), default=[])
-    return tuple(best) if len(best) >= 2 else ()
-
-
-def _score(by_key: dict[Key, list[str]], prefix: str, classes: list[list[int]]) -> tuple[int, int]:
-    """How well a candidate membership folds ``prefix``, larger better: first the nodes it folds per
-    added layer (an instance's length, where the middle instances agree: then every added layer
-    folds, and the problem does not grow with depth; the first and the last instance may differ,
-    as they touch the embedding or the head), then the nodes it folds at this depth. With two
-    instances there is no middle one: the shorter instance's length stands for it if they agree."""
-    idx = sorted(i for p, i in by_key if p == prefix)
-    ix = _largest(by_key, prefix, classes)
-    folded = (len(ix) - 1) * len(by_key[(prefix, ix[0])]) if ix else 0
-    if len(idx) == 2:  # (when the two agree: two that differ fold nothing)
-        return (min(len(by_key[(prefix, i)]) for i in idx) if ix else 0), folded
-    middle = set(idx[1:-1])
-    per_layer = next((len(by_key[(prefix, c[0])]) for c in classes if middle <= set(c) and len(c) >= 2), 0)
-    return per_layer, folded
-
-
 def _find(graph: Graph) -> Layers:
-    """Per prefix, the candidate membership that folds best (``_score``; the structural rule first
-    on ties)."""
+    """Per prefix, the candidate membership that folds best (``agreement.score``; the structural
+    rule first on ties)."""
     anchors = _placeholder_layers(graph)
     windows = _forward_windows(graph, anchors)
     structural = []
     if windows is not None:
         base = _structural(graph, windows)
         structural = [_with_accumulations(graph, base, "added"), _with_accumulations(graph, base, "min"), base]
-    fallback = _group(graph, _by_module_path(graph, anchors, True))
-    grouped = [_group(graph, c) for c in structural] + [fallback, _group(graph, _by_module_path(graph, anchors, False))]
+    fallback = group_by_key(graph, _by_module_path(graph, anchors, True))
+    grouped = [group_by_key(graph, c) for c in structural] + [
+        fallback, group_by_key(graph, _by_module_path(graph, anchors, False))]
     instances: dict[Key, tuple[str, ...]] = {}
     alike: dict[str, tuple[int, ...]] = {}
+    positions: dict[Key, tuple[int, ...]] = {}
     owner: dict[str, Key] = {}
     for prefix in sorted({p for p, _ in fallback}):
-        best, score, ix = fallback, None, ()
+        best, best_score, classes, where = fallback, None, [], {}
         for by_key in grouped:
-            if not any(p == prefix for p, _ in by_key):
+            lengths = [len(names) for (p, _), names in by_key.items() if p == prefix]
+            if not lengths:
                 continue
-            classes = _classes(graph, by_key, prefix)
-            got = _score(by_key, prefix, classes)
-            if score is None or got > score:
-                best, score, ix = by_key, got, _largest(by_key, prefix, classes)
+            # no score can pass (longest instance, every other instance folded at that length):
+            # a candidate that cannot beat the best so far is not compared node by node
+            if best_score is not None and (max(lengths), (len(lengths) - 1) * max(lengths)) <= best_score:
+                continue
+            got_classes, got_where = agreeing(graph, by_key, prefix)
+            got = score(by_key, prefix, got_classes)
+            if best_score is None or got > best_score:
+                best, best_score, classes, where = by_key, got, got_classes, got_where
         mine = {}
         for key in sorted(k for k in best if k[0] == prefix):
             mine[key] = [n for n in best[key] if n not in owner]  # a node another prefix took stays there
             instances[key] = tuple(mine[key])
             owner.update((n, key) for n in mine[key])
         if any(len(mine[k]) != len(best[k]) for k in mine):
-            ix = _largest(mine, prefix, _classes(graph, mine, prefix))
+            classes, where = agreeing(graph, mine, prefix)
+        ix = largest(mine, prefix, classes)
         if ix:
             alike[prefix] = ix
-    return Layers(instances, alike, owner)
+            positions.update(((prefix, i), where[i]) for i in ix if i in where)
+    return Layers(instances, alike, owner, positions)
 
 
 __all__ = ["Layers", "layer_key", "layer_members", "layer_of", "layers"]

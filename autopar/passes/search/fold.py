@@ -17,11 +17,14 @@ from autopar.ir.layers import layers
 
 @dataclass
 class LayerGroup:
-    """``instances[i]`` lists the node names of layer ``indices[i]`` in graph order; all have one shape."""
+    """``instances[i]`` lists the node names of layer ``indices[i]`` in graph order; all have one shape,
+    except that an instance may lack some of the first's gradient accumulations (``ir.agreement``):
+    ``lacking[pos]`` counts the instances without a node at position ``pos`` of the first."""
 
     prefix: str
     indices: list[int]
     instances: list[list[str]]
+    lacking: dict[int, int] = field(default_factory=dict)
 
     @property
     def count(self) -> int:
@@ -48,9 +51,13 @@ class Folding:
         return self.groups[g].instances[0][pos]
 
     def multiplicity(self, name: str) -> int:
-        """How many nodes ``name`` stands for (its group's instance count; 1 outside layers)."""
+        """How many nodes ``name`` stands for (the instances of its group that have its position;
+        1 outside layers)."""
         loc = self.where.get(name)
-        return 1 if loc is None else self.groups[loc[0]].count
+        if loc is None:
+            return 1
+        group = self.groups[loc[0]]
+        return group.count - group.lacking.get(loc[2], 0)
 
 
 def fold(graph: Graph) -> Folding:
@@ -62,10 +69,14 @@ def fold(graph: Graph) -> Folding:
         indices = list(found.alike[prefix])
         instances = [list(found.instances[(prefix, i)]) for i in indices]
         g = len(folding.groups)
-        folding.groups.append(LayerGroup(prefix, indices, instances))
-        for inst, names in enumerate(instances):
-            for pos, n in enumerate(names):
+        group = LayerGroup(prefix, indices, instances)
+        folding.groups.append(group)
+        for inst, (i, names) in enumerate(zip(indices, instances)):
+            at = found.positions.get((prefix, i), range(len(names)))
+            for pos, n in zip(at, names):
                 folding.where[n] = (g, inst, pos)
+            for pos in set(range(len(instances[0]))) - set(at):
+                group.lacking[pos] = group.lacking.get(pos, 0) + 1
     return folding
 
 
