@@ -37,7 +37,10 @@ AXIS_NODE_LIMIT = 2000
 #: Further HiGHS options for every round. No restarts: measured, HiGHS's root restarts spend most
 #: of a round re-solving the root LP without a better plan (tiny GPT on a (2, 2) mesh: 3.5 s
 #: instead of 6.6 s for four rounds, the same plan; the 32-layer LLaMA-3-8B shape: 3.2 s against 4.1 s).
-HIGHS_OPTIONS: dict = {"mip_allow_restart": "false"}
+HIGHS_OPTIONS: dict = {"mip_allow_restart": "false", "mip_heuristic_run_rins": "false", "mip_heuristic_run_rens": "false", "mip_heuristic_run_root_reduced_cost": "false"}
+#: Weight of the tie-break terms (hidden traffic in microseconds, memory in MB: ``solve.formulate``'s
+#: secondary objective) next to the step time in microseconds.
+TIE_WEIGHT = float(__import__("os").environ.get("TIE_WEIGHT", "1e-4"))
 #: Wall-clock cap per round, seconds, when the caller gives no time limit.
 AXIS_WALL_CAP = 120.0
 
@@ -111,8 +114,8 @@ def solve_round(problem: Problem, time_limit: Optional[float]) -> tuple[Optional
     None when HiGHS found none within its limits, and the round's statistics."""
     from ortools.linear_solver import pywraplp
 
-    m, x, primary, _ = formulate(problem, None, shared=True, m=HighsModel())
-    m.minimize(primary)
+    m, x, primary, secondary = formulate(problem, None, shared=True, m=HighsModel())
+    m.minimize(primary + [(TIE_WEIGHT * c, v) for c, v in secondary])
     solver = m.solver
     solver.SetNumThreads(1)
     # HiGHS's own options (the call returns False even when it takes them all; an unknown option
