@@ -52,8 +52,8 @@ AXIS_NODE_LIMIT = 2000
 #: instead of 6.6 s for four rounds, the same plan; the 32-layer LLaMA-3-8B shape: 3.2 s against
 #: 4.1 s). No root sub-MIP heuristics (RINS, RENS, root reduced cost): measured on the LLaMA-3-8B
 #: shape on (8, 8), they found no better plan in any round at 2, 8 or 32 layers (nor on a
-#: (4, 8, 8) mesh), and at 32 layers they were 70% of a tensor-axis round's LP iterations (8.4k
-#: of 11.8k; see the module docstring).
+#: (4, 8, 8) mesh), and at 32 layers they were 67% of the first tensor-axis round's LP iterations
+#: (5.6k of 8.4k; see the module docstring).
 HIGHS_OPTIONS: dict = {
     "mip_allow_restart": "false",
     "mip_heuristic_run_rins": "false",
