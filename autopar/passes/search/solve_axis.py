@@ -9,15 +9,28 @@ is faster by the evaluator, so the step time never gets worse.
 Rounds are solved by HiGHS (through OR-Tools' linear solver wrapper), with the same formulation as
 the CP-SAT model (``solve.formulate``) but continuous transports: measured on the 32-layer
 LLaMA-3-8B shape on an (8, 8) mesh (8k variables per round), HiGHS's LP-based heuristics find the
-round's optimum within a second and prove it within 1% at the root, where CP-SAT took 4-12 s per
+round's optimum within a second and prove it within 2% at the root, where CP-SAT took 4-12 s per
 round to reach the same plan. A round stops at ``AXIS_GAP`` relative gap (the cost model is not
 more exact than that); HiGHS runs single-threaded and is deterministic for a given model, and
 its node limit bounds the work (wall clock only as a cap). HiGHS takes no warm start here
-(pywraplp's hint crashes it in OR-Tools 9.15): the current choice is the fallback instead.
+(OR-Tools 9.15 passes a hint to HiGHS through vectors it never sizes, and crashes): the current
+choice is the fallback instead.
+
+Where the time of a round goes, and why the options below: the LP relaxation is tight except
+at the overlap rows (``solve._exposed``: exposed = max(0, a group's parameter traffic minus its
+compute)). When a layer's parameter traffic is close to its compute, the LP mixes two layouts of
+a layer (measured at 32 layers: 86% of the plan's MLP layout and 14% of one that moves 32 ms less
+activation data but exposes 62 ms of gathers) so that the traffic lands exactly on the compute;
+every integral plan pays one or the other, and the root bound is 2.1% below the round's optimum,
+which HiGHS's central rounding finds at once. HiGHS then spent 2 s per round in its root
+sub-MIP heuristics (RINS, RENS, root reduced cost), which found nothing better; its cuts close the
+gap to 1.3% without them. Hence those three are off (``HIGHS_OPTIONS``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from typing import Optional, Sequence
 
@@ -36,32 +49,57 @@ AXIS_GAP = 0.02
 AXIS_NODE_LIMIT = 2000
 #: Further HiGHS options for every round. No restarts: measured, HiGHS's root restarts spend most
 #: of a round re-solving the root LP without a better plan (tiny GPT on a (2, 2) mesh: 3.5 s
-#: instead of 6.6 s for four rounds, the same plan; the 32-layer LLaMA-3-8B shape: 3.2 s against 4.1 s).
-HIGHS_OPTIONS: dict = {"mip_allow_restart": "false"}
+#: instead of 6.6 s for four rounds, the same plan; the 32-layer LLaMA-3-8B shape: 3.2 s against
+#: 4.1 s). No root sub-MIP heuristics (RINS, RENS, root reduced cost): measured on the LLaMA-3-8B
+#: shape on (8, 8), they found no better plan in any round at 2, 8 or 32 layers (nor on a
+#: (4, 8, 8) mesh), and at 32 layers they were 67% of the first tensor-axis round's LP iterations
+#: (5.6k of 8.4k; see the module docstring).
+HIGHS_OPTIONS: dict = {
+    "mip_allow_restart": "false",
+    "mip_heuristic_run_rins": "false",
+    "mip_heuristic_run_rens": "false",
+    "mip_heuristic_run_root_reduced_cost": "false",
+}
+#: Weight of the tie-break terms next to the step time (microseconds) in a round's objective: the
+#: secondary objective of ``solve.formulate`` (hidden traffic in microseconds, memory in MB), as one
+#: objective rather than CP-SAT's second, lexicographic solve (which would double a round). All of
+#: them together weigh a few microseconds of step time on the 32-layer model, far below the
+#: round's gap; without them a round returned any of the equally fast plans (measured at 32
+#: layers: a layer weight replicated on the data axis instead of sharded, 1 GiB more per device).
+TIE_WEIGHT = 1e-4
 #: Wall-clock cap per round, seconds, when the caller gives no time limit.
 AXIS_WALL_CAP = 120.0
 
 
 class HighsModel:
     """The formulation's building blocks on HiGHS (a ``solve.ModelBackend``): 0/1 strategy choices,
-    continuous transports (the transport rows make them integral once the choices are), costs in microseconds (HiGHS
-    warns on costs below 1e-6) and memory in GB."""
+    continuous transports (the transport rows make them integral once the choices are), costs in
+    microseconds (HiGHS warns on costs below 1e-6) and memory in GB. Variables are column indices;
+    the model is collected in lists and handed to the solver in one piece (``solve``), since
+    building it through the wrapper one variable and one coefficient at a time cost more than
+    HiGHS's own presolve."""
 
     def __init__(self) -> None:
-        from ortools.linear_solver import pywraplp
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.integer: list[bool] = []
+        self.rows: list[tuple[float, float, list[int], list[float]]] = []
+        self.cost: dict[int, float] = {}
 
-        self.solver = pywraplp.Solver.CreateSolver("HIGHS")
-        if self.solver is None:
-            raise RuntimeError("OR-Tools was built without HiGHS; reinstall ortools (pip install ortools)")
+    def _col(self, upper: float, integer: bool) -> int:
+        self.lower.append(0.0)
+        self.upper.append(float(upper))
+        self.integer.append(integer)
+        return len(self.upper) - 1
 
-    def bool(self, name: str):
-        return self.solver.BoolVar(name)
+    def bool(self, name: str) -> int:
+        return self._col(1.0, True)
 
-    def frac(self, name: str):
-        return self.solver.NumVar(0.0, 1.0, name)
+    def frac(self, name: str) -> int:
+        return self._col(1.0, False)
 
-    def num(self, upper: float, name: str):
-        return self.solver.NumVar(0.0, float(upper), name)
+    def num(self, upper: float, name: str) -> int:
+        return self._col(upper, False)
 
     def exactly_one(self, vs) -> None:
         self.linear([(1, v) for v in vs], 1, 1)
@@ -70,27 +108,23 @@ class HighsModel:
         self.linear([(1, b), (-1, a)], lo=0)
 
     @staticmethod
-    def _coefficients(terms) -> dict:
-        """Variable index -> (variable, summed coefficient): SetCoefficient overwrites, so a
-        variable listed twice (it may be, e.g. a choice paying two transfers) is summed first."""
-        out: dict = {}
+    def _coefficients(terms) -> dict[int, float]:
+        """Column -> summed coefficient (a variable may be listed twice, e.g. a choice paying two
+        transfers)."""
+        out: dict[int, float] = {}
         for c, v in terms:
-            i = v.index()
-            out[i] = (v, out[i][1] + c) if i in out else (v, c)
+            out[v] = out.get(v, 0.0) + c
         return out
 
     def linear(self, terms, lo=None, hi=None) -> None:
         """lo <= sum(c * v) <= hi (None: unbounded on that side)."""
-        inf = self.solver.infinity()
-        row = self.solver.Constraint(-inf if lo is None else float(lo), inf if hi is None else float(hi))
-        for v, c in self._coefficients(terms).values():
-            row.SetCoefficient(v, float(c))
+        coef = self._coefficients(terms)
+        inf = float("inf")
+        self.rows.append((-inf if lo is None else float(lo), inf if hi is None else float(hi),
+                          list(coef), [float(c) for c in coef.values()]))
 
     def minimize(self, terms) -> None:
-        objective = self.solver.Objective()
-        for v, c in self._coefficients(terms).values():
-            objective.SetCoefficient(v, float(c))
-        objective.SetMinimization()
+        self.cost = self._coefficients(terms)
 
     @staticmethod
     def time(seconds: float) -> float:
@@ -105,31 +139,55 @@ class HighsModel:
     def warm_start(self, v, value: int) -> None:  # no warm start on HiGHS (see the module docstring)
         pass
 
+    def solve(self, options: dict, time_limit: float) -> tuple[str, Optional[list[float]], int]:
+        """Solve with HiGHS ``options``, single-threaded, within ``time_limit`` seconds of wall
+        clock: the status (OPTIMAL, FEASIBLE, INFEASIBLE or NOT_SOLVED), every column's value
+        (None unless OPTIMAL or FEASIBLE) and the branch-and-bound nodes."""
+        from ortools.linear_solver import linear_solver_pb2, pywraplp
+
+        proto = linear_solver_pb2.MPModelProto()
+        for k, (lo, hi, integer) in enumerate(zip(self.lower, self.upper, self.integer)):
+            proto.variable.add(lower_bound=lo, upper_bound=hi, is_integer=integer,
+                               objective_coefficient=self.cost.get(k, 0.0))
+        for lo, hi, cols, coefs in self.rows:
+            row = proto.constraint.add(lower_bound=lo, upper_bound=hi)
+            row.var_index.extend(cols)
+            row.coefficient.extend(coefs)
+        solver = pywraplp.Solver.CreateSolver("HIGHS")
+        if solver is None:
+            raise RuntimeError("OR-Tools was built without HiGHS; reinstall ortools (pip install ortools)")
+        error = solver.LoadModelFromProto(proto)
+        if error:
+            raise RuntimeError(f"HiGHS did not take the axis round's model: {error}")
+        solver.SetNumThreads(1)
+        # HiGHS's own options (the call returns False even when it takes them all; an unknown
+        # option fails the solve instead); the gap must be given both here and to Solve, which resets it
+        solver.SetSolverSpecificParametersAsString("".join(f"{k}={v}\n" for k, v in options.items()))
+        solver.SetTimeLimit(int(1000 * time_limit))
+        params = pywraplp.MPSolverParameters()
+        params.SetDoubleParam(params.RELATIVE_MIP_GAP, float(options["mip_rel_gap"]))
+        status = solver.Solve(params)
+        names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
+                 pywraplp.Solver.INFEASIBLE: "INFEASIBLE"}
+        name = names.get(status, "NOT_SOLVED")
+        if name not in ("OPTIMAL", "FEASIBLE"):
+            return name, None, int(solver.nodes())
+        response = linear_solver_pb2.MPSolutionResponse()
+        solver.FillSolutionResponseProto(response)
+        return name, list(response.variable_value), int(solver.nodes())
+
 
 def solve_round(problem: Problem, time_limit: Optional[float]) -> tuple[Optional[list[int]], dict]:
     """One restricted model (the strategies ``allowed`` per node) solved by HiGHS: the choice, or
     None when HiGHS found none within its limits, and the round's statistics."""
-    from ortools.linear_solver import pywraplp
-
-    m, x, primary, _ = formulate(problem, None, shared=True, m=HighsModel())
-    m.minimize(primary)
-    solver = m.solver
-    solver.SetNumThreads(1)
-    # HiGHS's own options (the call returns False even when it takes them all; an unknown option
-    # fails the solve instead); the gap must be given both here and to Solve, which resets it
+    m, x, primary, secondary = formulate(problem, None, shared=True, m=HighsModel())
+    m.minimize(primary + [(TIE_WEIGHT * c, v) for c, v in secondary])
     options = {"output_flag": "false", "mip_rel_gap": AXIS_GAP, "mip_max_nodes": AXIS_NODE_LIMIT, **HIGHS_OPTIONS}
-    solver.SetSolverSpecificParametersAsString("".join(f"{k}={v}\n" for k, v in options.items()))
-    solver.SetTimeLimit(int(1000 * (time_limit if time_limit is not None else AXIS_WALL_CAP)))
-    params = pywraplp.MPSolverParameters()
-    params.SetDoubleParam(params.RELATIVE_MIP_GAP, AXIS_GAP)
-    status = solver.Solve(params)
-    names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
-             pywraplp.Solver.INFEASIBLE: "INFEASIBLE"}
-    stats = {"status": names.get(status, "NOT_SOLVED"), "variables": solver.NumVariables(),
-             "constraints": solver.NumConstraints(), "nodes": int(solver.nodes())}
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+    status, values, nodes = m.solve(options, time_limit if time_limit is not None else AXIS_WALL_CAP)
+    stats = {"status": status, "variables": len(m.upper), "constraints": len(m.rows), "nodes": nodes}
+    if values is None:
         return None, stats
-    choice = [max(vs, key=lambda s: (vs[s].solution_value(), -s)) for vs in (x[i] for i in range(len(x)))]
+    choice = [max(vs, key=lambda s: (values[vs[s]], -s)) for vs in (x[i] for i in range(len(x)))]
     return choice, stats
 
 
@@ -155,7 +213,30 @@ def solve_by_axis(
 ) -> Solution:
     """Coordinate descent over mesh axes: re-solve the last axis (usually the fastest, tensor
     parallel one) first, then the others, ``rounds`` times. A round whose restricted space (the
-    strategies each node may take) was already solved is skipped: it cannot gain."""
+    strategies each node may take) was already solved is skipped: it cannot gain.
+
+    Python's cyclic garbage collector is paused meanwhile: the rounds allocate tens of thousands of
+    small objects (the models' rows, freed by reference counting), and each collection they
+    triggered walked the whole planning heap (graph, priced problem): measured at 32 layers, one
+    round's model took 0.5 s to build with the collector on and 0.06 s with it paused."""
+    with _collector_paused():
+        return _solve_by_axis(problem, start, ndim, rounds, time_limit)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off within, as it was after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _solve_by_axis(problem: Problem, start: Sequence[int], ndim: int, rounds: int,
+                   time_limit: Optional[float]) -> Solution:
     choice = list(start)
     saved = [n.allowed for n in problem.nodes]
     stats: dict = {"solver": "HiGHS by mesh axis", "rounds": 0, "variables": 0, "constraints": 0,
