@@ -13,15 +13,14 @@ largest rank's).
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/memory.py [--steps 3] [--simulate] [--markdown]
 
 ``--simulate`` measures with ``autopar.simulate(..., measure_memory=True)`` in this process
-instead (one step; the optimizer state is the plan's bytes per parameter element; the
-simulator's all-reduce returns a new buffer where gloo reduces in place, so a gradient bucket
-counts twice there).
+instead (one step; the optimizer state is the plan's bytes per parameter element).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -78,6 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--families", nargs="+", default=["gpt", "llama"], choices=sorted(SHAPES))
     a = ap.parse_args(argv)
     cases = [(f, m, r, ck) for f in a.families for m, r in SETUPS for ck in ("none", "full")]
+    print(f"load {os.getloadavg()[0]:.1f}", file=sys.stderr)
     t0 = time.time()
     plans = {c: _plan(*c) for c in cases}
     print(f"planned {len(cases)} cases in {time.time() - t0:.1f} s", file=sys.stderr)
