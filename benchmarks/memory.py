@@ -2,7 +2,8 @@
 
 For GPT- and LLaMA-style models at a size where activations dominate the memory (batch 16 x 128
 tokens, width 128, 4 layers, fp32 on CPU), the searched plan on (4,) and on (2, 2), and the
-``fsdp`` recipe on (4,), with checkpointing pinned off and on every layer (``"full"``): each rank compiles the plan, trains
+``fsdp`` recipe on (4,), with checkpointing pinned off and on every layer (``--modes``: ``"full"``
+and ``"selective"``): each rank compiles the plan, trains
 ``--steps`` AdamW steps with ``pmodel.track_memory(optimizer)`` on, and reports its last step's
 ``pmodel.memory_stats()`` (``autopar.runtime.memory``: the peak of distinct live storages during
 the forward and backward, split into parameters, gradients, optimizer state, saved activations
@@ -13,15 +14,14 @@ largest rank's).
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/memory.py [--steps 3] [--simulate] [--markdown]
 
 ``--simulate`` measures with ``autopar.simulate(..., measure_memory=True)`` in this process
-instead (one step; the optimizer state is the plan's bytes per parameter element; the
-simulator's all-reduce returns a new buffer where gloo reduces in place, so a gradient bucket
-counts twice there).
+instead (one step; the optimizer state is the plan's bytes per parameter element).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -76,8 +76,11 @@ def main(argv=None) -> int:
     ap.add_argument("--simulate", action="store_true", help="measure in the simulator instead of on gloo")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--families", nargs="+", default=["gpt", "llama"], choices=sorted(SHAPES))
+    ap.add_argument("--modes", nargs="+", default=["full", "selective"], choices=["full", "selective"],
+                    help="the checkpointing modes measured besides none")
     a = ap.parse_args(argv)
-    cases = [(f, m, r, ck) for f in a.families for m, r in SETUPS for ck in ("none", "full")]
+    cases = [(f, m, r, ck) for f in a.families for m, r in SETUPS for ck in ["none"] + a.modes]
+    print(f"load {os.getloadavg()[0]:.1f}", file=sys.stderr)
     t0 = time.time()
     plans = {c: _plan(*c) for c in cases}
     print(f"planned {len(cases)} cases in {time.time() - t0:.1f} s", file=sys.stderr)

@@ -119,6 +119,22 @@ def build(model: str, layers: int, batch: int, seq: int, size: str = "llama3-8b"
     return module, (), {"input_ids": ids, "labels": ids}
 
 
+def recompute_text(p) -> str:
+    """What planned ``p`` recomputes: per recomputing layer group, which instances, the time their
+    re-runs add to the step and what one instance saves without and keeps recomputed ("none")."""
+    rc = p.recompute
+    if rc is None or not rc.any:
+        return "none"
+    from autopar.passes.search.checkpoint import group_figures
+
+    gib = 1024 ** 3
+    return ", ".join(
+        f"{g['mode']} {g['checkpointed']}/{g['count']} ({g['paths'][0]}..{g['paths'][g['checkpointed'] - 1]}; "
+        f"re-runs add {g['checkpointed'] * g['recompute_time'] * 1e3:.1f} ms; each saves "
+        f"{g['saved_bytes'] / gib:.2f} GiB without, keeps {g['input_bytes'] / gib:.2f} GiB recomputed)"
+        for g in group_figures(p.unscaled, p.terms, rc, p.choice) if g["checkpointed"])
+
+
 def plan_once(layers: int, batch: int, seq: int, model: str = "llama", size: str = "llama3-8b") -> dict:
     import autopar
     from autopar.passes.pipeline import run_passes
@@ -139,9 +155,7 @@ def plan_once(layers: int, batch: int, seq: int, model: str = "llama", size: str
     out["source"] = p.source
     out["step_ms"] = p.cost.step_time * 1e3
     out["peak_gib"] = p.cost.peak_memory / 1024 ** 3
-    rc = p.recompute
-    out["recompute"] = ("none" if rc is None or not rc.any else
-                        ", ".join(f"{m} {k}/{t.count}" for t, m, k in zip(p.terms, rc.modes, rc.counts) if k))
+    out["recompute"] = recompute_text(p)
     out["nodes"] = len(p.graph)
     out["solve_nodes"] = len(p.merged.problem.nodes)
     del p, module

@@ -23,19 +23,20 @@ def test_a_budget_sweep_recomputes_only_when_needed_and_time_never_falls_as_memo
     its budget, the largest budget recomputes nothing, the smallest feasible one recomputes, and
     the estimated step time never decreases as the budget shrinks."""
     model, inputs = _gpt()
+    graph = capture(model, inputs)  # captured once for every budget
     mesh = autopar.Mesh({"dp": 2}, device="cpu")
-    free = autopar.plan(model, mesh, inputs, progress=False)
+    free = autopar.plan(model, mesh, inputs, progress=False, graph=graph)
     assert free.checkpointing == {}
     rows = []
-    for fraction in (1.0, 0.8, 0.7, 0.6, 0.55, 0.5, 0.45, 0.4):
+    for fraction in (1.0, 0.8, 0.7, 0.6, 0.5, 0.4):  # (0.5: nothing fits any more)
         budget = int(free.peak_memory * fraction)
         try:
-            plan = autopar.plan(model, mesh, inputs, memory_budget=budget, progress=False)
+            plan = autopar.plan(model, mesh, inputs, memory_budget=budget, progress=False, graph=graph)
         except InfeasibleError:
             break
         assert plan.peak_memory <= budget
         rows.append((fraction, plan.step_time, len(plan.checkpointing)))
-    assert rows[0][2] == 0 and rows[-1][2] > 0, rows
+    assert rows[0][2] == 0 and rows[-1][2] > 0 and len(rows) >= 3, rows
     times = [t for _, t, _ in rows]
     assert all(a <= b * (1 + 1e-9) for a, b in zip(times, times[1:])), rows
 

@@ -76,42 +76,77 @@ def test_simulate_refuses_a_measure_memory_that_is_not_a_bool():
         autopar.simulate(model, _plan(model, args, {"dp": 2}), args, measure_memory="yes")
 
 
-def _train_and_measure(text: str) -> dict:
-    """On every gloo rank: compile, refuse stats before tracking, train 2 AdamW steps measured."""
-    model, args = _gpt()
-    pm = autopar.compile(model, autopar.Mesh({"dp": 4}, device="cpu"), args,
-                         plan=autopar.Plan.from_dict(json.loads(text)))
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    try:
-        pm.memory_stats()
-        refused = ""
-    except CompileError as e:
-        refused = str(e)
-    pm.track_memory(opt)
-    for _ in range(2):
-        pm(*args).backward()
-        opt.step()
-        opt.zero_grad()
-    return {"refused": refused, "stats": pm.memory_stats()}
+def _train_and_measure(texts: list[str]) -> list[dict]:
+    """On every gloo rank, per plan: compile, refuse stats before tracking, train 2 AdamW steps measured."""
+    out = []
+    for text in texts:
+        model, args = _gpt()
+        pm = autopar.compile(model, autopar.Mesh({"dp": 4}, device="cpu"), args,
+                             plan=autopar.Plan.from_dict(json.loads(text)))
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        try:
+            pm.memory_stats()
+            refused = ""
+        except CompileError as e:
+            refused = str(e)
+        pm.track_memory(opt)
+        for _ in range(2):
+            pm(*args).backward()
+            opt.step()
+            opt.zero_grad()
+        out.append({"refused": refused, "stats": pm.memory_stats()})
+    return out + [_collective_results_counted_once()]
+
+
+def _collective_results_counted_once() -> list[int]:
+    """Peaks of an in-place and of a plain all-reduce of a 1 MiB buffer, measured: their pending
+    results (``AsyncCollectiveTensor``s) are counted by the buffers they wrap."""
+    import torch.distributed as dist
+
+    from autopar import _torch_compat as tc
+    from autopar.program.collectives import wait
+    from autopar.runtime.memory import MemoryTracker
+
+    peaks = []
+    for reduce in (tc.functional_all_reduce_, tc.functional_all_reduce):
+        tracker = MemoryTracker()
+        tracker.begin()
+        with tracker.watching():
+            x = torch.ones(1 << 18)
+            y = wait(reduce(x, "sum", dist.group.WORLD))
+            del x, y
+        peaks.append(tracker.finish()["peak"])
+    return peaks
 
 
 def test_memory_stats_on_gloo_count_each_ranks_own_blocks():
     """FSDP on 4 gloo ranks: each rank holds a quarter of the weights (its blocks are tensors of
-    their own, not views of the whole weight), AdamW's two moments, and the plan's activations."""
+    their own, not views of the whole weight), AdamW's two moments, and the plan's activations.
+    DDP: the gradient bucket is all-reduced in place, and a collective's pending result (a wrapper
+    without storage of its own) is counted by the buffer it wraps, so the peak is the plan's and
+    the activation gradients in flight, not a second copy of every gradient."""
     model, args = _gpt()
-    plan = _plan(model, args, {"dp": 4}, recipe="fsdp")
-    results = autopar.launch(_train_and_measure, 4, plan.to_json(timing=False), timeout=300.0)
-    for rank, r in enumerate(results):
+    fsdp = _plan(model, args, {"dp": 4}, recipe="fsdp")
+    ddp = _plan(model, args, {"dp": 4}, recipe="ddp")
+    results = autopar.launch(_train_and_measure, 4, [fsdp.to_json(timing=False), ddp.to_json(timing=False)],
+                             timeout=300.0)
+    for rank, (r, d, peaks) in enumerate(results):
+        assert peaks == [1 << 20, 2 << 20], (rank, peaks)  # in place: x alone; else x and the result
         assert "call pmodel.track_memory(optimizer)" in r["refused"], r["refused"]
         m = r["stats"]
         assert m["step"] == 2 and m["peak"] == sum(m[k] for k in KINDS), (rank, m)
         assert m["activations_peak"] >= m["activations"], (rank, m)
-        assert _near(m["params"], plan.memory["params"], 0.02), (rank, m, plan.memory)
+        assert _near(m["params"], fsdp.memory["params"], 0.02), (rank, m, fsdp.memory)
         # AdamW's moments, plus a step count per parameter
-        assert _near(m["optimizer"], plan.memory["optimizer"], 0.02), (rank, m, plan.memory)
+        assert _near(m["optimizer"], fsdp.memory["optimizer"], 0.02), (rank, m, fsdp.memory)
         # the plan prices a value at its producer's placement; the program may save a copy resharded
         # for a forward consumer instead (FSDP: the embedding's output, a quarter the size)
-        assert _near(m["activations"], plan.memory["activations"], 0.10), (rank, m, plan.memory)
+        assert _near(m["activations"], fsdp.memory["activations"], 0.10), (rank, m, fsdp.memory)
         # over the plan's peak by FSDP's working set, which the plan does not price (a layer's gathered
         # weights, its gradients before their reduce-scatter): a third of this small model's peak
-        assert plan.peak_memory < m["peak"] <= 1.5 * plan.peak_memory, (rank, json.dumps(m), plan.peak_memory)
+        assert fsdp.peak_memory < m["peak"] <= 1.5 * fsdp.peak_memory, (rank, json.dumps(m), fsdp.peak_memory)
+        m = d["stats"]
+        assert _near(m["grads"], ddp.memory["grads"], 0.02), (rank, m, ddp.memory)
+        # over the plan's peak by the activation gradients in flight (13% here); a copy of the bucket
+        # counted too would make it 1.26
+        assert ddp.peak_memory < m["peak"] <= 1.2 * ddp.peak_memory, (rank, json.dumps(m), ddp.peak_memory)

@@ -36,6 +36,7 @@ from autopar._torch_compat.aot import (
 )
 from autopar._torch_compat.autograd import has_grad_hooks, storage_use_count, will_engine_execute
 from autopar._torch_compat.c10d import (
+    collective_payload,
     functional_all_gather,
     functional_all_reduce,
     functional_all_reduce_,
@@ -84,7 +85,7 @@ FAST_JOINT = True
 
 __all__ = [
     "rename_node",
-    "after_conversion", "annotate", "buffer_table", "BufferAOTInput", "DATA_DEPENDENT_ERRORS", "data_dependent_op",
+    "after_conversion", "annotate", "collective_payload", "buffer_table", "BufferAOTInput", "DATA_DEPENDENT_ERRORS", "data_dependent_op",
     "decompositions", "dtensor_from_spec", "dtensor_spec", "export_joint", "FakeTensor", "FakeTensorMode",
     "FAST_JOINT", "functional_all_gather", "functional_all_reduce", "functional_all_reduce_",
     "functional_all_to_all", "functional_collective_name", "functional_reduce_scatter", "GradAOTOutput",

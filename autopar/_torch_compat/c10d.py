@@ -6,7 +6,8 @@ On a torch upgrade: check that the four functional collectives keep their signat
 ``AsyncCollectiveTensor``s waited at first use; that ``_c10d_functional`` keeps its namespace and
 op names (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``, ``all_reduce_``,
 ``all_to_all_single``, the group's name last among the arguments; ``record_collectives`` in
-``runtime/collectives.py`` reads them); and ``_maybe_wrap_tensor``. Imports are deferred: importing
+``runtime/collectives.py`` reads them); ``_maybe_wrap_tensor``; and that an ``AsyncCollectiveTensor``
+keeps the tensor it wraps as ``elem`` (``collective_payload``). Imports are deferred: importing
 autopar does not import torch.distributed's collectives.
 """
 
@@ -48,6 +49,14 @@ def functional_all_reduce_(x: torch.Tensor, reduce: str, group: Any) -> torch.Te
 
     out = torch.ops._c10d_functional.all_reduce_(x, reduce.lower(), group.group_name)
     return fc._maybe_wrap_tensor(out)
+
+
+def collective_payload(t: torch.Tensor) -> torch.Tensor:
+    """The tensor an ``AsyncCollectiveTensor`` wraps (``t`` itself for any other tensor): the
+    wrapper is a subclass without storage of its own, so memory is counted by what it holds."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.elem if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def functional_all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -94,6 +103,6 @@ def set_group_timeout(group: Any, timeout: Any) -> None:
     c10d._set_pg_timeout(timeout, group)
 
 
-__all__ = ["functional_all_gather", "functional_all_reduce", "functional_all_reduce_", "functional_all_to_all",
+__all__ = ["collective_payload", "functional_all_gather", "functional_all_reduce", "functional_all_reduce_", "functional_all_to_all",
            "functional_collective_name", "functional_reduce_scatter", "group_timeout", "process_group",
            "set_group_timeout"]

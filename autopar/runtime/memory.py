@@ -60,7 +60,9 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, torch.Tensor):
-        yield tc.local_tensor(value) if isinstance(value, DTensor) else value
+        # a DTensor by its local block; a collective's pending result by the buffer it wraps (the
+        # wrapper has no storage of its own: counted as one, it would double the collective's bytes)
+        yield tc.local_tensor(value) if isinstance(value, DTensor) else tc.collective_payload(value)
     elif isinstance(value, (list, tuple)):
         for v in value:
             yield from _tensors(v)
