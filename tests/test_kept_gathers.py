@@ -92,6 +92,10 @@ def test_the_search_keeps_gathers_where_they_are_exposed_and_fit():
     assert tight.kept_gathers == [] and tight.peak_memory <= kept.peak_memory - 1
     assert "2 of 2 keep their gathered parameters" in kept.summary()
     assert "kept gathers: its parameters gathered in the forward are kept" in kept.explain("blocks.0")
+    from autopar.plans.html import render_html
+
+    page = render_html(kept)
+    assert "gathers kept" in page and ">2 of 2</td>" in page.split('id="layer-groups"')[1]
 
 
 def test_kept_gathers_pins():
