@@ -93,7 +93,7 @@ def build_plan(planned: "Planned"):
         phases=planned.phases,
         graph=graph_info(g),
         checkpointing=checkpointed_paths(planned.terms, planned.recompute) if planned.recompute else {},
-        kept_gathers=sorted(p for paths in planned.kept_paths for p in paths),
+        kept_gathers=[p for paths in planned.kept_paths for p in paths],
         layer_groups=kept_figures(planned.kept_terms, planned.kept_paths, planned.problem, choice,
                                   group_figures(planned.unscaled, planned.terms, planned.recompute, choice)
                                   if planned.recompute and planned.unscaled is not None else []),

@@ -15,7 +15,8 @@ resharded by the cost model's own steps (``reshard_steps``), so the collectives 
 ones the plan priced. A tensor is resharded once per target placement and phase and shared by
 every consumer that needs it; an activation resharded in forward is saved for the backward,
 while parameters are gathered again in the backward (as FSDP does, so gathered weights are not
-held between the two). A checkpointed layer instance's forward ops (``Resolved.recomputed``) are
+held between the two), except those of a layer instance that keeps its gathers
+(``plan.kept_gathers``, ``Resolved.kept``): the backward reuses the forward's gathered block. A checkpointed layer instance's forward ops (``Resolved.recomputed``) are
 not saved: the backward runs them again where their values are first needed, collectives included.
 Under a mixed or 16-bit precision the program casts as ``cost_model.casting``
 decides: parameters before their gathers, op inputs after their resharding, gradients before
