@@ -15,7 +15,7 @@ import torch
 from _parity import build, plan_json, rel, simulated_errors, train_on_rank
 
 import autopar
-from autopar.errors import ArgumentError, LoweringError
+from autopar.errors import ArgumentError, InfeasibleError, LoweringError
 from autopar.runtime.accounting import differences
 
 
@@ -113,6 +113,10 @@ def test_kept_gathers_pins():
         _recipe(model, args, {"dp": 2}, "fsdp", kept_gathers=["layers.*"])
     with pytest.raises(ArgumentError, match=re.escape("kept_gathers='some': expected 'none', 'all'")):
         _recipe(model, args, {"dp": 2}, "fsdp", kept_gathers="some")
+    plain = _recipe(model, args, {"dp": 2}, "fsdp")
+    with pytest.raises(InfeasibleError, match=r"kept_gathers: keeping the gathered parameters of blocks.0, "
+                                                      r"blocks.1 needs .* over the memory budget"):
+        _recipe(model, args, {"dp": 2}, "fsdp", kept_gathers="all", memory_budget=plain.peak_memory + 1)
 
 
 def test_a_plan_keeping_an_unknown_layer_is_refused_before_it_runs():
