@@ -199,3 +199,29 @@ def test_a_backward_view_of_a_kept_block_is_derived_locally():
     autopar.simulate(model, plan, args, trace=kept_trace)
     gathers = [sorted(e.bytes for e in t[(0,)] if e.kind == "all_gather") for t in (trace, kept_trace)]
     assert gathers[0] == gathers[1]
+
+
+def test_kept_gathers_on_code_this_project_did_not_write():
+    """Hugging Face's GPT-2 (``Conv1D`` weights stored (in, out), read untransposed in the forward)
+    under FSDP on (2, 2) with every block's gathers kept: the eager model's loss and gradients,
+    and every device runs the gathers the plan lists."""
+    from _corpus import build as corpus_build
+
+    from autopar.ir.capture import capture
+
+    model, args, kwargs = corpus_build("hf_gpt2", dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.recipes.fsdp(model, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu"), args, kwargs,
+                                    precision="fp64", progress=False, kept_gathers="all",
+                                    graph=capture(model, args, kwargs))
+    assert plan.kept_gathers == ["transformer.h.0", "transformer.h.1"]
+    trace: dict = {}
+    loss, grads = autopar.simulate(model, plan, args, kwargs, trace=trace)
+    model(*args, **kwargs).loss.backward()
+    names = [n for n, p in model.named_parameters() if p.grad is not None]
+    got = torch.cat([grads[n].double().flatten() for n in names])
+    want = torch.cat([dict(model.named_parameters())[n].grad.double().flatten() for n in names])
+    assert rel(got, want) < 1e-6  # (GPT-2 computes its attention in fp32 inside: test_corpus.FP32_INSIDE)
+    for coords, ran in trace.items():
+        assert not [d for d in differences(plan, ran) if d.startswith("all_gather")], coords
