@@ -24,6 +24,7 @@ from autopar.passes.pipeline import run_passes
 from autopar.passes.report import build_plan
 from autopar.passes.search.recipes import NAMES
 from autopar.passes.search.checkpoint import check_pin
+from autopar.passes.search.kept import check_pin as check_kept_pin
 from autopar.plans import Plan, load_plan
 from autopar.runtime.precision import execution_precision
 from autopar.runtime.threads import gather_slots, placeholder_values, simulate_programs
@@ -41,7 +42,7 @@ from autopar.validate import (
 
 #: The keywords ``plan`` passes on to ``passes.pipeline.run_passes`` (its own are named in its signature).
 PASS_KEYWORDS = ("precision", "optimizer", "recipe", "tensor_axis", "deterministic_time", "progress", "graph",
-                 "checkpointing")
+                 "checkpointing", "kept_gathers")
 PLAN_KEYWORDS = ("training", "hints", "memory_budget", "time_limit", "search") + PASS_KEYWORDS
 
 
@@ -71,6 +72,7 @@ def check_plan_args(model, mesh, example_kwargs, kw: dict, where: str = "autopar
         raise ArgumentError(f"{where}: {e}") from None
     check_choice(kw.get("recipe"), NAMES, f"{where}: recipe", allow_none=True)
     check_pin(kw.get("checkpointing"), f"{where}: checkpointing")
+    check_kept_pin(kw.get("kept_gathers"), f"{where}: kept_gathers")
     try:
         mesh.axis(kw.get("tensor_axis", -1))
     except MeshError as e:
@@ -98,7 +100,12 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
     ``checkpointing`` (which layer instances recompute their activations in the backward:
     ``"none"``, ``"full"``, ``"selective"`` for every repeated layer, or a dict from module-path
     globs to those, e.g. ``{"layers.[0-9]": "full"}``; default: the search recomputes the fewest
-    layers that let the fastest plan fit, and nothing when the fastest plan fits as it is).
+    layers that let the fastest plan fit, and nothing when the fastest plan fits as it is),
+    ``kept_gathers`` (which layer instances keep their parameters gathered in the forward for the
+    backward instead of gathering them again, FSDP's ``reshard_after_forward=False``: ``"none"``,
+    ``"all"``, a list of module-path globs such as ``["layers.*"]``, or a dict from globs to
+    True/False; default: the search keeps them per group of alike layers where that makes the step
+    faster and the plan still fits; a named recipe keeps none unless asked).
     """
     kw = check_plan_args(model, mesh, example_kwargs, dict(kw, training=training, hints=hints,
                                                           memory_budget=memory_budget, time_limit=time_limit,

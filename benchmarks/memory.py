@@ -11,7 +11,11 @@ and temporaries). The table sets each against ``plan.peak_memory`` and ``plan.me
 measured peak and activations of the largest rank over the predicted (the plan's figures are the
 largest rank's).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/memory.py [--steps 3] [--simulate] [--markdown]
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/memory.py [--steps 3] [--simulate] [--markdown] [--kept-gathers]
+
+``--kept-gathers`` measures the ``fsdp`` recipe on (4,) and (2, 2) instead, each with its gathers
+kept for the backward (``kept_gathers="all"``) and not, checkpointing off and on: the kept blocks
+are saved values, so they are in the activations.
 
 ``--simulate`` measures with ``autopar.simulate(..., measure_memory=True)`` in this process
 instead (one step; the optimizer state is the plan's bytes per parameter element).
@@ -44,13 +48,13 @@ def _model(family: str):
     return make(family, "tiny", batch=BATCH, seq=SEQ, **SHAPES[family])
 
 
-def _plan(family: str, mesh: str, recipe, checkpointing: str) -> autopar.Plan:
+def _plan(family: str, mesh: str, recipe, checkpointing: str, kept: str = "none") -> autopar.Plan:
     model, args = _model(family)
     make_plan = autopar.plan if recipe is None else getattr(autopar.recipes, recipe)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return make_plan(model, autopar.Mesh(MESHES[mesh], device="cpu"), args, progress=False,
-                         checkpointing=checkpointing)
+                         checkpointing=checkpointing, kept_gathers=kept)
 
 
 def _measure_on_rank(cases: list, steps: int) -> list[dict]:
@@ -78,8 +82,12 @@ def main(argv=None) -> int:
     ap.add_argument("--families", nargs="+", default=["gpt", "llama"], choices=sorted(SHAPES))
     ap.add_argument("--modes", nargs="+", default=["full", "selective"], choices=["full", "selective"],
                     help="the checkpointing modes measured besides none")
+    ap.add_argument("--kept-gathers", action="store_true", help="fsdp with and without kept gathers")
     a = ap.parse_args(argv)
-    cases = [(f, m, r, ck) for f in a.families for m, r in SETUPS for ck in ["none"] + a.modes]
+    cases = [(f, m, r, ck, "none") for f in a.families for m, r in SETUPS for ck in ["none"] + a.modes]
+    if a.kept_gathers:
+        cases = [(f, m, "fsdp", ck, kg) for f in a.families for m in ("4", "2x2") for ck in ("none", "full")
+                 for kg in ("none", "all")]
     print(f"load {os.getloadavg()[0]:.1f}", file=sys.stderr)
     t0 = time.time()
     plans = {c: _plan(*c) for c in cases}
@@ -97,7 +105,7 @@ def main(argv=None) -> int:
         measured = {c: [r[i] for r in per_rank] for i, c in enumerate(cases)}
     print(f"measured in {time.time() - t0:.1f} s", file=sys.stderr)
     mib = 1 << 20
-    head = ["model", "mesh", "plan", "checkpointing", "predicted peak MiB", "measured peak MiB", "peak ratio",
+    head = ["model", "mesh", "plan", "checkpointing", "kept gathers", "predicted peak MiB", "measured peak MiB", "peak ratio",
             "predicted activations MiB", "measured at the peak MiB", "ratio", "most alive at once MiB", "ratio",
             "params / grads / optimizer / temporaries at the peak MiB"]
     rows = []
@@ -109,7 +117,7 @@ def main(argv=None) -> int:
         if c[2] is None:
             worst = max(worst, abs(ratio - 1), abs(aratio - 1))
         rest = " / ".join(f"{got[k] / mib:.2f}" for k in ("params", "grads", "optimizer", "temporaries"))
-        rows.append([c[0], "x".join(str(v) for v in MESHES[c[1]].values()), c[2] or "search", c[3],
+        rows.append([c[0], "x".join(str(v) for v in MESHES[c[1]].values()), c[2] or "search", c[3], c[4],
                      f"{plan.peak_memory / mib:.2f}", f"{got['peak'] / mib:.2f}", f"{ratio:.3f}", f"{pa / mib:.2f}",
                      f"{got['activations'] / mib:.2f}", f"{aratio:.3f}", f"{got['activations_peak'] / mib:.2f}",
                      f"{most:.3f}", rest])

@@ -167,7 +167,7 @@ def test_a_saved_plan_loads_and_saves_to_the_same_bytes(tmp_path):
     plan = load_plan(path)
     plan.save(tmp_path / "again.json")
     assert (tmp_path / "again.json").read_text(encoding="utf-8") == text
-    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 4
+    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 5
 
 
 def test_later_versions_only_add_fields(good):
@@ -194,7 +194,7 @@ def test_a_version_3_file_loads_with_nothing_recomputed_or_kept(tmp_path, good):
     old = _mutated(good, lambda d: (d.update(schema_version=3), [d.pop(k) for k in ("checkpointing", "kept_gathers",
                                                                                    "layer_groups")]))
     plan = load_plan(_write(tmp_path, old))
-    assert plan.schema_version == 4
+    assert plan.schema_version == 5
     assert (plan.checkpointing, plan.kept_gathers, plan.layer_groups) == ({}, [], [])
 
 
@@ -213,11 +213,25 @@ def test_version_4_fields_round_trip_and_a_wrong_mode_is_refused(tmp_path, good)
     assert _load_error(tmp_path, lacking) == "plan lacks the field(s) layer_groups (schema version 4)"
 
 
-@pytest.mark.parametrize("version", [0, 5, "2", True, None])
+def test_version_5_layer_groups_say_what_keeping_gathers_costs(tmp_path, good):
+    """Version 5 adds per layer group what keeping its gathered parameters holds and saves; a version 4
+    group without them loads as it was."""
+    group = {"prefix": "layers", "count": 2, "paths": ["layers.0", "layers.1"], "checkpointed": 0, "mode": "none",
+             "saved_bytes": 4096, "input_bytes": 512, "recompute_time": 0.001, "kept_gathers": True, "kept": 2,
+             "kept_bytes": 2048, "kept_time": 0.0005}
+    new = _mutated(good, lambda d: d.update(kept_gathers=["layers.0", "layers.1"], layer_groups=[group]))
+    plan = load_plan(_write(tmp_path, new))
+    assert plan.layer_groups == [group] and plan.schema_version == 5
+    assert "2 of 2 keep their gathered parameters" in plan.summary()
+    bad = _mutated(new, lambda d: d["layer_groups"][0].update(kept_bytes=-1))
+    assert _load_error(tmp_path, bad).startswith("layer_groups[0].kept_bytes")
+
+
+@pytest.mark.parametrize("version", [0, 6, "2", True, None])
 def test_other_versions_are_refused_naming_the_version(tmp_path, good, version):
     d = _mutated(good, lambda d: d.update(schema_version=version))
-    assert _load_error(tmp_path, d) == (f"plan schema version {version!r} found, this autopar reads version 4 (and "
-                                        f"the earlier 1, 2, 3): make the plan again with autopar.plan(...) (or use the "
+    assert _load_error(tmp_path, d) == (f"plan schema version {version!r} found, this autopar reads version 5 (and "
+                                        f"the earlier 1, 2, 3, 4): make the plan again with autopar.plan(...) (or use the "
                                         f"autopar version that wrote it)")
 
 

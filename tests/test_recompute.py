@@ -147,14 +147,3 @@ def test_checkpointed_plans_train_like_one_device_on_gloo(pool, family, axes, re
     for rank, r in enumerate(results):
         assert r["loss"] <= 1e-4 and r["grad"] <= 1e-4 and r["param"] <= 1e-4, (rank, r)
     assert results[0]["differences"] == [], results[0]["differences"]
-
-
-def test_a_plan_that_keeps_gathers_is_refused_before_it_runs():
-    """Kept gathers are in the schema but not run yet: such a plan fails loudly at lowering."""
-    from autopar.errors import LoweringError
-
-    model, args = build("gpt")
-    plan = _recipe(model, args, {"dp": 2}, "fsdp")
-    edited = autopar.Plan.from_dict({**plan.to_dict(), "kept_gathers": ["blocks.0"]})
-    with pytest.raises(LoweringError, match=r"keeps gathered parameters of 'blocks.0'.*does not run yet"):
-        autopar.simulate(model, edited, args)

@@ -23,7 +23,8 @@ from autopar.ir.annotations import dtensor_hints, merge_hints
 from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph
 from autopar.ir.placement import format_placements
-from autopar.passes.search import checkpoint, recipes
+from autopar.ir.recompute import recomputed_ops
+from autopar.passes.search import checkpoint, kept, recipes
 from autopar.passes.search.build import build_problem
 from autopar.passes.search.complete import complete
 from autopar.passes.search.fold import Folding, fold
@@ -64,6 +65,10 @@ class Planned:
     recompute: Optional[checkpoint.Choice] = None  # what the plan recomputes (``problem`` is priced with it)
     terms: list[checkpoint.GroupTerms] = field(default_factory=list)
     unscaled: Optional[Problem] = None  # ``problem`` priced without recomputation
+    #: per folded group, the instances whose gathered parameters are kept for the backward
+    #: (``problem`` is priced with them) and what keeping costs and saves (``passes.search.kept``)
+    kept_paths: list[list[str]] = field(default_factory=list)
+    kept_terms: list[kept.GroupKept] = field(default_factory=list)
 
 
 class _Clock:
@@ -125,10 +130,13 @@ def run_passes(
     graph: Optional[Graph] = None,
     search: str = "ilp",
     checkpointing: checkpoint.Pin = None,
+    kept_gathers: kept.Pin = None,
 ) -> Planned:
     """The planning passes; ``recipe`` fixes that recipe's placements instead of searching;
     ``checkpointing`` pins the recomputation (``passes.search.checkpoint.pinned``) instead of
-    searching it."""
+    searching it; ``kept_gathers`` which layer instances keep their gathered parameters for the
+    backward (``passes.search.kept.pinned``; default: the search keeps them where that is faster
+    and fits, a named recipe keeps none)."""
     require_mesh(mesh)
     clock = _Clock(sys.stderr.isatty() if progress is None else progress)
     example_inputs = as_args(example_inputs)
@@ -180,6 +188,7 @@ def run_passes(
     unscaled = problem
     terms = checkpoint.group_terms(graph, folding, problem, mesh, prec) if folding.groups else []
     pin = checkpoint.pinned(checkpointing, terms)
+    keep = kept.pinned(kept_gathers, [t.paths for t in terms])
     recompute = pin or checkpoint.Choice(tuple("full" for _ in terms), tuple(0 for _ in terms))
     if pin is not None and pin.any:
         problem = checkpoint.with_checkpointing(problem, terms, pin)
@@ -216,11 +225,35 @@ def run_passes(
         if solution is None:  # a recipe won: the search's figures are those of its own plan at that choice
             solution = next((c[8] for c in candidates if c[3] == "search" and c[5] == recompute), None)
         searched_cost = next((c[0] for c in candidates if c[3] == "search" and c[5] == recompute), None)
+    kept_paths, kept_terms, problem = _keep(graph, folding, problem, choice, mesh, prec, terms, recompute,
+                                            [[] for _ in terms] if keep is None and recipe else keep)
     clock.lap("solve")
     cost = evaluate(problem, choice)
     clock.phases["total"] = round(time.perf_counter() - clock.start, 4)
     return Planned(graph, mesh, folding, problem, merged, prec, choice, cost, source, solution, baselines,
-                   choices, clock.phases, searched_cost, recompute, terms, unscaled)
+                   choices, clock.phases, searched_cost, recompute, terms, unscaled, kept_paths, kept_terms)
+
+
+def _keep(graph: Graph, folding: Folding, problem: Problem, choice: list[int], mesh: Mesh, prec: Precision,
+          terms: list[checkpoint.GroupTerms], recompute: checkpoint.Choice, keep: Optional[list[list[str]]]):
+    """Which instances keep their gathered parameters at the chosen placements (``keep``: pinned;
+    None: chosen, ``kept.choose``), and the problem priced with them: ``(kept paths per group, the
+    groups' terms, problem)``. After the solve: see ``passes.search.kept`` for why."""
+    if not terms or not graph.training:
+        return [[] for _ in terms], [], problem
+    redo = recomputed_ops(graph, checkpoint.checkpointed_paths(terms, recompute))
+    found = kept.group_kept(graph, folding, problem, choice, mesh, prec, redo)
+    if keep is None:
+        counts = kept.choose(problem, found, choice)
+        keep = [list(t.paths) if k else [] for t, k in zip(found, counts)]
+    keep = [paths if t.holder >= 0 else [] for t, paths in zip(found, keep)]  # (nothing gathered: nothing kept)
+    priced = kept.with_kept(problem, found, [len(p) for p in keep], choice)
+    need = evaluate(priced, choice).peak_memory
+    if need > problem.memory_budget >= evaluate(problem, choice).peak_memory:
+        raise InfeasibleError(f"kept_gathers: keeping the gathered parameters of {', '.join(p for g in keep for p in g)} "
+                              f"needs {human_bytes(need)} per device, over the memory budget of "
+                              f"{human_bytes(problem.memory_budget)}: keep fewer layers or raise memory_budget")
+    return keep, found, priced
 
 
 def _solve(merged: Merged, problem: Problem, choices: dict[str, list[int]], mesh: Mesh,

@@ -19,6 +19,7 @@ from autopar.ir.placement import B, format_placements
 from autopar.ir.recompute import recomputed_ops
 from autopar.ir.views import param_views
 from autopar.passes.search.checkpoint import checkpointed_paths, group_figures
+from autopar.passes.search.kept import kept_figures, kept_reads
 from autopar.passes.search.problem import MEMORY_KINDS, edge_cost, incident_transfers, local_cost, transfer_cost
 from autopar.passes.search.strategies import input_placement, output_placement
 
@@ -92,9 +93,10 @@ def build_plan(planned: "Planned"):
         phases=planned.phases,
         graph=graph_info(g),
         checkpointing=checkpointed_paths(planned.terms, planned.recompute) if planned.recompute else {},
-        kept_gathers=[],
-        layer_groups=(group_figures(planned.unscaled, planned.terms, planned.recompute, choice)
-                      if planned.recompute and planned.unscaled is not None else []),
+        kept_gathers=[p for paths in planned.kept_paths for p in paths],
+        layer_groups=kept_figures(planned.kept_terms, planned.kept_paths, planned.problem, choice,
+                                  group_figures(planned.unscaled, planned.terms, planned.recompute, choice)
+                                  if planned.recompute and planned.unscaled is not None else []),
     )
 
 
@@ -135,6 +137,8 @@ def _reshardings(planned: "Planned", strat) -> list[dict]:
     views = param_views(g)
     redo = (recomputed_ops(g, checkpointed_paths(planned.terms, planned.recompute))
             if planned.recompute and planned.recompute.any else frozenset())
+    # backward reads of kept instances' parameters served by the forward's gathered blocks: not gathered again
+    served = kept_reads(g, strat, [p for paths in planned.kept_paths for p in paths], mesh, redo)
     # (ref, placement) read in the forward, and read again in the backward by a re-run op (or, for
     # a re-run value, by any backward op): the backward reshards it again (``passes/lower/emitter``)
     forward_reads: set[tuple] = set()
@@ -145,9 +149,10 @@ def _reshardings(planned: "Planned", strat) -> list[dict]:
             src = output_placement(strat(r.node), r.index)
             kind = "param" if r.node in views else "activation"
             dst = input_placement(st, slot)
-            add(r, n.name, kind, src, dst, n.module_path, n.phase.value if kind == "param" else None)
-            if kind == "param" and n.name in redo:  # a re-run op reads its weight in the backward
-                add(r, n.name, kind, src, dst, n.module_path, "backward")
+            if not (kind == "param" and n.phase.value == "backward" and (r, tuple(dst)) in served):
+                add(r, n.name, kind, src, dst, n.module_path, n.phase.value if kind == "param" else None)
+            if kind == "param" and n.name in redo and (r, tuple(dst)) not in served:
+                add(r, n.name, kind, src, dst, n.module_path, "backward")  # a re-run op reads its weight there
             if kind != "activation" or tuple(src) == tuple(dst):
                 continue
             if n.phase.value == "forward":

@@ -23,7 +23,10 @@ recomputed layer instance -> ``"full"`` or ``"selective"``), ``kept_gathers`` (m
 gathered parameters are kept from the forward for the backward) and ``layer_groups`` (per group of
 alike layers, what checkpointing saves and costs), and reshardings that a recomputation runs
 again (``kind`` ``"recompute"``; a re-run op's weight gathers in the backward carry ``phase``); a
-version 1-3 file loads with nothing recomputed or kept, as it was priced. Any other version is a PlanError naming it.
+version 1-3 file loads with nothing recomputed or kept, as it was priced. Version 5 adds to each
+``layer_groups`` entry what keeping its gathers costs and saves (``kept``, ``kept_bytes``,
+``kept_time``), and plans whose ``kept_gathers`` is not empty (version 4 had the field, always
+empty); a version 4 file loads as it was. Any other version is a PlanError naming it.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ from autopar.plans.bounds import check_values, read_json, shown
 from autopar.plans.validate import check_fields
 from autopar.validate import check_path
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 #: the versions ``load_plan`` reads (an older one loads with the newer fields defaulted or left out)
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
 # -- entry shapes (what the planner writes; readers use .get() since hand-made plans may lack keys) --
@@ -139,6 +142,9 @@ class LayerGroupEntry(TypedDict, total=False):
     input_bytes: int  # what one recomputed instance keeps instead (its inputs; "selective": and the outputs it saves)
     recompute_time: float  # seconds one recomputed instance adds to the backward
     kept_gathers: bool  # gathered parameters kept from the forward for the backward
+    kept: int  # instances that keep them (version 5)
+    kept_bytes: int  # gathered bytes one keeping instance holds from forward to backward (version 5)
+    kept_time: float  # seconds of backward gathers one keeping instance does not run (version 5)
 
 
 class Baseline(TypedDict, total=False):
@@ -242,7 +248,7 @@ class Plan:
         """Inverse of ``to_dict``; checked against the plan file's schema (``autopar.plans.validate``):
         a PlanError names a schema version it does not read, missing fields, or the first field (a
         JSON path) of a wrong type or out of range, with its value. A version 1 or 2 plan comes back
-        as version 4 (see the module's "Schema versions")."""
+        as version 5 (see the module's "Schema versions")."""
         if not isinstance(d, Mapping):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         if "schema_version" not in d:

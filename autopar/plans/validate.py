@@ -284,6 +284,9 @@ class _LayerGroup(_Strict):
     input_bytes: Int = None
     recompute_time: Seconds = None
     kept_gathers: bool = None
+    kept: Count = None  # schema version 5
+    kept_bytes: Int = None
+    kept_time: Seconds = None
 
 
 class _Solver(BaseModel):

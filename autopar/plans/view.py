@@ -155,8 +155,15 @@ def _layer_groups(plan: "Plan", path: str = "") -> list[str]:
                    f"keeps {human_bytes(g.get('input_bytes', 0))}, re-run {human_time(g.get('recompute_time', 0.0))}"
                    + (f"; in all {human_bytes(k * saved)} less memory, {human_time(k * g.get('recompute_time', 0.0))} "
                       f"more time" if k else ""))
-        if g.get("kept_gathers"):
-            out.append(f"    gathered parameters kept from the forward for the backward")
+        kb, kt = g.get("kept_bytes", 0), g.get("kept_time", 0.0)
+        kept = g.get("kept", n if g.get("kept_gathers") else 0)
+        if kept or kb:
+            what = (f"{kept} of {n} keep their gathered parameters for the backward" if kept
+                    else "gathered parameters gathered again in the backward")
+            out.append(f"    kept gathers: {what}; per instance holds {human_bytes(kb)} from forward to backward, "
+                       f"saves {human_time(kt)} of backward gathers"
+                       + (f"; in all {human_bytes(kept * kb)} more memory, {human_time(kept * kt)} less gathering"
+                          if kept else ""))
     return out
 
 
@@ -274,6 +281,8 @@ def explain(plan: "Plan", module_path: str) -> str:
     mode = (getattr(plan, "checkpointing", {}) or {}).get(path)
     if mode:
         lines.append(f"checkpointed ({mode}): its activations are recomputed in the backward")
+    if path and path in (getattr(plan, "kept_gathers", []) or []):
+        lines.append("kept gathers: its parameters gathered in the forward are kept for the backward, not gathered again")
     lines += _layer_groups(plan, path)
     for m in mods:
         alts = m.get("alternatives") or []

@@ -15,7 +15,8 @@ resharded by the cost model's own steps (``reshard_steps``), so the collectives 
 ones the plan priced. A tensor is resharded once per target placement and phase and shared by
 every consumer that needs it; an activation resharded in forward is saved for the backward,
 while parameters are gathered again in the backward (as FSDP does, so gathered weights are not
-held between the two). A checkpointed layer instance's forward ops (``Resolved.recomputed``) are
+held between the two), except those of a layer instance that keeps its gathers
+(``plan.kept_gathers``, ``Resolved.kept``): the backward reuses the forward's gathered block. A checkpointed layer instance's forward ops (``Resolved.recomputed``) are
 not saved: the backward runs them again where their values are first needed, collectives included.
 Under a mixed or 16-bit precision the program casts as ``cost_model.casting``
 decides: parameters before their gathers, op inputs after their resharding, gradients before
@@ -102,6 +103,10 @@ class Emitter:
         if key in self.cache:
             return self.cache[key]
         is_param = ref.node in self.params
+        if is_param and where is self.bg and (ref, tuple(want)) in self.res.kept:
+            out = self._kept(ref, tuple(want))
+            self.cache[key] = out
+            return out
         if is_param:
             grouped = grouped_gather(self, ref, want, where)
             if grouped is not None:
@@ -203,6 +208,26 @@ class Emitter:
             node = self.g.node(ref.node)
             self._op(node, self.res.strategies[node.name], self.bg, self.rebase)
         return self.rebase[ref]
+
+    def _kept(self, ref: Ref, want: Placements) -> fx.Node:
+        """Parameter (view) ``ref`` at ``want`` in the backward from the block the forward gathered
+        and kept (``plan.kept_gathers``): saved by the forward, the layout views between them run
+        again on it, then local slicing only; no collective."""
+        d = self.res.kept[(ref, want)]
+        x = self.import_value(self.value(d.source, d.placed, self.fg))
+        cur = d.placed
+        for name, strat in d.replay:
+            node = self.g.node(name)
+            ctx = LocalCtx(self.res.calls[name], strat, self.mesh_shape, self.coords)
+            if has_local(node.op):
+                mod_name = self.fresh_name(f"{name}_kept_local")
+                self.root.add_module(mod_name, LocalOp(ctx))
+                x = self.bg.call_module(mod_name, (x,))
+            else:
+                args, kwargs = local_args(ctx, [x])
+                x = self.bg.call_function(_RESHAPE if node.target in _VIEWS else node.target, tuple(args), dict(kwargs))
+            cur = tuple(output_placement(strat, 0))
+        return self._reshard(x, ref, cur, want, self.bg) if cur != want else x
 
     def _op(self, node: Node, strat: Strategy, where: Optional[fx.Graph] = None,
             table: Optional[dict] = None) -> None:

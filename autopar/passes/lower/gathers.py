@@ -47,6 +47,8 @@ def plan_groups(em) -> dict[GatherKey, list[tuple[GatherKey, list]]]:
             key = (r, tuple(dst), phase)
             if tuple(src) == tuple(dst) or key in steps_of:
                 continue
+            if phase == Phase.BACKWARD.value and (r, tuple(dst)) in res.kept:  # served by a kept block
+                continue
             if r not in eb:
                 eb[r] = transfer_bytes(g, r, "gather", res.precision, em.priced)
             steps_of[key] = reshard_steps(g.spec(r).shape, src, dst, res.mesh, eb[r])

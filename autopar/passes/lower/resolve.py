@@ -23,6 +23,7 @@ from autopar.ir.rules import op_call
 from autopar.ir.rules.base import OpCall
 from autopar.ir.rules.dimmap import Strategy
 from autopar.ir.rules.random_ops import RANDOM_BASES, unsupported_random
+from autopar.passes.search.kept import instance_path, kept_reads
 from autopar.passes.search.strategies import node_strategies, output_placement
 
 #: Ops whose values depend on a random stream (names without overload); ``ir.rules.random_ops``
@@ -40,6 +41,9 @@ class Resolved:
     calls: dict[str, OpCall]
     #: forward ops the backward runs again (``plan.checkpointing``'s instances, ``ir.recompute``)
     recomputed: frozenset[str] = frozenset()
+    #: backward reads of parameters that the forward's kept gathered blocks serve (``plan.kept_gathers``,
+    #: ``passes.search.kept``): (value, placement) -> how it is derived; never gathered again
+    kept: dict = field(default_factory=dict)
     _casts: dict = field(default_factory=dict, repr=False)
 
     def cast(self, precision: str) -> Optional[CastPolicy]:
@@ -79,14 +83,19 @@ def resolve(graph: Graph, plan) -> Resolved:
                 f"{graph.user_name(node)} draws random numbers with {node.op}, which autopar cannot draw the same "
                 "on every placement: set its probability to 0 (or call model.eval()) before compiling"
             )
-    if plan.kept_gathers:  # (schema version 4 has the field; no search or lowering writes it yet)
-        raise LoweringError(f"the plan keeps gathered parameters of {plan.kept_gathers[0]!r} for the backward, "
-                            "which this autopar version does not run yet: plan again (or empty kept_gathers)")
     try:
         redo = recomputed_ops(graph, plan.checkpointing)
     except ValueError as e:
         raise LoweringError(f"{e}: plan again for this model") from None
-    return Resolved(graph, mesh, precision, strategies, calls, redo)
+    kept = list(getattr(plan, "kept_gathers", []) or [])
+    if kept:
+        known = {instance_path(graph, node) for node in graph.params.values()} - {None}
+        unknown = [p for p in kept if p not in known]
+        if unknown:
+            raise LoweringError(f"the plan keeps the gathered parameters of {unknown[0]!r}, which is no layer instance "
+                                f"of this model (instances: {', '.join(sorted(known)[:4]) or 'none'} ...): plan again")
+    derived: dict = kept_reads(graph, strategies.__getitem__, kept, mesh, redo) if kept else {}
+    return Resolved(graph, mesh, precision, strategies, calls, redo, derived)
 
 
 def _placeholder_strategy(graph: Graph, node: Node, plan, mesh: Mesh) -> Strategy:

@@ -301,6 +301,8 @@ def layer_groups_section(plan: "Plan") -> str:
         saved, kept = finite_float(g.get("saved_bytes")), finite_float(g.get("input_bytes"))
         rerun = finite_float(g.get("recompute_time"))
         paths = [str(p) for p in g.get("paths") or []]
+        held = int(finite_float(g.get("kept", n if g.get("kept_gathers") else 0)))
+        kb, kt = finite_float(g.get("kept_bytes")), finite_float(g.get("kept_time"))
         which = (f"{escape(paths[0])}" + (f" .. {escape(paths[k - 1])}" if k > 1 else "")) if k and paths else "-"
         rows.append(
             f'<tr><td><code>{escape(g.get("prefix") or "(root)")}</code></td>'
@@ -310,14 +312,21 @@ def layer_groups_section(plan: "Plan") -> str:
             f'<td class="num" data-v="{sort_key(kept)}">{escape(bytes_text(kept))}</td>'
             f'<td class="num" data-v="{sort_key(rerun)}">{escape(time_text(rerun))}</td>'
             f'<td class="num" data-v="{sort_key(k * (saved - kept))}">{escape(bytes_text(k * (saved - kept)))}</td>'
-            f'<td class="num" data-v="{sort_key(k * rerun)}">{escape(time_text(k * rerun))}</td></tr>')
+            f'<td class="num" data-v="{sort_key(k * rerun)}">{escape(time_text(k * rerun))}</td>'
+            f'<td class="num" data-v="{sort_key(held)}">{held} of {n}</td>'
+            f'<td class="num" data-v="{sort_key(kb)}">{escape(bytes_text(kb))}</td>'
+            f'<td class="num" data-v="{sort_key(kt)}">{escape(time_text(kt))}</td></tr>')
     head = "".join(header_cell(label, key, num=num) for label, key, num in (
         ("layers", "prefix", False), ("recomputed", "k", True), ("mode", "mode", False),
         ("instances", "which", False), ("saved per instance", "saved", True), ("kept if recomputed", "kept", True),
-        ("re-run per instance", "rerun", True), ("memory saved", "less", True), ("time added", "more", True)))
+        ("re-run per instance", "rerun", True), ("memory saved", "less", True), ("time added", "more", True),
+        ("gathers kept", "held", True), ("kept bytes per instance", "keptbytes", True),
+        ("backward gathers saved per instance", "gathersaved", True)))
     return ('<section id="layer-groups"><h2>Activation checkpointing</h2><p class="sub">Per group of alike '
             'layers: the first instances recompute their forward in the backward; a recomputed instance keeps '
-            'only its inputs (and, selective, the attention and every other matmul output).</p>'
+            'only its inputs (and, selective, the attention and every other matmul output). An instance that '
+            'keeps its gathers holds its parameters gathered in the forward until the backward, which then '
+            'does not gather them again.</p>'
             f'<div class="scroll"><table class="sortable" id="layer-groups-table"><thead><tr>{head}</tr></thead>'
             f'<tbody>{"".join(rows)}</tbody></table></div></section>')
 
