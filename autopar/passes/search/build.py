@@ -2,6 +2,9 @@
 
 Reads the graph, its folding, the candidate strategies and the hints; writes a ``Problem``
 (``passes/search/problem.py``). Folded layers are priced once and carry their multiplicity.
+A parameter's compute is its optimizer step on the block this device stores (memory-bound,
+``cost_model.compute.optimizer_time``); it counts in its layer's forward group, so a gather may be
+priced as hiding under it (a few percent of a layer's forward).
 Memory per device: each parameter's stored weights, gradient and optimizer state under its
 placement, and every forward activation that the backward reads (live at the peak, between
 forward and backward; not the parameters' layout views, which the backward derives again), each
@@ -19,7 +22,7 @@ from typing import Optional
 from autopar.cost_model.buckets import grad_time
 from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
 from autopar.cost_model.comm import reshard_time
-from autopar.cost_model.compute import compute_time
+from autopar.cost_model.compute import compute_time, optimizer_time
 from autopar.cost_model.gathers import gather_shares, gather_time
 from autopar.cost_model.memory import activation_bytes, param_state_bytes
 from autopar.cost_model.mesh import Mesh
@@ -81,15 +84,18 @@ def build_problem(
         for s in strats:
             mem = dict.fromkeys(MEMORY_KINDS, 0.0)
             if n.is_placeholder:
-                pn.compute.append(0.0)
                 place = output_placement(s, 0)
+                step = 0.0
                 if n.name in param_node:
                     state = param_state_bytes(n.out.shape, place, mesh, precision)
                     for k in ("params", "grads", "optimizer"):
                         mem[k] = float(state[k]) if graph.training or k == "params" else 0.0
+                    # the optimizer updates the block this device stores (counted as compute)
+                    step = optimizer_time(state, hw) if graph.training and n.out.dtype.is_floating_point else 0.0
                 elif n.outputs[0] is not None and n.roles[0] != Role.TANGENT:
                     kind = "params" if n.roles[0] == Role.BUFFER else "activations"
                     mem[kind] = float(activation_bytes(n.out.shape, n.out.dtype, place, mesh, precision))
+                pn.compute.append(step)
             else:
                 ins = _local_shapes(in_specs, [input_placement(s, i) for i in range(len(in_specs))], mesh)
                 outs = _local_shapes(n.outputs, [output_placement(s, j) if n.outputs[j] is not None else None
