@@ -223,6 +223,47 @@ def compute_time(
     return max(t_flops, t_bytes) + hw.launch_floor
 
 
+def model_flops(graph) -> float:
+    """Model FLOPs of one step (the MFU numerator, global, every device together): the forward's
+    matmuls, convolutions and fused attention at their full shapes, times 3 when training (the
+    backward's two products per forward one), recomputation not counted. A matmul counts 2 MNK
+    (no bias), attention 2 b h s t (d + e) forward WITHOUT the causal halving (the convention
+    MFU figures are published in: for a decoder 6 N + 12 L h s per token, N the matmul weights,
+    L layers, h the width, s the sequence). Pointwise work, norms and the loss are not counted."""
+    from autopar.ir.graph import Phase
+    from autopar.ir.rules import op_call
+
+    total = 0.0
+    for n in graph.ops():
+        if n.phase != Phase.FORWARD:
+            continue
+        if n.op == _ATTN_FWD:
+            ins = [tuple(graph.spec(r).shape) for r in n.inputs[:3]]
+            total += _attention_flops(ins[0], ins[1], ins[2], False)
+            continue
+        key = _op_key(n.op)
+        if key not in ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm") and n.op != "aten.convolution.default":
+            continue
+        call = op_call(graph, n)
+        ins = [tuple(graph.spec(r).shape) for r in n.inputs]
+        outs = [None if o is None else tuple(o.shape) for o in n.outputs]
+        shape = matmul_shape(call, ins, outs)
+        if shape is not None:
+            total += 2.0 * shape[0] * shape[1]
+    return total * (3.0 if graph.training else 1.0)
+
+
+def tokens_per_step(graph) -> int:
+    """Tokens one step processes: the elements of the first integer input with two or more dims
+    (token ids, [batch, sequence]); 0 when the model takes no such input (then plans report no
+    tokens/s)."""
+    for name in graph.inputs.values():
+        spec = graph.node(name).out
+        if spec is not None and not spec.dtype.is_floating_point and spec.dtype != torch.bool and len(spec.shape) >= 2:
+            return int(math.prod(spec.shape))
+    return 0
+
+
 def optimizer_time(state: dict, hw: Hardware) -> float:
     """Seconds of one optimizer step over one device's block of a parameter: memory-bound, reading
     the weights, the gradient and the state and writing the weights and the state back (AdamW
@@ -234,4 +275,5 @@ def optimizer_time(state: dict, hw: Hardware) -> float:
     return nbytes / (hw.hbm_bandwidth * eff.memory(hw.efficiency, nbytes))
 
 
-__all__ = ["compute_time", "efficiency_of", "flops_and_bytes", "is_free", "matmul_shape", "optimizer_time"]
+__all__ = ["compute_time", "efficiency_of", "flops_and_bytes", "is_free", "matmul_shape", "model_flops", "optimizer_time",
+           "tokens_per_step"]

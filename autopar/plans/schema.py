@@ -23,7 +23,14 @@ recomputed layer instance -> ``"full"`` or ``"selective"``), ``kept_gathers`` (m
 gathered parameters are kept from the forward for the backward) and ``layer_groups`` (per group of
 alike layers, what checkpointing saves and costs), and reshardings that a recomputation runs
 again (``kind`` ``"recompute"``; a re-run op's weight gathers in the backward carry ``phase``); a
-version 1-3 file loads with nothing recomputed or kept, as it was priced. Any other version is a PlanError naming it.
+version 1-3 file loads with nothing recomputed or kept, as it was priced. Version 5 adds the model
+FLOPs utilization: ``model_flops`` (per step, all devices: 3 x the forward's matmul, convolution
+and attention FLOPs, recomputation not counted; ``autopar.cost_model.compute.model_flops``), ``mfu``
+(model_flops / (step_time x devices x peak FLOP/s of the compute dtype)), ``tokens_per_step`` and
+``tokens_per_second_per_device``, and writes ``mesh.hardware.efficiency`` (the shape-dependent
+efficiency curves) where older versions wrote ``matmul_efficiency`` and ``memory_efficiency``; a
+version 1-4 file loads with these four at 0 (not known) and its two constants as a flat
+efficiency. Any other version is a PlanError naming it.
 """
 
 from __future__ import annotations
@@ -40,9 +47,9 @@ from autopar.plans.bounds import check_values, read_json, shown
 from autopar.plans.validate import check_fields
 from autopar.validate import check_path
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 #: the versions ``load_plan`` reads (an older one loads with the newer fields defaulted or left out)
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
 # -- entry shapes (what the planner writes; readers use .get() since hand-made plans may lack keys) --
@@ -198,6 +205,11 @@ class Plan:
     checkpointing: dict[str, str] = field(default_factory=dict)  # module path -> "full" | "selective"
     kept_gathers: list[str] = field(default_factory=list)  # module paths whose gathers are kept
     layer_groups: list[LayerGroupEntry] = field(default_factory=list)
+    # model FLOPs utilization (schema version 5; older files load with 0: not known)
+    model_flops: float = 0.0  # per step, every device together (3 x forward matmuls + attention)
+    mfu: float = 0.0  # model_flops / (step_time * devices * peak FLOP/s of the compute dtype)
+    tokens_per_step: int = 0  # elements of the token-id input (0: the model takes none)
+    tokens_per_second_per_device: float = 0.0
     schema_version: int = field(default=SCHEMA_VERSION)
 
     # -- derived --------------------------------------------------------------------------------
@@ -258,6 +270,8 @@ class Plan:
         names = [f.name for f in fields(Plan) if f.name not in ("phases", "schema_version")]
         if version < 4:
             d = {**d, **{k: _copy(v) for k, v in _V4_DEFAULTS.items() if k not in d}}
+        if version < 5:
+            d = {**d, **{k: _copy(v) for k, v in _V5_DEFAULTS.items() if k not in d}}
         missing = [n for n in names if n not in d]
         if missing:
             raise PlanError(f"plan lacks the field(s) {', '.join(missing)} (schema version {version})")
@@ -399,11 +413,14 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "reshardings": (list,), "collectives": (list,), "bucket_size": (int,), "baselines": (dict,),
     "solver": (dict,), "source": (str,), "modules": (list,), "graph": (dict,),
     "checkpointing": (dict,), "kept_gathers": (list,), "layer_groups": (list,),
+    "model_flops": _NUM, "mfu": _NUM, "tokens_per_step": (int,), "tokens_per_second_per_device": _NUM,
 }
 
 
 #: the fields version 4 added, as an older plan (priced without them) has them
 _V4_DEFAULTS: dict[str, Any] = {"checkpointing": {}, "kept_gathers": [], "layer_groups": []}
+#: the fields version 5 added, as an older plan has them (0: not known)
+_V5_DEFAULTS: dict[str, Any] = {"model_flops": 0.0, "mfu": 0.0, "tokens_per_step": 0, "tokens_per_second_per_device": 0.0}
 
 
 def _nics_of_old_plan(d: Mapping) -> Mapping:

@@ -347,10 +347,15 @@ class _PlanFile(_Strict):
     checkpointing: dict[Name, Literal["full", "selective"]] = None  # schema version 4
     kept_gathers: list[Name] = None  # schema version 4
     layer_groups: list[_LayerGroup] = None  # schema version 4
+    model_flops: NonNegative = None  # schema version 5
+    mfu: NonNegative = None
+    tokens_per_step: Int = None
+    tokens_per_second_per_device: NonNegative = None
 
 
 _KNOWN_KEYS = sorted({k for m in (_PlanFile, _Mesh, _Hardware, _Link, _Precision, _Fingerprint, _Graph, _Node, _Step,
-                                  _Collective, _Alternative, _Module, _Baseline, _Timing, _Resharding, _LayerGroup) for k in m.model_fields}
+                                  _Collective, _Alternative, _Module, _Baseline, _Timing, _Resharding, _LayerGroup, _Efficiency)
+                                  for k in m.model_fields}
                      | {"from"})
 
 
