@@ -207,10 +207,11 @@ _A100_EFF = Efficiency(mm_max=0.86, mm_half_mn=0.25 * 108 * 128 * 128, mm_half_k
                        attn_bwd=0.60, attn_half_seq=256.0, attn_half_head_dim=32.0, mem_max=0.85,
                        mem_half_bytes=float(1 << 20))
 # cpu: a guess (run `autopar calibrate`, which fits these on the machine): one core's BLAS reaches
-# ~70% of its peak on large matmuls, half of that by 64x64 outputs or K 32; torch's CPU flash
-# attention about half the matmul rate; copies ~80% of the bandwidth past a few cache lines.
-_CPU_EFF = Efficiency(mm_max=0.7, mm_half_mn=4096.0, mm_half_k=32.0, attn_fwd=0.35, attn_bwd=0.25,
-                      attn_half_seq=64.0, attn_half_head_dim=16.0, mem_max=0.8, mem_half_bytes=32768.0)
+# ~70% of its peak on large matmuls; a core has no SMs to fill, so small shapes lose little beyond
+# the per-op launch floor (a quick calibration here fitted half-constants of ~20 output elements and
+# K ~0); torch's CPU flash attention about half the matmul rate; copies ~80% of the bandwidth.
+_CPU_EFF = Efficiency(mm_max=0.7, mm_half_mn=64.0, mm_half_k=8.0, attn_fwd=0.35, attn_bwd=0.25,
+                      attn_half_seq=16.0, attn_half_head_dim=8.0, mem_max=0.8, mem_half_bytes=4096.0)
 
 PRESETS: dict[str, Hardware] = {
     "h100": Hardware(
