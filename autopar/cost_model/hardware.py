@@ -209,9 +209,11 @@ _A100_EFF = Efficiency(mm_max=0.86, mm_half_mn=0.25 * 108 * 128 * 128, mm_half_k
 # cpu: a guess (run `autopar calibrate`, which fits these on the machine): one core's BLAS reaches
 # ~70% of its peak on large matmuls; a core has no SMs to fill, so small shapes lose little beyond
 # the per-op launch floor (a quick calibration here fitted half-constants of ~20 output elements and
-# K ~0); torch's CPU flash attention about half the matmul rate; copies ~80% of the bandwidth.
-_CPU_EFF = Efficiency(mm_max=0.7, mm_half_mn=64.0, mm_half_k=8.0, attn_fwd=0.35, attn_bwd=0.25,
-                      attn_half_seq=16.0, attn_half_head_dim=8.0, mem_max=0.8, mem_half_bytes=4096.0)
+# K ~0); torch's CPU attention ran at about the matmul rate forward and a third of it backward, with
+# little dependence on the sequence, and pads no head dim (flat: half-constants 0); copies ~80% of
+# the bandwidth.
+_CPU_EFF = Efficiency(mm_max=0.7, mm_half_mn=64.0, mm_half_k=8.0, attn_fwd=0.7, attn_bwd=0.3,
+                      attn_half_seq=0.0, attn_half_head_dim=0.0, mem_max=0.8, mem_half_bytes=4096.0)
 
 PRESETS: dict[str, Hardware] = {
     "h100": Hardware(
