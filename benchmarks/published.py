@@ -85,10 +85,16 @@ def price(row, graph_cache: dict) -> dict:
     plan = build_plan(planned)
     step = planned.cost.step_time
     tok_gpu = mb * SEQ / step
+    parts = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for n in plan.nodes:  # every op instance, at its chosen strategy's priced seconds
+        op = n["op"]
+        kind = ("matmul" if op.split(".")[1] in ("mm", "addmm", "bmm", "baddbmm") else
+                "attention" if "scaled_dot_product" in op else "other")
+        parts[kind] += n["compute"]
     fpt = foundry_flops_per_token(params, layers, width)
     return {"tok_gpu": tok_gpu, "mfu": fpt * tok_gpu / PEAK[device], "step": step,
             "compute": planned.cost.compute_time, "exposed": planned.cost.comm_time,
-            "plan_mfu": getattr(plan, "mfu", float("nan")), "fits": plan.fits, "params": params,
+            "plan_mfu": getattr(plan, "mfu", float("nan")), "fits": plan.fits, "params": params, "parts": parts,
             "capture_s": t_capture, "plan_s": time.perf_counter() - t0 - t_capture}
 
 
@@ -122,6 +128,11 @@ def main(argv=None) -> int:
              f"{r['compute'] * 1e3:>8.1f} {r['exposed'] * 1e3:>8.1f} {r['tok_gpu']:>10.0f} {tok:>10} "
              f"{100 * r['mfu']:>6.1f} {mfu:>8.2f} {100 * r['plan_mfu']:>8.1f} {ratio:>8.3f}"
              + ("" if r["fits"] else "  (over memory)"))
+    _say("")
+    _say("predicted compute by kind of op (ms per step; a recomputed forward op counted once): matmul / attention / other")
+    for row, r in sorted(results, key=lambda x: (x[0][0], SHAPES[x[0][1]][1])):
+        p = r["parts"]
+        _say(f"{row[0]:<6} {row[1]:<5} " + " / ".join(f"{p[k] * 1e3:.1f}" for k in ("matmul", "attention", "other")))
     for device, ratios in by_dev.items():
         geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
         _say(f"{device}: geomean predicted/published {geo:.3f} over {len(ratios)} rows, "
