@@ -40,7 +40,10 @@ def test_simulated_memory_is_the_plans_kind_by_kind():
     """Without checkpointing, what the program saves is what the plan counts (views of a saved
     value add nothing), and the parameters, gradients and optimizer state are the plan's."""
     model, args = _gpt()
-    plan = _plan(model, args, {"dp": 2, "tp": 2})
+    # the plan the search made here until the optimizer step was priced (data parallel over both
+    # axes); the search now shards this small model's state over all four devices (docs/benchmarks.md,
+    # issue 17), a layout whose program the lowering cannot run yet (the lead's notes)
+    plan = _plan(model, args, {"dp": 2, "tp": 2}, recipe="ddp")
     _, _, memory = autopar.simulate(model, plan, args, measure_memory=True)
     assert sorted(memory) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for coords, m in memory.items():
@@ -58,8 +61,8 @@ def test_checkpointed_layers_measure_what_the_plan_predicts():
     backward re-runs ops where it first needs them and frees their values as it goes), and the
     peak follows."""
     model, args = _gpt()
-    plain = _plan(model, args, {"dp": 4})
-    full = _plan(model, args, {"dp": 4}, "full")
+    plain = _plan(model, args, {"dp": 4}, recipe="ddp")  # the search's plan before the optimizer was priced
+    full = _plan(model, args, {"dp": 4}, "full", recipe="ddp")
     _, _, before = autopar.simulate(model, plain, args, measure_memory=True)
     _, _, after = autopar.simulate(model, full, args, measure_memory=True)
     a, b = before[(0,)], after[(0,)]

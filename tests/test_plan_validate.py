@@ -172,15 +172,18 @@ def test_a_saved_plan_loads_and_saves_to_the_same_bytes(tmp_path):
 
 def test_later_versions_only_add_fields(good):
     """The format of version 1 is kept: version 2 adds ``graph.shapes``, 3 ``mesh.hardware.nics_per_node``,
-    4 ``checkpointing``, ``kept_gathers`` and ``layer_groups``."""
+    4 ``checkpointing``, ``kept_gathers`` and ``layer_groups``, 5 the MFU fields and replaces the two
+    efficiency constants of ``mesh.hardware`` by its ``efficiency`` curves."""
     assert good["graph"]["shapes"] == {"head.bias": "float32[4]", "head.weight": "float32[4, 32]",
                                        "layers.0.bias": "float32[32]", "layers.0.weight": "float32[32, 16]",
                                        "layers.1.bias": "float32[32]", "layers.1.weight": "float32[32, 32]"}
     version_1 = ["axis_names", "baselines", "bucket_size", "collectives", "comm_time", "compute_time", "fingerprint",
                  "graph", "memory", "memory_budget", "mesh", "modules", "nodes", "peak_memory", "placements",
                  "precision", "reshardings", "schema_version", "solver", "source", "step_time", "training"]
-    assert sorted(good) == sorted(version_1 + ["checkpointing", "kept_gathers", "layer_groups"])
+    assert sorted(good) == sorted(version_1 + ["checkpointing", "kept_gathers", "layer_groups", "model_flops", "mfu",
+                                               "tokens_per_step", "tokens_per_second_per_device"])
     assert "nics_per_node" in good["mesh"]["hardware"]
+    assert "efficiency" in good["mesh"]["hardware"] and "matmul_efficiency" not in good["mesh"]["hardware"]
 
 
 def test_a_version_1_file_loads_with_shapes_left_out(tmp_path, good):
@@ -194,8 +197,29 @@ def test_a_version_3_file_loads_with_nothing_recomputed_or_kept(tmp_path, good):
     old = _mutated(good, lambda d: (d.update(schema_version=3), [d.pop(k) for k in ("checkpointing", "kept_gathers",
                                                                                    "layer_groups")]))
     plan = load_plan(_write(tmp_path, old))
-    assert plan.schema_version == 5
+    assert plan.schema_version == SCHEMA_VERSION
     assert (plan.checkpointing, plan.kept_gathers, plan.layer_groups) == ({}, [], [])
+
+
+def test_a_version_4_file_loads_with_mfu_unknown_and_its_constants_as_a_flat_efficiency(tmp_path, good):
+    """A version 4 plan has no MFU fields and prices with two constants: it loads with the MFU at 0
+    (not known, and the summary leaves it out) and its hardware prices every shape at the constants."""
+    from autopar.cost_model.efficiency import Efficiency
+    from autopar.cost_model.hardware import Hardware
+
+    def old_form(d):
+        d.update(schema_version=4)
+        for k in ("model_flops", "mfu", "tokens_per_step", "tokens_per_second_per_device"):
+            d.pop(k)
+        hw = d["mesh"]["hardware"]
+        hw.pop("efficiency")
+        hw.update(matmul_efficiency=0.7, memory_efficiency=0.8)
+
+    plan = load_plan(_write(tmp_path, _mutated(good, old_form)))
+    assert (plan.model_flops, plan.mfu, plan.tokens_per_step, plan.tokens_per_second_per_device) == (0.0, 0.0, 0, 0.0)
+    assert "MFU" not in plan.summary()
+    hw = Hardware.from_dict(plan.mesh["hardware"])
+    assert hw.efficiency == Efficiency.flat(0.7, 0.8)
 
 
 def test_version_4_fields_round_trip_and_a_wrong_mode_is_refused(tmp_path, good):
@@ -221,7 +245,7 @@ def test_version_5_layer_groups_say_what_keeping_gathers_costs(tmp_path, good):
              "kept_bytes": 2048, "kept_time": 0.0005}
     new = _mutated(good, lambda d: d.update(kept_gathers=["layers.0", "layers.1"], layer_groups=[group]))
     plan = load_plan(_write(tmp_path, new))
-    assert plan.layer_groups == [group] and plan.schema_version == 5
+    assert plan.layer_groups == [group] and plan.schema_version == SCHEMA_VERSION
     assert "2 of 2 keep their gathered parameters" in plan.summary()
     bad = _mutated(new, lambda d: d["layer_groups"][0].update(kept_bytes=-1))
     assert _load_error(tmp_path, bad).startswith("layer_groups[0].kept_bytes")

@@ -158,6 +158,9 @@ def _crossover_batch(mesh, d, h, c) -> tuple[float, dict]:
       each hidden under the same phase's compute of the B/n local samples:
           F(B) = kappa_f B/n,  kappa_f = 2dh / (peak * eff_mm) + 3 * 2h / (hbm * eff_mem)
           H(B) = kappa_b B/n,  kappa_b = 2dh / (peak * eff_mm) + 6 * 2h / (hbm * eff_mem)
+      (eff_mm the matmul's achieved fraction at its local shape near the crossover, eff_mem the
+      best bandwidth fraction; the optimizer step, priced as compute of the forward group, is left
+      out: it is the same for both up to the sharded share)
       (per sample: the first matmul's FLOPs, forward or weight gradient, plus the passes over the
       h-wide bf16 hidden activation: GELU in and out and the head's read in the forward; the
       head's two gradient matmuls, GELU's backward (three) and the bias gradient in the backward).
@@ -172,9 +175,14 @@ def _crossover_batch(mesh, d, h, c) -> tuple[float, dict]:
     """
     from autopar.cost_model.comm import collective_time
 
+    from autopar.cost_model import efficiency
+
     hw, link, n = mesh.hardware, mesh.links[0], mesh.shape[0]
-    mm = hw.flops("bfloat16") * hw.matmul_efficiency
-    mem = hw.hbm_bandwidth * hw.memory_efficiency
+    # the matmul's achieved rate depends on its local shape ((B/n) x h outputs, K = d): taken at
+    # the crossover's own batch (a fixed point from 12k samples); memory-bound passes over large
+    # tensors run at the best bandwidth fraction
+    mm = hw.flops("bfloat16") * efficiency.matmul(hw.efficiency, 12288 / n * h, d)
+    mem = hw.hbm_bandwidth * hw.efficiency.mem_max
     kf = 2 * d * h / mm + 3 * 2 * h / mem
     kb = 2 * d * h / mm + 6 * 2 * h / mem
     sharded, replicated = [d * h, h], [h * c, c]  # the search keeps the small head replicated

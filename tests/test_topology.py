@@ -175,7 +175,7 @@ def test_profiles_of_version_1_load_with_one_nic_per_device(tmp_path):
     assert get_hardware("h100", partial).nics_per_node == 8
     save_profile(hw, tmp_path / "v2.json", base="h100")
     saved = json.loads((tmp_path / "v2.json").read_text())
-    assert saved["autopar_profile"] == 2 and saved["nics_per_node"] == 4
+    assert saved["autopar_profile"] == 3 and saved["nics_per_node"] == 4
     assert load_profile(tmp_path / "v2.json") == hw
 
 

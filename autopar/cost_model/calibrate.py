@@ -1,10 +1,12 @@
 """Measure this machine and write a hardware profile (the "cpu" preset with measured figures).
 
 Measured: the float32 (and float64) matmul rate, memory bandwidth (a large copy), the per-op
-launch floor, and gloo ``all_reduce`` latency and bandwidth between ``nprocs`` local processes.
-The measured rates are what large ops achieve, so the profile stores them as peaks with
-efficiencies of 1.0 (the roofline then reproduces the measurements). Planning never measures:
-``Mesh(..., device="cpu", profile=path)`` loads the file this writes.
+launch floor, gloo ``all_reduce`` latency and bandwidth between ``nprocs`` local processes, and the
+shape tables of ``autopar.cost_model.efficiency``: matmuls with few output elements and with a
+short reduction, copies of a few sizes, and attention (SDPA forward and backward) at two sequence
+lengths. The large-op rates are stored as peaks; the efficiency curves are fitted to the measured
+ratios of small to large (``fit_half``), so the roofline reproduces the measurements. Planning never
+measures: ``Mesh(..., device="cpu", profile=path)`` loads the file this writes.
 
     python -c "from autopar.cost_model.calibrate import calibrate; calibrate('cpu.json')"
 """
@@ -21,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from autopar.cost_model import efficiency as eff
+from autopar.cost_model.efficiency import Efficiency
 from autopar.cost_model.hardware import PRESETS, Hardware, Link, save_profile
 
 
@@ -34,18 +38,112 @@ def _best_time(fn: Callable[[], object], reps: int) -> float:
     return best
 
 
+def time_matmul(m: int, n: int, k: int, dtype: torch.dtype = torch.float32, reps: int = 5) -> float:
+    """Seconds of one (m x k) @ (k x n) matmul (best of ``reps``)."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    out = torch.empty(m, n, dtype=dtype)
+    inner = max(1, min(64, int(2e7 // max(1, m * n * k))))  # repeat tiny ones so the clock resolves them
+
+    def run() -> None:
+        for _ in range(inner):
+            torch.mm(a, b, out=out)
+
+    return _best_time(run, reps) / inner
+
+
 def measure_matmul(n: int = 1024, dtype: torch.dtype = torch.float32, reps: int = 5) -> float:
     """FLOP/s of an ``n``-cubed matmul (best of ``reps``)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    out = torch.empty(n, n, dtype=dtype)
-    return 2.0 * n**3 / _best_time(lambda: torch.mm(a, b, out=out), reps)
+    return 2.0 * n**3 / time_matmul(n, n, n, dtype, reps)
+
+
+def time_copy(nbytes: int, reps: int = 5) -> float:
+    """Seconds of one copy of ``nbytes`` (float32) into a preallocated tensor."""
+    x = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    y = torch.empty_like(x)
+    inner = max(1, min(64, int((8 << 20) // max(1, nbytes))))
+
+    def run() -> None:
+        for _ in range(inner):
+            y.copy_(x)
+
+    return _best_time(run, reps) / inner
 
 
 def measure_memory_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
     """Bytes/s of a large copy (read + write counted)."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    y = torch.empty_like(x)
-    return 2.0 * x.numel() * 4 / _best_time(lambda: y.copy_(x), reps)
+    return 2.0 * (nbytes // 4) * 4 / time_copy(nbytes, reps)
+
+
+def time_attention(seq: int, head_dim: int = 64, heads: int = 4, reps: int = 3) -> tuple[float, float]:
+    """Seconds of SDPA's forward and of its backward (float32, batch 1, not causal)."""
+    q, k, v = (torch.randn(1, heads, seq, head_dim, requires_grad=True) for _ in range(3))
+    f = torch.nn.functional.scaled_dot_product_attention
+    t_fwd = _best_time(lambda: f(q, k, v), reps)
+
+    def both() -> None:
+        f(q, k, v).sum().backward()
+
+    t_both = _best_time(both, reps)
+    return t_fwd, max(t_both - t_fwd, 1e-9)
+
+
+def fit_half(x_small: float, ratio: float) -> float:
+    """The half-constant h of ``x / (x + h)`` that makes a size ``x_small`` run at ``ratio`` of
+    the large size's rate (the large one taken as saturated); 0 (flat) when it is not slower."""
+    if not 0 < ratio < 1:
+        return 0.0
+    return x_small * (1.0 / ratio - 1.0)
+
+
+def _attention_flops(seq: int, head_dim: int, heads: int) -> float:
+    return 4.0 * heads * seq * seq * head_dim
+
+
+def fit_efficiency(base: Efficiency, quick: bool, launch: float, reps: int) -> tuple[Efficiency, float, float]:
+    """Measure the shape tables on this machine: returns the fitted ``Efficiency`` with the float32
+    matmul peak (FLOP/s) and memory bandwidth (bytes/s) it is relative to."""
+    big = 384 if quick else 1024
+    t_big = time_matmul(big, big, big, reps=reps)
+    peak = 2.0 * big**3 / t_big
+
+    def rate(m: int, n: int, k: int) -> float:
+        return 2.0 * m * n * k / max(time_matmul(m, n, k, reps=reps) - launch, 1e-9)
+
+    small_mn = 16 if quick else 32
+    h_mn = fit_half(small_mn * small_mn, rate(small_mn, small_mn, big) / peak)
+    small_k = 8 if quick else 16
+    h_k = fit_half(small_k, rate(big, big, small_k) / peak)
+    # mm_max: so the fitted curve passes through the large measurement (peak is its rate)
+    mm_max = 1.0 / (eff._sat(big * big, h_mn) * eff._sat(big, h_k))
+
+    nb_big = (32 << 20) if quick else (256 << 20)
+    bw = 2.0 * nb_big / time_copy(nb_big, reps)
+    nb_small = 64 << 10
+    bw_small = 2.0 * nb_small / max(time_copy(nb_small, reps) - launch, 1e-9)
+    h_mem = fit_half(2 * nb_small, bw_small / bw)
+    mem_max = 1.0 / eff._sat(2 * nb_big, h_mem)
+
+    d, heads = 64, 4
+    s1, s2 = (64, 256) if quick else (128, 512)
+    e = {}
+    for s in (s1, s2):
+        tf, tb = time_attention(s, d, heads, reps)
+        fl = _attention_flops(s, d, heads)
+        e[s] = (fl / (peak * max(tf - launch, 1e-9)), 2.5 * fl / (peak * max(tb - launch, 1e-9)))
+
+    def two_point(e1: float, e2: float) -> tuple[float, float]:
+        r = e1 / e2
+        den = r * s2 - s1
+        h = s1 * s2 * (1 - r) / den if den > 0 and r < 1 else 0.0
+        return min(2.0, e2 * (s2 + h) / s2), h
+
+    fwd, h_seq = two_point(e[s1][0], e[s2][0])
+    bwd, _ = two_point(e[s1][1], e[s2][1])
+    fitted = Efficiency(mm_max=min(mm_max, 2.0), mm_half_mn=h_mn, mm_half_k=h_k, attn_fwd=fwd, attn_bwd=min(bwd, 2.0),
+                        attn_half_seq=h_seq, attn_half_head_dim=base.attn_half_head_dim, mem_max=min(mem_max, 2.0),
+                        mem_half_bytes=h_mem)
+    fitted.validate()
+    return fitted, peak, bw
 
 
 def measure_launch_floor(reps: int = 2000) -> float:
@@ -122,10 +220,9 @@ def calibrate(path: str | os.PathLike, nprocs: int = 2, quick: bool = False) -> 
     """
     base = PRESETS["cpu"]
     reps = 2 if quick else 5
-    fp32 = measure_matmul(512 if quick else 1024, torch.float32, reps)
-    fp64 = measure_matmul(256 if quick else 1024, torch.float64, reps)
-    mem = measure_memory_bandwidth((32 << 20) if quick else (256 << 20), reps)
     launch = measure_launch_floor(200 if quick else 2000)
+    efficiency, fp32, mem = fit_efficiency(base.efficiency, quick, launch, reps)
+    fp64 = measure_matmul(256 if quick else 1024, torch.float64, reps)
     ratio = fp32 / base.peak_flops["float32"]  # no fast 16-bit path measured: keep the preset's ratios
     flops = {k: v * ratio for k, v in base.peak_flops.items()}
     flops.update({"float32": fp32, "float64": fp64})
@@ -139,8 +236,7 @@ def calibrate(path: str | os.PathLike, nprocs: int = 2, quick: bool = False) -> 
         hbm_bandwidth=mem,
         intra_node=link,
         inter_node=link,
-        matmul_efficiency=1.0,
-        memory_efficiency=1.0,
+        efficiency=efficiency,
         launch_floor=launch,
     )
     hw.validate()
@@ -148,4 +244,4 @@ def calibrate(path: str | os.PathLike, nprocs: int = 2, quick: bool = False) -> 
     return hw
 
 
-__all__ = ["calibrate", "measure_link", "measure_launch_floor", "measure_matmul", "measure_memory_bandwidth"]
+__all__ = ["calibrate", "fit_efficiency", "fit_half", "measure_link", "measure_launch_floor", "measure_matmul", "measure_memory_bandwidth"]

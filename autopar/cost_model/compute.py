@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from autopar.cost_model import efficiency as eff
 from autopar.cost_model.hardware import Hardware
 from autopar.cost_model.precision import Precision, element_bytes
 from autopar.ir.rules.base import OpCall
@@ -154,6 +155,44 @@ def _score_bytes(call: OpCall, ins: Sequence[Shape], precision: Precision) -> fl
     return float(scores * eb * (4 if call.op == _ATTN_BWD else 2))
 
 
+def matmul_shape(call: OpCall, ins: Sequence[Shape], outs: Sequence[Optional[Shape]]) -> Optional[tuple[float, float]]:
+    """(output elements MN over all batches, reduction length K) of a matmul-like op; None for
+    the rest. A convolution is its implicit GEMM: MN = output positions x output channels, K =
+    input channels per group x kernel area (its backward: the forward's shape)."""
+    key = _op_key(call.op)
+    if key in ("aten.mm", "aten.addmm"):
+        a, b = (ins[0], ins[1]) if key == "aten.mm" else (ins[1], ins[2])
+        return float(a[0] * b[1]), float(a[1])
+    if key in ("aten.bmm", "aten.baddbmm"):
+        a, b = (ins[0], ins[1]) if key == "aten.bmm" else (ins[1], ins[2])
+        return float(a[0] * a[1] * b[2]), float(a[2])
+    if call.op in ("aten.convolution.default", "aten.convolution_backward.default"):
+        x, w = (ins[0], ins[1]) if call.op == "aten.convolution.default" else (ins[1], ins[2])
+        if len(w) < 2:
+            return None
+        positions = _numel(outs[0]) / max(1, w[0]) if call.op == "aten.convolution.default" and outs[0] else None
+        if positions is None:  # backward: the forward's output positions from grad_output
+            positions = _numel(ins[0]) / max(1, w[0])
+        return float(positions * w[0]), float(math.prod(w[1:]))
+    return None
+
+
+def efficiency_of(call: OpCall, ins: Sequence[Shape], outs: Sequence[Optional[Shape]], hw: Hardware) -> float:
+    """Fraction of peak FLOP/s ``call`` reaches on ``hw`` (``autopar.cost_model.efficiency``):
+    matmuls and convolutions by (MN, K); fused attention by (keys, head dim, causal, phase); any
+    other op at the best matmul rate (they are memory-bound: the byte term decides)."""
+    e = hw.efficiency
+    if call.op in (_ATTN_FWD, _ATTN_BWD):
+        at = 1 if call.op == _ATTN_BWD else 0
+        q, k = ins[at], ins[at + 1]
+        causal = bool(call.arg(7, "is_causal", False) if at else call.arg(4, "is_causal", False))
+        return eff.attention(e, "bwd" if at else "fwd", k[2], q[3], causal)
+    shape = matmul_shape(call, ins, outs)
+    if shape is not None:
+        return eff.matmul(e, *shape)
+    return e.mm_max
+
+
 def compute_time(
     call: OpCall,
     in_shapes: Sequence[Shape],
@@ -163,22 +202,78 @@ def compute_time(
 ) -> float:
     """Seconds for one op on one device: 0 for ``is_free`` ops, else the roofline
 
-        max(flops / (peak[dtype] * matmul_efficiency), bytes / (hbm_bandwidth * memory_efficiency))
+        max(flops / (peak[dtype] * e_flops(shape)), bytes / (hbm_bandwidth * e_memory(bytes)))
         + launch_floor
 
-    with dtype = ``precision.compute_dtype`` or the op's own (first float) dtype. Non-matmul ops
-    use the same FLOP term; pointwise ops are memory-bound anyway. On hardware without flash
-    attention the fused attention ops also move their score matrix through memory.
+    with dtype = ``precision.compute_dtype`` or the op's own (first float) dtype, ``e_flops`` the
+    shape's achieved fraction of peak (``efficiency_of``) and ``e_memory`` that of the bandwidth
+    (``autopar.cost_model.efficiency.memory``). On hardware without flash attention the fused
+    attention ops also move their score matrix through memory.
     """
     if is_free(call.op):
         return 0.0
-    flops, nbytes = flops_and_bytes(call, in_shapes, out_shapes, precision)
+    ins = [tuple(s) for s in in_shapes]
+    outs = [None if s is None else tuple(s) for s in out_shapes]
+    flops, nbytes = flops_and_bytes(call, ins, outs, precision)
     if call.op in (_ATTN_FWD, _ATTN_BWD) and not hw.flash_attention:
-        nbytes += _score_bytes(call, [tuple(s) for s in in_shapes], precision)
+        nbytes += _score_bytes(call, ins, precision)
     dtype = precision.compute_dtype or str(_float_dtype(call)).replace("torch.", "")
-    t_flops = flops / (hw.flops(dtype) * hw.matmul_efficiency)
-    t_bytes = nbytes / (hw.hbm_bandwidth * hw.memory_efficiency)
+    t_flops = flops / (hw.flops(dtype) * efficiency_of(call, ins, outs, hw)) if flops else 0.0
+    t_bytes = nbytes / (hw.hbm_bandwidth * eff.memory(hw.efficiency, nbytes)) if nbytes else 0.0
     return max(t_flops, t_bytes) + hw.launch_floor
 
 
-__all__ = ["compute_time", "flops_and_bytes", "is_free"]
+def model_flops(graph) -> float:
+    """Model FLOPs of one step (the MFU numerator, global, every device together): the forward's
+    matmuls, convolutions and fused attention at their full shapes, times 3 when training (the
+    backward's two products per forward one), recomputation not counted. A matmul counts 2 MNK
+    (no bias), attention 2 b h s t (d + e) forward WITHOUT the causal halving (the convention
+    MFU figures are published in: for a decoder 6 N + 12 L h s per token, N the matmul weights,
+    L layers, h the width, s the sequence). Pointwise work, norms and the loss are not counted."""
+    from autopar.ir.graph import Phase
+    from autopar.ir.rules import op_call
+
+    total = 0.0
+    for n in graph.ops():
+        if n.phase != Phase.FORWARD:
+            continue
+        if n.op == _ATTN_FWD:
+            ins = [tuple(graph.spec(r).shape) for r in n.inputs[:3]]
+            total += _attention_flops(ins[0], ins[1], ins[2], False)
+            continue
+        key = _op_key(n.op)
+        if key not in ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm") and n.op != "aten.convolution.default":
+            continue
+        call = op_call(graph, n)
+        ins = [tuple(graph.spec(r).shape) for r in n.inputs]
+        outs = [None if o is None else tuple(o.shape) for o in n.outputs]
+        shape = matmul_shape(call, ins, outs)
+        if shape is not None:
+            total += 2.0 * shape[0] * shape[1]
+    return total * (3.0 if graph.training else 1.0)
+
+
+def tokens_per_step(graph) -> int:
+    """Tokens one step processes: the elements of the first integer input with two or more dims
+    (token ids, [batch, sequence]); 0 when the model takes no such input (then plans report no
+    tokens/s)."""
+    for name in graph.inputs.values():
+        spec = graph.node(name).out
+        if spec is not None and not spec.dtype.is_floating_point and spec.dtype != torch.bool and len(spec.shape) >= 2:
+            return int(math.prod(spec.shape))
+    return 0
+
+
+def optimizer_time(state: dict, hw: Hardware) -> float:
+    """Seconds of one optimizer step over one device's block of a parameter: memory-bound, reading
+    the weights, the gradient and the state and writing the weights and the state back (AdamW
+    bf16-mixed: 4 + 4 + 8 read, 4 + 8 written = 28 bytes per element). ``state`` is
+    ``memory.param_state_bytes``'s ``{"params", "grads", "optimizer"}``; no gradient, no step."""
+    if not state.get("grads"):
+        return 0.0
+    nbytes = 2 * state["params"] + state["grads"] + 2 * state["optimizer"]
+    return nbytes / (hw.hbm_bandwidth * eff.memory(hw.efficiency, nbytes))
+
+
+__all__ = ["compute_time", "efficiency_of", "flops_and_bytes", "is_free", "matmul_shape", "model_flops", "optimizer_time",
+           "tokens_per_step"]

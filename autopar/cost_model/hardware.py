@@ -9,8 +9,14 @@ NVLink figure. Peak FLOP/s are dense (no 2:4 sparsity) figures. ``inter_node`` i
 rail); ``nics_per_node`` says how many a node has, so an axis whose group has several members per
 node is priced with several rails (``autopar.cost_model.mesh.axis_link``).
 
+Achieved throughput is a function of shape (``autopar.cost_model.efficiency``): each preset's
+``efficiency`` holds the parameters of its curves, each with the kernel-level measurement it comes
+from cited beside it.
+
 Profile files: version 1 had no ``nics_per_node``; a profile that gives ``devices_per_node`` but not
 ``nics_per_node`` (every version 1 file) loads with one NIC per device, as version 1 priced it.
+Version 3 replaced ``matmul_efficiency``/``memory_efficiency`` (two constants) by ``efficiency``; a
+file with the two constants loads with them as a flat ``Efficiency`` (priced as it was).
 """
 
 from __future__ import annotations
@@ -21,9 +27,13 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from autopar.cost_model.efficiency import Efficiency
+
 #: Extra keys a profile file may carry besides the Hardware fields.
 PROFILE_META = ("autopar_profile", "base")
-PROFILE_VERSION = 2  # 2 adds nics_per_node
+PROFILE_VERSION = 3  # 2 adds nics_per_node; 3 replaces the two efficiency constants by ``efficiency``
+#: the constants schema version 4 plans and version 1-2 profiles carry instead of ``efficiency``
+LEGACY_EFFICIENCY = ("matmul_efficiency", "memory_efficiency")
 
 
 @dataclass(frozen=True)
@@ -70,8 +80,7 @@ class Hardware:
     inter_node: Link  # one NIC (one rail) of InfiniBand (GPU presets)
     devices_per_node: int
     nics_per_node: int  # inter-node NICs (rails) per node; NCCL runs one ring per rail
-    matmul_efficiency: float  # fraction of peak large matmuls reach
-    memory_efficiency: float  # fraction of hbm_bandwidth memory-bound ops reach
+    efficiency: Efficiency  # achieved fraction of peak / bandwidth as a function of shape
     launch_floor: float  # seconds per kernel
     flash_attention: bool  # price fused attention as flash attention (no materialised scores)
     default_precision: str  # "bf16-mixed" on GPU presets, "fp32" on cpu
@@ -97,8 +106,7 @@ class Hardware:
             "inter_node": self.inter_node.to_dict(),
             "devices_per_node": int(self.devices_per_node),
             "nics_per_node": int(self.nics_per_node),
-            "matmul_efficiency": float(self.matmul_efficiency),
-            "memory_efficiency": float(self.memory_efficiency),
+            "efficiency": self.efficiency.to_dict(),
             "launch_floor": float(self.launch_floor),
             "flash_attention": bool(self.flash_attention),
             "default_precision": self.default_precision,
@@ -106,7 +114,10 @@ class Hardware:
 
     @staticmethod
     def from_dict(d: dict) -> "Hardware":
-        """The hardware a plan or profile file describes (``to_dict``'s inverse)."""
+        """The hardware a plan or profile file describes (``to_dict``'s inverse). A description with
+        ``matmul_efficiency`` and ``memory_efficiency`` instead of ``efficiency`` (plans of schema
+        version 4 and older, profiles of version 1-2) gets them as a flat ``Efficiency``."""
+        d = legacy_efficiency(d)
         names = [f.name for f in dataclasses.fields(Hardware)]
         missing = [n for n in names if n not in d]
         unknown = [k for k in d if k not in names]
@@ -127,8 +138,7 @@ class Hardware:
             inter_node=Link.from_dict(d["inter_node"]),
             devices_per_node=int(d["devices_per_node"]),
             nics_per_node=int(d["nics_per_node"]),
-            matmul_efficiency=float(d["matmul_efficiency"]),
-            memory_efficiency=float(d["memory_efficiency"]),
+            efficiency=Efficiency.from_dict(d["efficiency"]),
             launch_floor=float(d["launch_floor"]),
             flash_attention=bool(d["flash_attention"]),
             default_precision=str(d["default_precision"]),
@@ -140,16 +150,27 @@ class Hardware:
         """Raise ValueError naming the first figure that cannot be right."""
         if not self.peak_flops or any(not v > 0 for v in self.peak_flops.values()):
             raise ValueError(f"{self.name}: peak_flops must be a non-empty dtype -> positive FLOP/s map")
-        for f in ("hbm_bandwidth", "memory", "devices_per_node", "nics_per_node", "matmul_efficiency",
-                  "memory_efficiency"):
+        self.efficiency.validate()
+        for f in ("hbm_bandwidth", "memory", "devices_per_node", "nics_per_node"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"{self.name}: {f} must be positive, got {getattr(self, f)!r}")
         if self.launch_floor < 0:
             raise ValueError(f"{self.name}: launch_floor must be >= 0, got {self.launch_floor!r}")
 
 
+def legacy_efficiency(d: dict) -> dict:
+    """``d`` with ``matmul_efficiency``/``memory_efficiency`` folded into a flat ``efficiency``
+    (an older plan's or profile's hardware); ``d`` itself when it has neither."""
+    if not any(k in d for k in LEGACY_EFFICIENCY):
+        return d
+    out = {k: v for k, v in d.items() if k not in LEGACY_EFFICIENCY}
+    if "efficiency" not in out and all(k in d for k in LEGACY_EFFICIENCY):
+        out["efficiency"] = Efficiency.flat(float(d["matmul_efficiency"]), float(d["memory_efficiency"])).to_dict()
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
-# Presets (datasheet figures)
+# Presets (datasheet figures; achieved fractions from kernel-level measurements, cited)
 
 # H100 SXM5: 989 TFLOP/s dense bf16/fp16 on tensor cores. fp32 is 67 TFLOP/s, the non-tensor-core
 # figure: torch leaves TF32 matmuls off by default (allow_tf32=False), so fp32 matmuls do not reach
@@ -159,6 +180,40 @@ class Hardware:
 _NVLINK4 = Link(latency=4e-6, bandwidth=450e9)
 _IB_NDR = Link(latency=10e-6, bandwidth=50e9)
 _H100_FLOPS = {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float64": 67e12}
+
+# Achieved fractions (autopar.cost_model.efficiency), what torch's own kernels reach: cuBLAS matmuls
+# and the flash attention torch's SDPA runs (FlashAttention-2).
+# - mm_max: the Maximum Achievable Matmul FLOPS table (S. Bekman, "Machine Learning Engineering",
+#   github.com/stas00/ml-engineering, compute/accelerator/README.md, BF16, CUDA 12.1): H100 SXM 792.1
+#   of 989 TFLOP/s (80.1%), A100 SXM 267.9 of 312 (85.9%): the best shape of a scan of large ones.
+# - mm_half_mn: a quarter of one wave of output tiles (SMs x tile area: H100 132 x 128x256, A100 108
+#   x 128x128): too few tiles leave SMs idle (wave quantization; Anthony et al., "The Case for
+#   Co-Designing Model Architectures with Hardware", arXiv:2401.14489, GEMM figures); mm_half_k: a
+#   few 64-wide K tiles of prologue/epilogue per output tile (the same paper's K sweeps flatten from
+#   K ~ 1-2k). Both are a smooth reading of those curves, not a fit of them.
+# - attn_fwd/attn_bwd: FlashAttention-2 (T. Dao, arXiv:2307.08691, Figs. 4-7, head dim 128, long
+#   sequences): A100 forward up to ~73% of peak, backward ~60% (fwd+bwd ~200 TFLOP/s); H100 forward
+#   ~37%, backward ~32% (fwd+bwd up to ~335 TFLOP/s, the paper's H100 figure; FlashAttention-3,
+#   Shah et al. arXiv:2407.08608, Figs. 5-8, shows FA2 at 300-370 TFLOP/s forward on H100).
+#   attn_half_seq 256: the same figures' rate at sequence 512 is ~2/3 of the 16k rate;
+#   attn_half_head_dim 32: head dim 64 runs at ~0.85 of head dim 128.
+# - mem_max 0.85, mem_half_bytes 1 MiB: an estimate (copies and elementwise kernels run at 85-92% of
+#   the datasheet HBM bandwidth once large; a kernel moving ~1 MiB is latency-bound); no single
+#   published table is used; benchmarks/gpu_calibrate.py measures it.
+_H100_EFF = Efficiency(mm_max=0.80, mm_half_mn=0.25 * 132 * 128 * 256, mm_half_k=128.0, attn_fwd=0.37,
+                       attn_bwd=0.32, attn_half_seq=256.0, attn_half_head_dim=32.0, mem_max=0.85,
+                       mem_half_bytes=float(1 << 20))
+_A100_EFF = Efficiency(mm_max=0.86, mm_half_mn=0.25 * 108 * 128 * 128, mm_half_k=128.0, attn_fwd=0.73,
+                       attn_bwd=0.60, attn_half_seq=256.0, attn_half_head_dim=32.0, mem_max=0.85,
+                       mem_half_bytes=float(1 << 20))
+# cpu: a guess (run `autopar calibrate`, which fits these on the machine): one core's BLAS reaches
+# ~70% of its peak on large matmuls; a core has no SMs to fill, so small shapes lose little beyond
+# the per-op launch floor (a quick calibration here fitted half-constants of ~20 output elements and
+# K ~0); torch's CPU attention ran at about the matmul rate forward and a third of it backward, with
+# little dependence on the sequence, and pads no head dim (flat: half-constants 0); copies ~80% of
+# the bandwidth.
+_CPU_EFF = Efficiency(mm_max=0.7, mm_half_mn=64.0, mm_half_k=8.0, attn_fwd=0.7, attn_bwd=0.3,
+                      attn_half_seq=0.0, attn_half_head_dim=0.0, mem_max=0.8, mem_half_bytes=4096.0)
 
 PRESETS: dict[str, Hardware] = {
     "h100": Hardware(
@@ -170,8 +225,7 @@ PRESETS: dict[str, Hardware] = {
         inter_node=_IB_NDR,
         devices_per_node=8,
         nics_per_node=8,
-        matmul_efficiency=0.7,
-        memory_efficiency=0.8,
+        efficiency=_H100_EFF,
         launch_floor=5e-6,
         flash_attention=True,
         default_precision="bf16-mixed",
@@ -186,8 +240,7 @@ PRESETS: dict[str, Hardware] = {
         inter_node=_IB_NDR,
         devices_per_node=8,
         nics_per_node=8,
-        matmul_efficiency=0.7,
-        memory_efficiency=0.8,
+        efficiency=_H100_EFF,  # same SMs and clocks; stas00's table lists H100/H200 SXM at 794.5 (80.3%)
         launch_floor=5e-6,
         flash_attention=True,
         default_precision="bf16-mixed",
@@ -204,8 +257,7 @@ PRESETS: dict[str, Hardware] = {
         inter_node=Link(latency=10e-6, bandwidth=25e9),
         devices_per_node=8,
         nics_per_node=8,
-        matmul_efficiency=0.7,
-        memory_efficiency=0.8,
+        efficiency=_A100_EFF,
         launch_floor=5e-6,
         flash_attention=True,
         default_precision="bf16-mixed",
@@ -223,8 +275,7 @@ PRESETS: dict[str, Hardware] = {
         inter_node=Link(latency=50e-6, bandwidth=2e9),
         devices_per_node=64,
         nics_per_node=64,
-        matmul_efficiency=0.7,
-        memory_efficiency=0.8,
+        efficiency=_CPU_EFF,
         launch_floor=10e-6,
         flash_attention=False,
         default_precision="fp32",
@@ -240,10 +291,10 @@ def _preset(device: str) -> Hardware:
 
 
 def _merge(base: Hardware, fields: dict) -> Hardware:
-    """``base`` with the fields in ``fields`` replaced (links and peak_flops merged key by key)."""
+    """``base`` with the fields in ``fields`` replaced (links, peak_flops and efficiency merged key by key)."""
     d = base.to_dict()
     for k, v in fields.items():
-        if k in ("peak_flops", "intra_node", "inter_node") and isinstance(v, dict) and isinstance(d.get(k), dict):
+        if k in ("peak_flops", "intra_node", "inter_node", "efficiency") and isinstance(v, dict) and isinstance(d.get(k), dict):
             d[k] = {**d[k], **v}
         else:
             d[k] = v
@@ -278,7 +329,7 @@ def _profile_fields(d: dict) -> dict:
     """The Hardware fields a profile gives; one NIC per device where it gives ``devices_per_node``
     but not ``nics_per_node`` (version 1 files, which priced every inter-node axis at one NIC per
     device)."""
-    fields = {k: v for k, v in d.items() if k not in PROFILE_META}
+    fields = legacy_efficiency({k: v for k, v in d.items() if k not in PROFILE_META})
     if "devices_per_node" in fields and "nics_per_node" not in fields:
         fields["nics_per_node"] = fields["devices_per_node"]
     return fields
@@ -302,4 +353,5 @@ def get_hardware(device: str = "h100", profile: str | os.PathLike | None = None)
     return _merge(hw, _profile_fields(_read_profile(profile)))
 
 
-__all__ = ["Hardware", "Link", "PRESETS", "get_hardware", "load_profile", "save_profile"]
+__all__ = ["Efficiency", "Hardware", "Link", "PRESETS", "get_hardware", "legacy_efficiency", "load_profile",
+           "save_profile"]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from autopar.cost_model.buckets import BUCKET_SIZE, collective_calls, mark_grad_buckets
 from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
 from autopar.cost_model.comm import reshard_steps
+from autopar.cost_model.compute import model_flops, tokens_per_step
 from autopar.cost_model.gathers import mark_param_groups
 from autopar.ir.fingerprint import graph_fingerprint, graph_info
 from autopar.ir.graph import Ref
@@ -70,6 +71,10 @@ def build_plan(planned: "Planned"):
     mark_param_groups(g, reshardings, mesh, planned.precision)
     mesh_dict = mesh.to_dict()
     cost = planned.cost
+    flops, tokens = model_flops(g), tokens_per_step(g)
+    devices = mesh.size
+    peak = mesh.hardware.flops(planned.precision.compute_dtype or "float32")
+    step = cost.step_time
     return Plan(
         fingerprint={"graph": graph_fingerprint(g), "mesh": mesh.fingerprint(), "hardware": _sha(mesh.hardware.to_dict())},
         mesh=mesh_dict,
@@ -97,6 +102,10 @@ def build_plan(planned: "Planned"):
         layer_groups=kept_figures(planned.kept_terms, planned.kept_paths, planned.problem, choice,
                                   group_figures(planned.unscaled, planned.terms, planned.recompute, choice)
                                   if planned.recompute and planned.unscaled is not None else []),
+        model_flops=flops,
+        mfu=flops / (step * devices * peak) if step > 0 else 0.0,
+        tokens_per_step=tokens,
+        tokens_per_second_per_device=tokens / (step * devices) if step > 0 else 0.0,
     )
 
 

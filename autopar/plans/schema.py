@@ -26,7 +26,14 @@ again (``kind`` ``"recompute"``; a re-run op's weight gathers in the backward ca
 version 1-3 file loads with nothing recomputed or kept, as it was priced. Version 5 adds to each
 ``layer_groups`` entry what keeping its gathers costs and saves (``kept``, ``kept_bytes``,
 ``kept_time``), and plans whose ``kept_gathers`` is not empty (version 4 had the field, always
-empty); a version 4 file loads as it was. Any other version is a PlanError naming it.
+empty). It also adds the model FLOPs utilization: ``model_flops`` (per step, all devices: 3 x the
+forward's matmul, convolution and attention FLOPs, recomputation not counted;
+``autopar.cost_model.compute.model_flops``), ``mfu`` (model_flops / (step_time x devices x peak
+FLOP/s of the compute dtype)), ``tokens_per_step`` and ``tokens_per_second_per_device``, and writes
+``mesh.hardware.efficiency`` (the shape-dependent efficiency curves) where older versions wrote
+``matmul_efficiency`` and ``memory_efficiency``; a version 1-4 file loads with these four at 0 (not
+known), its two constants as a flat efficiency, and its layer groups as they were. Any other version
+is a PlanError naming it.
 """
 
 from __future__ import annotations
@@ -204,6 +211,11 @@ class Plan:
     checkpointing: dict[str, str] = field(default_factory=dict)  # module path -> "full" | "selective"
     kept_gathers: list[str] = field(default_factory=list)  # module paths whose gathers are kept
     layer_groups: list[LayerGroupEntry] = field(default_factory=list)
+    # model FLOPs utilization (schema version 5; older files load with 0: not known)
+    model_flops: float = 0.0  # per step, every device together (3 x forward matmuls + attention)
+    mfu: float = 0.0  # model_flops / (step_time * devices * peak FLOP/s of the compute dtype)
+    tokens_per_step: int = 0  # elements of the token-id input (0: the model takes none)
+    tokens_per_second_per_device: float = 0.0
     schema_version: int = field(default=SCHEMA_VERSION)
 
     # -- derived --------------------------------------------------------------------------------
@@ -264,6 +276,8 @@ class Plan:
         names = [f.name for f in fields(Plan) if f.name not in ("phases", "schema_version")]
         if version < 4:
             d = {**d, **{k: _copy(v) for k, v in _V4_DEFAULTS.items() if k not in d}}
+        if version < 5:
+            d = {**d, **{k: _copy(v) for k, v in _V5_DEFAULTS.items() if k not in d}}
         missing = [n for n in names if n not in d]
         if missing:
             raise PlanError(f"plan lacks the field(s) {', '.join(missing)} (schema version {version})")
@@ -405,11 +419,14 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "reshardings": (list,), "collectives": (list,), "bucket_size": (int,), "baselines": (dict,),
     "solver": (dict,), "source": (str,), "modules": (list,), "graph": (dict,),
     "checkpointing": (dict,), "kept_gathers": (list,), "layer_groups": (list,),
+    "model_flops": _NUM, "mfu": _NUM, "tokens_per_step": (int,), "tokens_per_second_per_device": _NUM,
 }
 
 
 #: the fields version 4 added, as an older plan (priced without them) has them
 _V4_DEFAULTS: dict[str, Any] = {"checkpointing": {}, "kept_gathers": [], "layer_groups": []}
+#: the fields version 5 added, as an older plan has them (0: not known)
+_V5_DEFAULTS: dict[str, Any] = {"model_flops": 0.0, "mfu": 0.0, "tokens_per_step": 0, "tokens_per_second_per_device": 0.0}
 
 
 def _nics_of_old_plan(d: Mapping) -> Mapping:

@@ -112,6 +112,7 @@ Count = Int  # a count of things: a whole number like any other
 Seconds = Annotated[float, Field(ge=0, le=MAX_NUMBER, allow_inf_nan=False)]
 Delta = Annotated[float, Field(ge=-MAX_NUMBER, le=MAX_NUMBER, allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0, le=MAX_NUMBER, allow_inf_nan=False)]
+NonNegative = Annotated[float, Field(ge=0, le=MAX_NUMBER, allow_inf_nan=False)]
 Name = Annotated[str, Field(max_length=MAX_NAME), AfterValidator(_name)]
 Text = Annotated[str, Field(max_length=MAX_STRING)]
 PlacementText = Annotated[str, Field(max_length=1024), AfterValidator(_check_placement)]
@@ -129,6 +130,18 @@ class _Link(_Strict):
     bandwidth: Positive
 
 
+class _Efficiency(_Strict):
+    mm_max: Positive
+    mm_half_mn: NonNegative
+    mm_half_k: NonNegative
+    attn_fwd: Positive
+    attn_bwd: Positive
+    attn_half_seq: NonNegative
+    attn_half_head_dim: NonNegative
+    mem_max: Positive
+    mem_half_bytes: NonNegative
+
+
 class _Hardware(_Strict):
     name: Name
     peak_flops: Annotated[dict[Name, Positive], Field(min_length=1)]
@@ -138,8 +151,9 @@ class _Hardware(_Strict):
     inter_node: _Link
     devices_per_node: Annotated[int, BeforeValidator(_whole), Field(ge=1, le=MAX_DEVICES)]
     nics_per_node: Annotated[int, BeforeValidator(_whole), Field(ge=1, le=MAX_DEVICES)]  # schema version 3
-    matmul_efficiency: Positive
-    memory_efficiency: Positive
+    efficiency: _Efficiency = None  # schema version 5
+    matmul_efficiency: Positive = None  # schema versions 1-4 (loaded as a flat efficiency)
+    memory_efficiency: Positive = None
     launch_floor: Seconds
     flash_attention: bool
     default_precision: Literal[PRECISIONS]  # type: ignore[valid-type]
@@ -336,10 +350,15 @@ class _PlanFile(_Strict):
     checkpointing: dict[Name, Literal["full", "selective"]] = None  # schema version 4
     kept_gathers: list[Name] = None  # schema version 4
     layer_groups: list[_LayerGroup] = None  # schema version 4
+    model_flops: NonNegative = None  # schema version 5
+    mfu: NonNegative = None
+    tokens_per_step: Int = None
+    tokens_per_second_per_device: NonNegative = None
 
 
 _KNOWN_KEYS = sorted({k for m in (_PlanFile, _Mesh, _Hardware, _Link, _Precision, _Fingerprint, _Graph, _Node, _Step,
-                                  _Collective, _Alternative, _Module, _Baseline, _Timing, _Resharding, _LayerGroup) for k in m.model_fields}
+                                  _Collective, _Alternative, _Module, _Baseline, _Timing, _Resharding, _LayerGroup, _Efficiency)
+                                  for k in m.model_fields}
                      | {"from"})
 
 

@@ -86,6 +86,17 @@ def _resharding_line(r: dict, indent: str, show_consumer: bool = False) -> list[
 
 # -- summary ----------------------------------------------------------------------------------------
 
+def mfu_text(plan) -> str:
+    """``"MFU 41.3% (model FLOPs 3.2 PFLOP per step), 4,792 tokens/s per device"``, or "" for a plan
+    that does not know it (schema version 4 and older)."""
+    if not getattr(plan, "model_flops", 0):
+        return ""
+    text = f"MFU {100 * plan.mfu:.1f}% (model FLOPs {plan.model_flops:.3g} per step: 3 x forward matmuls and attention)"
+    if plan.tokens_per_step:
+        text += f", {plan.tokens_per_second_per_device:,.0f} tokens/s per device"
+    return text
+
+
 def summary(plan: "Plan", full: bool = False) -> str:
     """Per-module table, totals, memory split, collectives, baselines, solver and planning times."""
     prec = plan.precision.get("name", "?")
@@ -124,6 +135,9 @@ def summary(plan: "Plan", full: bool = False) -> str:
     lines.append("")
     lines.append(f"step time {human_time(plan.step_time)}  (compute {human_time(plan.compute_time)}, "
                  f"communication {human_time(plan.comm_time)})")
+    mfu = mfu_text(plan)
+    if mfu:
+        lines.append(mfu)
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     split = [f"{k} {human_bytes(v)}" for k, v in plan.memory.items()]
     lines += _wrap_items(f"peak memory {human_bytes(plan.peak_memory)} of {human_bytes(plan.memory_budget)} per device "

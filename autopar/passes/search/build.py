@@ -2,6 +2,10 @@
 
 Reads the graph, its folding, the candidate strategies and the hints; writes a ``Problem``
 (``passes/search/problem.py``). Folded layers are priced once and carry their multiplicity.
+A parameter's optimizer step on the block this device stores (memory-bound,
+``cost_model.compute.optimizer_time``) is priced as its node's ``comm``: the per-strategy time that
+nothing hides (it runs after the backward, when no gather or reduction can hide under it); the
+plan's ``comm_time`` therefore includes it (a few percent of a step at most).
 Memory per device: each parameter's stored weights, gradient and optimizer state under its
 placement, and every forward activation that the backward reads (live at the peak, between
 forward and backward; not the parameters' layout views, which the backward derives again), each
@@ -19,7 +23,7 @@ from typing import Optional
 from autopar.cost_model.buckets import grad_time
 from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
 from autopar.cost_model.comm import reshard_time
-from autopar.cost_model.compute import compute_time
+from autopar.cost_model.compute import compute_time, optimizer_time
 from autopar.cost_model.gathers import gather_shares, gather_time
 from autopar.cost_model.memory import activation_bytes, param_state_bytes
 from autopar.cost_model.mesh import Mesh
@@ -81,15 +85,18 @@ def build_problem(
         for s in strats:
             mem = dict.fromkeys(MEMORY_KINDS, 0.0)
             if n.is_placeholder:
-                pn.compute.append(0.0)
                 place = output_placement(s, 0)
+                step = 0.0
                 if n.name in param_node:
                     state = param_state_bytes(n.out.shape, place, mesh, precision)
                     for k in ("params", "grads", "optimizer"):
                         mem[k] = float(state[k]) if graph.training or k == "params" else 0.0
+                    # the optimizer updates the block this device stores (priced below, as comm)
+                    step = optimizer_time(state, hw) if graph.training and n.out.dtype.is_floating_point else 0.0
                 elif n.outputs[0] is not None and n.roles[0] != Role.TANGENT:
                     kind = "params" if n.roles[0] == Role.BUFFER else "activations"
                     mem[kind] = float(activation_bytes(n.out.shape, n.out.dtype, place, mesh, precision))
+                pn.compute.append(0.0)
             else:
                 ins = _local_shapes(in_specs, [input_placement(s, i) for i in range(len(in_specs))], mesh)
                 outs = _local_shapes(n.outputs, [output_placement(s, j) if n.outputs[j] is not None else None
@@ -100,7 +107,8 @@ def build_problem(
                     if spec is not None and r in users_backward and n.name not in views:
                         mem["activations"] += shares[r] * activation_bytes(spec.shape, spec.dtype, output_placement(s, j),
                                                                            mesh, precision)
-            pn.comm.append(0.0)
+            # a parameter's optimizer step: after the backward, under nothing (see the docstring)
+            pn.comm.append(step if n.is_placeholder else 0.0)
             for k in MEMORY_KINDS:
                 pn.memory[k].append(mem[k])
         index[n.name] = len(nodes)

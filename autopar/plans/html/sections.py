@@ -100,6 +100,7 @@ def header_section(plan: "Plan", title: str) -> str:
         ("step time", f"<b>{escape(time_text(step))}</b>: "
                       f'<span class="key key-compute"></span>compute {escape(time_text(comp))} + '
                       f'<span class="key key-comm"></span>exposed communication {escape(time_text(comm))}{split}'),
+        *([("model FLOPs utilization", _mfu_html(plan))] if finite_float(getattr(plan, "model_flops", 0)) > 0 else []),
         ("peak memory", f"<b>{escape(bytes_text(peak))}</b> of {escape(bytes_text(budget))} per device "
                         f"({escape(percent(peak, budget))}, {verdict}){membar}"),
         ("source", escape(src_txt + vs)),
@@ -333,3 +334,12 @@ def layer_groups_section(plan: "Plan") -> str:
 
 __all__ = ["MAX_COMM_BARS", "MAX_RESHARDINGS", "communication_section", "header_section", "layer_groups_section",
            "modules_section"]
+
+
+def _mfu_html(plan) -> str:
+    """MFU, model FLOPs per step and tokens/s per device (schema version 5 plans)."""
+    text = (f"<b>{100 * finite_float(plan.mfu):.1f}%</b>: model FLOPs {finite_float(plan.model_flops):.3g} per step "
+            "(3 \u00d7 the forward's matmuls and attention, recomputation not counted)")
+    if getattr(plan, "tokens_per_step", 0):
+        text += escape(f", {finite_float(plan.tokens_per_second_per_device):,.0f} tokens/s per device")
+    return text

@@ -1,0 +1,144 @@
+"""Published training runs, priced: MosaicML llm-foundry's MPT benchmark rows (H100 and A100, FSDP,
+sequence 2048) against autopar's prediction for the same model, batch, mesh and recomputation.
+
+The published rows are copied below from llm-foundry's ``scripts/train/benchmarking/README.md``
+(github.com/mosaicml/llm-foundry, tables "H100 80GB BF16" and "A100 80GB with 1600 Gbps node-node
+interconnect (RoCE)"): model, GPUs, micro-batch per GPU, activation checkpointing, MFU and
+tokens/s per GPU. Nothing here is fitted to them: the efficiencies come from the presets'
+kernel-level sources (``autopar/cost_model/hardware.py``); the rows are a check.
+
+Each row is autopar's GPT at the MPT shape (vocabulary 50368, no biases; MPT's ALiBi is a learned
+position embedding here: 2048 x width parameters), global batch = micro-batch x GPUs sequences of
+2048, mesh ``{"dp": GPUs}`` of the preset (8 GPUs and 8 NICs per node), ``recipe="fsdp"`` (FSDP's
+full sharding), bf16-mixed AdamW, and ``checkpointing="full"`` where the run recomputed. One
+micro-batch per step (the runs accumulate 1-21 of them; the optimizer step, priced once per
+micro-batch here, is ~1% of a step). Predicted MFU uses llm-foundry's own formula on the predicted
+throughput: (6 N + 12 L d s) x tokens/s / peak, N the parameters, so predicted/published is the
+same ratio for MFU and throughput.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/published.py [--only 7b 13b] [--device h100]
+
+Capturing the 30B and 70B models takes a minute or more each on a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+SEQ = 2048
+VOCAB = 50368
+#: MPT shapes (llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml): layers, width, heads
+SHAPES = {"1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40),
+          "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
+#: (device, model, GPUs, micro-batch per GPU, activation checkpointing, published MFU %, tokens/s/GPU)
+ROWS = [
+    ("h100", "1b", 8, 14, False, 41.82, 45455),
+    ("h100", "3b", 16, 10, False, 43.73, 24142),
+    ("h100", "7b", 8, 6, False, 46.44, 10643),
+    ("h100", "13b", 8, 2, False, 39.79, 4792),
+    ("h100", "30b", 8, 3, True, 38.11, 2002),
+    ("h100", "70b", 64, 8, True, 42.57, 1039),
+    ("a100", "1b", 8, 14, False, 59.86, 20513),
+    ("a100", "3b", 8, 10, False, 62.11, 10811),
+    ("a100", "7b", 8, 6, False, 64.23, 4641),
+    ("a100", "13b", 8, 2, False, 59.57, 2262),
+    ("a100", "30b", 8, 3, True, 55.3, 916),
+    ("a100", "70b", 64, 8, True, 53.33, 410),
+]
+PEAK = {"h100": 989e12, "a100": 312e12}
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def foundry_flops_per_token(params: int, layers: int, width: int) -> float:
+    """llm-foundry's model FLOPs per token: 6 N + 12 L d s (attention without the causal halving)."""
+    return 6.0 * params + 12.0 * layers * width * SEQ
+
+
+def price(row, graph_cache: dict) -> dict:
+    """Plan one row (FSDP recipe, pinned recomputation) and return its predicted throughput."""
+    import autopar
+    from autopar.ir.capture import capture
+    from autopar.models import make, num_params
+    from autopar.passes.pipeline import run_passes
+    from autopar.passes.report import build_plan
+
+    device, name, gpus, mb, ckpt, mfu, tok = row
+    layers, width, heads = SHAPES[name]
+    key = (name, gpus * mb)
+    t0 = time.perf_counter()
+    if key not in graph_cache:
+        model, inputs = make("gpt", size="tiny", batch=gpus * mb, seq=SEQ, device="meta", vocab_size=VOCAB,
+                             block_size=SEQ, n_layer=layers, n_embd=width, n_head=heads, bias=False)
+        graph_cache.clear()  # one graph at a time: the large ones are big
+        graph_cache[key] = (model, inputs, capture(model, tuple(inputs)), num_params(model))
+    model, inputs, graph, params = graph_cache[key]
+    t_capture = time.perf_counter() - t0
+    mesh = autopar.Mesh({"dp": gpus}, device=device)
+    planned = run_passes(model, mesh, inputs, recipe="fsdp", graph=graph, progress=False,
+                         checkpointing="full" if ckpt else None)
+    plan = build_plan(planned)
+    step = planned.cost.step_time
+    tok_gpu = mb * SEQ / step
+    parts = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for n in plan.nodes:  # every op instance, at its chosen strategy's priced seconds
+        op = n["op"]
+        kind = ("matmul" if op.split(".")[1] in ("mm", "addmm", "bmm", "baddbmm") else
+                "attention" if "scaled_dot_product" in op else "other")
+        parts[kind] += n["compute"]
+    fpt = foundry_flops_per_token(params, layers, width)
+    return {"tok_gpu": tok_gpu, "mfu": fpt * tok_gpu / PEAK[device], "step": step,
+            "compute": planned.cost.compute_time, "exposed": planned.cost.comm_time,
+            "plan_mfu": getattr(plan, "mfu", float("nan")), "fits": plan.fits, "params": params, "parts": parts,
+            "capture_s": t_capture, "plan_s": time.perf_counter() - t0 - t_capture}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="+", choices=sorted(SHAPES), help="price only these models")
+    ap.add_argument("--device", nargs="+", choices=sorted(PEAK), help="price only these devices")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    rows = [r for r in ROWS if (not args.only or r[1] in args.only) and (not args.device or r[0] in args.device)]
+    # rows sharing a model and global batch share one capture
+    rows.sort(key=lambda r: (SHAPES[r[1]][1], r[2] * r[3], r[0]))
+    cache: dict = {}
+    results = []
+    for row in rows:
+        r = price(row, cache)
+        results.append((row, r))
+        _say(f"[{row[0]} {row[1]} x{row[2]}] predicted {r['tok_gpu']:.0f} tokens/s/GPU (published {row[6]}), "
+             f"ratio {r['tok_gpu'] / row[6]:.3f}; capture {r['capture_s']:.0f} s, plan {r['plan_s']:.0f} s")
+    _say("")
+    _say(f"{'device':<6} {'model':<5} {'GPUs':>4} {'mb':>3} {'ckpt':>5} {'step ms':>8} {'compute':>8} {'exposed':>8} "
+         f"{'tok/s/GPU':>10} {'published':>10} {'MFU':>6} {'pub MFU':>8} {'plan.mfu':>8} {'pred/pub':>8}")
+    by_dev: dict[str, list[float]] = {}
+    for row, r in sorted(results, key=lambda x: (x[0][0], SHAPES[x[0][1]][1])):
+        device, name, gpus, mb, ckpt, mfu, tok = row
+        ratio = r["tok_gpu"] / tok
+        by_dev.setdefault(device, []).append(ratio)
+        _say(f"{device:<6} {name:<5} {gpus:>4} {mb:>3} {'yes' if ckpt else 'no':>5} {r['step'] * 1e3:>8.1f} "
+             f"{r['compute'] * 1e3:>8.1f} {r['exposed'] * 1e3:>8.1f} {r['tok_gpu']:>10.0f} {tok:>10} "
+             f"{100 * r['mfu']:>6.1f} {mfu:>8.2f} {100 * r['plan_mfu']:>8.1f} {ratio:>8.3f}"
+             + ("" if r["fits"] else "  (over memory)"))
+    _say("")
+    _say("predicted compute by kind of op (ms per step; a recomputed forward op counted once): matmul / attention / other")
+    for row, r in sorted(results, key=lambda x: (x[0][0], SHAPES[x[0][1]][1])):
+        p = r["parts"]
+        _say(f"{row[0]:<6} {row[1]:<5} " + " / ".join(f"{p[k] * 1e3:.1f}" for k in ("matmul", "attention", "other")))
+    for device, ratios in by_dev.items():
+        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        _say(f"{device}: geomean predicted/published {geo:.3f} over {len(ratios)} rows, "
+             f"range {min(ratios):.3f}-{max(ratios):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
