@@ -23,7 +23,11 @@ recomputed layer instance -> ``"full"`` or ``"selective"``), ``kept_gathers`` (m
 gathered parameters are kept from the forward for the backward) and ``layer_groups`` (per group of
 alike layers, what checkpointing saves and costs), and reshardings that a recomputation runs
 again (``kind`` ``"recompute"``; a re-run op's weight gathers in the backward carry ``phase``); a
-version 1-3 file loads with nothing recomputed or kept, as it was priced. Any other version is a PlanError naming it.
+version 1-3 file loads with nothing recomputed or kept, as it was priced. Version 5 adds ``pipeline``
+(None, or what a pipelined plan chose: the ``pp`` axis and the whole mesh's axes, the schedule,
+micro-batches, virtual stages, module paths per stage, the replayed bubble and per-rank figures;
+``autopar/passes/pipelined.py``); a version 1-4 file loads with ``pipeline`` None. Any other version is
+a PlanError naming it.
 """
 
 from __future__ import annotations
@@ -40,9 +44,9 @@ from autopar.plans.bounds import check_values, read_json, shown
 from autopar.plans.validate import check_fields
 from autopar.validate import check_path
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 #: the versions ``load_plan`` reads (an older one loads with the newer fields defaulted or left out)
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
 # -- entry shapes (what the planner writes; readers use .get() since hand-made plans may lack keys) --
@@ -198,6 +202,8 @@ class Plan:
     checkpointing: dict[str, str] = field(default_factory=dict)  # module path -> "full" | "selective"
     kept_gathers: list[str] = field(default_factory=list)  # module paths whose gathers are kept
     layer_groups: list[LayerGroupEntry] = field(default_factory=list)
+    # pipeline parallelism (schema version 5; older files load with None): see autopar/passes/pipelined.py
+    pipeline: Optional[dict] = None
     schema_version: int = field(default=SCHEMA_VERSION)
 
     # -- derived --------------------------------------------------------------------------------
@@ -258,6 +264,8 @@ class Plan:
         names = [f.name for f in fields(Plan) if f.name not in ("phases", "schema_version")]
         if version < 4:
             d = {**d, **{k: _copy(v) for k, v in _V4_DEFAULTS.items() if k not in d}}
+        if version < 5:
+            d = {**d, "pipeline": d.get("pipeline")}
         missing = [n for n in names if n not in d]
         if missing:
             raise PlanError(f"plan lacks the field(s) {', '.join(missing)} (schema version {version})")
@@ -398,7 +406,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "peak_memory": (int,), "memory": (dict,), "placements": (dict,), "nodes": (list,),
     "reshardings": (list,), "collectives": (list,), "bucket_size": (int,), "baselines": (dict,),
     "solver": (dict,), "source": (str,), "modules": (list,), "graph": (dict,),
-    "checkpointing": (dict,), "kept_gathers": (list,), "layer_groups": (list,),
+    "checkpointing": (dict,), "kept_gathers": (list,), "layer_groups": (list,), "pipeline": (dict, type(None)),
 }
 
 

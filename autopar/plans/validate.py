@@ -286,6 +286,36 @@ class _LayerGroup(_Strict):
     kept_gathers: bool = None
 
 
+class _Compared(_Strict):
+    schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"] = None
+    microbatches: Count = None
+    virtual_stages: Count = None
+    step_time: Seconds = None
+    peak_memory: Int = None
+    bubble: Annotated[float, Field(ge=0, le=1)] = None
+
+
+class _Pipeline(_Strict):
+    """A pipelined plan's choice (schema version 5)."""
+    axis: Name
+    degree: Count
+    mesh_names: list[Name]
+    mesh_shape: list[Count]
+    schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
+    microbatches: Count
+    virtual_stages: Count
+    stages: list[list[Name]]
+    stage_ranks: list[Count] = None
+    bubble: Annotated[float, Field(ge=0, le=1)]
+    makespan: Seconds = None
+    sync_time: Seconds = None
+    p2p_time: Seconds = None
+    in_flight: list[Count] = None
+    stage_times: list[list[Seconds]] = None
+    rank_memory: list[Int] = None
+    compared: list[_Compared] = None
+
+
 class _Solver(BaseModel):
     """The solver's statistics: the figures the views print are typed, the rest is free-form."""
     model_config = ConfigDict(extra="allow", strict=True)
@@ -333,10 +363,12 @@ class _PlanFile(_Strict):
     checkpointing: dict[Name, Literal["full", "selective"]] = None  # schema version 4
     kept_gathers: list[Name] = None  # schema version 4
     layer_groups: list[_LayerGroup] = None  # schema version 4
+    pipeline: _Pipeline | None = None  # schema version 5
 
 
 _KNOWN_KEYS = sorted({k for m in (_PlanFile, _Mesh, _Hardware, _Link, _Precision, _Fingerprint, _Graph, _Node, _Step,
-                                  _Collective, _Alternative, _Module, _Baseline, _Timing, _Resharding, _LayerGroup) for k in m.model_fields}
+                                  _Collective, _Alternative, _Module, _Baseline, _Timing, _Resharding, _LayerGroup,
+                                  _Pipeline, _Compared) for k in m.model_fields}
                      | {"from"})
 
 
