@@ -36,7 +36,7 @@ from autopar.errors import ArgumentError, InfeasibleError
 from autopar.ir.capture import as_args
 from autopar.passes.pipeline import DEFAULT_BUDGET_FRACTION, run_passes
 from autopar.passes.report import build_plan
-from autopar.passes.search.pipeline_split import search, segments
+from autopar.passes.search.pipeline_split import candidates, search, segments
 
 #: the mesh axis name that pipelines
 PP_AXIS = "pp"
@@ -133,6 +133,10 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
         if not counts:
             raise ArgumentError(f"autopar.plan: the batch of {batch} splits into none of the micro-batch counts "
                                 f"{wanted} a pipeline of {pp} stages would use; pin pipeline={{'microbatches': m}}")
+    if not any(candidates(pp, m, pin.get("schedule"), pin.get("virtual_stages")) for m in counts):
+        raise ArgumentError(f"autopar.plan: no pipeline schedule runs {pp} stage(s) with micro-batch counts {counts}"
+                            + (f" and {pin}" if pin else "") + " (1F1B needs m >= pp, ZBV exactly 2 and "
+                            "Interleaved1F1B at least 2 stages per rank)")
     passkw = {k: v for k, v in kw.items() if k not in ("memory_budget",)}
     found = []  # (price, ranges, m, planned, paths, order)
     tried = []
@@ -193,10 +197,13 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
     plan.peak_memory = int(price.peak_memory)
     plan.memory = {k: int(v) for k, v in rank_kinds[top].items()}
     plan.memory_budget = int(budget) if budget != math.inf else 0
+    # the recipes priced at the micro-batch's shape on the stage mesh do not compare with a step:
+    # the baselines are the whole mesh's (the plain plan's recipes and the plain plan itself)
+    plan.baselines = {}
     if plain is not None:
-        plan.baselines = dict(plan.baselines, unpipelined={"step_time": plain.cost.step_time,
-                                                           "peak_memory": int(plain.cost.peak_memory),
-                                                           "fits": plain.cost.peak_memory <= budget})
+        plan.baselines = dict(plain.baselines, unpipelined={"step_time": plain.cost.step_time,
+                                                            "peak_memory": int(plain.cost.peak_memory),
+                                                            "fits": plain.cost.peak_memory <= budget})
     stage_paths = []
     for s, (a, b) in enumerate(ranges):
         stage_paths.append((pre if s == 0 else []) + units[a:b] + (post if s == len(ranges) - 1 else []))

@@ -279,7 +279,8 @@ def candidates(pp: int, microbatches: int, schedule: Optional[str] = None,
                virtual: Optional[int] = None) -> list[tuple[str, int]]:
     """The (schedule, virtual stages per rank) pairs torch 2.13 runs for ``pp`` ranks and
     ``microbatches`` (restricted to ``schedule`` / ``virtual`` when given). On one rank only
-    gradient accumulation (GPipe's order, one stage) is a pipeline."""
+    gradient accumulation is a pipeline: 1F1B's order on one stage (each micro-batch's backward right
+    after its forward, one micro-batch in flight)."""
     names = [schedule] if schedule else list(SCHEDULES)
     out = []
     for name in names:
@@ -287,7 +288,7 @@ def candidates(pp: int, microbatches: int, schedule: Optional[str] = None,
         if virtual is not None:
             vs = (virtual,)
         for v in vs:
-            if pp == 1 and name != "GPipe" and schedule is None:
+            if pp == 1 and name != "1F1B" and schedule is None:
                 continue
             try:
                 check_schedule(name, pp, microbatches, v)
