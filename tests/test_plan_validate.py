@@ -167,19 +167,19 @@ def test_a_saved_plan_loads_and_saves_to_the_same_bytes(tmp_path):
     plan = load_plan(path)
     plan.save(tmp_path / "again.json")
     assert (tmp_path / "again.json").read_text(encoding="utf-8") == text
-    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 4
+    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 5
 
 
 def test_later_versions_only_add_fields(good):
     """The format of version 1 is kept: version 2 adds ``graph.shapes``, 3 ``mesh.hardware.nics_per_node``,
-    4 ``checkpointing``, ``kept_gathers`` and ``layer_groups``."""
+    4 ``checkpointing``, ``kept_gathers`` and ``layer_groups``, 5 ``pipeline``."""
     assert good["graph"]["shapes"] == {"head.bias": "float32[4]", "head.weight": "float32[4, 32]",
                                        "layers.0.bias": "float32[32]", "layers.0.weight": "float32[32, 16]",
                                        "layers.1.bias": "float32[32]", "layers.1.weight": "float32[32, 32]"}
     version_1 = ["axis_names", "baselines", "bucket_size", "collectives", "comm_time", "compute_time", "fingerprint",
                  "graph", "memory", "memory_budget", "mesh", "modules", "nodes", "peak_memory", "placements",
                  "precision", "reshardings", "schema_version", "solver", "source", "step_time", "training"]
-    assert sorted(good) == sorted(version_1 + ["checkpointing", "kept_gathers", "layer_groups"])
+    assert sorted(good) == sorted(version_1 + ["checkpointing", "kept_gathers", "layer_groups", "pipeline"])
     assert "nics_per_node" in good["mesh"]["hardware"]
 
 
@@ -194,7 +194,7 @@ def test_a_version_3_file_loads_with_nothing_recomputed_or_kept(tmp_path, good):
     old = _mutated(good, lambda d: (d.update(schema_version=3), [d.pop(k) for k in ("checkpointing", "kept_gathers",
                                                                                    "layer_groups")]))
     plan = load_plan(_write(tmp_path, old))
-    assert plan.schema_version == 4
+    assert plan.schema_version == SCHEMA_VERSION
     assert (plan.checkpointing, plan.kept_gathers, plan.layer_groups) == ({}, [], [])
 
 
@@ -213,11 +213,11 @@ def test_version_4_fields_round_trip_and_a_wrong_mode_is_refused(tmp_path, good)
     assert _load_error(tmp_path, lacking) == "plan lacks the field(s) layer_groups (schema version 4)"
 
 
-@pytest.mark.parametrize("version", [0, 5, "2", True, None])
+@pytest.mark.parametrize("version", [0, 6, "2", True, None])
 def test_other_versions_are_refused_naming_the_version(tmp_path, good, version):
     d = _mutated(good, lambda d: d.update(schema_version=version))
-    assert _load_error(tmp_path, d) == (f"plan schema version {version!r} found, this autopar reads version 4 (and "
-                                        f"the earlier 1, 2, 3): make the plan again with autopar.plan(...) (or use the "
+    assert _load_error(tmp_path, d) == (f"plan schema version {version!r} found, this autopar reads version 5 (and "
+                                        f"the earlier 1, 2, 3, 4): make the plan again with autopar.plan(...) (or use the "
                                         f"autopar version that wrote it)")
 
 
