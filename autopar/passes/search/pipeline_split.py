@@ -36,12 +36,12 @@ from autopar.cost_model.pipeline import PipelinePrice, Segment, combine, price_p
 from autopar.cost_model.precision import Precision
 from autopar.cost_model.schedules import SCHEDULES, check_schedule
 from autopar.ir.graph import Graph, Phase
-from autopar.ir.layers import layer_key, layers
+from autopar.ir.layers import layers
+from autopar.ir.stages import POST, PRE, chain, region_paths
 from autopar.passes.search.fold import Folding
 from autopar.passes.search.problem import MEMORY_KINDS, Problem, edge_cost, transfer_cost
 from autopar.passes.search.strategies import output_placement
 
-PRE, POST = -1, -2  # the segments before and after the layer instances
 
 
 @dataclass(frozen=True)
@@ -54,33 +54,6 @@ class ModelSegments:
     units: tuple[Segment, ...]
     post: Segment
     boundary_bytes: float
-
-
-def _region(graph: Graph, owner: dict[str, int]) -> dict[str, int]:
-    """Node name -> its unit (layer instance index), or PRE / POST for the ops outside the layers:
-    forward ops before the first instance's first op and backward ops after the first instance's
-    last backward op are PRE, the others POST; a placeholder takes its first reader's region (a
-    parameter read on both sides is in both: see ``_both``)."""
-    fwd = [k for k, n in enumerate(graph.nodes) if n.name in owner and n.phase == Phase.FORWARD and not n.is_placeholder]
-    bwd = [k for k, n in enumerate(graph.nodes) if n.name in owner and n.phase == Phase.BACKWARD]
-    first_fwd = fwd[0] if fwd else len(graph.nodes)
-    last_bwd = bwd[-1] if bwd else -1
-    out: dict[str, int] = {}
-    for k, n in enumerate(graph.nodes):
-        if n.name in owner:
-            out[n.name] = owner[n.name]
-        elif n.is_placeholder:
-            continue
-        elif n.phase == Phase.FORWARD:
-            out[n.name] = PRE if k < first_fwd else POST
-        else:
-            out[n.name] = PRE if k > last_bwd else POST
-    users = graph.users()
-    for n in graph.nodes:
-        if n.is_placeholder and n.name not in out:
-            regs = [out[u] for u in users[n.name] if u in out and graph.node(u).op != "output"]
-            out[n.name] = regs[0] if regs else PRE
-    return out
 
 
 def _weight_only(graph: Graph, region: dict[str, int]) -> set[str]:
@@ -109,10 +82,9 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
     """The plan ``choice`` of ``problem`` read back per segment (see the module docstring); also the
     module paths before the layers, of each layer instance, and after the layers."""
     found = layers(graph)
-    keys = sorted(found.instances, key=lambda k: graph.nodes.index(graph.node(found.instances[k][0])))
-    order = {k: i for i, k in enumerate(keys)}
-    owner = {name: order[k] for k, names in found.instances.items() for name in names}
-    region = _region(graph, owner)
+    ch = chain(graph)
+    keys = list(ch.keys)
+    region = ch.region
     weight = _weight_only(graph, region)
     users = graph.users()
     n_units = len(keys)
@@ -127,12 +99,7 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
         r = region.get(name)
         if r is None:
             return []
-        n = graph.node(name)
-        if n.is_placeholder and name not in owner:  # an outside parameter read before and after the layers
-            both = {region.get(u) for u in users[name] if u in region and graph.node(u).op != "output"}
-            if PRE in both and POST in both:
-                return [PRE, POST]
-        return [r]
+        return [PRE, POST] if name in ch.both else [r]
 
     # per representative node: its per-instance compute (and sink communication) by phase part
     per_node: dict[int, dict[str, float]] = {}
@@ -191,17 +158,8 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
         return Segment(f["forward"], f["input_grad"], f["weight_grad"], m["params"] + m["grads"] + m["optimizer"],
                        m["activations"], f["gathers"], f["reductions"], f["kept"], memory=dict(m), paths=paths)
 
-    def paths_of(r: int) -> list[str]:
-        out: list[str] = []
-        for n in graph.nodes:
-            if region.get(n.name) == r and n.phase == Phase.FORWARD and not n.is_placeholder and n.module_path:
-                p = n.module_path
-                if p not in out:
-                    out.append(p)
-        return out
-
-    unit_paths = [layer_key(f"{p}.{i}" if p else str(i)) or f"{p}.{i}" for p, i in keys]
-    pre_paths, post_paths = paths_of(PRE), paths_of(POST)
+    unit_paths = list(ch.paths)
+    pre_paths, post_paths = region_paths(graph, ch, PRE), region_paths(graph, ch, POST)
     units = tuple(seg(u, (unit_paths[u],)) for u in range(n_units))
     boundary = 0.0
     if n_units:
