@@ -32,7 +32,7 @@ import torch
 from autopar.cost_model.mesh import Mesh
 from autopar.cost_model.pipeline import p2p_time
 from autopar.cost_model.schedules import SCHEDULES, stage_ranks
-from autopar.errors import ArgumentError, InfeasibleError
+from autopar.errors import ArgumentError, InfeasibleError, RecipeError
 from autopar.ir.capture import as_args
 from autopar.passes.pipeline import DEFAULT_BUDGET_FRACTION, run_passes
 from autopar.passes.report import build_plan
@@ -166,6 +166,10 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
         raise ArgumentError(f"autopar.plan: no pipeline schedule runs {pp} stage(s) with micro-batch counts {counts}"
                             + (f" and {pin}" if pin else "") + " (1F1B needs m >= pp, ZBV and Interleaved1F1B two "
                             "stages per rank and at least two layers per rank)")
+    recipe_row = None
+    if not pin and pp > 1:  # the torchtitan-style pipelined recipe, priced like the search's pipelines
+        recipe_row, recipe_found = _pp_recipe(model, sub, args, kwargs, batch, pp, link, passkw, budget)
+        found += [(*f[:5], len(found) + k) for k, f in enumerate(recipe_found)]
     fitting = [f for f in found if f[0].peak_memory <= budget]
     best = min(fitting or found, key=lambda f: (f[0].step_time, f[5]))
     plain = None
@@ -179,7 +183,7 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
     if plain is not None and plain.cost.peak_memory <= budget and (
             not fitting or plain.cost.step_time <= best[0].step_time):
         plan = build_plan(plain)
-        plan.baselines = dict(plan.baselines, pipeline=best_row)
+        plan.baselines = dict(plan.baselines, pipeline=best_row, **({RECIPE: recipe_row} if recipe_row else {}))
         return plan
     if not fitting:
         raise InfeasibleError(
@@ -199,9 +203,11 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
     plan.memory_budget = int(budget) if budget != math.inf else 0
     # the recipes priced at the micro-batch's shape on the stage mesh do not compare with a step:
     # the baselines are the whole mesh's (the plain plan's recipes and the plain plan itself)
-    plan.baselines = {}
+    plan.baselines = {} if recipe_row is None else {RECIPE: recipe_row}
+    if best[3].source.startswith("recipe:"):
+        plan.source = f"recipe:{RECIPE}"
     if plain is not None:
-        plan.baselines = dict(plain.baselines, unpipelined={"step_time": plain.cost.step_time,
+        plan.baselines = dict(plain.baselines, **plan.baselines, unpipelined={"step_time": plain.cost.step_time,
                                                             "peak_memory": int(plain.cost.peak_memory),
                                                             "fits": plain.cost.peak_memory <= budget})
     stage_paths = []
@@ -232,5 +238,35 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
     return plan
 
 
-__all__ = ["PIN_KEYS", "PP_AXIS", "batch_size", "check_pin", "micro_inputs", "plan_pipelined", "stage_mesh",
+#: the pipelined baseline recipe: torchtitan's layout (pipeline over ``pp``, FSDP on the data axis and
+#: Megatron TP on the tensor axis of each stage, 1F1B; torchtitan's default micro-batch of one local sample
+#: is approximated by 2 pp micro-batches, or pp when the batch does not split so)
+RECIPE = "pp_fsdp_tp"
+
+
+def _pp_recipe(model, sub: Mesh, args: tuple, kwargs: dict, batch: int, pp: int, link, passkw: dict,
+               budget: float) -> tuple[dict, list]:
+    """``RECIPE`` priced: its baseline row and its candidate (``found``'s layout), or an error row."""
+    m = next((k for k in (2 * pp, pp) if batch % k == 0), None)
+    if m is None:
+        return {"error": f"{RECIPE}: the batch of {batch} splits into neither {2 * pp} nor {pp} micro-batches"}, []
+    inner = "fsdp_tp" if sub.ndim >= 2 else "fsdp"
+    margs, mkwargs = micro_inputs(args, kwargs, batch, m)
+    try:
+        planned = run_passes(model, sub, margs, mkwargs, memory_budget=math.inf,
+                             **dict(passkw, recipe=inner))
+    except (RecipeError, InfeasibleError, ValueError) as e:
+        return {"error": f"{RECIPE}: {e}"}, []
+    segs, pre, units, post = segments(planned.graph, planned.folding, planned.problem, planned.choice, sub,
+                                      planned.precision)
+    hop = p2p_time(segs.boundary_bytes, link) if link is not None else 0.0
+    priced = search(segs, pp, m, hop, "1F1B", 1)
+    if not priced:
+        return {"error": f"{RECIPE}: 1F1B does not run {pp} stages of {len(segs.units)} layers at m={m}"}, []
+    price, ranges = priced[0]
+    row = {"step_time": price.step_time, "peak_memory": int(price.peak_memory), "fits": price.peak_memory <= budget}
+    return row, [(price, ranges, m, planned, (pre, units, post))]
+
+
+__all__ = ["PIN_KEYS", "PP_AXIS", "RECIPE", "batch_size", "check_pin", "micro_inputs", "plan_pipelined", "stage_mesh",
            "wants_pipeline"]

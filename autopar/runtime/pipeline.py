@@ -294,6 +294,10 @@ class PipelinedModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
+            if self.schedule_name == "ZBVZeroBubble":
+                raise ArgumentError("autopar pipelined: a forward-only step (under torch.no_grad()) of ZBVZeroBubble "
+                                    "fails in torch 2.13 (its eval runs the same-rank backward hand-over); plan "
+                                    "another schedule for evaluation")
             return self.run((args, kwargs), backward=False)[0]
         return _Step.apply(self, (args, kwargs), *self.params)
 
