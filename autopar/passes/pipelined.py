@@ -173,7 +173,7 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
     fitting = [f for f in found if f[0].peak_memory <= budget]
     best = min(fitting or found, key=lambda f: (f[0].step_time, f[5]))
     plain = None
-    if not pin and (pp > 1 or PP_AXIS not in mesh.names):
+    if not pin:
         try:
             plain = run_passes(model, mesh, args, kwargs, memory_budget=budget, **passkw)
         except InfeasibleError:
