@@ -160,3 +160,29 @@ def test_priced_bubble_sweep_equals_closed_form(schedule):
             assert price.replay.bubble == pytest.approx(closed_form_bubble(pp, m), abs=1e-12)
             assert price.step_time == pytest.approx((m + pp - 1) * 3.0)
             assert math.isclose(price.sync, 0.0)
+
+
+def test_segments_add_up_to_the_plans_compute_and_activation_communication():
+    """Read back per segment, a solved plan's forward, input- and weight-gradient times add up to the
+    evaluator's compute plus activation communication, its memory to the plan's (the tied embedding and
+    head counted at both ends), and its gathers and reductions to the parameter traffic."""
+    from autopar.passes.pipeline import run_passes
+    from autopar.passes.search.pipeline_split import segments
+    from autopar.passes.search.problem import evaluate
+
+    model, inputs = models.make("gpt", "tiny", batch=4, n_layer=3)
+    mesh = autopar.Mesh({"dp": 2}, device="cpu")
+    planned = run_passes(model, mesh, inputs, progress=False)
+    segs, pre, units, post = segments(planned.graph, planned.folding, planned.problem, planned.choice, mesh,
+                                      planned.precision)
+    assert units == ["blocks.0", "blocks.1", "blocks.2"] and "wte" in pre and "lm_head" in post
+    parts = [segs.pre, *segs.units, segs.post]
+    cost = evaluate(planned.problem, planned.choice)
+    total = sum(p.forward + p.backward for p in parts)
+    assert total == pytest.approx(cost.compute_time + cost.comm_time - cost.exposed_param_comm, rel=1e-9)
+    assert all(p.forward > 0 and p.input_grad >= 0 and p.weight_grad > 0 for p in segs.units)
+    assert segs.post.input_grad > 0 and segs.pre.input_grad == 0  # the embedding's backward has no input gradient
+    tied = max(planned.problem.nodes[planned.problem.index[planned.graph.params["wte.weight"]]].memory["params"])
+    held = sum(p.memory["params"] for p in parts)
+    assert cost.memory["params"] <= held <= cost.memory["params"] + tied
+    assert segs.boundary_bytes > 0
