@@ -21,6 +21,7 @@ from autopar.ir.rules.proof.interp import device_coords
 from autopar.ir.rules.random_ops import draw_seed
 from autopar.passes.lower import lower, resolve
 from autopar.passes.pipeline import run_passes
+from autopar.passes.pipelined import plan_pipelined, wants_pipeline
 from autopar.passes.report import build_plan
 from autopar.passes.search.recipes import NAMES
 from autopar.passes.search.checkpoint import check_pin
@@ -84,7 +85,7 @@ def check_plan_args(model, mesh, example_kwargs, kw: dict, where: str = "autopar
 
 
 def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training: bool = True, hints=None,
-         memory_budget=None, time_limit=None, search: str = "ilp", **kw):
+         memory_budget=None, time_limit=None, search: str = "ilp", pipeline=None, **kw):
     """Plan how to run ``model`` on ``mesh``: the cheapest strategy per op within the memory budget,
     never slower than the best hand-written recipe that fits (see ``autopar.Plan``).
 
@@ -106,10 +107,18 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
     ``"all"``, a list of module-path globs such as ``["layers.*"]``, or a dict from globs to
     True/False; default: the search keeps them per group of alike layers where that makes the step
     faster and the plan still fits; a named recipe keeps none unless asked).
+
+    A mesh axis named ``pp`` pipelines (``passes/pipelined.py``): the planner splits the repeated
+    layers into stages, picks the micro-batch count and the schedule (GPipe, 1F1B, Interleaved1F1B,
+    ZBVZeroBubble) by replaying it, and says so in ``plan.pipeline``; ``pipeline`` pins some of
+    ``{"schedule": ..., "microbatches": ..., "virtual_stages": ...}`` (without a ``pp`` axis: gradient
+    accumulation over that many micro-batches).
     """
     kw = check_plan_args(model, mesh, example_kwargs, dict(kw, training=training, hints=hints,
                                                           memory_budget=memory_budget, time_limit=time_limit,
                                                           search=search))
+    if wants_pipeline(mesh, pipeline):
+        return plan_pipelined(model, mesh, example_inputs, example_kwargs, pipeline=pipeline, **kw)
     planned = run_passes(model, mesh, example_inputs, example_kwargs, **kw)
     return build_plan(planned)
 
@@ -143,6 +152,9 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
         raise ArgumentError(f"autopar.simulate: measure_memory must be True or False, got {measure_memory!r}")
     if not isinstance(plan, Plan):
         plan = load_plan(check_path(plan, "autopar.simulate: plan (a Plan or a saved plan's path)"))
+    if plan.pipeline is not None:
+        raise ArgumentError("autopar.simulate: running a pipelined plan (plan.pipeline) is not built yet; plan "
+                            "without the 'pp' axis to run it")
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     graph = capture(model, args, kwargs, training=plan.training)

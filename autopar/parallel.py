@@ -452,7 +452,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     if plan is not None and not isinstance(plan, Plan):
         check_path(plan, "autopar.compile: plan (a Plan, a saved plan's path, or None)")
     plan_kwargs = check_plan_args(model, mesh, example_kwargs, plan_kwargs, "autopar.compile")
-    if isinstance(plan, Plan):  # a plan in hand is checked before any process-group work
+    if isinstance(plan, Plan) and plan.pipeline is None:  # a plan in hand is checked before any process-group work
         _check_plan_mesh(plan, mesh)
     materializer = check_materializable(model)  # a meta tensor nothing can rebuild is named before planning
     ensure_process_group(mesh.size, f"mesh {mesh.axes}")
@@ -461,6 +461,10 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     given = plan is not None
     training = plan_kwargs.get("training", True) if not given else None
     shared = _share_plan(plan, lambda: make_plan(model, mesh, args, kwargs, **plan_kwargs))
+    if shared.pipeline is not None:
+        raise CompileError("autopar.compile does not run pipelined plans (plan.pipeline) yet; run one with "
+                           "autopar.runtime.pipeline.pipelined(model, plan, example_inputs) on a mesh with the pp "
+                           "axis alone, or plan without the pp axis")
     _check_plan_mesh(shared, mesh)  # on every rank alike (a plan file is read on rank 0 only)
     if training is not None and shared.training != training:
         raise CompileError("the plan's training mode differs from training=")

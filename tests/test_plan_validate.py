@@ -181,7 +181,7 @@ def test_later_versions_only_add_fields(good):
                  "graph", "memory", "memory_budget", "mesh", "modules", "nodes", "peak_memory", "placements",
                  "precision", "reshardings", "schema_version", "solver", "source", "step_time", "training"]
     assert sorted(good) == sorted(version_1 + ["checkpointing", "kept_gathers", "layer_groups", "model_flops", "mfu",
-                                               "tokens_per_step", "tokens_per_second_per_device"])
+                                               "tokens_per_step", "tokens_per_second_per_device", "pipeline"])
     assert "nics_per_node" in good["mesh"]["hardware"]
     assert "efficiency" in good["mesh"]["hardware"] and "matmul_efficiency" not in good["mesh"]["hardware"]
 

@@ -32,8 +32,11 @@ forward's matmul, convolution and attention FLOPs, recomputation not counted;
 FLOP/s of the compute dtype)), ``tokens_per_step`` and ``tokens_per_second_per_device``, and writes
 ``mesh.hardware.efficiency`` (the shape-dependent efficiency curves) where older versions wrote
 ``matmul_efficiency`` and ``memory_efficiency``; a version 1-4 file loads with these four at 0 (not
-known), its two constants as a flat efficiency, and its layer groups as they were. Any other version
-is a PlanError naming it.
+known), its two constants as a flat efficiency, and its layer groups as they were. Version 5 also
+adds ``pipeline`` (None, or what a pipelined plan chose: the ``pp`` axis and the whole mesh's axes, the schedule,
+micro-batches, virtual stages, module paths per stage, the replayed bubble and per-rank figures;
+``autopar/passes/pipelined.py``); a version 1-4 file loads with ``pipeline`` None. Any other version is
+a PlanError naming it.
 """
 
 from __future__ import annotations
@@ -216,6 +219,8 @@ class Plan:
     mfu: float = 0.0  # model_flops / (step_time * devices * peak FLOP/s of the compute dtype)
     tokens_per_step: int = 0  # elements of the token-id input (0: the model takes none)
     tokens_per_second_per_device: float = 0.0
+    # pipeline parallelism (schema version 5; older files load with None): see autopar/passes/pipelined.py
+    pipeline: Optional[dict] = None
     schema_version: int = field(default=SCHEMA_VERSION)
 
     # -- derived --------------------------------------------------------------------------------
@@ -420,13 +425,15 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "solver": (dict,), "source": (str,), "modules": (list,), "graph": (dict,),
     "checkpointing": (dict,), "kept_gathers": (list,), "layer_groups": (list,),
     "model_flops": _NUM, "mfu": _NUM, "tokens_per_step": (int,), "tokens_per_second_per_device": _NUM,
+    "pipeline": (dict, type(None)),
 }
 
 
 #: the fields version 4 added, as an older plan (priced without them) has them
 _V4_DEFAULTS: dict[str, Any] = {"checkpointing": {}, "kept_gathers": [], "layer_groups": []}
 #: the fields version 5 added, as an older plan has them (0: not known)
-_V5_DEFAULTS: dict[str, Any] = {"model_flops": 0.0, "mfu": 0.0, "tokens_per_step": 0, "tokens_per_second_per_device": 0.0}
+_V5_DEFAULTS: dict[str, Any] = {"model_flops": 0.0, "mfu": 0.0, "tokens_per_step": 0, "tokens_per_second_per_device": 0.0,
+                                "pipeline": None}
 
 
 def _nics_of_old_plan(d: Mapping) -> Mapping:

@@ -303,6 +303,36 @@ class _LayerGroup(_Strict):
     kept_time: Seconds = None
 
 
+class _Compared(_Strict):
+    schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"] = None
+    microbatches: Count = None
+    virtual_stages: Count = None
+    step_time: Seconds = None
+    peak_memory: Int = None
+    bubble: Annotated[float, Field(ge=0, le=1)] = None
+
+
+class _Pipeline(_Strict):
+    """A pipelined plan's choice (schema version 5)."""
+    axis: Name
+    degree: Count
+    mesh_names: list[Name]
+    mesh_shape: list[Count]
+    schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
+    microbatches: Count
+    virtual_stages: Count
+    stages: list[list[Name]]
+    stage_ranks: list[Count] = None
+    bubble: Annotated[float, Field(ge=0, le=1)]
+    makespan: Seconds = None
+    sync_time: Seconds = None
+    p2p_time: Seconds = None
+    in_flight: list[Count] = None
+    stage_times: list[list[Seconds]] = None
+    rank_memory: list[Int] = None
+    compared: list[_Compared] = None
+
+
 class _Solver(BaseModel):
     """The solver's statistics: the figures the views print are typed, the rest is free-form."""
     model_config = ConfigDict(extra="allow", strict=True)
@@ -354,10 +384,12 @@ class _PlanFile(_Strict):
     mfu: NonNegative = None
     tokens_per_step: Int = None
     tokens_per_second_per_device: NonNegative = None
+    pipeline: _Pipeline | None = None  # schema version 5
 
 
 _KNOWN_KEYS = sorted({k for m in (_PlanFile, _Mesh, _Hardware, _Link, _Precision, _Fingerprint, _Graph, _Node, _Step,
-                                  _Collective, _Alternative, _Module, _Baseline, _Timing, _Resharding, _LayerGroup, _Efficiency)
+                                  _Collective, _Alternative, _Module, _Baseline, _Timing, _Resharding, _LayerGroup,
+                                  _Efficiency, _Pipeline, _Compared)
                                   for k in m.model_fields}
                      | {"from"})
 

@@ -13,6 +13,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Iterable
 
 from autopar.errors import PlanError
+from autopar.plans.pipeline_view import diff_lines, explain_lines, summary_lines
 from autopar.plans.format import (
     SOLVER_TIMING_KEYS,
     canon,
@@ -143,6 +144,7 @@ def summary(plan: "Plan", full: bool = False) -> str:
     lines += _wrap_items(f"peak memory {human_bytes(plan.peak_memory)} of {human_bytes(plan.memory_budget)} per device "
                          f"({verdict}): ", split)
     lines += _layer_groups(plan)
+    lines += summary_lines(plan)
     if plan.collectives:
         lines += _wrap_items(f"collectives (bucket size {human_bytes(plan.bucket_size)}): ",
                              [_collective_text(c) for c in plan.collectives], "; ")
@@ -298,6 +300,7 @@ def explain(plan: "Plan", module_path: str) -> str:
     if path and path in (getattr(plan, "kept_gathers", []) or []):
         lines.append("kept gathers: its parameters gathered in the forward are kept for the backward, not gathered again")
     lines += _layer_groups(plan, path)
+    lines += explain_lines(plan, path)
     for m in mods:
         alts = m.get("alternatives") or []
         if not alts:
@@ -372,6 +375,7 @@ def diff(a: "Plan", b: "Plan", limit: int = 40) -> str:
     if a.checkpointing != b.checkpointing:
         out.append(f"checkpointing: {len(a.checkpointing)} -> {len(b.checkpointing)} layer instances recomputed"
                    + ("" if len(a.checkpointing) != len(b.checkpointing) else " (which or how differs)"))
+    out += diff_lines(a, b)
     if a.kept_gathers != b.kept_gathers:
         out.append(f"kept gathers: {len(a.kept_gathers)} -> {len(b.kept_gathers)} layer instances")
     if a.bucket_size != b.bucket_size:

@@ -1,0 +1,78 @@
+"""Where each op of a graph sits along the model's chain of layers: before the layer instances, in one
+of them, or after them; the one rule the pipeline planner (``passes/search/pipeline_split.py``) and
+the pipeline runtime (``runtime/pipeline.py``) share, so stages are priced as they run.
+
+Layer instances are ``ir.layers``'s (folded or not), numbered in graph order. An op outside every
+instance is *before* (``PRE``) when it is a forward op that runs before the first instance's first
+op, or a backward op that runs after the first instance's last backward op (the embedding and its
+gradient); otherwise *after* (``POST``: final norm, head, loss and their gradients). A placeholder
+takes the region of its first reader (a parameter read both before and after the layers, a tied
+embedding and head, is in both: ``Chain.both``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.ir.graph import Graph, Phase
+from autopar.ir.layers import Key, layer_key, layers
+
+PRE, POST = -1, -2  # the regions before and after the layer instances
+
+
+@dataclass(frozen=True)
+class Chain:
+    """``keys``: the layer instances in graph order; ``region``: node name -> instance index, PRE or
+    POST; ``both``: outside placeholders read before and after the layers; ``paths``: the module path
+    of each instance (``"blocks.3"``)."""
+
+    keys: tuple[Key, ...]
+    region: dict[str, int]
+    both: frozenset[str]
+    paths: tuple[str, ...]
+
+
+def chain(graph: Graph) -> Chain:
+    """The graph's layer chain (see the module docstring)."""
+    found = layers(graph)
+    pos = {n.name: k for k, n in enumerate(graph.nodes)}
+    keys = tuple(sorted(found.instances, key=lambda k: pos[found.instances[k][0]]))
+    order = {k: i for i, k in enumerate(keys)}
+    owner = {name: order[k] for k, names in found.instances.items() for name in names}
+    fwd = [k for k, n in enumerate(graph.nodes) if n.name in owner and n.phase == Phase.FORWARD and not n.is_placeholder]
+    bwd = [k for k, n in enumerate(graph.nodes) if n.name in owner and n.phase == Phase.BACKWARD]
+    first_fwd = fwd[0] if fwd else len(graph.nodes)
+    last_bwd = bwd[-1] if bwd else -1
+    region: dict[str, int] = {}
+    for k, n in enumerate(graph.nodes):
+        if n.name in owner:
+            region[n.name] = owner[n.name]
+        elif n.is_placeholder:
+            continue
+        elif n.phase == Phase.FORWARD:
+            region[n.name] = PRE if k < first_fwd else POST
+        else:
+            region[n.name] = PRE if k > last_bwd else POST
+    users = graph.users()
+    both = set()
+    for n in graph.nodes:
+        if n.is_placeholder and n.name not in region:
+            regs = [region[u] for u in users[n.name] if u in region and graph.node(u).op != "output"]
+            region[n.name] = regs[0] if regs else PRE
+            if PRE in regs and POST in regs:
+                both.add(n.name)
+    paths = tuple(layer_key(f"{p}.{i}" if p else str(i)) or f"{p}.{i}" for p, i in keys)
+    return Chain(keys, region, frozenset(both), paths)
+
+
+def region_paths(graph: Graph, ch: Chain, r: int) -> list[str]:
+    """The module paths of region ``r``'s forward ops, in graph order."""
+    out: list[str] = []
+    for n in graph.nodes:
+        if ch.region.get(n.name) == r and n.phase == Phase.FORWARD and not n.is_placeholder and n.module_path:
+            if n.module_path not in out:
+                out.append(n.module_path)
+    return out
+
+
+__all__ = ["Chain", "POST", "PRE", "chain", "region_paths"]

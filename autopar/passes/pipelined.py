@@ -1,0 +1,272 @@
+"""Planning with a pipeline axis: the driver ``plan`` calls for a mesh with a ``pp`` axis (or a pinned
+``pipeline=``), on top of the intra-op planning passes.
+
+For each candidate micro-batch count ``m`` the model is planned once by ``run_passes`` on the mesh
+without the pipeline axis at the micro-batch's shape (the batch dimension of every input cut to
+``B / m``): one folded solve, which every stage of alike layers shares. That plan is read back per
+segment (``search/pipeline_split.py``), the layer instances are split into stages, and every
+schedule torch 2.13 runs at that shape is priced by replay (``cost_model/pipeline.py``). The
+intra-op solve is first made without a memory budget (the fastest layer plan; a stage holds only
+its share of the model); when no pipeline fits so, again within the budget (the leaner layer plan).
+
+Unless the user pins ``pipeline=``, the best pipeline competes with the plain plan of the whole
+mesh, where the ``pp`` axis is one more axis the intra-op search may split (a data or a sharding
+axis): the faster that fits wins, and the plan says which (``plan.pipeline`` None when the plain
+plan wins; its ``baselines`` hold both). Without a ``pp`` axis, ``pipeline=`` asks for gradient
+accumulation: one stage, ``m`` micro-batches, the parameters' gathers and reductions once per step.
+
+A pipelined ``Plan``'s ``mesh`` is the stage mesh (the other axes, on which its placements,
+reshardings and collectives are stated, per micro-batch); ``plan.pipeline`` holds the pipeline axis
+and the whole mesh's axes, the schedule, the stages and the priced figures; ``step_time`` and
+``peak_memory`` are the pipeline's (see ``cost_model/pipeline.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Mapping, Optional
+
+import torch
+
+from autopar.cost_model.mesh import Mesh
+from autopar.cost_model.pipeline import p2p_time
+from autopar.cost_model.schedules import SCHEDULES, stage_ranks
+from autopar.errors import ArgumentError, InfeasibleError, RecipeError
+from autopar.ir.capture import as_args
+from autopar.passes.pipeline import DEFAULT_BUDGET_FRACTION, run_passes
+from autopar.passes.report import build_plan
+from autopar.passes.search.pipeline_split import candidates, search, segments
+
+#: the mesh axis name that pipelines
+PP_AXIS = "pp"
+#: keys of ``pipeline=``
+PIN_KEYS = ("schedule", "microbatches", "virtual_stages")
+#: micro-batch counts tried, as multiples of the pipeline degree (gradient accumulation: as counts)
+MICROBATCH_FACTORS = (1, 2, 4)
+ACCUMULATION_COUNTS = (2, 4, 8)
+
+
+def wants_pipeline(mesh: Mesh, pipeline: Optional[Mapping]) -> bool:
+    """Whether ``plan`` goes through this driver: a ``pp`` axis, or a pinned ``pipeline``."""
+    return PP_AXIS in mesh.names or pipeline is not None
+
+
+def check_pin(pipeline: Any, where: str = "autopar.plan") -> dict:
+    """``pipeline=`` checked: a dict with some of ``schedule`` (one of torch's names in
+    ``SCHEDULES``), ``microbatches`` (int >= 1), ``virtual_stages`` (int >= 1); {} for None."""
+    if pipeline is None:
+        return {}
+    if not isinstance(pipeline, Mapping):
+        raise ArgumentError(f"{where}: pipeline must be a dict such as {{'schedule': '1F1B', 'microbatches': 16}}, "
+                            f"got {type(pipeline).__name__}")
+    bad = [k for k in pipeline if k not in PIN_KEYS]
+    if bad:
+        raise ArgumentError(f"{where}: pipeline has unknown key(s) {bad}; it takes {list(PIN_KEYS)}")
+    out = dict(pipeline)
+    if "schedule" in out and out["schedule"] not in SCHEDULES:
+        raise ArgumentError(f"{where}: pipeline schedule {out['schedule']!r} is not one of {list(SCHEDULES)}")
+    for k in ("microbatches", "virtual_stages"):
+        v = out.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ArgumentError(f"{where}: pipeline {k} must be an int >= 1, got {v!r}")
+    return out
+
+
+def stage_mesh(mesh: Mesh) -> Mesh:
+    """The mesh without the ``pp`` axis (its links kept); a pipeline alone gets a one-device axis ``dp``."""
+    names = [n for n in mesh.names if n != PP_AXIS]
+    if not names:
+        return Mesh({"dp": 1}, device=mesh.hardware)
+    return Mesh({n: mesh.axis_size(n) for n in names}, device=mesh.hardware,
+                links={n: mesh.link(n) for n in names})
+
+
+def batch_size(args: tuple, kwargs: Mapping) -> int:
+    """The first tensor input's dimension 0 (the batch every input with that leading size shares)."""
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor) and v.dim() >= 1:
+            return int(v.shape[0])
+    raise ArgumentError("autopar.plan: a pipeline cuts the batch into micro-batches, but no example input is a "
+                        "tensor with a batch dimension")
+
+
+def micro_inputs(args: tuple, kwargs: Mapping, batch: int, m: int) -> tuple[tuple, dict]:
+    """Every tensor input whose dimension 0 is ``batch`` cut to its first ``batch // m`` rows."""
+    cut = batch // m
+
+    def one(v):
+        return v[:cut] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v
+
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, pipeline=None, **kw):
+    """The ``Plan`` for a mesh with a ``pp`` axis or a pinned ``pipeline`` (see the module docstring);
+    ``kw`` are ``plan``'s checked keywords."""
+    start = time.perf_counter()
+    pin = check_pin(pipeline)
+    if not kw.get("training", True):
+        raise ArgumentError("autopar.plan: a pipeline (a 'pp' mesh axis or pipeline=) is planned for training only; "
+                            "plan inference without the pp axis")
+    for k in ("hints", "recipe", "graph"):
+        if kw.get(k) is not None:
+            raise ArgumentError(f"autopar.plan: {k}= is not supported with a pipeline yet (a 'pp' axis or pipeline=); "
+                                f"plan without it")
+    if kw.get("search", "ilp") != "ilp":
+        raise ArgumentError("autopar.plan: a pipeline is planned with search='ilp' only")
+    pp = mesh.axis_size(PP_AXIS) if PP_AXIS in mesh.names else 1
+    sub = stage_mesh(mesh)
+    link = mesh.link(PP_AXIS) if PP_AXIS in mesh.names else None
+    args = as_args(example_inputs)
+    kwargs = dict(example_kwargs or {})
+    batch = batch_size(args, kwargs)
+    budget = kw.get("memory_budget")
+    budget = float(budget) if budget is not None else DEFAULT_BUDGET_FRACTION * mesh.hardware.memory
+    if "microbatches" in pin:
+        counts = [pin["microbatches"]]
+        if batch % counts[0]:
+            raise ArgumentError(f"autopar.plan: pipeline microbatches={counts[0]} does not divide the batch of {batch}")
+    else:
+        wanted = [pp * f for f in MICROBATCH_FACTORS] if pp > 1 else list(ACCUMULATION_COUNTS)
+        counts = [m for m in wanted if batch % m == 0]
+        if not counts:
+            raise ArgumentError(f"autopar.plan: the batch of {batch} splits into none of the micro-batch counts "
+                                f"{wanted} a pipeline of {pp} stages would use; pin pipeline={{'microbatches': m}}")
+    if not any(candidates(pp, m, pin.get("schedule"), pin.get("virtual_stages")) for m in counts):
+        raise ArgumentError(f"autopar.plan: no pipeline schedule runs {pp} stage(s) with micro-batch counts {counts}"
+                            + (f" and {pin}" if pin else "") + " (1F1B needs m >= pp, ZBV exactly 2 and "
+                            "Interleaved1F1B at least 2 stages per rank)")
+    passkw = {k: v for k, v in kw.items() if k not in ("memory_budget",)}
+    found = []  # (price, ranges, m, planned, paths, order)
+    tried = []
+    inner_phases: dict[str, float] = {}
+    for bounded in (False, True):
+        for m in counts:
+            margs, mkwargs = micro_inputs(args, kwargs, batch, m)
+            try:
+                planned = run_passes(model, sub, margs, mkwargs, memory_budget=budget if bounded else math.inf,
+                                     **passkw)
+            except InfeasibleError:
+                continue
+            for k, v in planned.phases.items():
+                inner_phases[k] = round(inner_phases.get(k, 0.0) + v, 4)
+            segs, pre, units, post = segments(planned.graph, planned.folding, planned.problem, planned.choice, sub,
+                                              planned.precision)
+            if not segs.units:
+                raise ArgumentError("autopar.plan: a pipeline splits the model's repeated layers (numbered modules such "
+                                    "as layers.0, layers.1, ...) into stages, and this model has none")
+            hop = p2p_time(segs.boundary_bytes, link) if link is not None else 0.0
+            for price, ranges in search(segs, pp, m, hop, pin.get("schedule"), pin.get("virtual_stages")):
+                found.append((price, ranges, m, planned, (pre, units, post), len(found)))
+                tried.append(price)
+        if any(p.peak_memory <= budget for p, *_ in found):
+            break
+    if not found:
+        raise ArgumentError(f"autopar.plan: no pipeline schedule runs {pp} stage(s) with micro-batch counts {counts}"
+                            + (f" and {pin}" if pin else "") + " (1F1B needs m >= pp, ZBV and Interleaved1F1B two "
+                            "stages per rank and at least two layers per rank)")
+    recipe_row = None
+    if not pin and pp > 1:  # the torchtitan-style pipelined recipe, priced like the search's pipelines
+        recipe_row, recipe_found = _pp_recipe(model, sub, args, kwargs, batch, pp, link, passkw, budget)
+        found += [(*f[:5], len(found) + k) for k, f in enumerate(recipe_found)]
+    fitting = [f for f in found if f[0].peak_memory <= budget]
+    best = min(fitting or found, key=lambda f: (f[0].step_time, f[5]))
+    plain = None
+    if not pin:
+        try:
+            plain = run_passes(model, mesh, args, kwargs, memory_budget=budget, **passkw)
+        except InfeasibleError:
+            plain = None
+    best_row = {"step_time": best[0].step_time, "peak_memory": int(best[0].peak_memory),
+                "fits": best[0].peak_memory <= budget}
+    if plain is not None and plain.cost.peak_memory <= budget and (
+            not fitting or plain.cost.step_time <= best[0].step_time):
+        plan = build_plan(plain)
+        plan.baselines = dict(plan.baselines, pipeline=best_row, **({RECIPE: recipe_row} if recipe_row else {}))
+        return plan
+    if not fitting:
+        raise InfeasibleError(
+            f"no pipeline fits the memory budget of {budget / 2**30:.2f} GiB per device: the leanest pipelined plan "
+            f"tried needs {min(p.peak_memory for p in tried) / 2**30:.2f} GiB per device (pp={pp}, micro-batches "
+            f"{counts}); use more devices, more micro-batches, a smaller batch, or raise memory_budget")
+    price, ranges, m, planned, (pre, units, post), _ = best
+    plan = build_plan(planned)
+    rank_kinds = price.rank_memory_kinds
+    top = max(range(len(price.rank_memory)), key=lambda r: (price.rank_memory[r], -r))
+    busy = max(price.replay.busy)
+    plan.step_time = price.step_time
+    plan.compute_time = busy
+    plan.comm_time = max(0.0, price.step_time - busy)
+    plan.peak_memory = int(price.peak_memory)
+    plan.memory = {k: int(v) for k, v in rank_kinds[top].items()}
+    plan.memory_budget = int(budget) if budget != math.inf else 0
+    # the recipes priced at the micro-batch's shape on the stage mesh do not compare with a step:
+    # the baselines are the whole mesh's (the plain plan's recipes and the plain plan itself)
+    plan.baselines = {} if recipe_row is None else {RECIPE: recipe_row}
+    if best[3].source.startswith("recipe:"):
+        plan.source = f"recipe:{RECIPE}"
+    if plain is not None:
+        plan.baselines = dict(plain.baselines, **plan.baselines, unpipelined={"step_time": plain.cost.step_time,
+                                                            "peak_memory": int(plain.cost.peak_memory),
+                                                            "fits": plain.cost.peak_memory <= budget})
+    stage_paths = []
+    for s, (a, b) in enumerate(ranges):
+        stage_paths.append((pre if s == 0 else []) + units[a:b] + (post if s == len(ranges) - 1 else []))
+    plan.pipeline = {
+        "axis": PP_AXIS,
+        "degree": pp,
+        "mesh_names": list(mesh.names),
+        "mesh_shape": [int(v) for v in mesh.shape],
+        "schedule": price.schedule,
+        "microbatches": m,
+        "virtual_stages": price.virtual,
+        "stages": stage_paths,
+        "stage_ranks": list(stage_ranks(price.schedule, pp, price.virtual)),
+        "bubble": price.replay.bubble,
+        "makespan": price.replay.makespan,
+        "sync_time": price.sync,
+        "p2p_time": price.p2p,
+        "in_flight": list(price.replay.in_flight),
+        "stage_times": [[st.forward, st.input_grad, st.weight_grad] for st in price.stages],
+        "rank_memory": [int(x) for x in price.rank_memory],
+        "compared": [{"schedule": p.schedule, "microbatches": p.microbatches, "virtual_stages": p.virtual,
+                      "step_time": p.step_time, "peak_memory": int(p.peak_memory), "bubble": p.replay.bubble}
+                     for p in sorted(tried, key=lambda p: (p.step_time, p.schedule, p.microbatches, p.virtual))],
+    }
+    plan.phases = dict(inner_phases, total=round(time.perf_counter() - start, 4))
+    return plan
+
+
+#: the pipelined baseline recipe: torchtitan's layout (pipeline over ``pp``, FSDP on the data axis and
+#: Megatron TP on the tensor axis of each stage, 1F1B; torchtitan's default micro-batch of one local sample
+#: is approximated by 2 pp micro-batches, or pp when the batch does not split so)
+RECIPE = "pp_fsdp_tp"
+
+
+def _pp_recipe(model, sub: Mesh, args: tuple, kwargs: dict, batch: int, pp: int, link, passkw: dict,
+               budget: float) -> tuple[dict, list]:
+    """``RECIPE`` priced: its baseline row and its candidate (``found``'s layout), or an error row."""
+    m = next((k for k in (2 * pp, pp) if batch % k == 0), None)
+    if m is None:
+        return {"error": f"{RECIPE}: the batch of {batch} splits into neither {2 * pp} nor {pp} micro-batches"}, []
+    inner = "fsdp_tp" if sub.ndim >= 2 else "fsdp"
+    margs, mkwargs = micro_inputs(args, kwargs, batch, m)
+    try:
+        planned = run_passes(model, sub, margs, mkwargs, memory_budget=math.inf,
+                             **dict(passkw, recipe=inner))
+    except (RecipeError, InfeasibleError, ValueError) as e:
+        return {"error": f"{RECIPE}: {e}"}, []
+    segs, pre, units, post = segments(planned.graph, planned.folding, planned.problem, planned.choice, sub,
+                                      planned.precision)
+    hop = p2p_time(segs.boundary_bytes, link) if link is not None else 0.0
+    priced = search(segs, pp, m, hop, "1F1B", 1)
+    if not priced:
+        return {"error": f"{RECIPE}: 1F1B does not run {pp} stages of {len(segs.units)} layers at m={m}"}, []
+    price, ranges = priced[0]
+    row = {"step_time": price.step_time, "peak_memory": int(price.peak_memory), "fits": price.peak_memory <= budget}
+    return row, [(price, ranges, m, planned, (pre, units, post))]
+
+
+__all__ = ["PIN_KEYS", "PP_AXIS", "RECIPE", "batch_size", "check_pin", "micro_inputs", "plan_pipelined", "stage_mesh",
+           "wants_pipeline"]

@@ -1,0 +1,274 @@
+"""Pipeline stages: the model cut into segments, the segments split into stages, the schedule chosen.
+
+``segments`` reads one solved intra-op plan (a ``Problem`` and its choice, solved on the mesh without
+the pipeline axis at the micro-batch's shape) back per *segment*: what runs before the first layer
+instance (embedding, values every layer reads such as RoPE tables), each layer instance in graph
+order (``ir.layers``'s membership, folded or not: folded instances share their representative's
+figures, so stages of alike layers share the one folded solve), and what runs after the last
+(final norm, head, loss). Per segment, per micro-batch:
+
+- forward and backward compute plus the activation reshardings that land in it (each transfer is
+  charged to its first consumer's segment and phase, per instance, so the segments add up to the
+  plan's compute and activation communication);
+- the backward split into *input* gradients (ops whose results reach the previous segment's
+  backward) and *weight* gradients (ops that only feed parameter gradients), for ZBV's ``I``/``W``;
+- memory by kind (a parameter read both before and after the layers, a tied embedding and head,
+  is held by both ends: each holds a copy, as torch's pipelines and Megatron keep it);
+- per step: its parameter gathers (the forward's; the backward's regathers are dropped since the
+  gathered copy is kept for the step, whose bytes are ``kept``) and its gradient reductions.
+
+``split`` cuts the layer instances into contiguous stages minimising the slowest stage (an exact
+dynamic programme over cut points, uneven where the count does not divide; the first stage pays for
+the segment before the layers, the last for the one after). ``search`` prices every schedule torch
+2.13 runs that fits (``cost_model/schedules.py``'s constraints) at the given micro-batch count by
+replay (``cost_model/pipeline.py``) and returns them cheapest first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from autopar.cost_model.mesh import Mesh
+from autopar.cost_model.memory import activation_bytes
+from autopar.cost_model.pipeline import PipelinePrice, Segment, combine, price_pipeline
+from autopar.cost_model.precision import Precision
+from autopar.cost_model.schedules import SCHEDULES, check_schedule
+from autopar.ir.graph import Graph, Phase
+from autopar.ir.layers import layers
+from autopar.ir.stages import POST, PRE, chain, region_paths
+from autopar.passes.search.fold import Folding
+from autopar.passes.search.problem import MEMORY_KINDS, Problem, edge_cost, transfer_cost
+from autopar.passes.search.strategies import output_placement
+
+
+
+@dataclass(frozen=True)
+class ModelSegments:
+    """A model read back per segment: ``pre`` (before the layers), ``units`` (each layer instance, in
+    order), ``post`` (after them), and ``boundary_bytes``: the activation one stage sends the next
+    per micro-batch (bytes per device: what leaves the first layer instance in the forward)."""
+
+    pre: Segment
+    units: tuple[Segment, ...]
+    post: Segment
+    boundary_bytes: float
+
+
+def _weight_only(graph: Graph, region: dict[str, int]) -> set[str]:
+    """Backward ops whose results reach no other segment's op (only parameter gradients and the
+    graph's outputs): the weight-gradient part of their segment's backward."""
+    users = graph.users()
+    crosses: dict[str, bool] = {}
+    for n in reversed(graph.nodes):
+        if n.phase != Phase.BACKWARD or n.is_placeholder or n.op == "output":
+            continue
+        r = region.get(n.name)
+        hit = False
+        for u in users[n.name]:
+            un = graph.node(u)
+            if un.op == "output":
+                continue
+            if region.get(u) != r or crosses.get(u, False):
+                hit = True
+                break
+        crosses[n.name] = hit
+    return {k for k, v in crosses.items() if not v}
+
+
+def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[int], mesh: Mesh,
+             precision: Precision) -> tuple[ModelSegments, list[str], list[str], list[str]]:
+    """The plan ``choice`` of ``problem`` read back per segment (see the module docstring); also the
+    module paths before the layers, of each layer instance, and after the layers."""
+    found = layers(graph)
+    ch = chain(graph)
+    keys = list(ch.keys)
+    region = ch.region
+    weight = _weight_only(graph, region)
+    users = graph.users()
+    n_units = len(keys)
+    fig = {r: dict.fromkeys(("forward", "input_grad", "weight_grad", "gathers", "reductions", "kept"), 0.0)
+           for r in [PRE, POST] + list(range(n_units))}
+    mem = {r: dict.fromkeys(MEMORY_KINDS, 0.0) for r in fig}
+
+    def rep(name: str) -> int:
+        return problem.index[folding.representative(name)]
+
+    def regions_of(name: str) -> list[int]:
+        r = region.get(name)
+        if r is None:
+            return []
+        return [PRE, POST] if name in ch.both else [r]
+
+    # per representative node: its per-instance compute (and sink communication) by phase part
+    per_node: dict[int, dict[str, float]] = {}
+    for i, pn in enumerate(problem.nodes):
+        per_node[i] = {"compute": pn.compute[choice[i]] + pn.comm[choice[i]]}
+    # transfers, charged per instance to their first consumer (a reduction to its parameter)
+    extra: dict[int, dict[str, float]] = {}
+    for ks in problem.transfers:
+        edges = [problem.edges[k] for k in ks]
+        e = edges[0]
+        c = edge_cost(e, choice) if len(ks) == 1 else transfer_cost(edges, choice)
+        if c <= 0:
+            continue
+        dst = problem.nodes[e.dst]
+        share = c * e.mult / dst.mult
+        slot = extra.setdefault(e.dst, {})
+        kind = {"activation": "activation", "param": "param", "grad": "grad"}[e.kind]
+        slot[kind] = slot.get(kind, 0.0) + share
+        if e.kind == "param" and graph.node(dst.name).phase == Phase.FORWARD:
+            seen = set()
+            kept = 0.0
+            spec = graph.spec(e.ref)
+            for ed in edges:
+                q = ed.places_in[ed.dst_place[choice[ed.dst]]]
+                if q not in seen:
+                    seen.add(q)
+                    kept += activation_bytes(spec.shape, spec.dtype, q, mesh, precision)
+            slot["kept"] = slot.get("kept", 0.0) + kept * e.mult / dst.mult
+    for n in graph.nodes:
+        if n.op == "output":
+            continue
+        i = rep(n.name) if folding.representative(n.name) in problem.index else None
+        if i is None:
+            continue
+        regs = regions_of(n.name)
+        pn = problem.nodes[i]
+        ex = extra.get(i, {})
+        own = per_node[i]["compute"] + ex.get("activation", 0.0)
+        for r in regs:
+            f = fig[r]
+            if n.phase == Phase.FORWARD:
+                f["forward"] += own
+            elif n.name in weight:
+                f["weight_grad"] += own
+            else:
+                f["input_grad"] += own
+            if n.phase == Phase.FORWARD:  # the backward's regathers are not run: the copy is kept
+                f["gathers"] += ex.get("param", 0.0)
+            f["reductions"] += ex.get("grad", 0.0)
+            f["kept"] += ex.get("kept", 0.0)
+            for k in MEMORY_KINDS:
+                mem[r][k] += pn.memory[k][choice[i]]
+
+    def seg(r: int, paths: tuple[str, ...]) -> Segment:
+        f, m = fig[r], mem[r]
+        return Segment(f["forward"], f["input_grad"], f["weight_grad"], m["params"] + m["grads"] + m["optimizer"],
+                       m["activations"], f["gathers"], f["reductions"], f["kept"], memory=dict(m), paths=paths)
+
+    unit_paths = list(ch.paths)
+    pre_paths, post_paths = region_paths(graph, ch, PRE), region_paths(graph, ch, POST)
+    units = tuple(seg(u, (unit_paths[u],)) for u in range(n_units))
+    boundary = 0.0
+    if n_units:
+        first = set(found.instances[keys[0]])
+        for name in found.instances[keys[0]]:
+            n = graph.node(name)
+            if n.phase != Phase.FORWARD or n.is_placeholder:
+                continue
+            for j, spec in enumerate(n.outputs):
+                if spec is None:
+                    continue
+                readers = [u for u in users[name] if u not in first and graph.node(u).phase == Phase.FORWARD
+                           and any(r.node == name and r.index == j for r in graph.node(u).inputs)]
+                if readers:
+                    i = rep(name)
+                    place = output_placement(problem.nodes[i].strategies[choice[i]], j)
+                    boundary += activation_bytes(spec.shape, spec.dtype, place, mesh, precision)
+    return (ModelSegments(seg(PRE, tuple(pre_paths)), units, seg(POST, tuple(post_paths)), boundary),
+            pre_paths, unit_paths, post_paths)
+
+
+def split(model: ModelSegments, n_stages: int) -> Optional[list[tuple[int, int]]]:
+    """Contiguous ranges ``[a, b)`` of layer instances, one per stage, that minimise the slowest
+    stage's forward + backward seconds (the first stage with the segment before the layers, the
+    last with the one after); ties go to the earliest cut. None when there are fewer instances than
+    stages."""
+    units = model.units
+    n = len(units)
+    if n_stages < 1 or n < n_stages:
+        return None
+    cost = [u.forward + u.backward for u in units]
+    prefix = [0.0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    pre, post = model.pre.forward + model.pre.backward, model.post.forward + model.post.backward
+
+    def span(s: int, a: int, b: int) -> float:
+        return prefix[b] - prefix[a] + (pre if s == 0 else 0.0) + (post if s == n_stages - 1 else 0.0)
+
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for b in range(s, n - (n_stages - s) + 1):
+            for a in range(s - 1, b):
+                if best[s - 1][a] == inf:
+                    continue
+                v = max(best[s - 1][a], span(s - 1, a, b))
+                if v < best[s][b] - 1e-15 * max(1.0, abs(v)):
+                    best[s][b], cut[s][b] = v, a
+    out = []
+    b = n
+    for s in range(n_stages, 0, -1):
+        a = cut[s][b]
+        out.append((a, b))
+        b = a
+    return out[::-1]
+
+
+def stages_of(model: ModelSegments, ranges: Sequence[tuple[int, int]]) -> list[Segment]:
+    """Each stage's segment: its layer instances, the first with ``pre``, the last with ``post``."""
+    out = []
+    for s, (a, b) in enumerate(ranges):
+        parts = ([model.pre] if s == 0 else []) + list(model.units[a:b]) + ([model.post] if s == len(ranges) - 1 else [])
+        out.append(combine(parts))
+    return out
+
+
+#: the virtual stages per rank tried for Interleaved1F1B
+INTERLEAVED_VIRTUAL = (2,)
+
+
+def candidates(pp: int, microbatches: int, schedule: Optional[str] = None,
+               virtual: Optional[int] = None) -> list[tuple[str, int]]:
+    """The (schedule, virtual stages per rank) pairs torch 2.13 runs for ``pp`` ranks and
+    ``microbatches`` (restricted to ``schedule`` / ``virtual`` when given). On one rank only
+    gradient accumulation is a pipeline: 1F1B's order on one stage (each micro-batch's backward right
+    after its forward, one micro-batch in flight)."""
+    names = [schedule] if schedule else list(SCHEDULES)
+    out = []
+    for name in names:
+        vs = {"GPipe": (1,), "1F1B": (1,), "ZBVZeroBubble": (2,)}.get(name, INTERLEAVED_VIRTUAL)
+        if virtual is not None:
+            vs = (virtual,)
+        for v in vs:
+            if pp == 1 and name != "1F1B" and schedule is None:
+                continue
+            try:
+                check_schedule(name, pp, microbatches, v)
+            except ValueError:
+                continue
+            out.append((name, v))
+    return out
+
+
+def search(model: ModelSegments, pp: int, microbatches: int, p2p: float, schedule: Optional[str] = None,
+           virtual: Optional[int] = None) -> list[tuple[PipelinePrice, list[tuple[int, int]]]]:
+    """Every schedule that runs this shape, priced, with its stage ranges; cheapest step first
+    (ties: the order of ``SCHEDULES``, then fewer virtual stages)."""
+    out = []
+    for k, (name, v) in enumerate(candidates(pp, microbatches, schedule, virtual)):
+        ranges = split(model, pp * v)
+        if ranges is None:
+            continue
+        price = price_pipeline(stages_of(model, ranges), name, pp, microbatches, v, p2p, model.boundary_bytes)
+        out.append((k, price, ranges))
+    out.sort(key=lambda t: (t[1].step_time, t[0]))
+    return [(p, r) for _, p, r in out]
+
+
+__all__ = ["ModelSegments", "candidates", "search", "segments", "split", "stages_of"]

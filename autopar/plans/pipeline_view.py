@@ -1,0 +1,82 @@
+"""A pipelined plan's lines in ``summary``, ``explain`` and ``diff`` (``plan.pipeline``, schema version 5)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+from autopar.plans.format import human_bytes, human_time
+
+if TYPE_CHECKING:
+    from autopar.plans.schema import Plan
+
+
+def _span(paths: list) -> str:
+    return ", ".join(map(str, paths)) if len(paths) <= 4 else f"{paths[0]}, {paths[1]} ... {paths[-1]} ({len(paths)})"
+
+
+def summary_lines(plan: "Plan") -> list[str]:
+    """The pipeline: axes, schedule, micro-batches, bubble, and per stage its modules, times and its
+    rank's memory."""
+    pl: Optional[dict] = getattr(plan, "pipeline", None)
+    if not pl:
+        return []
+    axes = ", ".join(f"{n}={s}" for n, s in zip(pl.get("mesh_names", []), pl.get("mesh_shape", [])))
+    out = ["", f"pipeline on axis {pl.get('axis')!r} ({axes}; placements above are per stage, on the other axes, "
+               f"per micro-batch):",
+           f"  {pl.get('schedule')}, {pl.get('microbatches')} micro-batches, {pl.get('virtual_stages')} stage(s) per "
+           f"rank; bubble {100 * pl.get('bubble', 0.0):.1f}%, replayed makespan {human_time(pl.get('makespan', 0.0))}, "
+           f"gradient sync exposed {human_time(pl.get('sync_time', 0.0))}, one boundary transfer "
+           f"{human_time(pl.get('p2p_time', 0.0))}"]
+    ranks = pl.get("stage_ranks") or []
+    times = pl.get("stage_times") or []
+    flight = pl.get("in_flight") or []
+    mem = pl.get("rank_memory") or []
+    for s, paths in enumerate(pl.get("stages") or []):
+        r = ranks[s] if s < len(ranks) else s
+        t = times[s] if s < len(times) else [0.0, 0.0, 0.0]
+        out.append(f"  stage {s} (rank {r}): {_span(paths)}; fwd {human_time(t[0])}, bwd {human_time(t[1] + t[2])} "
+                   f"per micro-batch, {flight[s] if s < len(flight) else '?'} in flight; rank memory "
+                   f"{human_bytes(mem[r]) if r < len(mem) else '?'}")
+    others = [c for c in pl.get("compared") or []][:6]
+    if len(others) > 1:
+        out.append("  compared: " + "; ".join(
+            f"{c.get('schedule')} m={c.get('microbatches')} v={c.get('virtual_stages')} {human_time(c.get('step_time', 0.0))}"
+            f" {human_bytes(c.get('peak_memory', 0))}" for c in others))
+    return out
+
+
+def explain_lines(plan: "Plan", path: str) -> list[str]:
+    """Which pipeline stage (and rank) holds ``path``."""
+    pl: Optional[dict] = getattr(plan, "pipeline", None)
+    if not pl or not path:
+        return []
+    ranks = pl.get("stage_ranks") or []
+    out = []
+    for s, paths in enumerate(pl.get("stages") or []):
+        if any(p == path or path.startswith(p + ".") or p.startswith(path + ".") for p in paths):
+            out.append(f"pipeline stage {s} of {len(pl['stages'])} (rank {ranks[s] if s < len(ranks) else s} on axis "
+                       f"{pl.get('axis')!r}, {pl.get('schedule')}, {pl.get('microbatches')} micro-batches)")
+    return out
+
+
+def diff_lines(a: "Plan", b: "Plan") -> list[str]:
+    """What differs between two plans' pipelines."""
+    pa: Any = getattr(a, "pipeline", None)
+    pb: Any = getattr(b, "pipeline", None)
+    if pa == pb:
+        return []
+    if not pa or not pb:
+        return [f"pipeline: {'none' if not pa else pa.get('schedule')} -> {'none' if not pb else pb.get('schedule')}"]
+    out = []
+    for k in ("schedule", "microbatches", "virtual_stages"):
+        if pa.get(k) != pb.get(k):
+            out.append(f"pipeline {k}: {pa.get(k)} -> {pb.get(k)}")
+    if pa.get("stages") != pb.get("stages"):
+        out.append("pipeline stages: " + " | ".join(str(len(s)) for s in pa.get("stages", [])) + " -> "
+                   + " | ".join(str(len(s)) for s in pb.get("stages", [])) + " modules per stage")
+    if pa.get("bubble") != pb.get("bubble"):
+        out.append(f"pipeline bubble: {100 * pa.get('bubble', 0):.1f}% -> {100 * pb.get('bubble', 0):.1f}%")
+    return out
+
+
+__all__ = ["diff_lines", "explain_lines", "summary_lines"]

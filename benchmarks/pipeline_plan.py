@@ -1,0 +1,59 @@
+"""Planning with a pipeline axis: LLaMA-3-70B (80 layers) at batch 64 x 2048, bf16-mixed AdamW, on 64
+H100s as pp x dp x tp (default 4 x 2 x 8: tp inside a node, pp and dp across nodes).
+
+Prints the plan's choice (schedule, micro-batches, stages, bubble), its step time and per-rank memory,
+the baselines (the pipelined recipe ``pp_fsdp_tp``, the plain plan of the whole mesh and its recipes),
+and the planning time per phase (the inner solves' phases summed, and the total). With ``--pin
+SCHEDULE:M`` the pipeline is pinned (one inner solve, no comparison with the plain plan).
+
+    python benchmarks/pipeline_plan.py [--mesh 4 2 8] [--layers 80] [--pin 1F1B:16] [--batch 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import autopar
+from autopar import models
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mesh", type=int, nargs=3, default=(4, 2, 8), metavar=("PP", "DP", "TP"))
+    ap.add_argument("--layers", type=int, default=80)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--pin", default=None, help="SCHEDULE:MICROBATCHES")
+    a = ap.parse_args()
+    pp, dp, tp = a.mesh
+    model, inputs = models.make("llama", "llama3-70b", batch=a.batch, seq=a.seq, device="meta", n_layers=a.layers)
+    mesh = autopar.Mesh({"pp": pp, "dp": dp, "tp": tp}, device="h100")
+    pin = None
+    if a.pin:
+        name, m = a.pin.split(":")
+        pin = {"schedule": name, "microbatches": int(m)}
+    t = time.perf_counter()
+    plan = autopar.plan(model, mesh, inputs, precision="bf16-mixed", pipeline=pin, progress=False)
+    wall = time.perf_counter() - t
+    print(f"load {os.getloadavg()[0]:.1f}; mesh pp={pp} dp={dp} tp={tp}; {a.layers} layers; batch {a.batch}x{a.seq}")
+    print(f"planned in {wall:.1f} s; phases {plan.phases}")
+    pl = plan.pipeline
+    if pl:
+        print(f"pipeline: {pl['schedule']} m={pl['microbatches']} v={pl['virtual_stages']} bubble {pl['bubble']:.3f} "
+              f"makespan {pl['makespan'] * 1e3:.1f} ms sync {pl['sync_time'] * 1e3:.2f} ms p2p {pl['p2p_time'] * 1e6:.0f} us")
+        print("stages (layers per stage):", [sum(p.startswith("layers.") for p in s) for s in pl["stages"]])
+        print("rank memory GiB:", [round(x / 2**30, 1) for x in pl["rank_memory"]])
+        for c in pl["compared"][:8]:
+            print(f"  {c['schedule']:<16} m={c['microbatches']:<3} v={c['virtual_stages']} {c['step_time'] * 1e3:8.1f} ms "
+                  f"{c['peak_memory'] / 2**30:6.1f} GiB bubble {c['bubble']:.3f}")
+    print(f"step {plan.step_time * 1e3:.1f} ms, peak {plan.peak_memory / 2**30:.1f} GiB of "
+          f"{plan.memory_budget / 2**30:.1f} GiB ({'fits' if plan.fits else 'DOES NOT FIT'}), source {plan.source}")
+    for k, v in sorted(plan.baselines.items()):
+        print(f"  baseline {k:<14} " + (v["error"][:100] if "error" in v else
+                                        f"{v['step_time'] * 1e3:8.1f} ms {v['peak_memory'] / 2**30:6.1f} GiB fits={v['fits']}"))
+
+
+if __name__ == "__main__":
+    main()

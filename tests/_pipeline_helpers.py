@@ -1,0 +1,47 @@
+"""What ranks run in tests/test_pipeline_run.py (a module of its own, so spawned ranks import it
+without pytest)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+
+def build(family: str, n_layers: int = 4, batch: int = 8, seed: int = 0):
+    """A tiny model of ``family`` with fixed weights, and its inputs."""
+    from autopar import models
+
+    torch.manual_seed(seed)
+    key = "n_layer" if family == "gpt" else "n_layers"
+    return models.make(family, "tiny", batch=batch, **{key: n_layers})
+
+
+def reference(family: str, n_layers: int, batch: int):
+    """Single-process loss and gradients (FQN -> tensor as lists)."""
+    model, inputs = build(family, n_layers, batch)
+    loss = model(*inputs)
+    loss.backward()
+    return float(loss.detach()), {k: p.grad.tolist() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def pipelined_step(family: str, n_layers: int, batch: int, plan_text: str):
+    """This rank's loss and the gradients it holds after one pipelined step."""
+    import autopar
+    from autopar.runtime.pipeline import pipelined
+
+    model, inputs = build(family, n_layers, batch)
+    plan = autopar.Plan.from_dict(json.loads(plan_text))
+    pm = pipelined(model, plan, inputs)
+    loss = pm(*inputs)
+    loss.backward()
+    again = float("nan")
+    if plan.pipeline["schedule"] != "ZBVZeroBubble":  # (torch 2.13's eval of ZBV fails: refused)
+        with torch.no_grad():
+            again = pm(*inputs)
+    return float(loss.detach()), float(again), {k: p.grad.tolist() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def pipelined_cases(cases: list) -> list:
+    """``pipelined_step`` for each ``(family, n_layers, batch, plan_text)``, in one process group."""
+    return [pipelined_step(*case) for case in cases]

@@ -1,0 +1,188 @@
+"""Planning with a pipeline axis (``passes/pipelined.py``, ``passes/search/pipeline_split.py``,
+``cost_model/pipeline.py``): stages, micro-batches and schedule chosen by replay, ``plan.pipeline``
+(schema version 5), and the pipeline winning or losing against the plain plan of the whole mesh."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+
+import autopar
+from autopar import models
+from autopar.cost_model.pipeline import Segment, price_pipeline
+from autopar.cost_model.schedules import closed_form_bubble
+from autopar.errors import ArgumentError
+from autopar.passes.search.pipeline_split import ModelSegments, split
+
+
+@pytest.fixture(scope="module")
+def pinned():
+    """A tiny 4-layer GPT (tied embedding and head) on pp=2 x dp=2, 1F1B pinned at 4 micro-batches."""
+    model, inputs = models.make("gpt", "tiny", batch=8, n_layer=4)
+    mesh = autopar.Mesh({"pp": 2, "dp": 2}, device="cpu")
+    plan = autopar.plan(model, mesh, inputs, pipeline={"schedule": "1F1B", "microbatches": 4}, progress=False)
+    return model, inputs, mesh, plan
+
+
+def test_pinned_pipeline_plan_says_what_it_chose(pinned):
+    _, _, _, plan = pinned
+    pl = plan.pipeline
+    assert (pl["axis"], pl["degree"], pl["schedule"], pl["microbatches"], pl["virtual_stages"]) == ("pp", 2, "1F1B", 4, 1)
+    assert pl["mesh_names"] == ["pp", "dp"] and pl["mesh_shape"] == [2, 2]
+    assert plan.axis_names == ("dp",)  # placements are on the other axes
+    stages = pl["stages"]
+    assert len(stages) == 2
+    assert "wte" in stages[0] and "lm_head" in stages[-1]  # embedding first, head last
+    blocks = [p for s in stages for p in s if p.startswith("blocks.")]
+    assert blocks == [f"blocks.{i}" for i in range(4)]  # every layer once, in order
+    # step time: the replayed makespan plus the exposed synchronisation; peak: the largest rank's
+    assert plan.step_time == pytest.approx(pl["makespan"] + pl["sync_time"])
+    assert plan.peak_memory == max(pl["rank_memory"])
+    assert sum(plan.memory.values()) == plan.peak_memory
+    assert 0 < pl["bubble"] < 1
+    assert pl["in_flight"] == [2, 1]  # 1F1B: p - s micro-batches in flight on stage s
+    text = plan.summary()
+    assert "pipeline on axis 'pp'" in text and "1F1B, 4 micro-batches" in text and "stage 1 (rank 1)" in text
+    assert "pipeline stage 1 of 2" in plan.explain("blocks.3")
+
+
+def test_pipeline_plan_round_trips_and_older_plans_load_without_pipeline(pinned, tmp_path):
+    _, _, _, plan = pinned
+    assert plan.schema_version == 5
+    path = tmp_path / "p.json"
+    plan.save(path)
+    again = autopar.load_plan(path)
+    assert again.to_json() == plan.to_json()
+    assert again.pipeline["stages"] == plan.pipeline["stages"]
+    d = json.loads(plan.to_json())
+    d["schema_version"] = 4
+    del d["pipeline"]
+    assert autopar.Plan.from_dict(d).pipeline is None
+    assert "pipeline: 1F1B -> none" in plan.diff(autopar.Plan.from_dict(d))
+    bad = json.loads(plan.to_json())
+    bad["pipeline"]["schedule"] = "2F2B"
+    with pytest.raises(autopar.errors.PlanError, match="pipeline.schedule"):
+        autopar.Plan.from_dict(bad)
+
+
+def test_pipeline_plans_are_deterministic_and_zbv_uses_v_placement(pinned):
+    model, inputs, mesh, plan = pinned
+    again = autopar.plan(model, mesh, inputs, pipeline={"schedule": "1F1B", "microbatches": 4}, progress=False)
+    assert again.to_json() == plan.to_json()
+    zbv = autopar.plan(model, mesh, inputs, pipeline={"schedule": "ZBVZeroBubble", "microbatches": 4}, progress=False)
+    pl = zbv.pipeline
+    assert pl["virtual_stages"] == 2 and pl["stage_ranks"] == [0, 1, 1, 0] and len(pl["stages"]) == 4
+    assert "wte" in pl["stages"][0] and "lm_head" in pl["stages"][3]  # both ends on rank 0
+    assert len(pl["rank_memory"]) == 2
+
+
+def test_pipeline_pins_are_checked():
+    model, inputs = models.make("gpt", "tiny", batch=8, n_layer=2)
+    mesh = autopar.Mesh({"pp": 2, "dp": 2}, device="cpu")
+    with pytest.raises(ArgumentError, match="pipeline schedule"):
+        autopar.plan(model, mesh, inputs, pipeline={"schedule": "PipeDream"})
+    with pytest.raises(ArgumentError, match="unknown key"):
+        autopar.plan(model, mesh, inputs, pipeline={"chunks": 4})
+    with pytest.raises(ArgumentError, match="does not divide"):
+        autopar.plan(model, mesh, inputs, pipeline={"microbatches": 3})
+    with pytest.raises(ArgumentError, match="no pipeline schedule runs"):  # 1F1B needs m >= pp
+        autopar.plan(model, mesh, inputs, pipeline={"schedule": "1F1B", "microbatches": 1})
+
+
+def test_pipeline_wins_on_slow_outer_links():
+    """A GPT-1.3B-wide model (8 layers) on pp=4 x dp=2 H100s whose pp axis is a slow link (1.25 GB/s):
+    splitting that axis intra-op reduces gradients over it, a pipeline sends only activations."""
+    model, inputs = models.make("gpt", "1.3B", batch=16, seq=1024, device="meta", n_layer=8)
+    mesh = autopar.Mesh({"pp": 4, "dp": 2}, device="h100", links={"pp": (2e-5, 1.25e9)})
+    plan = autopar.plan(model, mesh, inputs, progress=False)
+    assert plan.pipeline is not None
+    assert plan.step_time < plan.baselines["unpipelined"]["step_time"]
+    assert plan.fits
+    # the torchtitan-style pipelined recipe is priced alike; the plan is never slower than it
+    recipe = plan.baselines["pp_fsdp_tp"]
+    assert recipe["step_time"] >= plan.step_time * (1 - 1e-9) or plan.source == "recipe:pp_fsdp_tp"
+
+
+def test_pipeline_loses_for_a_small_model_on_few_devices():
+    """A tiny GPT on pp=2 x dp=2 CPUs: the bubble and the boundary transfers cost more than the pp axis
+    used intra-op; the plan is the plain one (``pipeline`` None) and says what the pipeline would cost."""
+    model, inputs = models.make("gpt", "tiny", batch=4, n_layer=4)
+    mesh = autopar.Mesh({"pp": 2, "dp": 2}, device="cpu")
+    plan = autopar.plan(model, mesh, inputs, progress=False)
+    assert plan.pipeline is None
+    assert plan.axis_names == ("pp", "dp")
+    assert plan.baselines["pipeline"]["step_time"] > plan.step_time
+
+
+def test_gradient_accumulation_without_a_pp_axis():
+    model, inputs = models.make("gpt", "tiny", batch=8, n_layer=2)
+    mesh = autopar.Mesh({"dp": 2}, device="cpu")
+    plain = autopar.plan(model, mesh, inputs, progress=False)
+    acc = autopar.plan(model, mesh, inputs, pipeline={"microbatches": 4}, progress=False)
+    pl = acc.pipeline
+    assert (pl["degree"], pl["schedule"], pl["microbatches"], pl["bubble"]) == (1, "1F1B", 4, 0.0)
+    assert pl["in_flight"] == [1]  # accumulation: one micro-batch's activations at a time
+    assert acc.memory["activations"] < plain.memory["activations"]
+
+
+def test_split_is_the_best_contiguous_split():
+    """``split`` minimises the slowest stage over every contiguous cut (brute force on uneven units)."""
+    costs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0]
+    units = tuple(Segment(forward=c / 3, input_grad=c / 3, weight_grad=c / 3) for c in costs)
+    model = ModelSegments(Segment(forward=2.0), units, Segment(forward=1.5), 0.0)
+    for n_stages in (1, 2, 3, 4):
+        got = split(model, n_stages)
+        assert [a for a, _ in got][0] == 0 and got[-1][1] == len(costs)
+
+        def worst(cuts):
+            bounds = [0, *cuts, len(costs)]
+            spans = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+            spans[0] += 2.0
+            spans[-1] += 1.5
+            return max(spans)
+
+        best = min(worst(c) for c in itertools.combinations(range(1, len(costs)), n_stages - 1))
+        assert worst([b for _, b in got[:-1]]) == pytest.approx(best)
+    assert split(model, 8) is None
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_priced_bubble_sweep_equals_closed_form(schedule):
+    """Equal stages, free transfers: ``price_pipeline``'s bubble is (p-1)/(m+p-1) for every shape, and
+    the step is (m+p-1) stage times."""
+    for pp in (1, 2, 3, 4, 8):
+        for m in (pp, 2 * pp, 4 * pp + 1):
+            stages = [Segment(forward=1.0, input_grad=1.0, weight_grad=1.0)] * pp
+            price = price_pipeline(stages, schedule, pp, m, 1, 0.0, 0.0)
+            assert price.replay.bubble == pytest.approx(closed_form_bubble(pp, m), abs=1e-12)
+            assert price.step_time == pytest.approx((m + pp - 1) * 3.0)
+            assert math.isclose(price.sync, 0.0)
+
+
+def test_segments_add_up_to_the_plans_compute_and_activation_communication():
+    """Read back per segment, a solved plan's forward, input- and weight-gradient times add up to the
+    evaluator's compute plus activation communication, its memory to the plan's (the tied embedding and
+    head counted at both ends), and its gathers and reductions to the parameter traffic."""
+    from autopar.passes.pipeline import run_passes
+    from autopar.passes.search.pipeline_split import segments
+    from autopar.passes.search.problem import evaluate
+
+    model, inputs = models.make("gpt", "tiny", batch=4, n_layer=3)
+    mesh = autopar.Mesh({"dp": 2}, device="cpu")
+    planned = run_passes(model, mesh, inputs, progress=False)
+    segs, pre, units, post = segments(planned.graph, planned.folding, planned.problem, planned.choice, mesh,
+                                      planned.precision)
+    assert units == ["blocks.0", "blocks.1", "blocks.2"] and "wte" in pre and "lm_head" in post
+    parts = [segs.pre, *segs.units, segs.post]
+    cost = evaluate(planned.problem, planned.choice)
+    total = sum(p.forward + p.backward for p in parts)
+    assert total == pytest.approx(cost.compute_time + cost.comm_time - cost.exposed_param_comm, rel=1e-9)
+    assert all(p.forward > 0 and p.input_grad >= 0 and p.weight_grad > 0 for p in segs.units)
+    assert segs.post.input_grad > 0 and segs.pre.input_grad == 0  # the embedding's backward has no input gradient
+    tied = max(planned.problem.nodes[planned.problem.index[planned.graph.params["wte.weight"]]].memory["params"])
+    held = sum(p.memory["params"] for p in parts)
+    assert cost.memory["params"] <= held <= cost.memory["params"] + tied
+    assert segs.boundary_bytes > 0
