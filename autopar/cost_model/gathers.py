@@ -14,7 +14,7 @@ latency (``gather_time``; outside the numbered layers, the whole latency).
 
 from __future__ import annotations
 
-from typing import Hashable, Optional, Sequence
+from typing import Collection, Hashable, Mapping, Optional, Sequence
 
 from autopar.cost_model.buckets import BUCKET_SIZE, shared_latency_time
 from autopar.cost_model.comm import Step, reshard_steps
@@ -47,11 +47,14 @@ def param_of(graph: Graph, name: str, fqn_of: Optional[dict[str, str]] = None) -
 
 
 def gather_groups(graph: Graph, gathers: Sequence[tuple[Hashable, Ref, str, Sequence[Step]]],
-                  elem_bytes: dict[Ref, int]) -> dict[Hashable, int]:
+                  elem_bytes: dict[Ref, int],
+                  reads: Optional[Mapping[str, Collection[Hashable]]] = None) -> dict[Hashable, int]:
     """``{key: group index}`` for the parameter gathers that can share a collective. ``gathers``
     lists ``(key, ref, phase, steps)`` in the order the program first reads them (one entry per
     tensor, target placement and phase); ``elem_bytes`` gives each ref's bytes per element as it
-    moves. Indices count groups in the order they open."""
+    moves. ``reads`` maps an op's name to the gathers it reads: a gather whose tensor is made from
+    a gathered value runs alone (``_without_chained``). Indices count groups in the order they
+    open."""
     layer_of_ref: dict[str, Optional[tuple]] = {}
     fqn_of = {node: fqn for fqn, node in graph.params.items()}
     membership = layers(graph)
@@ -73,7 +76,25 @@ def gather_groups(graph: Graph, gathers: Sequence[tuple[Hashable, Ref, str, Sequ
             count += 1
         out[key] = cur[0]
         open_group[(phase, layer, gkey)] = (cur[0], cur[1] + nbytes)
-    return out
+    return _without_chained(graph, gathers, out, reads or {})
+
+
+def _without_chained(graph: Graph, gathers, out: dict[Hashable, int],
+                     reads: Mapping[str, Collection[Hashable]]) -> dict[Hashable, int]:
+    """``out`` less the gathers whose tensor is made from a gathered value (a backward ``t(t(w))``
+    whose ``t(w)`` is read at a gathered placement): a group's members are made where the program
+    first needs the group, and making one must not need another group's collective (two such
+    groups can wait on each other). Such a gather runs alone."""
+    ref_of = {key: ref for key, ref, _, _ in gathers}
+    chained: dict[str, bool] = {}
+
+    def needs_gather(name: str) -> bool:
+        if name not in chained:
+            chained[name] = False  # a graph has no cycles; this only stops a revisit
+            chained[name] = bool(reads.get(name)) or any(needs_gather(r.node) for r in graph.node(name).inputs)
+        return chained[name]
+
+    return {key: gid for key, gid in out.items() if not needs_gather(ref_of[key].node)}
 
 
 def gather_shares(graph: Graph) -> dict[str, float]:
@@ -113,7 +134,7 @@ def mark_param_groups(graph: Graph, reshardings: list[dict], mesh, precision) ->
     """Set ``"bucket"`` (the group's index) on the plan's parameter gathers (``kind == "param"``)
     that share a collective, exactly as the lowering groups them; ``reshardings`` lists them in
     the order the program first reads them."""
-    gathers, entry_of, eb = [], {}, {}
+    gathers, entry_of, eb, reads = [], {}, {}, {}
     for i, r in enumerate(reshardings):
         if r["kind"] != "param":
             continue
@@ -126,7 +147,9 @@ def mark_param_groups(graph: Graph, reshardings: list[dict], mesh, precision) ->
         # (a checkpointed layer's forward op, re-run in the backward, reads its weight there)
         gathers.append((i, ref, r.get("phase") or graph.node(r["consumer"]).phase.value, steps))
         entry_of[i] = r
-    for i, b in gather_groups(graph, gathers, eb).items():
+        for consumer in r.get("consumers") or [r["consumer"]]:
+            reads.setdefault(consumer, []).append(i)
+    for i, b in gather_groups(graph, gathers, eb, reads).items():
         entry_of[i]["bucket"] = b
 
 

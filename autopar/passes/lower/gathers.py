@@ -34,7 +34,7 @@ def plan_groups(em) -> dict[GatherKey, list[tuple[GatherKey, list]]]:
     (key, steps) in the order the program first reads them. Found as the plan's report finds them
     (``cost_model.gathers.gather_groups``, over the graph's ops in order)."""
     g, res = em.g, em.res
-    gathers, steps_of, eb = [], {}, {}
+    gathers, steps_of, eb, read_by = [], {}, {}, {}
     # a checkpointed layer's forward ops read their weights again in the backward
     reads = [(node, (node.phase if g.training else Phase.FORWARD).value) for node in g.ops()]
     reads += [(node, Phase.BACKWARD.value) for node in g.ops() if node.name in res.recomputed]
@@ -45,16 +45,19 @@ def plan_groups(em) -> dict[GatherKey, list[tuple[GatherKey, list]]]:
                 continue
             src, dst = output_placement(res.strategies[r.node], r.index), input_placement(strat, slot)
             key = (r, tuple(dst), phase)
-            if tuple(src) == tuple(dst) or key in steps_of:
+            if tuple(src) == tuple(dst):
                 continue
             if phase == Phase.BACKWARD.value and (r, tuple(dst)) in res.kept:  # served by a kept block
+                continue
+            read_by.setdefault(node.name, []).append(key)
+            if key in steps_of:
                 continue
             if r not in eb:
                 eb[r] = transfer_bytes(g, r, "gather", res.precision, em.priced)
             steps_of[key] = reshard_steps(g.spec(r).shape, src, dst, res.mesh, eb[r])
             gathers.append((key, r, phase, steps_of[key]))
     members: dict[int, list] = {}
-    for key, gid in gather_groups(g, gathers, eb).items():
+    for key, gid in gather_groups(g, gathers, eb, read_by).items():
         members.setdefault(gid, []).append((key, steps_of[key]))
     return {key: group for group in members.values() if len(group) > 1 for key, _ in group}
 
