@@ -65,3 +65,25 @@ def train_and_restore_on_rank(text: str, seed: int, grads: dict, ckpt_dir: str) 
     out["restored_random"] = pm2.state_dict()[RANDOM_KEY].full_tensor().tolist()
     out["restored_next"] = pm2(*args).item()
     return out
+
+
+def corpus_step_on_rank(cases: list, seed: int) -> dict:
+    """For each ``(name, plan JSON)`` of ``cases``: compile corpus model ``name`` (dropout on,
+    float64) under the plan after ``torch.manual_seed(seed)``, take one forward and backward, and
+    report the loss and every whole gradient."""
+    import autopar
+    from _corpus import build  # the parent's tests/ is on the workers' sys.path
+
+    out = {}
+    for name, text in cases:
+        plan = autopar.Plan.from_dict(json.loads(text))
+        model, args, kwargs = build(name, dropout=True, dtype=torch.float64)
+        torch.manual_seed(seed)
+        pm = autopar.compile(model, autopar.Mesh(dict(zip(plan.axis_names, plan.mesh_shape)), device="cpu"), args,
+                             kwargs, plan=plan)
+        loss = pm(*args, **kwargs)
+        loss.backward()
+        out[name] = (loss.item(), {n: p.grad.full_tensor()  # tied weights under each of their names
+                                   for n, p in pm.module.named_parameters(remove_duplicate=False)
+                                   if p.grad is not None})
+    return out
