@@ -343,6 +343,12 @@ CORPUS: dict[str, Callable] = {
 }
 
 
+#: Models that compute parts in fp32 whatever their dtype, so a float64 build holds to fp32
+#: roundoff only: torchtitan's RoPE (``xq.float()``), Hugging Face's causal-LM loss (logits
+#: ``.float()``), LLaMA's and T5's RMSNorm (variance in fp32).
+FP32_INSIDE = {"titan_llama", "hf_gpt2", "hf_llama", "hf_t5", "hf_mixtral"}
+
+
 def build(name: str, dropout: bool = False, dtype: Optional[torch.dtype] = None, seed: int = 0,
           layers: int = LAYERS):
     """``(model, args, kwargs)`` of corpus model ``name`` with ``layers`` blocks (per stack), seeded;

@@ -18,13 +18,9 @@ from autopar.ir.rules import has_rule
 
 transformers = pytest.importorskip("transformers")
 
-from _corpus import CORPUS, build
+from _corpus import CORPUS, FP32_INSIDE, build
 
 NAMES = list(CORPUS)
-#: Models that compute parts in fp32 whatever their dtype, so a float64 build holds to fp32
-#: roundoff only: torchtitan's RoPE (``xq.float()``), Hugging Face's causal-LM loss (logits
-#: ``.float()``), LLaMA's and T5's RMSNorm (variance in fp32).
-FP32_INSIDE = {"titan_llama", "hf_gpt2", "hf_llama", "hf_t5", "hf_mixtral"}
 
 
 def _no_rule_warnings(caught) -> list[str]:
