@@ -72,7 +72,8 @@ def train_and_restore_on_rank(text: str, seed: int, grads: dict, ckpt_dir: str) 
 def corpus_step_on_rank(cases: list, seed: int) -> dict:
     """For each ``(name, plan JSON)`` of ``cases``: compile corpus model ``name`` (dropout on,
     float64) under the plan after ``torch.manual_seed(seed)``, take one forward and backward, and
-    report the loss and every whole gradient."""
+    report the loss and every whole gradient; and the loss of a second forward with the same
+    weights (the next step's masks)."""
     import autopar
     from _corpus import build  # the parent's tests/ is on the workers' sys.path
 
@@ -88,6 +89,8 @@ def corpus_step_on_rank(cases: list, seed: int) -> dict:
         out[name] = (loss.item(), {n: p.grad.full_tensor()  # tied weights under each of their names
                                    for n, p in pm.module.named_parameters(remove_duplicate=False)
                                    if p.grad is not None})
+        with torch.no_grad():
+            out[name + ":next"] = pm(*args, **kwargs).item()
     return out
 
 

@@ -316,13 +316,16 @@ def test_corpus_models_with_dropout_on_gloo_equal_their_one_device_program(pool)
     """Two corpus models with their dropout on (``nn.TransformerEncoder``: PyTorch's attention;
     Hugging Face BERT), compiled on 4 gloo ranks under their (2, 2) ``fsdp_tp`` plans after the seed
     their simulated 1-device program ran with: one step gives its loss and gradients on every rank
-    (tests/test_corpus_dropout.py checks every corpus model so in the simulator)."""
+    (tests/test_corpus_dropout.py checks every corpus model so in the simulator). The next step's
+    masks differ (another loss from the same weights) and agree across ranks."""
     pytest.importorskip("transformers")
     names = ("torch_encoder", "hf_bert")
     results = pool.run(corpus_step_on_rank, [(n, corpus_programs(n)[2].to_json()) for n in names], SEED)
     for rank, r in enumerate(results):
         for name in names:
             close(r[name], corpus_programs(name)[3], 1e-9, (rank, name))
+            assert r[name + ":next"] == results[0][name + ":next"], (rank, name)
+            assert abs(r[name + ":next"] - r[name][0]) > 1e-6 * abs(r[name][0]), (rank, name)
 
 
 # -- attention with dropout: one fused op -------------------------------------------------------
