@@ -13,6 +13,7 @@ config keeps its own default rates). ``dtype`` converts the weights (float64 hel
   LLaMA (RoPE, GQA), BERT (encoder), T5 (encoder-decoder), ViT (vision), Mixtral (MoE), BART
   (encoder-decoder, learned positions).
 * ``torch_encoder``: ``nn.TransformerEncoder`` under a token embedding and a head.
+* ``llama_loop``: ``autopar.models.llama_loop``, the decoder written in the functional-loop style.
 """
 
 from __future__ import annotations
@@ -215,13 +216,21 @@ def torch_encoder(dropout: bool = False, layers: int = LAYERS):
 # Hugging Face transformers, from their config classes
 
 
+#: The rate a dropout the config leaves at 0 by default gets under ``dropout=True``.
+DROPOUT = 0.1
+
+
 def _config(cls, dropout: bool, **dims):
-    """``cls(**dims)`` with every dropout rate of the config set to 0 unless ``dropout``."""
+    """``cls(**dims)`` with every dropout rate of the config set to 0, or under ``dropout`` its
+    default, and ``DROPOUT`` where that default is 0 (LLaMA's, ViT's and Mixtral's), so that every
+    dropout the architecture has is drawn."""
     cfg = cls(**dims)
-    if not dropout:
-        for key, value in list(cfg.to_dict().items()):
-            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+    for key, value in list(cfg.to_dict().items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            if not dropout:
                 setattr(cfg, key, 0.0)
+            elif value == 0.0:
+                setattr(cfg, key, DROPOUT)
     return cfg
 
 
@@ -307,6 +316,18 @@ def hf_mixtral(dropout: bool = False, layers: int = LAYERS):
     return _hf(MixtralForCausalLM(cfg)), (), {"input_ids": ids, "labels": ids}
 
 
+# ---------------------------------------------------------------------------------------------
+# The functional-loop decoder
+
+
+def llama_loop(dropout: bool = False, layers: int = LAYERS):
+    """``autopar.models.llama_loop``: LLaMA with its layers' code (RoPE, SDPA, residual adds) in the
+    parent's ``forward``, as user code often is (it has no dropout)."""
+    from autopar.models import make
+
+    return (*make("llama_loop", "tiny", batch=BATCH, seq=SEQ, n_layers=layers), {})
+
+
 #: Every corpus model by name.
 CORPUS: dict[str, Callable] = {
     "titan_llama": titan_llama,
@@ -318,7 +339,14 @@ CORPUS: dict[str, Callable] = {
     "hf_vit": hf_vit,
     "hf_mixtral": hf_mixtral,
     "hf_bart": hf_bart,
+    "llama_loop": llama_loop,
 }
+
+
+#: Models that compute parts in fp32 whatever their dtype, so a float64 build holds to fp32
+#: roundoff only: torchtitan's RoPE (``xq.float()``), Hugging Face's causal-LM loss (logits
+#: ``.float()``), LLaMA's and T5's RMSNorm (variance in fp32).
+FP32_INSIDE = {"titan_llama", "hf_gpt2", "hf_llama", "hf_t5", "hf_mixtral"}
 
 
 def build(name: str, dropout: bool = False, dtype: Optional[torch.dtype] = None, seed: int = 0,

@@ -3,7 +3,9 @@ imports only torch at module level)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import warnings
 
 import torch
 
@@ -65,3 +67,64 @@ def train_and_restore_on_rank(text: str, seed: int, grads: dict, ckpt_dir: str) 
     out["restored_random"] = pm2.state_dict()[RANDOM_KEY].full_tensor().tolist()
     out["restored_next"] = pm2(*args).item()
     return out
+
+
+def corpus_step_on_rank(cases: list, seed: int) -> dict:
+    """For each ``(name, plan JSON)`` of ``cases``: compile corpus model ``name`` (dropout on,
+    float64) under the plan after ``torch.manual_seed(seed)``, take one forward and backward, and
+    report the loss and every whole gradient; and the loss of a second forward with the same
+    weights (the next step's masks)."""
+    import autopar
+    from _corpus import build  # the parent's tests/ is on the workers' sys.path
+
+    out = {}
+    for name, text in cases:
+        plan = autopar.Plan.from_dict(json.loads(text))
+        model, args, kwargs = build(name, dropout=True, dtype=torch.float64)
+        torch.manual_seed(seed)
+        pm = autopar.compile(model, autopar.Mesh(dict(zip(plan.axis_names, plan.mesh_shape)), device="cpu"), args,
+                             kwargs, plan=plan)
+        loss = pm(*args, **kwargs)
+        loss.backward()
+        out[name] = (loss.item(), {n: p.grad.full_tensor()  # tied weights under each of their names
+                                   for n, p in pm.module.named_parameters(remove_duplicate=False)
+                                   if p.grad is not None})
+        with torch.no_grad():
+            out[name + ":next"] = pm(*args, **kwargs).item()
+    return out
+
+
+#: The run's seed of the corpus programs below (simulate and compile draw it from torch's generator).
+SEED = 5
+
+
+@functools.lru_cache(maxsize=None)
+def corpus_programs(name: str) -> tuple:
+    """Corpus model ``name`` with dropout on, in float64: ``(graph, 1-device plan, (2, 2) fsdp_tp
+    plan, the 1-device program's (loss, gradients) with seed ``SEED``)``; made once per process."""
+    import autopar
+    from _corpus import build
+    from autopar.ir.capture import capture
+
+    model, args, kwargs = build(name, dropout=True, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # T5's learned-bias attention runs unfused: warned
+        graph = capture(model, args, kwargs)
+        one = autopar.plan(model, autopar.Mesh({"a": 1}, device="cpu"), args, kwargs, graph=graph,
+                           precision="fp64", search="propagate", progress=False)
+        many = autopar.recipes.fsdp_tp(model, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu"), args, kwargs,
+                                       graph=graph, precision="fp64", progress=False)
+        torch.manual_seed(SEED)
+        return graph, one, many, autopar.simulate(model, one, args, kwargs)
+
+
+def close(got: tuple, want: tuple, tol: float, label) -> None:
+    """Loss and all gradients (as one vector) of ``got`` within ``tol`` of ``want``'s, relative."""
+    (loss, grads), (ref, ref_grads) = got, want
+    assert abs(float(loss) - float(ref)) <= tol * abs(float(ref)), (label, float(loss), float(ref))
+    assert grads.keys() == ref_grads.keys(), label
+    names = sorted(ref_grads)
+    a = torch.cat([grads[n].double().flatten() for n in names])
+    b = torch.cat([ref_grads[n].double().flatten() for n in names])
+    # one vector: gradients zero in exact arithmetic (attention's key bias) are roundoff alone
+    assert (a - b).norm().item() <= tol * b.norm().item(), (label, (a - b).norm().item() / b.norm().item())

@@ -1,8 +1,9 @@
 """Model code autopar did not write (``tests/_corpus.py``: a torchtitan-style Llama 3 with complex
-RoPE, Hugging Face GPT-2, LLaMA, BERT, T5, ViT and Mixtral, ``nn.TransformerEncoder``) plans and
-runs like the built-in models: every op has a sharding rule (no warning at capture or planning),
-every named recipe prices on every model, and the simulated program on a (2, 2) mesh (and (2, 3)
-for the cheaper models) computes the eager model's loss and gradients (float64, dropout off)."""
+RoPE, Hugging Face GPT-2, LLaMA, BERT, T5, ViT and Mixtral, ``nn.TransformerEncoder``, the
+functional-loop decoder) plans and runs like the built-in models: every op has a sharding rule (no
+warning at capture or planning), every named recipe prices on every model, and the simulated
+program on (2, 2) and (2, 3) meshes computes the eager model's loss and gradients (float64, dropout
+off). With dropout on: tests/test_corpus_dropout.py."""
 
 from __future__ import annotations
 
@@ -17,13 +18,9 @@ from autopar.ir.rules import has_rule
 
 transformers = pytest.importorskip("transformers")
 
-from _corpus import CORPUS, build
+from _corpus import CORPUS, FP32_INSIDE, build
 
 NAMES = list(CORPUS)
-#: Models that compute parts in fp32 whatever their dtype, so a float64 build holds to fp32
-#: roundoff only: torchtitan's RoPE (``xq.float()``), Hugging Face's causal-LM loss (logits
-#: ``.float()``), LLaMA's and T5's RMSNorm (variance in fp32).
-FP32_INSIDE = {"titan_llama", "hf_gpt2", "hf_llama", "hf_t5", "hf_mixtral"}
 
 
 def _no_rule_warnings(caught) -> list[str]:
@@ -116,18 +113,32 @@ def _check_parity(name: str, plan) -> None:
     assert _rel(got, want) < tol, (name, _rel(got, want))
 
 
-#: (2, 3) where it is cheap: a tensor axis that divides neither heads nor widths
-CASES = [(n, 2) for n in NAMES] + [(n, 3) for n in ("torch_encoder", "hf_gpt2", "hf_bert", "hf_vit")]
+@pytest.fixture(scope="module")
+def graphs64():
+    """Per model: its float64 build's captured graph, shared by its (2, 2) and (2, 3) plans."""
+    out = {}
+
+    def get(name):
+        if name not in out:
+            model, args, kwargs = build(name, dtype=torch.float64)
+            out[name] = capture(model, args, kwargs)
+        return out[name]
+
+    return get
+
+
+#: Every model on (2, 2) and on (2, 3): a tensor axis of 3 divides neither heads nor widths
+CASES = [(n, tp) for n in NAMES for tp in (2, 3)]
 
 
 @pytest.mark.parametrize("name,tp", CASES)
-def test_fsdp_tp_simulates_the_eager_model(name, tp):
+def test_fsdp_tp_simulates_the_eager_model(graphs64, name, tp):
     """torchtitan's layout (FSDP on dp, Megatron on tp) splits every model's weights on both axes."""
     model, args, kwargs = build(name, dtype=torch.float64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = autopar.recipes.fsdp_tp(model, autopar.Mesh({"dp": 2, "tp": tp}, device="cpu"), args, kwargs,
-                                       precision="fp64", progress=False, graph=capture(model, args, kwargs))
+                                       precision="fp64", progress=False, graph=graphs64(name))
     params = {n for n, _ in model.named_parameters()}
     split_both = [n for n, pl in plan.placements.items() if n in params and pl.count("S(") == 2]
     assert split_both, (name, {n: pl for n, pl in plan.placements.items() if n in params})

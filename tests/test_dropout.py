@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from _dropout_helpers import P, build_gpt, train_and_restore_on_rank
+from _dropout_helpers import SEED, P, build_gpt, close, corpus_programs, corpus_step_on_rank, train_and_restore_on_rank
 
 import autopar
 from autopar.errors import CaptureError
@@ -29,6 +29,8 @@ from autopar.ir.rules.random_ops import (
     splitmix,
 )
 from autopar.parallel import RANDOM_KEY
+
+FUSED = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
 N = 1 << 20
 
@@ -186,33 +188,27 @@ def test_the_plans_split_the_dropout_masks(gpt_plans, which):
         assert all(n["outputs"][0] == "S(0), S(1)" for n in attn if n["phase"] == "forward"), attn
 
 
-def _hf_gpt2():
-    transformers = pytest.importorskip("transformers")
-    from transformers import GPT2Config, GPT2LMHeadModel
+def test_attention_with_dropout_and_a_learned_mask_takes_the_math_path():
+    """A mask that requires grad (T5's position bias) has no gradient from the fused op: that
+    attention runs torch's math path, its dropout drawn like any other, and it still shards."""
 
-    transformers.logging.set_verbosity_error()
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64, bos_token_id=0,
-                     eos_token_id=0)  # attn_pdrop, resid_pdrop, embd_pdrop: their default 0.1
-    assert cfg.attn_pdrop == cfg.resid_pdrop == cfg.embd_pdrop == 0.1
+    class BiasAttn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 24).double()
+            self.bias = torch.nn.Parameter(torch.randn(1, 2, 6, 6, dtype=torch.float64))
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(4, 6, 3, 2, 4).permute(2, 0, 3, 1, 4)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, self.bias, dropout_p=P).pow(2).sum()
+
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(cfg).to(torch.float64)
-    model.config._attn_implementation = "sdpa"
-    model.train()
-    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(0))
-    return model, dict(input_ids=ids, labels=ids)
-
-
-def test_hugging_face_gpt2_with_default_dropout_on_2x2_equals_its_one_device_program():
-    model, kwargs = _hf_gpt2()
-    g = capture(model, (), kwargs)
-    assert sum(n.op == "aten.native_dropout.default" for n in g.ops()) == 5
-    fused = [n.args[3] for n in g.ops() if n.op == "aten._scaled_dot_product_flash_attention_for_cpu.default"]
-    assert fused == [0.1, 0.1]  # attention fused, with its dropout
-    plan1 = _plan(model, (), {"a": 1}, kwargs)
-    one = _simulate(model, plan1, (), kwargs)
-    many = _simulate(model, _plan(model, (), {"a": 2, "b": 2}, kwargs), (), kwargs)
-    _assert_same(many, one, 1e-9)
-    assert abs(_simulate(model, plan1, (), kwargs, seed=6)[0].item() - one[0].item()) > 1e-6
+    model, x = BiasAttn(), torch.randn(4, 6, 8, dtype=torch.float64)
+    g = capture(model, (x,))
+    assert "aten.native_dropout.default" in g.op_names() and FUSED not in g.op_names()
+    one = _simulate(model, _plan(model, (x,), {"a": 1}), (x,))
+    assert one[1]["bias"].abs().sum() > 0
+    _assert_same(_simulate(model, _plan(model, (x,), {"a": 2, "b": 2}, recipe="ddp"), (x,)), one, 1e-9)
 
 
 def test_hugging_face_bert_with_a_padding_mask_and_default_dropout_on_2x2_equals_its_one_device_program():
@@ -283,20 +279,26 @@ def test_drop_path_style_ops_run_placement_independently():
 
 # -- gloo: the seed, the step and the state dict --------------------------------------------------
 
-def test_gloo_training_matches_simulation_and_the_state_dict_keeps_seed_and_step(gpt_plans, tmp_path):
+@pytest.fixture(scope="module")
+def pool():
+    """Four gloo ranks, started once for this module's gloo tests."""
+    from autopar.runtime.pool import WorkerPool
+
+    with WorkerPool(4, timeout=300.0) as p:
+        yield p
+
+
+def test_gloo_training_matches_simulation_and_the_state_dict_keeps_seed_and_step(pool, gpt_plans, tmp_path):
     """On 4 gloo ranks (megatron_tp on (2, 2)): the first loss and gradients equal the simulated
     program's with the same torch seed; the state dict carries [seed, step] (step 2 after two forwards), and a
     module compiled from another seed and other weights, after loading it, draws what the saved
     one draws next (saved and loaded with torch.distributed.checkpoint)."""
-    from autopar.runtime.pool import WorkerPool
-
     plan = gpt_plans["megatron_tp"]
     model, args = build_gpt()
     torch.manual_seed(11)
     want, grads = autopar.simulate(model, plan, args)
     want = want.item()
-    with WorkerPool(4, timeout=300.0) as pool:
-        results = pool.run(train_and_restore_on_rank, plan.to_json(), 11, grads, str(tmp_path / "ckpt"))
+    results = pool.run(train_and_restore_on_rank, plan.to_json(), 11, grads, str(tmp_path / "ckpt"))
     for rank, r in enumerate(results):
         assert abs(r["losses"][0] - want) <= 1e-9 * abs(want), (rank, r["losses"], want)
         assert r["grad"] <= 1e-9, (rank, r["grad"])  # the backward redraws its forward's attention masks
@@ -308,6 +310,22 @@ def test_gloo_training_matches_simulation_and_the_state_dict_keeps_seed_and_step
         assert r["restored_random"] == [seed, 2]
         assert abs(r["restored_next"] - r["next"]) <= 1e-9 * abs(r["next"]), (rank, r)
     assert RANDOM_KEY == "_autopar_random"
+
+
+def test_corpus_models_with_dropout_on_gloo_equal_their_one_device_program(pool):
+    """Two corpus models with their dropout on (``nn.TransformerEncoder``: PyTorch's attention;
+    Hugging Face BERT), compiled on 4 gloo ranks under their (2, 2) ``fsdp_tp`` plans after the seed
+    their simulated 1-device program ran with: one step gives its loss and gradients on every rank
+    (tests/test_corpus_dropout.py checks every corpus model so in the simulator). The next step's
+    masks differ (another loss from the same weights) and agree across ranks."""
+    pytest.importorskip("transformers")
+    names = ("torch_encoder", "hf_bert")
+    results = pool.run(corpus_step_on_rank, [(n, corpus_programs(n)[2].to_json()) for n in names], SEED)
+    for rank, r in enumerate(results):
+        for name in names:
+            close(r[name], corpus_programs(name)[3], 1e-9, (rank, name))
+            assert r[name + ":next"] == results[0][name + ":next"], (rank, name)
+            assert abs(r[name + ":next"] - r[name][0]) > 1e-6 * abs(r[name][0]), (rank, name)
 
 
 # -- attention with dropout: one fused op -------------------------------------------------------

@@ -426,6 +426,7 @@ def _warn_attention_dropout(graph: Graph) -> None:
         warnings.warn(
             f"attention in module(s) {', '.join(repr(m or '<root>') for m in both)} computes softmax + dropout "
             "unfused (batch*heads*seq^2 scores and masks in memory); it runs correctly, but "
-            "F.scaled_dot_product_attention(..., dropout_p=p) would keep it one fused op",
+            "F.scaled_dot_product_attention(..., dropout_p=p) would keep it one fused op, unless its attn_mask "
+            "requires grad (a learned position bias, as T5's): the fused op has no gradient for the mask",
             stacklevel=3,
         )

@@ -143,7 +143,10 @@ def fused_dropout_attention() -> Iterator[None]:
     orig = F.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        fusable = query.dim() == 4 and not (is_causal and attn_mask is not None)
+        # the fused backward has no gradient for the mask: a learned one (T5's position bias) takes
+        # torch's math path, its dropout drawn as ``native_dropout``
+        learned_mask = attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled()
+        fusable = query.dim() == 4 and not (is_causal and attn_mask is not None) and not learned_mask
         if dropout_p > 0 and fusable and (enable_gqa or query.shape[1] == key.shape[1]):
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
