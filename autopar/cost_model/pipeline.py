@@ -14,8 +14,8 @@ the one after); its costs are the sums of its segments'. ``price_pipeline`` then
   gathered parameters are kept for the whole step, ZeRO-2 style, as torchtitan's graph pipeline
   and FSDP2 under pipelining do): the gathers hide under the rank's first forward, the reductions
   under its last backward, and what does not hide is exposed; the step time is the makespan plus
-  the largest rank's exposed synchronisation (the optimizer's update is not priced, as in the
-  unpipelined plans);
+  the largest rank's exposed synchronisation plus its optimizer step (once per step, under nothing,
+  as the unpipelined plans price it);
 - memory per rank: the state (parameters, gradients, optimizer) of its stages, the gathered copy it
   keeps, each stage's saved activations per micro-batch times its micro-batches in flight, and two
   boundary buffers per stage (one received activation, one received gradient). The peak memory is
@@ -38,7 +38,8 @@ class Segment:
     (the backward ops that only feed parameter gradients); ``state`` (parameters, gradients and
     optimizer state), ``activations`` (saved for the backward, per micro-batch); ``gathers`` and
     ``reductions`` (seconds of its parameter gathers and gradient reductions, once per step) and
-    ``kept`` (bytes of the gathered parameters kept for the step); ``paths``: its module paths."""
+    ``kept`` (bytes of the gathered parameters kept for the step); ``optimizer`` (seconds of the
+    optimizer step on its parameters, once per step, under nothing); ``paths``: its module paths."""
 
     forward: float = 0.0
     input_grad: float = 0.0
@@ -50,6 +51,7 @@ class Segment:
     kept: float = 0.0
     memory: dict = field(default_factory=dict, compare=False)  # bytes by kind (params, grads, optimizer, activations)
     paths: tuple[str, ...] = ()
+    optimizer: float = 0.0
 
     @property
     def backward(self) -> float:
@@ -65,7 +67,7 @@ def combine(parts: Sequence[Segment]) -> Segment:
             mem[k] = mem.get(k, 0.0) + v
     return Segment(*(sum(getattr(p, f) for p in parts) for f in ("forward", "input_grad", "weight_grad", "state",
                                                                "activations", "gathers", "reductions", "kept")),
-                   memory=mem, paths=tuple(x for p in parts for x in p.paths))
+                   memory=mem, paths=tuple(x for p in parts for x in p.paths), optimizer=sum(p.optimizer for p in parts))
 
 
 def p2p_time(nbytes: float, link: Link) -> float:
@@ -110,7 +112,8 @@ def price_pipeline(stages: Sequence[Segment], schedule: str, pp: int, microbatch
         bwd = sum(stages[s].backward for s in mine)
         gathers = sum(stages[s].gathers for s in mine)
         reductions = sum(stages[s].reductions for s in mine)
-        sync = max(sync, max(0.0, gathers - fwd) + max(0.0, reductions - bwd))
+        optimizer = sum(stages[s].optimizer for s in mine)
+        sync = max(sync, max(0.0, gathers - fwd) + max(0.0, reductions - bwd) + optimizer)
         kind = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
         for s in mine:
             st = stages[s]

@@ -88,7 +88,7 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
     weight = _weight_only(graph, region)
     users = graph.users()
     n_units = len(keys)
-    fig = {r: dict.fromkeys(("forward", "input_grad", "weight_grad", "gathers", "reductions", "kept"), 0.0)
+    fig = {r: dict.fromkeys(("forward", "input_grad", "weight_grad", "gathers", "reductions", "kept", "optimizer"), 0.0)
            for r in [PRE, POST] + list(range(n_units))}
     mem = {r: dict.fromkeys(MEMORY_KINDS, 0.0) for r in fig}
 
@@ -104,7 +104,9 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
     # per representative node: its per-instance compute (and sink communication) by phase part
     per_node: dict[int, dict[str, float]] = {}
     for i, pn in enumerate(problem.nodes):
-        per_node[i] = {"compute": pn.compute[choice[i]] + pn.comm[choice[i]]}
+        # a parameter's comm is its optimizer step: once per step, not per micro-batch
+        step = pn.comm[choice[i]] if graph.node(pn.name).is_placeholder else 0.0
+        per_node[i] = {"compute": pn.compute[choice[i]] + pn.comm[choice[i]] - step, "optimizer": step}
     # transfers, charged per instance to their first consumer (a reduction to its parameter)
     extra: dict[int, dict[str, float]] = {}
     for ks in problem.transfers:
@@ -150,13 +152,15 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
                 f["gathers"] += ex.get("param", 0.0)
             f["reductions"] += ex.get("grad", 0.0)
             f["kept"] += ex.get("kept", 0.0)
+            f["optimizer"] += per_node[i]["optimizer"]
             for k in MEMORY_KINDS:
                 mem[r][k] += pn.memory[k][choice[i]]
 
     def seg(r: int, paths: tuple[str, ...]) -> Segment:
         f, m = fig[r], mem[r]
         return Segment(f["forward"], f["input_grad"], f["weight_grad"], m["params"] + m["grads"] + m["optimizer"],
-                       m["activations"], f["gathers"], f["reductions"], f["kept"], memory=dict(m), paths=paths)
+                       m["activations"], f["gathers"], f["reductions"], f["kept"], memory=dict(m), paths=paths,
+                       optimizer=f["optimizer"])
 
     unit_paths = list(ch.paths)
     pre_paths, post_paths = region_paths(graph, ch, PRE), region_paths(graph, ch, POST)
