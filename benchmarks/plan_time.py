@@ -1,8 +1,10 @@
 """Planning time per phase: the LLaMA-3-8B shape (batch 64, sequence 2048, training) on an (8, 8)
 H100 mesh, at 2, 8 and 32 layers. ``--model`` picks the code that has that shape: ``llama`` (the
 built-in ``autopar.models.llama``), ``llama_loop`` (the same model written with its layer code in the
-parent's ``forward``: RoPE, attention and residual adds outside the layer modules) or ``hf_llama``
-(Hugging Face's ``LlamaForCausalLM``, built on ``meta`` from its config) or ``titan_llama`` (the
+parent's ``forward``: RoPE, attention and residual adds outside the layer modules), ``hf_llama``,
+``hf_gpt2`` or ``hf_mixtral`` (Hugging Face's ``LlamaForCausalLM``, ``GPT2LMHeadModel`` or
+``MixtralForCausalLM``, built on ``meta`` from their configs at the preset's width, heads and
+vocabulary) or ``titan_llama`` (the
 torchtitan-style Llama 3 of ``tests/_corpus.py``, complex RoPE, at the same dims). ``corpus:NAME``
 plans corpus model NAME of ``tests/_corpus.py`` at its tiny size (hidden 64, batch 4, sequence 16)
 on a (2, 2) H100 mesh instead.
@@ -14,7 +16,7 @@ the ratio of the deepest case's post-capture time (total − capture) to the sha
 the 32-layer case under 15 s in total; its post-capture phases under 1.5× the 2-layer case's
 (identical layers are folded, so depth should cost little after capture).
 
-    python benchmarks/plan_time.py [--model llama|llama_loop|hf_llama|titan_llama|corpus:NAME] [--layers 2 8 32] [--repeat K]
+    python benchmarks/plan_time.py [--model llama|llama_loop|hf_llama|hf_gpt2|hf_mixtral|titan_llama|corpus:NAME] [--layers 2 8 32] [--repeat K]
                                    [--markdown] [--cpu] [--against REF]
 
 ``--cpu`` times every phase in this process's CPU seconds (``time.perf_counter`` is replaced by
@@ -44,7 +46,7 @@ TOTAL_TARGET_S = 15.0
 RATIO_TARGET = 1.5
 
 
-MODELS = ("llama", "llama_loop", "hf_llama", "titan_llama")
+MODELS = ("llama", "llama_loop", "hf_llama", "hf_gpt2", "hf_mixtral", "titan_llama")
 #: the corpus of tests/_corpus.py at its tiny size (hidden 64, its own batch and sequence), as ``corpus:NAME``
 CORPUS = ("titan_llama", "torch_encoder", "hf_gpt2", "hf_llama", "hf_bert", "hf_t5", "hf_bart", "hf_vit", "hf_mixtral")
 CORPUS_MESH = {"dp": 2, "tp": 2}
@@ -96,25 +98,41 @@ def build(model: str, layers: int, batch: int, seq: int, size: str = "llama3-8b"
         return c.build(name, layers=layers)
     if model == "titan_llama":
         return _titan(layers, batch, seq, size)
-    if model != "hf_llama":
+    if not model.startswith("hf_"):
         module, inputs = make(model, size=size, batch=batch, seq=seq, device="meta", n_layers=layers)
         return module, inputs, None
+    return _hf_decoder(model, layers, batch, seq, size)
+
+
+def _hf_decoder(model: str, layers: int, batch: int, seq: int, size: str):
+    """Hugging Face's ``LlamaForCausalLM``, ``GPT2LMHeadModel`` or ``MixtralForCausalLM`` (8 experts,
+    top 2, each expert the preset's FFN width) from its config at preset ``size``'s dims, on meta."""
     import torch
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MixtralConfig,
+                              MixtralForCausalLM)
 
     from autopar.models.llama import PRESETS
 
     transformers.logging.set_verbosity_error()
     p = PRESETS[size]
-    cfg = LlamaConfig(hidden_size=p["dim"], intermediate_size=p["ffn_dim"], num_hidden_layers=layers,
+    common = dict(vocab_size=p["vocab_size"], bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    llama_like = dict(hidden_size=p["dim"], intermediate_size=p["ffn_dim"], num_hidden_layers=layers,
                       num_attention_heads=p["n_heads"], num_key_value_heads=p["n_kv_heads"],
-                      vocab_size=p["vocab_size"], max_position_embeddings=p["max_seq_len"],
-                      rope_theta=p["rope_theta"], rms_norm_eps=p["norm_eps"], attention_dropout=0.0,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                      max_position_embeddings=max(p["max_seq_len"], seq), rope_theta=p["rope_theta"],
+                      rms_norm_eps=p["norm_eps"], attention_dropout=0.0, **common)
+    if model == "hf_gpt2":  # GPT-2's own structure (learned positions, 4x MLP) at the preset's width
+        cfg, cls = GPT2Config(n_embd=p["dim"], n_layer=layers, n_head=p["n_heads"], n_positions=max(2048, seq),
+                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common), GPT2LMHeadModel
+    elif model == "hf_mixtral":
+        cfg, cls = MixtralConfig(num_local_experts=8, num_experts_per_tok=2, **llama_like), MixtralForCausalLM
+    else:
+        cfg, cls = LlamaConfig(**llama_like), LlamaForCausalLM
     with torch.device("meta"):
-        module = LlamaForCausalLM(cfg)
+        module = cls(cfg)
     module.config._attn_implementation = "sdpa"
+    if hasattr(module.config, "_experts_implementation"):  # as tests/_corpus.py builds Mixtral (fake-tensor kernels)
+        module.config._experts_implementation = "batched_mm"
     ids = torch.randint(0, p["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
     return module, (), {"input_ids": ids, "labels": ids}
 
