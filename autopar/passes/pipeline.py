@@ -8,8 +8,6 @@ evaluator as the searched plan.
 
 from __future__ import annotations
 
-import functools
-import gc
 import math
 import sys
 import time
@@ -26,6 +24,7 @@ from autopar.ir.placement import format_placements
 from autopar.ir.recompute import recomputed_ops
 from autopar.passes.search import checkpoint, kept, recipes
 from autopar.passes.search.build import build_problem
+from autopar.passes.search.collector import collector_paused
 from autopar.passes.search.complete import complete
 from autopar.passes.search.fold import Folding, fold
 from autopar.passes.search.merge import Merged, merge
@@ -88,29 +87,12 @@ class _Clock:
             print(f"autopar: {name:<10} {self.phases[name]:7.2f} s", file=sys.stderr)
 
 
-def _collector_paused(fn):
-    """``fn`` with Python's cyclic garbage collector off while it runs (as it was after). The
-    passes allocate millions of small objects, nearly all freed by reference counting, and every
-    collection they triggered walked the whole heap (the captured graph, its fx graph and fake
-    tensors): measured in CPU seconds, a fifth of the torchtitan-style Llama's 32-layer plan
-    (LLaMA-3-8B dims, (8, 8); 5.7 s, 4.6 s paused) and a growing share of the post-capture time as
-    layers are added (tiny BART: 32 layers over 2, 1.49x with the collector on, 1.38x paused), for
-    3% more peak memory. Cycles made meanwhile are collected at the next collection after."""
-
-    @functools.wraps(fn)
-    def paused(*args, **kwargs):
-        was = gc.isenabled()
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if was:
-                gc.enable()
-
-    return paused
-
-
-@_collector_paused
+# Python's cyclic garbage collector is off while the passes run (``search/collector.py``): measured
+# in CPU seconds, its collections were a fifth of the torchtitan-style Llama's 32-layer plan
+# (LLaMA-3-8B dims, (8, 8); 5.7 s, 4.6 s paused) and a growing share of the post-capture time as
+# layers are added (tiny BART: 32 layers over 2, 1.49x with the collector on, 1.38x paused), for 3%
+# more peak memory.
+@collector_paused()
 def run_passes(
     model,
     mesh: Mesh,

@@ -29,11 +29,10 @@ gap to 1.3% without them. Hence those three are off (``HIGHS_OPTIONS``).
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import time
 from typing import Optional, Sequence
 
+from autopar.passes.search.collector import collector_paused
 from autopar.passes.search.problem import Problem, evaluate
 from autopar.passes.search.solve import Solution, formulate, improve
 
@@ -219,20 +218,8 @@ def solve_by_axis(
     small objects (the models' rows, freed by reference counting), and each collection they
     triggered walked the whole planning heap (graph, priced problem): measured at 32 layers, one
     round's model took 0.5 s to build with the collector on and 0.06 s with it paused."""
-    with _collector_paused():
+    with collector_paused():
         return _solve_by_axis(problem, start, ndim, rounds, time_limit)
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off within, as it was after."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _solve_by_axis(problem: Problem, start: Sequence[int], ndim: int, rounds: int,
