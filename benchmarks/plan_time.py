@@ -49,7 +49,8 @@ RATIO_TARGET = 1.5
 
 MODELS = ("llama", "llama_loop", "hf_llama", "hf_gpt2", "hf_mixtral", "titan_llama")
 #: the corpus of tests/_corpus.py at its tiny size (hidden 64, its own batch and sequence), as ``corpus:NAME``
-CORPUS = ("titan_llama", "torch_encoder", "hf_gpt2", "hf_llama", "hf_bert", "hf_t5", "hf_bart", "hf_vit", "hf_mixtral")
+CORPUS = ("titan_llama", "torch_encoder", "hf_gpt2", "hf_llama", "hf_bert", "hf_t5", "hf_bart", "hf_vit", "hf_mixtral",
+          "hf_mixtral_grouped")
 CORPUS_MESH = {"dp": 2, "tp": 2}
 
 
