@@ -4,7 +4,8 @@ built-in ``autopar.models.llama``), ``llama_loop`` (the same model written with 
 parent's ``forward``: RoPE, attention and residual adds outside the layer modules), ``hf_llama``,
 ``hf_gpt2`` or ``hf_mixtral`` (Hugging Face's ``LlamaForCausalLM``, ``GPT2LMHeadModel`` or
 ``MixtralForCausalLM``, built on ``meta`` from their configs at the preset's width, heads and
-vocabulary) or ``titan_llama`` (the
+vocabulary; Mixtral with its default experts implementation, ``grouped_mm``, in bf16 because that
+kernel's fake implementation takes nothing else) or ``titan_llama`` (the
 torchtitan-style Llama 3 of ``tests/_corpus.py``, complex RoPE, at the same dims). ``corpus:NAME``
 plans corpus model NAME of ``tests/_corpus.py`` at its tiny size (hidden 64, batch 4, sequence 16)
 on a (2, 2) H100 mesh instead.
@@ -48,7 +49,8 @@ RATIO_TARGET = 1.5
 
 MODELS = ("llama", "llama_loop", "hf_llama", "hf_gpt2", "hf_mixtral", "titan_llama")
 #: the corpus of tests/_corpus.py at its tiny size (hidden 64, its own batch and sequence), as ``corpus:NAME``
-CORPUS = ("titan_llama", "torch_encoder", "hf_gpt2", "hf_llama", "hf_bert", "hf_t5", "hf_bart", "hf_vit", "hf_mixtral")
+CORPUS = ("titan_llama", "torch_encoder", "hf_gpt2", "hf_llama", "hf_bert", "hf_t5", "hf_bart", "hf_vit", "hf_mixtral",
+          "hf_mixtral_grouped")
 CORPUS_MESH = {"dp": 2, "tp": 2}
 
 
@@ -131,8 +133,10 @@ def _hf_decoder(model: str, layers: int, batch: int, seq: int, size: str):
     with torch.device("meta"):
         module = cls(cfg)
     module.config._attn_implementation = "sdpa"
-    if hasattr(module.config, "_experts_implementation"):  # as tests/_corpus.py builds Mixtral (fake-tensor kernels)
-        module.config._experts_implementation = "batched_mm"
+    if model == "hf_mixtral":
+        # as a user would: the default experts implementation (``grouped_mm``), whose fake kernel on
+        # torch 2.13 takes bf16 only, so the model is bf16
+        module = module.to(torch.bfloat16)
     ids = torch.randint(0, p["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
     return module, (), {"input_ids": ids, "labels": ids}
 

@@ -240,8 +240,9 @@ def _hf(model):
     transformers.logging.set_verbosity_error()
     model.config._attn_implementation = "sdpa"
     if hasattr(model.config, "_experts_implementation"):
-        # the default picks ``_grouped_mm``, whose fake-tensor kernel on torch 2.13 CPU accepts
-        # bf16 only (capture fails in fp32), and "eager" loops over ``nonzero``: the batched one
+        # the default picks ``_grouped_mm``, whose fake-tensor kernel on torch 2.13 accepts bf16
+        # only (capture fails in fp32 and float64, which the parity tests here use: that path is
+        # ``hf_mixtral_grouped``), and "eager" loops over ``nonzero``: the batched one
         model.config._experts_implementation = "batched_mm"
     return model
 
@@ -314,6 +315,24 @@ def hf_mixtral(dropout: bool = False, layers: int = LAYERS):
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
     ids = _ids()
     return _hf(MixtralForCausalLM(cfg)), (), {"input_ids": ids, "labels": ids}
+
+
+def hf_mixtral_grouped(dropout: bool = False, layers: int = LAYERS):
+    """Mixtral as Hugging Face runs it by default: ``grouped_mm`` experts (``aten._grouped_mm``, the
+    tokens sorted by expert, ``histc`` counts) in bf16, the only dtype that kernel's fake
+    implementation takes on torch 2.13 (its CPU kernel also runs fp32). Not in ``CORPUS`` (whose
+    parity tests run in float64): ``tests/test_corpus_grouped.py`` checks it."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = _config(MixtralConfig, dropout, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    model = MixtralForCausalLM(cfg).to(torch.bfloat16)
+    model.config._attn_implementation = "sdpa"
+    ids = _ids()
+    return model, (), {"input_ids": ids, "labels": ids}
 
 
 # ---------------------------------------------------------------------------------------------

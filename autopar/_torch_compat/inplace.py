@@ -110,15 +110,15 @@ def functionalize_intermediates(gm: torch.fx.GraphModule, fake_mode) -> tuple[in
         if twin is None:
             return count, f"op {m.target} mutates and has no functional twin"
         s = cls.get(m.args[0]) if isinstance(m.args[0], torch.fx.Node) else None
-        if s is None or cls.get(m) != s:
+        if s is None or not _same(cls.get(m), s):
             return count, f"op {m.target}: cannot tell which memory it mutates"
         chain = [m.args[0]]  # base, views of it (reshapes, slices, selects), ..., the mutated tensor
         while chain[0] not in fresh:
             x = chain[0]
             if x.op == "call_function" and (x.target in _RESHAPES or x.target in _SCATTERS) \
-                    and cls.get(x.args[0]) == s:
+                    and _same(cls.get(x.args[0]), s):
                 chain.insert(0, x.args[0])
-            elif x.op == "call_function" and any(cls.get(i) == s for i in x.all_input_nodes):
+            elif x.op == "call_function" and any(_same(cls.get(i), s) for i in x.all_input_nodes):
                 return count, f"op {m.target} writes through a view ({x.target}) of another tensor"
             else:
                 break
@@ -147,6 +147,12 @@ def functionalize_intermediates(gm: torch.fx.GraphModule, fake_mode) -> tuple[in
 
 class _Unsupported(Exception):
     pass
+
+
+def _same(a: Optional[StorageWeakRef], b: StorageWeakRef) -> bool:
+    """Whether ``a`` (None for a node that holds no tensor, e.g. an integer ``sym_size``) is the
+    storage ``b``: ``StorageWeakRef`` cannot be compared with None."""
+    return a is not None and a == b
 
 
 _PREV = object()  # in a step's arguments: the node the previous step made

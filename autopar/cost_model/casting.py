@@ -59,7 +59,7 @@ CASTING: dict[str, tuple[torch.dtype, torch.dtype]] = {
 COMPUTE_OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.matmul.", "aten.linear.",
                "aten.convolution.", "aten._convolution.", "aten._scaled_dot_product", "aten.embedding.",
                "aten.native_layer_norm.", "aten.native_batch_norm.", "aten._native_batch_norm_legit",
-               "aten.native_group_norm.", "aten._fused_rms_norm.")
+               "aten.native_group_norm.", "aten._fused_rms_norm.", "aten._grouped_mm.")
 
 #: Outputs (by index) that kernels compute in fp32 whatever their inputs: left as they are.
 KERNEL_FP32_OUTPUTS: dict[str, tuple[int, ...]] = {

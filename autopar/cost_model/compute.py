@@ -101,6 +101,11 @@ def _flops(call: OpCall, ins: Sequence[Shape], outs: Sequence[Optional[Shape]]) 
     if key == "aten.baddbmm":  # (bias, a, b)
         (bt, m, k), (_, _, n) = ins[1], ins[2]
         return 2.0 * bt * m * k * n + bt * m * n
+    if key == "aten._grouped_mm":  # groups of rows (or of the contracted dim) times one matrix each
+        a, b = ins[0], ins[1]
+        if len(a) == 2 and len(b) == 2:  # [K, T] x [T, N] -> [E, K, N]: the groups partition T
+            return 2.0 * a[0] * a[1] * b[1]
+        return 2.0 * _numel(outs[0]) * a[-1]  # [T, K] x [E, K, N] -> [T, N]; batched 3-D x 3-D
     if call.op == _ATTN_FWD:
         return _attention_flops(ins[0], ins[1], ins[2], bool(call.arg(4, "is_causal", False)))
     if call.op == _ATTN_BWD:
@@ -129,8 +134,9 @@ def flops_and_bytes(
     activation size, integer/bool tensors at their own. An embedding reads only the rows it
     gathers (ids + output-sized rows + output), not the whole table. FLOPs: mm 2mkn, addmm
     2mkn + mn, bmm/baddbmm likewise per batch, attention 2bhst(d+e) (halved when causal; its
-    backward 2.5x the forward), convolution 2 n co ho wo (ci/groups) kh kw (backward: the same per
-    requested grad_input/grad_weight), embedding 0, anything else 1 per output element.
+    backward 2.5x the forward), grouped mm 2 x rows x K x N over all its groups, convolution
+    2 n co ho wo (ci/groups) kh kw (backward: the same per requested grad_input/grad_weight),
+    embedding 0, anything else 1 per output element.
     """
     ins = [tuple(s) for s in in_shapes]
     outs = [None if s is None else tuple(s) for s in out_shapes]
@@ -166,6 +172,12 @@ def matmul_shape(call: OpCall, ins: Sequence[Shape], outs: Sequence[Optional[Sha
     if key in ("aten.bmm", "aten.baddbmm"):
         a, b = (ins[0], ins[1]) if key == "aten.bmm" else (ins[1], ins[2])
         return float(a[0] * a[1] * b[2]), float(a[2])
+    if key == "aten._grouped_mm":  # by one group's shape: experts share the rows evenly
+        a, b = ins[0], ins[1]
+        if len(a) == 2 and len(b) == 2:  # [K, T] x [T, N] -> [E, K, N]
+            groups = outs[0][0] if outs[0] else 1
+            return float(a[0] * b[1] * groups), float(a[1]) / max(1, groups)
+        return float(_numel(outs[0])), float(a[-1])
     if call.op in ("aten.convolution.default", "aten.convolution_backward.default"):
         x, w = (ins[0], ins[1]) if call.op == "aten.convolution.default" else (ins[1], ins[2])
         if len(w) < 2:

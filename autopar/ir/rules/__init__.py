@@ -2,11 +2,14 @@
 
 Importing this package registers every rule (``generic`` for the data-only ops, ``special`` for the
 ops whose local implementation needs offsets, ``vision`` and ``moe`` for the CNN and
-mixture-of-experts ops, ``indexing`` for positional writes and advanced indexing, ``complex`` for
+mixture-of-experts ops, ``grouped`` for grouped matrix products (``_grouped_mm``, ``histc``),
+``indexing`` for positional writes and advanced indexing, ``complex`` for
 complex RoPE, ``random_ops`` for dropout and the other random draws).
 """
 
-from autopar.ir.rules import complex, generic, indexing, layout, moe, random_ops, special, vision  # noqa: F401  (registration)
+from autopar.ir.rules import (  # noqa: F401  (registration)
+    complex, generic, grouped, indexing, layout, moe, random_ops, special, vision,
+)
 from autopar.ir.rules.base import (
     RULES,
     LocalCtx,

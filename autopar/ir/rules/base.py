@@ -127,6 +127,9 @@ class OpRule:
     size_args: tuple[tuple[int, str, int], ...] = ()  # (arg index, arg name, output index) holding a shape
     # rewrites other size arguments (in place, on the args list and kwargs) to this device's sizes
     arg_fix: Optional[Callable[[LocalCtx, list, dict], None]] = None
+    # the ``local`` implementation reads no offset of a dim of equal blocks (its DimMap keeps such
+    # dims whole where it would), so the DimMap's block-by-block splits stay valid
+    blocks_ok: bool = False
 
 
 RULES: dict[str, OpRule] = {}
@@ -213,7 +216,7 @@ def signatures(call: OpCall, min_size: int = 2) -> list[Signature]:
     sigs = enumerate_signatures(dm, min_size=min_size)
     if rule.extra is not None:
         sigs += rule.extra(call, dm)
-    if (rule.local is not None or rule.extra is not None) and _has_blocks(call):
+    if (rule.local is not None and not rule.blocks_ok or rule.extra is not None) and _has_blocks(call):
         # special signatures and offset-reading local code know nothing of blocks
         sigs = [s for s in sigs if not _splits_blocks(call, s)]
     return sigs

@@ -92,6 +92,7 @@ NONLINEAR_POINTWISE = [
     "aten.relu6.default", "aten.hardtanh.default", "aten.leaky_relu.default",
     "aten.elu.default", "aten.softplus.default", "aten.mish.default", "aten.hardswish.default",
     "aten.logical_xor.default", "aten.exp2.default", "aten.atan.default",
+    "aten.floor_divide.default", "aten.floor_divide.Scalar",
 ]
 
 # Linear in their first input only (a gradient, scaled by things that are not partial).

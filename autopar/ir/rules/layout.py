@@ -7,11 +7,12 @@ merged dim, and only its leading factor may be split (see ``dimmap.compose_ok``)
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Sequence
 
 from autopar.ir.graph import TensorSpec
 from autopar.ir.rules.base import LocalCtx, OpCall, register
-from autopar.ir.rules.dimmap import DimMap, Dims
+from autopar.ir.rules.dimmap import DimMap, Dims, Linear
 from autopar.ir.rules.generic import all_outputs, float_flags, linear_in, norm_dim, pointwise_map
 
 # ---------------------------------------------------------------------------------------------
@@ -247,8 +248,29 @@ def _is_equal_pieces(whole: TensorSpec, pieces: list, dim: int) -> bool:
             and len({p.shape for p in pieces}) == 1 and pieces[0].shape[dim] * len(pieces) == whole.shape[dim])
 
 
+def _legacy_empty(call: OpCall) -> list[int]:
+    """Inputs of ``cat`` that are empty 1-D tensors next to a tensor of more dims: torch skips them
+    (its legacy rule), as Hugging Face's empty key/value cache ``torch.cat([cache, key])``."""
+    out = call.out_specs[0]
+    if out is None or out.ndim <= 1:
+        return []
+    return [k for k, s in enumerate(call.in_specs) if s.ndim == 1 and s.numel == 0]
+
+
 @register("aten.cat.default")
 def _cat(call: OpCall) -> DimMap:
+    skipped = _legacy_empty(call)
+    if skipped and len(skipped) < len(call.in_specs):
+        # the others' map; a skipped input is read whole and adds nothing (outside any partial sum)
+        kept = [k for k in range(len(call.in_specs)) if k not in skipped]
+        dm = _cat(replace(call, in_specs=[call.in_specs[k] for k in kept]))
+        inputs: list = [None] * len(call.in_specs)
+        for pos, k in enumerate(kept):
+            inputs[k] = dm.inputs[pos]
+        dm.inputs = inputs
+        dm.linear = [Linear(frozenset(kept[i] for i in lin.inputs), lin.outputs, lin.kind) for lin in dm.linear]
+        dm.float_inputs = float_flags(call)[0]
+        return dm
     x = call.in_specs[0]
     dim = norm_dim(call.arg(1, "dim", 0), x.ndim)
     n = len(call.in_specs)
