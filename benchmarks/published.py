@@ -49,6 +49,32 @@ ROWS = [
     ("a100", "70b", 64, 8, True, 53.33, 410),
 ]
 PEAK = {"h100": 989e12, "a100": 312e12}
+#: rows whose FSDP mixed precision was PURE (gradients reduced in bf16); every other row ran Composer's
+#: DEFAULT (bf16 gathers, fp32 gradient reduction: autopar's "bf16-mixed")
+PURE = {("a100", "70b")}
+#: The runs' attention kernel. llm-foundry's benchmark launcher (scripts/train/benchmarking/
+#: submit_benchmarks.py at b2a43a1, the commit that published these tables) defaults ``--attn_impl``
+#: to ``triton`` and sweep.sh does not override it: Tri Dao's FlashAttention in Triton
+#: (llmfoundry/models/layers/flash_attn_triton.py on triton-pre-mlir, a pre-MLIR Triton patched to run
+#: on sm90 but without Hopper instructions). Its header says forward + backward is "slightly slower"
+#: than the CUDA FlashAttention of the time (FlashAttention-1; llm-foundry's TUTORIAL.md: "triton is
+#: slightly faster than flash", flash = flash-attn 1.0.9). The presets price torch's SDPA, i.e.
+#: FlashAttention-2, "around 2x" FlashAttention-1 (T. Dao, arXiv:2307.08691, abstract, which also puts
+#: FlashAttention-1 at "25-40% of the theoretical maximum FLOPs/s" on A100). So the rows are priced
+#: with the preset's attention curves at half their height: a kernel-level figure, not a fit.
+FA1_OF_FA2 = 0.5
+
+
+def run_hardware(device: str):
+    """The preset of ``device`` with the attention kernel those runs used (``FA1_OF_FA2``)."""
+    import dataclasses
+
+    from autopar.cost_model.hardware import PRESETS
+
+    hw = PRESETS[device]
+    e = hw.efficiency
+    return dataclasses.replace(hw, efficiency=dataclasses.replace(
+        e, attn_fwd=e.attn_fwd * FA1_OF_FA2, attn_bwd=e.attn_bwd * FA1_OF_FA2))
 
 
 def _say(msg: str) -> None:
@@ -60,9 +86,13 @@ def foundry_flops_per_token(params: int, layers: int, width: int) -> float:
     return 6.0 * params + 12.0 * layers * width * SEQ
 
 
-def price(row, graph_cache: dict) -> dict:
-    """Plan one row (FSDP recipe, pinned recomputation) and return its predicted throughput."""
+def price(row, graph_cache: dict, kernel: str = "run") -> dict:
+    """Plan one row (FSDP recipe, pinned recomputation) and return its predicted throughput;
+    ``kernel="run"`` prices attention with the runs' kernel, ``"preset"`` with the preset's."""
+    import dataclasses
+
     import autopar
+    from autopar.cost_model.precision import get_precision
     from autopar.ir.capture import capture
     from autopar.models import make, num_params
     from autopar.passes.pipeline import run_passes
@@ -74,14 +104,18 @@ def price(row, graph_cache: dict) -> dict:
     t0 = time.perf_counter()
     if key not in graph_cache:
         model, inputs = make("gpt", size="tiny", batch=gpus * mb, seq=SEQ, device="meta", vocab_size=VOCAB,
-                             block_size=SEQ, n_layer=layers, n_embd=width, n_head=heads, bias=False)
+                             block_size=SEQ, n_layer=layers, n_embd=width, n_head=heads, bias=True)
         graph_cache.clear()  # one graph at a time: the large ones are big
         graph_cache[key] = (model, inputs, capture(model, tuple(inputs)), num_params(model))
     model, inputs, graph, params = graph_cache[key]
     t_capture = time.perf_counter() - t0
-    mesh = autopar.Mesh({"dp": gpus}, device=device)
+    hw = run_hardware(device) if kernel == "run" else device
+    mesh = autopar.Mesh({"dp": gpus}, device=hw)
+    precision = get_precision("bf16-mixed", mesh.hardware)
+    if (device, name) in PURE:  # gradients reduced in bf16
+        precision = dataclasses.replace(precision, grad_bytes=2)
     planned = run_passes(model, mesh, inputs, recipe="fsdp", graph=graph, progress=False,
-                         checkpointing="full" if ckpt else None)
+                         checkpointing="full" if ckpt else None, precision=precision)
     plan = build_plan(planned)
     step = planned.cost.step_time
     tok_gpu = mb * SEQ / step
