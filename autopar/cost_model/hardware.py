@@ -185,7 +185,15 @@ _H100_FLOPS = {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float64
 # and the flash attention torch's SDPA runs (FlashAttention-2).
 # - mm_max: the Maximum Achievable Matmul FLOPS table (S. Bekman, "Machine Learning Engineering",
 #   github.com/stas00/ml-engineering, compute/accelerator/README.md, BF16, CUDA 12.1): H100 SXM 792.1
-#   of 989 TFLOP/s (80.1%), A100 SXM 267.9 of 312 (85.9%): the best shape of a scan of large ones.
+#   of 989 TFLOP/s (80.1%), A100 SXM 267.9 of 312 (85.9%): the best shape of a scan of large ones,
+#   and the fastest of 100 timed iterations (compute/accelerator/benchmarks/README.md), not their
+#   mean. A training step runs matmuls back to back on random-looking data, where the power limit
+#   sets the clock: on A100, cuBLAS at 8192^3 through PyTorch runs at 257 TFLOP/s on torch.randn
+#   inputs against 295 on zeros (H. He, "Strangely, Matrix Multiplications on GPUs Run Faster When
+#   Given 'Predictable' Data", thonking.ai, 2024). A100's mm_max is set so the curve gives that 257
+#   (82.4%) at 8192^3: 0.84 (was 0.86, the scan's best). H100 keeps 0.80: the curve gives 753, 767
+#   and 778 TFLOP/s at 6144^3, 8192^3 and 12288^3, against cuBLAS (CUDA 12.6) at 741, 798 and 823
+#   on normal-distributed inputs (github.com/pranjalssh/fast.cu, README.md and logs.txt, kernel 0).
 # - mm_half_mn: a quarter of one wave of output tiles (SMs x tile area: H100 132 x 128x256, A100 108
 #   x 128x128): too few tiles leave SMs idle (wave quantization; Anthony et al., "The Case for
 #   Co-Designing Model Architectures with Hardware", arXiv:2401.14489, GEMM figures); mm_half_k: a
@@ -203,7 +211,7 @@ _H100_FLOPS = {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float64
 _H100_EFF = Efficiency(mm_max=0.80, mm_half_mn=0.25 * 132 * 128 * 256, mm_half_k=128.0, attn_fwd=0.37,
                        attn_bwd=0.32, attn_half_seq=256.0, attn_half_head_dim=32.0, mem_max=0.85,
                        mem_half_bytes=float(1 << 20))
-_A100_EFF = Efficiency(mm_max=0.86, mm_half_mn=0.25 * 108 * 128 * 128, mm_half_k=128.0, attn_fwd=0.73,
+_A100_EFF = Efficiency(mm_max=0.84, mm_half_mn=0.25 * 108 * 128 * 128, mm_half_k=128.0, attn_fwd=0.73,
                        attn_bwd=0.60, attn_half_seq=256.0, attn_half_head_dim=32.0, mem_max=0.85,
                        mem_half_bytes=float(1 << 20))
 # cpu: a guess (run `autopar calibrate`, which fits these on the machine): one core's BLAS reaches
