@@ -7,14 +7,17 @@ interconnect (RoCE)"): model, GPUs, micro-batch per GPU, activation checkpointin
 tokens/s per GPU. Nothing here is fitted to them: the efficiencies come from the presets'
 kernel-level sources (``autopar/cost_model/hardware.py``); the rows are a check.
 
-Each row is autopar's GPT at the MPT shape (vocabulary 50368, no biases; MPT's ALiBi is a learned
-position embedding here: 2048 x width parameters), global batch = micro-batch x GPUs sequences of
-2048, mesh ``{"dp": GPUs}`` of the preset (8 GPUs and 8 NICs per node), ``recipe="fsdp"`` (FSDP's
-full sharding), bf16-mixed AdamW, and ``checkpointing="full"`` where the run recomputed. One
-micro-batch per step (the runs accumulate 1-21 of them; the optimizer step, priced once per
-micro-batch here, is ~1% of a step). Predicted MFU uses llm-foundry's own formula on the predicted
-throughput: (6 N + 12 L d s) x tokens/s / peak, N the parameters, so predicted/published is the
-same ratio for MFU and throughput.
+Each row is autopar's GPT at the MPT shape of those runs (vocabulary 50368, biases, learned
+positions: the parameter count equals the table's NumParams), global batch = micro-batch x GPUs
+sequences of 2048, mesh ``{"dp": GPUs}`` of the preset (8 GPUs and 8 NICs per node),
+``recipe="fsdp"`` (FSDP's full sharding), bf16-mixed AdamW (Composer's ``DEFAULT`` FSDP mixed
+precision: bf16 gathers, fp32 gradient reduction; the ``PURE`` row reduces in bf16), and
+``checkpointing="full"`` where the run recomputed. Attention is priced with the kernel those runs
+used (``FA1_OF_FA2``). The runs accumulate ``GradAccum`` micro-batches per optimizer step, with
+FSDP gathering and reducing every micro-batch: autopar prices one micro-batch step, whose price
+holds one optimizer step; ``price`` keeps 1/GradAccum of it. Predicted MFU uses llm-foundry's own
+formula on the predicted throughput: (6 N + 12 L d s) x tokens/s / peak, N the parameters, so
+predicted/published is the same ratio for MFU and throughput.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/published.py [--only 7b 13b] [--device h100]
 
@@ -49,6 +52,10 @@ ROWS = [
     ("a100", "70b", 64, 8, True, 53.33, 410),
 ]
 PEAK = {"h100": 989e12, "a100": 312e12}
+#: GradAccum of each row (the same tables): micro-batches per optimizer step
+ACCUM = {("h100", "1b"): 1, ("h100", "3b"): 3, ("h100", "7b"): 1, ("h100", "13b"): 1, ("h100", "30b"): 21,
+         ("h100", "70b"): 4, ("a100", "1b"): 4, ("a100", "3b"): 2, ("a100", "7b"): 2, ("a100", "13b"): 3,
+         ("a100", "30b"): 21, ("a100", "70b"): 4}
 #: rows whose FSDP mixed precision was PURE (gradients reduced in bf16); every other row ran Composer's
 #: DEFAULT (bf16 gathers, fp32 gradient reduction: autopar's "bf16-mixed")
 PURE = {("a100", "70b")}
@@ -109,6 +116,7 @@ def price(row, graph_cache: dict, kernel: str = "run") -> dict:
     import dataclasses
 
     import autopar
+    from autopar.cost_model.compute import optimizer_time
     from autopar.cost_model.precision import get_precision
     from autopar.ir.capture import capture
     from autopar.models import make, num_params
@@ -134,7 +142,11 @@ def price(row, graph_cache: dict, kernel: str = "run") -> dict:
     planned = run_passes(model, mesh, inputs, recipe="fsdp", graph=graph, progress=False,
                          checkpointing="full" if ckpt else None, precision=precision)
     plan = build_plan(planned)
-    step = planned.cost.step_time
+    # the price holds one AdamW step over this device's shard (28 B per element, at the memory
+    # curve: compute.optimizer_time); the run takes it once every ACCUM micro-batches
+    shard = params / gpus
+    opt = optimizer_time({"params": 4 * shard, "grads": 4 * shard, "optimizer": 8 * shard}, mesh.hardware)
+    step = planned.cost.step_time - opt * (1.0 - 1.0 / ACCUM[(device, name)])
     tok_gpu = mb * SEQ / step
     parts = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
     for n in plan.nodes:  # every op instance, at its chosen strategy's priced seconds
