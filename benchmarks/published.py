@@ -57,7 +57,8 @@ ACCUM = {("h100", "1b"): 1, ("h100", "3b"): 3, ("h100", "7b"): 1, ("h100", "13b"
          ("h100", "70b"): 4, ("a100", "1b"): 4, ("a100", "3b"): 2, ("a100", "7b"): 2, ("a100", "13b"): 3,
          ("a100", "30b"): 21, ("a100", "70b"): 4}
 #: rows whose FSDP mixed precision was PURE (gradients reduced in bf16); every other row ran Composer's
-#: DEFAULT (bf16 gathers, fp32 gradient reduction: autopar's "bf16-mixed")
+#: DEFAULT (bf16 gathers, fp32 gradient reduction: autopar's "bf16-mixed"; Composer's
+#: get_mixed_precision in composer/trainer/mosaic_fsdp_utils.py of the time)
 PURE = {("a100", "70b")}
 #: The runs' attention kernel. llm-foundry's benchmark launcher (scripts/train/benchmarking/
 #: submit_benchmarks.py at b2a43a1, the commit that published these tables) defaults ``--attn_impl``
