@@ -166,10 +166,26 @@ def price(row, graph_cache: dict, kernel: str = "run") -> dict:
             "capture_s": t_capture, "plan_s": time.perf_counter() - t0 - t_capture}
 
 
+def markdown(results) -> None:
+    """The per-row table of docs/benchmarks.md (times in ms per micro-batch step)."""
+    _say("| device | model | GPUs | micro-batch | recompute | step | matmul / attention / other | exposed | "
+         "collectives | tokens/s/GPU | published | predicted/published |")
+    _say("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row, r in sorted(results, key=lambda x: (x[0][0], SHAPES[x[0][1]][1])):
+        device, name, gpus, mb, ckpt, _mfu, tok = row
+        parts = " / ".join(f"{r['parts'][k] * 1e3:.1f}" for k in ("matmul", "attention", "other"))
+        _say(f"| {device.upper()} | {name.upper()} | {gpus} | {mb} | {'yes' if ckpt else 'no'} | {r['step'] * 1e3:.1f} | "
+             f"{parts} | {r['exposed'] * 1e3:.1f} | {r['collectives'] * 1e3:.1f} | {r['tok_gpu']:,.0f} | {tok:,} | "
+             f"{r['tok_gpu'] / tok:.3f} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="+", choices=sorted(SHAPES), help="price only these models")
     ap.add_argument("--device", nargs="+", choices=sorted(PEAK), help="price only these devices")
+    ap.add_argument("--kernel", choices=("run", "preset"), default="run",
+                    help="attention at the runs' kernel (default) or at the preset's (torch's SDPA)")
+    ap.add_argument("--markdown", action="store_true", help="also print the per-row table as markdown")
     args = ap.parse_args(argv)
     import torch
 
@@ -180,7 +196,7 @@ def main(argv=None) -> int:
     cache: dict = {}
     results = []
     for row in rows:
-        r = price(row, cache)
+        r = price(row, cache, kernel=args.kernel)
         results.append((row, r))
         _say(f"[{row[0]} {row[1]} x{row[2]}] predicted {r['tok_gpu']:.0f} tokens/s/GPU (published {row[6]}), "
              f"ratio {r['tok_gpu'] / row[6]:.3f}; capture {r['capture_s']:.0f} s, plan {r['plan_s']:.0f} s")
@@ -209,6 +225,9 @@ def main(argv=None) -> int:
     for row, r in sorted(results, key=lambda x: (x[0][0], SHAPES[x[0][1]][1])):
         _say(f"{row[0]:<6} {row[1]:<5} collectives {r['collectives'] * 1e3:8.1f}  hidden {r['hidden'] * 1e3:8.1f}  "
              f"pred/pub with overlap slowdown {r['tok_gpu_overlap'] / row[6]:.3f}")
+    if args.markdown:
+        _say("")
+        markdown(results)
     for device, ratios in by_dev.items():
         geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
         over = by_dev_overlap[device]
