@@ -75,8 +75,8 @@ FA1_OF_FA2 = 0.5
 #: (the collective's kernels hold SMs and memory bandwidth). arXiv:2507.03114 (Characterizing
 #: Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning, abstract) measures an
 #: average computational slowdown of 18.9% (at most 40%) under overlap, on A100 and H100, GPT and LLaMA.
-#: autopar hides a collective under compute at no cost; ``overlap_estimate`` adds the 18.9% to the
-#: compute that runs under the step's hidden collectives: seconds = hidden x (1 - 1/1.189).
+#: autopar hides a collective under compute at no cost; ``price`` reports, beside the price, the
+#: step with the compute under the hidden collectives 18.9% slower: + hidden x (1 - 1/1.189) seconds.
 OVERLAP_SLOWDOWN = 0.189
 
 
@@ -143,10 +143,12 @@ def price(row, graph_cache: dict, kernel: str = "run") -> dict:
     planned = run_passes(model, mesh, inputs, recipe="fsdp", graph=graph, progress=False,
                          checkpointing="full" if ckpt else None, precision=precision)
     plan = build_plan(planned)
-    # the price holds one AdamW step over this device's shard (28 B per element, at the memory
-    # curve: compute.optimizer_time); the run takes it once every ACCUM micro-batches
+    # the price holds one AdamW step over this device's shard (compute.optimizer_time: 28 B per
+    # element for bf16-mixed, at the memory curve); the run takes it once every ACCUM micro-batches
     shard = params / gpus
-    opt = optimizer_time({"params": 4 * shard, "grads": 4 * shard, "optimizer": 8 * shard}, mesh.hardware)
+    state = {"params": precision.param_bytes * shard, "grads": precision.grad_bytes * shard,
+             "optimizer": precision.optimizer_bytes * shard}
+    opt = optimizer_time(state, mesh.hardware)
     step = planned.cost.step_time - opt * (1.0 - 1.0 / ACCUM[(device, name)])
     tok_gpu = mb * SEQ / step
     parts = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
