@@ -13,13 +13,16 @@ sequences of 2048, mesh ``{"dp": GPUs}`` of the preset (8 GPUs and 8 NICs per no
 ``recipe="fsdp"`` (FSDP's full sharding), bf16-mixed AdamW (Composer's ``DEFAULT`` FSDP mixed
 precision: bf16 gathers, fp32 gradient reduction; the ``PURE`` row reduces in bf16), and
 ``checkpointing="full"`` where the run recomputed. Attention is priced with the kernel those runs
-used (``FA1_OF_FA2``). The runs accumulate ``GradAccum`` micro-batches per optimizer step, with
+used (``FA1_OF_FA2``), and the price includes the preset's ``overlap_slowdown`` (compute slowed by
+the collectives hidden under it: autopar's own cost model) and, as the runs' runtime did it, FSDP1's
+gradient cast and pre-division (``FSDP1_GRAD_BYTES``). The runs accumulate ``GradAccum`` micro-batches per optimizer step, with
 FSDP gathering and reducing every micro-batch: autopar prices one micro-batch step, whose price
 holds one optimizer step; ``price`` keeps 1/GradAccum of it. Predicted MFU uses llm-foundry's own
 formula on the predicted throughput: (6 N + 12 L d s) x tokens/s / peak, N the parameters, so
 predicted/published is the same ratio for MFU and throughput.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/published.py [--only 7b 13b] [--device h100]
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/published.py [--only 7b 13b] [--device h100] [--markdown]
+        [--kernel preset] [--overlap-slowdown 0] [--no-grad-work]
 
 Capturing the 30B and 70B models takes a minute or more each on a loaded 2-core machine.
 """
@@ -71,25 +74,40 @@ PURE = {("a100", "70b")}
 #: FlashAttention-1 at "25-40% of the theoretical maximum FLOPs/s" on A100). So the rows are priced
 #: with the preset's attention curves at half their height: a kernel-level figure, not a fit.
 FA1_OF_FA2 = 0.5
-#: NOT part of autopar's price, shown beside it: compute that runs while a collective runs is slowed
-#: (the collective's kernels hold SMs and memory bandwidth). arXiv:2507.03114 (Characterizing
-#: Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning, abstract) measures an
-#: average computational slowdown of 18.9% (at most 40%) under overlap, on A100 and H100, GPT and LLaMA.
-#: autopar hides a collective under compute at no cost; ``price`` reports, beside the price, the
-#: step with the compute under the hidden collectives 18.9% slower: + hidden x (1 - 1/1.189) seconds.
-OVERLAP_SLOWDOWN = 0.189
+#: The runs' runtime: torch's FSDP1 (``FULL_SHARD``), per micro-batch and per FSDP unit, in
+#: torch/distributed/fsdp/_runtime_utils.py: ``_post_backward_hook`` casts the unsharded gradient
+#: (``flat_param.grad``, in the bf16 parameter dtype) to the reduce dtype when they differ
+#: (``flat_param.grad.to(handle._reduce_dtype)``: read 2, write 4 bytes per parameter; Composer's
+#: DEFAULT reduces in fp32, PURE in bf16: no cast), then ``_reduce_grad`` divides it in place by
+#: ``_gradient_predivide_factor`` before ``reduce_scatter_tensor`` (``_div_if_needed``; the factor,
+#: ``DefaultState._get_gradient_predivide_factor`` in torch/distributed/algorithms/_comm_hooks/
+#: default_hooks.py, is 4 on 8 GPUs and 8 on 64: > 1 on every row; read and write 4 bytes per
+#: parameter in fp32, 2 in bf16). Read here in torch 2.13's source; the same two steps are in the
+#: FSDP1 of the runs' time (``_reduce_grad``'s default path is unchanged since it was split out of
+#: the hook). Bytes per parameter of the unsharded gradient on every GPU, per micro-batch:
+#: (cast, divide). autopar's own runtime does neither (it reduces what autograd produced), so this
+#: is priced here, as the runs' runtime, not in the presets: memory-bound kernels at the preset's
+#: memory curve, one per layer (an FSDP unit), after the compute (they run on FSDP's post-backward
+#: stream beside the backward; priced as not hidden).
+FSDP1_GRAD_BYTES = {"fp32": (2 + 4, 4 + 4), "bf16": (0, 2 + 2)}
 
 
-def run_hardware(device: str):
-    """The preset of ``device`` with the attention kernel those runs used (``FA1_OF_FA2``)."""
+def run_hardware(device: str, kernel: str = "run", overlap_slowdown=None):
+    """The preset of ``device``, with the attention kernel those runs used (``FA1_OF_FA2``) unless
+    ``kernel`` is ``"preset"``, and ``overlap_slowdown`` in place of the preset's when given (0: the
+    price before that term, for comparison)."""
     import dataclasses
 
     from autopar.cost_model.hardware import PRESETS
 
     hw = PRESETS[device]
-    e = hw.efficiency
-    return dataclasses.replace(hw, efficiency=dataclasses.replace(
-        e, attn_fwd=e.attn_fwd * FA1_OF_FA2, attn_bwd=e.attn_bwd * FA1_OF_FA2))
+    if kernel == "run":
+        e = hw.efficiency
+        hw = dataclasses.replace(hw, efficiency=dataclasses.replace(
+            e, attn_fwd=e.attn_fwd * FA1_OF_FA2, attn_bwd=e.attn_bwd * FA1_OF_FA2))
+    if overlap_slowdown is not None:
+        hw = dataclasses.replace(hw, overlap_slowdown=overlap_slowdown)
+    return hw
 
 
 def _say(msg: str) -> None:
@@ -99,6 +117,20 @@ def _say(msg: str) -> None:
 def foundry_flops_per_token(params: int, layers: int, width: int) -> float:
     """llm-foundry's model FLOPs per token: 6 N + 12 L d s (attention without the causal halving)."""
     return 6.0 * params + 12.0 * layers * width * SEQ
+
+
+def fsdp1_grad_seconds(params: int, layers: int, reduce: str, hw) -> float:
+    """Seconds per micro-batch of FSDP1's gradient cast and pre-division (``FSDP1_GRAD_BYTES``) on
+    one GPU: two memory-bound kernels per layer over its unsharded gradient, at the memory curve."""
+    from autopar.cost_model import efficiency as eff
+
+    per_layer = params / layers
+    total = 0.0
+    for per_param in FSDP1_GRAD_BYTES[reduce]:
+        if per_param:
+            nbytes = per_param * per_layer
+            total += layers * nbytes / (hw.hbm_bandwidth * eff.memory(hw.efficiency, nbytes))
+    return total
 
 
 def collective_seconds(plan, mesh) -> float:
@@ -111,9 +143,11 @@ def collective_seconds(plan, mesh) -> float:
                for c in plan.collectives if c["axis"] in size)
 
 
-def price(row, graph_cache: dict, kernel: str = "run") -> dict:
+def price(row, graph_cache: dict, kernel: str = "run", overlap_slowdown=None, grad_work: bool = True) -> dict:
     """Plan one row (FSDP recipe, pinned recomputation) and return its predicted throughput;
-    ``kernel="run"`` prices attention with the runs' kernel, ``"preset"`` with the preset's."""
+    ``kernel="run"`` prices attention with the runs' kernel, ``"preset"`` with the preset's;
+    ``overlap_slowdown`` replaces the preset's; ``grad_work`` adds FSDP1's gradient cast and
+    pre-division (``FSDP1_GRAD_BYTES``)."""
     import dataclasses
 
     import autopar
@@ -135,7 +169,7 @@ def price(row, graph_cache: dict, kernel: str = "run") -> dict:
         graph_cache[key] = (model, inputs, capture(model, tuple(inputs)), num_params(model))
     model, inputs, graph, params = graph_cache[key]
     t_capture = time.perf_counter() - t0
-    hw = run_hardware(device) if kernel == "run" else device
+    hw = run_hardware(device, kernel, overlap_slowdown)
     mesh = autopar.Mesh({"dp": gpus}, device=hw)
     precision = get_precision("bf16-mixed", mesh.hardware)
     if (device, name) in PURE:  # gradients reduced in bf16
@@ -149,7 +183,9 @@ def price(row, graph_cache: dict, kernel: str = "run") -> dict:
     state = {"params": precision.param_bytes * shard, "grads": precision.grad_bytes * shard,
              "optimizer": precision.optimizer_bytes * shard}
     opt = optimizer_time(state, mesh.hardware)
-    step = planned.cost.step_time - opt * (1.0 - 1.0 / ACCUM[(device, name)])
+    grad_work = (fsdp1_grad_seconds(params, layers, "bf16" if (device, name) in PURE else "fp32", mesh.hardware)
+                 if grad_work else 0.0)
+    step = planned.cost.step_time - opt * (1.0 - 1.0 / ACCUM[(device, name)]) + grad_work
     tok_gpu = mb * SEQ / step
     parts = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
     for n in plan.nodes:  # every op instance, at its chosen strategy's priced seconds
@@ -159,11 +195,10 @@ def price(row, graph_cache: dict, kernel: str = "run") -> dict:
         parts[kind] += n["compute"]
     fpt = foundry_flops_per_token(params, layers, width)
     collectives = collective_seconds(plan, mesh)
-    hidden = max(0.0, collectives - planned.cost.exposed_param_comm)
-    overlap = hidden * (1.0 - 1.0 / (1.0 + OVERLAP_SLOWDOWN))
     return {"tok_gpu": tok_gpu, "mfu": fpt * tok_gpu / PEAK[device], "step": step,
-            "collectives": collectives, "hidden": hidden, "tok_gpu_overlap": mb * SEQ / (step + overlap),
-            "compute": planned.cost.compute_time, "exposed": planned.cost.comm_time,
+            "collectives": collectives, "contention": planned.cost.contention, "grad_work": grad_work,
+            "overlap_slowdown": mesh.hardware.overlap_slowdown,
+            "compute": planned.cost.compute_time, "exposed": planned.cost.comm_time - planned.cost.contention,
             "plan_mfu": getattr(plan, "mfu", float("nan")), "fits": plan.fits, "params": params, "parts": parts,
             "capture_s": t_capture, "plan_s": time.perf_counter() - t0 - t_capture}
 
@@ -171,14 +206,14 @@ def price(row, graph_cache: dict, kernel: str = "run") -> dict:
 def markdown(results) -> None:
     """The per-row table of docs/benchmarks.md (times in ms per micro-batch step)."""
     _say("| device | model | GPUs | micro-batch | recompute | step | matmul / attention / other | exposed | "
-         "collectives | tokens/s/GPU | published | predicted/published |")
-    _say("|---|---|---|---|---|---|---|---|---|---|---|---|")
+         "collectives | slowed compute | FSDP1 gradient work | tokens/s/GPU | published | predicted/published |")
+    _say("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row, r in sorted(results, key=lambda x: (x[0][0], SHAPES[x[0][1]][1])):
         device, name, gpus, mb, ckpt, _mfu, tok = row
         parts = " / ".join(f"{r['parts'][k] * 1e3:.1f}" for k in ("matmul", "attention", "other"))
         _say(f"| {device.upper()} | {name.upper()} | {gpus} | {mb} | {'yes' if ckpt else 'no'} | {r['step'] * 1e3:.1f} | "
-             f"{parts} | {r['exposed'] * 1e3:.1f} | {r['collectives'] * 1e3:.1f} | {r['tok_gpu']:,.0f} | {tok:,} | "
-             f"{r['tok_gpu'] / tok:.3f} |")
+             f"{parts} | {r['exposed'] * 1e3:.1f} | {r['collectives'] * 1e3:.1f} | {r['contention'] * 1e3:.1f} | "
+             f"{r['grad_work'] * 1e3:.1f} | {r['tok_gpu']:,.0f} | {tok:,} | {r['tok_gpu'] / tok:.3f} |")
 
 
 def main(argv=None) -> int:
@@ -188,6 +223,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", choices=("run", "preset"), default="run",
                     help="attention at the runs' kernel (default) or at the preset's (torch's SDPA)")
     ap.add_argument("--markdown", action="store_true", help="also print the per-row table as markdown")
+    ap.add_argument("--overlap-slowdown", type=float, default=None,
+                    help="price with this overlap_slowdown instead of the preset's (0: hidden collectives free)")
+    ap.add_argument("--no-grad-work", action="store_true",
+                    help="leave out FSDP1's gradient cast and pre-division (the runs' runtime)")
     args = ap.parse_args(argv)
     import torch
 
@@ -198,7 +237,8 @@ def main(argv=None) -> int:
     cache: dict = {}
     results = []
     for row in rows:
-        r = price(row, cache, kernel=args.kernel)
+        r = price(row, cache, kernel=args.kernel, overlap_slowdown=args.overlap_slowdown,
+                  grad_work=not args.no_grad_work)
         results.append((row, r))
         _say(f"[{row[0]} {row[1]} x{row[2]}] predicted {r['tok_gpu']:.0f} tokens/s/GPU (published {row[6]}), "
              f"ratio {r['tok_gpu'] / row[6]:.3f}; capture {r['capture_s']:.0f} s, plan {r['plan_s']:.0f} s")
@@ -206,12 +246,10 @@ def main(argv=None) -> int:
     _say(f"{'device':<6} {'model':<5} {'GPUs':>4} {'mb':>3} {'ckpt':>5} {'step ms':>8} {'compute':>8} {'exposed':>8} "
          f"{'tok/s/GPU':>10} {'published':>10} {'MFU':>6} {'pub MFU':>8} {'plan.mfu':>8} {'pred/pub':>8}")
     by_dev: dict[str, list[float]] = {}
-    by_dev_overlap: dict[str, list[float]] = {}
     for row, r in sorted(results, key=lambda x: (x[0][0], SHAPES[x[0][1]][1])):
         device, name, gpus, mb, ckpt, mfu, tok = row
         ratio = r["tok_gpu"] / tok
         by_dev.setdefault(device, []).append(ratio)
-        by_dev_overlap.setdefault(device, []).append(r["tok_gpu_overlap"] / tok)
         _say(f"{device:<6} {name:<5} {gpus:>4} {mb:>3} {'yes' if ckpt else 'no':>5} {r['step'] * 1e3:>8.1f} "
              f"{r['compute'] * 1e3:>8.1f} {r['exposed'] * 1e3:>8.1f} {r['tok_gpu']:>10.0f} {tok:>10} "
              f"{100 * r['mfu']:>6.1f} {mfu:>8.2f} {100 * r['plan_mfu']:>8.1f} {ratio:>8.3f}"
@@ -222,21 +260,18 @@ def main(argv=None) -> int:
         p = r["parts"]
         _say(f"{row[0]:<6} {row[1]:<5} " + " / ".join(f"{p[k] * 1e3:.1f}" for k in ("matmul", "attention", "other")))
     _say("")
-    _say("collectives (ms per step at autopar's ring prices; hidden = not exposed) and, NOT autopar's price, the "
-         f"ratio with compute under them {100 * OVERLAP_SLOWDOWN:.1f}% slower (arXiv:2507.03114):")
+    _say("collectives (ms per step at autopar's ring prices), the compute they slow (in the price: the preset's "
+         "overlap_slowdown x hidden traffic) and FSDP1's gradient cast and pre-division (the runs' runtime):")
     for row, r in sorted(results, key=lambda x: (x[0][0], SHAPES[x[0][1]][1])):
-        _say(f"{row[0]:<6} {row[1]:<5} collectives {r['collectives'] * 1e3:8.1f}  hidden {r['hidden'] * 1e3:8.1f}  "
-             f"pred/pub with overlap slowdown {r['tok_gpu_overlap'] / row[6]:.3f}")
+        _say(f"{row[0]:<6} {row[1]:<5} collectives {r['collectives'] * 1e3:8.1f}  slowed compute "
+             f"{r['contention'] * 1e3:7.1f} (s = {r['overlap_slowdown']:.3f})  FSDP1 gradient work {r['grad_work'] * 1e3:6.1f}")
     if args.markdown:
         _say("")
         markdown(results)
     for device, ratios in by_dev.items():
         geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
-        over = by_dev_overlap[device]
-        geo_o = math.exp(sum(math.log(x) for x in over) / len(over))
         _say(f"{device}: geomean predicted/published {geo:.3f} over {len(ratios)} rows, "
-             f"range {min(ratios):.3f}-{max(ratios):.3f} (with the overlap slowdown, not autopar's price: "
-             f"{geo_o:.3f}, {min(over):.3f}-{max(over):.3f})")
+             f"range {min(ratios):.3f}-{max(ratios):.3f}")
     return 0
 
 
