@@ -26,7 +26,7 @@ Objective (picoseconds): sum_n mult_n (compute_n + comm_n)(x) + sum_{t not overl
 + sum_g mult_g ((1 - s) exposed[g] + s sum_{t in g} cost_t), s the overlap slowdown (compute lost
 beside a hidden collective; ``_exposed`` writes the row scaled by 1 - s) — exactly
 ``problem.evaluate`` linearised. Ties (hidden communication
-costs nothing) are broken lexicographically by a second solve that keeps the step time at the
+costs nothing where s is 0, as on cpu) are broken lexicographically by a second solve that keeps the step time at the
 first solve's value and minimises hidden traffic plus memory, so among equally fast plans the one
 that moves and holds less wins. The secondary objective's units: hidden traffic in whole microseconds
 (``_edge_vars``) plus memory in whole MB (10^6 bytes, ``formulate``), coarse on purpose: the
