@@ -17,6 +17,9 @@ Profile files: version 1 had no ``nics_per_node``; a profile that gives ``device
 ``nics_per_node`` (every version 1 file) loads with one NIC per device, as version 1 priced it.
 Version 3 replaced ``matmul_efficiency``/``memory_efficiency`` (two constants) by ``efficiency``; a
 file with the two constants loads with them as a flat ``Efficiency`` (priced as it was).
+``overlap_slowdown`` (compute throughput lost beside a hidden collective) may be left out: a
+description without it has 0 (as everything written before it priced), a profile with a ``base``
+keeps the base preset's; ``autopar calibrate`` does not measure it (the cpu preset's 0 stays).
 """
 
 from __future__ import annotations
