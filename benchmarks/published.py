@@ -7,16 +7,22 @@ interconnect (RoCE)"): model, GPUs, micro-batch per GPU, activation checkpointin
 tokens/s per GPU. Nothing here is fitted to them: the efficiencies come from the presets'
 kernel-level sources (``autopar/cost_model/hardware.py``); the rows are a check.
 
-Each row is autopar's GPT at the MPT shape (vocabulary 50368, no biases; MPT's ALiBi is a learned
-position embedding here: 2048 x width parameters), global batch = micro-batch x GPUs sequences of
-2048, mesh ``{"dp": GPUs}`` of the preset (8 GPUs and 8 NICs per node), ``recipe="fsdp"`` (FSDP's
-full sharding), bf16-mixed AdamW, and ``checkpointing="full"`` where the run recomputed. One
-micro-batch per step (the runs accumulate 1-21 of them; the optimizer step, priced once per
-micro-batch here, is ~1% of a step). Predicted MFU uses llm-foundry's own formula on the predicted
-throughput: (6 N + 12 L d s) x tokens/s / peak, N the parameters, so predicted/published is the
-same ratio for MFU and throughput.
+Each row is autopar's GPT at the MPT shape of those runs (vocabulary 50368, biases, learned
+positions: the parameter count equals the table's NumParams), global batch = micro-batch x GPUs
+sequences of 2048, mesh ``{"dp": GPUs}`` of the preset (8 GPUs and 8 NICs per node),
+``recipe="fsdp"`` (FSDP's full sharding), bf16-mixed AdamW (Composer's ``DEFAULT`` FSDP mixed
+precision: bf16 gathers, fp32 gradient reduction; the ``PURE`` row reduces in bf16), and
+``checkpointing="full"`` where the run recomputed. Attention is priced with the kernel those runs
+used (``FA1_OF_FA2``), and the price includes the preset's ``overlap_slowdown`` (compute slowed by
+the collectives hidden under it: autopar's own cost model) and, as the runs' runtime did it, FSDP1's
+gradient cast and pre-division (``FSDP1_GRAD_BYTES``). The runs accumulate ``GradAccum`` micro-batches per optimizer step, with
+FSDP gathering and reducing every micro-batch: autopar prices one micro-batch step, whose price
+holds one optimizer step; ``price`` keeps 1/GradAccum of it. Predicted MFU uses llm-foundry's own
+formula on the predicted throughput: (6 N + 12 L d s) x tokens/s / peak, N the parameters, so
+predicted/published is the same ratio for MFU and throughput.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/published.py [--only 7b 13b] [--device h100]
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/published.py [--only 7b 13b] [--device h100] [--markdown]
+        [--kernel preset] [--overlap-slowdown 0] [--no-grad-work]
 
 Capturing the 30B and 70B models takes a minute or more each on a loaded 2-core machine.
 """
@@ -49,6 +55,59 @@ ROWS = [
     ("a100", "70b", 64, 8, True, 53.33, 410),
 ]
 PEAK = {"h100": 989e12, "a100": 312e12}
+#: GradAccum of each row (the same tables): micro-batches per optimizer step
+ACCUM = {("h100", "1b"): 1, ("h100", "3b"): 3, ("h100", "7b"): 1, ("h100", "13b"): 1, ("h100", "30b"): 21,
+         ("h100", "70b"): 4, ("a100", "1b"): 4, ("a100", "3b"): 2, ("a100", "7b"): 2, ("a100", "13b"): 3,
+         ("a100", "30b"): 21, ("a100", "70b"): 4}
+#: rows whose FSDP mixed precision was PURE (gradients reduced in bf16); every other row ran Composer's
+#: DEFAULT (bf16 gathers, fp32 gradient reduction: autopar's "bf16-mixed"; Composer's
+#: get_mixed_precision in composer/trainer/mosaic_fsdp_utils.py of the time)
+PURE = {("a100", "70b")}
+#: The runs' attention kernel. llm-foundry's benchmark launcher (scripts/train/benchmarking/
+#: submit_benchmarks.py at b2a43a1, the commit that published these tables) defaults ``--attn_impl``
+#: to ``triton`` and sweep.sh does not override it: Tri Dao's FlashAttention in Triton
+#: (llmfoundry/models/layers/flash_attn_triton.py on triton-pre-mlir, a pre-MLIR Triton patched to run
+#: on sm90 but without Hopper instructions). Its header says forward + backward is "slightly slower"
+#: than the CUDA FlashAttention of the time (FlashAttention-1; llm-foundry's TUTORIAL.md: "triton is
+#: slightly faster than flash", flash = flash-attn 1.0.9). The presets price torch's SDPA, i.e.
+#: FlashAttention-2, "around 2x" FlashAttention-1 (T. Dao, arXiv:2307.08691, abstract, which also puts
+#: FlashAttention-1 at "25-40% of the theoretical maximum FLOPs/s" on A100). So the rows are priced
+#: with the preset's attention curves at half their height: a kernel-level figure, not a fit.
+FA1_OF_FA2 = 0.5
+#: The runs' runtime: torch's FSDP1 (``FULL_SHARD``), per micro-batch and per FSDP unit, in
+#: torch/distributed/fsdp/_runtime_utils.py: ``_post_backward_hook`` casts the unsharded gradient
+#: (``flat_param.grad``, in the bf16 parameter dtype) to the reduce dtype when they differ
+#: (``flat_param.grad.to(handle._reduce_dtype)``: read 2, write 4 bytes per parameter; Composer's
+#: DEFAULT reduces in fp32, PURE in bf16: no cast), then ``_reduce_grad`` divides it in place by
+#: ``_gradient_predivide_factor`` before ``reduce_scatter_tensor`` (``_div_if_needed``; the factor,
+#: ``DefaultState._get_gradient_predivide_factor`` in torch/distributed/algorithms/_comm_hooks/
+#: default_hooks.py, is 4 on 8 GPUs and 8 on 64: > 1 on every row; read and write 4 bytes per
+#: parameter in fp32, 2 in bf16). Read here in torch 2.13's source; the same two steps are in the
+#: FSDP1 of the runs' time (``_reduce_grad``'s default path is unchanged since it was split out of
+#: the hook). Bytes per parameter of the unsharded gradient on every GPU, per micro-batch:
+#: (cast, divide). autopar's own runtime does neither (it reduces what autograd produced), so this
+#: is priced here, as the runs' runtime, not in the presets: memory-bound kernels at the preset's
+#: memory curve, one per layer (an FSDP unit), after the compute (they run on FSDP's post-backward
+#: stream beside the backward; priced as not hidden).
+FSDP1_GRAD_BYTES = {"fp32": (2 + 4, 4 + 4), "bf16": (0, 2 + 2)}
+
+
+def run_hardware(device: str, kernel: str = "run", overlap_slowdown=None):
+    """The preset of ``device``, with the attention kernel those runs used (``FA1_OF_FA2``) unless
+    ``kernel`` is ``"preset"``, and ``overlap_slowdown`` in place of the preset's when given (0: the
+    price before that term, for comparison)."""
+    import dataclasses
+
+    from autopar.cost_model.hardware import PRESETS
+
+    hw = PRESETS[device]
+    if kernel == "run":
+        e = hw.efficiency
+        hw = dataclasses.replace(hw, efficiency=dataclasses.replace(
+            e, attn_fwd=e.attn_fwd * FA1_OF_FA2, attn_bwd=e.attn_bwd * FA1_OF_FA2))
+    if overlap_slowdown is not None:
+        hw = dataclasses.replace(hw, overlap_slowdown=overlap_slowdown)
+    return hw
 
 
 def _say(msg: str) -> None:
@@ -60,9 +119,40 @@ def foundry_flops_per_token(params: int, layers: int, width: int) -> float:
     return 6.0 * params + 12.0 * layers * width * SEQ
 
 
-def price(row, graph_cache: dict) -> dict:
-    """Plan one row (FSDP recipe, pinned recomputation) and return its predicted throughput."""
+def fsdp1_grad_seconds(params: int, layers: int, reduce: str, hw) -> float:
+    """Seconds per micro-batch of FSDP1's gradient cast and pre-division (``FSDP1_GRAD_BYTES``) on
+    one GPU: two memory-bound kernels per layer over its unsharded gradient, at the memory curve."""
+    from autopar.cost_model import efficiency as eff
+
+    per_layer = params / layers
+    total = 0.0
+    for per_param in FSDP1_GRAD_BYTES[reduce]:
+        if per_param:
+            nbytes = per_param * per_layer
+            total += layers * nbytes / (hw.hbm_bandwidth * eff.memory(hw.efficiency, nbytes))
+    return total
+
+
+def collective_seconds(plan, mesh) -> float:
+    """Seconds of every collective the plan issues in one step, at autopar's ring prices."""
+    from autopar.cost_model.comm import collective_time
+
+    size = dict(zip(mesh.names, mesh.shape))
+    link = dict(zip(mesh.names, mesh.links))
+    return sum(c["count"] * collective_time(c["kind"], c["bytes"], size[c["axis"]], link[c["axis"]])
+               for c in plan.collectives if c["axis"] in size)
+
+
+def price(row, graph_cache: dict, kernel: str = "run", overlap_slowdown=None, grad_work: bool = True) -> dict:
+    """Plan one row (FSDP recipe, pinned recomputation) and return its predicted throughput;
+    ``kernel="run"`` prices attention with the runs' kernel, ``"preset"`` with the preset's;
+    ``overlap_slowdown`` replaces the preset's; ``grad_work`` adds FSDP1's gradient cast and
+    pre-division (``FSDP1_GRAD_BYTES``)."""
+    import dataclasses
+
     import autopar
+    from autopar.cost_model.compute import optimizer_time
+    from autopar.cost_model.precision import get_precision
     from autopar.ir.capture import capture
     from autopar.models import make, num_params
     from autopar.passes.pipeline import run_passes
@@ -74,16 +164,28 @@ def price(row, graph_cache: dict) -> dict:
     t0 = time.perf_counter()
     if key not in graph_cache:
         model, inputs = make("gpt", size="tiny", batch=gpus * mb, seq=SEQ, device="meta", vocab_size=VOCAB,
-                             block_size=SEQ, n_layer=layers, n_embd=width, n_head=heads, bias=False)
+                             block_size=SEQ, n_layer=layers, n_embd=width, n_head=heads, bias=True)
         graph_cache.clear()  # one graph at a time: the large ones are big
         graph_cache[key] = (model, inputs, capture(model, tuple(inputs)), num_params(model))
     model, inputs, graph, params = graph_cache[key]
     t_capture = time.perf_counter() - t0
-    mesh = autopar.Mesh({"dp": gpus}, device=device)
+    hw = run_hardware(device, kernel, overlap_slowdown)
+    mesh = autopar.Mesh({"dp": gpus}, device=hw)
+    precision = get_precision("bf16-mixed", mesh.hardware)
+    if (device, name) in PURE:  # gradients reduced in bf16
+        precision = dataclasses.replace(precision, grad_bytes=2)
     planned = run_passes(model, mesh, inputs, recipe="fsdp", graph=graph, progress=False,
-                         checkpointing="full" if ckpt else None)
+                         checkpointing="full" if ckpt else None, precision=precision)
     plan = build_plan(planned)
-    step = planned.cost.step_time
+    # the price holds one AdamW step over this device's shard (compute.optimizer_time: 28 B per
+    # element for bf16-mixed, at the memory curve); the run takes it once every ACCUM micro-batches
+    shard = params / gpus
+    state = {"params": precision.param_bytes * shard, "grads": precision.grad_bytes * shard,
+             "optimizer": precision.optimizer_bytes * shard}
+    opt = optimizer_time(state, mesh.hardware)
+    grad_work = (fsdp1_grad_seconds(params, layers, "bf16" if (device, name) in PURE else "fp32", mesh.hardware)
+                 if grad_work else 0.0)
+    step = planned.cost.step_time - opt * (1.0 - 1.0 / ACCUM[(device, name)]) + grad_work
     tok_gpu = mb * SEQ / step
     parts = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
     for n in plan.nodes:  # every op instance, at its chosen strategy's priced seconds
@@ -92,16 +194,39 @@ def price(row, graph_cache: dict) -> dict:
                 "attention" if "scaled_dot_product" in op else "other")
         parts[kind] += n["compute"]
     fpt = foundry_flops_per_token(params, layers, width)
+    collectives = collective_seconds(plan, mesh)
     return {"tok_gpu": tok_gpu, "mfu": fpt * tok_gpu / PEAK[device], "step": step,
-            "compute": planned.cost.compute_time, "exposed": planned.cost.comm_time,
+            "collectives": collectives, "contention": planned.cost.contention, "grad_work": grad_work,
+            "overlap_slowdown": mesh.hardware.overlap_slowdown,
+            "compute": planned.cost.compute_time, "exposed": planned.cost.comm_time - planned.cost.contention,
             "plan_mfu": getattr(plan, "mfu", float("nan")), "fits": plan.fits, "params": params, "parts": parts,
             "capture_s": t_capture, "plan_s": time.perf_counter() - t0 - t_capture}
+
+
+def markdown(results) -> None:
+    """The per-row table of docs/benchmarks.md (times in ms per micro-batch step)."""
+    _say("| device | model | GPUs | micro-batch | recompute | step | matmul / attention / other | exposed | "
+         "collectives | slowed compute | FSDP1 gradient work | tokens/s/GPU | published | predicted/published |")
+    _say("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row, r in sorted(results, key=lambda x: (x[0][0], SHAPES[x[0][1]][1])):
+        device, name, gpus, mb, ckpt, _mfu, tok = row
+        parts = " / ".join(f"{r['parts'][k] * 1e3:.1f}" for k in ("matmul", "attention", "other"))
+        _say(f"| {device.upper()} | {name.upper()} | {gpus} | {mb} | {'yes' if ckpt else 'no'} | {r['step'] * 1e3:.1f} | "
+             f"{parts} | {r['exposed'] * 1e3:.1f} | {r['collectives'] * 1e3:.1f} | {r['contention'] * 1e3:.1f} | "
+             f"{r['grad_work'] * 1e3:.1f} | {r['tok_gpu']:,.0f} | {tok:,} | {r['tok_gpu'] / tok:.3f} |")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="+", choices=sorted(SHAPES), help="price only these models")
     ap.add_argument("--device", nargs="+", choices=sorted(PEAK), help="price only these devices")
+    ap.add_argument("--kernel", choices=("run", "preset"), default="run",
+                    help="attention at the runs' kernel (default) or at the preset's (torch's SDPA)")
+    ap.add_argument("--markdown", action="store_true", help="also print the per-row table as markdown")
+    ap.add_argument("--overlap-slowdown", type=float, default=None,
+                    help="price with this overlap_slowdown instead of the preset's (0: hidden collectives free)")
+    ap.add_argument("--no-grad-work", action="store_true",
+                    help="leave out FSDP1's gradient cast and pre-division (the runs' runtime)")
     args = ap.parse_args(argv)
     import torch
 
@@ -112,7 +237,8 @@ def main(argv=None) -> int:
     cache: dict = {}
     results = []
     for row in rows:
-        r = price(row, cache)
+        r = price(row, cache, kernel=args.kernel, overlap_slowdown=args.overlap_slowdown,
+                  grad_work=not args.no_grad_work)
         results.append((row, r))
         _say(f"[{row[0]} {row[1]} x{row[2]}] predicted {r['tok_gpu']:.0f} tokens/s/GPU (published {row[6]}), "
              f"ratio {r['tok_gpu'] / row[6]:.3f}; capture {r['capture_s']:.0f} s, plan {r['plan_s']:.0f} s")
@@ -133,6 +259,15 @@ def main(argv=None) -> int:
     for row, r in sorted(results, key=lambda x: (x[0][0], SHAPES[x[0][1]][1])):
         p = r["parts"]
         _say(f"{row[0]:<6} {row[1]:<5} " + " / ".join(f"{p[k] * 1e3:.1f}" for k in ("matmul", "attention", "other")))
+    _say("")
+    _say("collectives (ms per step at autopar's ring prices), the compute they slow (in the price: the preset's "
+         "overlap_slowdown x hidden traffic) and FSDP1's gradient cast and pre-division (the runs' runtime):")
+    for row, r in sorted(results, key=lambda x: (x[0][0], SHAPES[x[0][1]][1])):
+        _say(f"{row[0]:<6} {row[1]:<5} collectives {r['collectives'] * 1e3:8.1f}  slowed compute "
+             f"{r['contention'] * 1e3:7.1f} (s = {r['overlap_slowdown']:.3f})  FSDP1 gradient work {r['grad_work'] * 1e3:6.1f}")
+    if args.markdown:
+        _say("")
+        markdown(results)
     for device, ratios in by_dev.items():
         geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
         _say(f"{device}: geomean predicted/published {geo:.3f} over {len(ratios)} rows, "

@@ -51,7 +51,7 @@ def test_pinned_pipeline_plan_says_what_it_chose(pinned):
 
 def test_pipeline_plan_round_trips_and_older_plans_load_without_pipeline(pinned, tmp_path):
     _, _, _, plan = pinned
-    assert plan.schema_version == 5
+    assert plan.schema_version == 6
     path = tmp_path / "p.json"
     plan.save(path)
     again = autopar.load_plan(path)
@@ -186,7 +186,9 @@ def test_segments_add_up_to_the_plans_compute_and_activation_communication():
     optimizer = sum(n.mult * n.comm[c] for n, c in zip(problem.nodes, planned.choice)
                     if planned.graph.node(n.name).is_placeholder)
     assert optimizer > 0
-    assert total == pytest.approx(cost.compute_time + cost.comm_time - cost.exposed_param_comm - optimizer, rel=1e-9)
+    # comm_time also holds the compute slowed by hidden collectives (``cost.contention``): not a segment time
+    assert total == pytest.approx(cost.compute_time + cost.comm_time - cost.exposed_param_comm - cost.contention
+                                  - optimizer, rel=1e-9)
     assert sum(p.optimizer for p in parts) >= optimizer * (1 - 1e-9)  # the tied weight's on both ends
     assert all(p.forward > 0 and p.input_grad >= 0 and p.weight_grad > 0 for p in segs.units)
     assert segs.post.input_grad > 0 and segs.pre.input_grad == 0  # the embedding's backward has no input gradient

@@ -174,7 +174,9 @@ def test_plan_reshardings_of_folded_layers_add_up_to_the_evaluator():
         # a parameter node's comm is its optimizer step (``build``), not a resharding
         optimizer = sum(n.mult * n.comm[c] for n, c in zip(problem.nodes, choice)
                         if planned.graph.node(n.name).is_placeholder)
-        assert activation == pytest.approx(cost.comm_time - cost.exposed_param_comm - optimizer, rel=1e-9, abs=1e-12)
+        # comm_time also holds the compute slowed by hidden collectives (``cost.contention``)
+        assert activation == pytest.approx(cost.comm_time - cost.exposed_param_comm - cost.contention - optimizer,
+                                           rel=1e-9, abs=1e-12)
         assert all(len(r["consumers"]) == len(set(r["consumers"])) and r["consumer"] == r["consumers"][0] for r in listed)
         keys = [(r["tensor"], r["to"], r["kind"]) for r in listed if r["kind"] == "activation"]
         assert len(keys) == len(set(keys))  # one entry per tensor and target placement

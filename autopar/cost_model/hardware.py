@@ -17,6 +17,9 @@ Profile files: version 1 had no ``nics_per_node``; a profile that gives ``device
 ``nics_per_node`` (every version 1 file) loads with one NIC per device, as version 1 priced it.
 Version 3 replaced ``matmul_efficiency``/``memory_efficiency`` (two constants) by ``efficiency``; a
 file with the two constants loads with them as a flat ``Efficiency`` (priced as it was).
+``overlap_slowdown`` (compute throughput lost beside a hidden collective) may be left out: a
+description without it has 0 (as everything written before it priced), a profile with a ``base``
+keeps the base preset's; ``autopar calibrate`` does not measure it (the cpu preset's 0 stays).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ PROFILE_META = ("autopar_profile", "base")
 PROFILE_VERSION = 3  # 2 adds nics_per_node; 3 replaces the two efficiency constants by ``efficiency``
 #: the constants schema version 4 plans and version 1-2 profiles carry instead of ``efficiency``
 LEGACY_EFFICIENCY = ("matmul_efficiency", "memory_efficiency")
+#: fields a hardware description may leave out, with the value it then has: plans of schema version
+#: 5 and older and profiles written before ``overlap_slowdown`` priced overlap as free
+OPTIONAL_FIELDS = {"overlap_slowdown": 0.0}
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,11 @@ class Hardware:
     launch_floor: float  # seconds per kernel
     flash_attention: bool  # price fused attention as flash attention (no materialised scores)
     default_precision: str  # "bf16-mixed" on GPU presets, "fp32" on cpu
+    #: fraction of compute throughput lost while a hidden collective runs beside it (its kernels
+    #: take SMs and memory bandwidth); priced as ``s * min(traffic, compute)`` per overlap group
+    #: (``autopar.passes.search.problem``). 0: overlap is free (plans of schema version 5 and older,
+    #: profiles without the field). See the presets for the sources.
+    overlap_slowdown: float = 0.0
 
     def __hash__(self) -> int:  # peak_flops is a dict: hash the JSON form instead
         return hash(json.dumps(self.to_dict(), sort_keys=True))
@@ -110,6 +121,7 @@ class Hardware:
             "launch_floor": float(self.launch_floor),
             "flash_attention": bool(self.flash_attention),
             "default_precision": self.default_precision,
+            "overlap_slowdown": float(self.overlap_slowdown),
         }
 
     @staticmethod
@@ -119,7 +131,7 @@ class Hardware:
         version 4 and older, profiles of version 1-2) gets them as a flat ``Efficiency``."""
         d = legacy_efficiency(d)
         names = [f.name for f in dataclasses.fields(Hardware)]
-        missing = [n for n in names if n not in d]
+        missing = [n for n in names if n not in d and n not in OPTIONAL_FIELDS]
         unknown = [k for k in d if k not in names]
         if missing or unknown:
             raise ValueError(
@@ -142,6 +154,7 @@ class Hardware:
             launch_floor=float(d["launch_floor"]),
             flash_attention=bool(d["flash_attention"]),
             default_precision=str(d["default_precision"]),
+            overlap_slowdown=float(d.get("overlap_slowdown", OPTIONAL_FIELDS["overlap_slowdown"])),
         )
         hw.validate()
         return hw
@@ -156,6 +169,9 @@ class Hardware:
                 raise ValueError(f"{self.name}: {f} must be positive, got {getattr(self, f)!r}")
         if self.launch_floor < 0:
             raise ValueError(f"{self.name}: launch_floor must be >= 0, got {self.launch_floor!r}")
+        if not 0.0 <= self.overlap_slowdown < 1.0:
+            raise ValueError(f"{self.name}: overlap_slowdown (fraction of compute throughput lost beside a "
+                             f"collective) must be in [0, 1), got {self.overlap_slowdown!r}")
 
 
 def legacy_efficiency(d: dict) -> dict:
@@ -185,7 +201,15 @@ _H100_FLOPS = {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float64
 # and the flash attention torch's SDPA runs (FlashAttention-2).
 # - mm_max: the Maximum Achievable Matmul FLOPS table (S. Bekman, "Machine Learning Engineering",
 #   github.com/stas00/ml-engineering, compute/accelerator/README.md, BF16, CUDA 12.1): H100 SXM 792.1
-#   of 989 TFLOP/s (80.1%), A100 SXM 267.9 of 312 (85.9%): the best shape of a scan of large ones.
+#   of 989 TFLOP/s (80.1%), A100 SXM 267.9 of 312 (85.9%): the best shape of a scan of large ones,
+#   and the fastest of 100 timed iterations (compute/accelerator/benchmarks/README.md), not their
+#   mean. A training step runs matmuls back to back on random-looking data, where the power limit
+#   sets the clock: on A100, cuBLAS at 8192^3 through PyTorch runs at 257 TFLOP/s on torch.randn
+#   inputs against 295 on zeros (H. He, "Strangely, Matrix Multiplications on GPUs Run Faster When
+#   Given 'Predictable' Data", thonking.ai, 2024). A100's mm_max is set so the curve gives that 257
+#   (82.4%) at 8192^3: 0.84 (was 0.86, the scan's best). H100 keeps 0.80: the curve gives 753, 767
+#   and 778 TFLOP/s at 6144^3, 8192^3 and 12288^3, against cuBLAS (CUDA 12.6) at 741, 798 and 823
+#   on normal-distributed inputs (github.com/pranjalssh/fast.cu, README.md and logs.txt, kernel 0).
 # - mm_half_mn: a quarter of one wave of output tiles (SMs x tile area: H100 132 x 128x256, A100 108
 #   x 128x128): too few tiles leave SMs idle (wave quantization; Anthony et al., "The Case for
 #   Co-Designing Model Architectures with Hardware", arXiv:2401.14489, GEMM figures); mm_half_k: a
@@ -203,7 +227,7 @@ _H100_FLOPS = {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float64
 _H100_EFF = Efficiency(mm_max=0.80, mm_half_mn=0.25 * 132 * 128 * 256, mm_half_k=128.0, attn_fwd=0.37,
                        attn_bwd=0.32, attn_half_seq=256.0, attn_half_head_dim=32.0, mem_max=0.85,
                        mem_half_bytes=float(1 << 20))
-_A100_EFF = Efficiency(mm_max=0.86, mm_half_mn=0.25 * 108 * 128 * 128, mm_half_k=128.0, attn_fwd=0.73,
+_A100_EFF = Efficiency(mm_max=0.84, mm_half_mn=0.25 * 108 * 128 * 128, mm_half_k=128.0, attn_fwd=0.73,
                        attn_bwd=0.60, attn_half_seq=256.0, attn_half_head_dim=32.0, mem_max=0.85,
                        mem_half_bytes=float(1 << 20))
 # cpu: a guess (run `autopar calibrate`, which fits these on the machine): one core's BLAS reaches
@@ -212,6 +236,24 @@ _A100_EFF = Efficiency(mm_max=0.86, mm_half_mn=0.25 * 108 * 128 * 128, mm_half_k
 # K ~0); torch's CPU attention ran at about the matmul rate forward and a third of it backward, with
 # little dependence on the sequence, and pads no head dim (flat: half-constants 0); copies ~80% of
 # the bandwidth.
+# Overlap slowdown (``overlap_slowdown``): compute running beside a collective loses SMs (NCCL's
+# kernels hold one thread block per channel for the collective's whole duration) and HBM bandwidth.
+# - S. Lee et al., "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+#   Learning: Performance and Power Implications", arXiv:2507.03114 (2025), abstract: training GPT-
+#   and LLaMA-style models on 4 GPUs each of A100, H100, MI250 and MI210, compute kernels that overlap
+#   communication run on average 18.9% longer (at most 40%) than with no communication beside them.
+#   18.9% longer is 1/1.189 of the rate: 0.159 of the throughput lost. The figure is an average over
+#   the four GPUs (the abstract gives no per-GPU split), so the H100 and A100 presets take the same
+#   value; it is a whole run's compute against compute alone, so if not all of the compute had a
+#   collective beside it, the loss while one runs is larger: 0.159 is the low reading.
+# - A kernel-level check on H100 (NVIDIA developer forum, "Compute-Communication Overlap Causes
+#   Severe GEMM Performance Degradation because of Tail Effect"): a GEMM of exactly 132 tiles
+#   (one wave on 132 SMs) beside an ncclAllGather of 24 blocks drops from ~80% to ~47% MFU (time
+#   ~1.7x) because the blocks the collective holds push tiles into a second wave; 24 of 132 SMs is
+#   0.18 of the machine, the loss a many-wave GEMM (no tail) would see. The 0.159 sits at this
+#   SM-share figure, far below the single-wave worst case.
+# cpu: 0 (not measured; gloo's collectives run on their own threads; ``autopar calibrate`` leaves it).
+_OVERLAP_SLOWDOWN_GPU = 1.0 - 1.0 / 1.189
 _CPU_EFF = Efficiency(mm_max=0.7, mm_half_mn=64.0, mm_half_k=8.0, attn_fwd=0.7, attn_bwd=0.3,
                       attn_half_seq=0.0, attn_half_head_dim=0.0, mem_max=0.8, mem_half_bytes=4096.0)
 
@@ -229,6 +271,7 @@ PRESETS: dict[str, Hardware] = {
         launch_floor=5e-6,
         flash_attention=True,
         default_precision="bf16-mixed",
+        overlap_slowdown=_OVERLAP_SLOWDOWN_GPU,
     ),
     # H200 SXM: the H100's compute and NVLink; 141 GB of HBM3e at 4.8 TB/s.
     "h200": Hardware(
@@ -244,6 +287,7 @@ PRESETS: dict[str, Hardware] = {
         launch_floor=5e-6,
         flash_attention=True,
         default_precision="bf16-mixed",
+        overlap_slowdown=_OVERLAP_SLOWDOWN_GPU,
     ),
     # A100 80GB SXM: 312 TFLOP/s dense bf16/fp16; fp32 19.5 (non-tensor-core, as for the H100);
     # fp64 19.5 (tensor core). HBM2e 2039 GB/s. NVLink 3: 600 GB/s bidirectional -> 300 GB/s one
@@ -261,6 +305,7 @@ PRESETS: dict[str, Hardware] = {
         launch_floor=5e-6,
         flash_attention=True,
         default_precision="bf16-mixed",
+        overlap_slowdown=_OVERLAP_SLOWDOWN_GPU,
     ),
     # A modest guess for local CPU processes talking over gloo (run `calibrate` for real figures):
     # one process at ~50 GFLOP/s fp32, ~10 GB/s memory bandwidth, gloo over loopback TCP at ~50 us

@@ -96,7 +96,7 @@ class PipelinePrice:
 
 
 def price_pipeline(stages: Sequence[Segment], schedule: str, pp: int, microbatches: int, virtual: int,
-                   p2p: float, boundary_bytes: float) -> PipelinePrice:
+                   p2p: float, boundary_bytes: float, overlap_slowdown: float = 0.0) -> PipelinePrice:
     """Price ``stages`` (``pp * virtual`` virtual stages, in pipeline order) under ``schedule`` with
     ``microbatches``; ``p2p`` is one boundary transfer's seconds, ``boundary_bytes`` its size (the
     receive buffers). See the module docstring. Raises ``ValueError`` for a shape torch refuses."""
@@ -113,7 +113,8 @@ def price_pipeline(stages: Sequence[Segment], schedule: str, pp: int, microbatch
         gathers = sum(stages[s].gathers for s in mine)
         reductions = sum(stages[s].reductions for s in mine)
         optimizer = sum(stages[s].optimizer for s in mine)
-        sync = max(sync, max(0.0, gathers - fwd) + max(0.0, reductions - bwd) + optimizer)
+        sync = max(sync, max(0.0, gathers - fwd) + max(0.0, reductions - bwd) + optimizer  # hidden traffic slows
+                   + overlap_slowdown * (min(gathers, fwd) + min(reductions, bwd)))  # compute (search/problem.py)
         kind = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
         for s in mine:
             st = stages[s]

@@ -248,7 +248,7 @@ def _solve(merged: Merged, problem: Problem, choices: dict[str, list[int]], mesh
     starts = sorted(pool, key=lambda n: (evaluate(problem, choices[n]).step_time, n))
     start = choices[starts[0]] if starts else greedy(problem)
     target = merged.problem if budget else Problem(merged.problem.nodes, merged.problem.edges, merged.problem.groups,
-                                                   math.inf)
+                                                   math.inf, merged.problem.overlap_slowdown)
     warm_start = [start[i] for i in merged.keep]
     try:
         if edge_var_count(target) <= FULL_ILP_LIMIT or mesh.ndim == 1:

@@ -21,7 +21,8 @@ from autopar.ir.recompute import recomputed_ops
 from autopar.ir.views import param_views
 from autopar.passes.search.checkpoint import checkpointed_paths, group_figures
 from autopar.passes.search.kept import kept_figures, kept_reads
-from autopar.passes.search.problem import MEMORY_KINDS, edge_cost, incident_transfers, local_cost, transfer_cost
+from autopar.passes.search.problem import (MEMORY_KINDS, edge_cost, incident_transfers, local_cost, overlap_terms,
+                                           transfer_cost)
 from autopar.passes.search.strategies import input_placement, output_placement
 
 if TYPE_CHECKING:
@@ -266,9 +267,8 @@ class _Repricer:
             self.comm += c * e.mult
 
     def _times(self) -> tuple[float, float, float]:
-        exposed = sum(g.mult * max(0.0, self.group_comm[k] - self.group_compute[k])
-                      for k, g in enumerate(self.prob.groups))
-        return self.compute + self.comm + exposed, self.compute, self.comm + exposed
+        exposed, contention = overlap_terms(self.prob, self.group_comm, self.group_compute)
+        return self.compute + self.comm + exposed + contention, self.compute, self.comm + exposed + contention
 
     def with_strategy(self, i: int, s: int) -> tuple[float, float, float]:
         """``(step time, compute time, communication time)`` with node ``i`` running ``s``."""

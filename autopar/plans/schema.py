@@ -35,8 +35,12 @@ FLOP/s of the compute dtype)), ``tokens_per_step`` and ``tokens_per_second_per_d
 known), its two constants as a flat efficiency, and its layer groups as they were. Version 5 also
 adds ``pipeline`` (None, or what a pipelined plan chose: the ``pp`` axis and the whole mesh's axes, the schedule,
 micro-batches, virtual stages, module paths per stage, the replayed bubble and per-rank figures;
-``autopar/passes/pipelined.py``); a version 1-4 file loads with ``pipeline`` None. Any other version is
-a PlanError naming it.
+``autopar/passes/pipelined.py``); a version 1-4 file loads with ``pipeline`` None. Version 6 adds
+``mesh.hardware.overlap_slowdown`` (a number in [0, 1): the fraction of compute throughput lost while
+a hidden parameter gather or gradient reduction runs beside it; the plan's ``comm_time`` and
+``step_time`` include that slowed compute, ``s * min(traffic, compute)`` per overlap group,
+``autopar.passes.search.problem``); a version 1-5 file loads with it at 0 (overlap priced as free, as
+it was). Any other version is a PlanError naming it.
 """
 
 from __future__ import annotations
@@ -53,9 +57,9 @@ from autopar.plans.bounds import check_values, read_json, shown
 from autopar.plans.validate import check_fields
 from autopar.validate import check_path
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 #: the versions ``load_plan`` reads (an older one loads with the newer fields defaulted or left out)
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 
 # -- entry shapes (what the planner writes; readers use .get() since hand-made plans may lack keys) --
@@ -265,7 +269,7 @@ class Plan:
         """Inverse of ``to_dict``; checked against the plan file's schema (``autopar.plans.validate``):
         a PlanError names a schema version it does not read, missing fields, or the first field (a
         JSON path) of a wrong type or out of range, with its value. A version 1 or 2 plan comes back
-        as version 5 (see the module's "Schema versions")."""
+        as version 6 (see the module's "Schema versions")."""
         if not isinstance(d, Mapping):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         if "schema_version" not in d:
@@ -277,6 +281,8 @@ class Plan:
                             f"with autopar.plan(...) (or use the autopar version that wrote it)")
         if version < 3:
             d = _nics_of_old_plan(d)
+        if version < 6:
+            d = _overlap_of_old_plan(d)
         plain = check_values(d)
         names = [f.name for f in fields(Plan) if f.name not in ("phases", "schema_version")]
         if version < 4:
@@ -445,6 +451,17 @@ def _nics_of_old_plan(d: Mapping) -> Mapping:
     if not isinstance(hw, Mapping) or "devices_per_node" not in hw or "nics_per_node" in hw:
         return d
     return {**d, "mesh": {**mesh, "hardware": {**hw, "nics_per_node": hw["devices_per_node"]}}}
+
+
+def _overlap_of_old_plan(d: Mapping) -> Mapping:
+    """A version 1-5 plan with ``mesh.hardware.overlap_slowdown`` 0 (those versions priced hidden
+    communication as free); ``d`` itself when it has no such place (the schema check then says
+    what is wrong) or already gives one."""
+    mesh = d.get("mesh")
+    hw = mesh.get("hardware") if isinstance(mesh, Mapping) else None
+    if not isinstance(hw, Mapping) or "overlap_slowdown" in hw:
+        return d
+    return {**d, "mesh": {**mesh, "hardware": {**hw, "overlap_slowdown": 0.0}}}
 
 
 def _links_of_old_plan(mesh: Mapping) -> dict:

@@ -157,6 +157,8 @@ class _Hardware(_Strict):
     launch_floor: Seconds
     flash_attention: bool
     default_precision: Literal[PRECISIONS]  # type: ignore[valid-type]
+    # schema version 6: fraction of compute throughput lost beside a hidden collective (older: 0)
+    overlap_slowdown: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = None
 
 
 AxisSize = Annotated[int, BeforeValidator(_whole), Field(ge=1, le=MAX_AXIS_SIZE)]

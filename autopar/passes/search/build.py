@@ -117,7 +117,7 @@ def build_problem(
     _apply_constraints(graph, nodes, index, folding, constraints or [])
     edges = _edges(graph, mesh, folding, nodes, index, precision)
     _loss_sink(graph, mesh, folding, nodes, index, precision)
-    return Problem(nodes, edges, groups, memory_budget)
+    return Problem(nodes, edges, groups, memory_budget, hw.overlap_slowdown)
 
 
 def _apply_constraints(graph, nodes, index, folding, constraints: list[Constraint]) -> None:

@@ -142,7 +142,7 @@ def with_checkpointing(problem: Problem, terms: list[GroupTerms], choice: Choice
             for k in ks:
                 e = problem.edges[k]
                 edges[k] = replace(e, cost=[[x * scale for x in row] for row in e.cost], targets=None)
-    return Problem(nodes, edges, problem.groups, problem.memory_budget)
+    return Problem(nodes, edges, problem.groups, problem.memory_budget, problem.overlap_slowdown)
 
 
 def check_pin(pin: Pin, where: str = "checkpointing") -> None:

@@ -232,7 +232,7 @@ def with_kept(problem: Problem, terms: Sequence[GroupKept], counts: Sequence[int
         act = list(pn.memory["activations"])
         act[choice[t.holder]] += t.bytes * k / pn.mult
         nodes[t.holder] = replace(pn, memory={**pn.memory, "activations": act})
-    return Problem(nodes, edges, problem.groups, problem.memory_budget)
+    return Problem(nodes, edges, problem.groups, problem.memory_budget, problem.overlap_slowdown)
 
 
 def choose(problem: Problem, terms: Sequence[GroupKept], choice: Sequence[int]) -> list[int]:

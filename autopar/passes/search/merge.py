@@ -89,7 +89,8 @@ def merge(problem: Problem, ops: dict[str, str]) -> Merged:
     keep = [i for i in range(len(nodes)) if alive[i]]
     new_index = {old: new for new, old in enumerate(keep)}
     kept_edges = [replace(e, src=new_index[e.src], dst=new_index[e.dst]) for e in edges]
-    merged = Problem([nodes[i] for i in keep], kept_edges, problem.groups, problem.memory_budget)
+    merged = Problem([nodes[i] for i in keep], kept_edges, problem.groups, problem.memory_budget,
+                     problem.overlap_slowdown)
     return Merged(merged, keep, follow)
 
 

@@ -14,8 +14,9 @@ placement shares the result (the collective is not repeated per consumer), so a 
 with p the producer's placement (``build.py`` says what one transfer spans: which producer
 instances, which phases). ``evaluate`` prices a choice (one strategy per node):
 
-    step    = compute + activation communication + sum over groups of exposed(g)
-    exposed(g) = mult(g) * max(0, param_comm(g) - compute(g))
+    step    = compute + activation communication + sum over groups of (exposed(g) + contention(g))
+    exposed(g)    = mult(g) * max(0, param_comm(g) - compute(g))
+    contention(g) = mult(g) * s * min(param_comm(g), compute(g))
 
 where activation communication is the sum of the non-overlappable transfers, and
 ``param_comm(g)`` is one instance of group g's parameter gathers and gradient reductions (the
@@ -23,6 +24,16 @@ overlappable transfers; each transfer belongs to one group, its edges' ``group``
 the same instance's compute in the same phase (gathers issued a layer ahead hide under forward
 compute, reductions under the backward as buckets fill). The ILP's objective is this function,
 linearised; recipes and searched plans are priced by it alike.
+
+``contention`` is the compute that hidden communication slows: a collective running beside the
+compute kernels takes SMs and memory bandwidth from them, so compute under it loses the fraction
+``s`` of its throughput (``Problem.overlap_slowdown``, the hardware's ``overlap_slowdown``). While
+``h`` seconds of collectives run under ``C`` seconds of compute (``h = min(param_comm, compute)``),
+the compute gets ``h (1 - s)`` seconds of work done in those ``h`` seconds and needs ``s h`` more to
+finish: exact when the traffic fits under the compute (``param_comm <= (1 - s) compute``); where
+the traffic exceeds the compute it charges ``s compute`` beyond the traffic, as if the collective
+were slowed alike (both share the SMs and HBM), an upper bound. Linear in ``param_comm`` and
+``exposed``: ``exposed + contention = (1 - s) exposed + s param_comm`` (``solve._exposed``).
 """
 
 from __future__ import annotations
@@ -112,6 +123,8 @@ class Problem:
     edges: list[PEdge]
     groups: list[Group]
     memory_budget: float
+    #: fraction of compute throughput lost while a hidden collective runs beside it (``Hardware.overlap_slowdown``)
+    overlap_slowdown: float = 0.0
     index: dict[str, int] = field(default_factory=dict)
     #: edge indices per transfer (edges of one ``share``, in edge order), in order of first edge
     transfers: list[list[int]] = field(default_factory=list)
@@ -150,6 +163,9 @@ class Cost:
     comm_time: float
     exposed_param_comm: float
     memory: dict[str, float]
+    #: seconds of compute slowed by the hidden collectives beside it (in ``comm_time``: what
+    #: communication costs the step beyond the kernels' own time; ``problem.overlap_terms``)
+    contention: float = 0.0
 
     @property
     def peak_memory(self) -> float:
@@ -228,5 +244,19 @@ def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:
             group_comm[e.group] += c * e.mult / problem.groups[e.group].mult
         else:
             comm += c * e.mult
-    exposed = sum(g.mult * max(0.0, group_comm[k] - group_compute[k]) for k, g in enumerate(problem.groups))
-    return Cost(compute + comm + exposed, compute, comm + exposed, exposed, memory)
+    exposed, contention = overlap_terms(problem, group_comm, group_compute)
+    return Cost(compute + comm + exposed + contention, compute, comm + exposed + contention, exposed, memory, contention)
+
+
+def overlap_terms(problem: Problem, group_comm: Sequence[float], group_compute: Sequence[float]) -> tuple[float, float]:
+    """``(exposed, contention)`` over every group: the parameter traffic its compute cannot hide,
+    and the compute slowed by the traffic it does hide (``s * min(traffic, compute)`` per
+    instance; see the module docstring), each times the group's multiplicity."""
+    s = problem.overlap_slowdown
+    exposed = contention = 0.0
+    for k, g in enumerate(problem.groups):
+        t, c = group_comm[k], group_compute[k]
+        exposed += g.mult * max(0.0, t - c)
+        if s:
+            contention += g.mult * s * min(t, c)
+    return exposed, contention

@@ -13,7 +13,8 @@ Variables and constraints, each family built in its own function below (``formul
                                                            z[t, p, Q] >= y[e, p, q]  for every e in t whose column q is Q
   (``y`` and ``z``, with their costs in the objective: ``_edge_vars``)
 - ``exposed[g]`` (int >= 0): the part of one instance of group g's parameter gathers and gradient
-  reductions that its compute cannot hide.                  exposed[g] >= sum_{t in g} cost_t - sum_{n in g} compute_n(x)
+  reductions that its compute cannot hide, times 1 - s (s: the overlap slowdown, 0 on cpu).
+                                                           exposed[g] >= (1 - s) (sum_{t in g} cost_t - sum_{n in g} compute_n(x))
                                                            -> ``_exposed``
 - memory (bytes per device):                               sum_n mult_n * mem_n(x) <= budget   -> ``_memory``
 
@@ -22,8 +23,10 @@ sum_{p, Q} cost_t[p, Q] z[t, p, Q] for a shared one (minimising pushes each z do
 its edges' transports, so every distinct target placement is paid exactly once).
 
 Objective (picoseconds): sum_n mult_n (compute_n + comm_n)(x) + sum_{t not overlappable} mult_t cost_t
-+ sum_g mult_g exposed[g] — exactly ``problem.evaluate`` linearised. Ties (hidden communication
-costs nothing) are broken lexicographically by a second solve that keeps the step time at the
++ sum_g mult_g ((1 - s) exposed[g] + s sum_{t in g} cost_t), s the overlap slowdown (compute lost
+beside a hidden collective; ``_exposed`` writes the row scaled by 1 - s) — exactly
+``problem.evaluate`` linearised. Ties (hidden communication
+costs nothing where s is 0, as on cpu) are broken lexicographically by a second solve that keeps the step time at the
 first solve's value and minimises hidden traffic plus memory, so among equally fast plans the one
 that moves and holds less wins. The secondary objective's units: hidden traffic in whole microseconds
 (``_edge_vars``) plus memory in whole MB (10^6 bytes, ``formulate``), coarse on purpose: the
@@ -380,16 +383,25 @@ def _exposed(m, problem: Problem, x, comm: dict[int, list], objective: list) -> 
     """exposed[g] >= one instance's parameter communication minus its compute, and >= 0.
 
     A transfer's share of one instance is its total (cost x its multiplicity) over the group's
-    multiplicity, exactly as ``problem.evaluate`` counts it."""
+    multiplicity, exactly as ``problem.evaluate`` counts it. With an overlap slowdown ``s``
+    (``Problem.overlap_slowdown``) a group costs ``exposed + s * min(traffic, compute)`` =
+    ``(1 - s) exposed + s traffic`` (``problem.overlap_terms``): the row is written for
+    ``(1 - s) exposed`` (each coefficient scaled by ``1 - s``, so CP-SAT's integer picoseconds keep
+    their precision) and every transport of the group pays ``s`` of its traffic in the objective.
+    With ``s`` 0 the model is the one without the term, coefficient for coefficient."""
+    keep = 1.0 - problem.overlap_slowdown
     for g, terms in comm.items():
+        mult = problem.groups[g].mult
         hide = []
         for i, n in enumerate(problem.nodes):
             if n.group == g:
-                hide.extend((m.time(n.compute[s]), v) for s, v in x[i].items() if n.compute[s])
-        upper = sum(m.time(c) for c, _ in terms)
+                hide.extend((m.time(keep * n.compute[s]), v) for s, v in x[i].items() if n.compute[s])
+        upper = sum(m.time(keep * c) for c, _ in terms)
         exposed = m.num(upper + 1, f"exposed{g}")
-        m.linear([(1, exposed)] + [(-m.time(c), v) for c, v in terms] + hide, lo=0)
-        objective.append((problem.groups[g].mult, exposed))
+        m.linear([(1, exposed)] + [(-m.time(keep * c), v) for c, v in terms] + hide, lo=0)
+        objective.append((mult, exposed))
+        if keep < 1.0:
+            objective.extend((m.time(mult * (1.0 - keep) * c), v) for c, v in terms if m.time(mult * (1.0 - keep) * c))
 
 
 def _memory(m, problem: Problem, x) -> None:
