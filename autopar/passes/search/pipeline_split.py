@@ -185,6 +185,25 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
             pre_paths, unit_paths, post_paths)
 
 
+def scaled(model: ModelSegments, factor: float) -> ModelSegments:
+    """``model``'s segments at a micro-batch ``factor`` times as large: the per-micro-batch figures
+    (forward, input and weight gradients, saved activations, the boundary activation) scaled, the
+    per-step ones (state, gathers, reductions, the kept copy, the optimizer step) kept. An estimate
+    (compute is not exactly linear in the batch, and the intra-op plan at the other shape may
+    differ): the pipeline driver ranks micro-batch counts with it and solves only the best exactly."""
+
+    def one(s: Segment) -> Segment:
+        mem = dict(s.memory)
+        if "activations" in mem:
+            mem["activations"] = mem["activations"] * factor
+        return Segment(s.forward * factor, s.input_grad * factor, s.weight_grad * factor, s.state,
+                       s.activations * factor, s.gathers, s.reductions, s.kept, memory=mem, paths=s.paths,
+                       optimizer=s.optimizer)
+
+    return ModelSegments(one(model.pre), tuple(one(u) for u in model.units), one(model.post),
+                         model.boundary_bytes * factor)
+
+
 def split(model: ModelSegments, n_stages: int) -> Optional[list[tuple[int, int]]]:
     """Contiguous ranges ``[a, b)`` of layer instances, one per stage, that minimise the slowest
     stage's forward + backward seconds (the first stage with the segment before the layers, the
@@ -275,4 +294,4 @@ def search(model: ModelSegments, pp: int, microbatches: int, p2p: float, schedul
     return [(p, r) for _, p, r in out]
 
 
-__all__ = ["ModelSegments", "candidates", "search", "segments", "split", "stages_of"]
+__all__ = ["ModelSegments", "candidates", "scaled", "search", "segments", "split", "stages_of"]
