@@ -167,13 +167,13 @@ def test_a_saved_plan_loads_and_saves_to_the_same_bytes(tmp_path):
     plan = load_plan(path)
     plan.save(tmp_path / "again.json")
     assert (tmp_path / "again.json").read_text(encoding="utf-8") == text
-    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 5
+    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 6
 
 
 def test_later_versions_only_add_fields(good):
     """The format of version 1 is kept: version 2 adds ``graph.shapes``, 3 ``mesh.hardware.nics_per_node``,
     4 ``checkpointing``, ``kept_gathers`` and ``layer_groups``, 5 the MFU fields and replaces the two
-    efficiency constants of ``mesh.hardware`` by its ``efficiency`` curves."""
+    efficiency constants of ``mesh.hardware`` by its ``efficiency`` curves, 6 ``mesh_search``."""
     assert good["graph"]["shapes"] == {"head.bias": "float32[4]", "head.weight": "float32[4, 32]",
                                        "layers.0.bias": "float32[32]", "layers.0.weight": "float32[32, 16]",
                                        "layers.1.bias": "float32[32]", "layers.1.weight": "float32[32, 32]"}
@@ -181,9 +181,16 @@ def test_later_versions_only_add_fields(good):
                  "graph", "memory", "memory_budget", "mesh", "modules", "nodes", "peak_memory", "placements",
                  "precision", "reshardings", "schema_version", "solver", "source", "step_time", "training"]
     assert sorted(good) == sorted(version_1 + ["checkpointing", "kept_gathers", "layer_groups", "model_flops", "mfu",
-                                               "tokens_per_step", "tokens_per_second_per_device", "pipeline"])
+                                               "tokens_per_step", "tokens_per_second_per_device", "pipeline",
+                                               "mesh_search"])
     assert "nics_per_node" in good["mesh"]["hardware"]
     assert "efficiency" in good["mesh"]["hardware"] and "matmul_efficiency" not in good["mesh"]["hardware"]
+
+
+def test_a_version_5_file_loads_without_a_mesh_search(tmp_path, good):
+    old = _mutated(good, lambda d: (d.update(schema_version=5), d.pop("mesh_search")))
+    plan = load_plan(_write(tmp_path, old))
+    assert plan.schema_version == SCHEMA_VERSION and plan.mesh_search is None
 
 
 def test_a_version_1_file_loads_with_shapes_left_out(tmp_path, good):
@@ -251,11 +258,11 @@ def test_version_5_layer_groups_say_what_keeping_gathers_costs(tmp_path, good):
     assert _load_error(tmp_path, bad).startswith("layer_groups[0].kept_bytes")
 
 
-@pytest.mark.parametrize("version", [0, 6, "2", True, None])
+@pytest.mark.parametrize("version", [0, 7, "2", True, None])
 def test_other_versions_are_refused_naming_the_version(tmp_path, good, version):
     d = _mutated(good, lambda d: d.update(schema_version=version))
-    assert _load_error(tmp_path, d) == (f"plan schema version {version!r} found, this autopar reads version 5 (and "
-                                        f"the earlier 1, 2, 3, 4): make the plan again with autopar.plan(...) (or use the "
+    assert _load_error(tmp_path, d) == (f"plan schema version {version!r} found, this autopar reads version 6 (and "
+                                        f"the earlier 1, 2, 3, 4, 5): make the plan again with autopar.plan(...) (or use the "
                                         f"autopar version that wrote it)")
 
 

@@ -161,8 +161,10 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
             if k != "total":
                 inner_phases[k] = round(inner_phases.get(k, 0.0) + v, 4)
         t = lap("stage_plans", t)
+        # per-stage recomputation is priced from the layer plan without any (the unbounded solve's)
+        plain_layers = planned.recompute is None or not planned.recompute.any
         segs, pre, units, post = segments(planned.graph, planned.folding, planned.problem, planned.choice, sub,
-                                          planned.precision)
+                                          planned.precision, planned.terms if plain_layers and recipe is None else ())
         lap("split", t)
         if not segs.units:
             raise ArgumentError("autopar.plan: a pipeline splits the model's repeated layers (numbered modules such "
@@ -172,7 +174,7 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
     def priced(segs, m: int, schedule=None, virtual=None):
         t = time.perf_counter()
         hop = p2p_time(segs.boundary_bytes, link) if link is not None else 0.0
-        out = search(segs, pp, m, hop, schedule, virtual)
+        out = search(segs, pp, m, hop, schedule, virtual, budget)
         lap("split", t)
         return out
 
@@ -284,12 +286,18 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
         "in_flight": list(price.replay.in_flight),
         "stage_times": [[st.forward, st.input_grad, st.weight_grad] for st in price.stages],
         "rank_memory": [int(x) for x in price.rank_memory],
+        "recompute": [{"mode": mode, "layers": list(paths)} if paths else {"mode": "none", "layers": []}
+                      for mode, paths in price.recomputed],
         "compared": [dict({"schedule": p.schedule, "microbatches": p.microbatches, "virtual_stages": p.virtual,
-                           "step_time": p.step_time, "peak_memory": int(p.peak_memory), "bubble": p.replay.bubble},
+                           "step_time": p.step_time, "peak_memory": int(p.peak_memory), "bubble": p.replay.bubble,
+                           "recomputed": sum(len(c[1]) for c in p.recomputed)},
                           **({"estimated": True} if id(p) in estimated_ids else {}))
                      for p in sorted(tried, key=lambda p: (p.step_time, p.schedule, p.microbatches, p.virtual,
                                                            id(p) in estimated_ids))],
     }
+    redo = {path: mode for mode, paths in price.recomputed for path in paths}
+    if redo:  # what each stage recomputes, as the lowering reads it (the layer plan itself recomputes nothing)
+        plan.checkpointing = dict(sorted(dict(plan.checkpointing, **redo).items()))
     plan.phases = dict(inner_phases, total=round(time.perf_counter() - start, 4))
     return plan
 

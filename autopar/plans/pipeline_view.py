@@ -1,4 +1,5 @@
-"""A pipelined plan's lines in ``summary``, ``explain`` and ``diff`` (``plan.pipeline``, schema version 5)."""
+"""A pipelined plan's lines in ``summary``, ``explain`` and ``diff`` (``plan.pipeline``, schema version 5;
+per-stage recomputation, batch-coupled ops and the mesh search: version 6)."""
 
 from __future__ import annotations
 
@@ -31,12 +32,15 @@ def summary_lines(plan: "Plan") -> list[str]:
     times = pl.get("stage_times") or []
     flight = pl.get("in_flight") or []
     mem = pl.get("rank_memory") or []
+    redo = pl.get("recompute") or []
     for s, paths in enumerate(pl.get("stages") or []):
         r = ranks[s] if s < len(ranks) else s
         t = times[s] if s < len(times) else [0.0, 0.0, 0.0]
+        rc = redo[s] if s < len(redo) else {}
+        again = (f"; recomputes {len(rc['layers'])} layer(s) ({rc['mode']})" if rc.get("layers") else "")
         out.append(f"  stage {s} (rank {r}): {_span(paths)}; fwd {human_time(t[0])}, bwd {human_time(t[1] + t[2])} "
                    f"per micro-batch, {flight[s] if s < len(flight) else '?'} in flight; rank memory "
-                   f"{human_bytes(mem[r]) if r < len(mem) else '?'}")
+                   f"{human_bytes(mem[r]) if r < len(mem) else '?'}{again}")
     others = [c for c in pl.get("compared") or []][:6]
     if len(others) > 1:
         out.append("  compared: " + "; ".join(

@@ -35,8 +35,14 @@ FLOP/s of the compute dtype)), ``tokens_per_step`` and ``tokens_per_second_per_d
 known), its two constants as a flat efficiency, and its layer groups as they were. Version 5 also
 adds ``pipeline`` (None, or what a pipelined plan chose: the ``pp`` axis and the whole mesh's axes, the schedule,
 micro-batches, virtual stages, module paths per stage, the replayed bubble and per-rank figures;
-``autopar/passes/pipelined.py``); a version 1-4 file loads with ``pipeline`` None. Any other version is
-a PlanError naming it.
+``autopar/passes/pipelined.py``); a version 1-4 file loads with ``pipeline`` None. Version 6 (issue 16,
+planning side) adds ``mesh_search`` (None, or for a mesh made by ``Mesh.devices``: the device count,
+the node size, the factorizations into pp x dp x tp the planner compared and the one it chose) and,
+in ``pipeline``, ``recompute`` (per stage, the layer instances it recomputes and in which mode),
+``batch_coupled`` (ops whose result depends on the whole batch: batch-norm statistics, capacity-
+limited routing) with ``reference`` (``"whole-batch"``, or ``"micro-batched"`` when such ops run per
+micro-batch), and per compared candidate ``recomputed`` and ``estimated``; a version 1-5 file loads
+with ``mesh_search`` None and those pipeline keys absent. Any other version is a PlanError naming it.
 """
 
 from __future__ import annotations
@@ -53,9 +59,9 @@ from autopar.plans.bounds import check_values, read_json, shown
 from autopar.plans.validate import check_fields
 from autopar.validate import check_path
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 #: the versions ``load_plan`` reads (an older one loads with the newer fields defaulted or left out)
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 
 # -- entry shapes (what the planner writes; readers use .get() since hand-made plans may lack keys) --
@@ -221,6 +227,8 @@ class Plan:
     tokens_per_second_per_device: float = 0.0
     # pipeline parallelism (schema version 5; older files load with None): see autopar/passes/pipelined.py
     pipeline: Optional[dict] = None
+    # the factorization ``Mesh.devices`` left to the planner (schema version 6; older files load with None)
+    mesh_search: Optional[dict] = None
     schema_version: int = field(default=SCHEMA_VERSION)
 
     # -- derived --------------------------------------------------------------------------------
@@ -265,7 +273,7 @@ class Plan:
         """Inverse of ``to_dict``; checked against the plan file's schema (``autopar.plans.validate``):
         a PlanError names a schema version it does not read, missing fields, or the first field (a
         JSON path) of a wrong type or out of range, with its value. A version 1 or 2 plan comes back
-        as version 5 (see the module's "Schema versions")."""
+        as version 6 (see the module's "Schema versions")."""
         if not isinstance(d, Mapping):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         if "schema_version" not in d:
@@ -283,6 +291,8 @@ class Plan:
             d = {**d, **{k: _copy(v) for k, v in _V4_DEFAULTS.items() if k not in d}}
         if version < 5:
             d = {**d, **{k: _copy(v) for k, v in _V5_DEFAULTS.items() if k not in d}}
+        if version < 6:
+            d = {**d, **{k: _copy(v) for k, v in _V6_DEFAULTS.items() if k not in d}}
         missing = [n for n in names if n not in d]
         if missing:
             raise PlanError(f"plan lacks the field(s) {', '.join(missing)} (schema version {version})")
@@ -426,6 +436,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "checkpointing": (dict,), "kept_gathers": (list,), "layer_groups": (list,),
     "model_flops": _NUM, "mfu": _NUM, "tokens_per_step": (int,), "tokens_per_second_per_device": _NUM,
     "pipeline": (dict, type(None)),
+    "mesh_search": (dict, type(None)),
 }
 
 
@@ -434,6 +445,8 @@ _V4_DEFAULTS: dict[str, Any] = {"checkpointing": {}, "kept_gathers": [], "layer_
 #: the fields version 5 added, as an older plan has them (0: not known)
 _V5_DEFAULTS: dict[str, Any] = {"model_flops": 0.0, "mfu": 0.0, "tokens_per_step": 0, "tokens_per_second_per_device": 0.0,
                                 "pipeline": None}
+#: fields schema version 6 added, as a version 1-5 file loads them
+_V6_DEFAULTS: dict[str, Any] = {"mesh_search": None}
 
 
 def _nics_of_old_plan(d: Mapping) -> Mapping:
