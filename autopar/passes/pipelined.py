@@ -105,9 +105,12 @@ def micro_inputs(args: tuple, kwargs: Mapping, batch: int, m: int) -> tuple[tupl
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
-def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, pipeline=None, **kw):
+def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, pipeline=None, compare: bool = True,
+                   graphs: Optional[dict] = None, **kw):
     """The ``Plan`` for a mesh with a ``pp`` axis or a pinned ``pipeline`` (see the module docstring);
-    ``kw`` are ``plan``'s checked keywords."""
+    ``kw`` are ``plan``'s checked keywords. ``compare=False`` skips the plain plan of the whole mesh
+    (the mesh search prices the unpipelined shapes itself); ``graphs`` (rows per micro-batch -> a
+    captured graph) shares captures across calls and is filled with this call's."""
     start = time.perf_counter()
     pin = check_pin(pipeline)
     if not kw.get("training", True):
@@ -142,7 +145,7 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
                             + (f" and {pin}" if pin else "") + " (1F1B needs m >= pp, ZBV exactly 2 and "
                             "Interleaved1F1B at least 2 stages per rank)")
     passkw = {k: v for k, v in kw.items() if k not in ("memory_budget", "graph", "recipe")}
-    graphs: dict[int, Any] = {}  # rows per micro-batch -> the graph captured at that shape (captured once)
+    graphs = {} if graphs is None else graphs  # rows per micro-batch -> the graph captured at that shape (once)
     inner_phases: dict[str, float] = {}
 
     def lap(name: str, since: float) -> float:
@@ -226,10 +229,23 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
     fitting = [f for f in found if f[0].peak_memory <= budget]
     best = min(fitting or found, key=lambda f: (f[0].step_time, f[5]))
     plain = None
-    if not pin:
+    plain_row: Optional[dict] = None
+    if not pin and compare:
+        # the plain plan's fastest layer plan without a budget first: recomputing or leaner
+        # placements only add time, so when even that is slower than a fitting pipeline the
+        # plain plan loses, and its budgeted search (recomputation candidates on every axis,
+        # the slowest part of planning a big model) is not run
         t = time.perf_counter()
         try:
-            plain = run_passes(model, mesh, args, kwargs, memory_budget=budget, graph=graphs.get(batch), **passkw)
+            plain = run_passes(model, mesh, args, kwargs, memory_budget=math.inf, graph=graphs.get(batch), **passkw)
+            graphs.setdefault(batch, plain.graph)
+            if plain.cost.peak_memory > budget:
+                if fitting and plain.cost.step_time > best[0].step_time:
+                    plain_row = {"error": f"not planned within the budget: its fastest plan without one "
+                                          f"({plain.cost.step_time * 1e3:.1f} ms) is already slower than the pipeline"}
+                    plain = None
+                else:
+                    plain = run_passes(model, mesh, args, kwargs, memory_budget=budget, graph=graphs[batch], **passkw)
         except InfeasibleError:
             plain = None
         lap("unpipelined", t)
@@ -266,6 +282,8 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
         plan.baselines = dict(plain.baselines, **plan.baselines, unpipelined={"step_time": plain.cost.step_time,
                                                             "peak_memory": int(plain.cost.peak_memory),
                                                             "fits": plain.cost.peak_memory <= budget})
+    elif plain_row is not None:
+        plan.baselines = dict(plan.baselines, unpipelined=plain_row)
     stage_paths = []
     for s, (a, b) in enumerate(ranges):
         stage_paths.append((pre if s == 0 else []) + units[a:b] + (post if s == len(ranges) - 1 else []))
