@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Any, Mapping, Optional
 
 import torch
@@ -40,6 +41,7 @@ from autopar.errors import ArgumentError, InfeasibleError, RecipeError
 from autopar.ir.capture import as_args
 from autopar.passes.pipeline import DEFAULT_BUDGET_FRACTION, run_passes
 from autopar.passes.report import build_plan
+from autopar.passes.search.batch_coupled import batch_coupled
 from autopar.passes.search.pipeline_split import candidates, scaled, search, segments
 
 #: the mesh axis name that pipelines
@@ -313,6 +315,15 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
                      for p in sorted(tried, key=lambda p: (p.step_time, p.schedule, p.microbatches, p.virtual,
                                                            id(p) in estimated_ids))],
     }
+    coupled = batch_coupled(planned.graph, batch // m)
+    plan.pipeline["batch_coupled"] = coupled
+    plan.pipeline["reference"] = "micro-batched" if coupled and m > 1 else "whole-batch"
+    if coupled and m > 1:
+        warnings.warn(f"autopar.plan: {len(coupled)} op(s) couple the whole batch ({', '.join(coupled[:3])}"
+                      f"{', ...' if len(coupled) > 3 else ''}) and run per micro-batch in this pipeline ({m} "
+                      f"micro-batches): the plan equals the single-device run of the same micro-batches one after "
+                      f"the other, not of the whole batch (plan.pipeline['reference']); pin "
+                      f"pipeline={{'microbatches': 1}} to keep the whole batch", stacklevel=3)
     redo = {path: mode for mode, paths in price.recomputed for path in paths}
     if redo:  # what each stage recomputes, as the lowering reads it (the layer plan itself recomputes nothing)
         plan.checkpointing = dict(sorted(dict(plan.checkpointing, **redo).items()))
