@@ -33,6 +33,10 @@ SIZES = {
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mesh", type=int, nargs=3, default=(4, 2, 8), metavar=("PP", "DP", "TP"))
+    ap.add_argument("--devices", type=int, default=None,
+                    help="instead of --mesh: Mesh.devices(N), the planner chooses pp x dp x tp")
+    ap.add_argument("--pp", type=int, nargs="*", default=None, help="with --devices: the pp degrees tried")
+    ap.add_argument("--tp", type=int, nargs="*", default=None, help="with --devices: the tp degrees tried")
     ap.add_argument("--size", default="llama3-70b", choices=sorted(SIZES))
     ap.add_argument("--layers", type=int, default=None, help="default: the size's own depth")
     ap.add_argument("--batch", type=int, default=64)
@@ -43,7 +47,10 @@ def main() -> None:
     preset, over = SIZES[a.size]
     layers = a.layers or over.get("n_layers") or 80
     model, inputs = models.make("llama", preset, batch=a.batch, seq=a.seq, device="meta", **dict(over, n_layers=layers))
-    mesh = autopar.Mesh({"pp": pp, "dp": dp, "tp": tp}, device="h100")
+    if a.devices:
+        mesh = autopar.Mesh.devices(a.devices, device="h100", pp=a.pp, tp=a.tp)
+    else:
+        mesh = autopar.Mesh({"pp": pp, "dp": dp, "tp": tp}, device="h100")
     pin = None
     if a.pin:
         name, m = a.pin.split(":")
@@ -54,6 +61,13 @@ def main() -> None:
     print(f"load {os.getloadavg()} (1, 5, 15 min) at the end; {a.size}, mesh pp={pp} dp={dp} tp={tp}; {layers} layers; "
           f"batch {a.batch}x{a.seq}")
     print(f"planned in {wall:.1f} s; phases {plan.phases}")
+    if plan.mesh_search:
+        ms = plan.mesh_search
+        print(f"mesh search over {ms['devices']} devices chose {ms['chosen']}; compared:")
+        for r in ms["compared"]:
+            print(f"  {r['shape']}: " + (r["error"][:110] if "error" in r else
+                                         f"{r['step_time'] * 1e3:.1f} ms {r['peak_memory'] / 2**30:.1f} GiB "
+                                         f"fits={r['fits']} pipelined={r['pipelined']}"))
     pl = plan.pipeline
     if pl:
         print(f"pipeline: {pl['schedule']} m={pl['microbatches']} v={pl['virtual_stages']} bubble {pl['bubble']:.3f} "

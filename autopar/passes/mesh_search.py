@@ -16,7 +16,10 @@ Each candidate is planned as the user would plan that shape: ``pp = 1`` by the i
 ``{"dp", "tp"}``, ``pp > 1`` by the pipeline driver (``passes/pipelined.py``) without its own
 comparison against the plain plan (the ``pp = 1`` candidates are that comparison). Captures are
 shared across candidates (one per input shape: the full batch and each micro-batch size). The
-fastest candidate that fits wins; ``plan.mesh_search`` lists every candidate priced (or why it was
+pipelined shapes are planned first; an unpipelined shape is first solved without a memory budget,
+and when that plan (the fastest it can have: recomputation only adds time) does not fit and is
+already slower than a fitting shape found, its budgeted search is skipped (listed with the reason).
+The fastest candidate that fits wins; ``plan.mesh_search`` lists every candidate priced (or why it was
 not), and ``plan.phases["mesh_search"]`` the search's own wall time.
 """
 
@@ -30,7 +33,7 @@ from autopar.cost_model.mesh import Mesh
 from autopar.errors import ArgumentError, InfeasibleError, RecipeError
 from autopar.ir.capture import as_args, capture
 from autopar.ir.stages import chain
-from autopar.passes.pipeline import run_passes
+from autopar.passes.pipeline import DEFAULT_BUDGET_FRACTION, run_passes
 from autopar.passes.pipelined import PP_AXIS, batch_size, plan_pipelined
 from autopar.passes.report import build_plan
 
@@ -94,15 +97,35 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None, 
                             f"{batch} with tp dividing the node size {node}"
                             + (f" and the degrees asked (pp={spec.get('pp')}, tp={spec.get('tp')})"
                                if spec.get("pp") or spec.get("tp") else ""))
-    passkw = {k: v for k, v in kw.items() if k not in ("graph", "recipe", "hints")}
-    rows, plans = [], []
-    for shape in shapes:
+    passkw = {k: v for k, v in kw.items() if k not in ("graph", "recipe", "hints", "memory_budget")}
+    budget = kw.get("memory_budget")
+    budget = float(budget) if budget is not None else DEFAULT_BUDGET_FRACTION * mesh.hardware.memory
+    rows: list[dict] = []
+    plans = []
+    # the pipelined shapes first (their per-stage solves are small), then the unpipelined ones, each
+    # first without a budget: recomputing or leaner placements only add time, so when even that is
+    # slower than a fitting shape already found, its budgeted search (the costly part) is skipped
+    order = [s for s in shapes if s["pp"] > 1] + [s for s in shapes if s["pp"] == 1]
+    for shape in order:
         sub = candidate_mesh(mesh, shape)
+        best = min((p.step_time for p, _ in plans if p.fits), default=math.inf)
         try:
             if shape["pp"] > 1:
-                plan = plan_pipelined(model, sub, args, kwargs, compare=False, graphs=graphs, **passkw)
+                plan = plan_pipelined(model, sub, args, kwargs, compare=False, graphs=graphs, memory_budget=budget,
+                                      **passkw)
             else:
-                plan = build_plan(run_passes(model, sub, args, kwargs, graph=graphs[batch], **passkw))
+                fast = run_passes(model, sub, args, kwargs, graph=graphs[batch], memory_budget=math.inf, **passkw)
+                if fast.cost.peak_memory <= budget:
+                    plan = build_plan(run_passes(model, sub, args, kwargs, graph=graphs[batch], memory_budget=budget,
+                                                 **passkw)) if budget != math.inf else build_plan(fast)
+                elif fast.cost.step_time >= best:
+                    rows.append({"shape": dict(shape), "error": f"not planned within the budget: its fastest plan "
+                                 f"without one ({fast.cost.step_time * 1e3:.1f} ms) is already slower than a fitting "
+                                 f"shape"})
+                    continue
+                else:
+                    plan = build_plan(run_passes(model, sub, args, kwargs, graph=graphs[batch], memory_budget=budget,
+                                                 **passkw))
         except (InfeasibleError, ArgumentError, RecipeError, ValueError) as e:
             rows.append({"shape": dict(shape), "error": str(e).splitlines()[0][:400]})
             continue
