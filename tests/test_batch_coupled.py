@@ -62,7 +62,3 @@ def test_a_micro_batched_pipeline_states_its_reference():
         warnings.simplefilter("error", UserWarning)
         whole = autopar.plan(model, mesh, inputs, pipeline={"microbatches": 1}, progress=False)
     assert whole.pipeline["reference"] == "whole-batch" and whole.pipeline["batch_coupled"]
-    # a model without such ops: whole-batch even when micro-batched
-    llama, li = models.make("llama", "tiny", batch=8)
-    plain = autopar.plan(llama, mesh, li, pipeline={"microbatches": 2}, progress=False)
-    assert plain.pipeline["reference"] == "whole-batch" and plain.pipeline["batch_coupled"] == []
