@@ -21,6 +21,7 @@ from autopar.ir.rules.proof.interp import device_coords
 from autopar.ir.rules.random_ops import draw_seed
 from autopar.passes.lower import lower, resolve
 from autopar.passes.pipeline import run_passes
+from autopar.passes.mesh_search import plan_mesh_search
 from autopar.passes.pipelined import plan_pipelined, wants_pipeline
 from autopar.passes.report import build_plan
 from autopar.passes.search.recipes import NAMES
@@ -113,10 +114,17 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
     ZBVZeroBubble) by replaying it, and says so in ``plan.pipeline``; ``pipeline`` pins some of
     ``{"schedule": ..., "microbatches": ..., "virtual_stages": ...}`` (without a ``pp`` axis: gradient
     accumulation over that many micro-batches).
+
+    A mesh made by ``autopar.Mesh.devices(count, device=..., node_size=...)`` gives only a device
+    count: the planner plans each sensible factorization into ``pp`` x ``dp`` x ``tp``
+    (``passes/mesh_search.py``), keeps the fastest that fits, and lists what it compared in
+    ``plan.mesh_search``.
     """
     kw = check_plan_args(model, mesh, example_kwargs, dict(kw, training=training, hints=hints,
                                                           memory_budget=memory_budget, time_limit=time_limit,
                                                           search=search))
+    if getattr(mesh, "factorize", None) is not None:  # Mesh.devices: the planner chooses pp x dp x tp
+        return plan_mesh_search(model, mesh, example_inputs, example_kwargs, pipeline=pipeline, **kw)
     if wants_pipeline(mesh, pipeline):
         return plan_pipelined(model, mesh, example_inputs, example_kwargs, pipeline=pipeline, **kw)
     planned = run_passes(model, mesh, example_inputs, example_kwargs, **kw)

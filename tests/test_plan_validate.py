@@ -173,7 +173,8 @@ def test_a_saved_plan_loads_and_saves_to_the_same_bytes(tmp_path):
 def test_later_versions_only_add_fields(good):
     """The format of version 1 is kept: version 2 adds ``graph.shapes``, 3 ``mesh.hardware.nics_per_node``,
     4 ``checkpointing``, ``kept_gathers`` and ``layer_groups``, 5 the MFU fields and replaces the two
-    efficiency constants of ``mesh.hardware`` by its ``efficiency`` curves, 6 ``mesh.hardware.overlap_slowdown``."""
+    efficiency constants of ``mesh.hardware`` by its ``efficiency`` curves, 6 ``mesh.hardware.overlap_slowdown``
+    and ``mesh_search``."""
     assert good["graph"]["shapes"] == {"head.bias": "float32[4]", "head.weight": "float32[4, 32]",
                                        "layers.0.bias": "float32[32]", "layers.0.weight": "float32[32, 16]",
                                        "layers.1.bias": "float32[32]", "layers.1.weight": "float32[32, 32]"}
@@ -181,10 +182,17 @@ def test_later_versions_only_add_fields(good):
                  "graph", "memory", "memory_budget", "mesh", "modules", "nodes", "peak_memory", "placements",
                  "precision", "reshardings", "schema_version", "solver", "source", "step_time", "training"]
     assert sorted(good) == sorted(version_1 + ["checkpointing", "kept_gathers", "layer_groups", "model_flops", "mfu",
-                                               "tokens_per_step", "tokens_per_second_per_device", "pipeline"])
+                                               "tokens_per_step", "tokens_per_second_per_device", "pipeline",
+                                               "mesh_search"])
     assert "nics_per_node" in good["mesh"]["hardware"]
     assert "efficiency" in good["mesh"]["hardware"] and "matmul_efficiency" not in good["mesh"]["hardware"]
     assert "overlap_slowdown" in good["mesh"]["hardware"]
+
+
+def test_a_version_5_file_loads_without_a_mesh_search(tmp_path, good):
+    old = _mutated(good, lambda d: (d.update(schema_version=5), d.pop("mesh_search")))
+    plan = load_plan(_write(tmp_path, old))
+    assert plan.schema_version == SCHEMA_VERSION and plan.mesh_search is None
 
 
 def test_a_version_1_file_loads_with_shapes_left_out(tmp_path, good):

@@ -99,10 +99,20 @@ def build_parser() -> argparse.ArgumentParser:
                               "  autopar plan mymodels:make_gpt --mesh dp=8,tp=8 --device h100 "
                               "--kw batch=64 --kw seq=2048 -o plan.json\n"
                               "  autopar plan mymodels.py:make --mesh dp=4 --hint 'blocks.*.mlp.fc.weight=S(0)' "
-                              "--hint input:0=dp=S(0) -o plan.json")
+                              "--hint input:0=dp=S(0) -o plan.json\n"
+                              "  autopar plan mymodels:make_llama --mesh pp=4,dp=2,tp=8 --pipeline schedule=1F1B,"
+                              "microbatches=16 -o plan.json\n"
+                              "  autopar plan mymodels:make_llama --devices 64 -o plan.json")
     p.add_argument("target", metavar="MODULE:FACTORY",
                    help="a module importable from here or PYTHONPATH (or a .py path) and a function in it")
-    p.add_argument("--mesh", required=True, metavar="NAME=SIZE,...", help="mesh axes in order, e.g. dp=8,tp=8")
+    p.add_argument("--mesh", metavar="NAME=SIZE,...", help="mesh axes in order, e.g. dp=8,tp=8 (an axis named pp "
+                                                            "pipelines: pp=4,dp=2,tp=8)")
+    p.add_argument("--devices", type=positive_int, metavar="N",
+                   help="instead of --mesh: N devices, the planner chooses pp x dp x tp (tp within a node of "
+                        "--devices-per-node) and lists the shapes it compared")
+    p.add_argument("--pipeline", metavar="KEY=VALUE,...",
+                   help="pin the pipeline: schedule=1F1B|GPipe|Interleaved1F1B|ZBVZeroBubble, microbatches=M, "
+                        "virtual_stages=V (with a pp mesh axis; without one, microbatches=M accumulates gradients)")
     p.add_argument("--device", type=device_preset, default="h100",
                    help=f"hardware preset to price on: {', '.join(device_choices())} (default h100)")
     p.add_argument("--profile", metavar="PATH", help="a hardware profile from `autopar calibrate`")

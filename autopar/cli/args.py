@@ -136,5 +136,27 @@ def device_preset(text: str) -> str:
     return name
 
 
-__all__ = ["IDENT", "device_choices", "device_preset", "parse_bytes", "parse_hints", "parse_kw", "parse_mesh",
+def parse_pipeline(text: str) -> dict:
+    """``--pipeline schedule=1F1B,microbatches=16[,virtual_stages=2]`` as ``plan``'s ``pipeline=`` dict
+    (the values checked by the planner, which names what is wrong)."""
+    example = "expected KEY=VALUE[,KEY=VALUE...], e.g. --pipeline schedule=1F1B,microbatches=16"
+    out: dict = {}
+    for part in text.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep or not key or not value:
+            raise CLIError(f"--pipeline {text!r}: {part!r} is not KEY=VALUE; {example}", USAGE)
+        if key not in ("schedule", "microbatches", "virtual_stages"):
+            raise CLIError(f"--pipeline {text!r}: unknown key {key!r}; the keys are schedule, microbatches and "
+                           f"virtual_stages", USAGE)
+        if key == "schedule":
+            out[key] = value
+        else:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise CLIError(f"--pipeline {text!r}: {key} must be a whole number, got {value!r}", USAGE) from None
+    return out
+
+
+__all__ = ["IDENT", "device_choices", "device_preset", "parse_bytes", "parse_hints", "parse_kw", "parse_mesh", "parse_pipeline",
            "positive_float", "split_hint"]

@@ -9,16 +9,22 @@ import argparse
 import os
 from typing import Any
 
-from autopar.cli.args import parse_hints, parse_kw, parse_mesh
+from autopar.cli.args import parse_hints, parse_kw, parse_mesh, parse_pipeline
 from autopar.cli.errors import USAGE, CLIError
 from autopar.cli.target import call_factory, exception_line, import_target, user_frame, where_raised
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``autopar plan``: plan MODULE:FACTORY for the mesh, save the plan, print its summary."""
-    axes = parse_mesh(args.mesh)
+    if (args.mesh is None) == (args.devices is None):
+        raise CLIError("autopar plan: give either --mesh NAME=SIZE,... (the axes) or --devices N (the planner chooses "
+                       "the axes)", USAGE)
+    if args.devices is not None and args.hint:
+        raise CLIError("--hint names mesh axes, which --devices leaves to the planner: give --mesh to use hints", USAGE)
+    axes = parse_mesh(args.mesh) if args.mesh is not None else {"devices": args.devices}
     kw = parse_kw(args.kw)
     hints = parse_hints(args.hint, list(axes))
+    pipeline = parse_pipeline(args.pipeline) if args.pipeline else None
     out = args.output
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
@@ -31,12 +37,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from autopar.errors import MeshError
 
     try:
-        mesh = autopar.Mesh(axes, device=args.device, profile=args.profile, devices_per_node=args.devices_per_node,
-                            nics_per_node=args.nics_per_node)
+        if args.devices is not None:
+            mesh = autopar.Mesh.devices(args.devices, device=args.device, node_size=args.devices_per_node,
+                                        profile=args.profile, nics_per_node=args.nics_per_node)
+        else:
+            mesh = autopar.Mesh(axes, device=args.device, profile=args.profile, devices_per_node=args.devices_per_node,
+                                nics_per_node=args.nics_per_node)
     except MeshError as e:
         if args.profile and "profile" in str(e):
             raise CLIError(f"--profile {args.profile!r}: {e}") from e
-        raise CLIError(f"--mesh {args.mesh!r} --device {args.device}: {e}", USAGE) from e
+        given = f"--mesh {args.mesh!r}" if args.mesh is not None else f"--devices {args.devices}"
+        raise CLIError(f"{given} --device {args.device}: {e}", USAGE) from e
     name, factory, file = import_target(args.target)
     model, inputs, kwargs = call_factory(name, factory, file, kw)
 
@@ -46,6 +57,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan_kw["deterministic_time"] = args.search_time
     if args.recipe:
         plan_kw["recipe"] = args.recipe
+    if pipeline:
+        plan_kw["pipeline"] = pipeline
     what = f"planning {name} for mesh {axes} ({args.device})"
     tty = is_terminal()
     try:

@@ -85,6 +85,42 @@ class Mesh:
         self.links = tuple(links)
         self._dict: Optional[dict] = None
         self._fp: Optional[str] = None
+        #: set by ``Mesh.devices``: the planner chooses the factorization (None: the axes are given)
+        self.factorize: Optional[dict] = None
+
+    @classmethod
+    def devices(cls, count: int, device: Union[str, Hardware] = "h100", node_size: Optional[int] = None, *,
+                pp: Optional[Sequence[int]] = None, tp: Optional[Sequence[int]] = None,
+                profile: Optional[Union[str, os.PathLike]] = None, memory: Optional[Union[int, float, str]] = None,
+                nics_per_node: Optional[int] = None) -> "Mesh":
+        """``count`` devices whose factorization into pipeline x data x tensor axes (``pp`` x ``dp`` x
+        ``tp``) ``autopar.plan`` chooses: it plans every sensible shape (tp within a node: a divisor of
+        ``node_size``, which defaults to the preset's devices per node; pp a power of two no larger
+        than the model's repeated layers; dp the rest) and keeps the fastest that fits, saying which it
+        compared in ``plan.mesh_search``. ``pp`` and ``tp`` restrict the degrees tried (lists of ints).
+        Until planned, the mesh is one axis ``devices`` of ``count``."""
+        try:
+            ok = not isinstance(count, bool) and operator.index(count) >= 1
+        except TypeError:
+            ok = False
+        if not ok:
+            raise MeshError(f"Mesh.devices: count must be a positive integer (the number of devices), got {count!r}")
+        count = operator.index(count)
+        mesh = cls({"devices": count}, device=device, profile=profile, memory=memory, devices_per_node=node_size,
+                   nics_per_node=nics_per_node)
+        node = mesh.hardware.devices_per_node
+        for name, allowed in (("pp", pp), ("tp", tp)):
+            if allowed is None:
+                continue
+            if isinstance(allowed, (str, bytes)) or not isinstance(allowed, Sequence) or not allowed or any(
+                    isinstance(v, bool) or not isinstance(v, int) or v < 1 or count % v for v in allowed):
+                raise MeshError(f"Mesh.devices: {name} must be a list of positive ints dividing {count}, got {allowed!r}")
+        if tp is not None and any(node % v for v in tp):
+            raise MeshError(f"Mesh.devices: tp degrees {list(tp)} must divide the node size {node} (tp stays within a "
+                            f"node); pass node_size= to change it")
+        mesh.factorize = {"devices": count, "node_size": node, "pp": None if pp is None else sorted(set(pp)),
+                          "tp": None if tp is None else sorted(set(tp))}
+        return mesh
 
     # -- geometry ---------------------------------------------------------------------------
 

@@ -20,12 +20,16 @@ the one after); its costs are the sums of its segments'. ``price_pipeline`` then
   keeps, each stage's saved activations per micro-batch times its micro-batches in flight, and two
   boundary buffers per stage (one received activation, one received gradient). The peak memory is
   the largest rank's.
+- recomputation per stage: given a memory budget, a rank over it recomputes layer instances of its
+  stages (``choose_recompute``): under 1F1B the first stages hold more micro-batches in flight, so
+  they recompute more (an instance recomputed there saves ``in_flight`` times its bytes); each
+  re-run is added to its stage's backward and the schedule replayed again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 from autopar.cost_model.hardware import Link
 from autopar.cost_model.schedules import Replay, StageTimes, price_schedule, stage_ranks
@@ -52,11 +56,25 @@ class Segment:
     memory: dict = field(default_factory=dict, compare=False)  # bytes by kind (params, grads, optimizer, activations)
     paths: tuple[str, ...] = ()
     optimizer: float = 0.0
+    #: per layer instance it holds that may recompute: ``(path, {mode: Recompute})``
+    recompute: tuple = field(default=(), compare=False)
 
     @property
     def backward(self) -> float:
         """A full backward: input and weight gradients."""
         return self.input_grad + self.weight_grad
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Recomputing one layer instance in one mode, per micro-batch: ``saving`` (bytes of saved
+    activations it no longer holds: what it saves less what a recomputed instance keeps),
+    ``seconds`` (the re-run forward, in its backward) and ``transient`` (bytes of re-run values
+    alive at once in its backward: held once per rank, not per micro-batch in flight)."""
+
+    saving: float
+    seconds: float
+    transient: float
 
 
 def combine(parts: Sequence[Segment]) -> Segment:
@@ -67,7 +85,8 @@ def combine(parts: Sequence[Segment]) -> Segment:
             mem[k] = mem.get(k, 0.0) + v
     return Segment(*(sum(getattr(p, f) for p in parts) for f in ("forward", "input_grad", "weight_grad", "state",
                                                                "activations", "gathers", "reductions", "kept")),
-                   memory=mem, paths=tuple(x for p in parts for x in p.paths), optimizer=sum(p.optimizer for p in parts))
+                   memory=mem, paths=tuple(x for p in parts for x in p.paths), optimizer=sum(p.optimizer for p in parts),
+                   recompute=tuple(x for p in parts for x in p.recompute))
 
 
 def p2p_time(nbytes: float, link: Link) -> float:
@@ -93,19 +112,29 @@ class PipelinePrice:
     rank_memory: tuple[float, ...]
     rank_memory_kinds: tuple[dict, ...]
     peak_memory: float
+    #: per virtual stage, the layer instances it recomputes: ``(mode, paths)`` (``("none", ())``: none)
+    recomputed: tuple = ()
 
 
 def price_pipeline(stages: Sequence[Segment], schedule: str, pp: int, microbatches: int, virtual: int,
-                   p2p: float, boundary_bytes: float, overlap_slowdown: float = 0.0) -> PipelinePrice:
+                   p2p: float, boundary_bytes: float, budget: Optional[float] = None,
+                   overlap_slowdown: float = 0.0) -> PipelinePrice:
     """Price ``stages`` (``pp * virtual`` virtual stages, in pipeline order) under ``schedule`` with
     ``microbatches``; ``p2p`` is one boundary transfer's seconds, ``boundary_bytes`` its size (the
-    receive buffers). See the module docstring. Raises ``ValueError`` for a shape torch refuses."""
-    times = StageTimes([s.forward for s in stages], [s.input_grad for s in stages],
-                       [s.weight_grad for s in stages], p2p)
-    rep = price_schedule(schedule, pp, microbatches, virtual, times)
+    receive buffers). With a ``budget`` (bytes per device), a rank over it recomputes layer
+    instances of its stages (``choose_recompute``) and the schedule is replayed again with their
+    re-runs in the backward. See the module docstring. Raises ``ValueError`` for a shape torch refuses."""
     ranks = stage_ranks(schedule, pp, virtual)
+    rep = _replay(stages, schedule, pp, microbatches, virtual, p2p, ())
+    chosen: tuple = tuple(("none", ()) for _ in stages)
+    if budget is not None:
+        over = _memory(stages, rep.in_flight, ranks, pp, boundary_bytes, chosen)
+        if max(sum(k.values()) for k in over) > budget:
+            chosen = choose_recompute(stages, rep.in_flight, ranks, pp, boundary_bytes, budget)
+            if any(c[1] for c in chosen):
+                rep = _replay(stages, schedule, pp, microbatches, virtual, p2p, chosen)
+    kinds = _memory(stages, rep.in_flight, ranks, pp, boundary_bytes, chosen)
     sync = 0.0
-    memory, kinds = [], []
     for r in range(pp):
         mine = [s for s, rr in enumerate(ranks) if rr == r]
         fwd = sum(stages[s].forward for s in mine)
@@ -115,17 +144,100 @@ def price_pipeline(stages: Sequence[Segment], schedule: str, pp: int, microbatch
         optimizer = sum(stages[s].optimizer for s in mine)
         sync = max(sync, max(0.0, gathers - fwd) + max(0.0, reductions - bwd) + optimizer  # hidden traffic slows
                    + overlap_slowdown * (min(gathers, fwd) + min(reductions, bwd)))  # compute (search/problem.py)
+    memory = [sum(k.values()) for k in kinds]
+    return PipelinePrice(schedule, pp, microbatches, virtual, tuple(stages), rep, p2p, sync, rep.makespan + sync,
+                         tuple(memory), tuple(kinds), max(memory), chosen)
+
+
+def _recompute_of(stage: Segment, choice: tuple) -> tuple[float, float, float]:
+    """``(saving per micro-batch, seconds per micro-batch, transient bytes)`` of a stage's choice."""
+    mode, paths = choice
+    if not paths:
+        return 0.0, 0.0, 0.0
+    opts = {path: o for path, o in stage.recompute}
+    picked = [opts[p][mode] for p in paths]
+    return (sum(o.saving for o in picked), sum(o.seconds for o in picked), max(o.transient for o in picked))
+
+
+def _replay(stages: Sequence[Segment], schedule: str, pp: int, microbatches: int, virtual: int, p2p: float,
+            chosen: tuple) -> Replay:
+    """The schedule replayed, each stage's recomputation (``chosen``; () for none) in its input-gradient time."""
+    extra = [_recompute_of(st, c)[1] for st, c in zip(stages, chosen)] if chosen else [0.0] * len(stages)
+    times = StageTimes([s.forward for s in stages], [s.input_grad + e for s, e in zip(stages, extra)],
+                       [s.weight_grad for s in stages], p2p)
+    return price_schedule(schedule, pp, microbatches, virtual, times)
+
+
+def _memory(stages: Sequence[Segment], in_flight: Sequence[int], ranks: Sequence[int], pp: int, boundary_bytes: float,
+            chosen: tuple) -> list[dict]:
+    """Bytes per rank by kind: its stages' state, the kept gathered copy, saved activations times the
+    micro-batches in flight (less what recomputation saves, plus its transient re-run values once),
+    two boundary buffers per stage."""
+    out = []
+    for r in range(pp):
         kind = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
-        for s in mine:
+        transient = 0.0
+        for s, rr in enumerate(ranks):
+            if rr != r:
+                continue
             st = stages[s]
             for k in ("params", "grads", "optimizer"):
                 kind[k] += st.memory.get(k, 0.0)
             kind["params"] += st.kept
-            kind["activations"] += rep.in_flight[s] * st.activations + 2 * boundary_bytes
-        kinds.append(kind)
-        memory.append(sum(kind.values()))
-    return PipelinePrice(schedule, pp, microbatches, virtual, tuple(stages), rep, p2p, sync, rep.makespan + sync,
-                         tuple(memory), tuple(kinds), max(memory))
+            saving, _, trans = _recompute_of(st, chosen[s])
+            transient = max(transient, trans)
+            kind["activations"] += in_flight[s] * (st.activations - saving) + 2 * boundary_bytes
+        kind["activations"] += transient
+        out.append(kind)
+    return out
 
 
-__all__ = ["PipelinePrice", "Segment", "combine", "p2p_time", "price_pipeline"]
+def choose_recompute(stages: Sequence[Segment], in_flight: Sequence[int], ranks: Sequence[int], pp: int,
+                     boundary_bytes: float, budget: float) -> tuple:
+    """Per virtual stage, which of its layer instances recompute, so that every rank fits ``budget``
+    at the least added time: per rank, in one mode (the cheaper of those that fit), its stages'
+    instances in the order of seconds per byte saved (a stage with more micro-batches in flight saves
+    that many times more per instance), the first instances of each stage first among equals
+    (Megatron's block order), until the rank fits. A rank that cannot fit recomputes everything in
+    the mode that saves most (the price then says it does not fit)."""
+    base = _memory(stages, in_flight, ranks, pp, boundary_bytes, tuple(("none", ()) for _ in stages))
+    chosen: list = [("none", ()) for _ in stages]
+    for r in range(pp):
+        excess = sum(base[r].values()) - budget
+        if excess <= 0:
+            continue
+        mine = [s for s, rr in enumerate(ranks) if rr == r]
+        modes = sorted({m for s in mine for _, o in stages[s].recompute for m in o})
+        best = None  # (fits, seconds added, mode, {stage: paths})
+        for mode in modes:
+            items = []
+            for s in mine:
+                for pos, (path, opts) in enumerate(stages[s].recompute):
+                    o = opts.get(mode)
+                    if o is None or o.saving <= 0:
+                        continue
+                    gain = in_flight[s] * o.saving
+                    items.append((o.seconds / gain, pos, s, path, gain, o))
+            items.sort(key=lambda t: (t[0], t[1], t[2]))
+            saved, seconds, transient, picked = 0.0, 0.0, 0.0, {}
+            fits = False
+            for _, _, s, path, gain, o in items:
+                saved += gain
+                seconds += o.seconds
+                transient = max(transient, o.transient)
+                picked.setdefault(s, []).append(path)
+                if saved - transient >= excess:
+                    fits = True
+                    break
+            key = (not fits, seconds if fits else -(saved - transient), mode)
+            if picked and (best is None or key < best[0]):
+                best = (key, mode, picked)
+        if best is not None:
+            _, mode, picked = best
+            for s, paths in picked.items():
+                order = [p for p, _ in stages[s].recompute]
+                chosen[s] = (mode, tuple(sorted(paths, key=order.index)))
+    return tuple(chosen)
+
+
+__all__ = ["PipelinePrice", "Recompute", "Segment", "choose_recompute", "combine", "p2p_time", "price_pipeline"]

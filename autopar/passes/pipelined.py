@@ -1,13 +1,17 @@
 """Planning with a pipeline axis: the driver ``plan`` calls for a mesh with a ``pp`` axis (or a pinned
 ``pipeline=``), on top of the intra-op planning passes.
 
-For each candidate micro-batch count ``m`` the model is planned once by ``run_passes`` on the mesh
-without the pipeline axis at the micro-batch's shape (the batch dimension of every input cut to
-``B / m``): one folded solve, which every stage of alike layers shares. That plan is read back per
-segment (``search/pipeline_split.py``), the layer instances are split into stages, and every
-schedule torch 2.13 runs at that shape is priced by replay (``cost_model/pipeline.py``). The
-intra-op solve is first made without a memory budget (the fastest layer plan; a stage holds only
-its share of the model); when no pipeline fits so, again within the budget (the leaner layer plan).
+The model is planned by ``run_passes`` on the mesh without the pipeline axis at a micro-batch's
+shape (the batch dimension of every input cut to ``B / m``): one folded solve, which every stage of
+alike layers shares. That plan is read back per segment (``search/pipeline_split.py``), the layer
+instances are split into stages, and every schedule torch 2.13 runs at that shape is priced by
+replay (``cost_model/pipeline.py``). Only one micro-batch count (the middle candidate) is solved
+first; the others are priced from its segments with the per-micro-batch figures scaled
+(``search/pipeline_split.scaled``), and the count that estimate ranks best is then solved exactly,
+until the best candidate is an exact one (one or two solves, not one per count). Each shape is
+captured once (the recipe's solve and the plain plan reuse a capture of their shape). The intra-op
+solve is first made without a memory budget (the fastest layer plan; a stage holds only its share
+of the model); when no pipeline fits so, again within the budget (the leaner layer plan).
 
 Unless the user pins ``pipeline=``, the best pipeline competes with the plain plan of the whole
 mesh, where the ``pp`` axis is one more axis the intra-op search may split (a data or a sharding
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Any, Mapping, Optional
 
 import torch
@@ -36,7 +41,8 @@ from autopar.errors import ArgumentError, InfeasibleError, RecipeError
 from autopar.ir.capture import as_args
 from autopar.passes.pipeline import DEFAULT_BUDGET_FRACTION, run_passes
 from autopar.passes.report import build_plan
-from autopar.passes.search.pipeline_split import candidates, search, segments
+from autopar.passes.search.batch_coupled import batch_coupled
+from autopar.passes.search.pipeline_split import candidates, scaled, search, segments
 
 #: the mesh axis name that pipelines
 PP_AXIS = "pp"
@@ -101,9 +107,12 @@ def micro_inputs(args: tuple, kwargs: Mapping, batch: int, m: int) -> tuple[tupl
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
-def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, pipeline=None, **kw):
+def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, pipeline=None, compare: bool = True,
+                   graphs: Optional[dict] = None, **kw):
     """The ``Plan`` for a mesh with a ``pp`` axis or a pinned ``pipeline`` (see the module docstring);
-    ``kw`` are ``plan``'s checked keywords."""
+    ``kw`` are ``plan``'s checked keywords. ``compare=False`` skips the plain plan of the whole mesh
+    (the mesh search prices the unpipelined shapes itself); ``graphs`` (rows per micro-batch -> a
+    captured graph) shares captures across calls and is filled with this call's."""
     start = time.perf_counter()
     pin = check_pin(pipeline)
     if not kw.get("training", True):
@@ -137,53 +146,118 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
         raise ArgumentError(f"autopar.plan: no pipeline schedule runs {pp} stage(s) with micro-batch counts {counts}"
                             + (f" and {pin}" if pin else "") + " (1F1B needs m >= pp, ZBV exactly 2 and "
                             "Interleaved1F1B at least 2 stages per rank)")
-    passkw = {k: v for k, v in kw.items() if k not in ("memory_budget",)}
-    found = []  # (price, ranges, m, planned, paths, order)
-    tried = []
+    passkw = {k: v for k, v in kw.items() if k not in ("memory_budget", "graph", "recipe")}
+    graphs = {} if graphs is None else graphs  # rows per micro-batch -> the graph captured at that shape (once)
     inner_phases: dict[str, float] = {}
-    for bounded in (False, True):
-        for m in counts:
-            margs, mkwargs = micro_inputs(args, kwargs, batch, m)
-            try:
-                planned = run_passes(model, sub, margs, mkwargs, memory_budget=budget if bounded else math.inf,
-                                     **passkw)
-            except InfeasibleError:
-                continue
-            for k, v in planned.phases.items():
+
+    def lap(name: str, since: float) -> float:
+        now = time.perf_counter()
+        inner_phases[name] = round(inner_phases.get(name, 0.0) + now - since, 4)
+        return now
+
+    def exact(m: int, bounded: bool, recipe: Optional[str] = None):
+        """One intra-op plan on the stage mesh at ``m`` micro-batches, read back per segment."""
+        t = time.perf_counter()
+        margs, mkwargs = micro_inputs(args, kwargs, batch, m)
+        planned = run_passes(model, sub, margs, mkwargs, memory_budget=budget if bounded else math.inf,
+                             graph=graphs.get(batch // m), **dict(passkw, recipe=recipe))
+        graphs.setdefault(batch // m, planned.graph)
+        for k, v in planned.phases.items():
+            if k != "total":
                 inner_phases[k] = round(inner_phases.get(k, 0.0) + v, 4)
-            segs, pre, units, post = segments(planned.graph, planned.folding, planned.problem, planned.choice, sub,
-                                              planned.precision)
-            if not segs.units:
-                raise ArgumentError("autopar.plan: a pipeline splits the model's repeated layers (numbered modules such "
-                                    "as layers.0, layers.1, ...) into stages, and this model has none")
-            hop = p2p_time(segs.boundary_bytes, link) if link is not None else 0.0
-            for price, ranges in search(segs, pp, m, hop, pin.get("schedule"), pin.get("virtual_stages")):
-                found.append((price, ranges, m, planned, (pre, units, post), len(found)))
-                tried.append(price)
+        t = lap("stage_plans", t)
+        # per-stage recomputation is priced from the layer plan without any (the unbounded solve's)
+        plain_layers = planned.recompute is None or not planned.recompute.any
+        segs, pre, units, post = segments(planned.graph, planned.folding, planned.problem, planned.choice, sub,
+                                          planned.precision, planned.terms if plain_layers and recipe is None else ())
+        lap("split", t)
+        if not segs.units:
+            raise ArgumentError("autopar.plan: a pipeline splits the model's repeated layers (numbered modules such "
+                                "as layers.0, layers.1, ...) into stages, and this model has none")
+        return planned, segs, (pre, units, post)
+
+    def priced(segs, m: int, schedule=None, virtual=None):
+        t = time.perf_counter()
+        hop = p2p_time(segs.boundary_bytes, link) if link is not None else 0.0
+        out = search(segs, pp, m, hop, schedule, virtual, budget)
+        lap("split", t)
+        return out
+
+    # One exact solve at a first micro-batch count; the other counts are priced from it with the
+    # per-micro-batch figures scaled (``scaled``); the best count by that estimate is then solved
+    # exactly, and so on until the best candidate is an exact one. Typically one or two solves.
+    found = []  # exact candidates: (price, ranges, m, planned, paths, order)
+    estimated: list = []  # (price, m) from a scaled solve
+    first = counts[len(counts) // 2]
+    for bounded in (False, True):
+        solved: set[int] = set()
+        estimated = []
+        m = first
+        while m is not None:
+            solved.add(m)
+            try:
+                planned, segs, paths = exact(m, bounded)
+            except InfeasibleError:
+                planned = None
+            if planned is not None:
+                for price, ranges in priced(segs, m, pin.get("schedule"), pin.get("virtual_stages")):
+                    found.append((price, ranges, m, planned, paths, len(found)))
+                estimated = [e for e in estimated if e[1] != m]
+                if not estimated and len(solved) == 1:
+                    for k in counts:
+                        if k not in solved:
+                            estimated += [(price, k) for price, _ in priced(scaled(segs, m / k), k, pin.get("schedule"),
+                                                                            pin.get("virtual_stages"))]
+            pool = [(f[0], f[2], True) for f in found] + [(e[0], e[1], False) for e in estimated if e[1] not in solved]
+            fit = [c for c in pool if c[0].peak_memory <= budget]
+            best_c = min(fit or pool, key=lambda c: (c[0].step_time, not c[2])) if pool else None
+            m = best_c[1] if best_c is not None and not best_c[2] else None
+            if planned is None and not found and not estimated:  # nothing to estimate from: the next count
+                m = next((k for k in counts if k not in solved), None)
         if any(p.peak_memory <= budget for p, *_ in found):
             break
+    tried = [f[0] for f in found] + [e[0] for e in estimated if e[1] not in {f[2] for f in found}]
+    estimated_ids = {id(e[0]) for e in estimated if e[1] not in {f[2] for f in found}}
     if not found:
         raise ArgumentError(f"autopar.plan: no pipeline schedule runs {pp} stage(s) with micro-batch counts {counts}"
                             + (f" and {pin}" if pin else "") + " (1F1B needs m >= pp, ZBV and Interleaved1F1B two "
                             "stages per rank and at least two layers per rank)")
     recipe_row = None
     if not pin and pp > 1:  # the torchtitan-style pipelined recipe, priced like the search's pipelines
-        recipe_row, recipe_found = _pp_recipe(model, sub, args, kwargs, batch, pp, link, passkw, budget)
+        t = time.perf_counter()
+        recipe_row, recipe_found = _pp_recipe(exact, priced, sub, batch, pp, budget)
+        lap("pp_recipe", t)
         found += [(*f[:5], len(found) + k) for k, f in enumerate(recipe_found)]
     fitting = [f for f in found if f[0].peak_memory <= budget]
     best = min(fitting or found, key=lambda f: (f[0].step_time, f[5]))
     plain = None
-    if not pin:
+    plain_row: Optional[dict] = None
+    if not pin and compare:
+        # the plain plan's fastest layer plan without a budget first: recomputing or leaner
+        # placements only add time, so when even that is slower than a fitting pipeline the
+        # plain plan loses, and its budgeted search (recomputation candidates on every axis,
+        # the slowest part of planning a big model) is not run
+        t = time.perf_counter()
         try:
-            plain = run_passes(model, mesh, args, kwargs, memory_budget=budget, **passkw)
+            plain = run_passes(model, mesh, args, kwargs, memory_budget=math.inf, graph=graphs.get(batch), **passkw)
+            graphs.setdefault(batch, plain.graph)
+            if plain.cost.peak_memory > budget:
+                if fitting and plain.cost.step_time > best[0].step_time:
+                    plain_row = {"error": f"not planned within the budget: its fastest plan without one "
+                                          f"({plain.cost.step_time * 1e3:.1f} ms) is already slower than the pipeline"}
+                    plain = None
+                else:
+                    plain = run_passes(model, mesh, args, kwargs, memory_budget=budget, graph=graphs[batch], **passkw)
         except InfeasibleError:
             plain = None
+        lap("unpipelined", t)
     best_row = {"step_time": best[0].step_time, "peak_memory": int(best[0].peak_memory),
                 "fits": best[0].peak_memory <= budget}
     if plain is not None and plain.cost.peak_memory <= budget and (
             not fitting or plain.cost.step_time <= best[0].step_time):
         plan = build_plan(plain)
         plan.baselines = dict(plan.baselines, pipeline=best_row, **({RECIPE: recipe_row} if recipe_row else {}))
+        plan.phases = dict(inner_phases, total=round(time.perf_counter() - start, 4))
         return plan
     if not fitting:
         raise InfeasibleError(
@@ -210,6 +284,8 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
         plan.baselines = dict(plain.baselines, **plan.baselines, unpipelined={"step_time": plain.cost.step_time,
                                                             "peak_memory": int(plain.cost.peak_memory),
                                                             "fits": plain.cost.peak_memory <= budget})
+    elif plain_row is not None:
+        plan.baselines = dict(plan.baselines, unpipelined=plain_row)
     stage_paths = []
     for s, (a, b) in enumerate(ranges):
         stage_paths.append((pre if s == 0 else []) + units[a:b] + (post if s == len(ranges) - 1 else []))
@@ -230,10 +306,27 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
         "in_flight": list(price.replay.in_flight),
         "stage_times": [[st.forward, st.input_grad, st.weight_grad] for st in price.stages],
         "rank_memory": [int(x) for x in price.rank_memory],
-        "compared": [{"schedule": p.schedule, "microbatches": p.microbatches, "virtual_stages": p.virtual,
-                      "step_time": p.step_time, "peak_memory": int(p.peak_memory), "bubble": p.replay.bubble}
-                     for p in sorted(tried, key=lambda p: (p.step_time, p.schedule, p.microbatches, p.virtual))],
+        "recompute": [{"mode": mode, "layers": list(paths)} if paths else {"mode": "none", "layers": []}
+                      for mode, paths in price.recomputed],
+        "compared": [dict({"schedule": p.schedule, "microbatches": p.microbatches, "virtual_stages": p.virtual,
+                           "step_time": p.step_time, "peak_memory": int(p.peak_memory), "bubble": p.replay.bubble,
+                           "recomputed": sum(len(c[1]) for c in p.recomputed)},
+                          **({"estimated": True} if id(p) in estimated_ids else {}))
+                     for p in sorted(tried, key=lambda p: (p.step_time, p.schedule, p.microbatches, p.virtual,
+                                                           id(p) in estimated_ids))],
     }
+    coupled = batch_coupled(planned.graph, batch // m)
+    plan.pipeline["batch_coupled"] = coupled
+    plan.pipeline["reference"] = "micro-batched" if coupled and m > 1 else "whole-batch"
+    if coupled and m > 1:
+        warnings.warn(f"autopar.plan: {len(coupled)} op(s) couple the whole batch ({', '.join(coupled[:3])}"
+                      f"{', ...' if len(coupled) > 3 else ''}) and run per micro-batch in this pipeline ({m} "
+                      f"micro-batches): the plan equals the single-device run of the same micro-batches one after "
+                      f"the other, not of the whole batch (plan.pipeline['reference']); pin "
+                      f"pipeline={{'microbatches': 1}} to keep the whole batch", stacklevel=3)
+    redo = {path: mode for mode, paths in price.recomputed for path in paths}
+    if redo:  # what each stage recomputes, as the lowering reads it (the layer plan itself recomputes nothing)
+        plan.checkpointing = dict(sorted(dict(plan.checkpointing, **redo).items()))
     plan.phases = dict(inner_phases, total=round(time.perf_counter() - start, 4))
     return plan
 
@@ -244,28 +337,23 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
 RECIPE = "pp_fsdp_tp"
 
 
-def _pp_recipe(model, sub: Mesh, args: tuple, kwargs: dict, batch: int, pp: int, link, passkw: dict,
-               budget: float) -> tuple[dict, list]:
-    """``RECIPE`` priced: its baseline row and its candidate (``found``'s layout), or an error row."""
+def _pp_recipe(exact, priced, sub: Mesh, batch: int, pp: int, budget: float) -> tuple[dict, list]:
+    """``RECIPE`` priced: its baseline row and its candidate (``found``'s layout), or an error row;
+    ``exact`` and ``priced`` are ``plan_pipelined``'s (the capture at that shape is shared)."""
     m = next((k for k in (2 * pp, pp) if batch % k == 0), None)
     if m is None:
         return {"error": f"{RECIPE}: the batch of {batch} splits into neither {2 * pp} nor {pp} micro-batches"}, []
     inner = "fsdp_tp" if sub.ndim >= 2 else "fsdp"
-    margs, mkwargs = micro_inputs(args, kwargs, batch, m)
     try:
-        planned = run_passes(model, sub, margs, mkwargs, memory_budget=math.inf,
-                             **dict(passkw, recipe=inner))
+        planned, segs, paths = exact(m, False, recipe=inner)
     except (RecipeError, InfeasibleError, ValueError) as e:
         return {"error": f"{RECIPE}: {e}"}, []
-    segs, pre, units, post = segments(planned.graph, planned.folding, planned.problem, planned.choice, sub,
-                                      planned.precision)
-    hop = p2p_time(segs.boundary_bytes, link) if link is not None else 0.0
-    priced = search(segs, pp, m, hop, "1F1B", 1)
-    if not priced:
+    found = priced(segs, m, "1F1B", 1)
+    if not found:
         return {"error": f"{RECIPE}: 1F1B does not run {pp} stages of {len(segs.units)} layers at m={m}"}, []
-    price, ranges = priced[0]
+    price, ranges = found[0]
     row = {"step_time": price.step_time, "peak_memory": int(price.peak_memory), "fits": price.peak_memory <= budget}
-    return row, [(price, ranges, m, planned, (pre, units, post))]
+    return row, [(price, ranges, m, planned, paths)]
 
 
 __all__ = ["PIN_KEYS", "PP_AXIS", "RECIPE", "batch_size", "check_pin", "micro_inputs", "plan_pipelined", "stage_mesh",

@@ -1,4 +1,5 @@
-"""A pipelined plan's lines in ``summary``, ``explain`` and ``diff`` (``plan.pipeline``, schema version 5)."""
+"""A pipelined plan's lines in ``summary``, ``explain`` and ``diff`` (``plan.pipeline``, schema version 5;
+per-stage recomputation, batch-coupled ops and the mesh search: version 6)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,33 @@ def _span(paths: list) -> str:
     return ", ".join(map(str, paths)) if len(paths) <= 4 else f"{paths[0]}, {paths[1]} ... {paths[-1]} ({len(paths)})"
 
 
+def mesh_search_lines(plan: "Plan") -> list[str]:
+    """``Mesh.devices``' factorization search: the shape chosen and every shape compared."""
+    ms: Optional[dict] = getattr(plan, "mesh_search", None)
+    if not ms:
+        return []
+
+    def shape(d: dict) -> str:
+        return " x ".join(f"{k}{d.get(k, 1)}" for k in ("pp", "dp", "tp"))
+
+    out = ["", f"mesh search: {ms.get('devices')} devices (nodes of {ms.get('node_size')}), chose "
+               f"{shape(ms.get('chosen') or {})}; compared:"]
+    for r in ms.get("compared") or []:
+        if "error" in r:
+            out.append(f"  {shape(r['shape'])}: {r['error'][:100]}")
+        else:
+            out.append(f"  {shape(r['shape'])}: {human_time(r.get('step_time', 0.0))}, "
+                       f"{human_bytes(r.get('peak_memory', 0))}{'' if r.get('fits') else ' (does not fit)'}"
+                       f"{', pipelined' if r.get('pipelined') else ''}")
+    return out
+
+
 def summary_lines(plan: "Plan") -> list[str]:
-    """The pipeline: axes, schedule, micro-batches, bubble, and per stage its modules, times and its
-    rank's memory."""
+    """The mesh search, if any, then the pipeline: axes, schedule, micro-batches, bubble, and per
+    stage its modules, times and its rank's memory."""
     pl: Optional[dict] = getattr(plan, "pipeline", None)
     if not pl:
-        return []
+        return mesh_search_lines(plan)
     axes = ", ".join(f"{n}={s}" for n, s in zip(pl.get("mesh_names", []), pl.get("mesh_shape", [])))
     out = ["", f"pipeline on axis {pl.get('axis')!r} ({axes}; placements above are per stage, on the other axes, "
                f"per micro-batch):",
@@ -31,18 +53,24 @@ def summary_lines(plan: "Plan") -> list[str]:
     times = pl.get("stage_times") or []
     flight = pl.get("in_flight") or []
     mem = pl.get("rank_memory") or []
+    redo = pl.get("recompute") or []
     for s, paths in enumerate(pl.get("stages") or []):
         r = ranks[s] if s < len(ranks) else s
         t = times[s] if s < len(times) else [0.0, 0.0, 0.0]
+        rc = redo[s] if s < len(redo) else {}
+        again = (f"; recomputes {len(rc['layers'])} layer(s) ({rc['mode']})" if rc.get("layers") else "")
         out.append(f"  stage {s} (rank {r}): {_span(paths)}; fwd {human_time(t[0])}, bwd {human_time(t[1] + t[2])} "
                    f"per micro-batch, {flight[s] if s < len(flight) else '?'} in flight; rank memory "
-                   f"{human_bytes(mem[r]) if r < len(mem) else '?'}")
+                   f"{human_bytes(mem[r]) if r < len(mem) else '?'}{again}")
     others = [c for c in pl.get("compared") or []][:6]
     if len(others) > 1:
         out.append("  compared: " + "; ".join(
             f"{c.get('schedule')} m={c.get('microbatches')} v={c.get('virtual_stages')} {human_time(c.get('step_time', 0.0))}"
-            f" {human_bytes(c.get('peak_memory', 0))}" for c in others))
-    return out
+            f" {human_bytes(c.get('peak_memory', 0))}{' (estimated)' if c.get('estimated') else ''}" for c in others))
+    if pl.get("batch_coupled"):
+        out.append(f"  batch-coupled ops ({', '.join(pl['batch_coupled'][:4])}): the reference is the "
+                   f"{pl.get('reference', 'micro-batched')} single-device run")
+    return mesh_search_lines(plan) + out
 
 
 def explain_lines(plan: "Plan", path: str) -> list[str]:
@@ -60,14 +88,16 @@ def explain_lines(plan: "Plan", path: str) -> list[str]:
 
 
 def diff_lines(a: "Plan", b: "Plan") -> list[str]:
-    """What differs between two plans' pipelines."""
+    """What differs between two plans' pipelines (and their mesh searches' choices)."""
     pa: Any = getattr(a, "pipeline", None)
     pb: Any = getattr(b, "pipeline", None)
+    ma, mb = (getattr(a, "mesh_search", None) or {}).get("chosen"), (getattr(b, "mesh_search", None) or {}).get("chosen")
+    head = [f"mesh search chose: {ma or 'no search'} -> {mb or 'no search'}"] if ma != mb else []
     if pa == pb:
-        return []
+        return head
     if not pa or not pb:
-        return [f"pipeline: {'none' if not pa else pa.get('schedule')} -> {'none' if not pb else pb.get('schedule')}"]
-    out = []
+        return head + [f"pipeline: {'none' if not pa else pa.get('schedule')} -> {'none' if not pb else pb.get('schedule')}"]
+    out = head
     for k in ("schedule", "microbatches", "virtual_stages"):
         if pa.get(k) != pb.get(k):
             out.append(f"pipeline {k}: {pa.get(k)} -> {pb.get(k)}")
@@ -76,7 +106,14 @@ def diff_lines(a: "Plan", b: "Plan") -> list[str]:
                    + " | ".join(str(len(s)) for s in pb.get("stages", [])) + " modules per stage")
     if pa.get("bubble") != pb.get("bubble"):
         out.append(f"pipeline bubble: {100 * pa.get('bubble', 0):.1f}% -> {100 * pb.get('bubble', 0):.1f}%")
+    ra = [len(r.get("layers", [])) for r in pa.get("recompute") or []]
+    rb = [len(r.get("layers", [])) for r in pb.get("recompute") or []]
+    if ra != rb:
+        out.append(f"pipeline recomputed layers per stage: {ra or 'none'} -> {rb or 'none'}")
+    if pa.get("rank_memory") != pb.get("rank_memory"):
+        out.append("pipeline memory per rank: " + ", ".join(human_bytes(x) for x in pa.get("rank_memory") or [])
+                   + " -> " + ", ".join(human_bytes(x) for x in pb.get("rank_memory") or []))
     return out
 
 
-__all__ = ["diff_lines", "explain_lines", "summary_lines"]
+__all__ = ["diff_lines", "explain_lines", "mesh_search_lines", "summary_lines"]

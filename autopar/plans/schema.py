@@ -39,8 +39,14 @@ micro-batches, virtual stages, module paths per stage, the replayed bubble and p
 ``mesh.hardware.overlap_slowdown`` (a number in [0, 1): the fraction of compute throughput lost while
 a hidden parameter gather or gradient reduction runs beside it; the plan's ``comm_time`` and
 ``step_time`` include that slowed compute, ``s * min(traffic, compute)`` per overlap group,
-``autopar.passes.search.problem``); a version 1-5 file loads with it at 0 (overlap priced as free, as
-it was). Any other version is a PlanError naming it.
+``autopar.passes.search.problem``), ``mesh_search`` (None, or for a mesh made by ``Mesh.devices``: the
+device count, the node size, the factorizations into pp x dp x tp the planner compared and the one it
+chose) and, in ``pipeline``, ``recompute`` (per stage, the layer instances it recomputes and in which
+mode), ``batch_coupled`` (ops whose result depends on the whole batch: batch-norm statistics,
+capacity-limited routing) with ``reference`` (``"whole-batch"``, or ``"micro-batched"`` when such ops
+run per micro-batch), and per compared candidate ``recomputed`` and ``estimated``; a version 1-5 file
+loads with ``overlap_slowdown`` at 0 (overlap priced as free, as it was), ``mesh_search`` None and those
+pipeline keys absent. Any other version is a PlanError naming it.
 """
 
 from __future__ import annotations
@@ -225,6 +231,8 @@ class Plan:
     tokens_per_second_per_device: float = 0.0
     # pipeline parallelism (schema version 5; older files load with None): see autopar/passes/pipelined.py
     pipeline: Optional[dict] = None
+    # the factorization ``Mesh.devices`` left to the planner (schema version 6; older files load with None)
+    mesh_search: Optional[dict] = None
     schema_version: int = field(default=SCHEMA_VERSION)
 
     # -- derived --------------------------------------------------------------------------------
@@ -289,6 +297,8 @@ class Plan:
             d = {**d, **{k: _copy(v) for k, v in _V4_DEFAULTS.items() if k not in d}}
         if version < 5:
             d = {**d, **{k: _copy(v) for k, v in _V5_DEFAULTS.items() if k not in d}}
+        if version < 6:
+            d = {**d, **{k: _copy(v) for k, v in _V6_DEFAULTS.items() if k not in d}}
         missing = [n for n in names if n not in d]
         if missing:
             raise PlanError(f"plan lacks the field(s) {', '.join(missing)} (schema version {version})")
@@ -432,6 +442,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "checkpointing": (dict,), "kept_gathers": (list,), "layer_groups": (list,),
     "model_flops": _NUM, "mfu": _NUM, "tokens_per_step": (int,), "tokens_per_second_per_device": _NUM,
     "pipeline": (dict, type(None)),
+    "mesh_search": (dict, type(None)),
 }
 
 
@@ -440,6 +451,8 @@ _V4_DEFAULTS: dict[str, Any] = {"checkpointing": {}, "kept_gathers": [], "layer_
 #: the fields version 5 added, as an older plan has them (0: not known)
 _V5_DEFAULTS: dict[str, Any] = {"model_flops": 0.0, "mfu": 0.0, "tokens_per_step": 0, "tokens_per_second_per_device": 0.0,
                                 "pipeline": None}
+#: fields schema version 6 added, as a version 1-5 file loads them
+_V6_DEFAULTS: dict[str, Any] = {"mesh_search": None}
 
 
 def _nics_of_old_plan(d: Mapping) -> Mapping:

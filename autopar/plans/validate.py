@@ -312,6 +312,32 @@ class _Compared(_Strict):
     step_time: Seconds = None
     peak_memory: Int = None
     bubble: Annotated[float, Field(ge=0, le=1)] = None
+    recomputed: Count = None  # schema version 6
+    estimated: bool = None  # schema version 6
+
+
+class _StageRecompute(_Strict):
+    """What one pipeline stage recomputes (schema version 6)."""
+    mode: Literal["none", "full", "selective"]
+    layers: list[Name]
+
+
+class _MeshCandidate(_Strict):
+    """One factorization the mesh search priced (schema version 6)."""
+    shape: dict[Name, Count]
+    step_time: Seconds = None
+    peak_memory: Int = None
+    fits: bool = None
+    pipelined: bool = None
+    error: Text = None
+
+
+class _MeshSearch(_Strict):
+    """``Mesh.devices``: the device count the planner factorized and what it compared (schema version 6)."""
+    devices: Count
+    node_size: Count
+    chosen: dict[Name, Count]
+    compared: list[_MeshCandidate]
 
 
 class _Pipeline(_Strict):
@@ -333,6 +359,9 @@ class _Pipeline(_Strict):
     stage_times: list[list[Seconds]] = None
     rank_memory: list[Int] = None
     compared: list[_Compared] = None
+    recompute: list[_StageRecompute] = None  # schema version 6
+    batch_coupled: list[Text] = None  # schema version 6
+    reference: Literal["whole-batch", "micro-batched"] = None  # schema version 6
 
 
 class _Solver(BaseModel):
@@ -387,11 +416,12 @@ class _PlanFile(_Strict):
     tokens_per_step: Int = None
     tokens_per_second_per_device: NonNegative = None
     pipeline: _Pipeline | None = None  # schema version 5
+    mesh_search: _MeshSearch | None = None  # schema version 6
 
 
 _KNOWN_KEYS = sorted({k for m in (_PlanFile, _Mesh, _Hardware, _Link, _Precision, _Fingerprint, _Graph, _Node, _Step,
                                   _Collective, _Alternative, _Module, _Baseline, _Timing, _Resharding, _LayerGroup,
-                                  _Efficiency, _Pipeline, _Compared)
+                                  _Efficiency, _Pipeline, _Compared, _StageRecompute, _MeshCandidate, _MeshSearch)
                                   for k in m.model_fields}
                      | {"from"})
 

@@ -27,17 +27,19 @@ replay (``cost_model/pipeline.py``) and returns them cheapest first.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from autopar.cost_model.mesh import Mesh
 from autopar.cost_model.memory import activation_bytes
-from autopar.cost_model.pipeline import PipelinePrice, Segment, combine, price_pipeline
+from autopar.cost_model.pipeline import PipelinePrice, Recompute, Segment, combine, price_pipeline
 from autopar.cost_model.precision import Precision
 from autopar.cost_model.schedules import SCHEDULES, check_schedule
 from autopar.ir.graph import Graph, Phase
 from autopar.ir.layers import layers
+from autopar.ir.recompute import MODES
 from autopar.ir.stages import POST, PRE, chain, region_paths
+from autopar.passes.search.checkpoint import Choice, GroupTerms, group_figures
 from autopar.passes.search.fold import Folding
 from autopar.passes.search.problem import MEMORY_KINDS, Problem, edge_cost, transfer_cost
 from autopar.passes.search.strategies import output_placement
@@ -48,12 +50,14 @@ from autopar.passes.search.strategies import output_placement
 class ModelSegments:
     """A model read back per segment: ``pre`` (before the layers), ``units`` (each layer instance, in
     order), ``post`` (after them), and ``boundary_bytes``: the activation one stage sends the next
-    per micro-batch (bytes per device: what leaves the first layer instance in the forward)."""
+    per micro-batch (bytes per device: what leaves the first layer instance in the forward);
+    ``overlap_slowdown``: the mesh hardware's (compute slowed under hidden synchronisation)."""
 
     pre: Segment
     units: tuple[Segment, ...]
     post: Segment
     boundary_bytes: float
+    overlap_slowdown: float = 0.0
 
 
 def _weight_only(graph: Graph, region: dict[str, int]) -> set[str]:
@@ -78,9 +82,13 @@ def _weight_only(graph: Graph, region: dict[str, int]) -> set[str]:
 
 
 def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[int], mesh: Mesh,
-             precision: Precision) -> tuple[ModelSegments, list[str], list[str], list[str]]:
+             precision: Precision, terms: Sequence[GroupTerms] = ()) -> tuple[ModelSegments, list[str], list[str],
+                                                                             list[str]]:
     """The plan ``choice`` of ``problem`` read back per segment (see the module docstring); also the
-    module paths before the layers, of each layer instance, and after the layers."""
+    module paths before the layers, of each layer instance, and after the layers. With ``terms``
+    (``checkpoint.group_terms`` of ``problem``, which must be priced without recomputation), each
+    layer instance also says what recomputing it would save and cost per mode (``Segment.recompute``),
+    for the pipeline's per-stage recomputation."""
     found = layers(graph)
     ch = chain(graph)
     keys = list(ch.keys)
@@ -164,7 +172,10 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
 
     unit_paths = list(ch.paths)
     pre_paths, post_paths = region_paths(graph, ch, PRE), region_paths(graph, ch, POST)
-    units = tuple(seg(u, (unit_paths[u],)) for u in range(n_units))
+    options = _recompute_options(problem, choice, terms)
+    units = tuple(replace(seg(u, (unit_paths[u],)),
+                          recompute=((unit_paths[u], options[unit_paths[u]]),) if unit_paths[u] in options else ())
+                  for u in range(n_units))
     boundary = 0.0
     if n_units:
         first = set(found.instances[keys[0]])
@@ -181,8 +192,44 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
                     i = rep(name)
                     place = output_placement(problem.nodes[i].strategies[choice[i]], j)
                     boundary += activation_bytes(spec.shape, spec.dtype, place, mesh, precision)
-    return (ModelSegments(seg(PRE, tuple(pre_paths)), units, seg(POST, tuple(post_paths)), boundary),
+    return (ModelSegments(seg(PRE, tuple(pre_paths)), units, seg(POST, tuple(post_paths)), boundary,
+                          mesh.hardware.overlap_slowdown),
             pre_paths, unit_paths, post_paths)
+
+
+def _recompute_options(problem: Problem, choice: Sequence[int], terms: Sequence[GroupTerms]) -> dict[str, dict]:
+    """Per layer instance's module path, per recomputation mode: what recomputing it saves and costs
+    per micro-batch (``checkpoint.group_figures`` of its folded group at ``choice``)."""
+    out: dict[str, dict] = {}
+    for mode in MODES:
+        recompute = Choice(tuple(mode for _ in terms), tuple(1 for _ in terms))
+        for t, fig in zip(terms, group_figures(problem, list(terms), recompute, list(choice))):
+            option = Recompute(max(0.0, fig["saved_bytes"] - fig["input_bytes"]), fig["recompute_time"],
+                               t.peak_share[mode] * fig["saved_bytes"])
+            for path in t.paths:
+                out.setdefault(path, {})[mode] = option
+    return out
+
+
+def scaled(model: ModelSegments, factor: float) -> ModelSegments:
+    """``model``'s segments at a micro-batch ``factor`` times as large: the per-micro-batch figures
+    (forward, input and weight gradients, saved activations, the boundary activation) scaled, the
+    per-step ones (state, gathers, reductions, the kept copy, the optimizer step) kept. An estimate
+    (compute is not exactly linear in the batch, and the intra-op plan at the other shape may
+    differ): the pipeline driver ranks micro-batch counts with it and solves only the best exactly."""
+
+    def one(s: Segment) -> Segment:
+        mem = dict(s.memory)
+        if "activations" in mem:
+            mem["activations"] = mem["activations"] * factor
+        redo = tuple((path, {k: Recompute(o.saving * factor, o.seconds * factor, o.transient * factor)
+                             for k, o in opts.items()}) for path, opts in s.recompute)
+        return Segment(s.forward * factor, s.input_grad * factor, s.weight_grad * factor, s.state,
+                       s.activations * factor, s.gathers, s.reductions, s.kept, memory=mem, paths=s.paths,
+                       optimizer=s.optimizer, recompute=redo)
+
+    return ModelSegments(one(model.pre), tuple(one(u) for u in model.units), one(model.post),
+                         model.boundary_bytes * factor, model.overlap_slowdown)
 
 
 def split(model: ModelSegments, n_stages: int) -> Optional[list[tuple[int, int]]]:
@@ -261,18 +308,21 @@ def candidates(pp: int, microbatches: int, schedule: Optional[str] = None,
 
 
 def search(model: ModelSegments, pp: int, microbatches: int, p2p: float, schedule: Optional[str] = None,
-           virtual: Optional[int] = None) -> list[tuple[PipelinePrice, list[tuple[int, int]]]]:
+           virtual: Optional[int] = None, budget: Optional[float] = None) -> list[tuple[PipelinePrice,
+                                                                                  list[tuple[int, int]]]]:
     """Every schedule that runs this shape, priced, with its stage ranges; cheapest step first
-    (ties: the order of ``SCHEDULES``, then fewer virtual stages)."""
+    (ties: the order of ``SCHEDULES``, then fewer virtual stages). With a ``budget``, ranks over it
+    recompute layer instances (``cost_model.pipeline.choose_recompute``)."""
     out = []
     for k, (name, v) in enumerate(candidates(pp, microbatches, schedule, virtual)):
         ranges = split(model, pp * v)
         if ranges is None:
             continue
-        price = price_pipeline(stages_of(model, ranges), name, pp, microbatches, v, p2p, model.boundary_bytes)
+        price = price_pipeline(stages_of(model, ranges), name, pp, microbatches, v, p2p, model.boundary_bytes, budget,
+                               model.overlap_slowdown)
         out.append((k, price, ranges))
     out.sort(key=lambda t: (t[1].step_time, t[0]))
     return [(p, r) for _, p, r in out]
 
 
-__all__ = ["ModelSegments", "candidates", "search", "segments", "split", "stages_of"]
+__all__ = ["ModelSegments", "candidates", "scaled", "search", "segments", "split", "stages_of"]

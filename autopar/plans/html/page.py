@@ -17,6 +17,7 @@ from typing import Optional, Union
 from autopar.errors import PlanError
 from autopar.plans.html.cells import escape
 from autopar.plans.html.charts import baselines_section, memory_section
+from autopar.plans.html.pipeline import mesh_search_section, pipeline_section
 from autopar.plans.html.sections import communication_section, header_section, layer_groups_section, modules_section
 from autopar.plans.schema import Plan
 
@@ -54,13 +55,16 @@ def render_html(plan: "Plan", title: Optional[str] = None) -> str:
         "<nav>",
         " \u00b7 ".join(f'<a href="#{a}">{t}</a>' for a, t in (
             ("modules-section", "modules"), ("communication", "communication"), ("memory", "memory"),
-            ("baselines", "recipes")) + ((("layer-groups", "checkpointing"),) if p.layer_groups else ())),
+            ("baselines", "recipes")) + ((("layer-groups", "checkpointing"),) if p.layer_groups else ())
+            + ((("pipeline", "pipeline"),) if p.pipeline else ()) + ((("mesh-search", "mesh search"),) if p.mesh_search else ())),
         "</nav>",
         "<main>",
         modules_section(p),
         communication_section(p),
         memory_section(p),
         layer_groups_section(p),
+        pipeline_section(p),
+        mesh_search_section(p),
         baselines_section(p),
         "</main>",
         f'<footer>autopar plan, schema version {escape(p.schema_version)}; graph {escape((p.fingerprint or {}).get("graph", ""))}'

@@ -1,0 +1,150 @@
+"""The mesh factorization search: ``autopar.plan`` on a ``Mesh.devices(count, ...)`` mesh.
+
+The user gives a device count (and a node size); the planner chooses the factorization into
+``pp`` x ``dp`` x ``tp`` (axes in that order: tp innermost, inside a node; pp and dp across nodes,
+as Megatron-LM and torchtitan lay them out). Candidates, pruned by rules rather than planned
+exhaustively:
+
+- ``tp`` divides the node size (a tensor-parallel group never spans nodes: its per-layer
+  collectives are the most frequent) and the count;
+- ``pp`` is 1 or a power of two no larger than the model's repeated layer instances (counted on
+  the captured graph: a stage holds at least one) nor than the batch (a micro-batch per stage);
+- ``dp`` is the rest and no larger than the batch;
+- ``Mesh.devices(..., pp=[...], tp=[...])`` restricts the degrees further.
+
+Each candidate is planned as the user would plan that shape: ``pp = 1`` by the intra-op planner on
+``{"dp", "tp"}``, ``pp > 1`` by the pipeline driver (``passes/pipelined.py``) without its own
+comparison against the plain plan (the ``pp = 1`` candidates are that comparison). Captures are
+shared across candidates (one per input shape: the full batch and each micro-batch size). The
+pipelined shapes are planned first; an unpipelined shape is first solved without a memory budget,
+and when that plan (the fastest it can have: recomputation only adds time) does not fit and is
+already slower than a fitting shape found, its budgeted search is skipped (listed with the reason).
+The fastest candidate that fits wins; ``plan.mesh_search`` lists every candidate priced (or why it was
+not), and ``plan.phases["mesh_search"]`` the search's own wall time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Optional
+
+from autopar.cost_model.mesh import Mesh
+from autopar.errors import ArgumentError, InfeasibleError, RecipeError
+from autopar.ir.capture import as_args, capture
+from autopar.ir.stages import chain
+from autopar.passes.pipeline import DEFAULT_BUDGET_FRACTION, run_passes
+from autopar.passes.pipelined import PP_AXIS, batch_size, plan_pipelined
+from autopar.passes.report import build_plan
+
+
+def shape_candidates(count: int, node_size: int, batch: int, n_layers: int, pp: Optional[list] = None,
+                     tp: Optional[list] = None) -> list[dict[str, int]]:
+    """The ``{"pp", "dp", "tp"}`` factorizations of ``count`` the search plans (see the module
+    docstring), in a fixed order: fewer pipeline stages first, then larger tensor-parallel groups."""
+    out = []
+    tps = [t for t in range(node_size, 0, -1) if node_size % t == 0 and count % t == 0]
+    if tp is not None:
+        tps = [t for t in tps if t in tp]
+    pps = [1] + [2 ** k for k in range(1, count.bit_length()) if 2 ** k <= min(n_layers, batch)]
+    if pp is not None:
+        pps = [p for p in sorted(set(pp)) if p == 1 or p <= n_layers]
+    for p in pps:
+        for t in tps:
+            if count % (p * t):
+                continue
+            d = count // (p * t)
+            if d > batch or (p > 1 and batch % p):
+                continue
+            out.append({"pp": p, "dp": d, "tp": t})
+    return out
+
+
+def candidate_mesh(mesh: Mesh, shape: dict[str, int]) -> Mesh:
+    """The mesh of one factorization: ``pp`` (when > 1), ``dp`` and ``tp`` (each when > 1; a lone
+    device is ``dp=1``), on ``mesh``'s hardware and node shape, with the default links."""
+    axes = {k: v for k, v in shape.items() if v > 1}
+    if not axes:
+        axes = {"dp": 1}
+    return Mesh(axes, device=mesh.hardware)
+
+
+def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, pipeline=None, **kw):
+    """The ``Plan`` for a ``Mesh.devices`` mesh (see the module docstring); ``kw`` are ``plan``'s
+    checked keywords. Raises ``InfeasibleError`` when no factorization fits, naming each one's need."""
+    start = time.perf_counter()
+    spec: dict[str, Any] = mesh.factorize or {}
+    count, node = int(spec["devices"]), int(spec["node_size"])
+    if not kw.get("training", True):
+        raise ArgumentError("autopar.plan: Mesh.devices (the factorization search) plans training only; give the "
+                            "axes (autopar.Mesh({'dp': ..., 'tp': ...})) for inference")
+    if pipeline is not None:
+        raise ArgumentError("autopar.plan: pipeline= pins a pipeline on a given mesh; with Mesh.devices the planner "
+                            "chooses the pipeline degree: give the axes, e.g. Mesh({'pp': 4, 'dp': 2, 'tp': 8}), to pin it")
+    if kw.get("recipe") is not None or kw.get("hints") is not None:
+        raise ArgumentError("autopar.plan: recipe= and hints= name mesh axes; with Mesh.devices the axes are not known "
+                            "yet: give the axes (autopar.Mesh({...})) to use them")
+    args = as_args(example_inputs)
+    kwargs = dict(example_kwargs or {})
+    batch = batch_size(args, kwargs)
+    graphs: dict[int, Any] = {}
+    given = kw.get("graph")
+    graphs[batch] = given if given is not None else capture(model, args, kwargs, training=True)
+    n_layers = len(chain(graphs[batch]).keys)
+    shapes = shape_candidates(count, node, batch, n_layers, spec.get("pp"), spec.get("tp"))
+    if not shapes:
+        raise ArgumentError(f"autopar.plan: no factorization of {count} devices into pp x dp x tp fits a batch of "
+                            f"{batch} with tp dividing the node size {node}"
+                            + (f" and the degrees asked (pp={spec.get('pp')}, tp={spec.get('tp')})"
+                               if spec.get("pp") or spec.get("tp") else ""))
+    passkw = {k: v for k, v in kw.items() if k not in ("graph", "recipe", "hints", "memory_budget")}
+    budget = kw.get("memory_budget")
+    budget = float(budget) if budget is not None else DEFAULT_BUDGET_FRACTION * mesh.hardware.memory
+    rows: list[dict] = []
+    plans = []
+    # the pipelined shapes first (their per-stage solves are small), then the unpipelined ones, each
+    # first without a budget: recomputing or leaner placements only add time, so when even that is
+    # slower than a fitting shape already found, its budgeted search (the costly part) is skipped
+    order = [s for s in shapes if s["pp"] > 1] + [s for s in shapes if s["pp"] == 1]
+    for shape in order:
+        sub = candidate_mesh(mesh, shape)
+        best = min((p.step_time for p, _ in plans if p.fits), default=math.inf)
+        try:
+            if shape["pp"] > 1:
+                plan = plan_pipelined(model, sub, args, kwargs, compare=False, graphs=graphs, memory_budget=budget,
+                                      **passkw)
+            else:
+                fast = run_passes(model, sub, args, kwargs, graph=graphs[batch], memory_budget=math.inf, **passkw)
+                if fast.cost.peak_memory <= budget:
+                    plan = build_plan(run_passes(model, sub, args, kwargs, graph=graphs[batch], memory_budget=budget,
+                                                 **passkw)) if budget != math.inf else build_plan(fast)
+                elif fast.cost.step_time >= best:
+                    rows.append({"shape": dict(shape), "error": f"not planned within the budget: its fastest plan "
+                                 f"without one ({fast.cost.step_time * 1e3:.1f} ms) is already slower than a fitting "
+                                 f"shape"})
+                    continue
+                else:
+                    plan = build_plan(run_passes(model, sub, args, kwargs, graph=graphs[batch], memory_budget=budget,
+                                                 **passkw))
+        except (InfeasibleError, ArgumentError, RecipeError, ValueError) as e:
+            rows.append({"shape": dict(shape), "error": str(e).splitlines()[0][:400]})
+            continue
+        plans.append((plan, len(rows)))
+        rows.append({"shape": dict(shape), "step_time": plan.step_time, "peak_memory": int(plan.peak_memory),
+                     "fits": bool(plan.fits), "pipelined": plan.pipeline is not None})
+    fitting = [(p, k) for p, k in plans if p.fits]
+    if not fitting:
+        tried = "; ".join(f"pp={r['shape']['pp']} dp={r['shape']['dp']} tp={r['shape']['tp']}: "
+                          + (r["error"][:120] if "error" in r else f"{r['peak_memory'] / 2**30:.1f} GiB")
+                          for r in rows)
+        raise InfeasibleError(f"no factorization of {count} devices fits the memory budget: {tried}; use more devices, "
+                              f"a smaller batch, or raise memory_budget")
+    best, k = min(fitting, key=lambda pk: (pk[0].step_time, pk[1]))
+    best.mesh_search = {"devices": count, "node_size": node, "chosen": dict(rows[k]["shape"]),
+                        "compared": sorted(rows, key=lambda r: ("error" in r, not r.get("fits", False),
+                                                               r.get("step_time", math.inf)))}
+    best.phases = dict(best.phases, mesh_search=round(time.perf_counter() - start, 4))
+    return best
+
+
+__all__ = ["candidate_mesh", "plan_mesh_search", "shape_candidates"]
