@@ -57,8 +57,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, TypedDict, Union
 
 from autopar.errors import PlanError
-from autopar.plans import view
+from autopar.plans import legacy, view
 from autopar.plans.format import SOLVER_TIMING_KEYS, canon
+from autopar.plans.legacy import copy_plain
 from autopar.plans.bounds import check_values, read_json, shown
 from autopar.plans.validate import check_fields
 from autopar.validate import check_path
@@ -175,17 +176,6 @@ class Baseline(TypedDict, total=False):
     error: str
 
 
-def _copy(x: Any) -> Any:
-    """A deep copy of plain data (dicts, lists, tuples as lists), numbers untouched."""
-    if type(x) in (str, int, float, bool) or x is None:  # the usual leaves, without the ABC checks below
-        return x
-    if isinstance(x, Mapping):
-        return {k: _copy(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_copy(v) for v in x]
-    return x
-
-
 # -- the plan ---------------------------------------------------------------------------------------
 
 @dataclass
@@ -265,11 +255,11 @@ class Plan:
         d: dict[str, Any] = {}
         for f in fields(self):
             if f.name != "phases":
-                d[f.name] = _copy(getattr(self, f.name))
+                d[f.name] = copy_plain(getattr(self, f.name))
         d["axis_names"] = list(self.axis_names)
         solver_timing = {k: d["solver"].pop(k) for k in SOLVER_TIMING_KEYS if k in d["solver"]}
         if timing:
-            d["timing"] = {"phases": _copy(self.phases), "solver": solver_timing}
+            d["timing"] = {"phases": copy_plain(self.phases), "solver": solver_timing}
         return d
 
     @staticmethod
@@ -287,22 +277,14 @@ class Plan:
             raise PlanError(f"plan schema version {shown(version)} found, this autopar reads version {SCHEMA_VERSION} "
                             f"(and the earlier {', '.join(map(str, READABLE_VERSIONS[:-1]))}): make the plan again "
                             f"with autopar.plan(...) (or use the autopar version that wrote it)")
-        if version < 3:
-            d = _nics_of_old_plan(d)
-        if version < 6:
-            d = _overlap_of_old_plan(d)
+        d = legacy.upgrade_hardware(d, version)
         plain = check_values(d)
         names = [f.name for f in fields(Plan) if f.name not in ("phases", "schema_version")]
-        if version < 4:
-            d = {**d, **{k: _copy(v) for k, v in _V4_DEFAULTS.items() if k not in d}}
-        if version < 5:
-            d = {**d, **{k: _copy(v) for k, v in _V5_DEFAULTS.items() if k not in d}}
-        if version < 6:
-            d = {**d, **{k: _copy(v) for k, v in _V6_DEFAULTS.items() if k not in d}}
+        d = legacy.with_defaults(d, version)
         missing = [n for n in names if n not in d]
         if missing:
             raise PlanError(f"plan lacks the field(s) {', '.join(missing)} (schema version {version})")
-        kw: dict[str, Any] = {n: _copy(d[n]) for n in names}
+        kw: dict[str, Any] = {n: copy_plain(d[n]) for n in names}
         for n, want in _FIELD_TYPES.items():
             v = kw[n]
             if want == (int,) and isinstance(v, float) and v.is_integer():
@@ -321,10 +303,10 @@ class Plan:
                 if isinstance(mesh.get(key), dict) and set(mesh[key]) == set(order):
                     mesh[key] = {a: mesh[key][a] for a in order}
         if version < 3 and "links" not in kw["mesh"]:
-            kw["mesh"]["links"] = _links_of_old_plan(kw["mesh"])
+            kw["mesh"]["links"] = legacy.links_of_old_plan(kw["mesh"])
         timing = d.get("timing") or {}
-        kw["phases"] = _copy(timing.get("phases") or {})
-        kw["solver"].update(_copy(timing.get("solver") or {}))
+        kw["phases"] = copy_plain(timing.get("phases") or {})
+        kw["solver"].update(copy_plain(timing.get("solver") or {}))
         return Plan(**kw)
 
     def to_json(self, timing: bool = False) -> str:
@@ -444,48 +426,6 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "pipeline": (dict, type(None)),
     "mesh_search": (dict, type(None)),
 }
-
-
-#: the fields version 4 added, as an older plan (priced without them) has them
-_V4_DEFAULTS: dict[str, Any] = {"checkpointing": {}, "kept_gathers": [], "layer_groups": []}
-#: the fields version 5 added, as an older plan has them (0: not known)
-_V5_DEFAULTS: dict[str, Any] = {"model_flops": 0.0, "mfu": 0.0, "tokens_per_step": 0, "tokens_per_second_per_device": 0.0,
-                                "pipeline": None}
-#: fields schema version 6 added, as a version 1-5 file loads them
-_V6_DEFAULTS: dict[str, Any] = {"mesh_search": None}
-
-
-def _nics_of_old_plan(d: Mapping) -> Mapping:
-    """A version 1 or 2 plan with ``mesh.hardware.nics_per_node`` set to its ``devices_per_node``
-    (one NIC per device, what those versions priced with); ``d`` itself when it has no such place
-    (the schema check then says what is wrong)."""
-    mesh = d.get("mesh")
-    hw = mesh.get("hardware") if isinstance(mesh, Mapping) else None
-    if not isinstance(hw, Mapping) or "devices_per_node" not in hw or "nics_per_node" in hw:
-        return d
-    return {**d, "mesh": {**mesh, "hardware": {**hw, "nics_per_node": hw["devices_per_node"]}}}
-
-
-def _overlap_of_old_plan(d: Mapping) -> Mapping:
-    """A version 1-5 plan with ``mesh.hardware.overlap_slowdown`` 0 (those versions priced hidden
-    communication as free); ``d`` itself when it has no such place (the schema check then says
-    what is wrong) or already gives one."""
-    mesh = d.get("mesh")
-    hw = mesh.get("hardware") if isinstance(mesh, Mapping) else None
-    if not isinstance(hw, Mapping) or "overlap_slowdown" in hw:
-        return d
-    return {**d, "mesh": {**mesh, "hardware": {**hw, "overlap_slowdown": 0.0}}}
-
-
-def _links_of_old_plan(mesh: Mapping) -> dict:
-    """The links versions 1 and 2 gave a mesh without ``links``: ``intra_node`` for an axis whose
-    devices, with every inner axis's, fit in one node, ``inter_node`` otherwise."""
-    hw, axes = mesh["hardware"], list(mesh["axes"].items())
-    links, span = {}, 1
-    for name, size in reversed(axes):
-        span *= size
-        links[name] = _copy(hw["intra_node"] if span <= hw["devices_per_node"] else hw["inter_node"])
-    return {name: links[name] for name, _ in axes}
 
 
 def load_plan(path: Union[str, os.PathLike]) -> Plan:

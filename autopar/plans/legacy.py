@@ -1,0 +1,80 @@
+"""What older plan schema versions lack, supplied as such a file loads (``schema.Plan.from_dict``):
+the fields each later version added, at the values the older file was priced with."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+
+def copy_plain(x: Any) -> Any:
+    """A deep copy of plain data (dicts, lists, tuples as lists), numbers untouched."""
+    if type(x) in (str, int, float, bool) or x is None:  # the usual leaves, without the ABC checks below
+        return x
+    if isinstance(x, Mapping):
+        return {k: copy_plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [copy_plain(v) for v in x]
+    return x
+
+
+#: the fields version 4 added, as an older plan (priced without them) has them
+_V4_DEFAULTS: dict[str, Any] = {"checkpointing": {}, "kept_gathers": [], "layer_groups": []}
+#: the fields version 5 added, as an older plan has them (0: not known)
+_V5_DEFAULTS: dict[str, Any] = {"model_flops": 0.0, "mfu": 0.0, "tokens_per_step": 0, "tokens_per_second_per_device": 0.0,
+                                "pipeline": None}
+#: fields schema version 6 added, as a version 1-5 file loads them
+_V6_DEFAULTS: dict[str, Any] = {"mesh_search": None}
+
+
+def _nics_of_old_plan(d: Mapping) -> Mapping:
+    """A version 1 or 2 plan with ``mesh.hardware.nics_per_node`` set to its ``devices_per_node``
+    (one NIC per device, what those versions priced with); ``d`` itself when it has no such place
+    (the schema check then says what is wrong)."""
+    mesh = d.get("mesh")
+    hw = mesh.get("hardware") if isinstance(mesh, Mapping) else None
+    if not isinstance(hw, Mapping) or "devices_per_node" not in hw or "nics_per_node" in hw:
+        return d
+    return {**d, "mesh": {**mesh, "hardware": {**hw, "nics_per_node": hw["devices_per_node"]}}}
+
+
+def _overlap_of_old_plan(d: Mapping) -> Mapping:
+    """A version 1-5 plan with ``mesh.hardware.overlap_slowdown`` 0 (those versions priced hidden
+    communication as free); ``d`` itself when it has no such place (the schema check then says
+    what is wrong) or already gives one."""
+    mesh = d.get("mesh")
+    hw = mesh.get("hardware") if isinstance(mesh, Mapping) else None
+    if not isinstance(hw, Mapping) or "overlap_slowdown" in hw:
+        return d
+    return {**d, "mesh": {**mesh, "hardware": {**hw, "overlap_slowdown": 0.0}}}
+
+
+def links_of_old_plan(mesh: Mapping) -> dict:
+    """The links versions 1 and 2 gave a mesh without ``links``: ``intra_node`` for an axis whose
+    devices, with every inner axis's, fit in one node, ``inter_node`` otherwise."""
+    hw, axes = mesh["hardware"], list(mesh["axes"].items())
+    links, span = {}, 1
+    for name, size in reversed(axes):
+        span *= size
+        links[name] = copy_plain(hw["intra_node"] if span <= hw["devices_per_node"] else hw["inter_node"])
+    return {name: links[name] for name, _ in axes}
+
+
+def upgrade_hardware(d: Mapping, version: int) -> Mapping:
+    """``d`` (a plan of schema ``version``) with the hardware fields later versions added, before
+    the schema check: ``nics_per_node`` (version 3), ``overlap_slowdown`` (version 6)."""
+    if version < 3:
+        d = _nics_of_old_plan(d)
+    if version < 6:
+        d = _overlap_of_old_plan(d)
+    return d
+
+
+def with_defaults(d: Mapping, version: int) -> Mapping:
+    """``d`` with the top-level fields versions 4-6 added, where it lacks them."""
+    for since, defaults in ((4, _V4_DEFAULTS), (5, _V5_DEFAULTS), (6, _V6_DEFAULTS)):
+        if version < since:
+            d = {**d, **{k: copy_plain(v) for k, v in defaults.items() if k not in d}}
+    return d
+
+
+__all__ = ["copy_plain", "links_of_old_plan", "upgrade_hardware", "with_defaults"]
