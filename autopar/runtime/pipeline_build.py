@@ -91,7 +91,9 @@ def build_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, low
             values.append(local_block(v, slot.placements, program.mesh_shape, coords, slot.spec.blocks))
     dry_run(program, values)
     stage_of = stage_rule(graph, pl["stages"])
-    cutting = cut(program, stage_of, len(pl["stage_ranks"]))
+    pp_rank = int(dmesh.get_coordinate()[names.index(pl["axis"])])
+    cutting = cut(program, stage_of, len(pl["stage_ranks"]),
+                  [s for s, r in enumerate(pl["stage_ranks"]) if int(r) == pp_rank])
     distribute_state(model, graph, program, stage_mesh, None, materializer)
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank())
     stage_groups = [g for n, g in zip(names, groups) if n != pl["axis"]]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -193,9 +193,9 @@ def _closure_up(starts, stop: Callable[[fx.Node], bool], through: Callable[[fx.N
     return seen
 
 
-def cut(program, stage_of: Callable[[str], int], n_stages: int) -> Cut:
+def cut(program, stage_of: Callable[[str], int], n_stages: int, local: Sequence[int]) -> Cut:
     """``program`` (tagged, after ``dry_run``) cut into ``n_stages`` stages; ``stage_of`` gives an IR
-    op's stage."""
+    op's stage; the static program computes what the ``local`` stages (this rank's) read."""
     if program.backward is None:
         raise ArgumentError("autopar pipeline: only training plans run pipelined with other mesh axes")
     kinds = [s.kind for s in program.outputs]
@@ -372,12 +372,13 @@ def cut(program, stage_of: Callable[[str], int], n_stages: int) -> Cut:
         stages.append(StageCut(s, fwd, f_statics, f_given, f_in, f_out, stash_of[s], bwd, b_statics, g_in, g_out,
                                [fid[f] for f in made], uses_tangent))
     # -- the static program: every static value some stage reads --------------------------------------
-    wanted = set().union(*static_reads)
+    wanted = set().union(*(static_reads[s] for s in local))
     static_list = [n for g in (fg, bg) for n in g.nodes if n in wanted]
     ids = {n: k for k, n in enumerate(static_list)}
     for st in stages:
-        st.f_statics = [ids[n] for n in st.f_statics]
-        st.b_statics = [ids[n] for n in st.b_statics]
+        if st.index in local:
+            st.f_statics = [ids[n] for n in st.f_statics]
+            st.b_statics = [ids[n] for n in st.b_statics]
     up = _closure_up(static_list, lambda x: False, first)
     state = [n for n in f_ph if n in up]
     body = [n for g in (fg, bg) for n in g.nodes if n in up and n.op != "placeholder"]

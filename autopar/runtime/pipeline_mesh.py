@@ -222,8 +222,8 @@ class MeshPipelinedModule(torch.nn.Module):
         plan's reshardings: the activation reshardings its stages' ops read, once per micro-batch (once
         per step for values made from parameters, buffers and constants alone, which run once); the
         parameter gathers its stages' forward ops read, once per step (the gathered copy is kept for
-        the step: the backward's regathers are priced as not run); the gradient reductions, once per
-        step (every rank runs the plan's buckets)."""
+        the step: the backward's regathers are priced as not run), a gather group whole when one of its
+        members is wanted; the gradient reductions, once per step (every rank runs the plan's buckets)."""
         g, stage_of, m = self.graph, self.stage_of, self.m
         mine = set(self.my_stages)
         names = {n.name for n in g.nodes}
@@ -239,14 +239,13 @@ class MeshPipelinedModule(torch.nn.Module):
                 n = 1 if r["tensor"] in self.static_refs else m
             else:
                 n = 0
-            if not n:
-                continue
             steps = [(st["kind"], st["axis"], int(st["bytes"])) for st in r["steps"] if st["kind"] not in LOCAL_KINDS]
-            if r.get("bucket") is not None:
-                b = groups.setdefault((r["kind"], r["bucket"]), [n, [[k, a, 0] for k, a, _ in steps]])
+            if r.get("bucket") is not None:  # one collective for the group: run whole if any member is wanted
+                b = groups.setdefault((r["kind"], r["bucket"]), [0, [[k, a, 0] for k, a, _ in steps]])
+                b[0] = max(b[0], n)
                 for entry, (_, _, nbytes) in zip(b[1], steps):
                     entry[2] += nbytes
-            else:
+            elif n:
                 calls += [step for step in steps for _ in range(n)]
         for n, steps in groups.values():
             calls += [tuple(step) for step in steps for _ in range(n)]

@@ -53,12 +53,13 @@ class _Tagging(Emitter):
 
 
 def keeping_gathers(res: Resolved) -> Resolved:
-    """``res`` with every layer instance keeping its gathered parameters for the step (the backward
+    """``res`` with every parameter keeping its gathered blocks for the step (the backward
     reads the forward's gathered block, or a layout view of it, instead of gathering again): what
     the pipeline price assumes (``passes/search/pipeline_split.py``: gathers once per step)."""
     g = res.graph
     paths = sorted({instance_path(g, node) for node in g.params.values()} - {None})
-    kept = kept_reads(g, res.strategies.__getitem__, paths, res.mesh, res.recomputed)
+    # None: the parameters outside every layer instance (embedding, head) are kept too
+    kept = kept_reads(g, res.strategies.__getitem__, [*paths, None], res.mesh, res.recomputed)
     return replace(res, kept={**kept, **res.kept}, _casts={})
 
 
