@@ -39,14 +39,15 @@ def train_on_rank(family: str, n_layers: int, batch: int, axes: tuple, text: str
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=EPS)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=EPS)
     refp = dict(ref.named_parameters())
-    out = {"loss": 0.0, "grad": 0.0, "param": 0.0, "held": [], "ran": []}
+    out = {"loss": 0.0, "grad": 0.0, "param": 0.0, "held": []}
     for step in range(STEPS):
         with pm.record_collectives() as ran:
             loss = pm(*args)
             loss.backward()
         if step == 0:
             out["differences"] = pm.differences(ran)
-            out["ran"] = len(ran)
+            out["p2p"] = sorted({(e.kind, int(e.bytes)) for e in ran if e.kind in ("send", "recv")})
+            out["n_p2p"] = sum(e.kind in ("send", "recv") for e in ran)
         r = ref(*args)
         r.backward()
         out["loss"] = max(out["loss"], rel(loss, r))

@@ -29,6 +29,7 @@ their parameters, on the ranks whose stages read them (None elsewhere).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import Counter
 from typing import Optional
 
@@ -42,6 +43,7 @@ from autopar.errors import ArgumentError
 from autopar.ir.graph import Phase
 from autopar.ir.placement import local_block
 from autopar.program import collectives as C
+from autopar.program.collectives import Executed
 from autopar.runtime.collectives import ProcessGroupComm, record_executed
 from autopar.runtime.pipeline_cut import SHAPE, Cut, StageCut
 
@@ -116,6 +118,33 @@ class _Stage(torch.nn.Module):
         f_in = args if self.cut.f_in else ()
         out = _StageFn.apply(self, self.anchor, *f_in)
         return out / self.runner.m if self.last else out
+
+
+class _RecordedStage(PipelineStage):
+    """torch's ``PipelineStage``, its point-to-point transfers (the boundary values and their
+    gradients) recorded as ``Executed`` of kind ``send`` / ``recv`` on the pipeline axis while its
+    module records (``record_collectives``): the functional-collective recorder does not see them."""
+
+    def autopar_note(self, ops: list) -> list:
+        out = self.autopar_owner._recording
+        if out is not None:
+            for op in ops:
+                kind = "send" if op.op is dist.isend else "recv"
+                out.append(Executed(kind, self.autopar_owner.plan.pipeline["axis"],
+                                    op.tensor.numel() * op.tensor.element_size()))
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+        return self.autopar_note(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+        return self.autopar_note(super().get_bwd_send_ops(bwd_chunk_id))
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+        return self.autopar_note(super().get_fwd_recv_ops(fwd_chunk_id))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+        return self.autopar_note(super().get_bwd_recv_ops(bwd_chunk_id))
 
 
 class _Step(torch.autograd.Function):
@@ -196,8 +225,10 @@ class MeshPipelinedModule(torch.nn.Module):
 
             ins = tuple(example(n) for n in sc.f_in) if s > 0 else (torch.empty(self.batch // self.m),)
             outs = (torch.empty(()),) if s == n_stages - 1 else tuple(example(n) for n in sc.f_out)
-            self.stages.append(PipelineStage(mod, s, n_stages, torch.device("cpu"), input_args=ins,
-                                             output_args=outs, group=self.pp_group))
+            stage = _RecordedStage(mod, s, n_stages, torch.device("cpu"), input_args=ins, output_args=outs,
+                                   group=self.pp_group)
+            stage.autopar_owner = self
+            self.stages.append(stage)
         self._mods = mods
         cls = _SCHEDULES[self.schedule_name]
         single = self.schedule_name in ("GPipe", "1F1B")
@@ -209,7 +240,8 @@ class MeshPipelinedModule(torch.nn.Module):
 
     @contextlib.contextmanager
     def record_collectives(self):
-        """The collectives that run inside the block (``Executed``), as ``ParallelModule`` records them."""
+        """The collectives that run inside the block (``Executed``), as ``ParallelModule`` records them,
+        and the pipeline's point-to-point transfers (kinds ``send`` and ``recv``, on the pipeline axis)."""
         out: list = []
         self._recording = out
         try:
@@ -249,7 +281,30 @@ class MeshPipelinedModule(torch.nn.Module):
                 calls += [step for step in steps for _ in range(n)]
         for n, steps in groups.values():
             calls += [tuple(step) for step in steps for _ in range(n)]
-        return Counter(calls)
+        return Counter(calls) + self.predicted_p2p()
+
+    def predicted_p2p(self) -> Counter:
+        """Per (send | recv, pp axis, bytes): this rank's point-to-point transfers in one step: per
+        micro-batch, each value its stages send the next stage (and, back, a gradient in each one's
+        slot), each value they receive, at the local size the plan's placements give it."""
+        pl, cut = self.plan.pipeline, self.cutting
+        ranks, axis, out = list(pl["stage_ranks"]), pl["axis"], Counter()
+
+        def size(n) -> int:
+            shape, dtype = n.meta[SHAPE]
+            return math.prod(shape) * dtype.itemsize
+
+        for s in self.my_stages:
+            st = cut.stages[s]
+            if s + 1 < len(ranks) and ranks[s + 1] != ranks[s]:
+                for n in st.f_out:
+                    out[("send", axis, size(n))] += self.m
+                    out[("recv", axis, size(n))] += self.m
+            if s > 0 and ranks[s - 1] != ranks[s]:
+                for n in st.f_in:
+                    out[("recv", axis, size(n))] += self.m
+                    out[("send", axis, size(n))] += self.m
+        return out
 
     def differences(self, records) -> list[str]:
         """What differs between ``predicted`` and this rank's recorded collectives of one step (empty: equal)."""
