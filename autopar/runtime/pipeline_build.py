@@ -77,6 +77,10 @@ def build_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, low
     stage_mesh = dmesh[tuple(others)]
     coords = tuple(int(c) for c in stage_mesh.get_coordinate())
     program = lower(graph, coords)
+    if program.random is not None:  # keyed on (seed, step, op, element of the micro-batch): would repeat
+        raise ArgumentError("autopar pipeline: the model draws random numbers (dropout); a pipelined run with other "
+                            "mesh axes would draw the same masks in every micro-batch, unlike the single-device "
+                            "model: set the dropout probabilities to 0 (or call model.eval()) for now")
     # the local shapes of every value: one run of this rank's program with no communication
     values = []
     for slot in program.inputs:
