@@ -36,7 +36,9 @@ def train_on_rank(family: str, n_layers: int, batch: int, axes: tuple, text: str
     model, args = build(family, n_layers, batch)
     ref, _ = build(family, n_layers, batch)
     pm = autopar.compile(model, autopar.Mesh(dict(axes), device="cpu"), args, plan=plan)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=EPS)
+    assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert all(hasattr(t, "placements") for t in pm.state_dict().values())  # DTensors, the model's names
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=EPS)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=EPS)
     refp = dict(ref.named_parameters())
     out = {"loss": 0.0, "grad": 0.0, "param": 0.0, "held": []}

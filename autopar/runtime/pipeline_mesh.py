@@ -183,14 +183,12 @@ class MeshPipelinedModule(torch.nn.Module):
         if self.schedule_name not in _SCHEDULES:
             raise ArgumentError(f"autopar pipeline: the {self.schedule_name} schedule is not run with other mesh axes "
                                 f"yet (it needs the split backward); plan with one of {sorted(_SCHEDULES)}")
-        names = list(pl["mesh_names"])
         self.pp_group = dmesh.get_group(pl["axis"])
         self.pp_rank = dist.get_rank(self.pp_group)
         self.coords = tuple(int(c) for c in stage_mesh.get_coordinate())
         self._comm = ProcessGroupComm(groups, plan.axis_names)
         self._axis_of_group = {g.group_name: n for g, n in zip(groups, plan.axis_names)}
         self._recording: Optional[list] = None
-        del names
         ranks = list(pl["stage_ranks"])
         n_stages = len(ranks)
         self.last_rank = ranks[-1]
@@ -237,17 +235,20 @@ class MeshPipelinedModule(torch.nn.Module):
         self.given: list = []
         self.acc: list = []
         self.steps = 0
+        # last: the model's own tables become this module's (``parameters()``, ``state_dict()`` by the
+        # model's names, as ``ParallelModule``); attributes set from here on go around nn.Module's setter
+        tc.share_tables(self, model)
 
     @contextlib.contextmanager
     def record_collectives(self):
         """The collectives that run inside the block (``Executed``), as ``ParallelModule`` records them,
         and the pipeline's point-to-point transfers (kinds ``send`` and ``recv``, on the pipeline axis)."""
         out: list = []
-        self._recording = out
+        object.__setattr__(self, "_recording", out)
         try:
             yield out
         finally:
-            self._recording = None
+            object.__setattr__(self, "_recording", None)
 
     def predicted(self) -> Counter:
         """Per (kind, axis, bytes): how many times this rank runs that collective in one step, by the
@@ -343,12 +344,12 @@ class MeshPipelinedModule(torch.nn.Module):
         rank's gradient per parameter (None for the parameters its stages do not read)."""
         args, kwargs = inputs
         cut = self.cutting
-        self.given = self._micro(args, kwargs)
+        object.__setattr__(self, "given", self._micro(args, kwargs))
         state = [tc.local_tensor(tc.parameter_table(mod)[name] if kind == "param" else tc.buffer_table(mod)[name])
                  for mod, name, kind in self._state]
         with self.context():
-            self.statics = [C.wait(v) for v in cut.static(*state)]
-        self.acc = [None] * len(cut.frontier_shapes)
+            object.__setattr__(self, "statics", [C.wait(v) for v in cut.static(*state)])
+        object.__setattr__(self, "acc", [None] * len(cut.frontier_shapes))
         for mod in self._mods:
             mod.calls = 0
         first = any(st.is_first for st in self.stages)
@@ -361,7 +362,8 @@ class MeshPipelinedModule(torch.nn.Module):
         front = [a if a is not None else torch.zeros(s, dtype=d) for a, (s, d) in zip(self.acc, cut.frontier_shapes)]
         with self.context():
             reduced = [C.wait(g) for g in cut.reduce(*front)]
-        self.statics, self.given, self.acc = [], [], []
+        for name in ("statics", "given", "acc"):
+            object.__setattr__(self, name, [])
         mine = set(self.my_stages)
         stage_rank = list(self.plan.pipeline["stage_ranks"])
         grads = []
@@ -385,7 +387,7 @@ class MeshPipelinedModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         """The whole step's forward and backward; returns the loss (``loss.backward()`` delivers the gradients)."""
-        self.steps += 1
+        object.__setattr__(self, "steps", self.steps + 1)
         if not torch.is_grad_enabled():
             raise ArgumentError("autopar pipeline: a forward-only step with other mesh axes is not built yet")
         return _Step.apply(self, (args, kwargs), *self.params)
