@@ -51,7 +51,7 @@ from autopar.ir.graph import Graph, Ref
 from autopar.ir.stages import POST, PRE, chain
 
 
-def micro_inputs(args: tuple, kwargs: dict, batch: int, m: int) -> list[dict[str, Any]]:
+def micro_slices(args: tuple, kwargs: dict, batch: int, m: int) -> list[dict[str, Any]]:
     """Per micro-batch: input key (``input:i`` / keyword) -> its slice (tensors with ``batch`` rows)."""
     named = {f"input:{i}": a for i, a in enumerate(args)}
     named.update(kwargs)
@@ -153,7 +153,7 @@ class PipelinedModule(torch.nn.Module):
                           if isinstance(v, torch.Tensor) and v.dim() >= 1)
         if self.batch % self.m:
             raise ArgumentError(f"autopar pipelined: {self.m} micro-batches do not divide the batch of {self.batch}")
-        micro = micro_inputs(args, kwargs, self.batch, self.m)[0]
+        micro = micro_slices(args, kwargs, self.batch, self.m)[0]
         margs = tuple(micro[f"input:{i}"] for i in range(len(args)))
         mkwargs = {k: micro[k] for k in kwargs}
         graph = capture(model, margs, mkwargs, training=False)
@@ -262,7 +262,7 @@ class PipelinedModule(torch.nn.Module):
         """One step of the schedule on ``inputs`` (every rank passes the whole batch): the loss on every
         rank and, with ``backward``, this rank's gradient per parameter (None where it has none)."""
         args, kwargs = inputs
-        self.store[:] = micro_inputs(args, kwargs, self.batch, self.m)
+        self.store[:] = micro_slices(args, kwargs, self.batch, self.m)
         for mod in self._mods:
             mod.calls = 0
         dummy = torch.zeros(self.batch)

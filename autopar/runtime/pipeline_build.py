@@ -21,7 +21,7 @@ from autopar.ir.graph import Graph
 from autopar.ir.placement import local_block
 from autopar.ir.stages import POST, PRE, chain
 from autopar.runtime.collectives import single_worker_gloo_groups
-from autopar.runtime.pipeline import PipelinedModule, micro_inputs
+from autopar.runtime.pipeline import PipelinedModule, micro_slices
 from autopar.runtime.pipeline_cut import cut, dry_run
 from autopar.runtime.pipeline_mesh import MeshPipelinedModule
 from autopar.runtime.state import distribute_state
@@ -69,7 +69,7 @@ def build_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, low
     m = int(pl["microbatches"])
     if batch % m:
         raise ArgumentError(f"autopar pipeline: {m} micro-batches do not divide the batch of {batch}")
-    micro = micro_inputs(args, kwargs, batch, m)[0]
+    micro = micro_slices(args, kwargs, batch, m)[0]
     margs = tuple(micro[f"input:{i}"] for i in range(len(args)))
     graph = capture(model, margs, {k: micro[k] for k in kwargs}, training=plan.training)
     fingerprint_check(graph)

@@ -18,7 +18,7 @@ import torch
 from autopar.ir.capture import capture
 from autopar.ir.placement import local_block
 from autopar.program import collectives as C
-from autopar.runtime.pipeline import micro_inputs
+from autopar.runtime.pipeline import micro_slices
 from autopar.runtime.pipeline_build import stage_rule
 from autopar.runtime.pipeline_cut import cut, dry_run
 from autopar.runtime.threads import gather_slots, placeholder_values, run_threads
@@ -34,7 +34,7 @@ def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, 
     m, n_stages = int(pl["microbatches"]), len(pl["stage_ranks"])
     batch = next(int(v.shape[0]) for v in list(args) + list(kwargs.values())
                  if isinstance(v, torch.Tensor) and v.dim() >= 1)
-    parts = micro_inputs(args, kwargs, batch, m)
+    parts = micro_slices(args, kwargs, batch, m)
     margs = tuple(parts[0][f"input:{i}"] for i in range(len(args)))
     graph = capture(model, margs, {k: parts[0][k] for k in kwargs}, training=True)
     stage_of = stage_rule(graph, pl["stages"])
