@@ -29,6 +29,7 @@ def _check(family, results, priced):
     held = set()
     for rank, out in enumerate(results):
         assert out["loss"] <= 1e-4 and out["grad"] <= 1e-4 and out["param"] <= 1e-4, (family, rank, out)
+        assert out["eval"] <= 1e-4, (family, rank, out["eval"])  # forward only, under no_grad
         assert out["differences"] == [], (family, rank, out["differences"])
         # one boundary value each way per micro-batch (4), each the size the plan's p2p price has
         assert out["n_p2p"] == 2 * 4 and out["p2p"] == [("recv", priced), ("send", priced)], (family, rank, out)

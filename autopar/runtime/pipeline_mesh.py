@@ -339,9 +339,10 @@ class MeshPipelinedModule(torch.nn.Module):
                                         slot.spec.blocks)
         return out
 
-    def run(self, inputs: tuple):
+    def run(self, inputs: tuple, backward: bool = True):
         """One step on ``inputs`` (every rank passes the whole batch): the loss on every rank and this
-        rank's gradient per parameter (None for the parameters its stages do not read)."""
+        rank's gradient per parameter (None for the parameters its stages do not read); without
+        ``backward`` the forwards only (torch's ``eval`` of the schedule) and no gradients."""
         args, kwargs = inputs
         cut = self.cutting
         object.__setattr__(self, "given", self._micro(args, kwargs))
@@ -355,10 +356,14 @@ class MeshPipelinedModule(torch.nn.Module):
         first = any(st.is_first for st in self.stages)
         last = any(st.is_last for st in self.stages)
         losses: list = []
-        with torch.enable_grad():
-            self.schedule.step(*((torch.zeros(self.batch),) if first else ()),
-                               target=torch.zeros(self.batch) if last else None,
-                               losses=losses if last else None, return_outputs=False)
+        with torch.enable_grad() if backward else torch.no_grad():
+            (self.schedule.step if backward else self.schedule.eval)(
+                *((torch.zeros(self.batch),) if first else ()), target=torch.zeros(self.batch) if last else None,
+                losses=losses if last else None, return_outputs=False)
+        if not backward:
+            for name in ("statics", "given", "acc"):
+                object.__setattr__(self, name, [])
+            return self._loss(losses, last), []
         front = [a if a is not None else torch.zeros(s, dtype=d) for a, (s, d) in zip(self.acc, cut.frontier_shapes)]
         with self.context():
             reduced = [C.wait(g) for g in cut.reduce(*front)]
@@ -380,16 +385,21 @@ class MeshPipelinedModule(torch.nn.Module):
                 grads.append(None)
                 continue
             grads.append(tc.dtensor_from_spec(g, tc.dtensor_spec(p)))
+        return self._loss(losses, last), grads
+
+    def _loss(self, losses: list, last: bool) -> torch.Tensor:
+        """The step's loss (the micro-batch losses, each divided by their count, summed) on every rank."""
         total = torch.stack([x.detach() for x in losses]).sum() if last else torch.zeros(())
         total = total.to(torch.float32).clone()
         dist.broadcast(total, group_src=self.last_rank, group=self.pp_group)
-        return total, grads
+        return total
 
     def forward(self, *args, **kwargs):
-        """The whole step's forward and backward; returns the loss (``loss.backward()`` delivers the gradients)."""
+        """The whole step's forward and backward; returns the loss (``loss.backward()`` delivers the
+        gradients). Under ``torch.no_grad()``: the forwards only, the loss."""
         object.__setattr__(self, "steps", self.steps + 1)
-        if not torch.is_grad_enabled():
-            raise ArgumentError("autopar pipeline: a forward-only step with other mesh axes is not built yet")
+        if not torch.is_grad_enabled():  # the forwards only (evaluation)
+            return self.run((args, kwargs), backward=False)[0]
         return _Step.apply(self, (args, kwargs), *self.params)
 
 
