@@ -160,9 +160,11 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
         raise ArgumentError(f"autopar.simulate: measure_memory must be True or False, got {measure_memory!r}")
     if not isinstance(plan, Plan):
         plan = load_plan(check_path(plan, "autopar.simulate: plan (a Plan or a saved plan's path)"))
-    if plan.pipeline is not None:
-        raise ArgumentError("autopar.simulate: running a pipelined plan (plan.pipeline) is not built yet; plan "
-                            "without the 'pp' axis to run it")
+    if plan.pipeline is not None:  # every stage-mesh device a thread, its stages in turn
+        if precision != "model" or measure_memory:
+            raise ArgumentError("autopar.simulate: a pipelined plan runs at the model's precision and without "
+                                "measure_memory so far")
+        return _simulate_pipelined(model, plan, as_args(example_inputs), dict(example_kwargs or {}), trace)
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     graph = capture(model, args, kwargs, training=plan.training)
@@ -192,6 +194,15 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
                 grads[alias] = grads[canon]
         return (kept[0], grads, memory) if measure_memory else (kept[0], grads)
     return (tuple(kept), grads, memory) if measure_memory else (tuple(kept), grads)
+
+
+def _simulate_pipelined(model, plan, args, kwargs, trace):
+    """``runtime.pipeline_sim``'s step of a pipelined plan, lowered with ``passes.lower.tagged``."""
+    from autopar.passes.lower.tagged import keeping_gathers, lower_tagged
+    from autopar.runtime.pipeline_sim import simulate_pipelined
+
+    return simulate_pipelined(model, plan, args, kwargs,
+                              lambda g, c: lower_tagged(keeping_gathers(resolve(g, plan)), c, None, "model"), trace)
 
 
 __all__ = ["PLAN_KEYWORDS", "check_plan_args", "plan", "simulate"]

@@ -7,9 +7,8 @@ Each rank lowers the plan for its own mesh coordinates. Parameters and buffers b
 with the plan's placements, so optimizers, ``state_dict`` and ``torch.distributed.checkpoint``
 work on them unchanged; ``forward`` runs the lowered forward program and the loss's backward runs
 the lowered backward program, whose gradients arrive as DTensors placed like their parameters.
-A program with random ops (dropout) draws them from rank 0's seed and a step counter that each
-forward advances; ``state_dict`` carries both under ``RANDOM_KEY``.
-"""
+Random ops draw from rank 0's seed and a per-forward step (``state_dict``: ``RANDOM_KEY``). A pipelined
+plan becomes ``runtime.pipeline_build``'s module."""
 
 from __future__ import annotations
 
@@ -461,10 +460,8 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     given = plan is not None
     training = plan_kwargs.get("training", True) if not given else None
     shared = _share_plan(plan, lambda: make_plan(model, mesh, args, kwargs, **plan_kwargs))
-    if shared.pipeline is not None:
-        raise CompileError("autopar.compile does not run pipelined plans (plan.pipeline) yet; run one with "
-                           "autopar.runtime.pipeline.pipelined(model, plan, example_inputs) on a mesh with the pp "
-                           "axis alone, or plan without the pp axis")
+    if shared.pipeline is not None:  # stages on the pp axis, each its slice of the program on the others
+        return _compile_pipelined(model, mesh, shared, args, kwargs, precision, materializer)
     _check_plan_mesh(shared, mesh)  # on every rank alike (a plan file is read on rank 0 only)
     if training is not None and shared.training != training:
         raise CompileError("the plan's training mode differs from training=")
@@ -486,6 +483,18 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     # torch 2.13's two workers corrupt the heap when two collectives finish together (see there)
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank()) if backend == "gloo" else None
     return ParallelModule(model, shared, graph, dmesh, program, prec, groups)
+
+
+def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, materializer):
+    """``runtime.pipeline_build``'s module for a pipelined plan, lowering with ``passes.lower.tagged``."""
+    from autopar.ir.fingerprint import graph_fingerprint
+    from autopar.passes.lower.tagged import keeping_gathers, lower_tagged
+    from autopar.runtime.pipeline_build import build_pipelined
+    if dict(mesh.axes) != (axes := dict(zip(plan.pipeline["mesh_names"], plan.pipeline["mesh_shape"]))):
+        raise CompileError(f"this pipelined plan was made for mesh {axes}, not {dict(mesh.axes)}")
+    prec = execution_precision(precision or "plan", plan.precision.get("name", "fp32"), None)
+    lower_at = lambda g, c: lower_tagged(keeping_gathers(resolve(g, plan)), c, None, prec)  # noqa: E731
+    return build_pipelined(model, plan, args, kwargs, lower_at, materializer, lambda g: _check_same_graph(graph_fingerprint(g)))
 
 
 __all__ = ["RANDOM_KEY", "CompileError", "ParallelModule", "compile"]

@@ -25,9 +25,9 @@ then writes the step's gradients into the parameters' ``.grad`` (scaled by the i
 A parameter read on several ranks (a tied embedding and head) has its gradients summed over them.
 Under ``torch.no_grad()`` it runs the forward only (``schedule.eval``).
 
-Not built: other mesh axes with the pipeline (each stage's sharded program), the split backward
-through autopar's own lowered programs (torch's autograd split is used for ZBV), point-to-point
-transfers in the collective records.
+With other mesh axes, ``runtime/pipeline_mesh.py`` runs each stage's slice of the plan's lowered
+sharded program (``autopar.compile`` picks it). Not built here: the split backward through autopar's
+own lowered programs (torch's autograd split is used for ZBV), point-to-point transfers in records.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from autopar.ir.graph import Graph, Ref
 from autopar.ir.stages import POST, PRE, chain
 
 
-def _micro(args: tuple, kwargs: dict, batch: int, m: int) -> list[dict[str, Any]]:
+def micro_slices(args: tuple, kwargs: dict, batch: int, m: int) -> list[dict[str, Any]]:
     """Per micro-batch: input key (``input:i`` / keyword) -> its slice (tensors with ``batch`` rows)."""
     named = {f"input:{i}": a for i, a in enumerate(args)}
     named.update(kwargs)
@@ -134,8 +134,8 @@ class PipelinedModule(torch.nn.Module):
             raise ArgumentError("autopar pipelined: the plan has no pipeline (plan.pipeline is None)")
         others = [(n, s) for n, s in zip(pl["mesh_names"], pl["mesh_shape"]) if n != pl["axis"] and s > 1]
         if others:
-            raise ArgumentError(f"autopar pipelined: running a pipeline with other mesh axes {others} is not built yet; "
-                                f"plan on a mesh with the '{pl['axis']}' axis alone")
+            raise ArgumentError(f"autopar pipelined: a pipeline with other mesh axes {others} runs its stages' sharded "
+                                "programs: build it with autopar.compile(model, mesh, example_inputs, plan=plan)")
         self.model = model
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
@@ -153,7 +153,7 @@ class PipelinedModule(torch.nn.Module):
                           if isinstance(v, torch.Tensor) and v.dim() >= 1)
         if self.batch % self.m:
             raise ArgumentError(f"autopar pipelined: {self.m} micro-batches do not divide the batch of {self.batch}")
-        micro = _micro(args, kwargs, self.batch, self.m)[0]
+        micro = micro_slices(args, kwargs, self.batch, self.m)[0]
         margs = tuple(micro[f"input:{i}"] for i in range(len(args)))
         mkwargs = {k: micro[k] for k in kwargs}
         graph = capture(model, margs, mkwargs, training=False)
@@ -262,7 +262,7 @@ class PipelinedModule(torch.nn.Module):
         """One step of the schedule on ``inputs`` (every rank passes the whole batch): the loss on every
         rank and, with ``backward``, this rank's gradient per parameter (None where it has none)."""
         args, kwargs = inputs
-        self.store[:] = _micro(args, kwargs, self.batch, self.m)
+        self.store[:] = micro_slices(args, kwargs, self.batch, self.m)
         for mod in self._mods:
             mod.calls = 0
         dummy = torch.zeros(self.batch)

@@ -1,0 +1,74 @@
+"""Lowering with each program node tagged by the IR op it was written for, for the pipeline runtime.
+
+``lower_tagged`` is ``lower`` (the same ``Emitter``, the same program) with two marks on the fx
+nodes, so that ``runtime/pipeline_cut.py`` can cut one micro-batch's program into pipeline stages
+by the planner's own rule (``ir.stages``):
+
+- ``meta["autopar_ir"]``: the IR node whose emission wrote it (an op, or the reshardings and
+  gathers of its inputs: a transfer belongs to its consumer, as the pipeline price charges it);
+  nodes written while finishing the program (the loss's placement, gradient reductions) have none;
+- ``meta["autopar_param_value"]``: (IR node, output, placements) of a parameter (or a layout view of
+  one) at the placements an op reads it, so a backward regather can be matched with the forward's.
+
+Every backward node without ``autopar_ir`` was written while finishing the program: the gradient
+reductions (bucketed or not) and the casts before them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from autopar.ir.graph import Node, Ref
+from autopar.ir.placement import Placements
+from autopar.passes.lower.emitter import Emitter
+from autopar.passes.lower.resolve import Resolved
+from autopar.passes.search.kept import instance_path, kept_reads
+from autopar.program.program import Program
+
+IR_TAG = "autopar_ir"
+PARAM_VALUE = "autopar_param_value"
+
+
+class _Tagging(Emitter):
+    """The emitter, marking every fx node it writes with the IR node being emitted."""
+
+    def _emit_node(self, node: Node) -> None:
+        before = [next(iter(reversed(g.nodes)), None) for g in (self.fg, self.bg)]
+        super()._emit_node(node)
+        for graph, last in zip((self.fg, self.bg), before):  # new nodes are appended at the end
+            n = last.next if last is not None else next(iter(graph.nodes), None)
+            while n is not None and n.op != "root":
+                n.meta.setdefault(IR_TAG, node.name)  # a node emitted early inside keeps its own
+                n = n.next
+
+    def value(self, ref: Ref, want: Placements, where: fx.Graph, dtype: Optional[torch.dtype] = None) -> fx.Node:
+        out = super().value(ref, want, where, dtype)
+        if dtype is None and ref.node in self.params:
+            out.meta.setdefault(PARAM_VALUE, (ref.node, ref.index, tuple(want)))
+        return out
+
+
+def keeping_gathers(res: Resolved) -> Resolved:
+    """``res`` with every parameter keeping its gathered blocks for the step (the backward
+    reads the forward's gathered block, or a layout view of it, instead of gathering again): what
+    the pipeline price assumes (``passes/search/pipeline_split.py``: gathers once per step)."""
+    g = res.graph
+    paths = sorted({instance_path(g, node) for node in g.params.values()} - {None})
+    # None: the parameters outside every layer instance (embedding, head) are kept too
+    kept = kept_reads(g, res.strategies.__getitem__, [*paths, None], res.mesh, res.recomputed)
+    return replace(res, kept={**kept, **res.kept}, _casts={})
+
+
+def lower_tagged(res: Resolved, coords: Sequence[int], device: Optional[torch.device] = None,
+                 precision: str = "model") -> Program:
+    """``lower``'s program for the device at ``coords``, its fx nodes tagged (see the module docstring)."""
+    em = _Tagging(res, coords, device, precision)
+    em.emit()
+    return em.finish()
+
+
+__all__ = ["IR_TAG", "PARAM_VALUE", "keeping_gathers", "lower_tagged"]

@@ -1,0 +1,422 @@
+"""Running a pipelined plan with other mesh axes (pp x dp, pp x tp, ...): each stage runs its part of
+the plan's lowered sharded program on the stage mesh.
+
+``autopar.compile`` builds it for a plan whose ``plan.pipeline`` has other axes than ``pp``: the
+model is captured at the micro-batch's shape, the plan lowered (tagged) for this rank's coordinates
+on the stage mesh (the mesh without ``pp``), and the program cut by ``runtime/pipeline_cut.py``.
+Parameters and buffers become DTensors on the stage mesh with the plan's placements (as ``compile``
+makes them: optimizers, ``state_dict`` and DCP work on them).
+
+One step (``pmodel(*inputs)`` then ``loss.backward()``), every rank:
+
+1. the static part (parameter gathers, casts, tables) runs once;
+2. torch's ``PipelineStage`` and schedule (GPipe, 1F1B, Interleaved1F1B) run the micro-batches:
+   each local stage is a module whose forward is one autograd op running that stage's forward
+   slice of the program, and whose backward runs the stage's backward slice; boundary values cross
+   between ranks of equal stage-mesh coordinates as this rank's local blocks; a gradient goes back
+   in the slot of the forward boundary value of the same local shape; the unreduced parameter
+   gradients are summed over the micro-batches;
+3. the per-step part runs once on the sums: the plan's gradient reductions (its buckets), zeros
+   standing in for gradients of other stages' parameters, so every rank runs the same reductions;
+   a weight read in two stages (tied embedding and head) then has its two partial gradients summed
+   over the pipeline group.
+
+The loss is the mean of the micro-batch losses (the whole batch's when every micro-batch counts the
+same number of targets), returned on every rank; gradients land in ``.grad`` as DTensors placed as
+their parameters, on the ranks whose stages read them (None elsewhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from autopar import _torch_compat as tc
+from autopar.cost_model.buckets import LOCAL_KINDS
+from autopar.errors import ArgumentError
+from autopar.ir.graph import Phase
+from autopar.ir.placement import local_block
+from autopar.program import collectives as C
+from autopar.program.collectives import Executed
+from autopar.runtime.collectives import ProcessGroupComm, record_executed
+from autopar.runtime.pipeline_cut import SHAPE, Cut, StageCut
+
+_SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
+
+
+def _pairs(f_vals: list, g_vals: list, where: str) -> list[int]:
+    """For each backward boundary value, the forward boundary slot of equal local shape and dtype
+    that carries it back (torch's stages send a stage's input gradients in its inputs' shapes)."""
+    free = list(range(len(f_vals)))
+    out = []
+    for g in g_vals:
+        want = g.meta.get(SHAPE)
+        slot = next((k for k in free if f_vals[k].meta.get(SHAPE) == want), None)
+        if slot is None:
+            raise ArgumentError(f"autopar pipeline: the backward sends {g.name} {want} back across {where}, but no "
+                                "value the forward sends there has its local shape; this plan's placements do not "
+                                "pair the stage boundary's gradients with its activations")
+        free.remove(slot)
+        out.append(slot)
+    return out
+
+
+class _StageFn(torch.autograd.Function):
+    """One micro-batch of a stage: forward runs the stage's forward slice, backward its backward slice."""
+
+    @staticmethod
+    def forward(ctx, mod: "_Stage", anchor, *f_in):  # noqa: ARG004 - anchor: makes the outputs want gradients
+        run, cut = mod.runner, mod.cut
+        mb = mod.calls
+        mod.calls += 1
+        ins = [run.statics[i] for i in cut.f_statics] + [run.given[mb][k] for k in cut.f_given] + list(f_in)
+        with run.context():
+            outs = [C.wait(o) for o in cut.forward(*ins)]
+        n = len(cut.f_out)
+        ctx.mod, ctx.stash = mod, outs[n:]
+        ctx.shapes = [(tuple(x.shape), x.dtype) for x in f_in]
+        res = [o.contiguous() for o in outs[:n]]
+        return tuple(res) if len(res) > 1 else res[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        mod = ctx.mod
+        run, cut = mod.runner, mod.cut
+        g_in = [grads[k] for k in mod.pair_in]
+        tangent = [grads[0]] if cut.tangent else []
+        ins = list(ctx.stash) + [run.statics[i] for i in cut.b_statics] + g_in + tangent
+        ctx.stash = None
+        with run.context():
+            outs = [C.wait(o) for o in cut.backward(*ins)]
+        g_out, made = outs[:len(cut.g_out)], outs[len(cut.g_out):]
+        for fid, v in zip(cut.frontier, made):
+            run.acc[fid] = v.clone() if run.acc[fid] is None else run.acc[fid].add_(v)
+        carriers = [torch.zeros(s, dtype=d) for s, d in ctx.shapes]
+        for k, slot in enumerate(mod.pair_out):
+            carriers[slot] = g_out[k].contiguous()
+        return (None, None, *carriers)
+
+
+class _Stage(torch.nn.Module):
+    """A pipeline stage as torch's ``PipelineStage`` runs it (see ``_StageFn``)."""
+
+    def __init__(self, runner: "MeshPipelinedModule", cut: StageCut, last: bool):
+        super().__init__()
+        object.__setattr__(self, "runner", runner)
+        self.cut, self.last, self.calls = cut, last, 0
+        self.pair_in: list[int] = []
+        self.pair_out: list[int] = []
+        self.anchor = torch.zeros((), requires_grad=True)
+
+    def forward(self, *args):
+        f_in = args if self.cut.f_in else ()
+        out = _StageFn.apply(self, self.anchor, *f_in)
+        return out / self.runner.m if self.last else out
+
+
+class _RecordedStage(PipelineStage):
+    """torch's ``PipelineStage``, its point-to-point transfers (the boundary values and their
+    gradients) recorded as ``Executed`` of kind ``send`` / ``recv`` on the pipeline axis while its
+    module records (``record_collectives``): the functional-collective recorder does not see them."""
+
+    def autopar_note(self, ops: list) -> list:
+        out = self.autopar_owner._recording
+        if out is not None:
+            for op in ops:
+                kind = "send" if op.op is dist.isend else "recv"
+                out.append(Executed(kind, self.autopar_owner.plan.pipeline["axis"],
+                                    op.tensor.numel() * op.tensor.element_size()))
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+        return self.autopar_note(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+        return self.autopar_note(super().get_bwd_send_ops(bwd_chunk_id))
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+        return self.autopar_note(super().get_fwd_recv_ops(fwd_chunk_id))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+        return self.autopar_note(super().get_bwd_recv_ops(bwd_chunk_id))
+
+
+class _Step(torch.autograd.Function):
+    """The whole schedule as one autograd op (as ``runtime.pipeline``): forward runs the step,
+    backward hands out the gradients."""
+
+    @staticmethod
+    def forward(ctx, runner, inputs, *params):  # noqa: ARG004
+        loss, grads = runner.run(inputs)
+        ctx.grads = grads
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        return (None, None, *[None if x is None else x * g for x in ctx.grads])
+
+
+class MeshPipelinedModule(torch.nn.Module):
+    """``model`` run by a pipelined plan with other mesh axes on this rank (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, plan, graph, stage_of, program, cut: Cut, dmesh, stage_mesh,
+                 groups: list, batch: int):
+        super().__init__()
+        self.graph, self.stage_of = graph, stage_of
+        self.static_refs = _static_values(graph)
+        users = graph.users()
+        #: parameter FQN -> the stages whose forward ops read it (a tied embedding and head: two)
+        self.param_stages = {fqn: {stage_of(u) for u in users[name] if graph.node(u).phase == Phase.FORWARD}
+                             for fqn, name in graph.params.items()}
+        object.__setattr__(self, "module", model)
+        pl = plan.pipeline
+        self.plan, self.program, self.cutting = plan, program, cut
+        self.device_mesh, self.stage_mesh = dmesh, stage_mesh
+        self.m, self.batch = int(pl["microbatches"]), batch
+        self.schedule_name = pl["schedule"]
+        if self.schedule_name not in _SCHEDULES:
+            raise ArgumentError(f"autopar pipeline: the {self.schedule_name} schedule is not run with other mesh axes "
+                                f"yet (it needs the split backward); plan with one of {sorted(_SCHEDULES)}")
+        self.pp_group = dmesh.get_group(pl["axis"])
+        self.pp_rank = dist.get_rank(self.pp_group)
+        self.coords = tuple(int(c) for c in stage_mesh.get_coordinate())
+        self._comm = ProcessGroupComm(groups, plan.axis_names)
+        self._axis_of_group = {g.group_name: n for g, n in zip(groups, plan.axis_names)}
+        self._recording: Optional[list] = None
+        ranks = list(pl["stage_ranks"])
+        n_stages = len(ranks)
+        self.last_rank = ranks[-1]
+        self.my_stages = [s for s in range(n_stages) if ranks[s] == self.pp_rank]
+        self.params, self._param_keys = [], []
+        for slot in program.inputs:
+            if slot.kind == "param":
+                self._param_keys.append(slot.key)
+                owner, _, name = slot.key.rpartition(".")
+                self.params.append(tc.parameter_table(model.get_submodule(owner))[name])
+        grad_index = {s.key: i for i, s in enumerate(program.grads)}
+        self._grad_of = [grad_index.get(s.key) for s in program.inputs if s.kind == "param"]
+        self._state = []
+        for k in cut.state_slots:
+            slot = program.inputs[k]
+            owner, _, name = slot.key.rpartition(".")
+            mod = model.get_submodule(owner)
+            self._state.append((mod, name, slot.kind))
+        pairs = [_pairs(cut.stages[s].f_out, cut.stages[s].g_in, f"stages {s} -> {s + 1}")
+                 for s in range(n_stages - 1)]
+        self.stages, mods = [], []
+        for s in self.my_stages:
+            sc = cut.stages[s]
+            mod = _Stage(self, sc, s == n_stages - 1)
+            mod.pair_in = pairs[s] if s < n_stages - 1 else []
+            mod.pair_out = pairs[s - 1] if s > 0 else []
+            mods.append(mod)
+
+            def example(n, grad=True):
+                shape, dtype = n.meta[SHAPE]
+                return torch.empty(shape, dtype=dtype, requires_grad=grad and dtype.is_floating_point)
+
+            ins = tuple(example(n) for n in sc.f_in) if s > 0 else (torch.empty(self.batch // self.m),)
+            outs = (torch.empty(()),) if s == n_stages - 1 else tuple(example(n) for n in sc.f_out)
+            stage = _RecordedStage(mod, s, n_stages, torch.device("cpu"), input_args=ins, output_args=outs,
+                                   group=self.pp_group)
+            stage.autopar_owner = self
+            self.stages.append(stage)
+        self._mods = mods
+        cls = _SCHEDULES[self.schedule_name]
+        single = self.schedule_name in ("GPipe", "1F1B")
+        self.schedule = cls(self.stages[0] if single else self.stages, self.m, loss_fn=_take_loss, scale_grads=False)
+        self.statics: list = []
+        self.given: list = []
+        self.acc: list = []
+        self.steps = 0
+        # last: the model's own tables become this module's (``parameters()``, ``state_dict()`` by the
+        # model's names, as ``ParallelModule``); attributes set from here on go around nn.Module's setter
+        tc.share_tables(self, model)
+
+    @contextlib.contextmanager
+    def record_collectives(self):
+        """The collectives that run inside the block (``Executed``), as ``ParallelModule`` records them,
+        and the pipeline's point-to-point transfers (kinds ``send`` and ``recv``, on the pipeline axis)."""
+        out: list = []
+        object.__setattr__(self, "_recording", out)
+        try:
+            yield out
+        finally:
+            object.__setattr__(self, "_recording", None)
+
+    def predicted(self) -> Counter:
+        """Per (kind, axis, bytes): how many times this rank runs that collective in one step, by the
+        plan's reshardings: the activation reshardings its stages' ops read, once per micro-batch (once
+        per step for values made from parameters, buffers and constants alone, which run once); the
+        parameter gathers its stages' forward ops read, once per step (the gathered copy is kept for
+        the step: the backward's regathers are priced as not run), a gather group whole when one of its
+        members is wanted; the gradient reductions, once per step (every rank runs the plan's buckets)."""
+        g, stage_of, m = self.graph, self.stage_of, self.m
+        mine = set(self.my_stages)
+        names = {n.name for n in g.nodes}
+        groups: dict = {}
+        calls = []
+        for r in self.plan.reshardings:
+            cons = [c for c in r.get("consumers") or [r["consumer"]] if c in names]
+            if r["kind"] == "grad":  # its consumer is the parameter's slot, not an op
+                n = 1
+            elif r["kind"] == "param":
+                n = 1 if {stage_of(c) for c in cons if g.node(c).phase == Phase.FORWARD} & mine else 0
+            elif {stage_of(c) for c in cons} & mine:
+                n = 1 if r["tensor"] in self.static_refs else m
+            else:
+                n = 0
+            steps = [(st["kind"], st["axis"], int(st["bytes"])) for st in r["steps"] if st["kind"] not in LOCAL_KINDS]
+            if r.get("bucket") is not None:  # one collective for the group: run whole if any member is wanted
+                b = groups.setdefault((r["kind"], r["bucket"]), [0, [[k, a, 0] for k, a, _ in steps]])
+                b[0] = max(b[0], n)
+                for entry, (_, _, nbytes) in zip(b[1], steps):
+                    entry[2] += nbytes
+            elif n:
+                calls += [step for step in steps for _ in range(n)]
+        for n, steps in groups.values():
+            calls += [tuple(step) for step in steps for _ in range(n)]
+        return Counter(calls) + self.predicted_p2p()
+
+    def predicted_p2p(self) -> Counter:
+        """Per (send | recv, pp axis, bytes): this rank's point-to-point transfers in one step: per
+        micro-batch, each value its stages send the next stage (and, back, a gradient in each one's
+        slot), each value they receive, at the local size the plan's placements give it."""
+        pl, cut = self.plan.pipeline, self.cutting
+        ranks, axis, out = list(pl["stage_ranks"]), pl["axis"], Counter()
+
+        def size(n) -> int:
+            shape, dtype = n.meta[SHAPE]
+            return math.prod(shape) * dtype.itemsize
+
+        for s in self.my_stages:
+            st = cut.stages[s]
+            if s + 1 < len(ranks) and ranks[s + 1] != ranks[s]:
+                for n in st.f_out:
+                    out[("send", axis, size(n))] += self.m
+                    out[("recv", axis, size(n))] += self.m
+            if s > 0 and ranks[s - 1] != ranks[s]:
+                for n in st.f_in:
+                    out[("recv", axis, size(n))] += self.m
+                    out[("send", axis, size(n))] += self.m
+        return out
+
+    def differences(self, records) -> list[str]:
+        """What differs between ``predicted`` and this rank's recorded collectives of one step (empty: equal)."""
+        want, got = self.predicted(), Counter((e.kind, e.axis, int(e.bytes)) for e in records)
+        return [f"{k} on {a} of {b} B: predicted {want[(k, a, b)]}, executed {got[(k, a, b)]}"
+                for k, a, b in sorted(set(want) | set(got)) if want[(k, a, b)] != got[(k, a, b)]]
+
+    def context(self):
+        """The program's collectives on the stage mesh's groups, without autograd, recorded if asked."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(C.use_backend(self._comm))
+        stack.enter_context(torch.no_grad())
+        if self._recording is not None:
+            stack.enter_context(record_executed(self._axis_of_group, self._recording))
+        return stack
+
+    def _micro(self, args: tuple, kwargs: dict) -> list[dict[int, torch.Tensor]]:
+        """Per micro-batch: input slot position -> this rank's block of the micro-batch's slice."""
+        out: list[dict[int, torch.Tensor]] = [{} for _ in range(self.m)]
+        for k, slot in enumerate(self.program.inputs):
+            if slot.kind != "input":
+                continue
+            v = args[int(slot.key.split(":")[1])] if slot.key.startswith("input:") else kwargs[slot.key]
+            parts = torch.tensor_split(v, self.m) if isinstance(v, torch.Tensor) and v.dim() >= 1 and \
+                v.shape[0] == self.batch else [v] * self.m
+            for i, part in enumerate(parts):
+                if tuple(part.shape) != tuple(slot.spec.shape):
+                    raise ArgumentError(f"autopar pipeline: input {slot.key!r}'s micro-batch has shape "
+                                        f"{tuple(part.shape)}, the plan was made for {tuple(slot.spec.shape)}")
+                out[i][k] = local_block(part, slot.placements, self.program.mesh_shape, self.coords,
+                                        slot.spec.blocks)
+        return out
+
+    def run(self, inputs: tuple, backward: bool = True):
+        """One step on ``inputs`` (every rank passes the whole batch): the loss on every rank and this
+        rank's gradient per parameter (None for the parameters its stages do not read); without
+        ``backward`` the forwards only (torch's ``eval`` of the schedule) and no gradients."""
+        args, kwargs = inputs
+        cut = self.cutting
+        object.__setattr__(self, "given", self._micro(args, kwargs))
+        state = [tc.local_tensor(tc.parameter_table(mod)[name] if kind == "param" else tc.buffer_table(mod)[name])
+                 for mod, name, kind in self._state]
+        with self.context():
+            object.__setattr__(self, "statics", [C.wait(v) for v in cut.static(*state)])
+        object.__setattr__(self, "acc", [None] * len(cut.frontier_shapes))
+        for mod in self._mods:
+            mod.calls = 0
+        first = any(st.is_first for st in self.stages)
+        last = any(st.is_last for st in self.stages)
+        losses: list = []
+        with torch.enable_grad() if backward else torch.no_grad():
+            (self.schedule.step if backward else self.schedule.eval)(
+                *((torch.zeros(self.batch),) if first else ()), target=torch.zeros(self.batch) if last else None,
+                losses=losses if last else None, return_outputs=False)
+        if not backward:
+            for name in ("statics", "given", "acc"):
+                object.__setattr__(self, name, [])
+            return self._loss(losses, last), []
+        front = [a if a is not None else torch.zeros(s, dtype=d) for a, (s, d) in zip(self.acc, cut.frontier_shapes)]
+        with self.context():
+            reduced = [C.wait(g) for g in cut.reduce(*front)]
+        for name in ("statics", "given", "acc"):
+            object.__setattr__(self, name, [])
+        mine = set(self.my_stages)
+        stage_rank = list(self.plan.pipeline["stage_ranks"])
+        grads = []
+        for p, key, gi in zip(self.params, self._param_keys, self._grad_of):
+            if gi is None:
+                grads.append(None)
+                continue
+            where = self.param_stages.get(key, set())
+            g = reduced[gi]
+            if len({stage_rank[s] for s in where}) > 1:  # read on several ranks: the partial sums added
+                g = g.contiguous()
+                dist.all_reduce(g, group=self.pp_group)
+            elif not (where & mine):
+                grads.append(None)
+                continue
+            grads.append(tc.dtensor_from_spec(g, tc.dtensor_spec(p)))
+        return self._loss(losses, last), grads
+
+    def _loss(self, losses: list, last: bool) -> torch.Tensor:
+        """The step's loss (the micro-batch losses, each divided by their count, summed) on every rank."""
+        total = torch.stack([x.detach() for x in losses]).sum() if last else torch.zeros(())
+        total = total.to(torch.float32).clone()
+        dist.broadcast(total, group_src=self.last_rank, group=self.pp_group)
+        return total
+
+    def forward(self, *args, **kwargs):
+        """The whole step's forward and backward; returns the loss (``loss.backward()`` delivers the
+        gradients). Under ``torch.no_grad()``: the forwards only, the loss."""
+        object.__setattr__(self, "steps", self.steps + 1)
+        if not torch.is_grad_enabled():  # the forwards only (evaluation)
+            return self.run((args, kwargs), backward=False)[0]
+        return _Step.apply(self, (args, kwargs), *self.params)
+
+
+def _static_values(graph) -> set:
+    """Names of the graph's values made from parameters, buffers and constants alone."""
+    out = set()
+    for n in graph.nodes:
+        if n.is_placeholder:
+            if n.name in graph.params.values() or n.name in graph.buffers.values():
+                out.add(n.name)
+        elif all(r.node in out for r in n.inputs):  # constants and ops of no tensor input too
+            out.add(n.name)
+    return out
+
+
+def _take_loss(output, target):  # noqa: ARG001 - the last stage's output is the micro-batch's loss already
+    return output
+
+
+__all__ = ["MeshPipelinedModule"]

@@ -1,0 +1,93 @@
+"""``autopar.simulate`` of a pipelined plan: every stage-mesh device a thread, its stages run in turn.
+
+Each device of the stage mesh (the mesh without ``pp``) lowers the plan for its coordinates and cuts
+the program into stages exactly as the pipelined runtime does (``pipeline_build`` and
+``pipeline_cut``), then runs the whole step in one thread: the static part once, every micro-batch's
+forward through the stages in order (boundary values handed over in memory), every micro-batch's
+backward through the stages in reverse, the unreduced gradients summed, and the per-step reductions
+once. The order is GPipe's; every schedule computes the same sums (only their order differs), so this
+checks the cut, the accumulation and the reductions of any schedule against the single-device model.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from autopar.ir.capture import capture
+from autopar.ir.placement import local_block
+from autopar.program import collectives as C
+from autopar.runtime.pipeline import micro_slices
+from autopar.runtime.pipeline_build import stage_rule
+from autopar.runtime.pipeline_cut import cut, dry_run
+from autopar.runtime.threads import gather_slots, placeholder_values, run_threads
+
+
+def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, lower: Callable,
+                       trace: Optional[dict] = None):
+    """``(loss, grads)`` of one step of pipelined ``plan`` (see the module docstring); ``lower(graph,
+    coords)`` is the tagged lowering; ``trace`` receives each device's executed collectives."""
+    from autopar.ir.rules.proof.interp import device_coords
+
+    pl = plan.pipeline
+    m, n_stages = int(pl["microbatches"]), len(pl["stage_ranks"])
+    batch = next(int(v.shape[0]) for v in list(args) + list(kwargs.values())
+                 if isinstance(v, torch.Tensor) and v.dim() >= 1)
+    parts = micro_slices(args, kwargs, batch, m)
+    margs = tuple(parts[0][f"input:{i}"] for i in range(len(args)))
+    graph = capture(model, margs, {k: parts[0][k] for k in kwargs}, training=True)
+    stage_of = stage_rule(graph, pl["stages"])
+    shape = tuple(int(s) for s, n in zip(pl["mesh_shape"], pl["mesh_names"]) if n != pl["axis"])
+    names = tuple(n for n in pl["mesh_names"] if n != pl["axis"])
+    programs, cuts = {}, {}
+    for c in device_coords(shape):
+        prog = lower(graph, c)
+        whole = placeholder_values(prog.inputs, model, margs, {k: parts[0][k] for k in kwargs})
+        dry_run(prog, [local_block(t, s.placements, shape, c, s.spec.blocks) for t, s in zip(whole, prog.inputs)])
+        programs[c], cuts[c] = prog, cut(prog, stage_of, n_stages, range(n_stages))
+    first = programs[(0,) * len(shape)]
+
+    def one(coords):
+        prog, ct = programs[coords], cuts[coords]
+        blocks = []
+        for i in range(m):
+            mb_args = tuple(parts[i][f"input:{k}"] for k in range(len(args)))
+            whole = placeholder_values(prog.inputs, model, mb_args, {k: parts[i][k] for k in kwargs})
+            blocks.append([local_block(t, s.placements, shape, coords, s.spec.blocks) for t, s in zip(whole, prog.inputs)])
+        with torch.no_grad():
+            statics = [C.wait(v) for v in ct.static(*[blocks[0][k] for k in ct.state_slots])]
+            acc = [torch.zeros(s, dtype=d) for s, d in ct.frontier_shapes]
+            stash, losses = {}, []
+            for i in range(m):
+                carry: list = []
+                for st in ct.stages:
+                    ins = [statics[k] for k in st.f_statics] + [blocks[i][k] for k in st.f_given] + carry
+                    outs = [C.wait(o) for o in st.forward(*ins)]
+                    carry, stash[(st.index, i)] = outs[:len(st.f_out)], outs[len(st.f_out):]
+                losses.append(carry[0])
+            for i in range(m):
+                back: list = []
+                for st in reversed(ct.stages):
+                    tangent = [torch.full((), 1.0 / m, dtype=losses[i].dtype)] if st.tangent else []
+                    ins = list(stash.pop((st.index, i))) + [statics[k] for k in st.b_statics] + back + tangent
+                    outs = [C.wait(o) for o in st.backward(*ins)]
+                    back = outs[:len(st.g_out)]
+                    for fid, v in zip(st.frontier, outs[len(st.g_out):]):
+                        acc[fid] += v
+            grads = [C.wait(g) for g in ct.reduce(*acc)]
+        return torch.stack(losses).sum() / m, grads
+
+    results, executed = run_threads(one, shape, names)
+    if trace is not None:
+        trace.update(executed)
+    loss = results[(0,) * len(shape)][0]
+    whole = gather_slots(first.grads, {c: r[1] for c, r in results.items()}, shape)
+    grads = {s.key: g for s, g in zip(first.grads, whole)}
+    for alias, canon in graph.aliases.items():
+        if canon in grads:
+            grads[alias] = grads[canon]
+    return loss, grads
+
+
+__all__ = ["simulate_pipelined"]
