@@ -388,7 +388,7 @@ def case_of(key: str) -> str:
     return head + ")" + ("".join(" " + x for x in parts[1:]))
 
 
-def make_plans(cfg: dict, profile: str, quick: bool, det_time: float) -> list:
+def make_plans(cfg: dict, profile: str, quick: bool, det_time: float, only: str | None = None) -> list:
     """Every case's recipes and searched plan, priced on ``profile`` (made in this process, on
     ``meta`` copies of the models)."""
     import autopar
@@ -397,6 +397,8 @@ def make_plans(cfg: dict, profile: str, quick: bool, det_time: float) -> list:
     graphs = {}
     plans = []
     for family, shape, mult, recipes in (QUICK_CASES if quick else CASES):
+        if only and only not in case_of(_key(family, shape, "x", mult)):
+            continue
         batch = cfg["batch"] * mult
         for recipe in (*recipes, "search"):
             axes = {"dp": shape[0]} if len(shape) == 1 else {"dp": shape[0], "tp": shape[1]}
@@ -459,6 +461,8 @@ def report(cfg, res, plans, steps, warmup, calib_s, profile, args) -> int:
     print("| variant | loss (ref) | max rel. grad err | collectives per fwd+bwd | fwd+bwd ms median [min-max] | AdamW (foreach) step ms | ratio fwd+bwd | ratio fwd+bwd+opt |")
     print("|---|---|---|---|---|---|---|---|")
     for mine, hand in (("gpt (4,) megatron_tp", "hand:dtensor_tp"), ("gpt (4,) ddp", "hand:ddp")):
+        if mine not in T:
+            continue
         for k in (mine, hand):
             c = res["checks"][k]
             lo, hi = spread[k]
@@ -565,6 +569,7 @@ def main(argv=None) -> int:
     ap.add_argument("--deterministic-time", type=float, default=None, help="solver budget of the searched plans")
     ap.add_argument("--cprofile", action="store_true", help="also cProfile 3 steps of the TP and DDP variants")
     ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--only", help="run only the cases whose name contains this (e.g. 'llama (2, 2)'; development)")
     args = ap.parse_args(argv)
     cfg = dict(QUICK if args.quick else FULL)
     steps = args.steps or (3 if args.quick else 9)
@@ -593,7 +598,7 @@ def main(argv=None) -> int:
         calib_s = time.perf_counter() - t0
         print(f"calibrated in {calib_s:.1f} s", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    plans = make_plans(cfg, profile, args.quick, det)
+    plans = make_plans(cfg, profile, args.quick, det, args.only)
     print(f"planned {len(plans)} plans in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]

@@ -50,11 +50,14 @@ def calibrate(path: str | os.PathLike, nprocs: int = 2, quick: bool = False, bas
     preset = PRESETS[base]
     link = preset.intra_node
     lines: list[str] = []
+    overlap = preset.comm_overlap
     if nprocs >= 2:
         got = measure_in_processes(nprocs, quick)
         fig = got["compute"]
         link = fit_link(got["collectives"], nprocs)
+        overlap = got["overlap"]
         lines = describe_link_fit(got["collectives"], nprocs, link)
+        lines.append(f"collectives hidden under compute issued after them: {overlap:.2f} (comm_overlap)")
     else:
         fig = measure_compute(quick, preset.efficiency)
     fp32, fp64 = fig["float32"], fig["float64"]
@@ -70,6 +73,7 @@ def calibrate(path: str | os.PathLike, nprocs: int = 2, quick: bool = False, bas
         inter_node=link,
         efficiency=_efficiency(fig),
         launch_floor=fig["launch_floor"],
+        comm_overlap=overlap,
     )
     hw.validate()
     save_profile(hw, path, base=base)

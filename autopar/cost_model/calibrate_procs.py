@@ -17,6 +17,10 @@ its part (its CPU cost under contention). So ``calibrate(path, nprocs=N)`` measu
   against the same block without them, interleaved; the difference per collective is its cost
   (the max over processes of each block's time, as a step's time is the slowest rank's).
 
+- how much of a collective hides under compute issued after it and before its wait (``overlap_of``):
+  on a GPU, the collective runs on its own engine beside the kernels (about all of it); with more
+  processes than cores, gloo's worker thread takes a core a rank would compute on (little or none).
+
 ``fit_link`` turns the collective costs into the link's (latency, bandwidth) by least squares of
 relative error against ``comm.collective_time``'s formulas, so the planner prices every kind with
 the figures that reproduce them best.
@@ -46,24 +50,25 @@ QUICK_SIZES = (1 << 10, 256 << 10)
 
 
 def _collective(kind: str, nbytes: int, n: int, group) -> Callable[[], object]:
-    """A call that runs one ``kind`` collective of ``nbytes`` (the group's view) and waits for it,
-    as a lowered program does (``autopar._torch_compat``'s functional collectives)."""
+    """A call that issues one ``kind`` collective of ``nbytes`` (the group's view) as a lowered
+    program does (``autopar._torch_compat``'s functional collectives) and returns its result, to
+    be waited (``_wait``)."""
     from autopar import _torch_compat as tc
 
     elems = max(n, nbytes // 4)
     elems -= elems % n
     if kind == "all_reduce":
         x = torch.ones(elems)
-        return lambda: _wait(tc.functional_all_reduce(x, "sum", group))
+        return lambda: tc.functional_all_reduce(x, "sum", group)
     if kind == "reduce_scatter":
         x = torch.ones(elems)
-        return lambda: _wait(tc.functional_reduce_scatter(x, "sum", 0, group))
+        return lambda: tc.functional_reduce_scatter(x, "sum", 0, group)
     if kind == "all_gather":
         x = torch.ones(elems // n)
-        return lambda: _wait(tc.functional_all_gather(x, 0, group))
+        return lambda: tc.functional_all_gather(x, 0, group)
     if kind == "all_to_all":
         x = torch.ones(n, elems // (n * n))
-        return lambda: _wait(tc.functional_all_to_all(x, group))
+        return lambda: tc.functional_all_to_all(x, group)
     raise ValueError(f"unknown collective kind {kind!r}; expected one of {KINDS}")
 
 
@@ -87,6 +92,69 @@ def _blocks(filler: Callable[[], object], coll: Callable[[], object], count: int
             pair[mode] = time.perf_counter() - t0
         out.append(pair)
     return out
+
+
+def _overlap_blocks(filler: Callable[[], object], issue: Callable[[], object], reps: int, barrier) -> list:
+    """``reps`` triples of block times (seconds per collective): compute alone; compute, then the
+    collective issued and waited (exposed); the collective issued, then the compute, then waited
+    (what a program does with its parameter gathers and gradient reductions). The compute per
+    collective is about what the collective costs between compute (measured first)."""
+    count = 4
+
+    def exposed_once() -> None:
+        filler()
+        _wait(issue())
+
+    for _ in range(2):
+        exposed_once()
+    barrier()
+    t0 = time.perf_counter()
+    for _ in range(count):
+        exposed_once()
+    t_both = (time.perf_counter() - t0) / count
+    t0 = time.perf_counter()
+    filler()
+    t_fill = max(time.perf_counter() - t0, 1e-6)
+    per = max(1, min(50, round(max(t_both - t_fill, t_fill) / t_fill)))
+
+    def compute() -> None:
+        for _ in range(per):
+            filler()
+
+    def exposed() -> None:
+        compute()
+        _wait(issue())
+
+    def hidden() -> None:
+        h = issue()
+        compute()
+        _wait(h)
+
+    out = []
+    for r in range(reps):
+        row = [0.0, 0.0, 0.0]
+        for which in ((0, 1, 2) if r % 2 == 0 else (2, 1, 0)):
+            fn = (compute, exposed, hidden)[which]
+            barrier()
+            t0 = time.perf_counter()
+            for _ in range(count):
+                fn()
+            row[which] = (time.perf_counter() - t0) / count
+        out.append(row)
+    return out
+
+
+def overlap_of(blocks_by_rank: list) -> float:
+    """``Hardware.comm_overlap`` from ``_overlap_blocks``' times: the collective time that issuing
+    it before the compute saved, over that compute, (exposed - hidden) / compute, from the slowest
+    rank's block times (medians over repetitions), clamped to [0, 1]. The cost model hides a
+    layer's parameter traffic under ``comm_overlap`` x its compute."""
+    reps = len(blocks_by_rank[0])
+    rows = [[max(r[i][j] for r in blocks_by_rank) for j in range(3)] for i in range(reps)]
+    comp, exposed, hidden = (statistics.median(row[j] for row in rows) for j in range(3))
+    if comp <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (exposed - hidden) / comp))
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, quick: bool) -> None:
@@ -116,13 +184,17 @@ def _worker(rank: int, world: int, port: int, out_dir: str, quick: bool) -> None
         colls = {}
         for kind in KINDS:
             for nbytes in (QUICK_SIZES if quick else SIZES):
-                fn = _collective(kind, nbytes, world, group)
+                issue = _collective(kind, nbytes, world, group)
+
+                def fn(issue=issue) -> None:
+                    _wait(issue())
                 for _ in range(2):
                     fn()  # warm up (connections, buffers)
                 count = 8 if nbytes <= (256 << 10) else 3
                 colls[f"{kind}:{nbytes}"] = dict(count=count, blocks=_blocks(filler, fn, count, reps, dist.barrier))
+        overlap = _overlap_blocks(filler, _collective("all_reduce", 256 << 10, world, group), reps, dist.barrier)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(dict(compute=compute, collectives=colls), f)
+            json.dump(dict(compute=compute, collectives=colls, overlap=overlap), f)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -130,7 +202,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, quick: bool) -> None
 
 def measure_in_processes(nprocs: int, quick: bool = False) -> dict:
     """Run the measurements in ``nprocs`` local gloo processes at once -> ``{"compute": {figure:
-    median over processes}, "collectives": {(kind, nbytes): seconds per collective in context}}``."""
+    median over processes}, "collectives": {(kind, nbytes): seconds per collective in context}, "overlap": fraction
+    (``overlap_of``)}``."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -156,7 +229,7 @@ def measure_in_processes(nprocs: int, quick: bool = False) -> dict:
             with_ = max(r["collectives"][key]["blocks"][i][1] for r in ranks)
             per.append((with_ - without) / count)
         colls[(kind, int(nbytes))] = max(statistics.median(per), 1e-7)
-    return dict(compute=compute, collectives=colls)
+    return dict(compute=compute, collectives=colls, overlap=overlap_of([r["overlap"] for r in ranks]))
 
 
 def fit_link(costs: dict, n: int) -> Link:
@@ -198,4 +271,4 @@ def describe_link_fit(costs: dict, n: int, link: Link) -> list[str]:
     return out
 
 
-__all__ = ["KINDS", "describe_link_fit", "fit_link", "measure_in_processes"]
+__all__ = ["KINDS", "describe_link_fit", "fit_link", "measure_in_processes", "overlap_of"]

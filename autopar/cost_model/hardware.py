@@ -32,6 +32,8 @@ from autopar.cost_model.efficiency import Efficiency
 #: Extra keys a profile file may carry besides the Hardware fields.
 PROFILE_META = ("autopar_profile", "base")
 PROFILE_VERSION = 3  # 2 adds nics_per_node; 3 replaces the two efficiency constants by ``efficiency``
+#: Hardware fields a description may leave out (they take their defaults)
+OPTIONAL_FIELDS = ("comm_overlap",)
 #: the constants schema version 4 plans and version 1-2 profiles carry instead of ``efficiency``
 LEGACY_EFFICIENCY = ("matmul_efficiency", "memory_efficiency")
 
@@ -84,6 +86,12 @@ class Hardware:
     launch_floor: float  # seconds per kernel
     flash_attention: bool  # price fused attention as flash attention (no materialised scores)
     default_precision: str  # "bf16-mixed" on GPU presets, "fp32" on cpu
+    #: fraction of a layer's compute under which its parameter gathers and gradient reductions can
+    #: run hidden: 1 where collectives run beside compute (a GPU's communication kernels, a CPU
+    #: with a core to spare for gloo's worker), toward 0 where they take the cores compute needs
+    #: (more local processes than cores). ``autopar calibrate --nprocs N`` measures it. Written to
+    #: JSON only when below 1 (files without it price as before).
+    comm_overlap: float = 1.0
 
     def __hash__(self) -> int:  # peak_flops is a dict: hash the JSON form instead
         return hash(json.dumps(self.to_dict(), sort_keys=True))
@@ -97,7 +105,7 @@ class Hardware:
 
     def to_dict(self) -> dict:
         """JSON-able; ``Hardware.from_dict(hw.to_dict()) == hw``."""
-        return {
+        d = {
             "name": self.name,
             "peak_flops": {k: float(v) for k, v in self.peak_flops.items()},
             "hbm_bandwidth": float(self.hbm_bandwidth),
@@ -111,6 +119,9 @@ class Hardware:
             "flash_attention": bool(self.flash_attention),
             "default_precision": self.default_precision,
         }
+        if self.comm_overlap != 1.0:
+            d["comm_overlap"] = float(self.comm_overlap)
+        return d
 
     @staticmethod
     def from_dict(d: dict) -> "Hardware":
@@ -119,7 +130,7 @@ class Hardware:
         version 4 and older, profiles of version 1-2) gets them as a flat ``Efficiency``."""
         d = legacy_efficiency(d)
         names = [f.name for f in dataclasses.fields(Hardware)]
-        missing = [n for n in names if n not in d]
+        missing = [n for n in names if n not in d and n not in OPTIONAL_FIELDS]
         unknown = [k for k in d if k not in names]
         if missing or unknown:
             raise ValueError(
@@ -142,6 +153,7 @@ class Hardware:
             launch_floor=float(d["launch_floor"]),
             flash_attention=bool(d["flash_attention"]),
             default_precision=str(d["default_precision"]),
+            comm_overlap=float(d.get("comm_overlap", 1.0)),
         )
         hw.validate()
         return hw
@@ -154,6 +166,8 @@ class Hardware:
         for f in ("hbm_bandwidth", "memory", "devices_per_node", "nics_per_node"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"{self.name}: {f} must be positive, got {getattr(self, f)!r}")
+        if not 0.0 <= self.comm_overlap <= 1.0:
+            raise ValueError(f"{self.name}: comm_overlap must be in [0, 1], got {self.comm_overlap!r}")
         if self.launch_floor < 0:
             raise ValueError(f"{self.name}: launch_floor must be >= 0, got {self.launch_floor!r}")
 

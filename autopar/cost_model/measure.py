@@ -31,39 +31,72 @@ def _best_time(fn: Callable[[], object], reps: int) -> float:
     return _PICK[0](times)
 
 
+#: bytes of operands each timing cycles through: more than a last-level cache holds, so every
+#: op reads its operands from memory, as a program's ops read tensors other ops wrote (a matmul
+#: timed on the same small operands again and again runs from cache, up to 2-3x faster here)
+POOL_BYTES = 64 << 20
+
+
+def _pool_size(nbytes_each: int) -> int:
+    return max(1, min(64, POOL_BYTES // max(1, nbytes_each)))
+
+
 def time_matmul(m: int, n: int, k: int, dtype: torch.dtype = torch.float32, reps: int = 5) -> float:
-    """Seconds of one (m x k) @ (k x n) matmul (best of ``reps``)."""
-    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-    out = torch.empty(m, n, dtype=dtype)
-    inner = max(1, min(64, int(2e7 // max(1, m * n * k))))  # repeat tiny ones so the clock resolves them
+    """Seconds of one (m x k) @ (k x n) matmul, its operands cold (``POOL_BYTES``)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    pool = _pool_size(size * (m * k + k * n + m * n))
+    ops = [(torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype), torch.empty(m, n, dtype=dtype))
+           for _ in range(pool)]
+    inner = max(pool, min(4 * pool, int(2e7 // max(1, m * n * k))))  # tiny ones repeat so the clock resolves them
 
     def run() -> None:
-        for _ in range(inner):
+        for i in range(inner):
+            a, b, out = ops[i % pool]
             torch.mm(a, b, out=out)
 
     return _best_time(run, reps) / inner
 
 
 def measure_matmul(n: int = 1024, dtype: torch.dtype = torch.float32, reps: int = 5) -> float:
-    """FLOP/s of an ``n``-cubed matmul (best of ``reps``)."""
+    """FLOP/s of an ``n``-cubed matmul."""
     return 2.0 * n**3 / time_matmul(n, n, n, dtype, reps)
 
 
+#: the memory-bound ops timed, with the tensors each reads (it writes one): a copy, binary
+#: arithmetic and the transcendental activations transformers run (on a CPU these are bound by
+#: the vector units more than by memory; the cost model prices every such op by its bytes)
+ELEMENTWISE = (
+    ("copy", 1, lambda x, y, o: o.copy_(x)),
+    ("add", 2, lambda x, y, o: torch.add(x, y, out=o)),
+    ("mul", 2, lambda x, y, o: torch.mul(x, y, out=o)),
+    ("exp", 1, lambda x, y, o: torch.exp(x, out=o)),
+    ("gelu", 1, lambda x, y, o: o.copy_(torch.nn.functional.gelu(x))),
+    ("silu", 1, lambda x, y, o: torch.nn.functional.silu(x, inplace=False)),
+)
+
+
 def time_copy(nbytes: int, reps: int = 5) -> float:
-    """Seconds of one copy of ``nbytes`` (float32) into a preallocated tensor."""
-    x = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-    y = torch.empty_like(x)
-    inner = max(1, min(64, int((8 << 20) // max(1, nbytes))))
+    """Seconds per byte-equivalent pass of the ``ELEMENTWISE`` ops on float32 tensors of
+    ``nbytes`` each, operands cold: the time of one op moving ``2 * nbytes`` (read + write) at the
+    mix's rate (the ops' total bytes over their total time)."""
+    n = max(1, nbytes // 4)
+    pool = _pool_size(3 * 4 * n)
+    bufs = [(torch.rand(n), torch.rand(n), torch.empty(n)) for _ in range(pool)]
+    inner = max(pool, min(4 * pool, int((8 << 20) // max(1, nbytes))))
+    moved = sum((k + 1) for _, k, _ in ELEMENTWISE) * 4 * n
 
     def run() -> None:
-        for _ in range(inner):
-            y.copy_(x)
+        for i in range(inner):
+            x, y, o = bufs[i % pool]
+            for _, _, fn in ELEMENTWISE:
+                fn(x, y, o)
 
-    return _best_time(run, reps) / inner
+    t = _best_time(run, reps) / inner  # seconds for the whole mix once
+    return t * (2 * 4 * n) / moved
 
 
 def measure_memory_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
-    """Bytes/s of a large copy (read + write counted)."""
+    """Bytes/s of the ``ELEMENTWISE`` mix on large tensors (read + write counted)."""
     return 2.0 * (nbytes // 4) * 4 / time_copy(nbytes, reps)
 
 
@@ -109,9 +142,9 @@ def fit_efficiency(base: Efficiency, quick: bool, launch: float, reps: int) -> t
     # mm_max: so the fitted curve passes through the large measurement (peak is its rate)
     mm_max = 1.0 / (eff._sat(big * big, h_mn) * eff._sat(big, h_k))
 
-    nb_big = (32 << 20) if quick else (256 << 20)
+    nb_big = (8 << 20) if quick else (32 << 20)
     bw = 2.0 * nb_big / time_copy(nb_big, reps)
-    nb_small = 64 << 10
+    nb_small = 16 << 10
     bw_small = 2.0 * nb_small / max(time_copy(nb_small, reps) - launch, 1e-9)
     h_mem = fit_half(2 * nb_small, bw_small / bw)
     mem_max = 1.0 / eff._sat(2 * nb_big, h_mem)

@@ -266,7 +266,7 @@ class _Repricer:
             self.comm += c * e.mult
 
     def _times(self) -> tuple[float, float, float]:
-        exposed = sum(g.mult * max(0.0, self.group_comm[k] - self.group_compute[k])
+        exposed = sum(g.mult * max(0.0, self.group_comm[k] - g.overlap * self.group_compute[k])
                       for k, g in enumerate(self.prob.groups))
         return self.compute + self.comm + exposed, self.compute, self.comm + exposed
 

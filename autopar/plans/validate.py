@@ -157,6 +157,7 @@ class _Hardware(_Strict):
     launch_floor: Seconds
     flash_attention: bool
     default_precision: Literal[PRECISIONS]  # type: ignore[valid-type]
+    comm_overlap: Annotated[float, Field(ge=0, le=1)] = None  # optional: written only when below 1
 
 
 AxisSize = Annotated[int, BeforeValidator(_whole), Field(ge=1, le=MAX_AXIS_SIZE)]

@@ -69,7 +69,7 @@ def build_problem(
     # A gather cannot hide under compute that comes after its use, hence the split by phase.
     groups = []
     for name, mult in [("<outside layers>", 1)] + [(g.prefix, g.count) for g in folding.groups]:
-        groups += [Group(f"{name} (forward)", mult), Group(f"{name} (backward)", mult)]
+        groups += [Group(f"{name} (forward)", mult, hw.comm_overlap), Group(f"{name} (backward)", mult, hw.comm_overlap)]
     nodes: list[PNode] = []
     index: dict[str, int] = {}
     for n in graph.nodes:

@@ -15,7 +15,7 @@ with p the producer's placement (``build.py`` says what one transfer spans: whic
 instances, which phases). ``evaluate`` prices a choice (one strategy per node):
 
     step    = compute + activation communication + sum over groups of exposed(g)
-    exposed(g) = mult(g) * max(0, param_comm(g) - compute(g))
+    exposed(g) = mult(g) * max(0, param_comm(g) - overlap(g) * compute(g))
 
 where activation communication is the sum of the non-overlappable transfers, and
 ``param_comm(g)`` is one instance of group g's parameter gathers and gradient reductions (the
@@ -95,10 +95,12 @@ class PEdge:
 @dataclass
 class Group:
     """An overlap group: one phase (forward or backward) of one layer instance (``mult`` of
-    them), or of everything outside layers."""
+    them), or of everything outside layers. ``overlap``: the fraction of its compute under which
+    its parameter traffic can hide (``Hardware.comm_overlap``)."""
 
     name: str
     mult: int
+    overlap: float = 1.0
 
 
 @dataclass
@@ -228,5 +230,5 @@ def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:
             group_comm[e.group] += c * e.mult / problem.groups[e.group].mult
         else:
             comm += c * e.mult
-    exposed = sum(g.mult * max(0.0, group_comm[k] - group_compute[k]) for k, g in enumerate(problem.groups))
+    exposed = sum(g.mult * max(0.0, group_comm[k] - g.overlap * group_compute[k]) for k, g in enumerate(problem.groups))
     return Cost(compute + comm + exposed, compute, comm + exposed, exposed, memory)

@@ -383,9 +383,10 @@ def _exposed(m, problem: Problem, x, comm: dict[int, list], objective: list) -> 
     multiplicity, exactly as ``problem.evaluate`` counts it."""
     for g, terms in comm.items():
         hide = []
+        overlap = problem.groups[g].overlap
         for i, n in enumerate(problem.nodes):
             if n.group == g:
-                hide.extend((m.time(n.compute[s]), v) for s, v in x[i].items() if n.compute[s])
+                hide.extend((m.time(overlap * n.compute[s]), v) for s, v in x[i].items() if overlap * n.compute[s])
         upper = sum(m.time(c) for c, _ in terms)
         exposed = m.num(upper + 1, f"exposed{g}")
         m.linear([(1, exposed)] + [(-m.time(c), v) for c, v in terms] + hide, lo=0)
