@@ -1,5 +1,5 @@
 """Lowered programs against hand-written parallelism, and predicted against measured step time,
-on 4 local gloo processes and a GPT-2-style model.
+on 4 local gloo processes, GPT-2-style and LLaMA-style models.
 
 One ``autopar.launch(run, 4)`` run builds every variant, checks each against a single-process
 reference (loss and every gradient), then times them interleaved (round robin, a barrier before
@@ -13,9 +13,11 @@ every step), so machine noise hits all variants alike:
      Megatron does); embeddings, LayerNorms and the tied LM head replicated;
    - the lowered program of ``autopar.recipes.ddp`` against ``DistributedDataParallel`` (each rank
      its quarter of the same global batch).
-2. **predicted against measured**: plans made with the calibrated ``cpu`` profile (the recipes
-   and the searched plan on (4,) and on (2, 2)); the plan's ``step_time`` against the measured
-   median, and their Spearman rank correlation.
+2. **predicted against measured**: plans made with the calibrated ``cpu`` profile, per case
+   (``CASES``: GPT and LLaMA, meshes (4,) and (2, 2), the config's batch and twice it) the recipes
+   and the searched plan; the plan's ``step_time`` against the measured training step (forward,
+   backward and the AdamW step, which the plan prices too), their Spearman rank correlation, and
+   per case whether the searched plan measured fastest or its min-max range overlaps the fastest's.
 
 Every variant's collectives per forward + backward are counted (a dispatch mode on the
 ``_c10d_functional`` and ``c10d`` ops, so DDP's bucketed all-reduces count too), in an untimed
@@ -23,15 +25,15 @@ steady-state step. The script exits 1 if a variant's loss or gradients differ fr
 (relative 1e-5 / 1e-4).
 
 Step time = forward + backward (the loss's ``backward()`` returns with every gradient in place),
-the max over ranks, median over the timed steps; the AdamW step is timed separately (the cost model
-does not price the optimizer update, so the predictions are forward + backward). Every variant's
+the max over ranks, median over the timed steps; the AdamW step is timed too and reported apart in
+the hand-written comparison; predicted against measured compares the whole step. Every variant's
 AdamW runs with ``foreach=True`` (torch's default on CPU is the per-parameter loop; the same
 setting for all, so the comparison is like for like: on DTensor parameters, whose every op pays
 DTensor dispatch, the multi-tensor ops dispatch once per step instead of once per parameter;
 DTensor and plain parameters go in separate parameter groups, as a multi-tensor op takes one kind).
 
     OMP_NUM_THREADS=1 python benchmarks/runtime.py [--quick] [--profile cpu-profile.json]
-        [--steps 9] [--warmup 2] [--cprofile]
+        [--steps 9] [--warmup 2] [--cprofile] [--only 'llama (2, 2)']
 
 Without ``--profile`` the script first runs ``autopar.cost_model.calibrate.calibrate(path,
 nprocs=4)`` into a temporary file (the ``autopar calibrate`` CLI) and reports how long it took.
