@@ -84,3 +84,17 @@ def test_parameter_traffic_is_exposed_where_collectives_cannot_hide(tmp_path):
     again = Plan.from_dict(doc)
     assert again.step_time == pytest.approx(exposed.step_time)
     assert Hardware.from_dict(again.mesh["hardware"]).comm_overlap == 0.0
+
+
+def test_cli_calibrate_one_process(tmp_path, monkeypatch, capsys):
+    """``autopar calibrate --nprocs 1 --quick``: this process alone, the preset's link kept (the
+    in-process measurement is ``test_cost_model.test_calibrate_quick``'s)."""
+    from autopar.cli import main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "cpu.json"
+    assert main(["calibrate", "--nprocs", "1", "--quick", "-o", str(out)]) == 0
+    assert "launch floor" in capsys.readouterr().out
+    hw = load_profile(out)
+    assert hw.name == "cpu-calibrated" and hw.comm_overlap == 1.0
+    assert hw.intra_node == PRESETS["cpu"].intra_node and hw.launch_floor > 0
