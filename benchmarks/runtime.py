@@ -1,5 +1,5 @@
 """Lowered programs against hand-written parallelism, and predicted against measured step time,
-on 4 local gloo processes and a GPT-2-style model.
+on 4 local gloo processes, GPT-2-style and LLaMA-style models.
 
 One ``autopar.launch(run, 4)`` run builds every variant, checks each against a single-process
 reference (loss and every gradient), then times them interleaved (round robin, a barrier before
@@ -13,9 +13,11 @@ every step), so machine noise hits all variants alike:
      Megatron does); embeddings, LayerNorms and the tied LM head replicated;
    - the lowered program of ``autopar.recipes.ddp`` against ``DistributedDataParallel`` (each rank
      its quarter of the same global batch).
-2. **predicted against measured**: plans made with the calibrated ``cpu`` profile (the recipes
-   and the searched plan on (4,) and on (2, 2)); the plan's ``step_time`` against the measured
-   median, and their Spearman rank correlation.
+2. **predicted against measured**: plans made with the calibrated ``cpu`` profile, per case
+   (``CASES``: GPT and LLaMA, meshes (4,) and (2, 2), the config's batch and twice it) the recipes
+   and the searched plan; the plan's ``step_time`` against the measured training step (forward,
+   backward and the AdamW step, which the plan prices too), their Spearman rank correlation, and
+   per case whether the searched plan measured fastest or its min-max range overlaps the fastest's.
 
 Every variant's collectives per forward + backward are counted (a dispatch mode on the
 ``_c10d_functional`` and ``c10d`` ops, so DDP's bucketed all-reduces count too), in an untimed
@@ -23,15 +25,15 @@ steady-state step. The script exits 1 if a variant's loss or gradients differ fr
 (relative 1e-5 / 1e-4).
 
 Step time = forward + backward (the loss's ``backward()`` returns with every gradient in place),
-the max over ranks, median over the timed steps; the AdamW step is timed separately (the cost model
-does not price the optimizer update, so the predictions are forward + backward). Every variant's
+the max over ranks, median over the timed steps; the AdamW step is timed too and reported apart in
+the hand-written comparison; predicted against measured compares the whole step. Every variant's
 AdamW runs with ``foreach=True`` (torch's default on CPU is the per-parameter loop; the same
 setting for all, so the comparison is like for like: on DTensor parameters, whose every op pays
 DTensor dispatch, the multi-tensor ops dispatch once per step instead of once per parameter;
 DTensor and plain parameters go in separate parameter groups, as a multi-tensor op takes one kind).
 
     OMP_NUM_THREADS=1 python benchmarks/runtime.py [--quick] [--profile cpu-profile.json]
-        [--steps 9] [--warmup 2] [--cprofile]
+        [--steps 9] [--warmup 2] [--cprofile] [--only 'llama (2, 2)']
 
 Without ``--profile`` the script first runs ``autopar.cost_model.calibrate.calibrate(path,
 nprocs=4)`` into a temporary file (the ``autopar calibrate`` CLI) and reports how long it took.
@@ -57,6 +59,21 @@ import torch
 
 FULL = dict(n_embd=256, n_layer=4, n_head=8, vocab_size=1024, block_size=128, batch=8, seq=64)
 QUICK = dict(n_embd=128, n_layer=2, n_head=8, vocab_size=512, block_size=64, batch=8, seq=64)
+#: the LLaMA-style model of each config: the GPT's width, depth, heads and vocabulary; grouped
+#: query attention (half as many key/value heads), SwiGLU with ffn_dim ~ 8/3 of the width, RMSNorm,
+#: rotary embeddings, untied head
+LLAMA_KV_HEADS = 4
+#: the cases: (family, mesh shape, batch multiple of the config's, recipes); each also has a
+#: searched plan, which should measure fastest of its case (or within the min-max noise)
+CASES = [
+    ("gpt", (4,), 1, ("ddp", "fsdp", "megatron_tp", "megatron_sp")),
+    ("gpt", (2, 2), 1, ("ddp", "fsdp_tp", "megatron_tp")),
+    ("gpt", (4,), 2, ("ddp", "megatron_tp")),
+    ("llama", (4,), 1, ("ddp", "fsdp", "megatron_tp")),
+    ("llama", (2, 2), 1, ("ddp", "fsdp_tp", "megatron_tp")),
+    ("llama", (2, 2), 2, ("ddp", "megatron_tp")),
+]
+QUICK_CASES = [("gpt", (4,), 1, ("ddp", "megatron_tp")), ("llama", (2, 2), 1, ("ddp", "megatron_tp"))]
 NPROCS = 4
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # relative, fp32
 TP_LAYERS = {"attn.qkv": "colwise", "mlp.fc": "colwise", "attn.proj": "rowwise", "mlp.proj": "rowwise"}
@@ -66,11 +83,16 @@ TP_LAYERS = {"attn.qkv": "colwise", "mlp.fc": "colwise", "attn.proj": "rowwise",
 # model
 
 
-def build(cfg: dict, device=None, batch=None):
-    """The seeded GPT and its (seeded) inputs: identical on every rank."""
+def build(cfg: dict, device=None, batch=None, family: str = "gpt"):
+    """The seeded model (``family`` "gpt" or "llama") and its (seeded) inputs: identical on every rank."""
     from autopar.models import make
 
     torch.manual_seed(0)
+    if family == "llama":
+        C = cfg["n_embd"]
+        over = dict(dim=C, n_layers=cfg["n_layer"], n_heads=cfg["n_head"], n_kv_heads=LLAMA_KV_HEADS,
+                    ffn_dim=(8 * C // 3 + 63) // 64 * 64, vocab_size=cfg["vocab_size"], max_seq_len=cfg["block_size"])
+        return make("llama", "tiny", batch=batch or cfg["batch"], seq=cfg["seq"], device=device, **over)
     over = {k: cfg[k] for k in ("n_embd", "n_layer", "n_head", "vocab_size", "block_size")}
     return make("gpt", "tiny", batch=batch or cfg["batch"], seq=cfg["seq"], device=device, **over)
 
@@ -222,15 +244,23 @@ def run(cfg: dict, plans: list, steps: int, warmup: int, cprofile: bool) -> dict
 
     # autopar: every plan made by the parent
     compile_s = {}
+    refs = {"gpt": (ref_loss, ref_grads)}
     for p in plans:
+        fam = p["family"]
+        if fam not in refs:  # this family's single-process reference at the config's batch
+            r, ra = build(cfg, family=fam)
+            rl = r(*ra)
+            rl.backward()
+            refs[fam] = (rl.item(), {n: q.grad.detach().clone() for n, q in r.named_parameters()})
+            del r
         t0 = time.perf_counter()
-        m, a = build(cfg, batch=p["batch"])
+        m, a = build(cfg, batch=p["batch"], family=fam)
         mesh = autopar.Mesh(dict(zip(p["axis_names"], p["mesh_shape"])), device="cpu")
         pm = autopar.compile(m, mesh, a, plan=Plan.from_dict(json.loads(p["json"])))
         compile_s[p["key"]] = time.perf_counter() - t0
         same_batch = p["batch"] == cfg["batch"]
         variants.append(dict(name=p["key"], module=pm, order=None, fn=(lambda pm=pm, a=a: pm(*a)),
-                             global_loss=True, checked=same_batch))
+                             global_loss=True, checked=same_batch, ref=refs[fam]))
     for v in variants:
         v["opt"] = adamw(v["module"])
 
@@ -245,8 +275,9 @@ def run(cfg: dict, plans: list, steps: int, warmup: int, cprofile: bool) -> dict
             lv /= world
         if v.get("checked", True):
             mod = v["module"].module if isinstance(v["module"], autopar.ParallelModule) else v["module"]
-            checks[v["name"]] = dict(loss=lv.item(), ref_loss=ref_loss, loss_err=abs(lv.item() - ref_loss) / abs(ref_loss),
-                                     grad_err=grad_error(mod, ref_grads, v["order"]))
+            rl, rg = v.get("ref", (ref_loss, ref_grads))
+            checks[v["name"]] = dict(loss=lv.item(), ref_loss=rl, loss_err=abs(lv.item() - rl) / abs(rl),
+                                     grad_err=grad_error(mod, rg, v["order"]))
         v["opt"].zero_grad(set_to_none=True)
     # the collectives of a steady-state forward+backward (the third: DDP rebuilds its buckets in the
     # second), untimed
@@ -262,6 +293,7 @@ def run(cfg: dict, plans: list, steps: int, warmup: int, cprofile: bool) -> dict
     # timing, interleaved
     times = {v["name"]: [] for v in variants}
     opt_times = {v["name"]: [] for v in variants}
+    step_times = {v["name"]: [] for v in variants}
     for i in range(warmup + steps):
         order_i = variants if i % 2 == 0 else variants[::-1]
         for v in order_i:
@@ -276,17 +308,19 @@ def run(cfg: dict, plans: list, steps: int, warmup: int, cprofile: bool) -> dict
             if i >= warmup:
                 times[v["name"]].append(t1 - t0)
                 opt_times[v["name"]].append(t2 - t1)
+                step_times[v["name"]].append(t2 - t0)
     # max over ranks, per step
-    packed = torch.tensor([[*times[v["name"]], *opt_times[v["name"]]] for v in variants], dtype=torch.float64)
+    packed = torch.tensor([[*times[v["name"]], *opt_times[v["name"]], *step_times[v["name"]]] for v in variants],
+                          dtype=torch.float64)
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
     out = {}
     for k, v in enumerate(variants):
         row = packed[k].tolist()
-        out[v["name"]] = dict(fwd_bwd=row[:steps], opt=row[steps:])
+        out[v["name"]] = dict(fwd_bwd=row[:steps], opt=row[steps:2 * steps], step=row[2 * steps:])
 
     prof = None
     if cprofile:
-        prof = profile_steps(variants, ["hand:dtensor_tp", "(4,) megatron_tp", "hand:ddp", "(4,) ddp"])
+        prof = profile_steps(variants, ["hand:dtensor_tp", "gpt (4,) megatron_tp", "hand:ddp", "gpt (4,) ddp"])
     if rank != 0:
         return None
     return dict(times=out, checks=checks, collectives=n_coll, compile_s=compile_s, setup_s=setup_s, cprofile=prof,
@@ -344,40 +378,58 @@ def spearman(xs, ys) -> float:
     return num / den if den else float("nan")
 
 
-def make_plans(cfg: dict, profile: str, quick: bool, det_time: float) -> list:
-    import autopar
+def _key(family: str, shape, recipe: str, mult: int) -> str:
+    return f"{family} ({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''}) {recipe}" + (
+        f" b x{mult}" if mult != 1 else "")
 
-    specs = [((4,), None, cfg["batch"], r) for r in ("ddp", "fsdp", "megatron_tp", "megatron_sp", "search")]
-    specs += [((2, 2), None, cfg["batch"], r) for r in ("ddp", "fsdp_tp", "megatron_tp", "search")]
-    specs += [((4,), None, cfg["batch"] * 2, r) for r in ("ddp", "megatron_tp")]
-    if quick:
-        specs = [s for s in specs if s[3] in ("ddp", "megatron_tp", "search") and s[2] == cfg["batch"]]
+
+def case_of(key: str) -> str:
+    """The case (family, mesh, batch) of a plan's key: the key without its recipe."""
+    head, rest = key.split(") ", 1)
+    parts = rest.split(" ")
+    return head + ")" + ("".join(" " + x for x in parts[1:]))
+
+
+def make_plans(cfg: dict, profile: str, quick: bool, det_time: float, only: str | None = None) -> list:
+    """Every case's recipes and searched plan, priced on ``profile`` (made in this process, on
+    ``meta`` copies of the models)."""
+    import autopar
+    from autopar.ir.capture import capture
+
     graphs = {}
     plans = []
-    for shape, _, batch, recipe in specs:
-        axes = {"dp": shape[0]} if len(shape) == 1 else {"dp": shape[0], "tp": shape[1]}
-        if recipe in ("megatron_tp", "megatron_sp") and len(shape) == 1:
-            axes = {"tp": shape[0]}
-        mesh = autopar.Mesh(axes, device="cpu", profile=profile)
-        model, inputs = build(cfg, device="meta", batch=batch)
-        if batch not in graphs:
-            from autopar.ir.capture import capture
-
-            graphs[batch] = capture(model, inputs)
-        t0 = time.perf_counter()
-        if recipe == "search":
-            plan = autopar.plan(model, mesh, inputs, graph=graphs[batch], deterministic_time=det_time, progress=False)
-        else:
-            plan = getattr(autopar.recipes, recipe)(model, mesh, inputs, graph=graphs[batch], progress=False)
-        key = f"({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''}) {recipe}" + (
-            f" b{batch}" if batch != cfg["batch"] else "")
-        plans.append(dict(key=key, recipe=recipe, source=plan.source, batch=batch, mesh_shape=list(plan.mesh_shape),
-                          axis_names=list(plan.axis_names), json=plan.to_json(timing=False),
-                          step_time=plan.step_time, compute_time=plan.compute_time, comm_time=plan.comm_time,
-                          plan_s=time.perf_counter() - t0))
-        print(f"planned {key}: {plan.source}, predicted {plan.step_time * 1e3:.1f} ms "
-              f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+    for family, shape, mult, recipes in (QUICK_CASES if quick else CASES):
+        if only and only not in case_of(_key(family, shape, "x", mult)):
+            continue
+        batch = cfg["batch"] * mult
+        for recipe in (*recipes, "search"):
+            axes = {"dp": shape[0]} if len(shape) == 1 else {"dp": shape[0], "tp": shape[1]}
+            if recipe in ("megatron_tp", "megatron_sp") and len(shape) == 1:
+                axes = {"tp": shape[0]}
+            mesh = autopar.Mesh(axes, device="cpu", profile=profile)
+            model, inputs = build(cfg, device="meta", batch=batch, family=family)
+            if (family, batch) not in graphs:
+                graphs[family, batch] = capture(model, inputs)
+            graph = graphs[family, batch]
+            t0 = time.perf_counter()
+            if recipe == "search":
+                plan = autopar.plan(model, mesh, inputs, graph=graph, deterministic_time=det_time, progress=False)
+            else:
+                plan = getattr(autopar.recipes, recipe)(model, mesh, inputs, graph=graph, progress=False)
+            key = _key(family, shape, recipe, mult)
+            plans.append(dict(key=key, family=family, recipe=recipe, source=plan.source, batch=batch,
+                              mesh_shape=list(plan.mesh_shape), axis_names=list(plan.axis_names),
+                              json=plan.to_json(timing=False), step_time=plan.step_time,
+                              compute_time=plan.compute_time, comm_time=plan.comm_time,
+                              n_collectives=_planned_collectives(plan), plan_s=time.perf_counter() - t0))
+            print(f"planned {key}: {plan.source}, predicted {plan.step_time * 1e3:.1f} ms "
+                  f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
     return plans
+
+
+def _planned_collectives(plan) -> int:
+    """Collective calls per step the plan lists (``plan.collectives``, each ``count`` times)."""
+    return sum(int(c.get("count", 1)) for c in plan.collectives)
 
 
 def ms(x: float) -> str:
@@ -394,20 +446,25 @@ def report(cfg, res, plans, steps, warmup, calib_s, profile, args) -> int:
     def coll(k):
         c = res["collectives"][k]
         return f"{sum(c.values())} (" + " ".join(f"{v} {short.get(n, n)}" for n, v in sorted(c.items())) + ")"
-    print(f"\nGPT n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} n_head={cfg['n_head']} vocab={cfg['vocab_size']}, "
+    print(f"\nGPT and LLaMA (GQA {LLAMA_KV_HEADS} kv heads, SwiGLU) n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} "
+          f"n_head={cfg['n_head']} vocab={cfg['vocab_size']}, "
           f"global batch {cfg['batch']} x seq {cfg['seq']}, fp32, {res['world']} gloo processes, "
           f"torch {res['torch']}; warmup {warmup}, median of {steps} steps (max over ranks), interleaved")
     print(f"autopar at {_git_rev()}")
     print(f"load average (1 min) before / after the launch: {res['load'][0]:.1f} / {res['load'][1]:.1f}")
     print(f"profile: {profile}" + (f" (calibrated in {calib_s:.1f} s)" if calib_s is not None else "") +
           f": {res['profile_figures']}")
+    for line in res.get("calibration") or ():
+        print(f"    {line}")
     print(f"setup in the ranks (reference, compile x{len(plans)}, checks): {res['setup_s']:.1f} s; "
           f"compile per plan: {', '.join(f'{v:.1f}' for v in res['compile_s'].values())} s\n")
 
     print("### autopar against hand-written, mesh (4,)\n")
     print("| variant | loss (ref) | max rel. grad err | collectives per fwd+bwd | fwd+bwd ms median [min-max] | AdamW (foreach) step ms | ratio fwd+bwd | ratio fwd+bwd+opt |")
     print("|---|---|---|---|---|---|---|---|")
-    for mine, hand in (("(4,) megatron_tp", "hand:dtensor_tp"), ("(4,) ddp", "hand:ddp")):
+    for mine, hand in (("gpt (4,) megatron_tp", "hand:dtensor_tp"), ("gpt (4,) ddp", "hand:ddp")):
+        if mine not in T:
+            continue
         for k in (mine, hand):
             c = res["checks"][k]
             lo, hi = spread[k]
@@ -420,23 +477,56 @@ def report(cfg, res, plans, steps, warmup, calib_s, profile, args) -> int:
                   f"[{ms(lo)}-{ms(hi)}] | {ms(omed[k])} | {ratio[0]} | {ratio[1]} |")
 
     print("\n### predicted (calibrated cpu profile) against measured\n")
-    print("| plan | source | batch | predicted ms (compute / comm) | measured fwd+bwd ms | measured / predicted | collectives per fwd+bwd | check: loss err, grad err |")
+    print("Measured: one training step (forward + backward + AdamW foreach step: what a plan's step time "
+          "prices), max over ranks; median [min-max] of the timed steps.\n")
+    print("| plan | source | batch | predicted ms (compute / comm) | measured step ms median [min-max] | measured / predicted | collectives per fwd+bwd (planned per step) | check: loss err, grad err |")
     print("|---|---|---|---|---|---|---|---|")
+    smed = {k: statistics.median(v["step"]) for k, v in T.items()}
+    srange = {k: (min(v["step"]), max(v["step"])) for k, v in T.items()}
     xs, ys = [], []
     for p in plans:
         k = p["key"]
         c = res["checks"].get(k)
         chk = f"{c['loss_err']:.0e}, {c['grad_err']:.0e}" if c else "(other batch)"
+        lo, hi = srange[k]
         print(f"| {k} | {p['source']} | {p['batch']}x{cfg['seq']} | {ms(p['step_time'])} ({ms(p['compute_time'])} / "
-              f"{ms(p['comm_time'])}) | {ms(med[k])} | {med[k] / p['step_time']:.2f} | {coll(k)} | {chk} |")
+              f"{ms(p['comm_time'])}) | {ms(smed[k])} [{ms(lo)}-{ms(hi)}] | {smed[k] / p['step_time']:.2f} | {coll(k)} "
+              f"({p.get('n_collectives', '?')}) | {chk} |")
         xs.append(p["step_time"])
-        ys.append(med[k])
-    print(f"\nSpearman rank correlation, predicted vs measured, {len(xs)} plans: **{spearman(xs, ys):.2f}**")
+        ys.append(smed[k])
+    rho = spearman(xs, ys)
+    print(f"\nSpearman rank correlation, predicted vs measured, {len(xs)} plans: **{rho:.2f}**")
     ncoll = [sum(res["collectives"][p["key"]].values()) for p in plans]
     print(f"Spearman rank correlation, number of collectives vs measured: {spearman(ncoll, ys):.2f}")
     pearson_log = _pearson([math.log(x) for x in xs], [math.log(y) for y in ys])
     print(f"Pearson correlation of log times: {pearson_log:.2f}; "
           f"measured/predicted median {statistics.median(y / x for x, y in zip(xs, ys)):.2f}")
+    print("\n### the searched plan in each case\n")
+    print("| case | searched plan ms median [min-max] | fastest measured | its ms median [min-max] | predicted fastest | verdict |")
+    print("|---|---|---|---|---|---|")
+    cases: dict = {}
+    for p in plans:
+        cases.setdefault(case_of(p["key"]), []).append(p)
+    fails = 0
+    for case, ps in cases.items():
+        srch = next((p for p in ps if p["recipe"] == "search"), None)
+        if srch is None:
+            continue
+        best = min(ps, key=lambda p: smed[p["key"]])
+        pbest = min(ps, key=lambda p: p["step_time"])
+        s_lo, s_hi = srange[srch["key"]]
+        b_lo, b_hi = srange[best["key"]]
+        if best is srch:
+            verdict = "fastest"
+        elif s_lo <= b_hi:
+            verdict = "overlaps the fastest"
+        else:
+            verdict = "**slower**"
+            fails += 1
+        print(f"| {case} | {ms(smed[srch['key']])} [{ms(s_lo)}-{ms(s_hi)}] | {best['recipe']} | {ms(smed[best['key']])} "
+              f"[{ms(b_lo)}-{ms(b_hi)}] | {pbest['recipe']} | {verdict} |")
+    print(f"\nsearched plan fastest or within the fastest's min-max in {len(cases) - fails} of {len(cases)} cases; "
+          f"Spearman {rho:.2f} over {len(xs)} plans")
     if res.get("cprofile"):
         print("\n### cProfile, rank 0, 3 forward+backward steps each\n")
         for k, text in res["cprofile"].items():
@@ -481,6 +571,7 @@ def main(argv=None) -> int:
     ap.add_argument("--deterministic-time", type=float, default=None, help="solver budget of the searched plans")
     ap.add_argument("--cprofile", action="store_true", help="also cProfile 3 steps of the TP and DDP variants")
     ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--only", help="run only the cases whose name contains this (e.g. 'llama (2, 2)'; development)")
     args = ap.parse_args(argv)
     cfg = dict(QUICK if args.quick else FULL)
     steps = args.steps or (3 if args.quick else 9)
@@ -494,6 +585,7 @@ def main(argv=None) -> int:
     import autopar
 
     calib_s = None
+    calib_lines = []
     profile = args.profile
     tmp = None
     if profile is None:
@@ -502,11 +594,13 @@ def main(argv=None) -> int:
         tmp = tempfile.TemporaryDirectory()
         profile = os.path.join(tmp.name, "cpu-profile.json")
         t0 = time.perf_counter()
-        calibrate(profile, nprocs=NPROCS, quick=args.quick)
+        calib_lines: list = []
+        calibrate(profile, nprocs=NPROCS, quick=args.quick, report=calib_lines)
+        print("\n".join(calib_lines), file=sys.stderr, flush=True)
         calib_s = time.perf_counter() - t0
         print(f"calibrated in {calib_s:.1f} s", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    plans = make_plans(cfg, profile, args.quick, det)
+    plans = make_plans(cfg, profile, args.quick, det, args.only)
     print(f"planned {len(plans)} plans in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
@@ -517,6 +611,7 @@ def main(argv=None) -> int:
     res["profile_figures"] = (f"fp32 {hw['peak_flops']['float32'] / 1e9:.0f} GFLOP/s, memory {hw['hbm_bandwidth'] / 1e9:.1f} GB/s, "
                               f"launch {hw['launch_floor'] * 1e6:.1f} us, gloo link {hw['intra_node']['latency'] * 1e6:.0f} us + "
                               f"{hw['intra_node']['bandwidth'] / 1e9:.2f} GB/s")
+    res["calibration"] = calib_lines
     print(f"launch run: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return report(cfg, res, plans, steps, warmup, calib_s, args.profile or "calibrated now (temporary file)", args)
 

@@ -327,7 +327,8 @@ def test_profile_save_load(tmp_path):
 def test_calibrate_quick(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     path = tmp_path / "cpu.json"
-    hw = calibrate(path, nprocs=2, quick=True)
+    lines: list = []
+    hw = calibrate(path, nprocs=2, quick=True, report=lines)
     loaded = load_profile(path)
     assert loaded == hw
     assert all(v > 0 and math.isfinite(v) for v in hw.peak_flops.values())
@@ -335,3 +336,7 @@ def test_calibrate_quick(tmp_path, monkeypatch):
     assert hw.intra_node.latency > 0 and hw.intra_node.bandwidth > 0
     mesh = Mesh({"dp": 2}, device="cpu", profile=path)
     assert mesh.hardware == hw and mesh.links == (hw.intra_node,)
+    # measured in 2 processes: every collective kind between compute, listed against its price
+    assert hw.name == "cpu-calibrated-2procs" and 0.0 <= hw.overlap_slowdown < 1.0
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        assert any(line.startswith(f"{kind} 1024 B: measured ") for line in lines), lines

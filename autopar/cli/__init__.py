@@ -163,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", parents=[common],
                        help="measure this machine (matmul, memory, gloo links) into a profile")
     p.add_argument("-o", "--output", default="cpu-profile.json")
-    p.add_argument("--nprocs", type=int, default=2)
+    p.add_argument("--nprocs", type=int, default=2,
+                   help="measure inside this many concurrent gloo processes, the ranks of the runs the profile "
+                        "is for (1: this process alone, the preset's link)")
     p.add_argument("--quick", action="store_true")
     p.set_defaults(func=cmd_calibrate)
     return parser

@@ -147,13 +147,20 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """``autopar calibrate``: measure this machine into a hardware profile."""
     from autopar.cost_model.calibrate import calibrate
 
-    hw = calibrate(args.output, nprocs=args.nprocs, quick=args.quick)
+    lines: list[str] = []
+    hw = calibrate(args.output, nprocs=args.nprocs, quick=args.quick, report=lines)
     print(f"wrote {args.output}: {hw.name}; use it with autopar.Mesh(..., device='cpu', profile='{args.output}')")
     e = hw.efficiency
     print(f"fp32 matmul {hw.peak_flops['float32'] / 1e9:.1f} GFLOP/s (x {e.mm_max:.2f}, half at MN {e.mm_half_mn:.0f}, "
           f"K {e.mm_half_k:.0f}); attention fwd {e.attn_fwd:.2f} / bwd {e.attn_bwd:.2f} of it (half at {e.attn_half_seq:.0f} "
           f"keys); memory {hw.hbm_bandwidth / 1e9:.1f} GB/s (x {e.mem_max:.2f}, half at {e.mem_half_bytes:.0f} B); "
           f"launch floor {hw.launch_floor * 1e6:.1f} us")
+    link = hw.intra_node
+    if lines:
+        print(f"gloo, {args.nprocs} processes, collectives between compute: latency {link.latency * 1e6:.0f} us, "
+              f"bandwidth {link.bandwidth / 1e9:.2f} GB/s, fitted to:")
+        for line in lines:
+            print(f"  {line}")
     return 0
 
 
