@@ -58,7 +58,8 @@ def main() -> None:
     t = time.perf_counter()
     plan = autopar.plan(model, mesh, inputs, precision="bf16-mixed", pipeline=pin, progress=False)
     wall = time.perf_counter() - t
-    print(f"load {os.getloadavg()} (1, 5, 15 min) at the end; {a.size}, mesh pp={pp} dp={dp} tp={tp}; {layers} layers; "
+    print(f"load {os.getloadavg()} (1, 5, 15 min) at the end; {a.size}, "
+          f"{f'Mesh.devices({a.devices})' if a.devices else f'mesh pp={pp} dp={dp} tp={tp}'}; {layers} layers; "
           f"batch {a.batch}x{a.seq}")
     print(f"planned in {wall:.1f} s; phases {plan.phases}")
     if plan.mesh_search:

@@ -103,6 +103,14 @@ def test_pipeline_wins_on_slow_outer_links():
     assert plan.pipeline is not None
     assert plan.step_time < plan.baselines["unpipelined"]["step_time"]
     assert plan.fits
+    # one or two micro-batch counts solved; the others priced from a solve, marked estimated; the plan's
+    # own count is a solved one
+    pl = plan.pipeline
+    rows = pl["compared"]
+    solved = {c["microbatches"] for c in rows if not c.get("estimated")}
+    assert 1 <= len(solved) <= 2 and any(c.get("estimated") for c in rows)
+    assert pl["microbatches"] in solved
+    assert {"stage_plans", "split", "pp_recipe", "unpipelined", "total"} <= set(plan.phases)
     # the torchtitan-style pipelined recipe is priced alike; the plan is never slower than it
     recipe = plan.baselines["pp_fsdp_tp"]
     assert recipe["step_time"] >= plan.step_time * (1 - 1e-9) or plan.source == "recipe:pp_fsdp_tp"

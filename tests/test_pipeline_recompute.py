@@ -51,7 +51,7 @@ def test_first_stages_recompute_more_and_the_replay_prices_it():
     assert all(not paths for _, paths in roomy.recomputed) and roomy.step_time == free.step_time
 
 
-def test_a_pipeline_that_fits_only_by_recomputing_its_first_stage():
+def test_a_pipeline_that_fits_only_by_recomputing_its_first_stage(tmp_path):
     """A tiny LLaMA on pp=2 x dp=2, 1F1B at 4 micro-batches: with a budget between the two ranks'
     memory without recomputation, the plan recomputes layer instances on stage 0 only, says so per
     stage and in ``checkpointing`` (what the lowering re-runs), and fits."""
@@ -70,3 +70,6 @@ def test_a_pipeline_that_fits_only_by_recomputing_its_first_stage():
     assert plan.fits and plan.peak_memory <= budget
     assert plan.step_time > free.step_time
     assert f"recomputes {len(redo[0]['layers'])} layer(s)" in plan.summary()
+    plan.save(tmp_path / "p.json")
+    again = autopar.load_plan(tmp_path / "p.json")
+    assert again.to_json() == plan.to_json() and again.pipeline["recompute"] == redo

@@ -37,7 +37,8 @@ def plans(tmp_path_factory):
     runs = {}
     for name, extra in (("a", ["--pipeline", "schedule=1F1B,microbatches=4"]),
                         ("b", ["--pipeline", "schedule=GPipe,microbatches=2"])):
-        runs[name] = _main(["plan", target, "--mesh", "pp=2,dp=2", "--device", "cpu", *extra, "-o", f"{cwd}/{name}.json"])
+        runs[name] = _main(["plan", target, "--mesh", "pp=2,dp=2", "--device", "cpu", *extra,
+                            "-o", f"{cwd}/{name}.json"])
     return cwd, runs
 
 

@@ -158,5 +158,5 @@ def parse_pipeline(text: str) -> dict:
     return out
 
 
-__all__ = ["IDENT", "device_choices", "device_preset", "parse_bytes", "parse_hints", "parse_kw", "parse_mesh", "parse_pipeline",
-           "positive_float", "split_hint"]
+__all__ = ["IDENT", "device_choices", "device_preset", "parse_bytes", "parse_hints", "parse_kw", "parse_mesh",
+           "parse_pipeline", "positive_float", "split_hint"]

@@ -114,7 +114,8 @@ class Mesh:
                 continue
             if isinstance(allowed, (str, bytes)) or not isinstance(allowed, Sequence) or not allowed or any(
                     isinstance(v, bool) or not isinstance(v, int) or v < 1 or count % v for v in allowed):
-                raise MeshError(f"Mesh.devices: {name} must be a list of positive ints dividing {count}, got {allowed!r}")
+                raise MeshError(f"Mesh.devices: {name} must be a list of positive ints dividing {count}, "
+                                f"got {allowed!r}")
         if tp is not None and any(node % v for v in tp):
             raise MeshError(f"Mesh.devices: tp degrees {list(tp)} must divide the node size {node} (tp stays within a "
                             f"node); pass node_size= to change it")

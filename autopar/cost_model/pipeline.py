@@ -85,8 +85,8 @@ def combine(parts: Sequence[Segment]) -> Segment:
             mem[k] = mem.get(k, 0.0) + v
     return Segment(*(sum(getattr(p, f) for p in parts) for f in ("forward", "input_grad", "weight_grad", "state",
                                                                "activations", "gathers", "reductions", "kept")),
-                   memory=mem, paths=tuple(x for p in parts for x in p.paths), optimizer=sum(p.optimizer for p in parts),
-                   recompute=tuple(x for p in parts for x in p.recompute))
+                   memory=mem, paths=tuple(x for p in parts for x in p.paths),
+                   optimizer=sum(p.optimizer for p in parts), recompute=tuple(x for p in parts for x in p.recompute))
 
 
 def p2p_time(nbytes: float, link: Link) -> float:

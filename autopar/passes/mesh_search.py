@@ -34,7 +34,7 @@ from autopar.errors import ArgumentError, InfeasibleError, RecipeError
 from autopar.ir.capture import as_args, capture
 from autopar.ir.stages import chain
 from autopar.passes.pipeline import DEFAULT_BUDGET_FRACTION, run_passes
-from autopar.passes.pipelined import PP_AXIS, batch_size, plan_pipelined
+from autopar.passes.pipelined import batch_size, plan_pipelined
 from autopar.passes.report import build_plan
 
 
@@ -80,7 +80,8 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None, 
                             "axes (autopar.Mesh({'dp': ..., 'tp': ...})) for inference")
     if pipeline is not None:
         raise ArgumentError("autopar.plan: pipeline= pins a pipeline on a given mesh; with Mesh.devices the planner "
-                            "chooses the pipeline degree: give the axes, e.g. Mesh({'pp': 4, 'dp': 2, 'tp': 8}), to pin it")
+                            "chooses the pipeline degree: give the axes, e.g. Mesh({'pp': 4, 'dp': 2, 'tp': 8}), "
+                            "to pin it")
     if kw.get("recipe") is not None or kw.get("hints") is not None:
         raise ArgumentError("autopar.plan: recipe= and hints= name mesh axes; with Mesh.devices the axes are not known "
                             "yet: give the axes (autopar.Mesh({...})) to use them")

@@ -91,12 +91,14 @@ def diff_lines(a: "Plan", b: "Plan") -> list[str]:
     """What differs between two plans' pipelines (and their mesh searches' choices)."""
     pa: Any = getattr(a, "pipeline", None)
     pb: Any = getattr(b, "pipeline", None)
-    ma, mb = (getattr(a, "mesh_search", None) or {}).get("chosen"), (getattr(b, "mesh_search", None) or {}).get("chosen")
+    ma = (getattr(a, "mesh_search", None) or {}).get("chosen")
+    mb = (getattr(b, "mesh_search", None) or {}).get("chosen")
     head = [f"mesh search chose: {ma or 'no search'} -> {mb or 'no search'}"] if ma != mb else []
     if pa == pb:
         return head
     if not pa or not pb:
-        return head + [f"pipeline: {'none' if not pa else pa.get('schedule')} -> {'none' if not pb else pb.get('schedule')}"]
+        was, now = ("none" if not pa else pa.get("schedule")), ("none" if not pb else pb.get("schedule"))
+        return head + [f"pipeline: {was} -> {now}"]
     out = head
     for k in ("schedule", "microbatches", "virtual_stages"):
         if pa.get(k) != pb.get(k):
