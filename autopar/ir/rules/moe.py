@@ -26,25 +26,7 @@ from autopar.ir.rules.special import _by_position, _masked_ids, _splits_dim, _ze
 # dtype and device, so it is read whole. Zeros are a valid partial sum (every addend zero).
 
 
-def _any_template(call: OpCall, dm: DimMap) -> list[Signature]:
-    """The factory's signatures with its input (read for its dtype and device only) split along
-    any dim or partial instead of whole: no collective brings a template together (the backward
-    of ``x[idx]`` allocates ``x.new_zeros(...)`` from a gradient split by tokens)."""
-    from autopar.ir.rules.dimmap import enumerate_signatures
-
-    x = call.in_specs[0] if call.in_specs else None
-    if x is None:
-        return []
-    alts = [Split(d) for d, n in enumerate(x.shape) if n >= 2] + ([P] if x.is_float else [])
-    out = []
-    for sig in enumerate_signatures(dm):
-        for alt in alts:
-            out.append(Signature((alt,) + sig.inputs[1:], sig.outputs, sig.tag))
-    return out
-
-
-@register("aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default", size_args=((1, "size", 0),),
-          extra=_any_template)
+@register("aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default", size_args=((1, "size", 0),))
 def _new_factory(call: OpCall) -> DimMap:
     out = call.out_specs[0]
     names = [f"d{i}" for i in range(out.ndim)]
