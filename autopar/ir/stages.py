@@ -13,7 +13,9 @@ embedding and head, is in both: ``Chain.both``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
+from autopar.errors import ArgumentError
 from autopar.ir.graph import Graph, Phase
 from autopar.ir.layers import Key, layer_key, layers
 
@@ -75,4 +77,26 @@ def region_paths(graph: Graph, ch: Chain, r: int) -> list[str]:
     return out
 
 
-__all__ = ["Chain", "POST", "PRE", "chain", "region_paths"]
+def stage_rule(graph: Graph, stages: list) -> Callable[[str], int]:
+    """IR op name -> its pipeline stage: the chain rule above with a plan's stage lists (the module
+    paths of the layer instances per stage); what runs before the layers is the first stage's, what
+    runs after them the last's. Raises ``ArgumentError`` naming the layers no stage lists."""
+    ch = chain(graph)
+    of_unit = {}
+    for s, paths in enumerate(stages):
+        for p in paths:
+            if p in ch.paths:
+                of_unit[ch.paths.index(p)] = s
+    missing = [p for u, p in enumerate(ch.paths) if u not in of_unit]
+    if missing:
+        raise ArgumentError(f"autopar pipeline: the plan's stages do not list the layer(s) {missing}; was the plan "
+                            "made for this model?")
+    last = len(stages) - 1
+
+    def stage_of(name: str) -> int:
+        r = ch.region.get(name, PRE)
+        return 0 if r == PRE else last if r == POST else of_unit[r]
+    return stage_of
+
+
+__all__ = ["Chain", "POST", "PRE", "chain", "region_paths", "stage_rule"]

@@ -48,7 +48,7 @@ from torch.fx.node import map_aggregate
 from autopar.errors import ArgumentError
 from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph, Ref
-from autopar.ir.stages import POST, PRE, chain
+from autopar.ir.stages import stage_rule
 
 
 def micro_slices(args: tuple, kwargs: dict, batch: int, m: int) -> list[dict[str, Any]]:
@@ -159,20 +159,7 @@ class PipelinedModule(torch.nn.Module):
         graph = capture(model, margs, mkwargs, training=False)
         if not graph.outputs or graph.outputs[0] is None or graph.spec(graph.outputs[0]).shape != ():
             raise ArgumentError("autopar pipelined: the model must return its loss (a scalar) to be pipelined")
-        ch = chain(graph)
-        stage_of_unit = {}
-        for s, paths in enumerate(pl["stages"]):
-            for p in paths:
-                if p in ch.paths:
-                    stage_of_unit[ch.paths.index(p)] = s
-        missing = [p for u, p in enumerate(ch.paths) if u not in stage_of_unit]
-        if missing:
-            raise ArgumentError(f"autopar pipelined: the plan's stages do not list the layer(s) {missing}; was the plan "
-                                "made for this model?")
-
-        def stage(name: str) -> int:
-            r = ch.region[name]
-            return 0 if r == PRE else n_stages - 1 if r == POST else stage_of_unit[r]
+        stage = stage_rule(graph, pl["stages"])
 
         values: dict[str, Any] = {}
         for fqn, name in graph.params.items():

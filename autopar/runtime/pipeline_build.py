@@ -17,35 +17,13 @@ import torch.distributed as dist
 
 from autopar.errors import ArgumentError
 from autopar.ir.capture import capture
-from autopar.ir.graph import Graph
 from autopar.ir.placement import local_block
-from autopar.ir.stages import POST, PRE, chain
+from autopar.ir.stages import stage_rule
 from autopar.runtime.collectives import single_worker_gloo_groups
 from autopar.runtime.pipeline import PipelinedModule, micro_slices
 from autopar.runtime.pipeline_cut import cut, dry_run
 from autopar.runtime.pipeline_mesh import MeshPipelinedModule
 from autopar.runtime.state import distribute_state
-
-
-def stage_rule(graph: Graph, stages: list) -> Callable[[str], int]:
-    """IR op name -> its pipeline stage: the chain rule of ``ir.stages`` with the plan's stage lists
-    (module paths of the layer instances per stage)."""
-    ch = chain(graph)
-    of_unit = {}
-    for s, paths in enumerate(stages):
-        for p in paths:
-            if p in ch.paths:
-                of_unit[ch.paths.index(p)] = s
-    missing = [p for u, p in enumerate(ch.paths) if u not in of_unit]
-    if missing:
-        raise ArgumentError(f"autopar pipeline: the plan's stages do not list the layer(s) {missing}; was the plan "
-                            "made for this model?")
-    last = len(stages) - 1
-
-    def stage_of(name: str) -> int:
-        r = ch.region.get(name, PRE)
-        return 0 if r == PRE else last if r == POST else of_unit[r]
-    return stage_of
 
 
 def build_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, lower: Callable, materializer=None,
@@ -104,4 +82,4 @@ def build_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, low
     return MeshPipelinedModule(model, plan, graph, stage_of, program, cutting, dmesh, stage_mesh, stage_groups, batch)
 
 
-__all__ = ["build_pipelined", "stage_rule"]
+__all__ = ["build_pipelined"]

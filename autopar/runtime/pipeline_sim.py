@@ -19,7 +19,7 @@ from autopar.ir.capture import capture
 from autopar.ir.placement import local_block
 from autopar.program import collectives as C
 from autopar.runtime.pipeline import micro_slices
-from autopar.runtime.pipeline_build import stage_rule
+from autopar.ir.stages import stage_rule
 from autopar.runtime.pipeline_cut import cut, dry_run
 from autopar.runtime.threads import gather_slots, placeholder_values, run_threads
 
