@@ -131,6 +131,8 @@ def test_page_shows_the_plan(plan, page):
     # header figures
     for text in ("dp=2", "h100", plan.precision["name"], "source", "search", "step time", "peak memory"):
         assert text in page
+    # on h100 (overlap slowdown > 0) the communication figure also holds the compute it slows, and says so
+    assert plan.mesh["hardware"]["overlap_slowdown"] > 0 and "exposed communication and the compute it slows" in page
     # the recipes: every one named, ddp marked as not fitting, fsdp_tp's error listed
     recipes = page[page.index('<table class="sortable" id="recipes">'):]
     recipes = recipes[:recipes.index("</table>")]

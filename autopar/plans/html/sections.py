@@ -63,6 +63,9 @@ def header_section(plan: "Plan", title: str) -> str:
     prec_bits.append("training" if plan.training else "inference")
 
     step, comp, comm = finite_float(plan.step_time), finite_float(plan.compute_time), finite_float(plan.comm_time)
+    # with an overlap slowdown, comm_time also holds the compute that hidden collectives slow
+    comm_label = ("exposed communication and the compute it slows" if finite_float(hw.get("overlap_slowdown")) > 0
+                  else "exposed communication")
     scale = max(step, comp + comm, 1e-30)
     split = (f'<div class="split" role="img" aria-label="compute {escape(time_text(comp))}, communication {escape(time_text(comm))}">'
              f'<span class="seg seg-compute" style="width:{100 * comp / scale:.1f}%"></span>'
@@ -99,7 +102,7 @@ def header_section(plan: "Plan", title: str) -> str:
         ("precision", escape(", ".join(prec_bits))),
         ("step time", f"<b>{escape(time_text(step))}</b>: "
                       f'<span class="key key-compute"></span>compute {escape(time_text(comp))} + '
-                      f'<span class="key key-comm"></span>exposed communication {escape(time_text(comm))}{split}'),
+                      f'<span class="key key-comm"></span>{comm_label} {escape(time_text(comm))}{split}'),
         *([("model FLOPs utilization", _mfu_html(plan))] if finite_float(getattr(plan, "model_flops", 0)) > 0 else []),
         ("peak memory", f"<b>{escape(bytes_text(peak))}</b> of {escape(bytes_text(budget))} per device "
                         f"({escape(percent(peak, budget))}, {verdict}){membar}"),
