@@ -8,7 +8,6 @@ need a plan file wait for the run that writes it. Only the runs of the selected 
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -17,13 +16,14 @@ import shutil
 import subprocess
 import sys
 import time
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import pytest
+
+from tests._cli_helpers import run_cli
 
 #: The user's module: factories returning (model, example_inputs), and some that go wrong.
 FACTORIES = '''
@@ -161,16 +161,6 @@ class Runner:
         return self.futures[name].result()
 
 
-def _main(argv: list) -> tuple[int, str, str]:
-    """``autopar.cli.main(argv)`` in this process: (exit code, stdout, stderr)."""
-    from autopar.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(argv)
-    return rc, out.getvalue(), err.getvalue()
-
-
 @pytest.fixture(scope="module")
 def cli(request, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("cli")
@@ -189,7 +179,7 @@ def cli(request, tmp_path_factory):
         if name in wanted and name != "diff":
             runner.submit(name)
     # While those run: the second plan in this process (it is needed only by diff).
-    runner.plan_b = _main([a.format(cwd=cwd) for a in PLAN_B])
+    runner.plan_b = run_cli([a.format(cwd=cwd) for a in PLAN_B])
     if "diff" in wanted:
         runner.submit("diff")
     yield runner
@@ -368,7 +358,7 @@ def test_more_errors_in_process(tmp_path, name):
     (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00garbage")
     (tmp_path / "ortools.py").write_text(SHADOW)
     argv, code, says = MORE_ERRORS[name]
-    rc, out, err = _main([a.format(cwd=tmp_path) for a in argv])
+    rc, out, err = run_cli([a.format(cwd=tmp_path) for a in argv])
     assert rc == code, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
@@ -390,7 +380,7 @@ def test_node_shape_reaches_the_plans_mesh(tmp_path):
     links = {}
     for nics in ("8", "4"):
         out = tmp_path / f"p{nics}.json"
-        rc, _, err = _main(["plan", f"{tmp_path}/cli_models.py:mlp", "--mesh", "dp=16", "--devices-per-node", "8",
+        rc, _, err = run_cli(["plan", f"{tmp_path}/cli_models.py:mlp", "--mesh", "dp=16", "--devices-per-node", "8",
                             "--nics-per-node", nics, "-o", str(out)])
         assert rc == 0, err
         plan = json.loads(out.read_text())
@@ -400,10 +390,10 @@ def test_node_shape_reaches_the_plans_mesh(tmp_path):
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    rc, out, err = _main(["--debug", "show", str(tmp_path / "missing.json")])
+    rc, out, err = run_cli(["--debug", "show", str(tmp_path / "missing.json")])
     assert rc == 1 and "Traceback (most recent call last)" in err
     assert err.strip().splitlines()[-1].startswith("autopar show: error: no plan file at")
-    rc, out, err = _main(["show", str(tmp_path / "missing.json"), "--debug"])  # after the command as well
+    rc, out, err = run_cli(["show", str(tmp_path / "missing.json"), "--debug"])  # after the command as well
     assert rc == 1 and "Traceback (most recent call last)" in err
 
 

@@ -4,12 +4,11 @@ and per-stage memory, and ``diff`` compares two pipelined plans."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
-import warnings
 
 import pytest
+
+from tests._cli_helpers import run_cli
 
 FACTORY = '''
 from autopar.models import make
@@ -20,15 +19,6 @@ def gpt(batch=8, n_layer=4):
 '''
 
 
-def _main(argv: list) -> tuple[int, str, str]:
-    from autopar.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(argv)
-    return rc, out.getvalue(), err.getvalue()
-
-
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("pipe_cli")
@@ -37,7 +27,7 @@ def plans(tmp_path_factory):
     runs = {}
     for name, extra in (("a", ["--pipeline", "schedule=1F1B,microbatches=4"]),
                         ("b", ["--pipeline", "schedule=GPipe,microbatches=2"])):
-        runs[name] = _main(["plan", target, "--mesh", "pp=2,dp=2", "--device", "cpu", *extra,
+        runs[name] = run_cli(["plan", target, "--mesh", "pp=2,dp=2", "--device", "cpu", *extra,
                             "-o", f"{cwd}/{name}.json"])
     return cwd, runs
 
@@ -48,7 +38,7 @@ def test_cli_plans_a_pinned_pipeline_and_shows_it(plans):
     assert rc == 0, err
     assert "pipeline on axis 'pp'" in out and "1F1B, 4 micro-batches" in out and "bubble" in out
     assert re.search(r"stage 1 \(rank 1\): .*in flight; rank memory", out)
-    rc, shown, err = _main(["show", f"{cwd}/a.json"])
+    rc, shown, err = run_cli(["show", f"{cwd}/a.json"])
     assert rc == 0 and "1F1B, 4 micro-batches" in shown
 
 
@@ -67,7 +57,7 @@ def test_html_page_shows_the_pipeline(plans):
     stages = stages[:stages.index("</table>")]
     assert stages.count("<tr>") == 1 + len(plan.pipeline["stages"])  # the header and one row per stage
     assert 'href="#pipeline"' in page
-    rc, _, err = _main(["show", f"{cwd}/a.json", "--html", f"{cwd}/a.html"])
+    rc, _, err = run_cli(["show", f"{cwd}/a.json", "--html", f"{cwd}/a.html"])
     assert rc == 0, err
     assert (cwd / "a.html").read_text(encoding="utf-8") == page
 
@@ -75,7 +65,7 @@ def test_html_page_shows_the_pipeline(plans):
 def test_diff_compares_pipelined_plans(plans):
     cwd, runs = plans
     assert runs["b"][0] == 0, runs["b"][2]
-    rc, out, err = _main(["diff", f"{cwd}/a.json", f"{cwd}/b.json"])
+    rc, out, err = run_cli(["diff", f"{cwd}/a.json", f"{cwd}/b.json"])
     assert rc == 0, err
     assert "pipeline schedule: 1F1B -> GPipe" in out and "pipeline microbatches: 4 -> 2" in out
     assert "pipeline memory per rank" in out
@@ -83,12 +73,12 @@ def test_diff_compares_pipelined_plans(plans):
 
 def test_cli_devices_lets_the_planner_factorize(plans):
     cwd, _ = plans
-    rc, out, err = _main(["plan", f"{cwd}/pipe_models.py:gpt", "--devices", "4", "--devices-per-node", "2",
+    rc, out, err = run_cli(["plan", f"{cwd}/pipe_models.py:gpt", "--devices", "4", "--devices-per-node", "2",
                           "--device", "cpu", "-o", f"{cwd}/d.json"])
     assert rc == 0, err
     assert "mesh search: 4 devices (nodes of 2), chose" in out
-    rc, out, err = _main(["plan", f"{cwd}/pipe_models.py:gpt", "--device", "cpu", "-o", f"{cwd}/e.json"])
+    rc, out, err = run_cli(["plan", f"{cwd}/pipe_models.py:gpt", "--device", "cpu", "-o", f"{cwd}/e.json"])
     assert rc == 2 and "either --mesh" in err
-    rc, out, err = _main(["plan", f"{cwd}/pipe_models.py:gpt", "--mesh", "pp=2,dp=2", "--pipeline", "m=4",
+    rc, out, err = run_cli(["plan", f"{cwd}/pipe_models.py:gpt", "--mesh", "pp=2,dp=2", "--pipeline", "m=4",
                           "-o", f"{cwd}/e.json"])
     assert rc == 2 and "unknown key 'm'" in err
