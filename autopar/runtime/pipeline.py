@@ -108,9 +108,10 @@ class _Stage(torch.nn.Module):
         return outs[0] if len(outs) == 1 else outs
 
 
-class _Step(torch.autograd.Function):
+class ScheduleStep(torch.autograd.Function):
     """The whole schedule as one autograd op: forward runs forward and backward of every
-    micro-batch and returns the loss; backward hands out the stored gradients."""
+    micro-batch and returns the loss; backward hands out the stored gradients. ``runner.run(inputs,
+    backward=True)`` -> (loss, per-parameter gradients); the mesh runtime's module runs through it too."""
 
     @staticmethod
     def forward(ctx, runner, inputs, *params):  # noqa: ARG004 - params only route the gradients
@@ -286,7 +287,7 @@ class PipelinedModule(torch.nn.Module):
                                     "fails in torch 2.13 (its eval runs the same-rank backward hand-over); plan "
                                     "another schedule for evaluation")
             return self.run((args, kwargs), backward=False)[0]
-        return _Step.apply(self, (args, kwargs), *self.params)
+        return ScheduleStep.apply(self, (args, kwargs), *self.params)
 
 
 _SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
@@ -303,4 +304,4 @@ def pipelined(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: O
     return PipelinedModule(model, plan, example_inputs, example_kwargs, group)
 
 
-__all__ = ["PipelinedModule", "pipelined"]
+__all__ = ["PipelinedModule", "ScheduleStep", "pipelined"]

@@ -45,6 +45,7 @@ from autopar.ir.placement import local_block
 from autopar.program import collectives as C
 from autopar.program.collectives import Executed
 from autopar.runtime.collectives import ProcessGroupComm, record_executed
+from autopar.runtime.pipeline import ScheduleStep
 from autopar.runtime.pipeline_cut import SHAPE, Cut, StageCut
 
 _SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
@@ -145,21 +146,6 @@ class _RecordedStage(PipelineStage):
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
         return self.autopar_note(super().get_bwd_recv_ops(bwd_chunk_id))
-
-
-class _Step(torch.autograd.Function):
-    """The whole schedule as one autograd op (as ``runtime.pipeline``): forward runs the step,
-    backward hands out the gradients."""
-
-    @staticmethod
-    def forward(ctx, runner, inputs, *params):  # noqa: ARG004
-        loss, grads = runner.run(inputs)
-        ctx.grads = grads
-        return loss
-
-    @staticmethod
-    def backward(ctx, g):
-        return (None, None, *[None if x is None else x * g for x in ctx.grads])
 
 
 class MeshPipelinedModule(torch.nn.Module):
@@ -400,7 +386,7 @@ class MeshPipelinedModule(torch.nn.Module):
         object.__setattr__(self, "steps", self.steps + 1)
         if not torch.is_grad_enabled():  # the forwards only (evaluation)
             return self.run((args, kwargs), backward=False)[0]
-        return _Step.apply(self, (args, kwargs), *self.params)
+        return ScheduleStep.apply(self, (args, kwargs), *self.params)
 
 
 def _static_values(graph) -> set:
