@@ -74,33 +74,63 @@ PURE = {("a100", "70b")}
 #: FlashAttention-1 at "25-40% of the theoretical maximum FLOPs/s" on A100). So the rows are priced
 #: with the preset's attention curves at half their height: a kernel-level figure, not a fit.
 FA1_OF_FA2 = 0.5
-#: The runs' runtime: torch's FSDP1 (``FULL_SHARD``), per micro-batch and per FSDP unit, in
-#: torch/distributed/fsdp/_runtime_utils.py: ``_post_backward_hook`` casts the unsharded gradient
-#: (``flat_param.grad``, in the bf16 parameter dtype) to the reduce dtype when they differ
-#: (``flat_param.grad.to(handle._reduce_dtype)``: read 2, write 4 bytes per parameter; Composer's
-#: DEFAULT reduces in fp32, PURE in bf16: no cast), then ``_reduce_grad`` divides it in place by
-#: ``_gradient_predivide_factor`` before ``reduce_scatter_tensor`` (``_div_if_needed``; the factor,
-#: ``DefaultState._get_gradient_predivide_factor`` in torch/distributed/algorithms/_comm_hooks/
-#: default_hooks.py, is 4 on 8 GPUs and 8 on 64: > 1 on every row; read and write 4 bytes per
-#: parameter in fp32, 2 in bf16). Read here in torch 2.13's source; the same two steps are in the
-#: FSDP1 of the runs' time (``_reduce_grad``'s default path is unchanged since it was split out of
-#: the hook). Bytes per parameter of the unsharded gradient on every GPU, per micro-batch:
-#: (cast, divide). autopar's own runtime does neither (it reduces what autograd produced), so this
-#: is priced here, as the runs' runtime, not in the presets: memory-bound kernels at the preset's
-#: memory curve, one per layer (an FSDP unit), after the compute (they run on FSDP's post-backward
-#: stream beside the backward; priced as not hidden).
-FSDP1_GRAD_BYTES = {"fp32": (2 + 4, 4 + 4), "bf16": (0, 2 + 2)}
+#: The runs' runtime: torch's FSDP1 (``FULL_SHARD``, ``use_orig_params=True``: Composer's default,
+#: ``set_fsdp_default`` in composer/trainer/dist_strategy.py of v0.16.4, the version llm-foundry's
+#: setup.py at b2a43a1 pins), per micro-batch and per FSDP unit, three memory-bound kernels over the
+#: unsharded gradient, in torch/distributed/fsdp:
+#: - ``concat``: the forward uses views of the unsharded flat parameter made with ``torch.split``
+#:   under ``enable_grad`` (``_flat_param.py``, ``_use_unsharded_views`` -> ``_get_unflat_views``),
+#:   so autograd builds the flat gradient through ``SplitWithSizesBackward0``, which runs
+#:   ``aten::cat`` over every parameter's gradient (checked here with the profiler on a CPU flat
+#:   parameter; ``tests/test_published.py``): read 2, write 2 bytes per parameter (bf16, the
+#:   unsharded parameter's dtype);
+#: - ``cast``: ``_post_backward_hook`` (``_runtime_utils.py``) casts the unsharded gradient to the
+#:   reduce dtype when they differ (``flat_param.grad.to(handle._reduce_dtype)``: read 2, write 4;
+#:   Composer's DEFAULT reduces in fp32, PURE in bf16: no cast);
+#: - ``divide``: ``_reduce_grad`` divides it in place by ``_gradient_predivide_factor`` before
+#:   ``reduce_scatter_tensor`` (``_div_if_needed``; the factor, ``DefaultState.
+#:   _get_gradient_predivide_factor`` in torch/distributed/algorithms/_comm_hooks/default_hooks.py,
+#:   is 4 on 8 GPUs and 8 on 64: > 1 on every row; read and write 4 bytes in fp32, 2 in bf16).
+#: Read here in torch 2.13's source; the runs used the FSDP1 of PyTorch 2.1 (llm-foundry's image
+#: ``mosaicml/pytorch:2.1.0_cu121``, sweep.sh), whose flat-parameter views and ``_reduce_grad`` take
+#: the same path (not checked line by line against that version). Bytes per parameter of the
+#: unsharded gradient on every GPU, per micro-batch, per kernel. autopar's own runtime does none of
+#: the three (it reduces what autograd produced for each parameter), so they are priced here, as the
+#: runs' runtime, not in the presets: memory-bound kernels at the preset's memory curve, one of each
+#: per layer (an FSDP unit), after the compute (they run on FSDP's post-backward stream beside the
+#: backward; priced as not hidden).
+FSDP1_GRAD_BYTES = {"fp32": (("concat", 2 + 2), ("cast", 2 + 4), ("divide", 4 + 4)),
+                    "bf16": (("concat", 2 + 2), ("divide", 2 + 2))}
+#: The runs' runtime at the edges of each micro-batch (torch's FSDP1 with Composer's defaults:
+#: ``forward_prefetch`` False, ``backward_prefetch`` BACKWARD_POST, ``set_fsdp_default`` as above).
+#: Every layer's gather hides under the layer before it and every layer's reduction under the layer
+#: after it, as autopar prices; the first and the last cannot. The root FSDP unit (MPT's embeddings
+#: and final norm, the parameters outside the blocks: llm-foundry's ``fsdp_wrap_fn`` wraps each
+#: ``MPTBlock``) gathers first, while nothing runs, and the first block's gather waits behind it
+#: (one process group runs its collectives in the order issued; the embedding lookup between them
+#: is a few microseconds); at the end of the backward the first block reduces after its own
+#: gradient is complete and the root after the embedding's, with only the embedding's backward left
+#: to run, and FSDP's final callback (``_post_backward_final_callback`` -> ``_wait_for_post_backward``)
+#: makes the compute stream wait for them before the next micro-batch. So per micro-batch
+#: ``EDGE_COLLECTIVES`` run exposed: autopar hides them under the layers' compute and charges only
+#: the overlap slowdown ``s`` of their time, so the price adds ``(1 - s)`` of their ring time on the
+#: row's FSDP axis (gathers in bf16, reductions in the reduce dtype).
+EDGE_COLLECTIVES = (("all_gather", "root"), ("all_gather", "layer"), ("reduce_scatter", "layer"),
+                    ("reduce_scatter", "root"))
 
 
-def run_hardware(device: str, kernel: str = "run", overlap_slowdown=None):
+def run_hardware(device: str, kernel: str = "run", overlap_slowdown=None, intra_bandwidth=None):
     """The preset of ``device``, with the attention kernel those runs used (``FA1_OF_FA2``) unless
-    ``kernel`` is ``"preset"``, and ``overlap_slowdown`` in place of the preset's when given (0: the
-    price before that term, for comparison)."""
+    ``kernel`` is ``"preset"``, ``overlap_slowdown`` in place of the preset's when given (0: the
+    price before that term, for comparison) and, for a what-if only, ``intra_bandwidth`` (bytes/s)
+    in place of the preset's NVLink bandwidth."""
     import dataclasses
 
     from autopar.cost_model.hardware import PRESETS
 
     hw = PRESETS[device]
+    if intra_bandwidth is not None:
+        hw = dataclasses.replace(hw, intra_node=dataclasses.replace(hw.intra_node, bandwidth=intra_bandwidth))
     if kernel == "run":
         e = hw.efficiency
         hw = dataclasses.replace(hw, efficiency=dataclasses.replace(
@@ -120,17 +150,32 @@ def foundry_flops_per_token(params: int, layers: int, width: int) -> float:
 
 
 def fsdp1_grad_seconds(params: int, layers: int, reduce: str, hw) -> float:
-    """Seconds per micro-batch of FSDP1's gradient cast and pre-division (``FSDP1_GRAD_BYTES``) on
-    one GPU: two memory-bound kernels per layer over its unsharded gradient, at the memory curve."""
+    """Seconds per micro-batch of FSDP1's gradient work (``FSDP1_GRAD_BYTES``: the flat gradient's
+    concatenation, the cast to the reduce dtype, the pre-division) on one GPU: one memory-bound
+    kernel of each per layer over its unsharded gradient, at the memory curve."""
     from autopar.cost_model import efficiency as eff
 
     per_layer = params / layers
     total = 0.0
-    for per_param in FSDP1_GRAD_BYTES[reduce]:
-        if per_param:
-            nbytes = per_param * per_layer
-            total += layers * nbytes / (hw.hbm_bandwidth * eff.memory(hw.efficiency, nbytes))
+    for _name, per_param in FSDP1_GRAD_BYTES[reduce]:
+        nbytes = per_param * per_layer
+        total += layers * nbytes / (hw.hbm_bandwidth * eff.memory(hw.efficiency, nbytes))
     return total
+
+
+def fsdp1_edge_seconds(root_params: int, layer_params: int, reduce: str, mesh) -> float:
+    """Seconds per micro-batch that FSDP1's first gathers and last reductions add to autopar's
+    price (``EDGE_COLLECTIVES``): their ring time on the mesh's one (FSDP) axis, times ``1 - s``
+    (autopar counts them as hidden, slowing compute by ``s`` of their time)."""
+    from autopar.cost_model.comm import collective_time
+
+    n, link = mesh.shape[0], mesh.links[0]
+    grad_bytes = 4 if reduce == "fp32" else 2
+    total = 0.0
+    for kind, unit in EDGE_COLLECTIVES:
+        count = root_params if unit == "root" else layer_params
+        total += collective_time(kind, count * (2 if kind == "all_gather" else grad_bytes), n, link)
+    return (1.0 - mesh.hardware.overlap_slowdown) * total
 
 
 def collective_seconds(plan, mesh) -> float:
@@ -143,11 +188,13 @@ def collective_seconds(plan, mesh) -> float:
                for c in plan.collectives if c["axis"] in size)
 
 
-def price(row, graph_cache: dict, kernel: str = "run", overlap_slowdown=None, grad_work: bool = True) -> dict:
-    """Plan one row (FSDP recipe, pinned recomputation) and return its predicted throughput;
-    ``kernel="run"`` prices attention with the runs' kernel, ``"preset"`` with the preset's;
-    ``overlap_slowdown`` replaces the preset's; ``grad_work`` adds FSDP1's gradient cast and
-    pre-division (``FSDP1_GRAD_BYTES``)."""
+def price(row, graph_cache: dict, kernel: str = "run", overlap_slowdown=None, grad_work: bool = True,
+          edges: bool = True, intra_bandwidth=None) -> dict:
+    """Plan one row (FSDP recipe, pinned recomputation) and return its predicted throughput and
+    where its step goes; ``kernel="run"`` prices attention with the runs' kernel, ``"preset"`` with
+    the preset's; ``overlap_slowdown`` and ``intra_bandwidth`` replace the preset's; ``grad_work``
+    adds FSDP1's gradient kernels (``FSDP1_GRAD_BYTES``) and ``edges`` its exposed first gathers and
+    last reductions (``EDGE_COLLECTIVES``)."""
     import dataclasses
 
     import autopar
@@ -166,13 +213,15 @@ def price(row, graph_cache: dict, kernel: str = "run", overlap_slowdown=None, gr
         model, inputs = make("gpt", size="tiny", batch=gpus * mb, seq=SEQ, device="meta", vocab_size=VOCAB,
                              block_size=SEQ, n_layer=layers, n_embd=width, n_head=heads, bias=True)
         graph_cache.clear()  # one graph at a time: the large ones are big
-        graph_cache[key] = (model, inputs, capture(model, tuple(inputs)), num_params(model))
-    model, inputs, graph, params = graph_cache[key]
+        graph_cache[key] = (model, inputs, capture(model, tuple(inputs)), num_params(model),
+                            sum(p.numel() for p in model.blocks[0].parameters()))
+    model, inputs, graph, params, layer_params = graph_cache[key]
     t_capture = time.perf_counter() - t0
-    hw = run_hardware(device, kernel, overlap_slowdown)
+    hw = run_hardware(device, kernel, overlap_slowdown, intra_bandwidth)
     mesh = autopar.Mesh({"dp": gpus}, device=hw)
     precision = get_precision("bf16-mixed", mesh.hardware)
-    if (device, name) in PURE:  # gradients reduced in bf16
+    reduce = "bf16" if (device, name) in PURE else "fp32"
+    if reduce == "bf16":  # gradients reduced in bf16
         precision = dataclasses.replace(precision, grad_bytes=2)
     planned = run_passes(model, mesh, inputs, recipe="fsdp", graph=graph, progress=False,
                          checkpointing="full" if ckpt else None, precision=precision)
@@ -183,37 +232,49 @@ def price(row, graph_cache: dict, kernel: str = "run", overlap_slowdown=None, gr
     state = {"params": precision.param_bytes * shard, "grads": precision.grad_bytes * shard,
              "optimizer": precision.optimizer_bytes * shard}
     opt = optimizer_time(state, mesh.hardware)
-    grad_work = (fsdp1_grad_seconds(params, layers, "bf16" if (device, name) in PURE else "fp32", mesh.hardware)
-                 if grad_work else 0.0)
-    step = planned.cost.step_time - opt * (1.0 - 1.0 / ACCUM[(device, name)]) + grad_work
+    grad_s = fsdp1_grad_seconds(params, layers, reduce, mesh.hardware) if grad_work else 0.0
+    edge_s = fsdp1_edge_seconds(params - layers * layer_params, layer_params, reduce, mesh) if edges else 0.0
+    step = planned.cost.step_time - opt * (1.0 - 1.0 / ACCUM[(device, name)]) + grad_s + edge_s
     tok_gpu = mb * SEQ / step
     parts = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
-    for n in plan.nodes:  # every op instance, at its chosen strategy's priced seconds
+    for n in plan.nodes:  # every op instance at its chosen strategy's priced seconds, re-runs included
         op = n["op"]
         kind = ("matmul" if op.split(".")[1] in ("mm", "addmm", "bmm", "baddbmm") else
                 "attention" if "scaled_dot_product" in op else "other")
         parts[kind] += n["compute"]
+    recompute = sum(g.get("checkpointed", 0) * g.get("recompute_time", 0.0) for g in plan.layer_groups)
     fpt = foundry_flops_per_token(params, layers, width)
     collectives = collective_seconds(plan, mesh)
     return {"tok_gpu": tok_gpu, "mfu": fpt * tok_gpu / PEAK[device], "step": step,
-            "collectives": collectives, "contention": planned.cost.contention, "grad_work": grad_work,
+            "collectives": collectives, "contention": planned.cost.contention, "grad_work": grad_s,
+            "edges": edge_s, "optimizer": opt / ACCUM[(device, name)], "recompute": recompute,
             "overlap_slowdown": mesh.hardware.overlap_slowdown,
-            "compute": planned.cost.compute_time, "exposed": planned.cost.comm_time - planned.cost.contention,
+            "compute": planned.cost.compute_time,
+            "exposed": planned.cost.comm_time - planned.cost.contention - opt,
             "plan_mfu": getattr(plan, "mfu", float("nan")), "fits": plan.fits, "params": params, "parts": parts,
             "capture_s": t_capture, "plan_s": time.perf_counter() - t0 - t_capture}
 
 
+def _by_row(results):
+    return sorted(results, key=lambda x: (x[0][0], SHAPES[x[0][1]][1]))
+
+
 def markdown(results) -> None:
-    """The per-row table of docs/benchmarks.md (times in ms per micro-batch step)."""
-    _say("| device | model | GPUs | micro-batch | recompute | step | matmul / attention / other | exposed | "
-         "collectives | slowed compute | FSDP1 gradient work | tokens/s/GPU | published | predicted/published |")
-    _say("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for row, r in sorted(results, key=lambda x: (x[0][0], SHAPES[x[0][1]][1])):
+    """The per-row table of docs/benchmarks.md: where each row's step goes (ms per micro-batch step;
+    every column but "hidden collectives" is part of "step")."""
+    _say("| device | model | GPUs | micro-batch | recompute | step | matmul / attention / other | of it re-run "
+         "| AdamW | exposed comm | hidden collectives | slowed compute | FSDP1 gradient work | FSDP1 edges "
+         "| tokens/s/GPU | published | predicted/published |")
+    _say("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row, r in _by_row(results):
         device, name, gpus, mb, ckpt, _mfu, tok = row
         parts = " / ".join(f"{r['parts'][k] * 1e3:.1f}" for k in ("matmul", "attention", "other"))
-        _say(f"| {device.upper()} | {name.upper()} | {gpus} | {mb} | {'yes' if ckpt else 'no'} | {r['step'] * 1e3:.1f} | "
-             f"{parts} | {r['exposed'] * 1e3:.1f} | {r['collectives'] * 1e3:.1f} | {r['contention'] * 1e3:.1f} | "
-             f"{r['grad_work'] * 1e3:.1f} | {r['tok_gpu']:,.0f} | {tok:,} | {r['tok_gpu'] / tok:.3f} |")
+        ms = {k: f"{r[k] * 1e3:.1f}" for k in ("step", "recompute", "optimizer", "exposed", "collectives",
+                                             "contention", "grad_work", "edges")}
+        _say(f"| {device.upper()} | {name.upper()} | {gpus} | {mb} | {'yes' if ckpt else 'no'} | {ms['step']} | "
+             f"{parts} | {ms['recompute']} | {ms['optimizer']} | {ms['exposed']} | {ms['collectives']} | "
+             f"{ms['contention']} | {ms['grad_work']} | {ms['edges']} | {r['tok_gpu']:,.0f} | {tok:,} | "
+             f"{r['tok_gpu'] / tok:.3f} |")
 
 
 def main(argv=None) -> int:
@@ -226,7 +287,11 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap-slowdown", type=float, default=None,
                     help="price with this overlap_slowdown instead of the preset's (0: hidden collectives free)")
     ap.add_argument("--no-grad-work", action="store_true",
-                    help="leave out FSDP1's gradient cast and pre-division (the runs' runtime)")
+                    help="leave out FSDP1's gradient concatenation, cast and pre-division (the runs' runtime)")
+    ap.add_argument("--no-edges", action="store_true",
+                    help="leave out FSDP1's exposed first gathers and last reductions (the runs' runtime)")
+    ap.add_argument("--intra-bandwidth", type=float, default=None,
+                    help="what-if: price with this NVLink bandwidth (GB/s, one way) instead of the preset's")
     args = ap.parse_args(argv)
     import torch
 
@@ -236,9 +301,10 @@ def main(argv=None) -> int:
     rows.sort(key=lambda r: (SHAPES[r[1]][1], r[2] * r[3], r[0]))
     cache: dict = {}
     results = []
+    intra = args.intra_bandwidth * 1e9 if args.intra_bandwidth else None
     for row in rows:
         r = price(row, cache, kernel=args.kernel, overlap_slowdown=args.overlap_slowdown,
-                  grad_work=not args.no_grad_work)
+                  grad_work=not args.no_grad_work, edges=not args.no_edges, intra_bandwidth=intra)
         results.append((row, r))
         _say(f"[{row[0]} {row[1]} x{row[2]}] predicted {r['tok_gpu']:.0f} tokens/s/GPU (published {row[6]}), "
              f"ratio {r['tok_gpu'] / row[6]:.3f}; capture {r['capture_s']:.0f} s, plan {r['plan_s']:.0f} s")
@@ -246,7 +312,7 @@ def main(argv=None) -> int:
     _say(f"{'device':<6} {'model':<5} {'GPUs':>4} {'mb':>3} {'ckpt':>5} {'step ms':>8} {'compute':>8} {'exposed':>8} "
          f"{'tok/s/GPU':>10} {'published':>10} {'MFU':>6} {'pub MFU':>8} {'plan.mfu':>8} {'pred/pub':>8}")
     by_dev: dict[str, list[float]] = {}
-    for row, r in sorted(results, key=lambda x: (x[0][0], SHAPES[x[0][1]][1])):
+    for row, r in _by_row(results):
         device, name, gpus, mb, ckpt, mfu, tok = row
         ratio = r["tok_gpu"] / tok
         by_dev.setdefault(device, []).append(ratio)
@@ -255,16 +321,20 @@ def main(argv=None) -> int:
              f"{100 * r['mfu']:>6.1f} {mfu:>8.2f} {100 * r['plan_mfu']:>8.1f} {ratio:>8.3f}"
              + ("" if r["fits"] else "  (over memory)"))
     _say("")
-    _say("predicted compute by kind of op (ms per step; a recomputed forward op counted once): matmul / attention / other")
-    for row, r in sorted(results, key=lambda x: (x[0][0], SHAPES[x[0][1]][1])):
+    _say("predicted compute by kind of op (ms per step, recomputed forward ops included): matmul / attention / other;"
+         " of it recomputation")
+    for row, r in _by_row(results):
         p = r["parts"]
-        _say(f"{row[0]:<6} {row[1]:<5} " + " / ".join(f"{p[k] * 1e3:.1f}" for k in ("matmul", "attention", "other")))
+        _say(f"{row[0]:<6} {row[1]:<5} " + " / ".join(f"{p[k] * 1e3:.1f}" for k in ("matmul", "attention", "other"))
+             + f"; re-run {r['recompute'] * 1e3:.1f}")
     _say("")
     _say("collectives (ms per step at autopar's ring prices), the compute they slow (in the price: the preset's "
-         "overlap_slowdown x hidden traffic) and FSDP1's gradient cast and pre-division (the runs' runtime):")
-    for row, r in sorted(results, key=lambda x: (x[0][0], SHAPES[x[0][1]][1])):
+         "overlap_slowdown x hidden traffic), the AdamW step's share, and the runs' runtime: FSDP1's gradient "
+         "concatenation, cast and pre-division, and its exposed first gathers and last reductions:")
+    for row, r in _by_row(results):
         _say(f"{row[0]:<6} {row[1]:<5} collectives {r['collectives'] * 1e3:8.1f}  slowed compute "
-             f"{r['contention'] * 1e3:7.1f} (s = {r['overlap_slowdown']:.3f})  FSDP1 gradient work {r['grad_work'] * 1e3:6.1f}")
+             f"{r['contention'] * 1e3:7.1f} (s = {r['overlap_slowdown']:.3f})  AdamW {r['optimizer'] * 1e3:6.1f}  "
+             f"FSDP1 gradient work {r['grad_work'] * 1e3:6.1f}  edges {r['edges'] * 1e3:5.1f}")
     if args.markdown:
         _say("")
         markdown(results)
