@@ -15,14 +15,19 @@ precision: bf16 gathers, fp32 gradient reduction; the ``PURE`` row reduces in bf
 ``checkpointing="full"`` where the run recomputed. Attention is priced with the kernel those runs
 used (``FA1_OF_FA2``), and the price includes the preset's ``overlap_slowdown`` (compute slowed by
 the collectives hidden under it: autopar's own cost model) and, as the runs' runtime did it, FSDP1's
-gradient cast and pre-division (``FSDP1_GRAD_BYTES``). The runs accumulate ``GradAccum`` micro-batches per optimizer step, with
+gradient concatenation, cast and pre-division (``FSDP1_GRAD_BYTES``) and its exposed first gathers
+and last reductions (``EDGE_COLLECTIVES``). The runs accumulate ``GradAccum`` micro-batches per optimizer step, with
 FSDP gathering and reducing every micro-batch: autopar prices one micro-batch step, whose price
 holds one optimizer step; ``price`` keeps 1/GradAccum of it. Predicted MFU uses llm-foundry's own
 formula on the predicted throughput: (6 N + 12 L d s) x tokens/s / peak, N the parameters, so
 predicted/published is the same ratio for MFU and throughput.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/published.py [--only 7b 13b] [--device h100] [--markdown]
-        [--kernel preset] [--overlap-slowdown 0] [--no-grad-work]
+        [--kernel preset] [--overlap-slowdown 0] [--no-grad-work] [--no-edges] [--intra-bandwidth 360]
+
+``--markdown`` prints where each row's step goes (matmul / attention / other, of it recomputation,
+the AdamW step's share, exposed communication, the compute slowed by hidden collectives, FSDP1's
+work); ``--intra-bandwidth`` (GB/s) is a what-if on the NVLink figure, not part of the check.
 
 Capturing the 30B and 70B models takes a minute or more each on a loaded 2-core machine.
 """
