@@ -16,14 +16,16 @@ precision: bf16 gathers, fp32 gradient reduction; the ``PURE`` row reduces in bf
 used (``FA1_OF_FA2``), and the price includes the preset's ``overlap_slowdown`` (compute slowed by
 the collectives hidden under it: autopar's own cost model) and, as the runs' runtime did it, FSDP1's
 gradient concatenation, cast and pre-division (``FSDP1_GRAD_BYTES``) and its exposed first gathers
-and last reductions (``EDGE_COLLECTIVES``). The runs accumulate ``GradAccum`` micro-batches per optimizer step, with
+and last reductions (``EDGE_COLLECTIVES``), and the runs' optimizer (``RUNS_ADAMW_BYTES``) in place
+of autopar's. The runs accumulate ``GradAccum`` micro-batches per optimizer step, with
 FSDP gathering and reducing every micro-batch: autopar prices one micro-batch step, whose price
 holds one optimizer step; ``price`` keeps 1/GradAccum of it. Predicted MFU uses llm-foundry's own
 formula on the predicted throughput: (6 N + 12 L d s) x tokens/s / peak, N the parameters, so
 predicted/published is the same ratio for MFU and throughput.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/published.py [--only 7b 13b] [--device h100] [--markdown]
-        [--kernel preset] [--overlap-slowdown 0] [--no-grad-work] [--no-edges] [--intra-bandwidth 360]
+        [--kernel preset] [--overlap-slowdown 0] [--no-grad-work] [--no-edges] [--no-runs-optimizer]
+        [--intra-bandwidth 360]
 
 ``--markdown`` prints where each row's step goes (matmul / attention / other, of it recomputation,
 the AdamW step's share, exposed communication, the compute slowed by hidden collectives, FSDP1's
@@ -120,6 +122,19 @@ FSDP1_GRAD_BYTES = {"fp32": (("concat", 2 + 2), ("cast", 2 + 4), ("divide", 4 + 
 #: ``EDGE_COLLECTIVES`` run exposed: autopar hides them under the layers' compute and charges only
 #: the overlap slowdown ``s`` of their time, so the price adds ``(1 - s)`` of their ring time on the
 #: row's FSDP axis (gathers in bf16, reductions in the reduce dtype).
+#: The runs' optimizer: llm-foundry's yamls at b2a43a1 set ``optimizer: decoupled_adamw`` with
+#: ``weight_decay: 0.0``, Composer's ``DecoupledAdamW`` (composer/optim/decoupled_weight_decay.py of
+#: v0.16.4), whose ``adamw`` loops over the parameters and runs, per parameter, unfused in-place
+#: kernels over fp32 values (FSDP's sharded fp32 parameters; gradients cast back to fp32,
+#: Composer's ``keep_low_precision_grads`` False): ``exp_avg.mul_``, ``exp_avg.add_(grad)``,
+#: ``exp_avg_sq.mul_``, ``exp_avg_sq.addcmul_(grad, grad)``, then ``denom = (exp_avg_sq.sqrt() /
+#: c).add_(eps)`` (three kernels) and ``param.addcdiv_(exp_avg, denom)`` (the weight-decay
+#: ``param.mul_`` is skipped at 0.0). Bytes per element each moves (reads + writes, 4 bytes a value,
+#: the gradient read once by ``addcmul_``): 80 in all, where autopar prices its own runtime's
+#: foreach AdamW at 28 (``compute.optimizer_time``). The loop also calls ``.item()`` on each
+#: parameter's step counter, which lives on the GPU: a device synchronisation per parameter, host
+#: time this check does not price.
+RUNS_ADAMW_BYTES = (4 + 4, 4 + 4 + 4, 4 + 4, 4 + 4 + 4, 4 + 4, 4 + 4, 4 + 4, 4 + 4 + 4 + 4)
 EDGE_COLLECTIVES = (("all_gather", "root"), ("all_gather", "layer"), ("reduce_scatter", "layer"),
                     ("reduce_scatter", "root"))
 
@@ -168,6 +183,16 @@ def fsdp1_grad_seconds(params: int, layers: int, reduce: str, hw) -> float:
     return total
 
 
+def runs_optimizer_seconds(params: int, layers: int, gpus: int, hw) -> float:
+    """Seconds of one step of the runs' optimizer (``RUNS_ADAMW_BYTES``) on one GPU's shard: each of
+    its kernels once per layer over that layer's shard, at the memory curve."""
+    from autopar.cost_model import efficiency as eff
+
+    per_layer = params / gpus / layers
+    return sum(layers * b * per_layer / (hw.hbm_bandwidth * eff.memory(hw.efficiency, b * per_layer))
+               for b in RUNS_ADAMW_BYTES)
+
+
 def fsdp1_edge_seconds(root_params: int, layer_params: int, reduce: str, mesh) -> float:
     """Seconds per micro-batch that FSDP1's first gathers and last reductions add to autopar's
     price (``EDGE_COLLECTIVES``): their ring time on the mesh's one (FSDP) axis, times ``1 - s``
@@ -194,12 +219,13 @@ def collective_seconds(plan, mesh) -> float:
 
 
 def price(row, graph_cache: dict, kernel: str = "run", overlap_slowdown=None, grad_work: bool = True,
-          edges: bool = True, intra_bandwidth=None) -> dict:
+          edges: bool = True, intra_bandwidth=None, runs_optimizer: bool = True) -> dict:
     """Plan one row (FSDP recipe, pinned recomputation) and return its predicted throughput and
     where its step goes; ``kernel="run"`` prices attention with the runs' kernel, ``"preset"`` with
     the preset's; ``overlap_slowdown`` and ``intra_bandwidth`` replace the preset's; ``grad_work``
-    adds FSDP1's gradient kernels (``FSDP1_GRAD_BYTES``) and ``edges`` its exposed first gathers and
-    last reductions (``EDGE_COLLECTIVES``)."""
+    adds FSDP1's gradient kernels (``FSDP1_GRAD_BYTES``), ``edges`` its exposed first gathers and
+    last reductions (``EDGE_COLLECTIVES``), and ``runs_optimizer`` prices the runs' optimizer
+    (``RUNS_ADAMW_BYTES``) in place of autopar's."""
     import dataclasses
 
     import autopar
@@ -239,7 +265,8 @@ def price(row, graph_cache: dict, kernel: str = "run", overlap_slowdown=None, gr
     opt = optimizer_time(state, mesh.hardware)
     grad_s = fsdp1_grad_seconds(params, layers, reduce, mesh.hardware) if grad_work else 0.0
     edge_s = fsdp1_edge_seconds(params - layers * layer_params, layer_params, reduce, mesh) if edges else 0.0
-    step = planned.cost.step_time - opt * (1.0 - 1.0 / ACCUM[(device, name)]) + grad_s + edge_s
+    step_opt = runs_optimizer_seconds(params, layers, gpus, mesh.hardware) if runs_optimizer else opt
+    step = planned.cost.step_time - opt + step_opt / ACCUM[(device, name)] + grad_s + edge_s
     tok_gpu = mb * SEQ / step
     parts = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
     for n in plan.nodes:  # every op instance at its chosen strategy's priced seconds, re-runs included
@@ -252,7 +279,7 @@ def price(row, graph_cache: dict, kernel: str = "run", overlap_slowdown=None, gr
     collectives = collective_seconds(plan, mesh)
     return {"tok_gpu": tok_gpu, "mfu": fpt * tok_gpu / PEAK[device], "step": step,
             "collectives": collectives, "contention": planned.cost.contention, "grad_work": grad_s,
-            "edges": edge_s, "optimizer": opt / ACCUM[(device, name)], "recompute": recompute,
+            "edges": edge_s, "optimizer": step_opt / ACCUM[(device, name)], "recompute": recompute,
             "overlap_slowdown": mesh.hardware.overlap_slowdown,
             "compute": planned.cost.compute_time,
             "exposed": planned.cost.comm_time - planned.cost.contention - opt,
@@ -295,6 +322,8 @@ def main(argv=None) -> int:
                     help="leave out FSDP1's gradient concatenation, cast and pre-division (the runs' runtime)")
     ap.add_argument("--no-edges", action="store_true",
                     help="leave out FSDP1's exposed first gathers and last reductions (the runs' runtime)")
+    ap.add_argument("--no-runs-optimizer", action="store_true",
+                    help="price autopar's own AdamW instead of the runs' (Composer's DecoupledAdamW)")
     ap.add_argument("--intra-bandwidth", type=float, default=None,
                     help="what-if: price with this NVLink bandwidth (GB/s, one way) instead of the preset's")
     args = ap.parse_args(argv)
@@ -309,7 +338,8 @@ def main(argv=None) -> int:
     intra = args.intra_bandwidth * 1e9 if args.intra_bandwidth else None
     for row in rows:
         r = price(row, cache, kernel=args.kernel, overlap_slowdown=args.overlap_slowdown,
-                  grad_work=not args.no_grad_work, edges=not args.no_edges, intra_bandwidth=intra)
+                  grad_work=not args.no_grad_work, edges=not args.no_edges, intra_bandwidth=intra,
+                  runs_optimizer=not args.no_runs_optimizer)
         results.append((row, r))
         _say(f"[{row[0]} {row[1]} x{row[2]}] predicted {r['tok_gpu']:.0f} tokens/s/GPU (published {row[6]}), "
              f"ratio {r['tok_gpu'] / row[6]:.3f}; capture {r['capture_s']:.0f} s, plan {r['plan_s']:.0f} s")
