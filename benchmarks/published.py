@@ -135,6 +135,13 @@ FSDP1_GRAD_BYTES = {"fp32": (("concat", 2 + 2), ("cast", 2 + 4), ("divide", 4 + 
 #: parameter's step counter, which lives on the GPU: a device synchronisation per parameter, host
 #: time this check does not price.
 RUNS_ADAMW_BYTES = (4 + 4, 4 + 4 + 4, 4 + 4, 4 + 4 + 4, 4 + 4, 4 + 4, 4 + 4, 4 + 4 + 4 + 4)
+#: Before it, the yamls' ``gradient_clipping`` (``clipping_type: norm``, threshold 1.0): Composer's
+#: ``apply_gradient_clipping`` calls the root FSDP module's ``clip_grad_norm_`` (composer/algorithms/
+#: gradient_clipping/gradient_clipping.py of v0.16.4), which reads every sharded fp32 gradient for
+#: its norm (``_get_grad_norm``: ``vector_norm`` per gradient) and multiplies every gradient by the
+#: clamped coefficient, always, to avoid a host sync (``grad.mul_(clip_coef_clamped)``; torch's
+#: fully_sharded_data_parallel.py): read 4, then read and write 4 bytes per element.
+RUNS_CLIP_BYTES = (4, 4 + 4)
 EDGE_COLLECTIVES = (("all_gather", "root"), ("all_gather", "layer"), ("reduce_scatter", "layer"),
                     ("reduce_scatter", "root"))
 
@@ -184,13 +191,14 @@ def fsdp1_grad_seconds(params: int, layers: int, reduce: str, hw) -> float:
 
 
 def runs_optimizer_seconds(params: int, layers: int, gpus: int, hw) -> float:
-    """Seconds of one step of the runs' optimizer (``RUNS_ADAMW_BYTES``) on one GPU's shard: each of
-    its kernels once per layer over that layer's shard, at the memory curve."""
+    """Seconds of one step of the runs' optimizer (``RUNS_CLIP_BYTES`` then ``RUNS_ADAMW_BYTES``) on
+    one GPU's shard: each of their kernels once per layer over that layer's shard, at the memory
+    curve."""
     from autopar.cost_model import efficiency as eff
 
     per_layer = params / gpus / layers
     return sum(layers * b * per_layer / (hw.hbm_bandwidth * eff.memory(hw.efficiency, b * per_layer))
-               for b in RUNS_ADAMW_BYTES)
+               for b in RUNS_CLIP_BYTES + RUNS_ADAMW_BYTES)
 
 
 def fsdp1_edge_seconds(root_params: int, layer_params: int, reduce: str, mesh) -> float:
