@@ -108,6 +108,16 @@ FA1_OF_FA2 = 0.5
 #: backward; priced as not hidden).
 FSDP1_GRAD_BYTES = {"fp32": (("concat", 2 + 2), ("cast", 2 + 4), ("divide", 4 + 4)),
                     "bf16": (("concat", 2 + 2), ("divide", 2 + 2))}
+#: The runs' runtime on the sharded gradient, per micro-batch (torch's FSDP1, ``_runtime_utils.py``,
+#: ``_reduce_grad`` -> ``_accumulate_sharded_grad``): Composer reduces every micro-batch (its
+#: ``no_sync`` context is for ``DistributedDataParallel`` only: trainer.py of v0.16.4), and FSDP1
+#: adds each reduced shard into the one kept from the micro-batches before
+#: (``flat_param._saved_grad_shard += sharded_grad``; ``FlatParamHandle.prepare_gradient_for_backward``
+#: moves ``.grad`` there first), so every micro-batch of a step but the first runs an fp32 addition
+#: over the shard (read 4 + 4, write 4); a shard reduced in bf16 (``PURE``) is first cast to the fp32
+#: parameter dtype (``_cast_grad_to_param_dtype``: read 2, write 4), every micro-batch. Priced like
+#: ``FSDP1_GRAD_BYTES`` (one kernel per layer, memory curve, not hidden: FSDP's post-backward stream).
+SHARD_ACCUMULATE_BYTES, SHARD_CAST_BYTES = 4 + 4 + 4, 2 + 4
 #: The runs' runtime at the edges of each micro-batch (torch's FSDP1 with Composer's defaults:
 #: ``forward_prefetch`` False, ``backward_prefetch`` BACKWARD_POST, ``set_fsdp_default`` as above).
 #: Every layer's gather hides under the layer before it and every layer's reduction under the layer
@@ -190,6 +200,19 @@ def fsdp1_grad_seconds(params: int, layers: int, reduce: str, hw) -> float:
     return total
 
 
+def fsdp1_shard_seconds(params: int, layers: int, gpus: int, reduce: str, accum: int, hw) -> float:
+    """Seconds per micro-batch (averaged over the ``accum`` micro-batches of a step) of FSDP1's work
+    on the reduced shard (``SHARD_ACCUMULATE_BYTES``, ``SHARD_CAST_BYTES``) on one GPU."""
+    from autopar.cost_model import efficiency as eff
+
+    per_layer = params / gpus / layers
+    kernels = [(SHARD_ACCUMULATE_BYTES, (accum - 1) / accum)]
+    if reduce == "bf16":
+        kernels.append((SHARD_CAST_BYTES, 1.0))
+    return sum(share * layers * b * per_layer / (hw.hbm_bandwidth * eff.memory(hw.efficiency, b * per_layer))
+               for b, share in kernels)
+
+
 def runs_optimizer_seconds(params: int, layers: int, gpus: int, hw) -> float:
     """Seconds of one step of the runs' optimizer (``RUNS_CLIP_BYTES`` then ``RUNS_ADAMW_BYTES``) on
     one GPU's shard: each of their kernels once per layer over that layer's shard, at the memory
@@ -231,9 +254,9 @@ def price(row, graph_cache: dict, kernel: str = "run", overlap_slowdown=None, gr
     """Plan one row (FSDP recipe, pinned recomputation) and return its predicted throughput and
     where its step goes; ``kernel="run"`` prices attention with the runs' kernel, ``"preset"`` with
     the preset's; ``overlap_slowdown`` and ``intra_bandwidth`` replace the preset's; ``grad_work``
-    adds FSDP1's gradient kernels (``FSDP1_GRAD_BYTES``), ``edges`` its exposed first gathers and
-    last reductions (``EDGE_COLLECTIVES``), and ``runs_optimizer`` prices the runs' optimizer
-    (``RUNS_ADAMW_BYTES``) in place of autopar's."""
+    adds FSDP1's gradient kernels (``FSDP1_GRAD_BYTES``, ``SHARD_ACCUMULATE_BYTES``), ``edges``
+    its exposed first gathers and last reductions (``EDGE_COLLECTIVES``), and ``runs_optimizer``
+    prices the runs' optimizer (``RUNS_CLIP_BYTES``, ``RUNS_ADAMW_BYTES``) in place of autopar's."""
     import dataclasses
 
     import autopar
@@ -271,7 +294,9 @@ def price(row, graph_cache: dict, kernel: str = "run", overlap_slowdown=None, gr
     state = {"params": precision.param_bytes * shard, "grads": precision.grad_bytes * shard,
              "optimizer": precision.optimizer_bytes * shard}
     opt = optimizer_time(state, mesh.hardware)
-    grad_s = fsdp1_grad_seconds(params, layers, reduce, mesh.hardware) if grad_work else 0.0
+    grad_s = (fsdp1_grad_seconds(params, layers, reduce, mesh.hardware)
+              + fsdp1_shard_seconds(params, layers, gpus, reduce, ACCUM[(device, name)], mesh.hardware)
+              if grad_work else 0.0)
     edge_s = fsdp1_edge_seconds(params - layers * layer_params, layer_params, reduce, mesh) if edges else 0.0
     step_opt = runs_optimizer_seconds(params, layers, gpus, mesh.hardware) if runs_optimizer else opt
     step = planned.cost.step_time - opt + step_opt / ACCUM[(device, name)] + grad_s + edge_s
@@ -327,7 +352,8 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap-slowdown", type=float, default=None,
                     help="price with this overlap_slowdown instead of the preset's (0: hidden collectives free)")
     ap.add_argument("--no-grad-work", action="store_true",
-                    help="leave out FSDP1's gradient concatenation, cast and pre-division (the runs' runtime)")
+                    help="leave out FSDP1's gradient concatenation, cast, pre-division and shard accumulation "
+                         "(the runs' runtime)")
     ap.add_argument("--no-edges", action="store_true",
                     help="leave out FSDP1's exposed first gathers and last reductions (the runs' runtime)")
     ap.add_argument("--no-runs-optimizer", action="store_true",

@@ -72,3 +72,17 @@ def test_runs_optimizer_is_composers_unfused_adamw_after_norm_clipping():
     assert sum(published.RUNS_CLIP_BYTES) == 12
     got = published.runs_optimizer_seconds(params, layers, gpus, hw)
     assert got == pytest.approx(92 * params / gpus / (0.5 * hw.hbm_bandwidth), rel=1e-12)
+
+
+def test_fsdp1_accumulates_the_reduced_shard_on_every_micro_batch_but_the_first():
+    """21 micro-batches a step (the 30B rows): 20 fp32 additions over the shard, 12 bytes per
+    element each, averaged per micro-batch; one micro-batch a step: none. A shard reduced in bf16
+    is also cast to fp32 every micro-batch (6 bytes per element)."""
+    hw = dataclasses.replace(PRESETS["h100"], efficiency=Efficiency.flat(0.8, 0.5))
+    params, layers, gpus = 30_000_000_000, 48, 8
+    unit = params / gpus / (0.5 * hw.hbm_bandwidth)
+    assert published.fsdp1_shard_seconds(params, layers, gpus, "fp32", 1, hw) == 0.0
+    got = published.fsdp1_shard_seconds(params, layers, gpus, "fp32", 21, hw)
+    assert got == pytest.approx(12 * 20 / 21 * unit, rel=1e-12)
+    got = published.fsdp1_shard_seconds(params, layers, gpus, "bf16", 4, hw)
+    assert got == pytest.approx((12 * 3 / 4 + 6) * unit, rel=1e-12)
