@@ -16,8 +16,9 @@ precision: bf16 gathers, fp32 gradient reduction; the ``PURE`` row reduces in bf
 used (``FA1_OF_FA2``), and the price includes the preset's ``overlap_slowdown`` (compute slowed by
 the collectives hidden under it: autopar's own cost model) and, as the runs' runtime did it, FSDP1's
 gradient concatenation, cast and pre-division (``FSDP1_GRAD_BYTES``) and its exposed first gathers
-and last reductions (``EDGE_COLLECTIVES``), and the runs' optimizer (``RUNS_ADAMW_BYTES``) in place
-of autopar's. The runs accumulate ``GradAccum`` micro-batches per optimizer step, with
+and last reductions (``EDGE_COLLECTIVES``), its accumulation of the reduced shard over micro-batches
+(``SHARD_ACCUMULATE_BYTES``), and the runs' optimizer step (``RUNS_CLIP_BYTES``, ``RUNS_ADAMW_BYTES``)
+in place of autopar's. The runs accumulate ``GradAccum`` micro-batches per optimizer step, with
 FSDP gathering and reducing every micro-batch: autopar prices one micro-batch step, whose price
 holds one optimizer step; ``price`` keeps 1/GradAccum of it. Predicted MFU uses llm-foundry's own
 formula on the predicted throughput: (6 N + 12 L d s) x tokens/s / peak, N the parameters, so
@@ -132,6 +133,8 @@ SHARD_ACCUMULATE_BYTES, SHARD_CAST_BYTES = 4 + 4 + 4, 2 + 4
 #: ``EDGE_COLLECTIVES`` run exposed: autopar hides them under the layers' compute and charges only
 #: the overlap slowdown ``s`` of their time, so the price adds ``(1 - s)`` of their ring time on the
 #: row's FSDP axis (gathers in bf16, reductions in the reduce dtype).
+EDGE_COLLECTIVES = (("all_gather", "root"), ("all_gather", "layer"), ("reduce_scatter", "layer"),
+                    ("reduce_scatter", "root"))
 #: The runs' optimizer: llm-foundry's yamls at b2a43a1 set ``optimizer: decoupled_adamw`` with
 #: ``weight_decay: 0.0``, Composer's ``DecoupledAdamW`` (composer/optim/decoupled_weight_decay.py of
 #: v0.16.4), whose ``adamw`` loops over the parameters and runs, per parameter, unfused in-place
@@ -152,8 +155,6 @@ RUNS_ADAMW_BYTES = (4 + 4, 4 + 4 + 4, 4 + 4, 4 + 4 + 4, 4 + 4, 4 + 4, 4 + 4, 4 +
 #: clamped coefficient, always, to avoid a host sync (``grad.mul_(clip_coef_clamped)``; torch's
 #: fully_sharded_data_parallel.py): read 4, then read and write 4 bytes per element.
 RUNS_CLIP_BYTES = (4, 4 + 4)
-EDGE_COLLECTIVES = (("all_gather", "root"), ("all_gather", "layer"), ("reduce_scatter", "layer"),
-                    ("reduce_scatter", "root"))
 
 
 def run_hardware(device: str, kernel: str = "run", overlap_slowdown=None, intra_bandwidth=None):
