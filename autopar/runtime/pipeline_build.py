@@ -79,9 +79,8 @@ def build_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, low
     cutting = cut(program, stage_of, len(pl["stage_ranks"]),
                   [s for s, r in enumerate(pl["stage_ranks"]) if int(r) == pp_rank])
     # the rank holds only the parameters its stages read (others' copies would go stale): runtime.pipeline_state
-    read = {program.inputs[k].key for k in cutting.state_slots if program.inputs[k].kind == "param"}
     frozen = {fqn for fqn in graph.params if not model.get_parameter(fqn).requires_grad}
-    held = held_params(param_stages(graph, stage_of), pl["stage_ranks"], pp_rank, frozen, read)
+    held = held_params(param_stages(graph, stage_of), pl["stage_ranks"], pp_rank, frozen)
     drop_parameters(model, lambda fqn: graph.aliases.get(fqn, fqn) in held)
     distribute_state(model, graph, program, stage_mesh, None, materializer)
     if any(slot.spec.blocks for slot in program.inputs):  # _StridedShard parameters: teach DCP their pieces

@@ -47,7 +47,7 @@ from autopar.program.collectives import Executed
 from autopar.runtime.collectives import ProcessGroupComm, record_executed
 from autopar.runtime.pipeline import ScheduleStep
 from autopar.runtime.pipeline_cut import SHAPE, Cut, StageCut
-from autopar.runtime.pipeline_state import param_stages, without_dropped
+from autopar.runtime.pipeline_state import local_state, param_stages, without_dropped
 from autopar.runtime.state import as_blocks, state_slots
 
 _SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
@@ -195,11 +195,12 @@ class MeshPipelinedModule(torch.nn.Module):
         grad_index = {s.key: i for i, s in enumerate(program.grads)}
         self._grad_of = [grad_index.get(k) for k in self._param_keys]
         self._state = []
+        f_ph = [n for n in program.forward.graph.nodes if n.op == "placeholder"]
         for k in cut.state_slots:
             slot = program.inputs[k]
             owner, _, name = slot.key.rpartition(".")
             mod = model.get_submodule(owner)
-            self._state.append((mod, name, slot.kind))
+            self._state.append((mod, name, slot.kind, f_ph[k].meta[SHAPE]))
         pairs = [_pairs(cut.stages[s].f_out, cut.stages[s].g_in, f"stages {s} -> {s + 1}")
                  for s in range(n_stages - 1)]
         self.stages, mods = [], []
@@ -349,8 +350,7 @@ class MeshPipelinedModule(torch.nn.Module):
         args, kwargs = inputs
         cut = self.cutting
         object.__setattr__(self, "given", self._micro(args, kwargs))
-        state = [tc.local_tensor(tc.parameter_table(mod)[name] if kind == "param" else tc.buffer_table(mod)[name])
-                 for mod, name, kind in self._state]
+        state = [local_state(mod, name, kind, local) for mod, name, kind, local in self._state]
         with self.context():
             object.__setattr__(self, "statics", [C.wait(v) for v in cut.static(*state)])
         object.__setattr__(self, "acc", [None] * len(cut.frontier_shapes))

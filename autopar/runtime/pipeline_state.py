@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from autopar import _torch_compat as tc
-from autopar.errors import ArgumentError
+from autopar.errors import CompileError
 from autopar.ir.graph import Graph, Phase
 
 
@@ -41,18 +41,25 @@ def param_stages(graph: Graph, stage_of: Callable[[str], int]) -> dict[str, set[
             for fqn, name in graph.params.items()}
 
 
-def held_params(stages: Mapping[str, set[int]], stage_ranks: Iterable[int], pp_rank: int, frozen: set[str],
-                read_here: set[str]) -> set[str]:
+def held_params(stages: Mapping[str, set[int]], stage_ranks: Iterable[int], pp_rank: int,
+                frozen: set[str]) -> set[str]:
     """The parameter FQNs this pipeline rank holds: those its stages read, and those never updated
-    anywhere (read by no stage, or ``frozen``: no gradient). ``read_here``: what the rank's programs
-    read; each must be held (a parameter read but updated on another rank would be stale)."""
+    anywhere (read by no stage, or ``frozen``: no gradient)."""
     mine = {s for s, r in enumerate(stage_ranks) if int(r) == pp_rank}
-    held = {fqn for fqn, where in stages.items() if where & mine or not where or fqn in frozen}
-    stale = sorted(read_here - held)
-    if stale:
-        raise ArgumentError(f"autopar pipeline: pipeline rank {pp_rank} reads parameter(s) {stale} that only other "
-                            "ranks update; its copies would be stale")
-    return held
+    return {fqn for fqn, where in stages.items() if where & mine or not where or fqn in frozen}
+
+
+def local_state(mod: torch.nn.Module, name: str, kind: str, local: tuple) -> torch.Tensor:
+    """The local block of ``mod``'s parameter (``kind`` "param") or buffer ``name`` for the step's
+    static program; for a parameter this rank does not hold, zeros of its ``local`` (shape, dtype),
+    taking no memory. Such a parameter is read by no op of the rank's stages: the static program
+    reads it only where the plan packs it into one gather with parameters the rank does read (a
+    bucket of the embedding and the head); the gathered copy is unused here."""
+    value = tc.parameter_table(mod)[name] if kind == "param" else tc.buffer_table(mod)[name]
+    if value is not None:
+        return tc.local_tensor(value)
+    shape, dtype = local
+    return torch.zeros((), dtype=dtype).expand(shape)
 
 
 def drop_parameters(model: torch.nn.Module, keep: Callable[[str], bool]) -> dict[str, tuple]:
@@ -84,11 +91,11 @@ def without_dropped(state_dict: Mapping, dropped: Mapping[str, tuple]) -> dict:
     for key, value in state_dict.items():
         if key in dropped:
             if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(dropped[key]):
-                raise ArgumentError(f"state_dict[{key!r}] has shape {tuple(value.shape)}, but the model's {key} has "
+                raise CompileError(f"state_dict[{key!r}] has shape {tuple(value.shape)}, but the model's {key} has "
                                     f"{tuple(dropped[key])}")
             continue
         out[key] = value
     return tc.with_metadata(out, state_dict)
 
 
-__all__ = ["drop_parameters", "held_params", "param_stages", "without_dropped"]
+__all__ = ["drop_parameters", "held_params", "local_state", "param_stages", "without_dropped"]
