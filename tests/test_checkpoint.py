@@ -117,7 +117,6 @@ def test_dcp_across_pipelined_and_unpipelined_layouts(pool, tmp_path):
                          pipeline={"schedule": "GPipe", "microbatches": 2}, progress=False)
     others = [("dp4", {"dp": 4}, "fsdp"), ("tp4", {"tp": 4}, "megatron_tp")]
     res = pool.run(across_layouts, gpt, {"pp": 2, "dp": 2}, plan.to_json(), others, alone.to_json(), str(tmp_path))
-    print([(r["t_pp"], r["t_others"], r["t_back"], r["t_alone"]) for r in res])
     for r in res:
         rank = r["rank"]
         assert r["pp_vs_ref"] <= 1e-4, (rank, r["pp_vs_ref"])  # the pipelined run trains like the model
