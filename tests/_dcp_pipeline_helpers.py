@@ -68,23 +68,31 @@ def _vs_reference(pm, ref) -> float:
     return max(_rel(_full(p), refp[n]) for n, p in pm.named_parameters())
 
 
-def _save(pm, opt, where: str) -> None:
+def _options(flat: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
+
+
+def _save(pm, opt, where: str, flat: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    dcp.save({"model": pm.state_dict(), "optim": get_optimizer_state_dict(pm, opt)}, checkpoint_id=where)
+    dcp.save({"model": pm.state_dict(), "optim": get_optimizer_state_dict(pm, opt, options=_options(flat))},
+             checkpoint_id=where)
 
 
-def _load(pm, opt, where: str) -> None:
+def _load(pm, opt, where: str, flat: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    sd = {"model": pm.state_dict(), "optim": get_optimizer_state_dict(pm, opt)}
+    sd = {"model": pm.state_dict(), "optim": get_optimizer_state_dict(pm, opt, options=_options(flat))}
     dcp.load(sd, checkpoint_id=where)
-    set_optimizer_state_dict(pm, opt, sd["optim"])
+    set_optimizer_state_dict(pm, opt, sd["optim"], options=_options(flat))
 
 
-def across_layouts(build, pp_axes: dict, plan_text: str, others: list, alone_text: str, root: str) -> dict:
+def across_layouts(build, pp_axes: dict, plan_text: str, others: list, alone_text, root: str,
+                   flat: bool = False) -> dict:
     """On 4 gloo ranks, next to the single-device model (AdamW, the same batch every step):
 
     1. saved at ``pp_axes`` (the pipelined plan ``plan_text``) after 2 steps;
@@ -96,7 +104,8 @@ def across_layouts(build, pp_axes: dict, plan_text: str, others: list, alone_tex
        same checkpoint loaded, stepped once, saved, and loaded under the first of ``others`` again.
 
     ``build(seed)`` -> (model, args). Each load is compared with what was saved (exact), each step
-    with the single-device model's."""
+    with the single-device model's. Without ``alone_text`` step 4 is left out; ``flat``: the optimizer
+    state in torch's flattened form (``flatten_optimizer_state_dict``, its form for pipelines)."""
     import autopar
     from autopar.runtime.pipeline import pipelined
 
@@ -117,7 +126,7 @@ def across_layouts(build, pp_axes: dict, plan_text: str, others: list, alone_tex
     out["pp_vs_ref"] = _vs_reference(pm, ref)
     saved = _whole(pm, opt)
     out["pp_state_names"] = sorted(saved)
-    _save(pm, opt, f"{root}/pp")
+    _save(pm, opt, f"{root}/pp", flat)
     _step(ref, ref_opt, args)  # what one step after loading must give
 
     first = None
@@ -126,7 +135,7 @@ def across_layouts(build, pp_axes: dict, plan_text: str, others: list, alone_tex
         um = autopar.compile(m, autopar.Mesh(axes, device="cpu"), args, recipe=recipe)
         uopt = torch.optim.AdamW(um.parameters(), lr=LR, eps=EPS)
         _step(um, uopt, args)  # state of its own, to be overwritten
-        _load(um, uopt, f"{root}/pp")
+        _load(um, uopt, f"{root}/pp", flat)
         out[f"{name}_loaded"] = _exact(_whole(um, uopt), saved)
         out[f"{name}_placements"] = sorted({str(v.placements) for v in um.state_dict().values()})
         _step(um, uopt, args)
@@ -134,19 +143,21 @@ def across_layouts(build, pp_axes: dict, plan_text: str, others: list, alone_tex
         if first is None:  # and back: saved unpipelined, loaded pipelined
             first = (name, um, uopt)
             back = _whole(um, uopt)
-            _save(um, uopt, f"{root}/{name}")
+            _save(um, uopt, f"{root}/{name}", flat)
     ref_back = {k: v.clone() for k, v in ref.state_dict().items()}
     _step(ref, ref_opt, args)
 
     # a single-device state dict (every name) loads on every pipeline rank
     pm.load_state_dict(ref_back)
     out["single_device_load"] = max(_rel(p.full_tensor(), ref_back[n]) for n, p in pm.named_parameters())
-    _load(pm, opt, f"{root}/{first[0]}")
+    _load(pm, opt, f"{root}/{first[0]}", flat)
     held = dict(pm.named_parameters())
     out["back_loaded"] = _exact(_whole(pm, opt), {k: v for k, v in back.items() if k.split(":")[0] in held})
     _step(pm, opt, args)
     out["back_step_vs_ref"] = _vs_reference(pm, ref)
 
+    if alone_text is None:
+        return out
     # the pipeline axis alone: whole tensors, each rank the parameters of its stage
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     m, _ = build(2)
@@ -165,6 +176,15 @@ def across_layouts(build, pp_axes: dict, plan_text: str, others: list, alone_tex
     _load(um, uopt, f"{root}/alone")
     out["alone_to_unpipelined"] = _exact(_whole(um, uopt), saved)
     return out
+
+
+def titan(seed: int):
+    """The torchtitan-style Llama of tests/_corpus.py (untied) with weights from ``seed``, and its inputs."""
+    from _corpus import titan_llama
+
+    torch.manual_seed(seed)
+    model, args, _ = titan_llama()
+    return model, args
 
 
 def gpt(seed: int):

@@ -1,9 +1,11 @@
 """State of a ParallelModule on real gloo groups: torch.distributed.checkpoint across two different
-plans (resharding on load), models built on ``meta``, and optimizer state.
+plans (resharding on load), models built on ``meta``, and optimizer state; and DCP between pipelined
+and unpipelined layouts (parameters and AdamW state, exactly).
 
-What the ranks run is in ``tests/_ckpt_helpers.py`` (importable by the spawned workers, see
-tests/test_launch.py); one 4-rank ``WorkerPool`` serves the whole module, so process start-up and
-``import torch`` are paid once. Plans are recipes (no search), to keep planning short.
+What the ranks run is in ``tests/_ckpt_helpers.py`` and ``tests/_dcp_pipeline_helpers.py``
+(importable by the spawned workers, see tests/test_launch.py); one 4-rank ``WorkerPool`` serves the
+whole module, so process start-up and ``import torch`` are paid once. Unpipelined plans are recipes
+(no search), to keep planning short; pipelined ones pin their schedule and micro-batches.
 """
 
 from __future__ import annotations
@@ -127,7 +129,8 @@ def test_dcp_across_pipelined_and_unpipelined_layouts(pool, tmp_path):
             assert r[what] <= 1e-4, (rank, what, r[what])  # and the next step is the model's
         # each held parameter's AdamW state was compared, not only the parameters
         names = set(r["pp_names"])
-        assert set(r["pp_state_names"]) == names | {f"{n}:{k}" for n in names for k in ("exp_avg", "exp_avg_sq", "step")}
+        kinds = ("exp_avg", "exp_avg_sq", "step")
+        assert set(r["pp_state_names"]) == names | {f"{n}:{k}" for n in names for k in kinds}
     assert "(Shard(dim=1),)" in res[0]["tp4_placements"] and "(Shard(dim=1),)" not in res[0]["dp4_placements"]
     everything = {n for n, _ in gpt(0)[0].named_parameters()}
     first, last = (set(res[k]["pp_names"]) for k in (0, 2))
@@ -141,3 +144,25 @@ def test_dcp_across_pipelined_and_unpipelined_layouts(pool, tmp_path):
     # the pipeline axis alone (ranks 0, 1 and 2, 3: two pipelines): whole tensors, its stage's each
     assert res[0]["alone_keys"] == res[2]["alone_keys"] != res[1]["alone_keys"] == res[3]["alone_keys"]
     assert "blocks.1.mlp.fc.weight" in res[1]["alone_keys"] and "blocks.1.mlp.fc.weight" not in res[0]["alone_keys"]
+
+
+def test_dcp_across_layouts_corpus_llama_flattened_optimizer_state(pool, tmp_path):
+    """The torchtitan-style Llama of tests/_corpus.py (untied: no name shared by the two stages), its
+    optimizer state in torch's flattened form: saved at pp=2 x dp=2, loaded exactly at dp=4, and back."""
+    import autopar
+    from _dcp_pipeline_helpers import across_layouts, titan
+
+    model, args = titan(0)
+    plan = autopar.plan(model, autopar.Mesh({"pp": 2, "dp": 2}, device="cpu"), args,
+                        pipeline={"schedule": "1F1B", "microbatches": 2}, progress=False)
+    res = pool.run(across_layouts, titan, {"pp": 2, "dp": 2}, plan.to_json(), [("dp4", {"dp": 4}, "fsdp")], None,
+                   str(tmp_path), flat=True)
+    for r in res:
+        assert r["pp_vs_ref"] <= 1e-4, (r["rank"], r["pp_vs_ref"])
+        for what in ("dp4_loaded", "single_device_load", "back_loaded"):
+            assert r[what] == 0.0, (r["rank"], what, r[what])
+        for what in ("dp4_step_vs_ref", "back_step_vs_ref"):
+            assert r[what] <= 1e-4, (r["rank"], what, r[what])
+        assert r["model_keys"] == r["pp_keys"]
+    first, last = (set(res[k]["pp_names"]) for k in (0, 2))
+    assert first | last == {n for n, _ in model.named_parameters()} and not first & last

@@ -92,7 +92,7 @@ def without_dropped(state_dict: Mapping, dropped: Mapping[str, tuple]) -> dict:
         if key in dropped:
             if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(dropped[key]):
                 raise CompileError(f"state_dict[{key!r}] has shape {tuple(value.shape)}, but the model's {key} has "
-                                    f"{tuple(dropped[key])}")
+                                   f"{tuple(dropped[key])}")
             continue
         out[key] = value
     return tc.with_metadata(out, state_dict)
