@@ -257,6 +257,12 @@ class PipelinedModule(torch.nn.Module):
         # last: ``parameters()``, ``state_dict()`` and ``load_state_dict`` by the model's own names
         tc.share_tables(self, model)
 
+    def train(self, mode: bool = True) -> "PipelinedModule":
+        """Set training mode on this module and the model (whose root is not a child of it)."""
+        super().train(mode)
+        self.model.training = mode
+        return self
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict`` by the single-device model's names; the entries of parameters
         other pipeline ranks hold are checked and skipped (``runtime.pipeline_state``)."""

@@ -233,6 +233,12 @@ class MeshPipelinedModule(torch.nn.Module):
         # model's names, as ``ParallelModule``); attributes set from here on go around nn.Module's setter
         tc.share_tables(self, model)
 
+    def train(self, mode: bool = True) -> "MeshPipelinedModule":
+        """Set training mode on this module and the model (whose root is not a child of it)."""
+        super().train(mode)
+        self.module.training = mode
+        return self
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict`` by the single-device model's names: a plain tensor (a
         single-device state dict's, whole on every rank) is cut into this rank's block of the DTensor
