@@ -33,7 +33,7 @@ from autopar.runtime.collectives import ProcessGroupComm, record_executed, singl
 from autopar.runtime.memory import MemoryTracker, optimizer_state
 from autopar.runtime.precision import EXECUTABLE_PRECISIONS, execution_precision
 from autopar.runtime.random_state import RANDOM_KEY, at_step, load_random_entry, random_entry, share_seed
-from autopar.runtime.state import distribute_state, dtensor_block
+from autopar.runtime.state import as_blocks, distribute_state, dtensor_block, state_slots
 from autopar.validate import check_choice, check_kwargs, check_model, check_path
 
 
@@ -185,26 +185,13 @@ class ParallelModule(torch.nn.Module):
         """``nn.Module.load_state_dict`` by the single-device model's names; a plain tensor (from a
         single-device state dict, whole on every rank) is cut into this rank's block of the DTensor
         of the same name first, without communication. DTensors load as they are."""
-        from torch.distributed.tensor import DTensor
-
-        slots = {s.key: s for s in self.program.inputs if s.kind in ("param", "buffer")}
-        slots.update({a: slots[c] for a, c in self.graph.aliases.items() if c in slots})
-        coords = tuple(self.program.coords)
-        values = {}
-        for key, value in state_dict.items():
-            if key == RANDOM_KEY and self.program.random is not None:  # seed and step of the random draws
-                load_random_entry(self.program, value)
-                continue
-            slot = slots.get(key)
-            if slot is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                if tuple(value.shape) != tuple(slot.spec.shape):
-                    raise CompileError(f"state_dict[{key!r}] has shape {tuple(value.shape)}, but the model's "
-                                       f"{key} has {tuple(slot.spec.shape)}")
-                block = local_block(value, slot.placements, self.program.mesh_shape, coords, slot.spec.blocks)
-                value = dtensor_block(block.to(_local(self._state(slot)).device), self.device_mesh, slot)
-            values[key] = value
+        if RANDOM_KEY in state_dict and self.program.random is not None:  # seed and step of the random draws
+            load_random_entry(self.program, state_dict[RANDOM_KEY])
+            state_dict = tc.with_metadata({k: v for k, v in state_dict.items() if k != RANDOM_KEY}, state_dict)
+        values = as_blocks(state_dict, state_slots(self.graph, self.program), self.program, self.device_mesh,
+                           self._state)
         # the model's own method: its hooks, ``_load_from_state_dict`` overrides and version run
-        return self.module.load_state_dict(tc.with_metadata(values, state_dict), strict=strict, assign=assign)
+        return self.module.load_state_dict(values, strict=strict, assign=assign)
 
     def state_dict(self, *args, **kwargs):
         """The model's ``state_dict`` (its own hooks and overrides run): the single-device names, each

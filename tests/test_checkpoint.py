@@ -1,9 +1,11 @@
 """State of a ParallelModule on real gloo groups: torch.distributed.checkpoint across two different
-plans (resharding on load), models built on ``meta``, and optimizer state.
+plans (resharding on load), models built on ``meta``, and optimizer state; and DCP between pipelined
+and unpipelined layouts (parameters and AdamW state, exactly).
 
-What the ranks run is in ``tests/_ckpt_helpers.py`` (importable by the spawned workers, see
-tests/test_launch.py); one 4-rank ``WorkerPool`` serves the whole module, so process start-up and
-``import torch`` are paid once. Plans are recipes (no search), to keep planning short.
+What the ranks run is in ``tests/_ckpt_helpers.py`` and ``tests/_dcp_pipeline_helpers.py``
+(importable by the spawned workers, see tests/test_launch.py); one 4-rank ``WorkerPool`` serves the
+whole module, so process start-up and ``import torch`` are paid once. Unpipelined plans are recipes
+(no search), to keep planning short; pipelined ones pin their schedule and micro-batches.
 """
 
 from __future__ import annotations
@@ -100,3 +102,67 @@ def test_full_value_rebuilds_a_buffer_with_init_weights():
         got = full_value(meta, name, getattr(meta, name))
         assert not got.is_meta and torch.equal(got, getattr(real, name)), name
     assert all(p.is_meta for p in meta.parameters()), "rebuilding one buffer must leave the model alone"
+
+
+def test_dcp_across_pipelined_and_unpipelined_layouts(pool, tmp_path):
+    """Parameters and AdamW state saved at pp=2 x dp=2 (GPT, tied embedding and head on the first and
+    last stage) load exactly at dp=4 and at tp=4, and back: saved at dp=4, loaded at pp=2 x dp=2; the
+    step after each load equals the single-device model's. A pipeline rank holds, and saves, only the
+    parameters its stages read (another stage's copy would be stale)."""
+    import autopar
+    from _dcp_pipeline_helpers import across_layouts, gpt
+
+    model, args = gpt(0)
+    plan = autopar.plan(model, autopar.Mesh({"pp": 2, "dp": 2}, device="cpu"), args,
+                        pipeline={"schedule": "1F1B", "microbatches": 4}, progress=False)
+    alone = autopar.plan(model, autopar.Mesh({"pp": 2}, device="cpu"), args,
+                         pipeline={"schedule": "GPipe", "microbatches": 2}, progress=False)
+    others = [("dp4", {"dp": 4}, "fsdp"), ("tp4", {"tp": 4}, "megatron_tp")]
+    res = pool.run(across_layouts, gpt, {"pp": 2, "dp": 2}, plan.to_json(), others, alone.to_json(), str(tmp_path))
+    for r in res:
+        rank = r["rank"]
+        assert r["pp_vs_ref"] <= 1e-4, (rank, r["pp_vs_ref"])  # the pipelined run trains like the model
+        for what in ("dp4_loaded", "tp4_loaded", "single_device_load", "back_loaded", "alone_loaded",
+                     "alone_to_unpipelined"):
+            assert r[what] == 0.0, (rank, what, r[what])  # parameters and AdamW state, exactly
+        for what in ("dp4_step_vs_ref", "tp4_step_vs_ref", "back_step_vs_ref", "alone_step_vs_ref"):
+            assert r[what] <= 1e-4, (rank, what, r[what])  # and the next step is the model's
+        # each held parameter's AdamW state was compared, not only the parameters
+        names = set(r["pp_names"])
+        kinds = ("exp_avg", "exp_avg_sq", "step")
+        assert set(r["pp_state_names"]) == names | {f"{n}:{k}" for n in names for k in kinds}
+    assert "(Shard(dim=1),)" in res[0]["tp4_placements"] and "(Shard(dim=1),)" not in res[0]["dp4_placements"]
+    everything = {n for n, _ in gpt(0)[0].named_parameters()}
+    first, last = (set(res[k]["pp_names"]) for k in (0, 2))
+    # a pipeline rank holds (and saves) only its stages' parameters: the tied embedding and head on both
+    assert first | last == everything and first & last == {"wte.weight"}
+    assert res[1]["pp_names"] == res[0]["pp_names"] and res[3]["pp_names"] == res[2]["pp_names"]
+    for r, mine in zip(res, (first, first, last, last)):
+        assert r["model_keys"] == r["pp_keys"], "the model object holds no stale copy either"
+        assert {k for k in r["pp_keys"] if k in everything} == mine
+        assert "lm_head.weight" in r["pp_keys"] and "wte.weight" in r["pp_keys"]
+    # the pipeline axis alone (ranks 0, 1 and 2, 3: two pipelines): whole tensors, its stage's each
+    assert res[0]["alone_keys"] == res[2]["alone_keys"] != res[1]["alone_keys"] == res[3]["alone_keys"]
+    assert "blocks.1.mlp.fc.weight" in res[1]["alone_keys"] and "blocks.1.mlp.fc.weight" not in res[0]["alone_keys"]
+
+
+def test_dcp_across_layouts_corpus_llama_flattened_optimizer_state(pool, tmp_path):
+    """The torchtitan-style Llama of tests/_corpus.py (untied: no name shared by the two stages), its
+    optimizer state in torch's flattened form: saved at pp=2 x dp=2, loaded exactly at dp=4, and back."""
+    import autopar
+    from _dcp_pipeline_helpers import across_layouts, titan
+
+    model, args = titan(0)
+    plan = autopar.plan(model, autopar.Mesh({"pp": 2, "dp": 2}, device="cpu"), args,
+                        pipeline={"schedule": "1F1B", "microbatches": 2}, progress=False)
+    res = pool.run(across_layouts, titan, {"pp": 2, "dp": 2}, plan.to_json(), [("dp4", {"dp": 4}, "fsdp")], None,
+                   str(tmp_path), flat=True)
+    for r in res:
+        assert r["pp_vs_ref"] <= 1e-4, (r["rank"], r["pp_vs_ref"])
+        for what in ("dp4_loaded", "single_device_load", "back_loaded"):
+            assert r[what] == 0.0, (r["rank"], what, r[what])
+        for what in ("dp4_step_vs_ref", "back_step_vs_ref"):
+            assert r[what] <= 1e-4, (r["rank"], what, r[what])
+        assert r["model_keys"] == r["pp_keys"]
+    first, last = (set(res[k]["pp_names"]) for k in (0, 2))
+    assert first | last == {n for n, _ in model.named_parameters()} and not first & last

@@ -45,10 +45,12 @@ from torch.distributed.pipelining import (
 )
 from torch.fx.node import map_aggregate
 
+from autopar import _torch_compat as tc
 from autopar.errors import ArgumentError
 from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph, Ref
 from autopar.ir.stages import stage_rule
+from autopar.runtime.pipeline_state import drop_parameters, without_dropped
 
 
 def micro_slices(args: tuple, kwargs: dict, batch: int, m: int) -> list[dict[str, Any]]:
@@ -137,7 +139,7 @@ class PipelinedModule(torch.nn.Module):
         if others:
             raise ArgumentError(f"autopar pipelined: a pipeline with other mesh axes {others} runs its stages' sharded "
                                 "programs: build it with autopar.compile(model, mesh, example_inputs, plan=plan)")
-        self.model = model
+        object.__setattr__(self, "model", model)  # not a child: the model's own tables become this module's (below)
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         pp = int(pl["degree"])
@@ -245,6 +247,26 @@ class PipelinedModule(torch.nn.Module):
                         home.get(u) == m_ for u in graph.users()[n.name] if u in home):
                     where.setdefault(id(values[n.name]), set()).add(ranks[m_])
         self.shared = {id(p) for p in self.params if len(where.get(id(p), ())) > 1}
+        # the rank holds only the parameters its stages read (the others would go stale: runtime.pipeline_state)
+        def keep(fqn: str) -> bool:  # read here, read by no stage, or never updated (no gradient)
+            p = model.get_parameter(fqn)
+            return not p.requires_grad or self.rank in where.get(id(p), {self.rank})
+
+        self._dropped = drop_parameters(model, keep)
+        self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        # last: ``parameters()``, ``state_dict()`` and ``load_state_dict`` by the model's own names
+        tc.share_tables(self, model)
+
+    def train(self, mode: bool = True) -> "PipelinedModule":
+        """Set training mode on this module and the model (whose root is not a child of it)."""
+        super().train(mode)
+        self.model.training = mode
+        return self
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict`` by the single-device model's names; the entries of parameters
+        other pipeline ranks hold are checked and skipped (``runtime.pipeline_state``)."""
+        return self.model.load_state_dict(without_dropped(state_dict, self._dropped), strict=strict, assign=assign)
 
     def run(self, inputs: tuple, backward: bool):
         """One step of the schedule on ``inputs`` (every rank passes the whole batch): the loss on every

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from autopar._torch_compat import install_strided_checkpointing
 from autopar.errors import ArgumentError
 from autopar.ir.capture import capture
 from autopar.ir.placement import local_block
@@ -23,6 +24,7 @@ from autopar.runtime.collectives import single_worker_gloo_groups
 from autopar.runtime.pipeline import PipelinedModule, micro_slices
 from autopar.runtime.pipeline_cut import cut, dry_run
 from autopar.runtime.pipeline_mesh import MeshPipelinedModule
+from autopar.runtime.pipeline_state import drop_parameters, held_params, param_stages
 from autopar.runtime.state import distribute_state
 
 
@@ -76,7 +78,13 @@ def build_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, low
     pp_rank = int(dmesh.get_coordinate()[names.index(pl["axis"])])
     cutting = cut(program, stage_of, len(pl["stage_ranks"]),
                   [s for s, r in enumerate(pl["stage_ranks"]) if int(r) == pp_rank])
+    # the rank holds only the parameters its stages read (others' copies would go stale): runtime.pipeline_state
+    frozen = {fqn for fqn in graph.params if not model.get_parameter(fqn).requires_grad}
+    held = held_params(param_stages(graph, stage_of), pl["stage_ranks"], pp_rank, frozen)
+    drop_parameters(model, lambda fqn: graph.aliases.get(fqn, fqn) in held)
     distribute_state(model, graph, program, stage_mesh, None, materializer)
+    if any(slot.spec.blocks for slot in program.inputs):  # _StridedShard parameters: teach DCP their pieces
+        install_strided_checkpointing()
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank())
     stage_groups = [g for n, g in zip(names, groups) if n != pl["axis"]]
     return MeshPipelinedModule(model, plan, graph, stage_of, program, cutting, dmesh, stage_mesh, stage_groups, batch)

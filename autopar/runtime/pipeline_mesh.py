@@ -47,6 +47,8 @@ from autopar.program.collectives import Executed
 from autopar.runtime.collectives import ProcessGroupComm, record_executed
 from autopar.runtime.pipeline import ScheduleStep
 from autopar.runtime.pipeline_cut import SHAPE, Cut, StageCut
+from autopar.runtime.pipeline_state import local_state, param_stages, without_dropped
+from autopar.runtime.state import as_blocks, state_slots
 
 _SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
 
@@ -156,10 +158,8 @@ class MeshPipelinedModule(torch.nn.Module):
         super().__init__()
         self.graph, self.stage_of = graph, stage_of
         self.static_refs = _static_values(graph)
-        users = graph.users()
         #: parameter FQN -> the stages whose forward ops read it (a tied embedding and head: two)
-        self.param_stages = {fqn: {stage_of(u) for u in users[name] if graph.node(u).phase == Phase.FORWARD}
-                             for fqn, name in graph.params.items()}
+        self.param_stages = param_stages(graph, stage_of)
         object.__setattr__(self, "module", model)
         pl = plan.pipeline
         self.plan, self.program, self.cutting = plan, program, cut
@@ -179,20 +179,28 @@ class MeshPipelinedModule(torch.nn.Module):
         n_stages = len(ranks)
         self.last_rank = ranks[-1]
         self.my_stages = [s for s in range(n_stages) if ranks[s] == self.pp_rank]
+        # the parameters this rank holds: its stages' (the others' entries are None, runtime.pipeline_state)
         self.params, self._param_keys = [], []
+        self._slots = state_slots(graph, program)
+        #: name -> whole shape of the parameters other pipeline ranks hold (a state dict's entries skipped)
+        self._dropped: dict[str, tuple] = {}
+        for key, slot in self._slots.items():
+            owner, _, name = key.rpartition(".")
+            if slot.kind == "param" and tc.parameter_table(model.get_submodule(owner)).get(name) is None:
+                self._dropped[key] = tuple(slot.spec.shape)
         for slot in program.inputs:
-            if slot.kind == "param":
+            if slot.kind == "param" and slot.key not in self._dropped:
                 self._param_keys.append(slot.key)
-                owner, _, name = slot.key.rpartition(".")
-                self.params.append(tc.parameter_table(model.get_submodule(owner))[name])
+                self.params.append(model.get_parameter(slot.key))
         grad_index = {s.key: i for i, s in enumerate(program.grads)}
-        self._grad_of = [grad_index.get(s.key) for s in program.inputs if s.kind == "param"]
+        self._grad_of = [grad_index.get(k) for k in self._param_keys]
         self._state = []
+        f_ph = [n for n in program.forward.graph.nodes if n.op == "placeholder"]
         for k in cut.state_slots:
             slot = program.inputs[k]
             owner, _, name = slot.key.rpartition(".")
             mod = model.get_submodule(owner)
-            self._state.append((mod, name, slot.kind))
+            self._state.append((mod, name, slot.kind, f_ph[k].meta[SHAPE]))
         pairs = [_pairs(cut.stages[s].f_out, cut.stages[s].g_in, f"stages {s} -> {s + 1}")
                  for s in range(n_stages - 1)]
         self.stages, mods = [], []
@@ -224,6 +232,22 @@ class MeshPipelinedModule(torch.nn.Module):
         # last: the model's own tables become this module's (``parameters()``, ``state_dict()`` by the
         # model's names, as ``ParallelModule``); attributes set from here on go around nn.Module's setter
         tc.share_tables(self, model)
+
+    def train(self, mode: bool = True) -> "MeshPipelinedModule":
+        """Set training mode on this module and the model (whose root is not a child of it)."""
+        super().train(mode)
+        self.module.training = mode
+        return self
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict`` by the single-device model's names: a plain tensor (a
+        single-device state dict's, whole on every rank) is cut into this rank's block of the DTensor
+        of that name; the entries of parameters other pipeline ranks hold are checked and skipped
+        (``runtime.pipeline_state``). DTensors load as they are."""
+        values = as_blocks(without_dropped(state_dict, self._dropped), self._slots, self.program, self.stage_mesh,
+                           lambda slot: self.module.get_parameter(slot.key) if slot.kind == "param"
+                           else self.module.get_buffer(slot.key))
+        return self.module.load_state_dict(values, strict=strict, assign=assign)
 
     @contextlib.contextmanager
     def record_collectives(self):
@@ -332,8 +356,7 @@ class MeshPipelinedModule(torch.nn.Module):
         args, kwargs = inputs
         cut = self.cutting
         object.__setattr__(self, "given", self._micro(args, kwargs))
-        state = [tc.local_tensor(tc.parameter_table(mod)[name] if kind == "param" else tc.buffer_table(mod)[name])
-                 for mod, name, kind in self._state]
+        state = [local_state(mod, name, kind, local) for mod, name, kind, local in self._state]
         with self.context():
             object.__setattr__(self, "statics", [C.wait(v) for v in cut.static(*state)])
         object.__setattr__(self, "acc", [None] * len(cut.frontier_shapes))

@@ -7,11 +7,12 @@ tensor's storage alive (every rank would hold the whole model on CPU).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
 from autopar import _torch_compat as tc
+from autopar.errors import CompileError
 from autopar.ir.graph import Graph
 from autopar.ir.placement import local_block, to_dtensor
 from autopar.program.program import Program, Slot
@@ -36,7 +37,8 @@ def dtensor_block(local: torch.Tensor, dmesh, slot: Slot):
 def distribute_state(model: torch.nn.Module, graph: Graph, program: Program, dmesh, device,
                      materializer=None) -> None:
     """Replace every parameter and buffer by a DTensor holding this rank's block (tied weights stay
-    tied); meta tensors are rebuilt by ``materializer`` (``runtime.materialize``)."""
+    tied); meta tensors are rebuilt by ``materializer`` (``runtime.materialize``). Entries already
+    None (parameters a pipeline rank does not hold) stay None."""
     from autopar.runtime.materialize import full_value
 
     coords = tuple(dmesh.get_coordinate())
@@ -47,6 +49,8 @@ def distribute_state(model: torch.nn.Module, graph: Graph, program: Program, dme
         owner, _, name = slot.key.rpartition(".")
         mod = model.get_submodule(owner)
         old = getattr(mod, name)
+        if old is None:  # a parameter this rank does not hold (other pipeline stages': runtime.pipeline_state)
+            continue
         whole = full_value(model, slot.key, old, materializer)
         block = local_block(whole, slot.placements, program.mesh_shape, coords, slot.spec.blocks)
         if device is not None:
@@ -71,4 +75,33 @@ def distribute_state(model: torch.nn.Module, graph: Graph, program: Program, dme
                 tc.buffer_table(mod)[name] = done[canon]
 
 
-__all__ = ["distribute_state", "dtensor_block"]
+def state_slots(graph: Graph, program: Program) -> dict[str, Slot]:
+    """Every name of a parameter or buffer (tied names included) -> its program slot."""
+    slots = {s.key: s for s in program.inputs if s.kind in ("param", "buffer")}
+    slots.update({a: slots[c] for a, c in graph.aliases.items() if c in slots})
+    return slots
+
+
+def as_blocks(state_dict: Mapping, slots: Mapping[str, Slot], program: Program, dmesh,
+              current: Callable[[Slot], torch.Tensor]) -> dict:
+    """``state_dict`` with each plain tensor of a parameter or buffer name (a single-device state
+    dict's, whole on every rank) cut into this rank's block of the DTensor the plan makes of it, on
+    the device of ``current(slot)`` (the DTensor held now), without communication; DTensors and
+    other entries as they are. A whole tensor of another shape than the model's is an error."""
+    from torch.distributed.tensor import DTensor
+
+    coords = tuple(program.coords)
+    values = {}
+    for key, value in state_dict.items():
+        slot = slots.get(key)
+        if slot is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            if tuple(value.shape) != tuple(slot.spec.shape):
+                raise CompileError(f"state_dict[{key!r}] has shape {tuple(value.shape)}, but the model's "
+                                   f"{key} has {tuple(slot.spec.shape)}")
+            block = local_block(value, slot.placements, program.mesh_shape, coords, slot.spec.blocks)
+            value = dtensor_block(block.to(tc.local_tensor(current(slot)).device), dmesh, slot)
+        values[key] = value
+    return tc.with_metadata(values, state_dict)
+
+
+__all__ = ["as_blocks", "distribute_state", "dtensor_block", "state_slots"]
