@@ -106,6 +106,9 @@ def test_a_mesh_with_a_reduce_scatter_factor_prices_and_records_it(tmp_path):
     again = Plan.from_dict(doc)
     assert again.step_time == pytest.approx(gloo.step_time)
     assert Link.from_dict(again.mesh["links"]["dp"]).factor("reduce_scatter") == 2.0
+    from autopar.plans.html.page import render_html
+    assert "reduce_scatter at 2x its ring time" in render_html(gloo)
+    assert "its ring time" not in render_html(ring)
 
 
 def test_overlap_of_reads_the_compute_lost_beside_the_collective():
