@@ -11,9 +11,10 @@ import pytest
 
 import autopar
 from autopar.models import make
-from autopar.cost_model.calibrate_procs import KINDS, MAX_SLOWDOWN, fit_link, overlap_of
-from autopar.cost_model.comm import collective_time
+from autopar.cost_model.calibrate_procs import KINDS, MAX_SLOWDOWN, REFERENCE_KIND, fit_link, overlap_of
+from autopar.cost_model.comm import collective_time, reshard_time, ring_time
 from autopar.cost_model.hardware import PRESETS, Hardware, Link, load_profile, save_profile
+from autopar.ir.placement import B, P, S
 from autopar.plans import Plan
 
 
@@ -33,6 +34,81 @@ def test_fit_link_keeps_both_terms_positive_when_bytes_do_not_matter():
     assert got.latency > 0 and 0 < got.bandwidth < float("inf")
     priced = [collective_time(k, b, 4, got) for k, b in costs]
     assert min(priced) > 1e-3 and max(priced) < 2e-2
+
+
+def test_fit_link_recovers_per_kind_factors_and_prices_them():
+    """Costs made with a link whose reduce-scatter costs 2x, all-to-all 1.3x and all-gather 0.9x their
+    ring times: the fit finds the link and each factor, and the fitted link prices each kind so."""
+    truth = Link(latency=800e-6, bandwidth=0.5e9, factors={"reduce_scatter": 2.0, "all_to_all": 1.3, "all_gather": 0.9})
+    costs = {(k, b): collective_time(k, b, 4, truth) for k in KINDS for b in (1 << 10, 256 << 10)}
+    got = fit_link(costs, 4)
+    assert got.latency == pytest.approx(truth.latency, rel=1e-6)
+    assert got.bandwidth == pytest.approx(truth.bandwidth, rel=1e-6)
+    assert dict(got.factors) == pytest.approx(dict(truth.factors), rel=1e-6)
+    assert got.factor(REFERENCE_KIND) == 1.0 and REFERENCE_KIND not in dict(got.factors)
+    for (k, b), t in costs.items():
+        assert collective_time(k, b, 4, got) == pytest.approx(t, rel=1e-6)
+        assert collective_time(k, b, 4, got) == pytest.approx(got.factor(k) * ring_time(k, b, 4, got))
+
+
+def test_a_reduce_scatter_that_runs_as_an_all_reduce_is_priced_as_one():
+    """gloo runs reduce-scatter as an all-reduce of the whole tensor (torch's
+    ``ProcessGroupGloo::reduce_scatter_tensor_coalesced``): where it measures what the all-reduce of
+    the same tensor does, the fitted link prices the two alike, not the reduce-scatter at about half
+    (which is what one link without per-kind factors fits)."""
+    ring = Link(latency=1e-3, bandwidth=0.5e9)
+    costs = {}
+    for b in (1 << 10, 256 << 10, 4 << 20):
+        for k in ("all_reduce", "all_gather", "all_to_all"):
+            costs[(k, b)] = collective_time(k, b, 4, ring)
+        costs[("reduce_scatter", b)] = costs[("all_reduce", b)]
+    got = fit_link(costs, 4)
+    for b in (1 << 10, 4 << 20):
+        assert collective_time("reduce_scatter", b, 4, got) == pytest.approx(costs[("all_reduce", b)], rel=0.1)
+    assert 1.7 < got.factor("reduce_scatter") < 2.1
+    without = fit_link({kb: t for kb, t in costs.items() if kb[0] != "all_reduce"}, 4)  # no anchor: one ring link
+    assert without.factors == ()
+
+
+def test_link_factors_round_trip_and_refuse_what_cannot_be_right():
+    link = Link(1e-3, 1e9, {"reduce_scatter": 1.9})
+    assert Link.from_dict(link.to_dict()) == link and link.to_dict()["factors"] == {"reduce_scatter": 1.9}
+    assert "factors" not in Link(1e-3, 1e9).to_dict()  # written as schema version 6 wrote it
+    assert Link.from_dict({"latency": 1e-3, "bandwidth": 1e9}).factor("reduce_scatter") == 1.0
+    with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):
+        Link(1e-3, 1e9, {"broadcast": 2.0})
+    with pytest.raises(ValueError, match="reduce_scatter must be a positive finite number"):
+        Link(1e-3, 1e9, {"reduce_scatter": 0.0})
+
+
+def test_a_mesh_with_a_reduce_scatter_factor_prices_and_records_it(tmp_path):
+    """A profile whose link prices reduce-scatter at 2x its ring time: a mesh made with it prices a
+    P -> S(0) reshard at twice the same link's without the factor (and the other kinds as before);
+    FSDP's plan costs more, records the factor on the hardware's links and the mesh's, and loads back
+    to the same price."""
+    slow = Link(latency=1e-3, bandwidth=0.5e9)
+    base = dataclasses.replace(PRESETS["cpu"], name="box", overlap_slowdown=MAX_SLOWDOWN)
+    paths = {}
+    for name, link in (("ring", slow), ("gloo", Link(slow.latency, slow.bandwidth, {"reduce_scatter": 2.0}))):
+        paths[name] = tmp_path / f"{name}.json"
+        save_profile(dataclasses.replace(base, intra_node=link, inter_node=link), paths[name], base="cpu")
+    meshes = {name: autopar.Mesh({"dp": 4}, device="cpu", profile=path) for name, path in paths.items()}
+    for src, dst, ratio in (([P], [S(0)], 2.0), ([P], [B], 1.0), ([S(0)], [B], 1.0)):
+        priced = {name: reshard_time((1024, 64), src, dst, mesh, 4) for name, mesh in meshes.items()}
+        assert priced["gloo"] == pytest.approx(ratio * priced["ring"]) and priced["ring"] > 0
+    ring, gloo = _fsdp(paths["ring"]), _fsdp(paths["gloo"])
+    assert gloo.step_time > ring.step_time
+    doc = json.loads(gloo.to_json(timing=False))
+    assert doc["schema_version"] == 7
+    assert doc["mesh"]["links"]["dp"]["factors"] == {"reduce_scatter": 2.0}
+    assert doc["mesh"]["hardware"]["intra_node"]["factors"] == {"reduce_scatter": 2.0}
+    assert "factors" not in json.loads(ring.to_json(timing=False))["mesh"]["links"]["dp"]
+    again = Plan.from_dict(doc)
+    assert again.step_time == pytest.approx(gloo.step_time)
+    assert Link.from_dict(again.mesh["links"]["dp"]).factor("reduce_scatter") == 2.0
+    from autopar.plans.html.page import render_html
+    assert "reduce_scatter at 2x its ring time" in render_html(gloo)
+    assert "its ring time" not in render_html(ring)
 
 
 def test_overlap_of_reads_the_compute_lost_beside_the_collective():

@@ -10,7 +10,7 @@ import torch
 
 from autopar.cost_model import comm
 from autopar.cost_model.calibrate import calibrate
-from autopar.cost_model.comm import Step, axis_step, collective_time, reshard_steps, reshard_time
+from autopar.cost_model.comm import Step, axis_step, collective_time, reshard_steps, reshard_time, ring_time
 from autopar.cost_model.compute import compute_time, flops_and_bytes, is_free
 from autopar.cost_model.hardware import PRESETS, Hardware, Link, get_hardware, load_profile, save_profile
 from autopar.cost_model.memory import activation_bytes, local_numel, param_state_bytes
@@ -340,3 +340,13 @@ def test_calibrate_quick(tmp_path, monkeypatch):
     assert hw.name == "cpu-calibrated-2procs" and 0.0 <= hw.overlap_slowdown < 1.0
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
         assert any(line.startswith(f"{kind} 1024 B: measured ") for line in lines), lines
+    # each kind other than the all-reduce has its measured factor over its ring time, recorded in
+    # the profile and used by the price of a mesh made with it
+    factors = dict(hw.intra_node.factors)
+    assert sorted(factors) == ["all_gather", "all_to_all", "reduce_scatter"]
+    assert all(f > 0 and math.isfinite(f) for f in factors.values())
+    assert json.loads(path.read_text())["intra_node"]["factors"] == factors
+    link = mesh.links[0]
+    for kind, f in factors.items():
+        assert collective_time(kind, 1 << 20, 2, link) == pytest.approx(f * ring_time(kind, 1 << 20, 2, link))
+        assert any(line.startswith(f"{kind} 1024 B:") and f"; {f:.2f}x its ring time" in line for line in lines)

@@ -10,6 +10,7 @@ import pytest
 from _plan_files import AXES, compile_errors_on_rank, tiny_mlp, tiny_plan_json
 
 import autopar
+from autopar.cost_model.hardware import Link
 from autopar.errors import CompileError
 from autopar.plans import bounds
 from autopar.plans import SCHEMA_VERSION, Plan, PlanError, load_plan
@@ -167,14 +168,14 @@ def test_a_saved_plan_loads_and_saves_to_the_same_bytes(tmp_path):
     plan = load_plan(path)
     plan.save(tmp_path / "again.json")
     assert (tmp_path / "again.json").read_text(encoding="utf-8") == text
-    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 6
+    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 7
 
 
 def test_later_versions_only_add_fields(good):
     """The format of version 1 is kept: version 2 adds ``graph.shapes``, 3 ``mesh.hardware.nics_per_node``,
     4 ``checkpointing``, ``kept_gathers`` and ``layer_groups``, 5 the MFU fields and replaces the two
     efficiency constants of ``mesh.hardware`` by its ``efficiency`` curves, 6 ``mesh.hardware.overlap_slowdown``
-    and ``mesh_search``."""
+    and ``mesh_search``, 7 a link's ``factors`` (written only where there are any)."""
     assert good["graph"]["shapes"] == {"head.bias": "float32[4]", "head.weight": "float32[4, 32]",
                                        "layers.0.bias": "float32[32]", "layers.0.weight": "float32[32, 16]",
                                        "layers.1.bias": "float32[32]", "layers.1.weight": "float32[32, 32]"}
@@ -187,12 +188,22 @@ def test_later_versions_only_add_fields(good):
     assert "nics_per_node" in good["mesh"]["hardware"]
     assert "efficiency" in good["mesh"]["hardware"] and "matmul_efficiency" not in good["mesh"]["hardware"]
     assert "overlap_slowdown" in good["mesh"]["hardware"]
+    assert all("factors" not in link for link in good["mesh"]["links"].values())  # the presets' ring links
 
 
 def test_a_version_5_file_loads_without_a_mesh_search(tmp_path, good):
     old = _mutated(good, lambda d: (d.update(schema_version=5), d.pop("mesh_search")))
     plan = load_plan(_write(tmp_path, old))
     assert plan.schema_version == SCHEMA_VERSION and plan.mesh_search is None
+
+
+def test_a_version_6_file_loads_with_its_links_at_their_ring_time(tmp_path, good):
+    old = _mutated(good, lambda d: d.update(schema_version=6))
+    plan = load_plan(_write(tmp_path, old))
+    assert plan.schema_version == SCHEMA_VERSION and plan.step_time == good["step_time"]
+    assert all(Link.from_dict(link).factors == () for link in plan.mesh["links"].values())
+    bad = _mutated(good, lambda d: d["mesh"]["links"]["dp"].update(factors={"reduce_scatter": -1.0}))
+    assert _load_error(tmp_path, bad).startswith("mesh.links.dp.factors.reduce_scatter")
 
 
 def test_a_version_1_file_loads_with_shapes_left_out(tmp_path, good):
@@ -278,11 +289,11 @@ def test_a_version_5_file_loads_with_overlap_free_and_a_slowdown_out_of_range_is
         assert _load_error(tmp_path, d).startswith("mesh.hardware.overlap_slowdown")
 
 
-@pytest.mark.parametrize("version", [0, 7, "2", True, None])
+@pytest.mark.parametrize("version", [0, 8, "2", True, None])
 def test_other_versions_are_refused_naming_the_version(tmp_path, good, version):
     d = _mutated(good, lambda d: d.update(schema_version=version))
-    assert _load_error(tmp_path, d) == (f"plan schema version {version!r} found, this autopar reads version 6 (and "
-                                        f"the earlier 1, 2, 3, 4, 5): make the plan again with autopar.plan(...) (or use the "
+    assert _load_error(tmp_path, d) == (f"plan schema version {version!r} found, this autopar reads version 7 (and "
+                                        f"the earlier 1, 2, 3, 4, 5, 6): make the plan again with autopar.plan(...) (or use the "
                                         f"autopar version that wrote it)")
 
 

@@ -4,6 +4,7 @@ inside a node, hierarchical), overrides and errors, the mesh round trip, and old
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import pathlib
 
@@ -175,7 +176,7 @@ def test_profiles_of_version_1_load_with_one_nic_per_device(tmp_path):
     assert get_hardware("h100", partial).nics_per_node == 8
     save_profile(hw, tmp_path / "v2.json", base="h100")
     saved = json.loads((tmp_path / "v2.json").read_text())
-    assert saved["autopar_profile"] == 3 and saved["nics_per_node"] == 4
+    assert saved["autopar_profile"] == 4 and saved["nics_per_node"] == 4
     assert load_profile(tmp_path / "v2.json") == hw
 
 
@@ -228,3 +229,20 @@ def test_a_version_3_plan_must_give_nics_per_node():
     ok = copy.deepcopy(d)
     ok["mesh"]["hardware"]["nics_per_node"] = 8
     assert Plan.from_dict(ok).mesh["hardware"]["nics_per_node"] == 8
+
+
+def test_an_axis_across_nodes_prices_each_phase_with_its_links_factors():
+    """A kind's factor (``Link.factors``) on an axis spanning nodes: the factor both links give where
+    they agree, between the two (weighted by each phase's share of the bytes' time) where only the
+    intra-node link has one; every phase of a single-phase axis keeps its link's."""
+    gloo_like = {"reduce_scatter": 2.0}
+    nvl, ib = H100.intra_node, H100.inter_node
+    both = dataclasses.replace(H100, intra_node=Link(nvl.latency, nvl.bandwidth, gloo_like),
+                               inter_node=Link(ib.latency, ib.bandwidth, gloo_like))
+    assert axis_link(16, 1, both).factor("reduce_scatter") == pytest.approx(2.0)
+    assert axis_link(16, 8, both).factors == both.inter_node.factors  # one member per node
+    assert axis_link(8, 1, both).factors == both.intra_node.factors  # inside a node
+    intra_only = dataclasses.replace(both, inter_node=ib)
+    f = axis_link(16, 1, intra_only).factor("reduce_scatter")
+    assert 1.0 < f < 2.0
+    assert axis_link(16, 1, intra_only).factor("all_gather") == 1.0

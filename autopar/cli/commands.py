@@ -158,7 +158,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     link = hw.intra_node
     if lines:
         print(f"gloo, {args.nprocs} processes, collectives between compute: latency {link.latency * 1e6:.0f} us, "
-              f"bandwidth {link.bandwidth / 1e9:.2f} GB/s, fitted to:")
+              f"bandwidth {link.bandwidth / 1e9:.2f} GB/s"
+              + "".join(f", {kind} at {f:.2f}x its ring time" for kind, f in link.factors) + ", fitted to:")
         for line in lines:
             print(f"  {line}")
     return 0

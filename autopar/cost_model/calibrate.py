@@ -13,7 +13,9 @@ With ``nprocs >= 2`` (``autopar calibrate --nprocs 4``) everything is measured u
 conditions a program on ``nprocs`` local gloo processes runs in (``calibrate_procs``): the
 processes measure at the same moment, so they share the cores as a run's ranks do, and every
 collective kind is timed between pieces of compute through the path programs use; the link's
-latency and bandwidth are fitted to those costs (``calibrate_procs.fit_link``). A profile so made
+latency and bandwidth, and a factor per collective kind over its ring-formula time
+(``Link.factors``: gloo's reduce-scatter runs as an all-reduce and costs about twice its ring
+price), are fitted to those costs (``calibrate_procs.fit_link``). A profile so made
 prices programs of that many processes on this machine; with ``nprocs`` 1 the figures are one
 process's alone and the link keeps the preset's.
 

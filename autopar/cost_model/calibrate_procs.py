@@ -22,9 +22,13 @@ its part (its CPU cost under contention). So ``calibrate(path, nprocs=N)`` measu
   collective's kernels take a few SMs (a small fraction); with more processes than cores, gloo's
   worker thread takes a core a rank would compute on (near 1: the traffic is paid in full).
 
-``fit_link`` turns the collective costs into the link's (latency, bandwidth) by least squares of
-relative error against ``comm.collective_time``'s formulas, so the planner prices every kind with
-the figures that reproduce them best.
+``fit_link`` turns the collective costs into the link's (latency, bandwidth) and a factor per kind
+(``Link.factors``) by least squares of relative error against ``comm.collective_time``'s ring
+formulas: the latency and bandwidth are the all-reduce's, and each other kind's factor is what its
+implementation costs over its ring price. On gloo that matters for reduce-scatter, which torch runs
+as an all-reduce of the whole tensor (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``; the
+profiler records ``gloo:all_reduce`` for it): its factor comes out near 2, so the planner prices it
+as what runs.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from typing import Callable
 
 import torch
 
-from autopar.cost_model.comm import collective_time
+from autopar.cost_model.comm import collective_time, ring_time
 from autopar.cost_model.hardware import Link
 
 #: the collective kinds measured, as the cost model names them
@@ -241,15 +245,17 @@ def measure_in_processes(nprocs: int, quick: bool = False) -> dict:
     return dict(compute=compute, collectives=colls, overlap=overlap_of([r["overlap"] for r in ranks]))
 
 
-def fit_link(costs: dict, n: int) -> Link:
-    """The (latency, bandwidth) whose ``collective_time`` best reproduces ``costs`` (``{(kind,
-    nbytes): seconds}`` over a group of ``n``): least squares of the relative error, both terms
-    kept positive (a term the data cannot resolve falls back to fitting the other alone)."""
-    rows = []
-    for (kind, nbytes), t in sorted(costs.items()):
-        lat = collective_time(kind, 0, n, Link(1.0, 1e300))  # seconds per unit of latency
-        per_byte = collective_time(kind, nbytes, n, Link(1e-300, 1.0))  # seconds per unit of 1/bandwidth
-        rows.append((lat / t, per_byte / t))  # relative: each row's target is 1
+#: the kind whose ring formula the fitted latency and bandwidth describe: its factor is 1 by
+#: definition, every other measured kind's factor is its cost over its ring price (``Link.factors``)
+REFERENCE_KIND = "all_reduce"
+#: rounds of the alternating fit (each lowers the squared relative error; it stops when it settles)
+FIT_ROUNDS = 200
+
+
+def _fit_terms(rows: list) -> tuple[float, float]:
+    """(alpha, 1/beta) minimising the sum over ``rows`` of ``(a * alpha + b / beta - 1) ** 2``
+    (each row ``(a, b)``: a measurement's latency and byte coefficients over its time), both kept
+    positive (a term the data cannot resolve falls back to fitting the other alone)."""
     saa = sum(a * a for a, _ in rows)
     sbb = sum(b * b for _, b in rows)
     sab = sum(a * b for a, b in rows)
@@ -266,8 +272,37 @@ def fit_link(costs: dict, n: int) -> Link:
         else:
             alpha = 1e-9
             inv_beta = sb / sbb if sbb else 1e-15
-    inv_beta = max(inv_beta, 1e-15)
-    return Link(latency=alpha, bandwidth=1.0 / inv_beta)
+    return alpha, max(inv_beta, 1e-15)
+
+
+def fit_link(costs: dict, n: int) -> Link:
+    """The link whose ``collective_time`` best reproduces ``costs`` (``{(kind, nbytes): seconds}``
+    over a group of ``n``): least squares of the relative error over the latency, the bandwidth
+    and, per measured kind other than ``REFERENCE_KIND``, a factor on its ring time
+    (``Link.factors``), fitted alternately (the link with the factors fixed, then each factor, the
+    scale of its kind's ring prices that fits its measurements best, with the link fixed) until the
+    figures settle. The factors are what makes a calibrated gloo mesh price reduce-scatter as what
+    gloo runs: an all-reduce of the whole tensor (about twice its ring time); without the reference
+    kind among ``costs`` every kind is priced by its ring formula alone (no factors)."""
+    meas = []
+    for (kind, nbytes), t in sorted(costs.items()):
+        lat = ring_time(kind, 0, n, Link(1.0, 1e300))  # seconds per unit of latency
+        per_byte = ring_time(kind, nbytes, n, Link(1e-300, 1.0))  # seconds per unit of 1/bandwidth
+        meas.append((kind, lat / t, per_byte / t))  # relative: each row's target is 1
+    kinds = sorted({k for k, _, _ in meas} - {REFERENCE_KIND}) if any(k == REFERENCE_KIND for k, _, _ in meas) else []
+    factor = {k: 1.0 for k in kinds}
+    alpha, inv_beta = _fit_terms([(a, b) for _, a, b in meas])
+    for _ in range(FIT_ROUNDS if kinds else 0):
+        alpha, inv_beta = _fit_terms([(factor.get(k, 1.0) * a, factor.get(k, 1.0) * b) for k, a, b in meas])
+        moved = 0.0
+        for k in kinds:
+            p = [alpha * a + inv_beta * b for kk, a, b in meas if kk == k]  # ring price over measured
+            new = sum(p) / sum(x * x for x in p)
+            moved = max(moved, abs(new / factor[k] - 1.0))
+            factor[k] = new
+        if moved < 1e-12:
+            break
+    return Link(latency=alpha, bandwidth=1.0 / inv_beta, factors=factor)
 
 
 def describe_link_fit(costs: dict, n: int, link: Link) -> list[str]:
@@ -276,8 +311,8 @@ def describe_link_fit(costs: dict, n: int, link: Link) -> list[str]:
     for (kind, nbytes), t in sorted(costs.items()):
         fit = collective_time(kind, nbytes, n, link)
         out.append(f"{kind} {nbytes} B: measured {t * 1e6:.0f} us, priced {fit * 1e6:.0f} us "
-                   f"({fit / t if t else math.nan:.2f}x)")
+                   f"({fit / t if t else math.nan:.2f}x; {link.factor(kind):.2f}x its ring time)")
     return out
 
 
-__all__ = ["KINDS", "describe_link_fit", "fit_link", "measure_in_processes", "overlap_of"]
+__all__ = ["KINDS", "REFERENCE_KIND", "describe_link_fit", "fit_link", "measure_in_processes", "overlap_of"]

@@ -1,7 +1,8 @@
 """Communication cost: resharding a tensor between placements, as timed collectives per mesh axis.
 
 One axis of ``n`` devices with link (alpha, beta) and ``B`` bytes of the tensor as that axis's group
-sees it (ring algorithms, DESIGN.md "SBP"):
+sees it (ring algorithms, DESIGN.md "SBP"; each kind's time times the link's factor for it,
+``Link.factors``, 1 unless measured by ``autopar calibrate``):
 
 =================  ==============  ===========================================
 from -> to         step            time
@@ -55,8 +56,16 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     """Ring-algorithm time of one collective over ``n`` devices (0 for local steps or ``n == 1``).
 
     Each collective also pays one ``latency`` to start (a launch and a handshake), so one
-    all-reduce is cheaper than the reduce-scatter + all-gather that moves the same bytes.
+    all-reduce is cheaper than the reduce-scatter + all-gather that moves the same bytes. The ring
+    time is multiplied by the link's factor for ``kind`` (``Link.factors``: what the backend's
+    implementation costs over the ring algorithm's, measured by ``autopar calibrate``; 1 unless
+    given, as on the GPU presets).
     """
+    return ring_time(kind, nbytes, n, link) * link.factor(kind)
+
+
+def ring_time(kind: str, nbytes: float, n: int, link: Link) -> float:
+    """``collective_time`` without the link's per-kind factor: the ring algorithm's time."""
     if kind not in KINDS:
         raise ValueError(f"unknown collective {kind!r}; expected one of {KINDS}")
     if n <= 1 or kind in LOCAL_KINDS:
@@ -209,4 +218,5 @@ def cache_clear() -> None:
     _best_steps.cache_clear()
 
 
-__all__ = ["KINDS", "Step", "axis_step", "step_bytes", "step_valid", "cache_clear", "cache_info", "collective_time", "reshard_steps", "reshard_time"]
+__all__ = ["KINDS", "Step", "axis_step", "step_bytes", "step_valid", "cache_clear", "cache_info", "collective_time", "reshard_steps", "reshard_time",
+           "ring_time"]

@@ -19,7 +19,9 @@ Version 3 replaced ``matmul_efficiency``/``memory_efficiency`` (two constants) b
 file with the two constants loads with them as a flat ``Efficiency`` (priced as it was).
 ``overlap_slowdown`` (compute throughput lost beside a hidden collective) may be left out: a
 description without it has 0 (as everything written before it priced), a profile with a ``base``
-keeps the base preset's; ``autopar calibrate`` does not measure it (the cpu preset's 0 stays).
+keeps the base preset's; ``autopar calibrate --nprocs N`` measures it. Version 4 adds each link's
+``factors`` (per collective kind, measured time over the ring formula's; see ``Link``); a link of an
+older file has none (every kind at its ring price, as it was priced).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from autopar.cost_model.efficiency import Efficiency
 
 #: Extra keys a profile file may carry besides the Hardware fields.
 PROFILE_META = ("autopar_profile", "base")
-PROFILE_VERSION = 3  # 2 adds nics_per_node; 3 replaces the two efficiency constants by ``efficiency``
+PROFILE_VERSION = 4  # 2 adds nics_per_node; 3 replaces the two efficiency constants by ``efficiency``;
+#: 4 adds a link's per-kind ``factors`` (a link without them loads with none: every kind at its ring price)
 #: the constants schema version 4 plans and version 1-2 profiles carry instead of ``efficiency``
 LEGACY_EFFICIENCY = ("matmul_efficiency", "memory_efficiency")
 #: fields a hardware description may leave out, with the value it then has: plans of schema version
@@ -42,33 +45,86 @@ LEGACY_EFFICIENCY = ("matmul_efficiency", "memory_efficiency")
 OPTIONAL_FIELDS = {"overlap_slowdown": 0.0}
 
 
+#: the collective kinds a link prices (``autopar.cost_model.comm.collective_time``); a per-kind
+#: factor (``Link.factors``) may be given for each
+COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+
+def _check_factors(factors: Any) -> tuple[tuple[str, float], ...]:
+    """``factors`` (a mapping or pairs of kind -> factor) as sorted pairs, each kind a collective
+    kind and each factor a positive finite number; a ValueError names the first that is not."""
+    items = factors.items() if isinstance(factors, dict) else factors
+    try:
+        pairs = [(k, v) for k, v in items]
+    except (TypeError, ValueError):
+        raise ValueError(f"Link factors must map a collective kind to a number, got {factors!r}") from None
+    out: dict[str, float] = {}
+    for kind, v in pairs:
+        if kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"Link factors: unknown collective kind {kind!r}; expected one of {COLLECTIVE_KINDS}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
+            raise ValueError(f"Link factors: the factor of {kind} must be a positive finite number, got {v!r}")
+        out[kind] = float(v)
+    return tuple(sorted(out.items()))
+
+
 @dataclass(frozen=True)
 class Link:
-    """The link model of one mesh axis: alpha (seconds per collective step) and beta (bytes/s)."""
+    """The link model of one mesh axis: alpha (seconds per collective step) and beta (bytes/s),
+    and per collective kind a factor on its ring-algorithm time.
+
+    ``factors`` holds what a backend's implementation of a kind costs over the ring formula
+    ``comm.collective_time`` gives it with this alpha and beta: a kind left out (every kind on the
+    GPU presets, whose NCCL runs the ring algorithms the formulas describe) has factor 1. It exists
+    because a backend may not run the algorithm a kind's name says: torch's gloo backend runs
+    ``reduce_scatter_tensor`` as an all-reduce of the whole tensor whose chunk each rank keeps
+    (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``; torch 2.13's profiler records it as
+    ``gloo:all_reduce``), so it costs what an all-reduce does, about twice its ring price.
+    ``autopar calibrate --nprocs N`` measures every kind and fits the factors with the link
+    (``calibrate_procs.fit_link``). Given as a dict or pairs; kept as sorted pairs (hashable).
+    """
 
     latency: float  # seconds per collective step (alpha)
     bandwidth: float  # bytes/s, one-way per device (beta)
+    factors: tuple[tuple[str, float], ...] = ()  # collective kind -> time over its ring formula's
 
     def __post_init__(self) -> None:
         for field in ("latency", "bandwidth"):
             v = getattr(self, field)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
                 raise ValueError(f"Link {field} must be a positive finite number, got {v!r}")
+        object.__setattr__(self, "factors", _check_factors(self.factors))
+
+    def factor(self, kind: str) -> float:
+        """The factor on ``kind``'s ring-formula time (1.0 where none was measured or given)."""
+        for k, v in self.factors:
+            if k == kind:
+                return v
+        return 1.0
 
     def to_dict(self) -> dict:
-        """JSON-able figures of the link."""
-        return {"latency": float(self.latency), "bandwidth": float(self.bandwidth)}
+        """JSON-able figures of the link (``factors`` only where there are any: a link without
+        them writes what schema version 6 and profile version 3 wrote)."""
+        d: dict[str, Any] = {"latency": float(self.latency), "bandwidth": float(self.bandwidth)}
+        if self.factors:
+            d["factors"] = dict(self.factors)
+        return d
 
     @staticmethod
     def from_dict(d: Any) -> "Link":
-        """From ``{"latency":..., "bandwidth":...}``, a ``(latency, bandwidth)`` pair or a Link."""
+        """From ``{"latency":..., "bandwidth":..., "factors": {...}}`` (``factors`` optional), a
+        ``(latency, bandwidth)`` pair or a Link."""
         if isinstance(d, Link):
             return d
         if isinstance(d, dict):
-            extra = set(d) - {"latency", "bandwidth"}
-            if extra or len(d) != 2:
-                raise ValueError(f"a link needs exactly the keys 'latency' and 'bandwidth', got {sorted(d)}")
-            return Link(float(d["latency"]), float(d["bandwidth"]))
+            extra = set(d) - {"latency", "bandwidth", "factors"}
+            if extra or "latency" not in d or "bandwidth" not in d:
+                raise ValueError(f"a link needs the keys 'latency' and 'bandwidth' (and optionally 'factors'), "
+                                 f"got {sorted(d)}")
+            factors = d.get("factors", {})
+            if not isinstance(factors, dict):
+                raise ValueError(f"a link's 'factors' must map a collective kind to a number, got {factors!r}")
+            return Link(float(d["latency"]), float(d["bandwidth"]), factors)
         if isinstance(d, (tuple, list)) and len(d) == 2:
             return Link(float(d[0]), float(d[1]))
         raise ValueError(f"cannot read a link from {d!r}: give Link(latency, bandwidth) or (latency, bandwidth)")
@@ -398,5 +454,5 @@ def get_hardware(device: str = "h100", profile: str | os.PathLike | None = None)
     return _merge(hw, _profile_fields(_read_profile(profile)))
 
 
-__all__ = ["Efficiency", "Hardware", "Link", "PRESETS", "get_hardware", "legacy_efficiency", "load_profile",
+__all__ = ["COLLECTIVE_KINDS", "Efficiency", "Hardware", "Link", "PRESETS", "get_hardware", "legacy_efficiency", "load_profile",
            "save_profile"]

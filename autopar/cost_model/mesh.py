@@ -294,9 +294,18 @@ def axis_link(n: int, inner: int, hw: Hardware) -> Link:
     ai, bi = hw.intra_node.latency, hw.intra_node.bandwidth
     ae, be = hw.inter_node.latency, hw.inter_node.bandwidth
     if k == 1:
-        return hw.inter_node if share == 1.0 else Link(ae, be * share)
-    seconds_per_byte = (m - 1) / m / (k * share * be) + (k - 1) / k / bi  # inter phase + intra phase
-    return Link((m * ae + k * ai) / n, (n - 1) / n / seconds_per_byte)
+        return hw.inter_node if share == 1.0 else Link(ae, be * share, hw.inter_node.factors)
+    inter_s, intra_s = (m - 1) / m / (k * share * be), (k - 1) / k / bi  # seconds per byte of each phase
+    seconds_per_byte = inter_s + intra_s
+    return Link((m * ae + k * ai) / n, (n - 1) / n / seconds_per_byte,
+                _phase_factors(hw.inter_node, hw.intra_node, inter_s / seconds_per_byte))
+
+
+def _phase_factors(inter: Link, intra: Link, inter_share: float) -> dict[str, float]:
+    """Per-kind factors (``Link.factors``) of a two-phase collective: each kind's factor on each
+    phase, weighted by the share of the bytes' time the phase takes (the kinds either link has)."""
+    kinds = sorted({k for k, _ in inter.factors} | {k for k, _ in intra.factors})
+    return {k: inter_share * inter.factor(k) + (1.0 - inter_share) * intra.factor(k) for k in kinds}
 
 
 def default_links(shape: Sequence[int], hw: Hardware) -> list[Link]:

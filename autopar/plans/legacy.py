@@ -61,7 +61,9 @@ def links_of_old_plan(mesh: Mapping) -> dict:
 
 def upgrade_hardware(d: Mapping, version: int) -> Mapping:
     """``d`` (a plan of schema ``version``) with the hardware fields later versions added, before
-    the schema check: ``nics_per_node`` (version 3), ``overlap_slowdown`` (version 6)."""
+    the schema check: ``nics_per_node`` (version 3), ``overlap_slowdown`` (version 6). Version 7's
+    per-kind link ``factors`` need nothing here: a link without them prices every kind at its ring
+    time, as versions 1-6 did (``autopar.cost_model.hardware.Link``)."""
     if version < 3:
         d = _nics_of_old_plan(d)
     if version < 6:

@@ -128,6 +128,8 @@ class _Strict(BaseModel):
 class _Link(_Strict):
     latency: Positive
     bandwidth: Positive
+    # schema version 7: per collective kind, time over the ring formula's (absent: none, all at 1)
+    factors: dict[Literal["all_gather", "all_reduce", "reduce_scatter", "all_to_all"], Positive] = None
 
 
 class _Efficiency(_Strict):

@@ -41,6 +41,8 @@ def header_section(plan: "Plan", title: str) -> str:
     mesh_txt = " \u00d7 ".join(f"{k}={v}" for k, v in axes.items()) or "(no axes)"
     links = plan.mesh.get("links") or {}
     link_txt = "; ".join(f"{k}: {finite_float(v.get('bandwidth')) / 1e9:g} GB/s, {time_text(v.get('latency'))} latency"
+                         + "".join(f", {kind} at {finite_float(f):g}x its ring time"
+                                   for kind, f in sorted((v.get("factors") or {}).items()))
                          for k, v in links.items() if isinstance(v, dict))
     inputs = g.get("inputs") or {}
     in_txt = ", ".join(f"{k} {v}" for k, v in sorted(inputs.items())) or "-"
