@@ -154,20 +154,26 @@ MAX_SLOWDOWN = 0.99
 
 
 def overlap_of(blocks_by_rank: list) -> float:
-    """``Hardware.overlap_slowdown`` from ``_overlap_blocks``' times (medians over repetitions of the
-    slowest rank's blocks): with compute ``C`` alone, the collective ``T`` = exposed - ``C``, and the
-    two overlapped taking ``hidden``, the cost model's ``hidden = max(C, T) + s * min(C, T)``
+    """``Hardware.overlap_slowdown`` from ``_overlap_blocks``' times (the slowest rank's block in each
+    repetition): with compute ``C`` alone, the collective ``T`` = exposed - ``C``, and the two
+    overlapped taking ``hidden``, the cost model's ``hidden = max(C, T) + s * min(C, T)``
     (``autopar.passes.search.problem``) gives ``s``, clamped to [0, ``MAX_SLOWDOWN``]. Where the
     collective takes the cores compute needs (more processes than cores), ``s`` is near 1: the
-    traffic is paid in full even when issued early."""
+    traffic is paid in full even when issued early.
+
+    ``s`` is read per repetition (its three blocks ran back to back, so a load change between
+    repetitions hits all three alike) and the median taken; repetitions where the collective took no
+    time beside compute (``T <= 0``: noise swamped it) say nothing and are left out. When none is
+    left the measurement is inconclusive and ``MAX_SLOWDOWN`` is returned: overlap never priced as
+    free when it could not be seen to be (a free overlap makes the search hide every collective)."""
     reps = len(blocks_by_rank[0])
     rows = [[max(r[i][j] for r in blocks_by_rank) for j in range(3)] for i in range(reps)]
-    comp, exposed, hidden = (statistics.median(row[j] for row in rows) for j in range(3))
-    traffic = exposed - comp
-    if comp <= 0 or traffic <= 0:
-        return 0.0
-    s = (hidden - max(comp, traffic)) / min(comp, traffic)
-    return min(MAX_SLOWDOWN, max(0.0, s))
+    found = []
+    for comp, exposed, hidden in rows:
+        traffic = exposed - comp
+        if comp > 0 and traffic > 0:
+            found.append(min(MAX_SLOWDOWN, max(0.0, (hidden - max(comp, traffic)) / min(comp, traffic))))
+    return statistics.median(found) if found else MAX_SLOWDOWN
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, quick: bool) -> None:
@@ -205,7 +211,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str, quick: bool) -> None
                     fn()  # warm up (connections, buffers)
                 count = 8 if nbytes <= (256 << 10) else 3
                 colls[f"{kind}:{nbytes}"] = dict(count=count, blocks=_blocks(filler, fn, count, reps, dist.barrier))
-        overlap = _overlap_blocks(filler, _collective("all_reduce", 256 << 10, world, group), reps, dist.barrier)
+        # more repetitions than the collectives': one figure, read per repetition (``overlap_of``)
+        overlap = _overlap_blocks(filler, _collective("all_reduce", 256 << 10, world, group), 2 * reps + 1,
+                                  dist.barrier)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(dict(compute=compute, collectives=colls, overlap=overlap), f)
         dist.barrier()
