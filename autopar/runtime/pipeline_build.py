@@ -75,7 +75,8 @@ def build_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, low
     stage_of = stage_rule(graph, pl["stages"])
     pp_rank = int(dmesh.get_coordinate()[names.index(pl["axis"])])
     cutting = cut(program, stage_of, len(pl["stage_ranks"]),
-                  [s for s, r in enumerate(pl["stage_ranks"]) if int(r) == pp_rank])
+                  [s for s, r in enumerate(pl["stage_ranks"]) if int(r) == pp_rank],
+                  split=pl["schedule"] == "ZBVZeroBubble")
     distribute_state(model, graph, program, stage_mesh, None, materializer)
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank())
     stage_groups = [g for n, g in zip(names, groups) if n != pl["axis"]]

@@ -5,8 +5,12 @@ the program into stages exactly as the pipelined runtime does (``pipeline_build`
 ``pipeline_cut``), then runs the whole step in one thread: the static part once, every micro-batch's
 forward through the stages in order (boundary values handed over in memory), every micro-batch's
 backward through the stages in reverse, the unreduced gradients summed, and the per-step reductions
-once. The order is GPipe's; every schedule computes the same sums (only their order differs), so this
+once. Each micro-batch's loss enters the step's loss (and its backward) with the runtime's weight
+(``pipeline_loss.loss_weights``: the whole batch's mean, also when micro-batches count different
+numbers of targets). The order is GPipe's; every schedule computes the same sums (only their order differs), so this
 checks the cut, the accumulation and the reductions of any schedule against the single-device model.
+For ZBVZeroBubble the backwards run split as the runtime runs them: every input-gradient part first,
+then every weight-gradient part (the latest first) on what the input parts handed over.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from autopar.program import collectives as C
 from autopar.runtime.pipeline import micro_slices
 from autopar.ir.stages import stage_rule
 from autopar.runtime.pipeline_cut import cut, dry_run
+from autopar.runtime.pipeline_loss import loss_weights
 from autopar.runtime.threads import gather_slots, placeholder_values, run_threads
 
 
@@ -41,12 +46,16 @@ def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, 
     shape = tuple(int(s) for s, n in zip(pl["mesh_shape"], pl["mesh_names"]) if n != pl["axis"])
     names = tuple(n for n in pl["mesh_names"] if n != pl["axis"])
     programs, cuts = {}, {}
+    split = pl["schedule"] == "ZBVZeroBubble"  # the backward in its input- and weight-gradient parts
     for c in device_coords(shape):
         prog = lower(graph, c)
         whole = placeholder_values(prog.inputs, model, margs, {k: parts[0][k] for k in kwargs})
         dry_run(prog, [local_block(t, s.placements, shape, c, s.spec.blocks) for t, s in zip(whole, prog.inputs)])
-        programs[c], cuts[c] = prog, cut(prog, stage_of, n_stages, range(n_stages))
+        programs[c], cuts[c] = prog, cut(prog, stage_of, n_stages, range(n_stages), split=split)
     first = programs[(0,) * len(shape)]
+    values = {name: model.get_parameter(fqn) for fqn, name in graph.params.items()}
+    values.update({name: model.get_buffer(fqn) for fqn, name in graph.buffers.items()})
+    weights = loss_weights(graph, parts, values)  # each micro-batch loss's factor in the step's loss
 
     def one(coords):
         prog, ct = programs[coords], cuts[coords]
@@ -66,17 +75,26 @@ def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, 
                     outs = [C.wait(o) for o in st.forward(*ins)]
                     carry, stash[(st.index, i)] = outs[:len(st.f_out)], outs[len(st.f_out):]
                 losses.append(carry[0])
+            weights = []  # zero bubble: every weight part after all input parts, latest first
             for i in range(m):
                 back: list = []
                 for st in reversed(ct.stages):
-                    tangent = [torch.full((), 1.0 / m, dtype=losses[i].dtype)] if st.tangent else []
+                    tangent = [torch.full((), weights[i], dtype=losses[i].dtype)] if st.tangent else []
                     ins = list(stash.pop((st.index, i))) + [statics[k] for k in st.b_statics] + back + tangent
+                    if split:
+                        outs = [C.wait(o) for o in st.backward_input(*ins)]
+                        weights.append((st, ins + outs[len(st.g_out):]))
+                        back = outs[:len(st.g_out)]
+                        continue
                     outs = [C.wait(o) for o in st.backward(*ins)]
                     back = outs[:len(st.g_out)]
                     for fid, v in zip(st.frontier, outs[len(st.g_out):]):
                         acc[fid] += v
+            for st, ins in reversed(weights):
+                for fid, v in zip(st.frontier, [C.wait(o) for o in st.backward_weight(*ins)]):
+                    acc[fid] += v
             grads = [C.wait(g) for g in ct.reduce(*acc)]
-        return torch.stack(losses).sum() / m, grads
+        return sum(loss * w for loss, w in zip(losses, weights)), grads
 
     results, executed = run_threads(one, shape, names)
     if trace is not None:
