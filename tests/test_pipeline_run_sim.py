@@ -84,15 +84,19 @@ def test_simulated_pipeline_loss_is_the_whole_batch_mean_with_unequal_target_cou
     weighs by its counted targets (``runtime/pipeline_loss.py``)."""
     model, inputs = build("gpt", 4, 8)
     ref, _ = build("gpt", 4, 8)
+    other, _ = build("gpt", 4, 8)
     inputs = _uneven(inputs)
     plan = autopar.plan(model, autopar.Mesh({"pp": 2, "dp": 2}, device="cpu"), inputs,
                         pipeline={"schedule": "1F1B", "microbatches": 4}, progress=False)
     loss, grads = autopar.simulate(model, plan, inputs)
     r = ref(*inputs)
     r.backward()
-    means = torch.stack([ref(*[t[k:k + 2] for t in inputs]) for k in range(0, 8, 2)]).mean()
-    assert rel(means, r) > 1e-2  # the mean of micro-batch means differs: the case is real
-    assert rel(loss, r) <= 1e-4
+    # the mean of micro-batch means differs (loss and gradients): the case is real
+    means = torch.stack([other(*[t[k:k + 2] for t in inputs]) for k in range(0, 8, 2)]).mean()
+    means.backward()
+    assert rel(means, r) > 1e-4
+    assert max(rel(p.grad, q.grad) for p, q in zip(other.parameters(), ref.parameters())) > 1e-2
+    assert rel(loss, r) <= 1e-6
     for n, p in ref.named_parameters():
         assert rel(grads[n], p.grad) <= 1e-4, n
 

@@ -49,6 +49,7 @@ from torch.fx.node import map_aggregate
 from autopar.errors import ArgumentError
 from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph, Ref
+from autopar.ir.rules.random_attention import is_random_call
 from autopar.ir.stages import stage_rule
 from autopar.runtime.pipeline_loss import loss_weights
 
@@ -164,6 +165,13 @@ class PipelinedModule(torch.nn.Module):
         if not graph.outputs or graph.outputs[0] is None or graph.spec(graph.outputs[0]).shape != ():
             raise ArgumentError("autopar pipelined: the model must return its loss (a scalar) to be pipelined")
         stage = stage_rule(graph, pl["stages"])
+        drawn = sorted({n.where() for n in graph.ops() if is_random_call(n.op, n.args, n.kwargs)})
+        if drawn:  # this runtime runs eager aten ops: torch's generator, drawn in the schedule's order
+            raise ArgumentError(f"autopar pipelined: the model draws random numbers ({', '.join(drawn[:3])}); the "
+                                "pipeline axis alone runs eager aten ops, whose dropout masks would come from torch's "
+                                "generator in the schedule's order, not the single-device model's. Plan on a mesh with "
+                                "another axis (pp x dp, pp x tp: its runtime runs the plan's lowered program, which draws "
+                                "the single-device masks), or set the dropout probabilities to 0 (or model.eval())")
 
         values: dict[str, Any] = {}
         for fqn, name in graph.params.items():

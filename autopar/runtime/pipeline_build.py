@@ -23,6 +23,7 @@ from autopar.runtime.collectives import single_worker_gloo_groups
 from autopar.runtime.pipeline import PipelinedModule, micro_slices
 from autopar.runtime.pipeline_cut import cut, dry_run
 from autopar.runtime.pipeline_mesh import MeshPipelinedModule
+from autopar.runtime.random_state import pipelined_random, share_seed
 from autopar.runtime.state import distribute_state
 
 
@@ -55,10 +56,9 @@ def build_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, low
     stage_mesh = dmesh[tuple(others)]
     coords = tuple(int(c) for c in stage_mesh.get_coordinate())
     program = lower(graph, coords)
-    if program.random is not None:  # keyed on (seed, step, op, element of the micro-batch): would repeat
-        raise ArgumentError("autopar pipeline: the model draws random numbers (dropout); a pipelined run with other "
-                            "mesh axes would draw the same masks in every micro-batch, unlike the single-device "
-                            "model: set the dropout probabilities to 0 (or call model.eval()) for now")
+    # random ops (dropout): rank 0's seed on every rank; each micro-batch draws its block of the whole batch's draw
+    share_seed(program)
+    pipelined_random(program, graph, m, batch // m)
     # the local shapes of every value: one run of this rank's program with no communication
     values = []
     for slot in program.inputs:

@@ -90,11 +90,12 @@ class _StageFn(torch.autograd.Function):
         run, cut = mod.runner, mod.cut
         mb = mod.calls
         mod.calls += 1
+        run.at_micro(mb)
         ins = [run.statics[i] for i in cut.f_statics] + [run.given[mb][k] for k in cut.f_given] + list(f_in)
         with run.context():
             outs = [C.wait(o) for o in cut.forward(*ins)]
         n = len(cut.f_out)
-        ctx.mod, ctx.stash = mod, outs[n:]
+        ctx.mod, ctx.stash, ctx.mb = mod, outs[n:], mb
         ctx.shapes = [(tuple(x.shape), x.dtype) for x in f_in]
         res = [o.contiguous() for o in outs[:n]]
         return tuple(res) if len(res) > 1 else res[0]
@@ -107,11 +108,12 @@ class _StageFn(torch.autograd.Function):
         tangent = [grads[0]] if cut.tangent else []
         ins = list(ctx.stash) + [run.statics[i] for i in cut.b_statics] + g_in + tangent
         ctx.stash = None
+        run.at_micro(ctx.mb)
         if cut.backward_input is not None:  # zero bubble: the weight part waits for the stage's W action
             with run.context():
                 outs = [C.wait(o) for o in cut.backward_input(*ins)]
             g_out = outs[:len(cut.g_out)]
-            mod.pending.append(ins + outs[len(cut.g_out):])
+            mod.pending.append((ctx.mb, ins + outs[len(cut.g_out):]))
         else:
             with run.context():
                 outs = [C.wait(o) for o in cut.backward(*ins)]
@@ -144,9 +146,10 @@ class _Stage(torch.nn.Module):
     def weight_runner(self):
         """torch's ``dw_builder``: called right after a micro-batch's input-gradient part, it takes
         that part's hand-over and returns what the stage's W action runs (the weight part)."""
-        ins = self.pending.pop()
+        mb, ins = self.pending.pop()
 
         def run_weight() -> None:
+            self.runner.at_micro(mb)
             with self.runner.context():
                 self.accumulate([C.wait(o) for o in self.cut.backward_weight(*ins)])
 
@@ -419,6 +422,11 @@ class MeshPipelinedModule(torch.nn.Module):
             grads.append(tc.dtensor_from_spec(g, tc.dtensor_spec(p)))
         return self._loss(losses, last), grads
 
+    def at_micro(self, mb: int) -> None:
+        """Random ops (dropout) of what runs next draw micro-batch ``mb``'s block of the whole batch."""
+        if self.program.random is not None:
+            self.program.random.micro = mb
+
     def _loss(self, losses: list, last: bool) -> torch.Tensor:
         """The step's loss (the micro-batch losses, each times its weight, summed) on every rank."""
         total = torch.stack([x.detach() for x in losses]).sum() if last else torch.zeros(())
@@ -430,6 +438,13 @@ class MeshPipelinedModule(torch.nn.Module):
         """The whole step's forward and backward; returns the loss (``loss.backward()`` delivers the
         gradients). Under ``torch.no_grad()``: the forwards only, the loss."""
         object.__setattr__(self, "steps", self.steps + 1)
+        try:
+            return self._step(args, kwargs)
+        finally:
+            if self.program.random is not None:  # the next step draws new numbers (as ParallelModule)
+                self.program.random.step += 1
+
+    def _step(self, args: tuple, kwargs: dict):
         if not torch.is_grad_enabled():  # the forwards only (evaluation)
             if self.schedule_name == "ZBVZeroBubble":
                 raise ArgumentError("autopar pipeline: a forward-only step (under torch.no_grad()) of ZBVZeroBubble "
