@@ -51,7 +51,7 @@ def test_pipelined_dropout_draws_the_whole_batchs_masks(reference, axes, schedul
     assert grads.keys() == ref_grads.keys()
     for k, g in ref_grads.items():
         assert torch.allclose(grads[k], g, rtol=1e-9, atol=1e-9 * g.abs().max().item()), k
-    # the draw matters: another seed is another loss, and so is no dropout
-    assert abs(_simulate(model, plan, args, seed=6)[0].item() - ref_loss.item()) > 1e-6
+    # the draw matters: no dropout is another loss (and without the micro-batch's place in the whole
+    # batch, each micro-batch would draw the first one's masks: another loss too)
     model.eval()
     assert abs(model(*args).item() - ref_loss.item()) > 1e-6

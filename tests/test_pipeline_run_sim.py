@@ -14,6 +14,9 @@ import torch
 
 import autopar
 from autopar.errors import ArgumentError
+from autopar.ir.capture import capture
+from autopar.runtime.pipeline import micro_slices
+from autopar.runtime.pipeline_loss import loss_weights
 from _corpus import CORPUS
 from _pipeline_mesh_helpers import build, rel
 
@@ -115,8 +118,10 @@ class _Doubled(torch.nn.Module):
 def test_simulated_pipeline_refuses_a_loss_it_cannot_weigh_with_unequal_target_counts():
     inner, inputs = build("gpt", 4, 8)
     model = _Doubled(inner)
+    parts = micro_slices(inputs, {}, 8, 4)
+    graph = capture(model, tuple(parts[0][f"input:{k}"] for k in range(2)), {}, training=True)
+    assert loss_weights(graph, parts, {}) == [0.25] * 4  # equal counts: the mean of the means
     plan = autopar.plan(model, autopar.Mesh({"pp": 2, "dp": 2}, device="cpu"), inputs,
                         pipeline={"schedule": "1F1B", "microbatches": 4}, progress=False)
-    autopar.simulate(model, plan, inputs)  # equal counts: runs
     with pytest.raises(ArgumentError, match="count different numbers of targets"):
         autopar.simulate(model, plan, _uneven(inputs))
