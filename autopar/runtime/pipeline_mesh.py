@@ -261,8 +261,6 @@ class MeshPipelinedModule(torch.nn.Module):
         cls = _SCHEDULES[self.schedule_name]
         single = self.schedule_name in ("GPipe", "1F1B")
         self.schedule = cls(self.stages[0] if single else self.stages, self.m, loss_fn=_take_loss, scale_grads=False)
-        self._values = {name: model.get_parameter(fqn) for fqn, name in graph.params.items()}
-        self._values.update({name: model.get_buffer(fqn) for fqn, name in graph.buffers.items()})
         self.weights: list = []  # per micro-batch, its loss's factor in the step's loss
         self.statics: list = []
         self.given: list = []
@@ -379,8 +377,10 @@ class MeshPipelinedModule(torch.nn.Module):
         args, kwargs = inputs
         cut = self.cutting
         object.__setattr__(self, "given", self._micro(args, kwargs))
-        object.__setattr__(self, "weights", loss_weights(self.graph, micro_slices(args, kwargs, self.batch, self.m),
-                                                         self._values))
+        model, graph = self.module, self.graph  # the tables as they are now (a loaded state may replace them)
+        values = {name: model.get_parameter(fqn) for fqn, name in graph.params.items()}
+        values.update({name: model.get_buffer(fqn) for fqn, name in graph.buffers.items()})
+        object.__setattr__(self, "weights", loss_weights(graph, micro_slices(args, kwargs, self.batch, self.m), values))
         state = [tc.local_tensor(tc.parameter_table(mod)[name] if kind == "param" else tc.buffer_table(mod)[name])
                  for mod, name, kind in self._state]
         with self.context():
