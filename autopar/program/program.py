@@ -118,6 +118,9 @@ class RandomOp(torch.nn.Module):
         """Draw this device's block for the current step (and micro-batch)."""
         st, ctx = self.state, self.ctx
         if st.micros > 1:
+            if self.node not in st.batch_dims:
+                raise RuntimeError(f"autopar: the random op {self.node} has no batch dim for a pipelined run "
+                                   "(runtime.random_state.pipelined_random was not given its graph)")
             ctx = micro_ctx(ctx, st.batch_dims[self.node], st.micro, st.micros)
         out = random_local(ctx, list(xs), draw_key(st.seed, st.step, self.node))
         return tuple(out) if len(self.ctx.call.out_specs) > 1 else out[0]

@@ -75,13 +75,14 @@ def batch_dims(graph, rows: int) -> dict[str, int]:
     """Per random op of ``graph`` (a capture at the micro-batch's shape, ``rows`` samples): the dim
     of its output along which the micro-batch is one contiguous block of the whole batch's tensor
     (the batch leads that dim, alone or as the leading factor of merged dims). Found by following
-    the inputs' dim 0 (where it has ``rows``) through every forward op's ``DimMap``: a factor that
-    leads a dim holding the batch holds it wherever it leads a dim. Raises where a random op's
-    output has no such dim (its micro-batches' draws could not be placed in the whole batch's)."""
+    the inputs' dim 0 (where it has ``rows``) through every op's ``DimMap`` (the backward's too: a
+    recomputed forward op): a factor that leads a dim holding the batch holds it wherever it leads a
+    dim. Raises where a random op's output has no such dim (its micro-batches' draws could not be
+    placed in the whole batch's). An attention backward draws with its forward's entry."""
     from autopar.errors import ArgumentError
-    from autopar.ir.graph import Phase, Ref
+    from autopar.ir.graph import Ref
     from autopar.ir.rules.base import dimmap, op_call
-    from autopar.ir.rules.random_attention import is_random_call
+    from autopar.ir.rules.random_attention import is_random_call, key_node
 
     marked: set = set()
     for name in graph.inputs.values():
@@ -90,22 +91,20 @@ def batch_dims(graph, rows: int) -> dict[str, int]:
             marked.add((Ref(name), 0))
     out: dict[str, int] = {}
     for node in graph.nodes:
-        if node.is_placeholder or node.phase != Phase.FORWARD:
+        if node.is_placeholder:
             continue
         try:
             dm = dimmap(op_call(graph, node))
         except Exception:  # noqa: BLE001 - an op without a DimMap carries no mark on
             dm = None
         if dm is not None:
-            def lead(dims):
-                return next((f for f in dims if dm.sizes[f] != 1), None)
-
-            factors = {lead(dims[d]) for r, dims in zip(node.inputs, dm.inputs) if dims is not None
+            factors = {_lead(dims[d], dm.sizes) for r, dims in zip(node.inputs, dm.inputs) if dims is not None
                        for d in range(len(dims)) if (r, d) in marked} - {None}
             for j, dims in enumerate(dm.outputs):
                 if dims is not None and node.outputs[j] is not None:
-                    marked |= {(Ref(node.name, j), d) for d in range(len(dims)) if lead(dims[d]) in factors}
-        if is_random_call(node.op, node.args, node.kwargs):
+                    marked |= {(Ref(node.name, j), d) for d in range(len(dims))
+                               if _lead(dims[d], dm.sizes) in factors}
+        if is_random_call(node.op, node.args, node.kwargs) and key_node(graph, node) == node.name:
             dims_ = [d for d in range(len(node.out.shape)) if (Ref(node.name), d) in marked]
             if not dims_:
                 raise ArgumentError(f"autopar pipeline: the random op at {node.where()} draws on a tensor "
@@ -114,6 +113,11 @@ def batch_dims(graph, rows: int) -> dict[str, int]:
                                     "without dropout (p=0 or model.eval()) or plan with pipeline={'microbatches': 1}")
             out[node.name] = dims_[0]
     return out
+
+
+def _lead(factors, sizes):
+    """A dim's leading factor (the first of size > 1), or None."""
+    return next((f for f in factors if sizes[f] != 1), None)
 
 
 def pipelined_random(program: Program, graph, micros: int, rows: int) -> None:
