@@ -128,3 +128,26 @@ def close(got: tuple, want: tuple, tol: float, label) -> None:
     b = torch.cat([ref_grads[n].double().flatten() for n in names])
     # one vector: gradients zero in exact arithmetic (attention's key bias) are roundoff alone
     assert (a - b).norm().item() <= tol * b.norm().item(), (label, (a - b).norm().item() / b.norm().item())
+
+
+def pipelined_dropout_step_on_rank(text: str, seed: int) -> dict:
+    """Compile the 4-layer dropout GPT (``tests/test_pipeline_random.py``) under pipelined plan ``text``
+    after ``torch.manual_seed(seed)`` (rank 0's seed is shared); one step: its loss, the gradients this
+    rank holds (whole), what differs from the predicted collectives, then the step the next draw uses."""
+    import autopar
+    from autopar.models import make
+
+    plan = autopar.Plan.from_dict(json.loads(text))
+    torch.manual_seed(0)
+    model, args = make("gpt", "tiny", batch=4, seq=16, dropout=P, n_layer=4)
+    torch.manual_seed(seed)
+    mesh = autopar.Mesh(dict(zip(plan.pipeline["mesh_names"], plan.pipeline["mesh_shape"])), device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(model, mesh, args, plan=plan)
+    with pm.record_collectives() as ran:
+        loss = pm(*args)
+        loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss.item(), "grads": grads, "differences": pm.differences(ran),
+            "step": pm.program.random.step}

@@ -8,29 +8,34 @@ import json
 import torch
 
 
-def build(family: str, n_layers: int = 4, batch: int = 8, seed: int = 0):
-    """A tiny model of ``family`` with fixed weights, and its inputs."""
+def build(family: str, n_layers: int = 4, batch: int = 8, seed: int = 0, uneven: bool = False):
+    """A tiny model of ``family`` with fixed weights, and its inputs; ``uneven``: most of the first
+    sample's targets ignored (-100), so the first micro-batch counts fewer targets than the others."""
     from autopar import models
 
     torch.manual_seed(seed)
     key = "n_layer" if family == "gpt" else "n_layers"
-    return models.make(family, "tiny", batch=batch, **{key: n_layers})
+    model, (tokens, targets) = models.make(family, "tiny", batch=batch, **{key: n_layers})
+    if uneven:
+        targets = targets.clone()
+        targets[0, : targets.shape[1] - 2] = -100
+    return model, (tokens, targets)
 
 
-def reference(family: str, n_layers: int, batch: int):
+def reference(family: str, n_layers: int, batch: int, uneven: bool = False):
     """Single-process loss and gradients (FQN -> tensor as lists)."""
-    model, inputs = build(family, n_layers, batch)
+    model, inputs = build(family, n_layers, batch, uneven=uneven)
     loss = model(*inputs)
     loss.backward()
     return float(loss.detach()), {k: p.grad.tolist() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def pipelined_step(family: str, n_layers: int, batch: int, plan_text: str):
+def pipelined_step(family: str, n_layers: int, batch: int, plan_text: str, uneven: bool = False):
     """This rank's loss and the gradients it holds after one pipelined step."""
     import autopar
     from autopar.runtime.pipeline import pipelined
 
-    model, inputs = build(family, n_layers, batch)
+    model, inputs = build(family, n_layers, batch, uneven=uneven)
     plan = autopar.Plan.from_dict(json.loads(plan_text))
     pm = pipelined(model, plan, inputs)
     loss = pm(*inputs)
@@ -43,5 +48,5 @@ def pipelined_step(family: str, n_layers: int, batch: int, plan_text: str):
 
 
 def pipelined_cases(cases: list) -> list:
-    """``pipelined_step`` for each ``(family, n_layers, batch, plan_text)``, in one process group."""
+    """``pipelined_step`` for each ``(family, n_layers, batch, plan_text[, uneven])``, in one process group."""
     return [pipelined_step(*case) for case in cases]

@@ -9,15 +9,16 @@ collectives of ``program.collectives``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
 import torch.fx as fx
 
 from autopar.ir.graph import TensorSpec
-from autopar.ir.placement import Placements
+from autopar.ir.placement import Broadcast, Placements, Split
 from autopar.ir.rules.base import LocalCtx, run_local
+from autopar.ir.rules.dimmap import Signature
 from autopar.ir.rules.random_attention import random_local
 from autopar.ir.rules.random_ops import draw_key
 from autopar.program import collectives as C
@@ -40,6 +41,13 @@ class RandomState:
 
     seed: int = 0
     step: int = 0
+    #: Pipelined runs (``runtime/pipeline*.py``): the program runs one of ``micros`` micro-batches,
+    #: ``micro``; each random op (IR node name) draws as block ``micro`` of the whole batch along the
+    #: dim of its tensors that ``batch_dims`` names (``runtime.random_state.batch_dims``), so the
+    #: micro-batches together draw the whole batch's masks.
+    micro: int = 0
+    micros: int = 1
+    batch_dims: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -107,13 +115,41 @@ class RandomOp(torch.nn.Module):
         self.state = state  # shared by every RandomOp of the program: the driver sets seed and step
 
     def forward(self, *xs):
-        """Draw this device's block for the current step."""
-        out = random_local(self.ctx, list(xs), draw_key(self.state.seed, self.state.step, self.node))
+        """Draw this device's block for the current step (and micro-batch)."""
+        st, ctx = self.state, self.ctx
+        if st.micros > 1:
+            if self.node not in st.batch_dims:
+                raise RuntimeError(f"autopar: the random op {self.node} has no batch dim for a pipelined run "
+                                   "(runtime.random_state.pipelined_random was not given its graph)")
+            ctx = micro_ctx(ctx, st.batch_dims[self.node], st.micro, st.micros)
+        out = random_local(ctx, list(xs), draw_key(st.seed, st.step, self.node))
         return tuple(out) if len(self.ctx.call.out_specs) > 1 else out[0]
 
     def extra_repr(self) -> str:
         """The op, its node and its strategy, as ``print(program)`` shows them."""
         return f"{self.ctx.call.op} ({self.node}), " + " | ".join(str(s) for s in self.ctx.strategy)
+
+
+def micro_ctx(ctx: LocalCtx, dim: int, micro: int, micros: int) -> LocalCtx:
+    """``ctx`` as block ``micro`` of ``micros`` of the whole batch: every tensor of the op whose
+    ``dim`` has the output's size there is ``micros`` times longer, split on an outermost virtual
+    mesh axis (the micro-batches cut the batch before any mesh axis does)."""
+    size = ctx.call.out_specs[0].shape[dim]  # type: ignore[union-attr]
+
+    def grow(spec):
+        if spec is None or len(spec.shape) <= dim or spec.shape[dim] != size:
+            return spec, False
+        shape = list(spec.shape)
+        shape[dim] *= micros
+        return replace(spec, shape=tuple(shape)), True
+
+    ins = [grow(s) for s in ctx.call.in_specs]
+    outs = [grow(s) for s in ctx.call.out_specs]
+    cut = Signature(tuple(Split(dim) if g else Broadcast() for _, g in ins),
+                    tuple(None if s is None else Split(dim) if g else Broadcast() for s, g in outs), "micro")
+    call = replace(ctx.call, in_specs=[s for s, _ in ins], out_specs=[s for s, _ in outs])
+    return replace(ctx, call=call, strategy=(cut, *ctx.strategy), mesh_shape=(micros, *ctx.mesh_shape),
+                   coords=(micro, *ctx.coords))
 
 
 __all__ = ["LocalOp", "Program", "RandomOp", "RandomState", "Slot"]

@@ -19,8 +19,9 @@ micro-batch's slice of the inputs it needs (stages run their forwards in micro-b
 schedule, which the stage checks by counting).
 
 ``pmodel(*inputs)`` runs the whole schedule (forward and backward) and returns the loss on every
-rank: the mean of the micro-batches' losses, which is the whole batch's mean when every micro-batch
-has the same number of counted targets (no ``ignore_index`` tokens; not checked). ``loss.backward()``
+rank: the whole batch's loss, each micro-batch's loss times its weight (``pipeline_loss``: 1/m, or
+for a cross-entropy mean its counted targets over the batch's, so ``ignore_index`` targets spread
+unevenly over the micro-batches still give the batch's mean; refused where no weighting can). ``loss.backward()``
 then writes the step's gradients into the parameters' ``.grad`` (scaled by the incoming gradient).
 A parameter read on several ranks (a tied embedding and head) has its gradients summed over them.
 Under ``torch.no_grad()`` it runs the forward only (``schedule.eval``).
@@ -49,7 +50,9 @@ from autopar import _torch_compat as tc
 from autopar.errors import ArgumentError
 from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph, Ref
+from autopar.ir.rules.random_attention import is_random_call
 from autopar.ir.stages import stage_rule
+from autopar.runtime.pipeline_loss import loss_weights
 from autopar.runtime.pipeline_state import drop_parameters, without_dropped
 
 
@@ -72,10 +75,11 @@ class _Stage(torch.nn.Module):
     """One pipeline stage: its ops in graph order, run on the model's parameters and buffers."""
 
     def __init__(self, graph: Graph, nodes: list, inputs: list[Ref], outputs: list[Ref], values: dict[str, Any],
-                 inputs_of: dict[str, str], store: list, m: int, last: bool):
+                 inputs_of: dict[str, str], store: list, weights: list, m: int, last: bool):
         super().__init__()
         self.graph, self.nodes, self.inputs, self.outputs = graph, nodes, inputs, outputs
         self.values, self.inputs_of, self.store, self.m, self.last = values, inputs_of, store, m, last
+        self.weights = weights  # per micro-batch, its loss's factor in the step's loss (shared, set per step)
         self.calls = 0
         params = []
         for v in values.values():
@@ -106,7 +110,7 @@ class _Stage(torch.nn.Module):
                     env[Ref(n.name, j)] = o
         outs = tuple(env[r].view_as(env[r]) if r in self.inputs else env[r] for r in self.outputs)
         if self.last:
-            return outs[0] / self.m
+            return outs[0] * self.weights[mb]
         return outs[0] if len(outs) == 1 else outs
 
 
@@ -163,6 +167,13 @@ class PipelinedModule(torch.nn.Module):
         if not graph.outputs or graph.outputs[0] is None or graph.spec(graph.outputs[0]).shape != ():
             raise ArgumentError("autopar pipelined: the model must return its loss (a scalar) to be pipelined")
         stage = stage_rule(graph, pl["stages"])
+        drawn = sorted({n.where() for n in graph.ops() if is_random_call(n.op, n.args, n.kwargs)})
+        if drawn:  # this runtime runs eager aten ops: torch's generator, drawn in the schedule's order
+            raise ArgumentError(f"autopar pipelined: the model draws random numbers ({', '.join(drawn[:3])}); the "
+                                "pipeline axis alone runs eager aten ops, whose dropout masks would come from torch's "
+                                "generator in the schedule's order, not the single-device model's. Plan on a mesh with "
+                                "another axis (pp x dp, pp x tp: its runtime runs the plan's lowered program, which draws "
+                                "the single-device masks), or set the dropout probabilities to 0 (or model.eval())")
 
         values: dict[str, Any] = {}
         for fqn, name in graph.params.items():
@@ -200,6 +211,8 @@ class PipelinedModule(torch.nn.Module):
                     boundaries[s].append(r)
         by_name = {n.name: n for n in graph.nodes}
         self.store: list = []
+        self.weights: list = []
+        self.graph, self.values = graph, values
         self.stages = []
         mods = []
         for s in range(n_stages):
@@ -222,7 +235,7 @@ class PipelinedModule(torch.nn.Module):
                 todo += [r.node for r in node.inputs]
             nodes = [n for n in graph.nodes if n.name in need or n.name in given]
             outputs = [loss] if s == n_stages - 1 else boundaries[s]
-            mods.append(_Stage(graph, nodes, inputs, outputs, values, inputs_of, self.store, self.m,
+            mods.append(_Stage(graph, nodes, inputs, outputs, values, inputs_of, self.store, self.weights, self.m,
                                s == n_stages - 1))
             # static metadata from the graph (no shape inference run): requires_grad marks what gets gradients
             def example(r: Ref, grad: bool = True) -> torch.Tensor:
@@ -273,6 +286,7 @@ class PipelinedModule(torch.nn.Module):
         rank and, with ``backward``, this rank's gradient per parameter (None where it has none)."""
         args, kwargs = inputs
         self.store[:] = micro_slices(args, kwargs, self.batch, self.m)
+        self.weights[:] = loss_weights(self.graph, self.store, self.values)
         for mod in self._mods:
             mod.calls = 0
         dummy = torch.zeros(self.batch)

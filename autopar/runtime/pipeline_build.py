@@ -25,6 +25,7 @@ from autopar.runtime.pipeline import PipelinedModule, micro_slices
 from autopar.runtime.pipeline_cut import cut, dry_run
 from autopar.runtime.pipeline_mesh import MeshPipelinedModule
 from autopar.runtime.pipeline_state import drop_parameters, held_params, param_stages
+from autopar.runtime.random_state import pipelined_random, share_seed
 from autopar.runtime.state import distribute_state
 
 
@@ -57,10 +58,9 @@ def build_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, low
     stage_mesh = dmesh[tuple(others)]
     coords = tuple(int(c) for c in stage_mesh.get_coordinate())
     program = lower(graph, coords)
-    if program.random is not None:  # keyed on (seed, step, op, element of the micro-batch): would repeat
-        raise ArgumentError("autopar pipeline: the model draws random numbers (dropout); a pipelined run with other "
-                            "mesh axes would draw the same masks in every micro-batch, unlike the single-device "
-                            "model: set the dropout probabilities to 0 (or call model.eval()) for now")
+    # random ops (dropout): rank 0's seed on every rank; each micro-batch draws its block of the whole batch's draw
+    share_seed(program)
+    pipelined_random(program, graph, m, batch // m)
     # the local shapes of every value: one run of this rank's program with no communication
     values = []
     for slot in program.inputs:
@@ -77,7 +77,8 @@ def build_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, low
     stage_of = stage_rule(graph, pl["stages"])
     pp_rank = int(dmesh.get_coordinate()[names.index(pl["axis"])])
     cutting = cut(program, stage_of, len(pl["stage_ranks"]),
-                  [s for s, r in enumerate(pl["stage_ranks"]) if int(r) == pp_rank])
+                  [s for s, r in enumerate(pl["stage_ranks"]) if int(r) == pp_rank],
+                  split=pl["schedule"] == "ZBVZeroBubble")
     # the rank holds only the parameters its stages read (others' copies would go stale): runtime.pipeline_state
     frozen = {fqn for fqn in graph.params if not model.get_parameter(fqn).requires_grad}
     held = held_params(param_stages(graph, stage_of), pl["stage_ranks"], pp_rank, frozen)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -66,6 +66,11 @@ class StageCut:
     g_out: list[fx.Node]
     frontier: list[int]  # frontier ids it makes
     tangent: bool  # its backward reads the loss's gradient
+    #: The backward split for zero-bubble schedules (``cut(..., split=True)``), else None:
+    #: ``backward_input`` (same inputs) -> (*g_out, *shared): the input gradients, and what the
+    #: weight part reads of its work; ``backward_weight`` (same inputs, *shared) -> (*frontier).
+    backward_input: Optional[fx.GraphModule] = None
+    backward_weight: Optional[fx.GraphModule] = None
 
 
 @dataclass
@@ -193,9 +198,10 @@ def _closure_up(starts, stop: Callable[[fx.Node], bool], through: Callable[[fx.N
     return seen
 
 
-def cut(program, stage_of: Callable[[str], int], n_stages: int, local: Sequence[int]) -> Cut:
+def cut(program, stage_of: Callable[[str], int], n_stages: int, local: Sequence[int], split: bool = False) -> Cut:
     """``program`` (tagged, after ``dry_run``) cut into ``n_stages`` stages; ``stage_of`` gives an IR
-    op's stage; the static program computes what the ``local`` stages (this rank's) read."""
+    op's stage; the static program computes what the ``local`` stages (this rank's) read. ``split``:
+    each stage's backward also in its input- and weight-gradient parts (``_split_backward``)."""
     if program.backward is None:
         raise ArgumentError("autopar pipeline: only training plans run pipelined with other mesh axes")
     kinds = [s.kind for s in program.outputs]
@@ -366,11 +372,12 @@ def cut(program, stage_of: Callable[[str], int], n_stages: int, local: Sequence[
         b_statics = list(dict.fromkeys(first(a) for a in b_reads if static.get(a)))
         uses_tangent = tangent is not None and any(a is tangent for a in b_reads)
         stash_in = [ph_of[x] for x in stash_of[s]]
-        bwd = _extract(root, nodes_b, stash_in + b_statics + g_in + ([tangent] if uses_tangent else []),
-                       g_out + made, same)
+        b_inputs = stash_in + b_statics + g_in + ([tangent] if uses_tangent else [])
+        bwd = _extract(root, nodes_b, b_inputs, g_out + made, same)
+        halves = _split_backward(root, nodes_b, b_inputs, g_out, made, same) if split else (None, None)
         static_reads.append(set(f_statics) | set(b_statics))
         stages.append(StageCut(s, fwd, f_statics, f_given, f_in, f_out, stash_of[s], bwd, b_statics, g_in, g_out,
-                               [fid[f] for f in made], uses_tangent))
+                               [fid[f] for f in made], uses_tangent, *halves))
     # -- the static program: every static value some stage reads --------------------------------------
     wanted = set().union(*(static_reads[s] for s in local))
     static_list = [n for g in (fg, bg) for n in g.nodes if n in wanted]
@@ -386,6 +393,22 @@ def cut(program, stage_of: Callable[[str], int], n_stages: int, local: Sequence[
     reduce_gm = _extract(root, [n for n in bg.nodes if n in step_part], frontier, b_out, same)
     return Cut(stages, static_gm, [slot_of[n] for n in state], reduce_gm, [_shape(n) for n in frontier],
                [stage[n] for n in frontier], len(static_list))
+
+
+def _split_backward(root, nodes: list[fx.Node], inputs: list[fx.Node], g_out: list[fx.Node], made: list[fx.Node],
+                    same: dict) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """A stage's backward (``nodes`` reading ``inputs``) in two programs, as zero-bubble schedules run
+    it: the input-gradient part makes what goes to the previous stage (``g_out``) and nothing else;
+    the weight-gradient part makes the rest (the unreduced parameter gradients, ``made``), reading
+    the first part's values it needs (``shared``, handed over) instead of computing them again."""
+    inside = set(nodes)
+    first = _closure_up(g_out, lambda x: x not in inside)
+    rest = inside - first  # everything else (nothing is dropped, whatever it writes)
+    shared = list(dict.fromkeys([a for n in nodes if n in rest for a in n.all_input_nodes if a in first]
+                                + [f for f in made if f in first]))
+    inp = _extract(root, [n for n in nodes if n in first], inputs, g_out + shared, same)
+    wgt = _extract(root, [n for n in nodes if n in rest], inputs + shared, made, same)
+    return inp, wgt
 
 
 __all__ = ["Cut", "StageCut", "cut", "dry_run"]

@@ -10,19 +10,25 @@ makes them: optimizers, ``state_dict`` and DCP work on them).
 One step (``pmodel(*inputs)`` then ``loss.backward()``), every rank:
 
 1. the static part (parameter gathers, casts, tables) runs once;
-2. torch's ``PipelineStage`` and schedule (GPipe, 1F1B, Interleaved1F1B) run the micro-batches:
+2. torch's ``PipelineStage`` and schedule (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble) run the micro-batches:
    each local stage is a module whose forward is one autograd op running that stage's forward
    slice of the program, and whose backward runs the stage's backward slice; boundary values cross
    between ranks of equal stage-mesh coordinates as this rank's local blocks; a gradient goes back
    in the slot of the forward boundary value of the same local shape; the unreduced parameter
-   gradients are summed over the micro-batches;
+   gradients are summed over the micro-batches; under ZBVZeroBubble a stage's backward is cut in
+   two (``pipeline_cut._split_backward``): its I action runs the input-gradient part (what goes to
+   the previous stage), its W action (torch's ``dw_builder`` hook of ``PipelineStage``) the rest,
+   which makes the unreduced parameter gradients; the plan's gradient reductions still run once per
+   step, on the sums (below), as the price charges them;
 3. the per-step part runs once on the sums: the plan's gradient reductions (its buckets), zeros
    standing in for gradients of other stages' parameters, so every rank runs the same reductions;
    a weight read in two stages (tied embedding and head) then has its two partial gradients summed
    over the pipeline group.
 
-The loss is the mean of the micro-batch losses (the whole batch's when every micro-batch counts the
-same number of targets), returned on every rank; gradients land in ``.grad`` as DTensors placed as
+The loss is the whole batch's: each micro-batch's loss enters it with its weight
+(``pipeline_loss.loss_weights``: 1/m, or for a cross-entropy mean its counted targets over the
+batch's, so unequal ``ignore_index`` counts give the batch's mean, not the mean of means), returned
+on every rank; gradients land in ``.grad`` as DTensors placed as
 their parameters, on the ranks whose stages read them (None elsewhere).
 """
 
@@ -35,7 +41,13 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
 
 from autopar import _torch_compat as tc
 from autopar.cost_model.buckets import LOCAL_KINDS
@@ -45,12 +57,14 @@ from autopar.ir.placement import local_block
 from autopar.program import collectives as C
 from autopar.program.collectives import Executed
 from autopar.runtime.collectives import ProcessGroupComm, record_executed
-from autopar.runtime.pipeline import ScheduleStep
+from autopar.runtime.pipeline import ScheduleStep, micro_slices
 from autopar.runtime.pipeline_cut import SHAPE, Cut, StageCut
+from autopar.runtime.pipeline_loss import loss_weights
 from autopar.runtime.pipeline_state import local_state, param_stages, without_dropped
 from autopar.runtime.state import as_blocks, state_slots
 
-_SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
+_SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
+              "ZBVZeroBubble": ScheduleZBVZeroBubble}
 
 
 def _pairs(f_vals: list, g_vals: list, where: str) -> list[int]:
@@ -78,11 +92,12 @@ class _StageFn(torch.autograd.Function):
         run, cut = mod.runner, mod.cut
         mb = mod.calls
         mod.calls += 1
+        run.at_micro(mb)
         ins = [run.statics[i] for i in cut.f_statics] + [run.given[mb][k] for k in cut.f_given] + list(f_in)
         with run.context():
             outs = [C.wait(o) for o in cut.forward(*ins)]
         n = len(cut.f_out)
-        ctx.mod, ctx.stash = mod, outs[n:]
+        ctx.mod, ctx.stash, ctx.mb = mod, outs[n:], mb
         ctx.shapes = [(tuple(x.shape), x.dtype) for x in f_in]
         res = [o.contiguous() for o in outs[:n]]
         return tuple(res) if len(res) > 1 else res[0]
@@ -95,11 +110,17 @@ class _StageFn(torch.autograd.Function):
         tangent = [grads[0]] if cut.tangent else []
         ins = list(ctx.stash) + [run.statics[i] for i in cut.b_statics] + g_in + tangent
         ctx.stash = None
-        with run.context():
-            outs = [C.wait(o) for o in cut.backward(*ins)]
-        g_out, made = outs[:len(cut.g_out)], outs[len(cut.g_out):]
-        for fid, v in zip(cut.frontier, made):
-            run.acc[fid] = v.clone() if run.acc[fid] is None else run.acc[fid].add_(v)
+        run.at_micro(ctx.mb)
+        if cut.backward_input is not None:  # zero bubble: the weight part waits for the stage's W action
+            with run.context():
+                outs = [C.wait(o) for o in cut.backward_input(*ins)]
+            g_out = outs[:len(cut.g_out)]
+            mod.pending.append((ctx.mb, ins + outs[len(cut.g_out):]))
+        else:
+            with run.context():
+                outs = [C.wait(o) for o in cut.backward(*ins)]
+            g_out = outs[:len(cut.g_out)]
+            mod.accumulate(outs[len(cut.g_out):])
         carriers = [torch.zeros(s, dtype=d) for s, d in ctx.shapes]
         for k, slot in enumerate(mod.pair_out):
             carriers[slot] = g_out[k].contiguous()
@@ -116,11 +137,31 @@ class _Stage(torch.nn.Module):
         self.pair_in: list[int] = []
         self.pair_out: list[int] = []
         self.anchor = torch.zeros((), requires_grad=True)
+        self.pending: list = []  # zero bubble: inputs of weight parts whose W action has not run
+
+    def accumulate(self, made: list) -> None:
+        """Add one micro-batch's unreduced parameter gradients to the step's sums."""
+        acc = self.runner.acc
+        for fid, v in zip(self.cut.frontier, made):
+            acc[fid] = v.clone() if acc[fid] is None else acc[fid].add_(v)
+
+    def weight_runner(self):
+        """torch's ``dw_builder``: called right after a micro-batch's input-gradient part, it takes
+        that part's hand-over and returns what the stage's W action runs (the weight part)."""
+        mb, ins = self.pending.pop()
+
+        def run_weight() -> None:
+            self.runner.at_micro(mb)
+            with self.runner.context():
+                self.accumulate([C.wait(o) for o in self.cut.backward_weight(*ins)])
+
+        return run_weight
 
     def forward(self, *args):
         f_in = args if self.cut.f_in else ()
+        mb = self.calls  # (counted by _StageFn.forward)
         out = _StageFn.apply(self, self.anchor, *f_in)
-        return out / self.runner.m if self.last else out
+        return out * self.runner.weights[mb] if self.last else out
 
 
 class _RecordedStage(PipelineStage):
@@ -167,8 +208,11 @@ class MeshPipelinedModule(torch.nn.Module):
         self.m, self.batch = int(pl["microbatches"]), batch
         self.schedule_name = pl["schedule"]
         if self.schedule_name not in _SCHEDULES:
-            raise ArgumentError(f"autopar pipeline: the {self.schedule_name} schedule is not run with other mesh axes "
-                                f"yet (it needs the split backward); plan with one of {sorted(_SCHEDULES)}")
+            raise ArgumentError(f"autopar pipeline: the {self.schedule_name} schedule is not run with other mesh axes; "
+                                f"plan with one of {sorted(_SCHEDULES)}")
+        if (self.schedule_name == "ZBVZeroBubble") != any(st.backward_weight is not None for st in cut.stages):
+            raise ArgumentError("autopar pipeline: ZBVZeroBubble runs each stage's backward split in two "
+                                "(pipeline_cut.cut(..., split=True)); cut the program for the plan's schedule")
         self.pp_group = dmesh.get_group(pl["axis"])
         self.pp_rank = dist.get_rank(self.pp_group)
         self.coords = tuple(int(c) for c in stage_mesh.get_coordinate())
@@ -218,13 +262,14 @@ class MeshPipelinedModule(torch.nn.Module):
             ins = tuple(example(n) for n in sc.f_in) if s > 0 else (torch.empty(self.batch // self.m),)
             outs = (torch.empty(()),) if s == n_stages - 1 else tuple(example(n) for n in sc.f_out)
             stage = _RecordedStage(mod, s, n_stages, torch.device("cpu"), input_args=ins, output_args=outs,
-                                   group=self.pp_group)
+                                   group=self.pp_group, dw_builder=mod.weight_runner if sc.backward_weight else None)
             stage.autopar_owner = self
             self.stages.append(stage)
         self._mods = mods
         cls = _SCHEDULES[self.schedule_name]
         single = self.schedule_name in ("GPipe", "1F1B")
         self.schedule = cls(self.stages[0] if single else self.stages, self.m, loss_fn=_take_loss, scale_grads=False)
+        self.weights: list = []  # per micro-batch, its loss's factor in the step's loss
         self.statics: list = []
         self.given: list = []
         self.acc: list = []
@@ -356,6 +401,12 @@ class MeshPipelinedModule(torch.nn.Module):
         args, kwargs = inputs
         cut = self.cutting
         object.__setattr__(self, "given", self._micro(args, kwargs))
+        model, graph = self.module, self.graph  # the tables as they are now (a loaded state may replace them)
+        # the parameters this rank holds (others' are None: runtime.pipeline_state) and every buffer
+        held = dict(model.named_parameters(remove_duplicate=False))
+        values = {name: held[fqn] for fqn, name in graph.params.items() if fqn in held}
+        values.update({name: model.get_buffer(fqn) for fqn, name in graph.buffers.items()})
+        object.__setattr__(self, "weights", loss_weights(graph, micro_slices(args, kwargs, self.batch, self.m), values))
         state = [local_state(mod, name, kind, local) for mod, name, kind, local in self._state]
         with self.context():
             object.__setattr__(self, "statics", [C.wait(v) for v in cut.static(*state)])
@@ -396,8 +447,13 @@ class MeshPipelinedModule(torch.nn.Module):
             grads.append(tc.dtensor_from_spec(g, tc.dtensor_spec(p)))
         return self._loss(losses, last), grads
 
+    def at_micro(self, mb: int) -> None:
+        """Random ops (dropout) of what runs next draw micro-batch ``mb``'s block of the whole batch."""
+        if self.program.random is not None:
+            self.program.random.micro = mb
+
     def _loss(self, losses: list, last: bool) -> torch.Tensor:
-        """The step's loss (the micro-batch losses, each divided by their count, summed) on every rank."""
+        """The step's loss (the micro-batch losses, each times its weight, summed) on every rank."""
         total = torch.stack([x.detach() for x in losses]).sum() if last else torch.zeros(())
         total = total.to(torch.float32).clone()
         dist.broadcast(total, group_src=self.last_rank, group=self.pp_group)
@@ -407,7 +463,18 @@ class MeshPipelinedModule(torch.nn.Module):
         """The whole step's forward and backward; returns the loss (``loss.backward()`` delivers the
         gradients). Under ``torch.no_grad()``: the forwards only, the loss."""
         object.__setattr__(self, "steps", self.steps + 1)
+        try:
+            return self._step(args, kwargs)
+        finally:
+            if self.program.random is not None:  # the next step draws new numbers (as ParallelModule)
+                self.program.random.step += 1
+
+    def _step(self, args: tuple, kwargs: dict):
         if not torch.is_grad_enabled():  # the forwards only (evaluation)
+            if self.schedule_name == "ZBVZeroBubble":
+                raise ArgumentError("autopar pipeline: a forward-only step (under torch.no_grad()) of ZBVZeroBubble "
+                                    "fails in torch 2.13 (its eval runs the same-rank backward hand-over); plan "
+                                    "another schedule for evaluation")
             return self.run((args, kwargs), backward=False)[0]
         return ScheduleStep.apply(self, (args, kwargs), *self.params)
 

@@ -5,8 +5,12 @@ the program into stages exactly as the pipelined runtime does (``pipeline_build`
 ``pipeline_cut``), then runs the whole step in one thread: the static part once, every micro-batch's
 forward through the stages in order (boundary values handed over in memory), every micro-batch's
 backward through the stages in reverse, the unreduced gradients summed, and the per-step reductions
-once. The order is GPipe's; every schedule computes the same sums (only their order differs), so this
+once. Each micro-batch's loss enters the step's loss (and its backward) with the runtime's weight
+(``pipeline_loss.loss_weights``: the whole batch's mean, also when micro-batches count different
+numbers of targets). The order is GPipe's; every schedule computes the same sums (only their order differs), so this
 checks the cut, the accumulation and the reductions of any schedule against the single-device model.
+For ZBVZeroBubble the backwards run split as the runtime runs them: every input-gradient part first,
+then every weight-gradient part (the latest first) on what the input parts handed over.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ import torch
 
 from autopar.ir.capture import capture
 from autopar.ir.placement import local_block
+from autopar.ir.rules.random_ops import draw_seed
+from autopar.ir.stages import stage_rule
 from autopar.program import collectives as C
 from autopar.runtime.pipeline import micro_slices
-from autopar.ir.stages import stage_rule
 from autopar.runtime.pipeline_cut import cut, dry_run
+from autopar.runtime.pipeline_loss import loss_weights
+from autopar.runtime.random_state import pipelined_random
 from autopar.runtime.threads import gather_slots, placeholder_values, run_threads
 
 
@@ -41,12 +48,21 @@ def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, 
     shape = tuple(int(s) for s, n in zip(pl["mesh_shape"], pl["mesh_names"]) if n != pl["axis"])
     names = tuple(n for n in pl["mesh_names"] if n != pl["axis"])
     programs, cuts = {}, {}
+    split = pl["schedule"] == "ZBVZeroBubble"  # the backward in its input- and weight-gradient parts
     for c in device_coords(shape):
         prog = lower(graph, c)
         whole = placeholder_values(prog.inputs, model, margs, {k: parts[0][k] for k in kwargs})
         dry_run(prog, [local_block(t, s.placements, shape, c, s.spec.blocks) for t, s in zip(whole, prog.inputs)])
-        programs[c], cuts[c] = prog, cut(prog, stage_of, n_stages, range(n_stages))
+        programs[c], cuts[c] = prog, cut(prog, stage_of, n_stages, range(n_stages), split=split)
     first = programs[(0,) * len(shape)]
+    if first.random is not None:  # one seed for every device, from torch's generator; step 0
+        seed = draw_seed()
+        for prog in programs.values():
+            prog.random.seed = seed  # type: ignore[union-attr]
+            pipelined_random(prog, graph, m, batch // m)
+    values = {name: model.get_parameter(fqn) for fqn, name in graph.params.items()}
+    values.update({name: model.get_buffer(fqn) for fqn, name in graph.buffers.items()})
+    weights = loss_weights(graph, parts, values)  # each micro-batch loss's factor in the step's loss
 
     def one(coords):
         prog, ct = programs[coords], cuts[coords]
@@ -61,22 +77,34 @@ def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, 
             stash, losses = {}, []
             for i in range(m):
                 carry: list = []
+                at_micro(prog, i)
                 for st in ct.stages:
                     ins = [statics[k] for k in st.f_statics] + [blocks[i][k] for k in st.f_given] + carry
                     outs = [C.wait(o) for o in st.forward(*ins)]
                     carry, stash[(st.index, i)] = outs[:len(st.f_out)], outs[len(st.f_out):]
                 losses.append(carry[0])
+            deferred = []  # zero bubble: every weight part after all input parts, latest first
             for i in range(m):
                 back: list = []
+                at_micro(prog, i)
                 for st in reversed(ct.stages):
-                    tangent = [torch.full((), 1.0 / m, dtype=losses[i].dtype)] if st.tangent else []
+                    tangent = [torch.full((), weights[i], dtype=losses[i].dtype)] if st.tangent else []
                     ins = list(stash.pop((st.index, i))) + [statics[k] for k in st.b_statics] + back + tangent
+                    if split:
+                        outs = [C.wait(o) for o in st.backward_input(*ins)]
+                        deferred.append((st, i, ins + outs[len(st.g_out):]))
+                        back = outs[:len(st.g_out)]
+                        continue
                     outs = [C.wait(o) for o in st.backward(*ins)]
                     back = outs[:len(st.g_out)]
                     for fid, v in zip(st.frontier, outs[len(st.g_out):]):
                         acc[fid] += v
+            for st, i, ins in reversed(deferred):
+                at_micro(prog, i)
+                for fid, v in zip(st.frontier, [C.wait(o) for o in st.backward_weight(*ins)]):
+                    acc[fid] += v
             grads = [C.wait(g) for g in ct.reduce(*acc)]
-        return torch.stack(losses).sum() / m, grads
+        return sum(loss * w for loss, w in zip(losses, weights)), grads
 
     results, executed = run_threads(one, shape, names)
     if trace is not None:
@@ -88,6 +116,12 @@ def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, 
         if canon in grads:
             grads[alias] = grads[canon]
     return loss, grads
+
+
+def at_micro(program, mb: int) -> None:
+    """Random ops of what runs next draw micro-batch ``mb``'s block of the whole batch's draw."""
+    if program.random is not None:
+        program.random.micro = mb
 
 
 __all__ = ["simulate_pipelined"]

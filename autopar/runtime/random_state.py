@@ -71,4 +71,63 @@ def at_step(program: Program, step: Optional[int]) -> Iterator[None]:
         rs.step = later
 
 
-__all__ = ["RANDOM_KEY", "at_step", "load_random_entry", "random_entry", "share_seed"]
+def batch_dims(graph, rows: int) -> dict[str, int]:
+    """Per random op of ``graph`` (a capture at the micro-batch's shape, ``rows`` samples): the dim
+    of its output along which the micro-batch is one contiguous block of the whole batch's tensor
+    (the batch leads that dim, alone or as the leading factor of merged dims). Found by following
+    the inputs' dim 0 (where it has ``rows``) through every op's ``DimMap`` (the backward's too: a
+    recomputed forward op): a factor that leads a dim holding the batch holds it wherever it leads a
+    dim. Raises where a random op's output has no such dim (its micro-batches' draws could not be
+    placed in the whole batch's). An attention backward draws with its forward's entry."""
+    from autopar.errors import ArgumentError
+    from autopar.ir.graph import Ref
+    from autopar.ir.rules.base import dimmap, op_call
+    from autopar.ir.rules.random_attention import is_random_call, key_node
+
+    marked: set = set()
+    for name in graph.inputs.values():
+        shape = graph.spec(Ref(name)).shape
+        if shape and shape[0] == rows:
+            marked.add((Ref(name), 0))
+    out: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.is_placeholder:
+            continue
+        try:
+            dm = dimmap(op_call(graph, node))
+        except Exception:  # noqa: BLE001 - an op without a DimMap carries no mark on
+            dm = None
+        if dm is not None:
+            factors = {_lead(dims[d], dm.sizes) for r, dims in zip(node.inputs, dm.inputs) if dims is not None
+                       for d in range(len(dims)) if (r, d) in marked} - {None}
+            for j, dims in enumerate(dm.outputs):
+                if dims is not None and node.outputs[j] is not None:
+                    marked |= {(Ref(node.name, j), d) for d in range(len(dims))
+                               if _lead(dims[d], dm.sizes) in factors}
+        if is_random_call(node.op, node.args, node.kwargs) and key_node(graph, node) == node.name:
+            dims_ = [d for d in range(len(node.out.shape)) if (Ref(node.name), d) in marked]
+            if not dims_:
+                raise ArgumentError(f"autopar pipeline: the random op at {node.where()} draws on a tensor "
+                                    f"{tuple(node.out.shape)} in which no dim is led by the batch, so its "
+                                    "micro-batches' draws cannot be numbered as the whole batch's; run it "
+                                    "without dropout (p=0 or model.eval()) or plan with pipeline={'microbatches': 1}")
+            out[node.name] = dims_[0]
+    return out
+
+
+def _lead(factors, sizes):
+    """A dim's leading factor (the first of size > 1), or None."""
+    return next((f for f in factors if sizes[f] != 1), None)
+
+
+def pipelined_random(program: Program, graph, micros: int, rows: int) -> None:
+    """Key ``program``'s random ops (if any) for a pipelined run of ``micros`` micro-batches of
+    ``rows`` samples (``RandomState.micro`` is then set before each micro-batch's part runs)."""
+    rs = program.random
+    if rs is None:
+        return
+    rs.micros, rs.micro = micros, 0
+    rs.batch_dims = batch_dims(graph, rows)
+
+
+__all__ = ["RANDOM_KEY", "at_step", "batch_dims", "pipelined_random", "load_random_entry", "random_entry", "share_seed"]
