@@ -32,7 +32,7 @@ from autopar.runtime import faults
 from autopar.runtime.collectives import ProcessGroupComm, record_executed, single_worker_gloo_groups
 from autopar.runtime.memory import MemoryTracker, optimizer_state
 from autopar.runtime.precision import EXECUTABLE_PRECISIONS, execution_precision
-from autopar.runtime.random_state import RANDOM_KEY, at_step, load_random_entry, random_entry, share_seed
+from autopar.runtime.random_state import RANDOM_KEY, add_random_entry, at_step, share_seed, take_random_entry
 from autopar.runtime.state import as_blocks, distribute_state, dtensor_block, state_slots
 from autopar.validate import check_choice, check_kwargs, check_model, check_path
 
@@ -185,9 +185,7 @@ class ParallelModule(torch.nn.Module):
         """``nn.Module.load_state_dict`` by the single-device model's names; a plain tensor (from a
         single-device state dict, whole on every rank) is cut into this rank's block of the DTensor
         of the same name first, without communication. DTensors load as they are."""
-        if RANDOM_KEY in state_dict and self.program.random is not None:  # seed and step of the random draws
-            load_random_entry(self.program, state_dict[RANDOM_KEY])
-            state_dict = tc.with_metadata({k: v for k, v in state_dict.items() if k != RANDOM_KEY}, state_dict)
+        state_dict = take_random_entry(self.program, state_dict)  # seed and step of the random draws
         values = as_blocks(state_dict, state_slots(self.graph, self.program), self.program, self.device_mesh,
                            self._state)
         # the model's own method: its hooks, ``_load_from_state_dict`` overrides and version run
@@ -197,11 +195,8 @@ class ParallelModule(torch.nn.Module):
         """The model's ``state_dict`` (its own hooks and overrides run): the single-device names, each
         parameter and buffer a DTensor placed as the plan says; with random ops also ``RANDOM_KEY``
         (seed and step, so a restored run draws the masks the saved one would have drawn next)."""
-        out = self.module.state_dict(*args, **kwargs)
-        if self.program.random is not None:
-            where = next((_local(p).device for p in self.module.parameters()), None)
-            out[kwargs.get("prefix", "") + RANDOM_KEY] = random_entry(self.program, self.device_mesh, where)
-        return out
+        return add_random_entry(self.module.state_dict(*args, **kwargs), self.program, self.device_mesh,
+                                kwargs.get("prefix", ""))
 
     def _state(self, slot: Slot) -> torch.Tensor:
         return self._param(slot.key) if slot.kind == "param" else self._buffer(slot.key)

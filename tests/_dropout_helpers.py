@@ -133,7 +133,8 @@ def close(got: tuple, want: tuple, tol: float, label) -> None:
 def pipelined_dropout_step_on_rank(text: str, seed: int) -> dict:
     """Compile the 4-layer dropout GPT (``tests/test_pipeline_random.py``) under pipelined plan ``text``
     after ``torch.manual_seed(seed)`` (rank 0's seed is shared); one step: its loss, the gradients this
-    rank holds (whole), what differs from the predicted collectives, then the step the next draw uses."""
+    rank holds (whole), what differs from the predicted collectives, then the step the next draw uses,
+    the ``RANDOM_KEY`` entry of its ``state_dict`` and the step after loading one that says 5."""
     import autopar
     from autopar.models import make
 
@@ -149,5 +150,12 @@ def pipelined_dropout_step_on_rank(text: str, seed: int) -> dict:
         loss = pm(*args)
         loss.backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
-    return {"loss": loss.item(), "grads": grads, "differences": pm.differences(ran),
-            "step": pm.program.random.step}
+    from autopar.parallel import RANDOM_KEY
+
+    step = pm.program.random.step
+    state = pm.state_dict()  # seed and next step travel with the state (a resumed run draws on)
+    saved = state[RANDOM_KEY].full_tensor().tolist()
+    state[RANDOM_KEY] = torch.tensor([saved[0], 5])
+    pm.load_state_dict(state)
+    return {"loss": loss.item(), "grads": grads, "differences": pm.differences(ran), "step": step,
+            "saved": saved, "loaded_step": pm.program.random.step}

@@ -62,7 +62,8 @@ def test_gloo_pipelined_dropout_equals_the_one_device_program():
     """The mesh runtime (``runtime/pipeline_mesh.py``) on 4 gloo ranks, ZBVZeroBubble on pp=2 x tp=2,
     float32: one step's loss and gradients equal the 1-device program's with the same torch seed (each
     micro-batch's forward, input- and weight-gradient parts at its place in the whole batch), the
-    collectives and transfers that ran are the predicted ones, and the step advanced."""
+    collectives and transfers that ran are the predicted ones, and the step advanced; the seed (rank
+    0's on every rank) and the step are in the state_dict and load back."""
     from _dropout_helpers import pipelined_dropout_step_on_rank
 
     torch.manual_seed(0)
@@ -78,4 +79,5 @@ def test_gloo_pipelined_dropout_equals_the_one_device_program():
         held |= set(r["grads"])
         assert r["differences"] == [], (rank, r["differences"])
         assert r["step"] == 1
+        assert r["saved"] == [results[0]["saved"][0], 1] and r["loaded_step"] == 5, (rank, r["saved"])
     assert held == {n for n, _ in model.named_parameters()}  # every gradient held by some rank

@@ -61,6 +61,7 @@ from autopar.runtime.pipeline import ScheduleStep, micro_slices
 from autopar.runtime.pipeline_cut import SHAPE, Cut, StageCut
 from autopar.runtime.pipeline_loss import loss_weights
 from autopar.runtime.pipeline_state import local_state, param_stages, without_dropped
+from autopar.runtime.random_state import add_random_entry, take_random_entry
 from autopar.runtime.state import as_blocks, state_slots
 
 _SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
@@ -289,10 +290,17 @@ class MeshPipelinedModule(torch.nn.Module):
         single-device state dict's, whole on every rank) is cut into this rank's block of the DTensor
         of that name; the entries of parameters other pipeline ranks hold are checked and skipped
         (``runtime.pipeline_state``). DTensors load as they are."""
+        state_dict = take_random_entry(self.program, state_dict)  # seed and step of the random draws
         values = as_blocks(without_dropped(state_dict, self._dropped), self._slots, self.program, self.stage_mesh,
                            lambda slot: self.module.get_parameter(slot.key) if slot.kind == "param"
                            else self.module.get_buffer(slot.key))
         return self.module.load_state_dict(values, strict=strict, assign=assign)
+
+    def state_dict(self, *args, **kwargs):
+        """The held parameters and every buffer by the model's names; with random ops also ``RANDOM_KEY``
+        (seed and step, replicated on every rank, as ``ParallelModule`` keeps it)."""
+        return add_random_entry(super().state_dict(*args, **kwargs), self.program, self.device_mesh,
+                                kwargs.get("prefix", ""))
 
     @contextlib.contextmanager
     def record_collectives(self):

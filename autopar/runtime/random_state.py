@@ -4,7 +4,8 @@ A program with random ops draws from a counter-based generator keyed on ``(seed,
 element)`` (``ir.rules.random_ops``): ``share_seed`` gives every rank rank 0's seed, drawn from
 torch's default generator; ``ParallelModule`` advances the step once per forward, runs each
 backward at its forward's step (``at_step``) and keeps ``[seed, step]`` in its ``state_dict`` under
-``RANDOM_KEY`` (``random_entry`` / ``load_random_entry``).
+``RANDOM_KEY`` (``add_random_entry`` / ``take_random_entry``); so does the pipelined module (one step
+per ``pmodel(...)`` call), so a checkpoint carries the next step's draws across layouts.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from autopar import _torch_compat as tc
 from autopar.ir.rules.random_ops import draw_seed
 from autopar.program.program import Program
 
@@ -54,6 +56,24 @@ def load_random_entry(program: Program, value: torch.Tensor) -> None:
     whole = value.full_tensor() if isinstance(value, DTensor) else value
     seed, step = (int(v) for v in whole.tolist())
     program.random.seed, program.random.step = seed, step
+
+
+def add_random_entry(out: dict, program: Program, device_mesh, prefix: str = "") -> dict:
+    """``out`` (a module's ``state_dict``) with ``prefix + RANDOM_KEY`` added where the program has
+    random ops, on ``device_mesh`` (every rank of the run: DCP keeps one copy) and the device of
+    ``out``'s tensors."""
+    if program.random is not None:
+        where = next((v.device for v in out.values() if isinstance(v, torch.Tensor)), None)
+        out[prefix + RANDOM_KEY] = random_entry(program, device_mesh, where)
+    return out
+
+
+def take_random_entry(program: Program, state_dict):
+    """``state_dict`` without ``RANDOM_KEY``, the program's seed and step set from it where it is there."""
+    if RANDOM_KEY not in state_dict or program.random is None:
+        return state_dict
+    load_random_entry(program, state_dict[RANDOM_KEY])
+    return tc.with_metadata({k: v for k, v in state_dict.items() if k != RANDOM_KEY}, state_dict)
 
 
 @contextlib.contextmanager
