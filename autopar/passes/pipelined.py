@@ -9,14 +9,16 @@ replay (``cost_model/pipeline.py``). Only one micro-batch count (the middle cand
 first; the others are priced from its segments with the per-micro-batch figures scaled
 (``search/pipeline_split.scaled``), and the count that estimate ranks best is then solved exactly,
 until the best candidate is an exact one (one or two solves, not one per count). Each shape is
-captured once (the recipe's solve and the plain plan reuse a capture of their shape). The intra-op
+captured once (the recipe's solve reuses the capture of its shape). The intra-op
 solve is first made without a memory budget (the fastest layer plan; a stage holds only its share
 of the model); when no pipeline fits so, again within the budget (the leaner layer plan).
 
-Unless the user pins ``pipeline=``, the best pipeline competes with the plain plan of the whole
-mesh, where the ``pp`` axis is one more axis the intra-op search may split (a data or a sharding
-axis): the faster that fits wins, and the plan says which (``plan.pipeline`` None when the plain
-plan wins; its ``baselines`` hold both). Without a ``pp`` axis, ``pipeline=`` asks for gradient
+A mesh that names a ``pp`` axis asks for a pipeline: the plan pipelines on it, and the plain
+(intra-op) plan of the same devices, where ``pp`` would be one more data or sharding axis, is not
+planned (its recomputation search on every axis was most of the time of a large model's plan: 327 of
+410 s for LLaMA-3.1-405B on 512 devices). ``baselines["unpipelined"]`` says so; the factorization
+search (``Mesh.devices(count, pp=[1, ...])``, ``passes/mesh_search.py``) is where pipelined and
+unpipelined shapes are compared. Without a ``pp`` axis, ``pipeline=`` asks for gradient
 accumulation: one stage, ``m`` micro-batches, the parameters' gathers and reductions once per step.
 
 A pipelined ``Plan``'s ``mesh`` is the stage mesh (the other axes, on which its placements,
@@ -46,6 +48,8 @@ from autopar.passes.search.pipeline_split import candidates, scaled, search, seg
 
 #: the mesh axis name that pipelines
 PP_AXIS = "pp"
+#: ``baselines["unpipelined"]`` of a plan on a given ``pp`` mesh (see the module docstring)
+UNPIPELINED_NOTE = "not planned: a given 'pp' axis pipelines; Mesh.devices(n, pp=[1, ...]) compares it"
 #: keys of ``pipeline=``
 PIN_KEYS = ("schedule", "microbatches", "virtual_stages")
 #: micro-batch counts tried, as multiples of the pipeline degree (gradient accumulation: as counts)
@@ -107,12 +111,13 @@ def micro_inputs(args: tuple, kwargs: Mapping, batch: int, m: int) -> tuple[tupl
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
-def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, pipeline=None, compare: bool = True,
-                   graphs: Optional[dict] = None, **kw):
+def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, pipeline=None,
+                   mesh_search: bool = False, graphs: Optional[dict] = None, **kw):
     """The ``Plan`` for a mesh with a ``pp`` axis or a pinned ``pipeline`` (see the module docstring);
-    ``kw`` are ``plan``'s checked keywords. ``compare=False`` skips the plain plan of the whole mesh
-    (the mesh search prices the unpipelined shapes itself); ``graphs`` (rows per micro-batch -> a
-    captured graph) shares captures across calls and is filled with this call's."""
+    ``kw`` are ``plan``'s checked keywords. ``mesh_search``: called by the factorization search, which
+    compares the unpipelined shapes itself (the plan then carries no note that they were not planned);
+    ``graphs`` (rows per micro-batch -> a captured graph) shares captures across calls and is filled with
+    this call's."""
     start = time.perf_counter()
     pin = check_pin(pipeline)
     if not kw.get("training", True):
@@ -230,35 +235,6 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
         found += [(*f[:5], len(found) + k) for k, f in enumerate(recipe_found)]
     fitting = [f for f in found if f[0].peak_memory <= budget]
     best = min(fitting or found, key=lambda f: (f[0].step_time, f[5]))
-    plain = None
-    plain_row: Optional[dict] = None
-    if not pin and compare:
-        # the plain plan's fastest layer plan without a budget first: recomputing or leaner
-        # placements only add time, so when even that is slower than a fitting pipeline the
-        # plain plan loses, and its budgeted search (recomputation candidates on every axis,
-        # the slowest part of planning a big model) is not run
-        t = time.perf_counter()
-        try:
-            plain = run_passes(model, mesh, args, kwargs, memory_budget=math.inf, graph=graphs.get(batch), **passkw)
-            graphs.setdefault(batch, plain.graph)
-            if plain.cost.peak_memory > budget:
-                if fitting and plain.cost.step_time > best[0].step_time:
-                    plain_row = {"error": f"not planned within the budget: its fastest plan without one "
-                                          f"({plain.cost.step_time * 1e3:.1f} ms) is already slower than the pipeline"}
-                    plain = None
-                else:
-                    plain = run_passes(model, mesh, args, kwargs, memory_budget=budget, graph=graphs[batch], **passkw)
-        except InfeasibleError:
-            plain = None
-        lap("unpipelined", t)
-    best_row = {"step_time": best[0].step_time, "peak_memory": int(best[0].peak_memory),
-                "fits": best[0].peak_memory <= budget}
-    if plain is not None and plain.cost.peak_memory <= budget and (
-            not fitting or plain.cost.step_time <= best[0].step_time):
-        plan = build_plan(plain)
-        plan.baselines = dict(plan.baselines, pipeline=best_row, **({RECIPE: recipe_row} if recipe_row else {}))
-        plan.phases = dict(inner_phases, total=round(time.perf_counter() - start, 4))
-        return plan
     if not fitting:
         raise InfeasibleError(
             f"no pipeline fits the memory budget of {budget / 2**30:.2f} GiB per device: the leanest pipelined plan "
@@ -280,12 +256,8 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
     plan.baselines = {} if recipe_row is None else {RECIPE: recipe_row}
     if best[3].source.startswith("recipe:"):
         plan.source = f"recipe:{RECIPE}"
-    if plain is not None:
-        plan.baselines = dict(plain.baselines, **plan.baselines, unpipelined={"step_time": plain.cost.step_time,
-                                                            "peak_memory": int(plain.cost.peak_memory),
-                                                            "fits": plain.cost.peak_memory <= budget})
-    elif plain_row is not None:
-        plan.baselines = dict(plan.baselines, unpipelined=plain_row)
+    if pp > 1 and not mesh_search:  # said in the baselines (and so in the summary): what was not compared, and how to compare it
+        plan.baselines = dict(plan.baselines, unpipelined={"error": UNPIPELINED_NOTE})
     stage_paths = []
     for s, (a, b) in enumerate(ranges):
         stage_paths.append((pre if s == 0 else []) + units[a:b] + (post if s == len(ranges) - 1 else []))
@@ -356,5 +328,5 @@ def _pp_recipe(exact, priced, sub: Mesh, batch: int, pp: int, budget: float) -> 
     return row, [(price, ranges, m, planned, paths)]
 
 
-__all__ = ["PIN_KEYS", "PP_AXIS", "RECIPE", "batch_size", "check_pin", "micro_inputs", "plan_pipelined", "stage_mesh",
+__all__ = ["PIN_KEYS", "PP_AXIS", "RECIPE", "UNPIPELINED_NOTE", "batch_size", "check_pin", "micro_inputs", "plan_pipelined", "stage_mesh",
            "wants_pipeline"]
