@@ -99,4 +99,17 @@ def stage_rule(graph: Graph, stages: list) -> Callable[[str], int]:
     return stage_of
 
 
-__all__ = ["Chain", "POST", "PRE", "chain", "region_paths", "stage_rule"]
+def param_stages(graph: Graph, stages: list) -> dict[str, frozenset]:
+    """Parameter FQN -> the pipeline stages whose forward ops read it (``stage_rule``'s), e.g. two
+    for a tied embedding and head; a parameter no forward op reads is its gradient's stage's."""
+    stage_of = stage_rule(graph, stages)
+    users = graph.users()
+    out = {}
+    for fqn, name in graph.params.items():
+        found = {stage_of(u) for u in users[name] if graph.node(u).phase == Phase.FORWARD}
+        grad = graph.grads.get(fqn)
+        out[fqn] = frozenset(found or ({stage_of(grad.node)} if grad is not None else {0}))
+    return out
+
+
+__all__ = ["Chain", "POST", "PRE", "chain", "param_stages", "region_paths", "stage_rule"]

@@ -41,9 +41,11 @@ from autopar.cost_model.pipeline import p2p_time
 from autopar.cost_model.schedules import SCHEDULES, stage_ranks
 from autopar.errors import ArgumentError, InfeasibleError, RecipeError
 from autopar.ir.capture import as_args
+from autopar.ir.stages import param_stages
 from autopar.passes.pipeline import DEFAULT_BUDGET_FRACTION, run_passes
 from autopar.passes.report import build_plan
 from autopar.passes.search.batch_coupled import batch_coupled
+from autopar.passes.search.checkpoint import checkpointed_paths
 from autopar.passes.search.pipeline_split import candidates, scaled, search, segments
 
 #: the mesh axis name that pipelines
@@ -193,7 +195,12 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
     # exactly, and so on until the best candidate is an exact one. Typically one or two solves.
     found = []  # exact candidates: (price, ranges, m, planned, paths, order)
     estimated: list = []  # (price, m) from a scaled solve
-    first = counts[len(counts) // 2]
+    # with a pipeline, the largest count first: it has the smallest bubble and the least activation
+    # memory, and the scaled estimate of a smaller count (fewer, larger micro-batches) is pessimistic
+    # (it scales the per-call latencies and takes no kernel efficiency gain), so a smaller count is
+    # solved only when even that estimate beats the exact best: typically one capture and one solve.
+    # Accumulation (no bubble) starts from the middle count.
+    first = counts[-1] if pp > 1 else counts[len(counts) // 2]
     for bounded in (False, True):
         solved: set[int] = set()
         estimated = []
@@ -230,7 +237,7 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
     recipe_row = None
     if not pin and pp > 1:  # the torchtitan-style pipelined recipe, priced like the search's pipelines
         t = time.perf_counter()
-        recipe_row, recipe_found = _pp_recipe(exact, priced, sub, batch, pp, budget)
+        recipe_row, recipe_found = _pp_recipe(exact, priced, sub, max(c for c in counts if c >= pp), pp, budget)
         lap("pp_recipe", t)
         found += [(*f[:5], len(found) + k) for k, f in enumerate(recipe_found)]
     fitting = [f for f in found if f[0].peak_memory <= budget]
@@ -241,7 +248,16 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
             f"tried needs {min(p.peak_memory for p in tried) / 2**30:.2f} GiB per device (pp={pp}, micro-batches "
             f"{counts}); use more devices, more micro-batches, a smaller batch, or raise memory_budget")
     price, ranges, m, planned, (pre, units, post), _ = best
-    plan = build_plan(planned)
+    stage_paths = []
+    for s, (a, b) in enumerate(ranges):
+        stage_paths.append((pre if s == 0 else []) + units[a:b] + (post if s == len(ranges) - 1 else []))
+    # what the stages recompute (the layer plan's own, if its bounded solve recomputes, and each
+    # stage's), as the lowering reads it: the plan lists the reshardings their re-runs do again;
+    # gradient buckets stay within a stage, as each pipeline rank runs its own stages' reductions
+    redo = {path: mode for mode, paths in price.recomputed for path in paths}
+    own = checkpointed_paths(planned.terms, planned.recompute) if planned.recompute else {}
+    plan = build_plan(planned, checkpointing=dict(sorted(dict(own, **redo).items())),
+                      grad_stages=param_stages(planned.graph, stage_paths))
     rank_kinds = price.rank_memory_kinds
     top = max(range(len(price.rank_memory)), key=lambda r: (price.rank_memory[r], -r))
     busy = max(price.replay.busy)
@@ -258,9 +274,6 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
         plan.source = f"recipe:{RECIPE}"
     if pp > 1 and not mesh_search:  # said in the baselines (and so in the summary): what was not compared, and how to compare it
         plan.baselines = dict(plan.baselines, unpipelined={"error": UNPIPELINED_NOTE})
-    stage_paths = []
-    for s, (a, b) in enumerate(ranges):
-        stage_paths.append((pre if s == 0 else []) + units[a:b] + (post if s == len(ranges) - 1 else []))
     plan.pipeline = {
         "axis": PP_AXIS,
         "degree": pp,
@@ -296,25 +309,20 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
                       f"micro-batches): the plan equals the single-device run of the same micro-batches one after "
                       f"the other, not of the whole batch (plan.pipeline['reference']); pin "
                       f"pipeline={{'microbatches': 1}} to keep the whole batch", stacklevel=3)
-    redo = {path: mode for mode, paths in price.recomputed for path in paths}
-    if redo:  # what each stage recomputes, as the lowering reads it (the layer plan itself recomputes nothing)
-        plan.checkpointing = dict(sorted(dict(plan.checkpointing, **redo).items()))
     plan.phases = dict(inner_phases, total=round(time.perf_counter() - start, 4))
     return plan
 
 
 #: the pipelined baseline recipe: torchtitan's layout (pipeline over ``pp``, FSDP on the data axis and
-#: Megatron TP on the tensor axis of each stage, 1F1B; torchtitan's default micro-batch of one local sample
-#: is approximated by 2 pp micro-batches, or pp when the batch does not split so)
+#: Megatron TP on the tensor axis of each stage, 1F1B) at the largest micro-batch count tried (torchtitan's
+#: default micro-batch of one local sample gives as many micro-batches as a data rank's samples; the
+#: largest count shares the first solve's capture)
 RECIPE = "pp_fsdp_tp"
 
 
-def _pp_recipe(exact, priced, sub: Mesh, batch: int, pp: int, budget: float) -> tuple[dict, list]:
-    """``RECIPE`` priced: its baseline row and its candidate (``found``'s layout), or an error row;
-    ``exact`` and ``priced`` are ``plan_pipelined``'s (the capture at that shape is shared)."""
-    m = next((k for k in (2 * pp, pp) if batch % k == 0), None)
-    if m is None:
-        return {"error": f"{RECIPE}: the batch of {batch} splits into neither {2 * pp} nor {pp} micro-batches"}, []
+def _pp_recipe(exact, priced, sub: Mesh, m: int, pp: int, budget: float) -> tuple[dict, list]:
+    """``RECIPE`` priced at ``m`` micro-batches: its baseline row and its candidate (``found``'s layout),
+    or an error row; ``exact`` and ``priced`` are ``plan_pipelined``'s (the capture at that shape is shared)."""
     inner = "fsdp_tp" if sub.ndim >= 2 else "fsdp"
     try:
         planned, segs, paths = exact(m, False, recipe=inner)
