@@ -52,13 +52,16 @@ def test_pinned_pipeline_plan_says_what_it_chose(pinned):
 
 def test_pipeline_plan_round_trips_and_older_plans_load_without_pipeline(pinned, tmp_path):
     _, _, _, plan = pinned
-    assert plan.schema_version == 6
+    assert plan.schema_version == 7 and plan.pipeline["stage_buckets"] is True
     path = tmp_path / "p.json"
     plan.save(path)
     again = autopar.load_plan(path)
     assert again.to_json() == plan.to_json()
     assert again.pipeline["stages"] == plan.pipeline["stages"]
     d = json.loads(plan.to_json())
+    d["schema_version"] = 6  # a version 6 pipelined plan: its buckets as listed (they may span stages)
+    del d["pipeline"]["stage_buckets"]
+    assert autopar.Plan.from_dict(d).pipeline["stage_buckets"] is False
     d["schema_version"] = 4
     del d["pipeline"]
     assert autopar.Plan.from_dict(d).pipeline is None

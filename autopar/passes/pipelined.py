@@ -293,6 +293,7 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
         "rank_memory": [int(x) for x in price.rank_memory],
         "recompute": [{"mode": mode, "layers": list(paths)} if paths else {"mode": "none", "layers": []}
                       for mode, paths in price.recomputed],
+        "stage_buckets": True,  # (schema version 7) buckets within a stage, each rank its own reductions
         "compared": [dict({"schedule": p.schedule, "microbatches": p.microbatches, "virtual_stages": p.virtual,
                            "step_time": p.step_time, "peak_memory": int(p.peak_memory), "bubble": p.replay.bubble,
                            "recomputed": sum(len(c[1]) for c in p.recomputed)},

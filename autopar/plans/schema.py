@@ -46,7 +46,10 @@ mode), ``batch_coupled`` (ops whose result depends on the whole batch: batch-nor
 capacity-limited routing) with ``reference`` (``"whole-batch"``, or ``"micro-batched"`` when such ops
 run per micro-batch), and per compared candidate ``recomputed`` and ``estimated``; a version 1-5 file
 loads with ``overlap_slowdown`` at 0 (overlap priced as free, as it was), ``mesh_search`` None and those
-pipeline keys absent. Any other version is a PlanError naming it.
+pipeline keys absent. Version 7 adds ``pipeline.stage_buckets`` (true: the plan's gradient buckets
+never span pipeline stages, and each rank runs its own stages' reductions; the reshardings a stage's
+recomputation runs again are listed); a version 1-6 pipelined plan loads with it false, and its buckets
+are lowered as it lists them. Any other version is a PlanError naming it.
 """
 
 from __future__ import annotations
@@ -64,9 +67,9 @@ from autopar.plans.bounds import check_values, read_json, shown
 from autopar.plans.validate import check_fields
 from autopar.validate import check_path
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 #: the versions ``load_plan`` reads (an older one loads with the newer fields defaulted or left out)
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 
 
 # -- entry shapes (what the planner writes; readers use .get() since hand-made plans may lack keys) --
@@ -267,7 +270,7 @@ class Plan:
         """Inverse of ``to_dict``; checked against the plan file's schema (``autopar.plans.validate``):
         a PlanError names a schema version it does not read, missing fields, or the first field (a
         JSON path) of a wrong type or out of range, with its value. A version 1 or 2 plan comes back
-        as version 6 (see the module's "Schema versions")."""
+        as version 7 (see the module's "Schema versions")."""
         if not isinstance(d, Mapping):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         if "schema_version" not in d:
