@@ -12,6 +12,7 @@ embedding and head, is in both: ``Chain.both``).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,8 +35,22 @@ class Chain:
     paths: tuple[str, ...]
 
 
+#: ``chain`` per graph (read by the split, each stage's read-back and the stage rule), with the node
+#: count it was made at
+_CHAINS: "weakref.WeakKeyDictionary[Graph, tuple[int, Chain]]" = weakref.WeakKeyDictionary()
+
+
 def chain(graph: Graph) -> Chain:
-    """The graph's layer chain (see the module docstring)."""
+    """The graph's layer chain (see the module docstring); made once per graph."""
+    got = _CHAINS.get(graph)
+    if got is not None and got[0] == len(graph.nodes):
+        return got[1]
+    made = _chain(graph)
+    _CHAINS[graph] = (len(graph.nodes), made)
+    return made
+
+
+def _chain(graph: Graph) -> Chain:
     found = layers(graph)
     pos = {n.name: k for k, n in enumerate(graph.nodes)}
     keys = tuple(sorted(found.instances, key=lambda k: pos[found.instances[k][0]]))

@@ -328,8 +328,11 @@ def search(model: ModelSegments, pp: int, microbatches: int, p2p: float, schedul
     (ties: the order of ``SCHEDULES``, then fewer virtual stages). With a ``budget``, ranks over it
     recompute layer instances (``cost_model.pipeline.choose_recompute``)."""
     out = []
+    splits: dict[int, Optional[list[tuple[int, int]]]] = {}  # stages -> ranges (schedules of alike stage counts share)
     for k, (name, v) in enumerate(candidates(pp, microbatches, schedule, virtual)):
-        ranges = split(model, pp * v)
+        if pp * v not in splits:
+            splits[pp * v] = split(model, pp * v)
+        ranges = splits[pp * v]
         if ranges is None:
             continue
         price = price_pipeline(stages_of(model, ranges), name, pp, microbatches, v, p2p, model.boundary_bytes, budget,
