@@ -4,9 +4,10 @@ llama3.1-405b`` plans the built-in LLaMA at LLaMA-3.1-405B's dims (126 layers, d
 8 kv heads, ffn 53248, vocab 128256), e.g. ``--mesh 8 8 8 --batch 256 --seq 8192``.
 
 Prints the plan's choice (schedule, micro-batches, stages, bubble), its step time and per-rank memory,
-the baselines (the pipelined recipe ``pp_fsdp_tp``, the plain plan of the whole mesh and its recipes),
+the baselines (the pipelined recipe ``pp_fsdp_tp``; with ``--devices``, the shapes compared),
 and the planning time per phase (the inner solves' phases summed, and the total). With ``--pin
-SCHEDULE:M`` the pipeline is pinned (one inner solve, no comparison with the plain plan).
+SCHEDULE:M`` the pipeline is pinned (one inner solve). A given ``pp`` axis pipelines: the plain plan of
+the same devices is compared only under ``--devices`` (the factorization search).
 
     python benchmarks/pipeline_plan.py [--size llama3-70b] [--mesh 4 2 8] [--layers 80] [--pin 1F1B:16]
         [--batch 64] [--seq 2048]
@@ -55,13 +56,14 @@ def main() -> None:
     if a.pin:
         name, m = a.pin.split(":")
         pin = {"schedule": name, "microbatches": int(m)}
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     plan = autopar.plan(model, mesh, inputs, precision="bf16-mixed", pipeline=pin, progress=False)
-    wall = time.perf_counter() - t
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     print(f"load {os.getloadavg()} (1, 5, 15 min) at the end; {a.size}, "
           f"{f'Mesh.devices({a.devices})' if a.devices else f'mesh pp={pp} dp={dp} tp={tp}'}; {layers} layers; "
           f"batch {a.batch}x{a.seq}")
-    print(f"planned in {wall:.1f} s; phases {plan.phases}")
+    # CPU seconds: on a loaded machine the wall clock inflates with the load, this process's CPU time far less
+    print(f"planned in {wall:.1f} s ({cpu:.1f} s CPU); phases {plan.phases}")
     if plan.mesh_search:
         ms = plan.mesh_search
         print(f"mesh search over {ms['devices']} devices chose {ms['chosen']}; compared:")

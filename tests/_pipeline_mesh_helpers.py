@@ -11,13 +11,14 @@ import torch
 EPS, STEPS = 1e-6, 3
 
 
-def build(family: str, n_layers: int, batch: int):
-    """A tiny model of ``family`` with fixed weights, and its inputs."""
+def build(family: str, n_layers: int, batch: int, seq=None):
+    """A tiny model of ``family`` with fixed weights, and its inputs (``seq``: a longer sequence, LLaMA)."""
     from autopar import models
 
     torch.manual_seed(0)
     key = "n_layer" if family == "gpt" else "n_layers"
-    return models.make(family, "tiny", batch=batch, **{key: n_layers})
+    longer = {} if seq is None else {"seq": seq, "max_seq_len": seq}
+    return models.make(family, "tiny", batch=batch, **{key: n_layers}, **longer)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -26,15 +27,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / (n if n > 0 else 1.0)
 
 
-def train_on_rank(family: str, n_layers: int, batch: int, axes: tuple, text: str) -> dict:
+def train_on_rank(family: str, n_layers: int, batch: int, axes: tuple, text: str, seq=None) -> dict:
     """On every gloo rank: ``autopar.compile`` the pipelined plan, take ``STEPS`` AdamW steps next to the
     single-device model; the worst relative errors of the loss, of every gradient this rank holds
     and of every parameter its stages read, the gradients' names, and the collectives of step 1."""
     import autopar
 
     plan = autopar.Plan.from_dict(json.loads(text))
-    model, args = build(family, n_layers, batch)
-    ref, _ = build(family, n_layers, batch)
+    model, args = build(family, n_layers, batch, seq)
+    ref, _ = build(family, n_layers, batch, seq)
     pm = autopar.compile(model, autopar.Mesh(dict(axes), device="cpu"), args, plan=plan)
     # the parameters its stages read (runtime.pipeline_state), in the model's order and names
     assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()

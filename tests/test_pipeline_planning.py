@@ -1,6 +1,6 @@
 """Planning with a pipeline axis (``passes/pipelined.py``, ``passes/search/pipeline_split.py``,
 ``cost_model/pipeline.py``): stages, micro-batches and schedule chosen by replay, ``plan.pipeline``
-(schema version 5), and the pipeline winning or losing against the plain plan of the whole mesh."""
+(schema version 5), and the pipeline winning or losing against the plain plan of the same devices."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from autopar import models
 from autopar.cost_model.pipeline import Segment, price_pipeline
 from autopar.cost_model.schedules import closed_form_bubble
 from autopar.errors import ArgumentError
+from autopar.passes.pipelined import UNPIPELINED_NOTE
 from autopar.passes.search.pipeline_split import ModelSegments, split
 
 
@@ -51,13 +52,16 @@ def test_pinned_pipeline_plan_says_what_it_chose(pinned):
 
 def test_pipeline_plan_round_trips_and_older_plans_load_without_pipeline(pinned, tmp_path):
     _, _, _, plan = pinned
-    assert plan.schema_version == 7
+    assert plan.schema_version == 7 and plan.pipeline["stage_buckets"] is True
     path = tmp_path / "p.json"
     plan.save(path)
     again = autopar.load_plan(path)
     assert again.to_json() == plan.to_json()
     assert again.pipeline["stages"] == plan.pipeline["stages"]
     d = json.loads(plan.to_json())
+    d["schema_version"] = 6  # a version 6 pipelined plan: its buckets as listed (they may span stages)
+    del d["pipeline"]["stage_buckets"]
+    assert autopar.Plan.from_dict(d).pipeline["stage_buckets"] is False
     d["schema_version"] = 4
     del d["pipeline"]
     assert autopar.Plan.from_dict(d).pipeline is None
@@ -96,13 +100,17 @@ def test_pipeline_wins_on_slow_outer_links():
     """A GPT-1.3B-wide model (8 layers) on pp=4 x dp=2 H100s whose pp axis is a slow link (5 GB/s, a
     40 Gb/s network): splitting that axis intra-op reduces gradients over it, a pipeline sends only
     activations. (At 1.25 GB/s the boundary transfers of 16 micro-batches cost as much as they save,
-    with the matmuls priced at their shape's efficiency.)"""
+    with the matmuls priced at their shape's efficiency.) The plain plan of the same devices is the
+    mesh with the axis renamed (a given ``pp`` axis pipelines: that plan is not made, the baselines
+    say so)."""
     model, inputs = models.make("gpt", "1.3B", batch=16, seq=1024, device="meta", n_layer=8)
     mesh = autopar.Mesh({"pp": 4, "dp": 2}, device="h100", links={"pp": (2e-5, 5e9)})
     plan = autopar.plan(model, mesh, inputs, progress=False)
-    assert plan.pipeline is not None
-    assert plan.step_time < plan.baselines["unpipelined"]["step_time"]
-    assert plan.fits
+    assert plan.pipeline is not None and plan.fits
+    assert plan.baselines["unpipelined"] == {"error": UNPIPELINED_NOTE} and "unpipelined" not in plan.phases
+    plain = autopar.plan(model, autopar.Mesh({"x": 4, "dp": 2}, device="h100", links={"x": (2e-5, 5e9)}), inputs,
+                         progress=False)
+    assert plain.pipeline is None and plan.step_time < plain.step_time
     # one or two micro-batch counts solved; the others priced from a solve, marked estimated; the plan's
     # own count is a solved one
     pl = plan.pipeline
@@ -110,21 +118,26 @@ def test_pipeline_wins_on_slow_outer_links():
     solved = {c["microbatches"] for c in rows if not c.get("estimated")}
     assert 1 <= len(solved) <= 2 and any(c.get("estimated") for c in rows)
     assert pl["microbatches"] in solved
-    assert {"stage_plans", "split", "pp_recipe", "unpipelined", "total"} <= set(plan.phases)
+    assert {"stage_plans", "split", "pp_recipe", "total"} <= set(plan.phases)
     # the torchtitan-style pipelined recipe is priced alike; the plan is never slower than it
     recipe = plan.baselines["pp_fsdp_tp"]
     assert recipe["step_time"] >= plan.step_time * (1 - 1e-9) or plan.source == "recipe:pp_fsdp_tp"
 
 
 def test_pipeline_loses_for_a_small_model_on_few_devices():
-    """A tiny GPT on pp=2 x dp=2 CPUs: the bubble and the boundary transfers cost more than the pp axis
-    used intra-op; the plan is the plain one (``pipeline`` None) and says what the pipeline would cost."""
+    """A tiny GPT on 4 CPUs: the bubble and the boundary transfers cost more than a fourth data axis
+    used intra-op. The factorization search over pp in {1, 2} keeps the plain plan (``pipeline``
+    None) and lists the pipelined shape, slower; given the ``pp`` axis, the plan pipelines as asked
+    and says the unpipelined alternative was not planned (also in the summary)."""
     model, inputs = models.make("gpt", "tiny", batch=4, n_layer=4)
-    mesh = autopar.Mesh({"pp": 2, "dp": 2}, device="cpu")
-    plan = autopar.plan(model, mesh, inputs, progress=False)
-    assert plan.pipeline is None
-    assert plan.axis_names == ("pp", "dp")
-    assert plan.baselines["pipeline"]["step_time"] > plan.step_time
+    plan = autopar.plan(model, autopar.Mesh.devices(4, device="cpu", pp=[1, 2], tp=[1]), inputs, progress=False)
+    assert plan.pipeline is None and plan.mesh_search["chosen"] == {"pp": 1, "dp": 4, "tp": 1}
+    piped = next(r for r in plan.mesh_search["compared"] if r["shape"]["pp"] == 2)
+    assert piped["pipelined"] and piped["step_time"] > plan.step_time
+    given = autopar.plan(model, autopar.Mesh({"pp": 2, "dp": 2}, device="cpu"), inputs, progress=False)
+    assert given.pipeline is not None and given.step_time == pytest.approx(piped["step_time"], rel=1e-12)
+    assert given.baselines["unpipelined"] == {"error": UNPIPELINED_NOTE}
+    assert "Mesh.devices" in given.summary()
 
 
 def test_gradient_accumulation_without_a_pp_axis():

@@ -1,6 +1,7 @@
 """Recomputation chosen per pipeline stage (``cost_model/pipeline.choose_recompute``): under 1F1B the
 first stages hold more micro-batches in flight, so where a rank does not fit its budget it recomputes
-layer instances, the first ranks more, and the re-runs are priced in the replay."""
+layer instances, the first ranks more, and the re-runs are priced in the replay; the stages are split
+again with the re-runs charged; a recomputing pipelined plan runs (simulated) like the single-device model."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 import autopar
 from autopar import models
 from autopar.cost_model.pipeline import Recompute, Segment, price_pipeline
+from autopar.passes.search.pipeline_split import ModelSegments, search, split, stages_of
+from _pipeline_mesh_helpers import rel
 
 GIB = 2.0**30
 
@@ -73,3 +76,32 @@ def test_a_pipeline_that_fits_only_by_recomputing_its_first_stage(tmp_path):
     plan.save(tmp_path / "p.json")
     again = autopar.load_plan(tmp_path / "p.json")
     assert again.to_json() == plan.to_json() and again.pipeline["recompute"] == redo
+    # run (simulated on every stage-mesh device): stage 0's backward re-runs its recomputed layers, and
+    # the loss and every gradient equal the single-device model's
+    loss, grads = autopar.simulate(model, plan, inputs)
+    ref = model(*inputs)
+    ref.backward()
+    assert rel(loss, ref) <= 1e-5
+    for name, p in model.named_parameters():
+        assert rel(grads[name], p.grad) <= 1e-4, name
+
+
+def test_the_split_accounts_for_recomputation():
+    """Stages split before recomputation is chosen can be unbalanced by it: 8 alike layers on 2 ranks
+    under 1F1B (rank 0 holds 2 micro-batches in flight, rank 1 one) and a budget rank 0 meets only by
+    recomputing 2 layers (3 s each): split again with those re-runs charged, rank 0 takes 3 layers and
+    recomputes none, and the step is shorter (69 against 80 s) within the budget."""
+    units = tuple(Segment(forward=1.0, input_grad=1.0, weight_grad=1.0, activations=10.0,
+                          memory={"activations": 10.0}, paths=(f"layers.{i}",),
+                          recompute=((f"layers.{i}", {"full": Recompute(9.0, 3.0, 1.0)}),)) for i in range(8))
+    model = ModelSegments(Segment(), units, Segment(), 0.0)
+    naive = split(model, 2)
+    assert naive == [(0, 4), (4, 8)]
+    before = price_pipeline(stages_of(model, naive), "1F1B", 2, 4, 1, 0.0, 0.0, 60.0)
+    assert before.recomputed[0] == ("full", ("layers.0", "layers.1")) and before.step_time == pytest.approx(80.0)
+    (price, ranges), *_ = search(model, 2, 4, 0.0, "1F1B", 1, 60.0)
+    assert ranges == [(0, 3), (3, 8)] and all(not paths for _, paths in price.recomputed)
+    assert price.step_time == pytest.approx(69.0) and price.peak_memory <= 60.0
+    # with room to spare nothing recomputes and the split is the plain one
+    (roomy, ranges), *_ = search(model, 2, 4, 0.0, "1F1B", 1, 100.0)
+    assert ranges == naive and roomy.step_time == pytest.approx(60.0)

@@ -3,30 +3,45 @@ plan's lowered sharded program on the stage mesh), gloo, 4 processes: pp=2 x dp=
 embedding and head: its two partial gradients summed over the pipeline) and pp=2 x tp=2 on a LLaMA
 (RoPE tables once per step), and pp=2 x dp=2 GPT under ZBVZeroBubble (the split backward). The loss, every gradient and the parameters after 3 AdamW steps equal the
 single-device model's, and every rank runs the collectives and point-to-point transfers the plan
-predicts for it (count and bytes; each transfer the size the plan's ``p2p_time`` prices)."""
+predicts for it (count and bytes; each transfer the size the plan's ``p2p_time`` prices). The LLaMA
+plan is made under a memory budget its stages meet by recomputing layers (per-stage recomputation:
+the backward re-runs their forward ops and reshardings, listed in the plan's collectives)."""
 
 from __future__ import annotations
 
 import autopar
+from autopar.cost_model.comm import LOCAL_KINDS
 from _pipeline_mesh_helpers import build, train_on_rank
 
-LAYERS, BATCH = 4, 8
-CASES = [("gpt", "1F1B", (("pp", 2), ("dp", 2))), ("llama", "GPipe", (("pp", 2), ("tp", 2))),
-         ("gpt", "ZBVZeroBubble", (("pp", 2), ("dp", 2)))]
+LAYERS = 4
+#: family, schedule, mesh, batch, sequence (None: the preset's), memory budget as a share of the unbudgeted
+#: plan's largest rank (None: no budget)
+CASES = [("gpt", "1F1B", (("pp", 2), ("dp", 2)), 8, None, None),
+         ("llama", "GPipe", (("pp", 2), ("tp", 2)), 4, 128, 0.6),
+         ("gpt", "ZBVZeroBubble", (("pp", 2), ("dp", 2)), 8, None, None)]
 
 
-def _case(family, schedule, axes):
-    model, inputs = build(family, LAYERS, BATCH)
+def _case(family, schedule, axes, batch, seq, share):
+    model, inputs = build(family, LAYERS, batch, seq)
     mesh = autopar.Mesh(dict(axes), device="cpu")
-    plan = autopar.plan(model, mesh, inputs, pipeline={"schedule": schedule, "microbatches": 4}, progress=False)
+    pin = {"schedule": schedule, "microbatches": 4}
+    plan = autopar.plan(model, mesh, inputs, pipeline=pin, progress=False)
+    if share is not None:  # a budget under which the stages recompute layers (per-stage recomputation)
+        budget = share * max(plan.pipeline["rank_memory"])
+        plan = autopar.plan(model, mesh, inputs, pipeline=pin, memory_budget=budget, progress=False)
+        assert plan.fits and plan.checkpointing
+        assert all(s["layers"] for s in plan.pipeline["recompute"])
+        # the re-runs' collectives are the plan's, and they are among the predicted ones checked below
+        assert any(st["kind"] not in LOCAL_KINDS for r in plan.reshardings if r["kind"] == "recompute"
+                   for st in r["steps"])
     assert plan.pipeline["schedule"] == schedule
     link = mesh.link("pp")  # the plan prices one transfer at latency + bytes / bandwidth
     priced = round((plan.pipeline["p2p_time"] - link.latency) * link.bandwidth)
-    return autopar.launch(train_on_rank, 4, family, LAYERS, BATCH, axes, plan.to_json(), timeout=600), priced
+    return autopar.launch(train_on_rank, 4, family, LAYERS, batch, axes, plan.to_json(), seq, timeout=600), priced
 
 
-def _check(family, results, priced, crossings=1):
-    names = {n for n, _ in build(family, LAYERS, BATCH)[0].named_parameters()}
+def _check(family, results, priced, batch, seq, crossings=1):
+    names = {n for n, _ in build(family, LAYERS, batch, seq)[0].named_parameters()}
     held = set()
     for rank, out in enumerate(results):
         assert out["loss"] <= 1e-4 and out["grad"] <= 1e-4 and out["param"] <= 1e-4, (family, rank, out)
@@ -41,14 +56,16 @@ def _check(family, results, priced, crossings=1):
 
 
 def test_pp_dp_gpt_tied_matches_single_device():
-    _check("gpt", *_case(*CASES[0]))
+    _check("gpt", *_case(*CASES[0]), *CASES[0][3:5])
 
 
-def test_pp_tp_llama_matches_single_device():
-    _check("llama", *_case(*CASES[1]))
+def test_pp_tp_llama_recomputing_matches_single_device():
+    """Each stage recomputes layers (a budget under the unbudgeted plan's ranks): the backward re-runs
+    them, with their tensor-parallel all-gathers, and what runs still equals the plan's prediction."""
+    _check("llama", *_case(*CASES[1]), *CASES[1][3:5])
 
 
 def test_pp_dp_gpt_zero_bubble_matches_single_device():
     """ZBVZeroBubble (V placement: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2), each stage's
     backward split into its input- and weight-gradient parts: two boundaries between ranks per rank."""
-    _check("gpt", *_case(*CASES[2]), crossings=2)
+    _check("gpt", *_case(*CASES[2]), *CASES[2][3:5], crossings=2)

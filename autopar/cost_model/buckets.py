@@ -13,7 +13,7 @@ program runs. Other gradient reshardings (an all-to-all, or a local step) run al
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from autopar.cost_model.comm import LOCAL_KINDS, Step, collective_time, reshard_steps
 from autopar.cost_model.precision import element_bytes
@@ -88,12 +88,15 @@ def _key(spec, steps: Sequence[Step]) -> Optional[tuple]:
     return bucket_key(steps, spec.dtype)
 
 
-def grad_buckets(graph: Graph, steps: dict[str, Sequence[Step]]) -> dict[str, int]:
+def grad_buckets(graph: Graph, steps: dict[str, Sequence[Step]],
+                 stages: Optional[Mapping[str, frozenset]] = None) -> dict[str, int]:
     """``{fqn: bucket index}`` for the gradients (fqn -> their resharding steps) that can be
     bucketed, in the order the backward produces them; indices count buckets in the order they
     open. Reductions with a reduce-scatter (FSDP) group per layer instance (``ir.layers.layers``),
     whatever their bytes, as FSDP2 reduces a layer's gradients at once; the others, and those
-    outside the numbered layers, fill ``BUCKET_SIZE`` buckets."""
+    outside the numbered layers, fill ``BUCKET_SIZE`` buckets. With ``stages`` (a pipelined plan:
+    fqn -> the stages that read it), gradients of different stages never share a bucket: each
+    pipeline rank runs its own stages' reductions, as the pipeline price charges them."""
     where = {n.name: i for i, n in enumerate(graph.nodes)}
     keys = {fqn: _key(graph.spec(graph.grads[fqn]), st) for fqn, st in steps.items()}
     order = sorted((fqn for fqn, key in keys.items() if key is not None),
@@ -105,7 +108,7 @@ def grad_buckets(graph: Graph, steps: dict[str, Sequence[Step]]) -> dict[str, in
     for fqn in order:
         nbytes = steps[fqn][0].bytes
         layer = membership.of(graph.params[fqn]) if _per_layer(steps[fqn]) else None
-        key = (keys[fqn], layer)
+        key = (keys[fqn], layer, stages.get(fqn) if stages is not None else None)
         cur = open_bucket.get(key)
         if cur is None or (layer is None and cur[1] and cur[1] + nbytes > BUCKET_SIZE):
             cur = (count, 0)
@@ -115,9 +118,10 @@ def grad_buckets(graph: Graph, steps: dict[str, Sequence[Step]]) -> dict[str, in
     return out
 
 
-def mark_grad_buckets(graph: Graph, reshardings: list[dict], mesh, precision) -> None:
+def mark_grad_buckets(graph: Graph, reshardings: list[dict], mesh, precision,
+                      stages: Optional[Mapping[str, frozenset]] = None) -> None:
     """Set ``"bucket"`` on the plan's gradient reshardings (``kind == "grad"``) that share a
-    collective, exactly as the lowering groups them."""
+    collective, exactly as the lowering groups them (``stages``: see ``grad_buckets``)."""
     steps: dict[str, list[Step]] = {}
     entry_of: dict[str, dict] = {}
     for r in reshardings:
@@ -127,7 +131,7 @@ def mark_grad_buckets(graph: Graph, reshardings: list[dict], mesh, precision) ->
         steps[fqn] = grad_steps(graph, fqn, parse(r["from"], ndim=mesh.ndim), parse(r["to"], ndim=mesh.ndim),
                                 mesh, precision)
         entry_of[fqn] = r
-    for fqn, b in grad_buckets(graph, steps).items():
+    for fqn, b in grad_buckets(graph, steps, stages).items():
         entry_of[fqn]["bucket"] = b
 
 

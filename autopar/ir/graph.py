@@ -211,12 +211,11 @@ class Graph:
 
     def users(self) -> dict[str, list[str]]:
         """Node name -> names of the nodes that read any of its outputs."""
-        out: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        seen: dict[str, dict[str, None]] = {n.name: {} for n in self.nodes}  # (ordered sets: a wide fan-out stays linear)
         for n in self.nodes:
             for r in n.inputs:
-                if n.name not in out[r.node]:
-                    out[r.node].append(n.name)
-        return out
+                seen[r.node][n.name] = None
+        return {k: list(v) for k, v in seen.items()}
 
     def op_names(self) -> list[str]:
         """Distinct op names, sorted."""

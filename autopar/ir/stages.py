@@ -12,6 +12,7 @@ embedding and head, is in both: ``Chain.both``).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,8 +35,22 @@ class Chain:
     paths: tuple[str, ...]
 
 
+#: ``chain`` per graph (read by the split, each stage's read-back and the stage rule), with the node
+#: count it was made at
+_CHAINS: "weakref.WeakKeyDictionary[Graph, tuple[int, Chain]]" = weakref.WeakKeyDictionary()
+
+
 def chain(graph: Graph) -> Chain:
-    """The graph's layer chain (see the module docstring)."""
+    """The graph's layer chain (see the module docstring); made once per graph."""
+    got = _CHAINS.get(graph)
+    if got is not None and got[0] == len(graph.nodes):
+        return got[1]
+    made = _chain(graph)
+    _CHAINS[graph] = (len(graph.nodes), made)
+    return made
+
+
+def _chain(graph: Graph) -> Chain:
     found = layers(graph)
     pos = {n.name: k for k, n in enumerate(graph.nodes)}
     keys = tuple(sorted(found.instances, key=lambda k: pos[found.instances[k][0]]))
@@ -99,4 +114,17 @@ def stage_rule(graph: Graph, stages: list) -> Callable[[str], int]:
     return stage_of
 
 
-__all__ = ["Chain", "POST", "PRE", "chain", "region_paths", "stage_rule"]
+def param_stages(graph: Graph, stages: list) -> dict[str, frozenset]:
+    """Parameter FQN -> the pipeline stages whose forward ops read it (``stage_rule``'s), e.g. two
+    for a tied embedding and head; a parameter no forward op reads is its gradient's stage's."""
+    stage_of = stage_rule(graph, stages)
+    users = graph.users()
+    out = {}
+    for fqn, name in graph.params.items():
+        found = {stage_of(u) for u in users[name] if graph.node(u).phase == Phase.FORWARD}
+        grad = graph.grads.get(fqn)
+        out[fqn] = frozenset(found or ({stage_of(grad.node)} if grad is not None else {0}))
+    return out
+
+
+__all__ = ["Chain", "POST", "PRE", "chain", "param_stages", "region_paths", "stage_rule"]

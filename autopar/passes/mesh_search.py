@@ -112,7 +112,7 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None, 
         best = min((p.step_time for p, _ in plans if p.fits), default=math.inf)
         try:
             if shape["pp"] > 1:
-                plan = plan_pipelined(model, sub, args, kwargs, compare=False, graphs=graphs, memory_budget=budget,
+                plan = plan_pipelined(model, sub, args, kwargs, mesh_search=True, graphs=graphs, memory_budget=budget,
                                       **passkw)
             else:
                 fast = run_passes(model, sub, args, kwargs, graph=graphs[batch], memory_budget=math.inf, **passkw)

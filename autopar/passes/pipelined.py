@@ -9,14 +9,16 @@ replay (``cost_model/pipeline.py``). Only one micro-batch count (the middle cand
 first; the others are priced from its segments with the per-micro-batch figures scaled
 (``search/pipeline_split.scaled``), and the count that estimate ranks best is then solved exactly,
 until the best candidate is an exact one (one or two solves, not one per count). Each shape is
-captured once (the recipe's solve and the plain plan reuse a capture of their shape). The intra-op
+captured once (the recipe's solve reuses the capture of its shape). The intra-op
 solve is first made without a memory budget (the fastest layer plan; a stage holds only its share
 of the model); when no pipeline fits so, again within the budget (the leaner layer plan).
 
-Unless the user pins ``pipeline=``, the best pipeline competes with the plain plan of the whole
-mesh, where the ``pp`` axis is one more axis the intra-op search may split (a data or a sharding
-axis): the faster that fits wins, and the plan says which (``plan.pipeline`` None when the plain
-plan wins; its ``baselines`` hold both). Without a ``pp`` axis, ``pipeline=`` asks for gradient
+A mesh that names a ``pp`` axis asks for a pipeline: the plan pipelines on it, and the plain
+(intra-op) plan of the same devices, where ``pp`` would be one more data or sharding axis, is not
+planned (its recomputation search on every axis was most of the time of a large model's plan: 327 of
+410 s for LLaMA-3.1-405B on 512 devices). ``baselines["unpipelined"]`` says so; the factorization
+search (``Mesh.devices(count, pp=[1, ...])``, ``passes/mesh_search.py``) is where pipelined and
+unpipelined shapes are compared. Without a ``pp`` axis, ``pipeline=`` asks for gradient
 accumulation: one stage, ``m`` micro-batches, the parameters' gathers and reductions once per step.
 
 A pipelined ``Plan``'s ``mesh`` is the stage mesh (the other axes, on which its placements,
@@ -39,13 +41,17 @@ from autopar.cost_model.pipeline import p2p_time
 from autopar.cost_model.schedules import SCHEDULES, stage_ranks
 from autopar.errors import ArgumentError, InfeasibleError, RecipeError
 from autopar.ir.capture import as_args
+from autopar.ir.stages import param_stages
 from autopar.passes.pipeline import DEFAULT_BUDGET_FRACTION, run_passes
 from autopar.passes.report import build_plan
 from autopar.passes.search.batch_coupled import batch_coupled
+from autopar.passes.search.checkpoint import checkpointed_paths
 from autopar.passes.search.pipeline_split import candidates, scaled, search, segments
 
 #: the mesh axis name that pipelines
 PP_AXIS = "pp"
+#: ``baselines["unpipelined"]`` of a plan on a given ``pp`` mesh (see the module docstring)
+UNPIPELINED_NOTE = "not planned: a given 'pp' axis pipelines; Mesh.devices(n, pp=[1, ...]) compares it"
 #: keys of ``pipeline=``
 PIN_KEYS = ("schedule", "microbatches", "virtual_stages")
 #: micro-batch counts tried, as multiples of the pipeline degree (gradient accumulation: as counts)
@@ -107,12 +113,13 @@ def micro_inputs(args: tuple, kwargs: Mapping, batch: int, m: int) -> tuple[tupl
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
-def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, pipeline=None, compare: bool = True,
-                   graphs: Optional[dict] = None, **kw):
+def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, pipeline=None,
+                   mesh_search: bool = False, graphs: Optional[dict] = None, **kw):
     """The ``Plan`` for a mesh with a ``pp`` axis or a pinned ``pipeline`` (see the module docstring);
-    ``kw`` are ``plan``'s checked keywords. ``compare=False`` skips the plain plan of the whole mesh
-    (the mesh search prices the unpipelined shapes itself); ``graphs`` (rows per micro-batch -> a
-    captured graph) shares captures across calls and is filled with this call's."""
+    ``kw`` are ``plan``'s checked keywords. ``mesh_search``: called by the factorization search, which
+    compares the unpipelined shapes itself (the plan then carries no note that they were not planned);
+    ``graphs`` (rows per micro-batch -> a captured graph) shares captures across calls and is filled with
+    this call's."""
     start = time.perf_counter()
     pin = check_pin(pipeline)
     if not kw.get("training", True):
@@ -188,6 +195,11 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
     # exactly, and so on until the best candidate is an exact one. Typically one or two solves.
     found = []  # exact candidates: (price, ranges, m, planned, paths, order)
     estimated: list = []  # (price, m) from a scaled solve
+    # The middle count first. (Starting from the largest would often save a capture and a solve, but the
+    # linear estimate of fewer, larger micro-batches is pessimistic, by 53% for a 1.3B-wide GPT at one
+    # 1024-token row per micro-batch on tp4, where the kernels are far from their peak: a count that is
+    # best would never be solved. From the middle, the estimate of the larger count is optimistic and
+    # that count is solved when it might win.)
     first = counts[len(counts) // 2]
     for bounded in (False, True):
         solved: set[int] = set()
@@ -225,47 +237,27 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
     recipe_row = None
     if not pin and pp > 1:  # the torchtitan-style pipelined recipe, priced like the search's pipelines
         t = time.perf_counter()
-        recipe_row, recipe_found = _pp_recipe(exact, priced, sub, batch, pp, budget)
+        recipe_row, recipe_found = _pp_recipe(exact, priced, sub, _recipe_count(sub, batch, pp, counts), pp, budget)
         lap("pp_recipe", t)
         found += [(*f[:5], len(found) + k) for k, f in enumerate(recipe_found)]
     fitting = [f for f in found if f[0].peak_memory <= budget]
     best = min(fitting or found, key=lambda f: (f[0].step_time, f[5]))
-    plain = None
-    plain_row: Optional[dict] = None
-    if not pin and compare:
-        # the plain plan's fastest layer plan without a budget first: recomputing or leaner
-        # placements only add time, so when even that is slower than a fitting pipeline the
-        # plain plan loses, and its budgeted search (recomputation candidates on every axis,
-        # the slowest part of planning a big model) is not run
-        t = time.perf_counter()
-        try:
-            plain = run_passes(model, mesh, args, kwargs, memory_budget=math.inf, graph=graphs.get(batch), **passkw)
-            graphs.setdefault(batch, plain.graph)
-            if plain.cost.peak_memory > budget:
-                if fitting and plain.cost.step_time > best[0].step_time:
-                    plain_row = {"error": f"not planned within the budget: its fastest plan without one "
-                                          f"({plain.cost.step_time * 1e3:.1f} ms) is already slower than the pipeline"}
-                    plain = None
-                else:
-                    plain = run_passes(model, mesh, args, kwargs, memory_budget=budget, graph=graphs[batch], **passkw)
-        except InfeasibleError:
-            plain = None
-        lap("unpipelined", t)
-    best_row = {"step_time": best[0].step_time, "peak_memory": int(best[0].peak_memory),
-                "fits": best[0].peak_memory <= budget}
-    if plain is not None and plain.cost.peak_memory <= budget and (
-            not fitting or plain.cost.step_time <= best[0].step_time):
-        plan = build_plan(plain)
-        plan.baselines = dict(plan.baselines, pipeline=best_row, **({RECIPE: recipe_row} if recipe_row else {}))
-        plan.phases = dict(inner_phases, total=round(time.perf_counter() - start, 4))
-        return plan
     if not fitting:
         raise InfeasibleError(
             f"no pipeline fits the memory budget of {budget / 2**30:.2f} GiB per device: the leanest pipelined plan "
             f"tried needs {min(p.peak_memory for p in tried) / 2**30:.2f} GiB per device (pp={pp}, micro-batches "
             f"{counts}); use more devices, more micro-batches, a smaller batch, or raise memory_budget")
     price, ranges, m, planned, (pre, units, post), _ = best
-    plan = build_plan(planned)
+    stage_paths = []
+    for s, (a, b) in enumerate(ranges):
+        stage_paths.append((pre if s == 0 else []) + units[a:b] + (post if s == len(ranges) - 1 else []))
+    # what the stages recompute (the layer plan's own, if its bounded solve recomputes, and each
+    # stage's), as the lowering reads it: the plan lists the reshardings their re-runs do again;
+    # gradient buckets stay within a stage, as each pipeline rank runs its own stages' reductions
+    redo = {path: mode for mode, paths in price.recomputed for path in paths}
+    own = checkpointed_paths(planned.terms, planned.recompute) if planned.recompute else {}
+    plan = build_plan(planned, checkpointing=dict(sorted(dict(own, **redo).items())),
+                      grad_stages=param_stages(planned.graph, stage_paths))
     rank_kinds = price.rank_memory_kinds
     top = max(range(len(price.rank_memory)), key=lambda r: (price.rank_memory[r], -r))
     busy = max(price.replay.busy)
@@ -280,15 +272,8 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
     plan.baselines = {} if recipe_row is None else {RECIPE: recipe_row}
     if best[3].source.startswith("recipe:"):
         plan.source = f"recipe:{RECIPE}"
-    if plain is not None:
-        plan.baselines = dict(plain.baselines, **plan.baselines, unpipelined={"step_time": plain.cost.step_time,
-                                                            "peak_memory": int(plain.cost.peak_memory),
-                                                            "fits": plain.cost.peak_memory <= budget})
-    elif plain_row is not None:
-        plan.baselines = dict(plan.baselines, unpipelined=plain_row)
-    stage_paths = []
-    for s, (a, b) in enumerate(ranges):
-        stage_paths.append((pre if s == 0 else []) + units[a:b] + (post if s == len(ranges) - 1 else []))
+    if pp > 1 and not mesh_search:  # said in the baselines (and so in the summary): what was not compared, and how to compare it
+        plan.baselines = dict(plan.baselines, unpipelined={"error": UNPIPELINED_NOTE})
     plan.pipeline = {
         "axis": PP_AXIS,
         "degree": pp,
@@ -308,6 +293,7 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
         "rank_memory": [int(x) for x in price.rank_memory],
         "recompute": [{"mode": mode, "layers": list(paths)} if paths else {"mode": "none", "layers": []}
                       for mode, paths in price.recomputed],
+        "stage_buckets": True,  # (schema version 7) buckets within a stage, each rank its own reductions
         "compared": [dict({"schedule": p.schedule, "microbatches": p.microbatches, "virtual_stages": p.virtual,
                            "step_time": p.step_time, "peak_memory": int(p.peak_memory), "bubble": p.replay.bubble,
                            "recomputed": sum(len(c[1]) for c in p.recomputed)},
@@ -324,25 +310,29 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
                       f"micro-batches): the plan equals the single-device run of the same micro-batches one after "
                       f"the other, not of the whole batch (plan.pipeline['reference']); pin "
                       f"pipeline={{'microbatches': 1}} to keep the whole batch", stacklevel=3)
-    redo = {path: mode for mode, paths in price.recomputed for path in paths}
-    if redo:  # what each stage recomputes, as the lowering reads it (the layer plan itself recomputes nothing)
-        plan.checkpointing = dict(sorted(dict(plan.checkpointing, **redo).items()))
     plan.phases = dict(inner_phases, total=round(time.perf_counter() - start, 4))
     return plan
 
 
 #: the pipelined baseline recipe: torchtitan's layout (pipeline over ``pp``, FSDP on the data axis and
-#: Megatron TP on the tensor axis of each stage, 1F1B; torchtitan's default micro-batch of one local sample
-#: is approximated by 2 pp micro-batches, or pp when the batch does not split so)
+#: Megatron TP on the tensor axis of each stage, 1F1B, torchtitan's default micro-batch of one sample per
+#: data rank: ``_recipe_count``)
 RECIPE = "pp_fsdp_tp"
 
 
-def _pp_recipe(exact, priced, sub: Mesh, batch: int, pp: int, budget: float) -> tuple[dict, list]:
-    """``RECIPE`` priced: its baseline row and its candidate (``found``'s layout), or an error row;
-    ``exact`` and ``priced`` are ``plan_pipelined``'s (the capture at that shape is shared)."""
-    m = next((k for k in (2 * pp, pp) if batch % k == 0), None)
-    if m is None:
-        return {"error": f"{RECIPE}: the batch of {batch} splits into neither {2 * pp} nor {pp} micro-batches"}, []
+def _recipe_count(sub: Mesh, batch: int, pp: int, counts: list[int]) -> int:
+    """``RECIPE``'s micro-batch count: one sample per data rank and micro-batch (torchtitan's default
+    micro-batch size of 1), i.e. the batch over the data axes (every stage-mesh axis but the last, the
+    tensor axis, when there are two or more), when that divides the batch and is at least ``pp``; else
+    the largest count tried."""
+    data = math.prod(sub.shape[:-1]) if sub.ndim >= 2 else sub.size
+    m = batch // data if batch % data == 0 else 0
+    return m if m >= pp else max(counts)
+
+
+def _pp_recipe(exact, priced, sub: Mesh, m: int, pp: int, budget: float) -> tuple[dict, list]:
+    """``RECIPE`` priced at ``m`` micro-batches: its baseline row and its candidate (``found``'s layout),
+    or an error row; ``exact`` and ``priced`` are ``plan_pipelined``'s (the capture at that shape is shared)."""
     inner = "fsdp_tp" if sub.ndim >= 2 else "fsdp"
     try:
         planned, segs, paths = exact(m, False, recipe=inner)
@@ -356,5 +346,5 @@ def _pp_recipe(exact, priced, sub: Mesh, batch: int, pp: int, budget: float) -> 
     return row, [(price, ranges, m, planned, paths)]
 
 
-__all__ = ["PIN_KEYS", "PP_AXIS", "RECIPE", "batch_size", "check_pin", "micro_inputs", "plan_pipelined", "stage_mesh",
+__all__ = ["PIN_KEYS", "PP_AXIS", "RECIPE", "UNPIPELINED_NOTE", "batch_size", "check_pin", "micro_inputs", "plan_pipelined", "stage_mesh",
            "wants_pipeline"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from autopar.cost_model.buckets import BUCKET_SIZE, collective_calls, mark_grad_buckets
 from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
@@ -36,10 +36,17 @@ def _sha(d: dict) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
 
-def build_plan(planned: "Planned"):
+def build_plan(planned: "Planned", checkpointing: Optional[dict[str, str]] = None,
+               grad_stages: Optional[dict[str, frozenset]] = None):
     """The user's ``Plan`` from the passes' result: placements by FQN and input, every node's
     strategy, each resharding with its collectives (bucketed as the program runs them), per-module
-    summaries with alternatives, the recipes' baselines and the solver's statistics."""
+    summaries with alternatives, the recipes' baselines and the solver's statistics.
+
+    For a pipelined plan (``passes/pipelined.py``): ``checkpointing`` is what the stages recompute
+    (module path -> mode; the layer plan itself recomputes nothing): the reshardings their re-runs
+    do again are listed, their parameter regathers not (a pipeline keeps every gathered copy for
+    the step); ``grad_stages`` (parameter -> the stages that read it) keeps gradient buckets within a
+    stage, as the pipeline's lowering groups them (``cost_model.buckets.grad_buckets``)."""
     from autopar.plans import Plan
 
     g, mesh, prob, folding = planned.graph, planned.mesh, planned.problem, planned.folding
@@ -67,8 +74,8 @@ def build_plan(planned: "Planned"):
             "outputs": [None if o is None else format_placements(output_placement(st, j)) for j, o in enumerate(n.outputs)],
             "compute": prob.nodes[i].compute[choice[i]],
         })
-    reshardings = _reshardings(planned, strat)
-    mark_grad_buckets(g, reshardings, mesh, planned.precision)  # as the lowering groups them
+    reshardings = _reshardings(planned, strat, checkpointing)
+    mark_grad_buckets(g, reshardings, mesh, planned.precision, grad_stages)  # as the lowering groups them
     mark_param_groups(g, reshardings, mesh, planned.precision)
     mesh_dict = mesh.to_dict()
     cost = planned.cost
@@ -98,7 +105,8 @@ def build_plan(planned: "Planned"):
         modules=_modules(planned, strat, reshardings),
         phases=planned.phases,
         graph=graph_info(g),
-        checkpointing=checkpointed_paths(planned.terms, planned.recompute) if planned.recompute else {},
+        checkpointing=(checkpointing if checkpointing is not None else
+                       checkpointed_paths(planned.terms, planned.recompute) if planned.recompute else {}),
         kept_gathers=[p for paths in planned.kept_paths for p in paths],
         layer_groups=kept_figures(planned.kept_terms, planned.kept_paths, planned.problem, choice,
                                   group_figures(planned.unscaled, planned.terms, planned.recompute, choice)
@@ -110,7 +118,7 @@ def build_plan(planned: "Planned"):
     )
 
 
-def _reshardings(planned: "Planned", strat) -> list[dict]:
+def _reshardings(planned: "Planned", strat, checkpointing: Optional[dict[str, str]] = None) -> list[dict]:
     """One entry per resharding the plan does: per tensor and target placement (and phase, for
     parameter gathers, which run again in the backward), shared by every consumer that needs that
     placement — as ``problem.evaluate`` prices it and the lowering runs it. ``consumers`` lists
@@ -145,8 +153,12 @@ def _reshardings(planned: "Planned", strat) -> list[dict]:
 
 
     views = param_views(g)
-    redo = (recomputed_ops(g, checkpointed_paths(planned.terms, planned.recompute))
-            if planned.recompute and planned.recompute.any else frozenset())
+    if checkpointing is not None:  # a pipeline's stages recompute; every gathered copy is kept for the step
+        redo, regather = recomputed_ops(g, checkpointing), False
+    else:
+        redo = (recomputed_ops(g, checkpointed_paths(planned.terms, planned.recompute))
+                if planned.recompute and planned.recompute.any else frozenset())
+        regather = True
     # backward reads of kept instances' parameters served by the forward's gathered blocks: not gathered again
     served = kept_reads(g, strat, [p for paths in planned.kept_paths for p in paths], mesh, redo)
     # (ref, placement) read in the forward, and read again in the backward by a re-run op (or, for
@@ -161,7 +173,7 @@ def _reshardings(planned: "Planned", strat) -> list[dict]:
             dst = input_placement(st, slot)
             if not (kind == "param" and n.phase.value == "backward" and (r, tuple(dst)) in served):
                 add(r, n.name, kind, src, dst, n.module_path, n.phase.value if kind == "param" else None)
-            if kind == "param" and n.name in redo and (r, tuple(dst)) not in served:
+            if kind == "param" and regather and n.name in redo and (r, tuple(dst)) not in served:
                 add(r, n.name, kind, src, dst, n.module_path, "backward")  # a re-run op reads its weight there
             if kind != "activation" or tuple(src) == tuple(dst):
                 continue

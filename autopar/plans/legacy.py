@@ -72,10 +72,14 @@ def upgrade_hardware(d: Mapping, version: int) -> Mapping:
 
 
 def with_defaults(d: Mapping, version: int) -> Mapping:
-    """``d`` with the top-level fields versions 4-6 added, where it lacks them."""
+    """``d`` with the top-level fields versions 4-6 added, where it lacks them, and a version 1-6
+    pipelined plan's ``pipeline.stage_buckets`` false (its buckets may span stages: lowered as listed)."""
     for since, defaults in ((4, _V4_DEFAULTS), (5, _V5_DEFAULTS), (6, _V6_DEFAULTS)):
         if version < since:
             d = {**d, **{k: copy_plain(v) for k, v in defaults.items() if k not in d}}
+    pipeline = d.get("pipeline")
+    if version < 7 and isinstance(pipeline, Mapping) and "stage_buckets" not in pipeline:
+        d = {**d, "pipeline": {**pipeline, "stage_buckets": False}}
     return d
 
 

@@ -50,8 +50,11 @@ pipeline keys absent. Version 7 adds to a link (``mesh.links.*``, ``mesh.hardwar
 ``inter_node``) ``factors``, written only where there are any: per collective kind, what the backend's
 implementation costs over its ring-formula price (``autopar.cost_model.hardware.Link``; a calibrated
 gloo mesh prices reduce-scatter at about twice its ring time, as gloo runs it as an all-reduce); a
-version 1-6 file has none (every kind at its ring price, as it was priced). Any other version is a
-PlanError naming it.
+version 1-6 file has none (every kind at its ring price, as it was priced). Version 7 also adds
+``pipeline.stage_buckets`` (true: the plan's gradient buckets never span pipeline stages, and each rank
+runs its own stages' reductions; the reshardings a stage's recomputation runs again are listed); a
+version 1-6 pipelined plan loads with it false, and its buckets are lowered as it lists them. Any other
+version is a PlanError naming it.
 """
 
 from __future__ import annotations

@@ -364,6 +364,7 @@ class _Pipeline(_Strict):
     recompute: list[_StageRecompute] = None  # schema version 6
     batch_coupled: list[Text] = None  # schema version 6
     reference: Literal["whole-batch", "micro-batched"] = None  # schema version 6
+    stage_buckets: bool = None  # schema version 7
 
 
 class _Solver(BaseModel):

@@ -18,10 +18,12 @@ stages), and the programs are cut in four kinds of part:
   forward's boundary values of equal local shape, which torch's stages send back); the unreduced
   parameter gradients (and the other inputs of the per-step part) leave as ``frontier`` values,
   summed over the micro-batches;
-- **per step** (after the last micro-batch): the gradient reductions (buckets as the plan has them)
-  and, for a weight read in two stages (a tied embedding and head), the sum of the two gradient
-  contributions. It runs on every rank on the summed frontier, zeros standing in for values other
-  stages make (every op in it is linear), so every rank runs the plan's gradient collectives.
+- **per step** (after the last micro-batch): the gradient reductions (buckets as the plan has them:
+  a pipelined plan's never span stages) and, for a weight read in two stages (a tied embedding and
+  head), the sum of the two gradient contributions, on the summed frontier, zeros standing in for
+  values other stages make (every op in it is linear). A rank runs only the reductions of the
+  gradients its stages contribute to (``Reductions``), as the pipeline price charges each rank its
+  own stages' reductions; the other gradients are zeros.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class Cut:
     stages: list[StageCut]
     static: fx.GraphModule  # (*params and buffers it reads) -> every static value, in id order
     state_slots: list[int]  # the program.inputs positions the static program reads
-    reduce: fx.GraphModule  # (*frontier) -> the program's gradients (program.grads order)
+    reduce: Callable  # (*frontier) -> the program's gradients (program.grads order): ``Reductions``
     frontier_shapes: list[tuple]  # (shape, dtype) per frontier id
     frontier_stage: list[int]
     n_static: int
@@ -196,6 +198,50 @@ def _closure_up(starts, stop: Callable[[fx.Node], bool], through: Callable[[fx.N
         seen.add(n)
         todo += n.all_input_nodes
     return seen
+
+
+class Reductions:
+    """The per-step part for one rank: ``(*frontier) ->`` every gradient of the program, in order. Only
+    the reductions of gradients that this rank's stages contribute to run (one collective for a
+    bucket whole if any member's does); the others are zeros of their reduced shape (a weight read
+    on several ranks, a tied embedding and head, is summed over the pipeline group from them)."""
+
+    def __init__(self, gm: fx.GraphModule, kept: list[int], shapes: list[tuple]):
+        self.gm, self.kept, self.shapes = gm, kept, shapes
+
+    def __call__(self, *frontier):
+        got = dict(zip(self.kept, self.gm(*frontier)))
+        return [got[k] if k in got else torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in enumerate(self.shapes)]
+
+
+def _local_reductions(root, bg: fx.Graph, step_part: set, frontier: list, b_out: list, same: dict, stage: dict,
+                      local: set) -> Reductions:
+    """``Reductions`` of the ``local`` stages: the gradients whose frontier inputs (the summed
+    contributions) some local stage makes, or none does, with the per-step nodes they need."""
+    fid = set(frontier)
+
+    def makers(o) -> set:
+        seen, todo, out = set(), [o], set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in fid:
+                out.add(stage.get(n))
+            elif n in step_part:
+                todo += n.all_input_nodes
+        return out
+
+    kept = []
+    for k, o in enumerate(b_out):
+        found = makers(o)
+        if not found or found & local:
+            kept.append(k)
+    need = _closure_up([b_out[k] for k in kept], lambda x: x not in step_part)
+    gm = _extract(root, [n for n in bg.nodes if n in step_part and n in need], frontier, [b_out[k] for k in kept],
+                  same)
+    return Reductions(gm, kept, [_shape(o) for o in b_out])
 
 
 def cut(program, stage_of: Callable[[str], int], n_stages: int, local: Sequence[int], split: bool = False) -> Cut:
@@ -390,8 +436,8 @@ def cut(program, stage_of: Callable[[str], int], n_stages: int, local: Sequence[
     state = [n for n in f_ph if n in up]
     body = [n for g in (fg, bg) for n in g.nodes if n in up and n.op != "placeholder"]
     static_gm = _extract(root, body, state, static_list, same)
-    reduce_gm = _extract(root, [n for n in bg.nodes if n in step_part], frontier, b_out, same)
-    return Cut(stages, static_gm, [slot_of[n] for n in state], reduce_gm, [_shape(n) for n in frontier],
+    reduce_fn = _local_reductions(root, bg, step_part, frontier, b_out, same, stage, set(local))
+    return Cut(stages, static_gm, [slot_of[n] for n in state], reduce_fn, [_shape(n) for n in frontier],
                [stage[n] for n in frontier], len(static_list))
 
 

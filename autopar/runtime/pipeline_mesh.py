@@ -20,9 +20,9 @@ One step (``pmodel(*inputs)`` then ``loss.backward()``), every rank:
    the previous stage), its W action (torch's ``dw_builder`` hook of ``PipelineStage``) the rest,
    which makes the unreduced parameter gradients; the plan's gradient reductions still run once per
    step, on the sums (below), as the price charges them;
-3. the per-step part runs once on the sums: the plan's gradient reductions (its buckets), zeros
-   standing in for gradients of other stages' parameters, so every rank runs the same reductions;
-   a weight read in two stages (tied embedding and head) then has its two partial gradients summed
+3. the per-step part runs once on the sums: the plan's gradient reductions (its buckets, which a
+   pipelined plan keeps within a stage) of the parameters this rank's stages read; the other
+   gradients are zeros; a weight read in two stages (tied embedding and head) then has its two partial gradients summed
    over the pipeline group.
 
 The loss is the whole batch's: each micro-batch's loss enters it with its weight
@@ -319,7 +319,8 @@ class MeshPipelinedModule(torch.nn.Module):
         per step for values made from parameters, buffers and constants alone, which run once); the
         parameter gathers its stages' forward ops read, once per step (the gathered copy is kept for
         the step: the backward's regathers are priced as not run), a gather group whole when one of its
-        members is wanted; the gradient reductions, once per step (every rank runs the plan's buckets)."""
+        members is wanted; the gradient reductions of the parameters its stages read, once per step (a
+        bucket whole when one of its members is wanted)."""
         g, stage_of, m = self.graph, self.stage_of, self.m
         mine = set(self.my_stages)
         names = {n.name for n in g.nodes}
@@ -327,8 +328,8 @@ class MeshPipelinedModule(torch.nn.Module):
         calls = []
         for r in self.plan.reshardings:
             cons = [c for c in r.get("consumers") or [r["consumer"]] if c in names]
-            if r["kind"] == "grad":  # its consumer is the parameter's slot, not an op
-                n = 1
+            if r["kind"] == "grad":  # its consumer is the parameter's slot: reduced on the ranks of its stages
+                n = 1 if self.param_stages.get(r["consumer"][len("param:"):], set()) & mine else 0
             elif r["kind"] == "param":
                 n = 1 if {stage_of(c) for c in cons if g.node(c).phase == Phase.FORWARD} & mine else 0
             elif {stage_of(c) for c in cons} & mine:

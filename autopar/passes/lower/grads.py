@@ -27,7 +27,7 @@ def bucketed_grads(em) -> dict[str, fx.Node]:
         src, dst = em.base[r][2], output_placement(res.strategies[g.params[fqn]], 0)
         steps_of[fqn] = (grad_steps(g, fqn, src, dst, res.mesh, res.precision), src, dst)
     members: dict[int, list[str]] = {}  # in the order the backward produces them
-    for fqn, b in grad_buckets(g, {f: st[0] for f, st in steps_of.items()}).items():
+    for fqn, b in grad_buckets(g, {f: st[0] for f, st in steps_of.items()}, em.res.grad_stages).items():
         members.setdefault(b, []).append(fqn)
     out: dict[str, fx.Node] = {}
     for b in sorted(members):

@@ -23,6 +23,7 @@ from autopar.ir.rules import op_call
 from autopar.ir.rules.base import OpCall
 from autopar.ir.rules.dimmap import Strategy
 from autopar.ir.rules.random_ops import RANDOM_BASES, unsupported_random
+from autopar.ir.stages import param_stages
 from autopar.passes.search.kept import instance_path, kept_reads
 from autopar.passes.search.strategies import node_strategies, output_placement
 
@@ -44,6 +45,9 @@ class Resolved:
     #: backward reads of parameters that the forward's kept gathered blocks serve (``plan.kept_gathers``,
     #: ``passes.search.kept``): (value, placement) -> how it is derived; never gathered again
     kept: dict = field(default_factory=dict)
+    #: a pipelined plan's: parameter FQN -> the stages that read it (``ir.stages.param_stages``), so that
+    #: gradient buckets stay within a stage (``cost_model.buckets.grad_buckets``); None otherwise
+    grad_stages: Optional[dict] = None
     _casts: dict = field(default_factory=dict, repr=False)
 
     def cast(self, precision: str) -> Optional[CastPolicy]:
@@ -95,7 +99,10 @@ def resolve(graph: Graph, plan) -> Resolved:
             raise LoweringError(f"the plan keeps the gathered parameters of {unknown[0]!r}, which is no layer instance "
                                 f"of this model (instances: {', '.join(sorted(known)[:4]) or 'none'} ...): plan again")
     derived: dict = kept_reads(graph, strategies.__getitem__, kept, mesh, redo) if kept else {}
-    return Resolved(graph, mesh, precision, strategies, calls, redo, derived)
+    pipeline = getattr(plan, "pipeline", None)
+    # a pipelined plan's buckets stay within a stage (schema version 7; an older one's as it lists them)
+    stages = param_stages(graph, pipeline["stages"]) if pipeline and pipeline.get("stage_buckets") else None
+    return Resolved(graph, mesh, precision, strategies, calls, redo, derived, stages)
 
 
 def _placeholder_strategy(graph: Graph, node: Node, plan, mesh: Mesh) -> Strategy:

@@ -21,7 +21,9 @@ figures, so stages of alike layers share the one folded solve), and what runs af
 dynamic programme over cut points, uneven where the count does not divide; the first stage pays for
 the segment before the layers, the last for the one after). ``search`` prices every schedule torch
 2.13 runs that fits (``cost_model/schedules.py``'s constraints) at the given micro-batch count by
-replay (``cost_model/pipeline.py``) and returns them cheapest first.
+replay (``cost_model/pipeline.py``) and returns them cheapest first. When a candidate's ranks
+recompute, the layers are split again with the recomputed instances charged their re-run
+(``with_reruns``; a stage that recomputes more gets fewer layers) and the better split is kept.
 """
 
 from __future__ import annotations
@@ -271,6 +273,18 @@ def split(model: ModelSegments, n_stages: int) -> Optional[list[tuple[int, int]]
     return out[::-1]
 
 
+def with_reruns(model: ModelSegments, recomputed: Sequence[tuple]) -> ModelSegments:
+    """``model`` with each layer instance that ``recomputed`` (a price's per-stage ``(mode, paths)``)
+    re-runs charged its re-run in its input-gradient time: what ``split`` balances when the stages
+    recompute (a stage that recomputes more is given fewer layers)."""
+    redo = {path: mode for mode, paths in recomputed for path in paths}
+    units = []
+    for u in model.units:
+        extra = sum(opts[redo[path]].seconds for path, opts in u.recompute if path in redo and redo[path] in opts)
+        units.append(replace(u, input_grad=u.input_grad + extra) if extra else u)
+    return replace(model, units=tuple(units))
+
+
 def stages_of(model: ModelSegments, ranges: Sequence[tuple[int, int]]) -> list[Segment]:
     """Each stage's segment: its layer instances, the first with ``pre``, the last with ``post``."""
     out = []
@@ -314,15 +328,29 @@ def search(model: ModelSegments, pp: int, microbatches: int, p2p: float, schedul
     (ties: the order of ``SCHEDULES``, then fewer virtual stages). With a ``budget``, ranks over it
     recompute layer instances (``cost_model.pipeline.choose_recompute``)."""
     out = []
+    splits: dict[int, Optional[list[tuple[int, int]]]] = {}  # stages -> ranges (schedules of alike stage counts share)
     for k, (name, v) in enumerate(candidates(pp, microbatches, schedule, virtual)):
-        ranges = split(model, pp * v)
+        if pp * v not in splits:
+            splits[pp * v] = split(model, pp * v)
+        ranges = splits[pp * v]
         if ranges is None:
             continue
         price = price_pipeline(stages_of(model, ranges), name, pp, microbatches, v, p2p, model.boundary_bytes, budget,
                                model.overlap_slowdown)
+        if any(paths for _, paths in price.recomputed):
+            # the split balanced the stages without their re-runs: split again with the layer
+            # instances this choice recomputes charged their re-run, price that (recomputation chosen
+            # anew for its stages) and keep the better of the two (fitting first)
+            again = split(with_reruns(model, price.recomputed), pp * v)
+            if again is not None and again != ranges:
+                other = price_pipeline(stages_of(model, again), name, pp, microbatches, v, p2p, model.boundary_bytes,
+                                       budget, model.overlap_slowdown)
+                fits = budget is None or other.peak_memory <= budget
+                if (not fits, other.step_time) < (budget is not None and price.peak_memory > budget, price.step_time):
+                    price, ranges = other, again
         out.append((k, price, ranges))
     out.sort(key=lambda t: (t[1].step_time, t[0]))
     return [(p, r) for _, p, r in out]
 
 
-__all__ = ["ModelSegments", "candidates", "scaled", "search", "segments", "split", "stages_of"]
+__all__ = ["ModelSegments", "candidates", "scaled", "search", "segments", "split", "stages_of", "with_reruns"]

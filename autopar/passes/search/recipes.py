@@ -97,6 +97,17 @@ def tensor_layout(graph: Graph) -> dict[str, int]:
     tables = _embedding_tables(graph)
     vocab = _token_tables(graph)
     outside = tables | set(graph.inputs.values())
+    # per dataflow component (``id``), scanned once: whether it touches an input or a table, and the
+    # vectors whose dim 0 it holds (a residual stream's component holds most of the graph)
+    touches: dict[int, bool] = {}
+    held: dict[int, list[str]] = {}
+
+    def reaches_outside(node: str, d: int) -> bool:
+        comp = regions.component(node, d)
+        if id(comp) not in touches:
+            touches[id(comp)] = any(ref.node in outside for ref, _ in comp)
+        return touches[id(comp)]
+
     for node in sorted(graph.params.values()):
         spec = graph.node(node).out
         if node in layout or spec.ndim != 2:
@@ -105,16 +116,18 @@ def tensor_layout(graph: Graph) -> dict[str, int]:
             if node in vocab:
                 layout[node] = 0
             continue
-        free = [d for d in range(2) if not any(ref.node in outside for ref, _ in regions.reach(node, d))]
+        free = [d for d in range(2) if not reaches_outside(node, d)]
         if len(free) == 1:
             layout[node] = free[0]
     vectors = {v for v in graph.params.values() if graph.node(v).out.ndim == 1}
     for node, d in sorted(layout.items()):
         if node in tables:
             continue
-        for ref, e in regions.reach(node, d):
-            if ref.node in vectors and ref.node not in layout and e == 0 and ref.index == 0:
-                layout[ref.node] = 0
+        comp = regions.component(node, d)
+        if id(comp) not in held:
+            held[id(comp)] = sorted({ref.node for ref, e in comp if ref.node in vectors and e == 0 and ref.index == 0})
+        for v in held[id(comp)]:
+            layout.setdefault(v, 0)
     _LAYOUTS[graph] = layout
     return dict(layout)
 
@@ -207,13 +220,15 @@ class TensorRegions:
         self._links = linked_dims(graph)
         self._sorted: dict[int, list] = {}  # id(component) -> its keys, sorted by name
 
-    def _component(self, node: str, d: int) -> tuple:
+    def component(self, node: str, d: int) -> tuple:
+        """The ``(tensor, dim)`` pairs dim ``d`` of ``node``'s output is linked with (unsorted; one
+        object per component)."""
         key = (Ref(node, 0), d)
         return self._links.get(key, (key,))
 
     def reach(self, node: str, d: int) -> list:
         """Every ``(tensor, dim)`` dim ``d`` of ``node``'s output reaches through the ops (sorted)."""
-        comp = self._component(node, d)
+        comp = self.component(node, d)
         if id(comp) not in self._sorted:
             self._sorted[id(comp)] = sorted(comp, key=lambda k: (k[0].node, k[0].index, k[1]))
         return self._sorted[id(comp)]
@@ -248,7 +263,7 @@ class TensorRegions:
         members: dict[int, Optional[list]] = {}  # id(component) -> its matrix dims (None: touches outside)
         for p in mats:
             for d in range(2):
-                comp = self._component(p, d)
+                comp = self.component(p, d)
                 if id(comp) not in members:
                     touches = any(ref.node in outside for ref, _ in comp)
                     members[id(comp)] = None if touches else [(r, e) for r, e in comp if r.node in mat_set]
