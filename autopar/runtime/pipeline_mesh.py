@@ -35,7 +35,6 @@ their parameters, on the ranks whose stages read them (None elsewhere).
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import Counter
 from typing import Optional
 
@@ -50,12 +49,11 @@ from torch.distributed.pipelining import (
 )
 
 from autopar import _torch_compat as tc
-from autopar.cost_model.buckets import LOCAL_KINDS
 from autopar.errors import ArgumentError
-from autopar.ir.graph import Phase
 from autopar.ir.placement import local_block
 from autopar.program import collectives as C
 from autopar.program.collectives import Executed
+from autopar.runtime.accounting import compare, pipelined_predicted
 from autopar.runtime.collectives import ProcessGroupComm, record_executed
 from autopar.runtime.pipeline import ScheduleStep, micro_slices
 from autopar.runtime.pipeline_cut import SHAPE, Cut, StageCut
@@ -314,68 +312,13 @@ class MeshPipelinedModule(torch.nn.Module):
             object.__setattr__(self, "_recording", None)
 
     def predicted(self) -> Counter:
-        """Per (kind, axis, bytes): how many times this rank runs that collective in one step, by the
-        plan's reshardings: the activation reshardings its stages' ops read, once per micro-batch (once
-        per step for values made from parameters, buffers and constants alone, which run once); the
-        parameter gathers its stages' forward ops read, once per step (the gathered copy is kept for
-        the step: the backward's regathers are priced as not run), a gather group whole when one of its
-        members is wanted; the gradient reductions of the parameters its stages read, once per step (a
-        bucket whole when one of its members is wanted)."""
-        g, stage_of, m = self.graph, self.stage_of, self.m
-        mine = set(self.my_stages)
-        names = {n.name for n in g.nodes}
-        groups: dict = {}
-        calls = []
-        for r in self.plan.reshardings:
-            cons = [c for c in r.get("consumers") or [r["consumer"]] if c in names]
-            if r["kind"] == "grad":  # its consumer is the parameter's slot: reduced on the ranks of its stages
-                n = 1 if self.param_stages.get(r["consumer"][len("param:"):], set()) & mine else 0
-            elif r["kind"] == "param":
-                n = 1 if {stage_of(c) for c in cons if g.node(c).phase == Phase.FORWARD} & mine else 0
-            elif {stage_of(c) for c in cons} & mine:
-                n = 1 if r["tensor"] in self.static_refs else m
-            else:
-                n = 0
-            steps = [(st["kind"], st["axis"], int(st["bytes"])) for st in r["steps"] if st["kind"] not in LOCAL_KINDS]
-            if r.get("bucket") is not None:  # one collective for the group: run whole if any member is wanted
-                b = groups.setdefault((r["kind"], r["bucket"]), [0, [[k, a, 0] for k, a, _ in steps]])
-                b[0] = max(b[0], n)
-                for entry, (_, _, nbytes) in zip(b[1], steps):
-                    entry[2] += nbytes
-            elif n:
-                calls += [step for step in steps for _ in range(n)]
-        for n, steps in groups.values():
-            calls += [tuple(step) for step in steps for _ in range(n)]
-        return Counter(calls) + self.predicted_p2p()
-
-    def predicted_p2p(self) -> Counter:
-        """Per (send | recv, pp axis, bytes): this rank's point-to-point transfers in one step: per
-        micro-batch, each value its stages send the next stage (and, back, a gradient in each one's
-        slot), each value they receive, at the local size the plan's placements give it."""
-        pl, cut = self.plan.pipeline, self.cutting
-        ranks, axis, out = list(pl["stage_ranks"]), pl["axis"], Counter()
-
-        def size(n) -> int:
-            shape, dtype = n.meta[SHAPE]
-            return math.prod(shape) * dtype.itemsize
-
-        for s in self.my_stages:
-            st = cut.stages[s]
-            if s + 1 < len(ranks) and ranks[s + 1] != ranks[s]:
-                for n in st.f_out:
-                    out[("send", axis, size(n))] += self.m
-                    out[("recv", axis, size(n))] += self.m
-            if s > 0 and ranks[s - 1] != ranks[s]:
-                for n in st.f_in:
-                    out[("recv", axis, size(n))] += self.m
-                    out[("send", axis, size(n))] += self.m
-        return out
+        """Per (kind, axis, bytes): this rank's collectives and transfers in one step
+        (``accounting.pipelined_predicted``)."""
+        return pipelined_predicted(self)
 
     def differences(self, records) -> list[str]:
         """What differs between ``predicted`` and this rank's recorded collectives of one step (empty: equal)."""
-        want, got = self.predicted(), Counter((e.kind, e.axis, int(e.bytes)) for e in records)
-        return [f"{k} on {a} of {b} B: predicted {want[(k, a, b)]}, executed {got[(k, a, b)]}"
-                for k, a, b in sorted(set(want) | set(got)) if want[(k, a, b)] != got[(k, a, b)]]
+        return compare(self.predicted(), records)
 
     def context(self):
         """The program's collectives on the stage mesh's groups, without autograd, recorded if asked."""
