@@ -1,7 +1,8 @@
 """Completing a hand-written recipe: from the placements a recipe fixes to a choice for every node.
 
 A recipe (``recipes.py``) fixes where parameters and inputs live; ``complete`` fills in every other
-node the cheapest way consistent with that (greedy, then local search), keeping parameters where
+node the cheapest way consistent with that (greedy, then local search; without pinned axes also from
+the propagation of the recipe's placements, the cheaper kept), keeping parameters where
 they lie on the recipe's *pinned* axes (Megatron's tensor axis: no weight gathers there). Every
 weight's placement is the recipe's own (``recipes.tensor_layout``: column or row from the
 dataflow pairing), so nothing is searched but the activations; for a recipe asked for by name the
@@ -19,6 +20,7 @@ from autopar.cost_model.comm import LOCAL_KINDS, axis_step
 from autopar.ir.placement import Split, format_placements
 from autopar.passes.search.merge import Merged
 from autopar.passes.search.problem import Problem, evaluate
+from autopar.passes.search.propagate import propagate
 from autopar.passes.search.solve import InfeasibleError, greedy, improve, solve
 from autopar.passes.search.solve_axis import FULL_ILP_LIMIT, edge_var_count
 from autopar.passes.search.strategies import output_placement
@@ -51,7 +53,13 @@ def complete(merged: Merged, problem: Problem, allowed: dict, pinned: list[int],
                                           f"({' or '.join(format_placements(p) for p in allowed[n.name])})")
                 n.allowed = ok
         if not pinned:
-            return merged.expand(improve(merged.problem, greedy(merged.problem)), len(problem.nodes))
+            # two starts: greedy takes the first ops' strategies as if their unchosen inputs were free,
+            # which can miss the completion that follows the recipe's input placements through the
+            # graph (the propagation's); the cheaper after local search is kept
+            starts = [improve(merged.problem, greedy(merged.problem)),
+                      improve(merged.problem, propagate(merged.problem))]
+            costs = [evaluate(merged.problem, c).step_time for c in starts]
+            return merged.expand(starts[costs.index(min(costs))], len(problem.nodes))
         _pin_in_place(merged.problem, pinned)
         _restrict_to_regions(merged.problem, pinned, regions)
         best = merged.expand(improve(merged.problem, greedy(merged.problem)), len(problem.nodes))
