@@ -1,7 +1,8 @@
 """``autopar.simulate`` of pipelined plans (``runtime/pipeline_sim.py``): every stage-mesh device a thread
 running the pipelined runtime's cut of the plan's lowered program (static part, per-micro-batch stage
 slices, per-step reductions). Loss, every gradient and the parameters after 3 AdamW steps equal the
-single-device model's (rel. 1e-4, fp32) on pp=2 x dp=2, pp=2 x tp=2 (two stages per rank) and pp=4, on
+single-device model's (rel. 1e-4, fp32; after one step for the model code this project did not write,
+to keep the suite's time) on pp=2 x dp=2, pp=2 x tp=2 (two stages per rank) and pp=4, on
 autopar's GPT (tied) and LLaMA and on model code this project did not write (torchtitan-style Llama,
 Hugging Face GPT-2 with its tied head). The simulator runs every schedule in GPipe's order (the sums are
 the same); the stage layouts differ: one stage per rank, or two (Interleaved1F1B's loop placement,
@@ -56,7 +57,7 @@ def test_simulated_pipeline_matches_single_device(name, schedule, axes):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
     names = [n for n, _ in ref.named_parameters()]
-    for _ in range(3):
+    for _ in range(1 if name in CORPUS else 3):  # model code not ours: one step (loss, gradients, the update)
         loss, grads = autopar.simulate(model, plan, inputs, kw)
         r = _loss(ref(*inputs, **kw))
         r.backward()
