@@ -114,17 +114,23 @@ def stage_rule(graph: Graph, stages: list) -> Callable[[str], int]:
     return stage_of
 
 
-def param_stages(graph: Graph, stages: list) -> dict[str, frozenset]:
-    """Parameter FQN -> the pipeline stages whose forward ops read it (``stage_rule``'s), e.g. two
-    for a tied embedding and head; a parameter no forward op reads is its gradient's stage's."""
-    stage_of = stage_rule(graph, stages)
+def forward_readers(graph: Graph, stage_of) -> dict[str, set[int]]:
+    """Parameter FQN -> the stages (``stage_of``: node name -> stage) whose forward ops read it, e.g.
+    two for a tied embedding and head; empty for a parameter no forward op reads."""
     users = graph.users()
+    return {fqn: {stage_of(u) for u in users[name] if graph.node(u).phase == Phase.FORWARD}
+            for fqn, name in graph.params.items()}
+
+
+def param_stages(graph: Graph, stages: list) -> dict[str, frozenset]:
+    """Parameter FQN -> the pipeline stages whose forward ops read it (``stage_rule``'s,
+    ``forward_readers``); a parameter no forward op reads is its gradient's stage's."""
+    stage_of = stage_rule(graph, stages)
     out = {}
-    for fqn, name in graph.params.items():
-        found = {stage_of(u) for u in users[name] if graph.node(u).phase == Phase.FORWARD}
+    for fqn, found in forward_readers(graph, stage_of).items():
         grad = graph.grads.get(fqn)
         out[fqn] = frozenset(found or ({stage_of(grad.node)} if grad is not None else {0}))
     return out
 
 
-__all__ = ["Chain", "POST", "PRE", "chain", "param_stages", "region_paths", "stage_rule"]
+__all__ = ["Chain", "POST", "PRE", "chain", "forward_readers", "param_stages", "region_paths", "stage_rule"]

@@ -19,12 +19,12 @@ from autopar._torch_compat import install_strided_checkpointing
 from autopar.errors import ArgumentError
 from autopar.ir.capture import capture
 from autopar.ir.placement import local_block
-from autopar.ir.stages import stage_rule
+from autopar.ir.stages import forward_readers, stage_rule
 from autopar.runtime.collectives import single_worker_gloo_groups
 from autopar.runtime.pipeline import PipelinedModule, micro_slices
 from autopar.runtime.pipeline_cut import cut, dry_run
 from autopar.runtime.pipeline_mesh import MeshPipelinedModule
-from autopar.runtime.pipeline_state import drop_parameters, held_params, param_stages
+from autopar.runtime.pipeline_state import drop_parameters, held_params
 from autopar.runtime.random_state import pipelined_random, share_seed
 from autopar.runtime.state import distribute_state
 
@@ -81,7 +81,7 @@ def build_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, low
                   split=pl["schedule"] == "ZBVZeroBubble")
     # the rank holds only the parameters its stages read (others' copies would go stale): runtime.pipeline_state
     frozen = {fqn for fqn in graph.params if not model.get_parameter(fqn).requires_grad}
-    held = held_params(param_stages(graph, stage_of), pl["stage_ranks"], pp_rank, frozen)
+    held = held_params(forward_readers(graph, stage_of), pl["stage_ranks"], pp_rank, frozen)
     drop_parameters(model, lambda fqn: graph.aliases.get(fqn, fqn) in held)
     distribute_state(model, graph, program, stage_mesh, None, materializer)
     if any(slot.spec.blocks for slot in program.inputs):  # _StridedShard parameters: teach DCP their pieces

@@ -51,6 +51,7 @@ from torch.distributed.pipelining import (
 from autopar import _torch_compat as tc
 from autopar.errors import ArgumentError
 from autopar.ir.placement import local_block
+from autopar.ir.stages import forward_readers
 from autopar.program import collectives as C
 from autopar.program.collectives import Executed
 from autopar.runtime.accounting import compare, pipelined_predicted
@@ -58,7 +59,7 @@ from autopar.runtime.collectives import ProcessGroupComm, record_executed
 from autopar.runtime.pipeline import ScheduleStep, micro_slices
 from autopar.runtime.pipeline_cut import SHAPE, Cut, StageCut
 from autopar.runtime.pipeline_loss import loss_weights
-from autopar.runtime.pipeline_state import local_state, param_stages, without_dropped
+from autopar.runtime.pipeline_state import local_state, without_dropped
 from autopar.runtime.random_state import add_random_entry, take_random_entry
 from autopar.runtime.state import as_blocks, state_slots
 
@@ -199,7 +200,7 @@ class MeshPipelinedModule(torch.nn.Module):
         self.graph, self.stage_of = graph, stage_of
         self.static_refs = _static_values(graph)
         #: parameter FQN -> the stages whose forward ops read it (a tied embedding and head: two)
-        self.param_stages = param_stages(graph, stage_of)
+        self.param_stages = forward_readers(graph, stage_of)
         object.__setattr__(self, "module", model)
         pl = plan.pipeline
         self.plan, self.program, self.cutting = plan, program, cut

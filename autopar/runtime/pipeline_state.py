@@ -31,14 +31,6 @@ import torch
 
 from autopar import _torch_compat as tc
 from autopar.errors import CompileError
-from autopar.ir.graph import Graph, Phase
-
-
-def param_stages(graph: Graph, stage_of: Callable[[str], int]) -> dict[str, set[int]]:
-    """Parameter FQN (canonical) -> the stages whose forward ops read it (a tied embedding and head: two)."""
-    users = graph.users()
-    return {fqn: {stage_of(u) for u in users[name] if graph.node(u).phase == Phase.FORWARD}
-            for fqn, name in graph.params.items()}
 
 
 def held_params(stages: Mapping[str, set[int]], stage_ranks: Iterable[int], pp_rank: int,
@@ -98,4 +90,4 @@ def without_dropped(state_dict: Mapping, dropped: Mapping[str, tuple]) -> dict:
     return tc.with_metadata(out, state_dict)
 
 
-__all__ = ["drop_parameters", "held_params", "local_state", "param_stages", "without_dropped"]
+__all__ = ["drop_parameters", "held_params", "local_state", "without_dropped"]
