@@ -13,7 +13,7 @@ sequences of 2048, mesh ``{"dp": GPUs}`` of the preset (8 GPUs and 8 NICs per no
 ``recipe="fsdp"`` (FSDP's full sharding), bf16-mixed AdamW (Composer's ``DEFAULT`` FSDP mixed
 precision: bf16 gathers, fp32 gradient reduction; the ``PURE`` row reduces in bf16), and
 ``checkpointing="full"`` where the run recomputed. Attention is priced with the kernel those runs
-used (``FA1_OF_FA2``), and the price includes the preset's ``overlap_slowdown`` (compute slowed by
+used (``RUNS_ATTENTION_OF_FA2``), and the price includes the preset's ``overlap_slowdown`` (compute slowed by
 the collectives hidden under it: autopar's own cost model) and, as the runs' runtime did it, FSDP1's
 gradient concatenation, cast and pre-division (``FSDP1_GRAD_BYTES``) and its exposed first gathers
 and last reductions (``EDGE_COLLECTIVES``), its accumulation of the reduced shard over micro-batches
@@ -78,10 +78,28 @@ PURE = {("a100", "70b")}
 #: on sm90 but without Hopper instructions). Its header says forward + backward is "slightly slower"
 #: than the CUDA FlashAttention of the time (FlashAttention-1; llm-foundry's TUTORIAL.md: "triton is
 #: slightly faster than flash", flash = flash-attn 1.0.9). The presets price torch's SDPA, i.e.
-#: FlashAttention-2, "around 2x" FlashAttention-1 (T. Dao, arXiv:2307.08691, abstract, which also puts
-#: FlashAttention-1 at "25-40% of the theoretical maximum FLOPs/s" on A100). So the rows are priced
-#: with the preset's attention curves at half their height: a kernel-level figure, not a fit.
-FA1_OF_FA2 = 0.5
+#: FlashAttention-2. Kernel-level figures for both at the rows' shape (causal, head dim 128 on every
+#: row: width / heads, sequence 2048) are in the FlashAttention-2 paper's forward + backward charts
+#: (T. Dao, arXiv:2307.08691, Figs. 4 and 7; the same charts are assets/flash2_a100_fwd_bwd_benchmark.png
+#: and assets/flash2_h100_fwd_bwd_benchmark.png in github.com/Dao-AILab/flash-attention, panel "with
+#: causal mask, head dimension 128", sequence 2k; TFLOP/s counted as 3.5 x 4 b h s^2 d / 2, autopar's
+#: count):
+#: - A100 80GB SXM4: "FlashAttention Triton" 68, FlashAttention-1 69, FlashAttention-2 155 TFLOP/s.
+#:   "FlashAttention Triton" is the label the repository's own benchmark script
+#:   (benchmarks/benchmark_causal.py at the FlashAttention-2 release, 4f285b35) gives
+#:   ``flash_attn.flash_attn_triton``, the kernel llm-foundry copied. 68 / 155 = 0.439.
+#: - H100 80GB SXM5: FlashAttention-1 108, FlashAttention-2 265 TFLOP/s; the chart has no Triton bar.
+#:   On A100 the Triton kernel ran at FlashAttention-1's rate at this shape (68 against 69), and both
+#:   run sm80 instructions on an H100 (the paper's H100 runs use "no special instructions"), so the
+#:   runs' kernel is priced at FlashAttention-1's H100 rate: 108 / 265 = 0.408.
+#: The presets' FlashAttention-2 curves give 158 (A100) and 263 (H100) TFLOP/s at this shape, the
+#: charts' FlashAttention-2 within 2%, so each row's attention is priced at the preset's curve times
+#: the chart's ratio of the runs' kernel to FlashAttention-2 (forward and backward alike: the charts
+#: give their sum). A kernel-level figure, not a fit; ``price`` refuses a shape the ratio was not read
+#: at.
+RUNS_ATTENTION_OF_FA2 = {"a100": 68 / 155, "h100": 108 / 265}
+#: the shape the ratios above were read at: head dim, sequence, causal
+RUNS_ATTENTION_SHAPE = (128, 2048, True)
 #: The runs' runtime: torch's FSDP1 (``FULL_SHARD``, ``use_orig_params=True``: Composer's default,
 #: ``set_fsdp_default`` in composer/trainer/dist_strategy.py of v0.16.4, the version llm-foundry's
 #: setup.py at b2a43a1 pins), per micro-batch and per FSDP unit, three memory-bound kernels over the
@@ -158,7 +176,7 @@ RUNS_CLIP_BYTES = (4, 4 + 4)
 
 
 def run_hardware(device: str, kernel: str = "run", overlap_slowdown=None, intra_bandwidth=None):
-    """The preset of ``device``, with the attention kernel those runs used (``FA1_OF_FA2``) unless
+    """The preset of ``device``, with the attention kernel those runs used (``RUNS_ATTENTION_OF_FA2``) unless
     ``kernel`` is ``"preset"``, ``overlap_slowdown`` in place of the preset's when given (0: the
     price before that term, for comparison) and, for a what-if only, ``intra_bandwidth`` (bytes/s)
     in place of the preset's NVLink bandwidth."""
@@ -172,7 +190,8 @@ def run_hardware(device: str, kernel: str = "run", overlap_slowdown=None, intra_
     if kernel == "run":
         e = hw.efficiency
         hw = dataclasses.replace(hw, efficiency=dataclasses.replace(
-            e, attn_fwd=e.attn_fwd * FA1_OF_FA2, attn_bwd=e.attn_bwd * FA1_OF_FA2))
+            e, attn_fwd=e.attn_fwd * RUNS_ATTENTION_OF_FA2[device],
+            attn_bwd=e.attn_bwd * RUNS_ATTENTION_OF_FA2[device]))
     if overlap_slowdown is not None:
         hw = dataclasses.replace(hw, overlap_slowdown=overlap_slowdown)
     return hw
@@ -270,6 +289,9 @@ def price(row, graph_cache: dict, kernel: str = "run", overlap_slowdown=None, gr
 
     device, name, gpus, mb, ckpt, mfu, tok = row
     layers, width, heads = SHAPES[name]
+    if kernel == "run" and (width // heads, SEQ, True) != RUNS_ATTENTION_SHAPE:
+        raise ValueError(f"{name}: the runs' attention ratio (RUNS_ATTENTION_OF_FA2) was read at head dim, "
+                         f"sequence, causal = {RUNS_ATTENTION_SHAPE}, not ({width // heads}, {SEQ}, True)")
     key = (name, gpus * mb)
     t0 = time.perf_counter()
     if key not in graph_cache:
