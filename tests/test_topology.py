@@ -25,7 +25,7 @@ def test_presets_have_eight_gpus_and_eight_nics_per_node():
         hw = PRESETS[name]
         assert (hw.devices_per_node, hw.nics_per_node) == (8, 8)
         assert hw.to_dict()["nics_per_node"] == 8 and Hardware.from_dict(hw.to_dict()) == hw
-    assert PRESETS["h100"].inter_node == Link(10e-6, 50e9)  # still one NIC (one rail)
+    assert PRESETS["h100"].inter_node == Link(10e-6, 48e9)  # still one NIC (one rail)
 
 
 @pytest.mark.parametrize("n, inner, d, want", [
@@ -49,7 +49,7 @@ def test_one_member_per_node_is_the_inter_node_link():
     assert Mesh({"dp": 4}, devices_per_node=1).links == (IB,)
     assert Mesh({"pp": 4, "dp": 2, "tp": 8}).links == (IB, IB, NVLINK)
     # fewer NICs than devices: a device gets its share of a rail
-    assert Mesh({"dp": 8, "tp": 8}, nics_per_node=4).link("dp") == Link(10e-6, 25e9)
+    assert Mesh({"dp": 8, "tp": 8}, nics_per_node=4).link("dp") == Link(10e-6, 24e9)
 
 
 def test_a_group_inside_a_node_is_nvlink():
@@ -63,8 +63,8 @@ def test_dp64_on_8_gpu_nodes_is_hierarchical():
     """The worked example of docs/architecture.md, "Links"."""
     link = Mesh({"dp": 64}).link("dp")
     assert link.latency == pytest.approx((8 * 10e-6 + 8 * 4e-6) / 64, rel=1e-12)  # 1.75 us
-    assert link.bandwidth == pytest.approx((63 / 64) / (7 / 8 / (8 * 50e9) + 7 / 8 / 450e9), rel=1e-12)
-    assert 238e9 < link.bandwidth < 239e9
+    assert link.bandwidth == pytest.approx((63 / 64) / (7 / 8 / (8 * 48e9) + 7 / 8 / 360e9), rel=1e-12)
+    assert 209e9 < link.bandwidth < 210e9
     assert link.bandwidth > 4 * IB.bandwidth  # far better than one NIC per GPU, worse than NVLink
 
 
@@ -114,9 +114,9 @@ def test_all_reduce_bandwidth_is_exact_and_latency_within_one_inter_node_step():
 
 def test_explicit_links_still_override_an_axis():
     m = Mesh({"dp": 64}, links={"dp": (1e-5, 5e10)})
-    assert m.links == (IB,)
+    assert m.links == (Link(1e-5, 5e10),) and m.links != (IB,)
     m = Mesh({"dp": 8, "tp": 8}, nics_per_node=1, links={"tp": (3e-6, 400e9)})
-    assert m.links == (Link(10e-6, 50e9 / 8), Link(3e-6, 400e9))
+    assert m.links == (Link(10e-6, 48e9 / 8), Link(3e-6, 400e9))
 
 
 def test_node_overrides_change_the_hardware_and_the_default_links():
@@ -125,7 +125,7 @@ def test_node_overrides_change_the_hardware_and_the_default_links():
     assert m.hardware.peak_flops == H100.peak_flops and m.hardware.name == "h100"
     assert m.link("dp") == axis_link(64, 1, m.hardware) != Mesh({"dp": 64}).link("dp")
     # k = 4 members on 16 nodes, half a rail each: two rails per group
-    want = (15 / 16 / (2 * 50e9) + 3 / 4 / 450e9)
+    want = (15 / 16 / (2 * 48e9) + 3 / 4 / 360e9)
     assert m.link("dp").bandwidth == pytest.approx(63 / 64 / want, rel=1e-12)
     assert Mesh({"dp": 2}, device=H100, nics_per_node=1).hardware.nics_per_node == 1  # a ready Hardware too
 
@@ -195,8 +195,11 @@ def test_a_saved_version_2_plan_loads_with_its_prices():
     assert plan.schema_version == SCHEMA_VERSION
     assert plan.mesh["hardware"]["nics_per_node"] == plan.mesh["hardware"]["devices_per_node"] == 8
     mesh = Mesh.from_dict(plan.mesh)
-    assert mesh.link("dp") == IB and mesh.link("tp") == NVLINK
-    assert Mesh(mesh.axes, device="h100").link("dp") != IB  # today's default for dp would differ
+    # the h100 figures it was saved with (the preset's line rates then), not today's preset
+    ib, nvlink = (Link.from_dict(d["mesh"]["hardware"][k]) for k in ("inter_node", "intra_node"))
+    assert (ib, nvlink) == (Link(10e-6, 50e9), Link(4e-6, 450e9)) and (ib, nvlink) != (IB, NVLINK)
+    assert mesh.link("dp") == ib and mesh.link("tp") == nvlink
+    assert Mesh(mesh.axes, device="h100").link("dp") != ib  # today's default for dp would differ
     steps = [(s, r) for r in plan.reshardings for s in r["steps"]]
     assert sum(s["axis"] == "dp" and s["kind"] == "all_reduce" for s, _ in steps) >= 1
     for s, _ in steps:
@@ -217,7 +220,9 @@ def test_a_version_2_plan_without_links_gets_the_links_it_was_priced_with():
     d = _v2()
     del d["mesh"]["links"]
     plan = Plan.from_dict(d)
-    assert plan.mesh["links"] == {"dp": IB.to_dict(), "tp": NVLINK.to_dict()}
+    hw = d["mesh"]["hardware"]  # the figures it was saved with (450 GB/s NVLink, 50 GB/s NIC)
+    assert plan.mesh["links"] == {"dp": hw["inter_node"], "tp": hw["intra_node"]}
+    assert Link.from_dict(hw["intra_node"]) == Link(4e-6, 450e9) != NVLINK
     assert list(plan.mesh["links"]) == list(plan.mesh["axes"]) == ["dp", "tp"]
 
 

@@ -4,8 +4,10 @@ A ``Hardware`` is plain data (JSON round-trips exactly), so a plan can record wh
 Presets hold datasheet figures; ``autopar.cost_model.calibrate`` measures this machine and writes a
 profile that ``get_hardware(..., profile=path)`` loads. Planning itself never measures.
 
-Bandwidths are ONE-WAY per device (the ring formulas' beta): half a datasheet's bidirectional
-NVLink figure. Peak FLOP/s are dense (no 2:4 sparsity) figures. ``inter_node`` is one NIC (one
+Bandwidths are per device and one way, as the collectives achieve them (the ring formulas' beta):
+on the GPU presets NCCL's bus bandwidth (nccl-tests' ``busbw``, defined so that a ring collective
+takes ``(n-1)/n x bytes / busbw``: ``autopar.cost_model.comm``), which NCCL's protocol overhead keeps
+below the one-way line rate (half a datasheet's bidirectional NVLink figure). Peak FLOP/s are dense (no 2:4 sparsity) figures. ``inter_node`` is one NIC (one
 rail); ``nics_per_node`` says how many a node has, so an axis whose group has several members per
 node is priced with several rails (``autopar.cost_model.mesh.axis_link``).
 
@@ -246,11 +248,22 @@ def legacy_efficiency(d: dict) -> dict:
 
 # H100 SXM5: 989 TFLOP/s dense bf16/fp16 on tensor cores. fp32 is 67 TFLOP/s, the non-tensor-core
 # figure: torch leaves TF32 matmuls off by default (allow_tf32=False), so fp32 matmuls do not reach
-# the 494 TFLOP/s TF32 figure. fp64 67 TFLOP/s (fp64 tensor core). HBM3 3.35 TB/s, 80 GB. NVLink 4:
-# 900 GB/s bidirectional -> 450 GB/s one way. One 400 Gb/s InfiniBand NIC per GPU -> 50 GB/s per rail,
-# eight rails per 8-GPU node (DGX/HGX H100).
-_NVLINK4 = Link(latency=4e-6, bandwidth=450e9)
-_IB_NDR = Link(latency=10e-6, bandwidth=50e9)
+# the 494 TFLOP/s TF32 figure. fp64 67 TFLOP/s (fp64 tensor core). HBM3 3.35 TB/s, 80 GB.
+# Links at what NCCL achieves on them (nccl-tests bus bandwidth, the ring formulas' beta), per NCCL's
+# maintainers:
+# - NVLink 4 (900 GB/s bidirectional, 450 GB/s one way line rate): on 8 H100, all_gather and
+#   all_reduce bus bandwidth saturates at 360 GB/s, "exactly what we'd expect on H100" (S. Jeaugey,
+#   github.com/NVIDIA/nccl-tests issue 326, 2025-06-24, on a user's 128 MB-16 GB all_gather_perf and
+#   all_reduce_perf runs); "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get
+#   an effective NVLink bandwidth of 370GB/s", seen as busBw of the non-all-reduce collectives or of
+#   ring all-reduce (nccl-tests issue 212, 2024-05-06). 360 GB/s. (An all-reduce on NVLink SHARP
+#   reaches a busBw of ~480 GB/s, the same comment: not modelled; autopar prices every kind as a ring.)
+# - One 400 Gb/s NDR InfiniBand NIC per GPU, eight rails per 8-GPU node (DGX/HGX H100), 50 GB/s line
+#   rate: "For NDR @ 400Gbps you should see 46-48GB/s per NIC" (NVIDIA's NCCL team, nccl-tests
+#   issue 290, 2025-03-03); "CX-7 NICs at NDR rate (400Gbps) should achieve up to 48-49GB/s per NIC"
+#   (nccl-tests issue 267, 2025-01-23). 48 GB/s, the figure both give.
+_NVLINK4 = Link(latency=4e-6, bandwidth=360e9)
+_IB_NDR = Link(latency=10e-6, bandwidth=48e9)
 _H100_FLOPS = {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float64": 67e12}
 
 # Achieved fractions (autopar.cost_model.efficiency), what torch's own kernels reach: cuBLAS matmuls
@@ -346,15 +359,24 @@ PRESETS: dict[str, Hardware] = {
         overlap_slowdown=_OVERLAP_SLOWDOWN_GPU,
     ),
     # A100 80GB SXM: 312 TFLOP/s dense bf16/fp16; fp32 19.5 (non-tensor-core, as for the H100);
-    # fp64 19.5 (tensor core). HBM2e 2039 GB/s. NVLink 3: 600 GB/s bidirectional -> 300 GB/s one
-    # way. One 200 Gb/s HDR InfiniBand NIC per GPU -> 25 GB/s per rail, eight per node (DGX A100).
+    # fp64 19.5 (tensor core). HBM2e 2039 GB/s. Links at what NCCL achieves, as for the H100:
+    # - NVLink 3 (600 GB/s bidirectional, 300 one way: 12 links of 25 GB/s each way): "Each NVLink
+    #   has a line rate of 25GB/s (in each direction) which converts to ~20GB/s effective bandwidth
+    #   with a 128B payload size. The total effective bandwidth should therefore be 240GB/s on A100,
+    #   but some other bottlenecks on the GPUs limits it to ~230GB/s" (S. Jeaugey, nccl-tests issue
+    #   149, 2023-07-05, on 8 A100 SXM4 all_reduce_perf). 230 GB/s.
+    # - One 200 Gb/s HDR InfiniBand NIC per GPU (25 GB/s line rate), eight per node (DGX A100):
+    #   "24GB/s inter-node" busBw at 8 GB with one HDR NIC (S. Jeaugey, NVIDIA/nccl issue 412,
+    #   2023-04-24, on 8 A800 per node); "On an Nvidia DGX-A100 system we have 8x200Gbit/s IB cards and we
+    #   measure 192GB/s AllReduce BusBW" (NVIDIA/nccl issue 812, quoted in issue 1576), 24 per NIC.
+    #   24 GB/s.
     "a100": Hardware(
         name="a100",
         peak_flops={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12, "float64": 19.5e12},
         hbm_bandwidth=2.039e12,
         memory=80_000_000_000,
-        intra_node=Link(latency=5e-6, bandwidth=300e9),
-        inter_node=Link(latency=10e-6, bandwidth=25e9),
+        intra_node=Link(latency=5e-6, bandwidth=230e9),
+        inter_node=Link(latency=10e-6, bandwidth=24e9),
         devices_per_node=8,
         nics_per_node=8,
         efficiency=_A100_EFF,
