@@ -26,7 +26,7 @@ predicted/published is the same ratio for MFU and throughput.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/published.py [--only 7b 13b] [--device h100] [--markdown]
         [--kernel preset] [--overlap-slowdown 0] [--no-grad-work] [--no-edges] [--no-runs-optimizer]
-        [--intra-bandwidth 360]
+        [--intra-bandwidth 450]
 
 ``--markdown`` prints where each row's step goes (matmul / attention / other, of it recomputation,
 the AdamW step's share, exposed communication, the compute slowed by hidden collectives, FSDP1's
