@@ -80,18 +80,19 @@ PURE = {("a100", "70b")}
 #: slightly faster than flash", flash = flash-attn 1.0.9). The presets price torch's SDPA, i.e.
 #: FlashAttention-2. Kernel-level figures for both at the rows' shape (causal, head dim 128 on every
 #: row: width / heads, sequence 2048) are in the FlashAttention-2 paper's forward + backward charts
-#: (T. Dao, arXiv:2307.08691, Figs. 4 and 7; the same charts are assets/flash2_a100_fwd_bwd_benchmark.png
-#: and assets/flash2_h100_fwd_bwd_benchmark.png in github.com/Dao-AILab/flash-attention, panel "with
-#: causal mask, head dimension 128", sequence 2k; TFLOP/s counted as 3.5 x 4 b h s^2 d / 2, autopar's
-#: count):
+#: (T. Dao, arXiv:2307.08691, its A100 and H100 figures; the same charts are
+#: assets/flash2_a100_fwd_bwd_benchmark.png and assets/flash2_h100_fwd_bwd_benchmark.png in
+#: github.com/Dao-AILab/flash-attention, panel "with causal mask, head dimension 128", sequence 2k;
+#: TFLOP/s counted as 3.5 x 4 b h s^2 d / 2, autopar's count):
 #: - A100 80GB SXM4: "FlashAttention Triton" 68, FlashAttention-1 69, FlashAttention-2 155 TFLOP/s.
 #:   "FlashAttention Triton" is the label the repository's own benchmark script
 #:   (benchmarks/benchmark_causal.py at the FlashAttention-2 release, 4f285b35) gives
 #:   ``flash_attn.flash_attn_triton``, the kernel llm-foundry copied. 68 / 155 = 0.439.
 #: - H100 80GB SXM5: FlashAttention-1 108, FlashAttention-2 265 TFLOP/s; the chart has no Triton bar.
-#:   On A100 the Triton kernel ran at FlashAttention-1's rate at this shape (68 against 69), and both
-#:   run sm80 instructions on an H100 (the paper's H100 runs use "no special instructions"), so the
-#:   runs' kernel is priced at FlashAttention-1's H100 rate: 108 / 265 = 0.408.
+#:   On A100 the Triton kernel ran at FlashAttention-1's rate at this shape (68 against 69), and on
+#:   an H100 neither uses Hopper's warpgroup MMA or TMA (FlashAttention-3, arXiv:2407.08608, is the
+#:   version that does; triton-pre-mlir emits Ampere's instructions), so the runs' kernel is priced
+#:   at FlashAttention-1's H100 rate: 108 / 265 = 0.408.
 #: The presets' FlashAttention-2 curves give 158 (A100) and 263 (H100) TFLOP/s at this shape, the
 #: charts' FlashAttention-2 within 2%, so each row's attention is priced at the preset's curve times
 #: the chart's ratio of the runs' kernel to FlashAttention-2 (forward and backward alike: the charts

@@ -7,9 +7,10 @@ profile that ``get_hardware(..., profile=path)`` loads. Planning itself never me
 Bandwidths are per device and one way, as the collectives achieve them (the ring formulas' beta):
 on the GPU presets NCCL's bus bandwidth (nccl-tests' ``busbw``, defined so that a ring collective
 takes ``(n-1)/n x bytes / busbw``: ``autopar.cost_model.comm``), which NCCL's protocol overhead keeps
-below the one-way line rate (half a datasheet's bidirectional NVLink figure). Peak FLOP/s are dense (no 2:4 sparsity) figures. ``inter_node`` is one NIC (one
-rail); ``nics_per_node`` says how many a node has, so an axis whose group has several members per
-node is priced with several rails (``autopar.cost_model.mesh.axis_link``).
+below the one-way line rate (half a datasheet's bidirectional NVLink figure). Peak FLOP/s are
+dense (no 2:4 sparsity) figures. ``inter_node`` is one NIC (one rail); ``nics_per_node`` says how
+many a node has, so an axis whose group has several members per node is priced with several rails
+(``autopar.cost_model.mesh.axis_link``).
 
 Achieved throughput is a function of shape (``autopar.cost_model.efficiency``): each preset's
 ``efficiency`` holds the parameters of its curves, each with the kernel-level measurement it comes
