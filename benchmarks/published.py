@@ -91,8 +91,11 @@ PURE = {("a100", "70b")}
 #: - H100 80GB SXM5: FlashAttention-1 108, FlashAttention-2 265 TFLOP/s; the chart has no Triton bar.
 #:   On A100 the Triton kernel ran at FlashAttention-1's rate at this shape (68 against 69), and on
 #:   an H100 neither uses Hopper's warpgroup MMA or TMA (FlashAttention-3, arXiv:2407.08608, is the
-#:   version that does; triton-pre-mlir emits Ampere's instructions), so the runs' kernel is priced
-#:   at FlashAttention-1's H100 rate: 108 / 265 = 0.408.
+#:   version that does; triton-pre-mlir's sm90 branch, github.com/vchiley/triton
+#:   ``triton_pre_mlir_sm90``, only lets the PTX target be sm_90 (``lib/driver/llvm.cc``; the branch's
+#:   whole diff from ``triton_pre_mlir`` is three files) and its tensor-core code is Ampere's
+#:   ``mma.sync.aligned.m16n8k16``, ``include/triton/codegen/analysis/layout.h``), so the runs'
+#:   kernel is priced at FlashAttention-1's H100 rate: 108 / 265 = 0.408.
 #: The presets' FlashAttention-2 curves give 158 (A100) and 263 (H100) TFLOP/s at this shape, the
 #: charts' FlashAttention-2 within 2%, so each row's attention is priced at the preset's curve times
 #: the chart's ratio of the runs' kernel to FlashAttention-2 (forward and backward alike: the charts
