@@ -40,10 +40,8 @@ def pipelined_step(family: str, n_layers: int, batch: int, plan_text: str, uneve
     pm = pipelined(model, plan, inputs)
     loss = pm(*inputs)
     loss.backward()
-    again = float("nan")
-    if plan.pipeline["schedule"] != "ZBVZeroBubble":  # (torch 2.13's eval of ZBV fails: refused)
-        with torch.no_grad():
-            again = pm(*inputs)
+    with torch.no_grad():  # a forward-only step (ZBV: its forward actions only, runtime.pipeline.run_schedule)
+        again = pm(*inputs)
     return float(loss.detach()), float(again), {k: p.grad.tolist() for k, p in model.named_parameters() if p.grad is not None}
 
 

@@ -24,7 +24,8 @@ for a cross-entropy mean its counted targets over the batch's, so ``ignore_index
 unevenly over the micro-batches still give the batch's mean; refused where no weighting can). ``loss.backward()``
 then writes the step's gradients into the parameters' ``.grad`` (scaled by the incoming gradient).
 A parameter read on several ranks (a tied embedding and head) has its gradients summed over them.
-Under ``torch.no_grad()`` it runs the forward only (``schedule.eval``).
+Under ``torch.no_grad()`` it runs the forward only (``run_schedule``: ``schedule.eval``, for ZBV its
+forward actions only).
 
 With other mesh axes, ``runtime/pipeline_mesh.py`` runs each stage's slice of the plan's lowered
 sharded program (``autopar.compile`` picks it). Not built here: the split backward through autopar's
@@ -33,6 +34,7 @@ own lowered programs (torch's autograd split is used for ZBV), point-to-point tr
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -298,10 +300,8 @@ class PipelinedModule(torch.nn.Module):
         for p in self.params:
             p.grad = None
         try:
-            with torch.enable_grad() if backward else torch.no_grad():
-                step = self.schedule.step if backward else self.schedule.eval
-                step(*((dummy,) if first else ()), target=target if last else None, losses=losses if last else None,
-                     return_outputs=False)
+            run_schedule(self.schedule, backward, *((dummy,) if first else ()), target=target if last else None,
+                         losses=losses if last else None)
             grads = [p.grad for p in self.params]
         finally:
             for p, g in zip(self.params, saved):
@@ -318,12 +318,22 @@ class PipelinedModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
-            if self.schedule_name == "ZBVZeroBubble":
-                raise ArgumentError("autopar pipelined: a forward-only step (under torch.no_grad()) of ZBVZeroBubble "
-                                    "fails in torch 2.13 (its eval runs the same-rank backward hand-over); plan "
-                                    "another schedule for evaluation")
             return self.run((args, kwargs), backward=False)[0]
         return ScheduleStep.apply(self, (args, kwargs), *self.params)
+
+
+def run_schedule(schedule, backward: bool, *args, **kwargs) -> None:
+    """One step of torch's ``schedule`` (forward and backward of every micro-batch), or without
+    ``backward`` its forwards only (``eval``, under ``no_grad``). A schedule that runs a lowered
+    action order runs only its forward actions then (``_torch_compat.forward_only``): torch 2.13's
+    ``eval`` of ZBVZeroBubble would run the V's same-rank backward hand-over and fail."""
+    if backward:
+        with torch.enable_grad():
+            schedule.step(*args, return_outputs=False, **kwargs)
+        return
+    only = tc.forward_only(schedule) if tc.runs_action_order(schedule) else contextlib.nullcontext()
+    with torch.no_grad(), only:
+        schedule.eval(*args, return_outputs=False, **kwargs)
 
 
 _SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
@@ -340,4 +350,4 @@ def pipelined(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: O
     return PipelinedModule(model, plan, example_inputs, example_kwargs, group)
 
 
-__all__ = ["PipelinedModule", "ScheduleStep", "pipelined"]
+__all__ = ["PipelinedModule", "ScheduleStep", "pipelined", "run_schedule"]
