@@ -406,7 +406,7 @@ class MeshPipelinedModule(torch.nn.Module):
     def _loss(self, losses: list, last: bool) -> torch.Tensor:
         """The step's loss (the micro-batch losses, each times its weight, summed) on every rank."""
         total = torch.stack([x.detach() for x in losses]).sum() if last else torch.zeros(())
-        total = total.to(torch.float32).clone()
+        total = total.to(self.graph.spec(self.graph.loss).dtype).clone()  # the model's loss dtype (float64 too)
         dist.broadcast(total, group_src=self.last_rank, group=self.pp_group)
         return total
 
