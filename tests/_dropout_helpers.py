@@ -130,7 +130,7 @@ def close(got: tuple, want: tuple, tol: float, label) -> None:
     assert (a - b).norm().item() <= tol * b.norm().item(), (label, (a - b).norm().item() / b.norm().item())
 
 
-def pipelined_dropout_step_on_rank(text: str, seed: int) -> dict:
+def pipelined_dropout_step_on_rank(text: str, seed: int, dtype=torch.float32) -> dict:
     """Compile the 4-layer dropout GPT (``tests/test_pipeline_random.py``) under pipelined plan ``text``
     after ``torch.manual_seed(seed)`` (rank 0's seed is shared); one step: its loss, the gradients this
     rank holds (whole), what differs from the predicted collectives, then the step the next draw uses,
@@ -140,7 +140,7 @@ def pipelined_dropout_step_on_rank(text: str, seed: int) -> dict:
 
     plan = autopar.Plan.from_dict(json.loads(text))
     torch.manual_seed(0)
-    model, args = make("gpt", "tiny", batch=4, seq=16, dropout=P, n_layer=4)
+    model, args = make("gpt", "tiny", batch=4, seq=16, dropout=P, n_layer=4, dtype=dtype)
     torch.manual_seed(seed)
     mesh = autopar.Mesh(dict(zip(plan.pipeline["mesh_names"], plan.pipeline["mesh_shape"])), device="cpu")
     with warnings.catch_warnings():
@@ -157,7 +157,7 @@ def pipelined_dropout_step_on_rank(text: str, seed: int) -> dict:
     saved = state[RANDOM_KEY].full_tensor().tolist()
     state[RANDOM_KEY] = torch.tensor([saved[0], 5])
     pm.load_state_dict(state)
-    return {"loss": loss.item(), "grads": grads, "differences": pm.differences(ran), "step": step,
+    return {"loss": loss.item(), "dtype": str(loss.dtype), "grads": grads, "differences": pm.differences(ran), "step": step,
             "saved": saved, "loaded_step": pm.program.random.step}
 
 

@@ -60,22 +60,24 @@ def test_pipelined_dropout_draws_the_whole_batchs_masks(reference, axes, schedul
 
 def test_gloo_pipelined_dropout_equals_the_one_device_program():
     """The mesh runtime (``runtime/pipeline_mesh.py``) on 4 gloo ranks, ZBVZeroBubble on pp=2 x tp=2,
-    float32: one step's loss and gradients equal the 1-device program's with the same torch seed (each
-    micro-batch's forward, input- and weight-gradient parts at its place in the whole batch), the
-    collectives and transfers that ran are the predicted ones, and the step advanced; the seed (rank
-    0's on every rank) and the step are in the state_dict and load back."""
+    float64: one step's loss (a float64 on every rank: it is broadcast in the model's dtype) and
+    gradients equal the 1-device program's with the same torch seed within 1e-9 (each micro-batch's
+    forward, input- and weight-gradient parts at its place in the whole batch), the collectives and
+    transfers that ran are the predicted ones, bytes included (the plan, at the default "fp32",
+    prices the float64 run's 8-byte elements: ``cost_model.precision.AS_CAPTURED``), and the step
+    advanced; the seed (rank 0's on every rank) and the step are in the state_dict and load back."""
     from _dropout_helpers import pipelined_dropout_step_on_rank
 
-    torch.manual_seed(0)
-    model, args = make("gpt", "tiny", batch=4, seq=16, dropout=P, n_layer=4)
+    model, args = _gpt()
     plan = _plan(model, args, {"pp": 2, "tp": 2}, pipeline={"schedule": "ZBVZeroBubble", "microbatches": 2})
     want, want_grads = _simulate(model, _plan(model, args, {"a": 1}), args, seed=7)
-    results = autopar.launch(pipelined_dropout_step_on_rank, 4, plan.to_json(), 7, timeout=600)
+    results = autopar.launch(pipelined_dropout_step_on_rank, 4, plan.to_json(), 7, torch.float64, timeout=600)
     held = set()
     for rank, r in enumerate(results):
-        assert abs(r["loss"] - want.item()) <= 1e-6 * abs(want.item()), (rank, r["loss"], want)
+        assert r["dtype"] == "torch.float64", (rank, r["dtype"])
+        assert abs(r["loss"] - want.item()) <= 1e-9 * abs(want.item()), (rank, r["loss"], want)
         for k, g in r["grads"].items():
-            assert (g - want_grads[k]).norm() <= 1e-5 * want_grads[k].norm(), (rank, k)
+            assert (g - want_grads[k]).norm() <= 1e-9 * want_grads[k].norm(), (rank, k)
         held |= set(r["grads"])
         assert r["differences"] == [], (rank, r["differences"])
         assert r["step"] == 1
