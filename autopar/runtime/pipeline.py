@@ -27,6 +27,12 @@ A parameter read on several ranks (a tied embedding and head) has its gradients 
 Under ``torch.no_grad()`` it runs the forward only (``run_schedule``: ``schedule.eval``, for ZBV its
 forward actions only).
 
+Random ops (dropout, attention with dropout) do not run as torch's eager ops, which would draw from
+torch's generator in the schedule's order: each is a ``program.RandomOp`` on one device, drawing the
+single-device program's numbers (``ir.rules.random_ops``) at the micro-batch's place in the whole
+batch (``random_state.pipelined_draws``), with the seed shared at build and the step advanced per
+call, as the mesh runtime draws them. Each stage module holds only the parameters its ops read.
+
 With other mesh axes, ``runtime/pipeline_mesh.py`` runs each stage's slice of the plan's lowered
 sharded program (``autopar.compile`` picks it). Not built here: the split backward through autopar's
 own lowered programs (torch's autograd split is used for ZBV), point-to-point transfers in records.
