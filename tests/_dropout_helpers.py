@@ -130,7 +130,7 @@ def close(got: tuple, want: tuple, tol: float, label) -> None:
     assert (a - b).norm().item() <= tol * b.norm().item(), (label, (a - b).norm().item() / b.norm().item())
 
 
-def pipelined_dropout_step_on_rank(text: str, seed: int) -> dict:
+def pipelined_dropout_step_on_rank(text: str, seed: int, dtype=torch.float32) -> dict:
     """Compile the 4-layer dropout GPT (``tests/test_pipeline_random.py``) under pipelined plan ``text``
     after ``torch.manual_seed(seed)`` (rank 0's seed is shared); one step: its loss, the gradients this
     rank holds (whole), what differs from the predicted collectives, then the step the next draw uses,
@@ -140,7 +140,7 @@ def pipelined_dropout_step_on_rank(text: str, seed: int) -> dict:
 
     plan = autopar.Plan.from_dict(json.loads(text))
     torch.manual_seed(0)
-    model, args = make("gpt", "tiny", batch=4, seq=16, dropout=P, n_layer=4)
+    model, args = make("gpt", "tiny", batch=4, seq=16, dropout=P, n_layer=4, dtype=dtype)
     torch.manual_seed(seed)
     mesh = autopar.Mesh(dict(zip(plan.pipeline["mesh_names"], plan.pipeline["mesh_shape"])), device="cpu")
     with warnings.catch_warnings():
@@ -157,5 +157,46 @@ def pipelined_dropout_step_on_rank(text: str, seed: int) -> dict:
     saved = state[RANDOM_KEY].full_tensor().tolist()
     state[RANDOM_KEY] = torch.tensor([saved[0], 5])
     pm.load_state_dict(state)
-    return {"loss": loss.item(), "grads": grads, "differences": pm.differences(ran), "step": step,
+    return {"loss": loss.item(), "dtype": str(loss.dtype), "grads": grads, "differences": pm.differences(ran), "step": step,
             "saved": saved, "loaded_step": pm.program.random.step}
+
+
+def dropout_model(name: str, dtype=torch.float64):
+    """``(model, args, kwargs)``: the 4-layer dropout GPT of ``tests/test_pipeline_random.py``
+    (``"gpt"``) or corpus model ``name`` with dropout, in ``dtype``, fixed weights."""
+    if name == "gpt":
+        from autopar.models import make
+
+        torch.manual_seed(0)
+        model, args = make("gpt", "tiny", batch=4, seq=16, dtype=dtype, dropout=P, n_layer=4)
+        return model, args, {}
+    from _corpus import build
+
+    return build(name, dropout=True, dtype=dtype, layers=4)  # ZBV: two stages per rank
+
+
+def pp_alone_dropout_step_on_rank(cases: list, seed: int) -> list:
+    """Per ``(model name, plan text)``: compile the dropout model under the pipelined plan of the pp
+    axis alone (``runtime.pipeline``) after ``torch.manual_seed(seed)``; one step: its loss and
+    dtype, the gradients this rank holds, then the step the next draw uses, the ``RANDOM_KEY`` entry
+    of its ``state_dict`` and the step after loading one that says 5."""
+    import autopar
+    from autopar.parallel import RANDOM_KEY
+
+    out = []
+    for name, text in cases:
+        plan = autopar.Plan.from_dict(json.loads(text))
+        model, args, kwargs = dropout_model(name)
+        torch.manual_seed(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm = autopar.compile(model, autopar.Mesh({"pp": 2}, device="cpu"), args, kwargs, plan=plan)
+        loss = pm(*args, **kwargs)
+        loss.backward()
+        state = pm.state_dict()
+        saved = state[RANDOM_KEY].tolist()
+        state[RANDOM_KEY] = torch.tensor([saved[0], 5])
+        pm.load_state_dict(state)
+        out.append({"loss": loss.item(), "dtype": str(loss.dtype), "saved": saved, "loaded_step": pm.random.step,
+                    "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}})
+    return out

@@ -31,20 +31,31 @@ def reference(family: str, n_layers: int, batch: int, uneven: bool = False):
 
 
 def pipelined_step(family: str, n_layers: int, batch: int, plan_text: str, uneven: bool = False):
-    """This rank's loss and the gradients it holds after one pipelined step."""
+    """This rank's loss and the gradients it holds after one pipelined step, the loss of a forward-only
+    step, and what the rank holds: how many of the parameters it dropped are still alive (referenced
+    from anywhere), and the parameters two of its stages both give to torch's weight backward."""
+    import gc
+    import weakref
+
     import autopar
     from autopar.runtime.pipeline import pipelined
 
     model, inputs = build(family, n_layers, batch, uneven=uneven)
     plan = autopar.Plan.from_dict(json.loads(plan_text))
+    refs = {name: weakref.ref(p) for name, p in model.named_parameters()}
     pm = pipelined(model, plan, inputs)
+    gc.collect()
+    held = {name for name, _ in model.named_parameters()}
+    alive = sorted(name for name, r in refs.items() if name not in held and r() is not None)
+    names = {id(p): name for name, p in model.named_parameters()}
+    per_stage = [{names.get(id(p), "(dropped)") for p in mod.held} for mod in pm._mods]
+    shared = sorted(set.intersection(*per_stage)) if len(per_stage) > 1 else []
     loss = pm(*inputs)
     loss.backward()
-    again = float("nan")
-    if plan.pipeline["schedule"] != "ZBVZeroBubble":  # (torch 2.13's eval of ZBV fails: refused)
-        with torch.no_grad():
-            again = pm(*inputs)
-    return float(loss.detach()), float(again), {k: p.grad.tolist() for k, p in model.named_parameters() if p.grad is not None}
+    with torch.no_grad():  # a forward-only step (ZBV: its forward actions only, runtime.pipeline.run_schedule)
+        again = pm(*inputs)
+    grads = {k: p.grad.tolist() for k, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), float(again), grads, alive, shared
 
 
 def pipelined_cases(cases: list) -> list:

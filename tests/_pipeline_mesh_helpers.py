@@ -66,10 +66,8 @@ def train_on_rank(family: str, n_layers: int, batch: int, axes: tuple, text: str
         ropt.step()
         opt.zero_grad()
         ropt.zero_grad()
-    out["eval"] = 0.0
-    if plan.pipeline["schedule"] != "ZBVZeroBubble":  # (torch 2.13's eval of ZBV fails: refused)
-        with torch.no_grad():  # a forward-only step (torch's eval of the schedule) at the trained weights
-            out["eval"] = rel(pm(*args), ref(*args))
+    with torch.no_grad():  # a forward-only step (torch's eval of the schedule; ZBV: its forwards) at the trained weights
+        out["eval"] = rel(pm(*args), ref(*args))
     for name, p in model.named_parameters():
         if name in out["held"]:
             out["param"] = max(out["param"], rel(p.full_tensor(), refp[name]))

@@ -96,6 +96,25 @@ def test_plan_bytes_follow_the_casts():
     assert {"loss region", "activation", "param", "grad"} <= seen
 
 
+def test_a_float64_model_at_the_default_precision_is_priced_as_it_runs():
+    """A float64 model planned at the CPU preset's default "fp32" runs as captured (in float64), so
+    its plan prices 8 bytes per float element: every collective the simulated program ran is one the
+    plan predicted, bytes included (they were half). The float32 model's plan is unchanged."""
+    from autopar.models import make
+
+    moved = {}
+    for dtype in (torch.float64, torch.float32):
+        torch.manual_seed(0)
+        model, args = make("gpt", "tiny", batch=4, seq=16, n_layer=2, dtype=dtype)
+        plan = autopar.recipes.fsdp(model, autopar.Mesh({"a": 2}, device="cpu"), args, progress=False)
+        assert plan.precision["name"] == "fp32"
+        trace: dict = {}
+        autopar.simulate(model, plan, args, trace=trace)
+        assert all(differences(plan, ran) == [] for ran in trace.values()), (dtype, differences(plan, trace[(0,)]))
+        moved[dtype] = [(r["tensor"], r["bytes"]) for r in plan.reshardings if r["kind"] in ("param", "grad")]
+    assert moved[torch.float64] == [(t, 2 * b) for t, b in moved[torch.float32]] and moved[torch.float32]
+
+
 class _Dtypes(TorchDispatchMode):
     """Records the input dtypes of every op that runs."""
 

@@ -13,7 +13,8 @@ private surface and says, in its docstring, what to check on a torch upgrade:
 - ``gloo``: gloo groups with one worker thread (a workaround for a torch 2.13 race);
 - ``autograd``: autograd-engine and storage bindings of ``torch._C``;
 - ``nn``: ``nn.Module``'s parameter/buffer tables and its conversion hook;
-- ``pipelining``: torch's pipeline schedules' action orders, built without a process group.
+- ``pipelining``: torch's pipeline schedules' action orders, built without a process group, and a
+  forward-only step of a schedule that runs a lowered order (ZBV).
 
 Everything else in autopar imports these names from here (``from autopar import _torch_compat as
 tc``), never from torch's private modules (``tests/test_private_api.py`` enforces it), so a torch
@@ -77,7 +78,7 @@ from autopar._torch_compat.fx import (
 )
 from autopar._torch_compat.gloo import group_alive, new_one_worker_gloo_groups
 from autopar._torch_compat.nn import after_conversion, buffer_table, parameter_table, share_tables, with_metadata
-from autopar._torch_compat.pipelining import schedule_order
+from autopar._torch_compat.pipelining import forward_only, runs_action_order, schedule_order
 
 #: Try the one-pass joint trace first (``aot._export_joint_fast``); False: always AOTAutograd's
 #: export. Set here (``tc.FAST_JOINT = False``): ``export_joint`` reads it from the package.
@@ -92,7 +93,7 @@ __all__ = [
     "group_alive", "group_timeout", "has_grad_hooks", "held_indices", "InputMutationAOTOutput",
     "install_strided_checkpointing", "JOINT_PATHS", "local_tensor", "new_one_worker_gloo_groups", "ParamAOTInput",
     "parameter_table", "PlainAOTInput", "PlainAOTOutput", "preserve_node_meta", "process_group", "pytree",
-    "record_dispatch", "record_writes", "schedule_order", "set_group_timeout", "share_tables", "storage_key", "storage_use_count",
+    "forward_only", "record_dispatch", "record_writes", "runs_action_order", "schedule_order", "set_group_timeout", "share_tables", "storage_key", "storage_use_count",
     "strided_shard", "TangentAOTInput",
     "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "use_flat_calling_convention",
     "will_engine_execute", "with_metadata"

@@ -57,11 +57,17 @@ _TABLE: dict[str, tuple[Optional[int], Optional[str], int, int, Optional[int], i
     "fp16": (2, "float16", 2, 2, 2, 2),
     "fp32": (4, "float32", 4, 4, 4, 4),
     "fp64": (8, "float64", 8, 8, 8, 8),
-    # compute in each tensor's own dtype; parameter state priced as fp32 (the usual case)
+    # compute in each tensor's own dtype; optimizer moments priced as fp32 (the usual case)
     "model": (None, None, 4, 4, None, 4),
 }
 
 PRECISIONS = tuple(_TABLE)
+
+#: Precisions a program runs in as captured (``runtime.precision``: no cast is lowered), so a float
+#: tensor is held and moved at its own dtype's size: a float64 model planned at the CPU preset's
+#: default "fp32" all-gathers 8 bytes per element, and so its plan prices them (its compute keeps the
+#: precision's ``compute_dtype`` peak). The table's sizes are those of a model in the named dtype.
+AS_CAPTURED = ("model", "fp32", "fp64")
 
 
 def get_precision(name: Optional[str], hw: Hardware, optimizer: str = "adamw") -> Precision:
@@ -90,12 +96,13 @@ def get_precision(name: Optional[str], hw: Hardware, optimizer: str = "adamw") -
 def element_bytes(dtype: torch.dtype, role: str, precision: Precision) -> int:
     """Bytes per element of a tensor of ``dtype`` in ``role`` (activation, param, grad, gather).
 
-    Float tensors take the precision's size for the role; integer, bool and complex tensors keep
-    their own itemsize (ids and masks are not cast; complex is left alone).
+    Float tensors take the precision's size for the role, or under a precision that runs as
+    captured (``AS_CAPTURED``) their own; integer, bool and complex tensors keep their own itemsize
+    (ids and masks are not cast; complex is left alone).
     """
     if role not in ROLES:
         raise ValueError(f"unknown tensor role {role!r}: expected one of {ROLES}")
-    if not dtype.is_floating_point:
+    if not dtype.is_floating_point or precision.name in AS_CAPTURED:
         return dtype.itemsize
     if role == "activation":
         return precision.compute_bytes or dtype.itemsize
@@ -106,4 +113,4 @@ def element_bytes(dtype: torch.dtype, role: str, precision: Precision) -> int:
     return precision.gather_bytes or precision.compute_bytes or dtype.itemsize
 
 
-__all__ = ["PRECISIONS", "Precision", "element_bytes", "get_precision"]
+__all__ = ["AS_CAPTURED", "PRECISIONS", "Precision", "element_bytes", "get_precision"]

@@ -24,7 +24,14 @@ for a cross-entropy mean its counted targets over the batch's, so ``ignore_index
 unevenly over the micro-batches still give the batch's mean; refused where no weighting can). ``loss.backward()``
 then writes the step's gradients into the parameters' ``.grad`` (scaled by the incoming gradient).
 A parameter read on several ranks (a tied embedding and head) has its gradients summed over them.
-Under ``torch.no_grad()`` it runs the forward only (``schedule.eval``).
+Under ``torch.no_grad()`` it runs the forward only (``run_schedule``: ``schedule.eval``, for ZBV its
+forward actions only).
+
+Random ops (dropout, attention with dropout) do not run as torch's eager ops, which would draw from
+torch's generator in the schedule's order: each is a ``program.RandomOp`` on one device, drawing the
+single-device program's numbers (``ir.rules.random_ops``) at the micro-batch's place in the whole
+batch (``random_state.pipelined_draws``), with the seed shared at build and the step advanced per
+call, as the mesh runtime draws them. Each stage module holds only the parameters its ops read.
 
 With other mesh axes, ``runtime/pipeline_mesh.py`` runs each stage's slice of the plan's lowered
 sharded program (``autopar.compile`` picks it). Not built here: the split backward through autopar's
@@ -33,6 +40,7 @@ own lowered programs (torch's autograd split is used for ZBV), point-to-point tr
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -50,10 +58,11 @@ from autopar import _torch_compat as tc
 from autopar.errors import ArgumentError
 from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph, Ref
-from autopar.ir.rules.random_attention import is_random_call
 from autopar.ir.stages import stage_rule
+from autopar.program.program import RandomOp, RandomState
 from autopar.runtime.pipeline_loss import loss_weights
 from autopar.runtime.pipeline_state import drop_parameters, without_dropped
+from autopar.runtime.random_state import RANDOM_KEY, pipelined_draws, random_tensor, take_random_state
 
 
 def micro_slices(args: tuple, kwargs: dict, batch: int, m: int) -> list[dict[str, Any]]:
@@ -71,25 +80,35 @@ def micro_slices(args: tuple, kwargs: dict, batch: int, m: int) -> list[dict[str
     return out
 
 
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
 class _Stage(torch.nn.Module):
-    """One pipeline stage: its ops in graph order, run on the model's parameters and buffers."""
+    """One pipeline stage: its ops in graph order, run on the model's parameters and buffers (only
+    those its ops read: ``values``), its random ops drawn by ``randoms`` (node name -> ``RandomOp``)."""
 
     def __init__(self, graph: Graph, nodes: list, inputs: list[Ref], outputs: list[Ref], values: dict[str, Any],
-                 inputs_of: dict[str, str], store: list, weights: list, m: int, last: bool):
+                 inputs_of: dict[str, str], store: list, weights: list, m: int, last: bool,
+                 randoms: dict[str, RandomOp], random: Optional[RandomState]):
         super().__init__()
         self.graph, self.nodes, self.inputs, self.outputs = graph, nodes, inputs, outputs
         self.values, self.inputs_of, self.store, self.m, self.last = values, inputs_of, store, m, last
         self.weights = weights  # per micro-batch, its loss's factor in the step's loss (shared, set per step)
+        self.randoms, self.random = randoms, random
+        self.given = {r.node for r in inputs}
         self.calls = 0
         params = []
         for v in values.values():
             if isinstance(v, torch.nn.Parameter) and all(v is not p for p in params):
                 params.append(v)
-        self.held = torch.nn.ParameterList(params)  # for torch's weight-gradient backward (ZBV)
+        # its own parameters: torch's weight-gradient backward (ZBV's W) runs over these
+        self.held = torch.nn.ParameterList(params)
 
     def forward(self, *boundary):
         mb = self.calls % self.m
         self.calls += 1
+        if self.random is not None:  # random ops draw micro-batch mb's block of the whole batch's draw
+            self.random.micro = mb
         env: dict[Ref, Any] = dict(zip(self.inputs, boundary))
         for n in self.nodes:
             if n.is_placeholder:
@@ -98,11 +117,15 @@ class _Stage(torch.nn.Module):
                 else:
                     env[Ref(n.name, 0)] = self.store[mb][self.inputs_of[n.name]]
                 continue
-            if all(Ref(n.name, j) in env for j in range(len(n.outputs)) if n.outputs[j] is not None):
-                continue  # a forwarded boundary value
-            args = map_aggregate(n.args, lambda a: env[a] if isinstance(a, Ref) else a)
-            kwargs = map_aggregate(n.kwargs, lambda a: env[a] if isinstance(a, Ref) else a)
-            out = n.target(*args, **kwargs)
+            if n.name in self.given:
+                continue  # a forwarded boundary value (another output of its op, unread here, is not sent)
+            if n.name in self.randoms:  # the counter-based draw (its math differentiable: autograd's backward)
+                out = self.randoms[n.name](*[env[r] for r in n.inputs])
+            else:
+                args = map_aggregate(n.args, lambda a: env[a] if isinstance(a, Ref) else a)
+                kwargs = map_aggregate(n.kwargs, lambda a: env[a] if isinstance(a, Ref) else a)
+                # a view recorded on fake tensors may rely on strides a drawn attention's dense output lacks
+                out = (torch.ops.aten.reshape.default if n.target in _VIEWS else n.target)(*args, **kwargs)
             if len(n.outputs) == 1:
                 env[Ref(n.name, 0)] = out
             else:
@@ -167,13 +190,8 @@ class PipelinedModule(torch.nn.Module):
         if not graph.outputs or graph.outputs[0] is None or graph.spec(graph.outputs[0]).shape != ():
             raise ArgumentError("autopar pipelined: the model must return its loss (a scalar) to be pipelined")
         stage = stage_rule(graph, pl["stages"])
-        drawn = sorted({n.where() for n in graph.ops() if is_random_call(n.op, n.args, n.kwargs)})
-        if drawn:  # this runtime runs eager aten ops: torch's generator, drawn in the schedule's order
-            raise ArgumentError(f"autopar pipelined: the model draws random numbers ({', '.join(drawn[:3])}); the "
-                                "pipeline axis alone runs eager aten ops, whose dropout masks would come from torch's "
-                                "generator in the schedule's order, not the single-device model's. Plan on a mesh with "
-                                "another axis (pp x dp, pp x tp: its runtime runs the plan's lowered program, which draws "
-                                "the single-device masks), or set the dropout probabilities to 0 (or model.eval())")
+        # random ops (dropout): the single-device program's draw, not torch's generator's (see the docstring)
+        self.random, randoms = pipelined_draws(graph, self.m, self.batch // self.m, self.group)
 
         values: dict[str, Any] = {}
         for fqn, name in graph.params.items():
@@ -235,8 +253,9 @@ class PipelinedModule(torch.nn.Module):
                 todo += [r.node for r in node.inputs]
             nodes = [n for n in graph.nodes if n.name in need or n.name in given]
             outputs = [loss] if s == n_stages - 1 else boundaries[s]
-            mods.append(_Stage(graph, nodes, inputs, outputs, values, inputs_of, self.store, self.weights, self.m,
-                               s == n_stages - 1))
+            read = {n.name: values[n.name] for n in nodes if n.is_placeholder and n.name in values}
+            mods.append(_Stage(graph, nodes, inputs, outputs, read, inputs_of, self.store, self.weights, self.m,
+                               s == n_stages - 1, {k: v for k, v in randoms.items() if k in need}, self.random))
             # static metadata from the graph (no shape inference run): requires_grad marks what gets gradients
             def example(r: Ref, grad: bool = True) -> torch.Tensor:
                 spec = graph.spec(r)
@@ -267,6 +286,8 @@ class PipelinedModule(torch.nn.Module):
 
         self._dropped = drop_parameters(model, keep)
         self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        held = {id(p) for p in model.parameters()}  # (and no reference to the dropped ones is kept here)
+        self.values = {k: v for k, v in values.items() if not isinstance(v, torch.nn.Parameter) or id(v) in held}
         # last: ``parameters()``, ``state_dict()`` and ``load_state_dict`` by the model's own names
         tc.share_tables(self, model)
 
@@ -278,8 +299,18 @@ class PipelinedModule(torch.nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict`` by the single-device model's names; the entries of parameters
-        other pipeline ranks hold are checked and skipped (``runtime.pipeline_state``)."""
+        other pipeline ranks hold are checked and skipped (``runtime.pipeline_state``); ``RANDOM_KEY``
+        sets the random draws' seed and step."""
+        state_dict = take_random_state(self.random, state_dict)
         return self.model.load_state_dict(without_dropped(state_dict, self._dropped), strict=strict, assign=assign)
+
+    def state_dict(self, *args, **kwargs):
+        """The held parameters and every buffer by the model's names; with random ops also
+        ``RANDOM_KEY`` (``[seed, next step]``, a plain tensor: every rank's is the same)."""
+        out = super().state_dict(*args, **kwargs)
+        if self.random is not None:
+            out[kwargs.get("prefix", "") + RANDOM_KEY] = random_tensor(self.random)
+        return out
 
     def run(self, inputs: tuple, backward: bool):
         """One step of the schedule on ``inputs`` (every rank passes the whole batch): the loss on every
@@ -298,10 +329,8 @@ class PipelinedModule(torch.nn.Module):
         for p in self.params:
             p.grad = None
         try:
-            with torch.enable_grad() if backward else torch.no_grad():
-                step = self.schedule.step if backward else self.schedule.eval
-                step(*((dummy,) if first else ()), target=target if last else None, losses=losses if last else None,
-                     return_outputs=False)
+            run_schedule(self.schedule, backward, *((dummy,) if first else ()), target=target if last else None,
+                         losses=losses if last else None)
             grads = [p.grad for p in self.params]
         finally:
             for p, g in zip(self.params, saved):
@@ -312,18 +341,32 @@ class PipelinedModule(torch.nn.Module):
                 dist.all_reduce(g, group=self.group)
                 grads[p_i] = g
         total = torch.stack([x.detach() for x in losses]).sum() if last else torch.zeros(())
-        total = total.to(torch.float32).clone()
+        total = total.to(self.graph.spec(self.graph.outputs[0]).dtype).clone()  # the model's loss dtype
         dist.broadcast(total, group_src=self.last_rank, group=self.group)
         return total, grads
 
     def forward(self, *args, **kwargs):
-        if not torch.is_grad_enabled():
-            if self.schedule_name == "ZBVZeroBubble":
-                raise ArgumentError("autopar pipelined: a forward-only step (under torch.no_grad()) of ZBVZeroBubble "
-                                    "fails in torch 2.13 (its eval runs the same-rank backward hand-over); plan "
-                                    "another schedule for evaluation")
-            return self.run((args, kwargs), backward=False)[0]
-        return ScheduleStep.apply(self, (args, kwargs), *self.params)
+        try:
+            if not torch.is_grad_enabled():
+                return self.run((args, kwargs), backward=False)[0]
+            return ScheduleStep.apply(self, (args, kwargs), *self.params)
+        finally:
+            if self.random is not None:  # the next step draws new numbers (as ParallelModule)
+                self.random.step += 1
+
+
+def run_schedule(schedule, backward: bool, *args, **kwargs) -> None:
+    """One step of torch's ``schedule`` (forward and backward of every micro-batch), or without
+    ``backward`` its forwards only (``eval``, under ``no_grad``). A schedule that runs a lowered
+    action order runs only its forward actions then (``_torch_compat.forward_only``): torch 2.13's
+    ``eval`` of ZBVZeroBubble would run the V's same-rank backward hand-over and fail."""
+    if backward:
+        with torch.enable_grad():
+            schedule.step(*args, return_outputs=False, **kwargs)
+        return
+    only = tc.forward_only(schedule) if tc.runs_action_order(schedule) else contextlib.nullcontext()
+    with torch.no_grad(), only:
+        schedule.eval(*args, return_outputs=False, **kwargs)
 
 
 _SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
@@ -340,4 +383,4 @@ def pipelined(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: O
     return PipelinedModule(model, plan, example_inputs, example_kwargs, group)
 
 
-__all__ = ["PipelinedModule", "ScheduleStep", "pipelined"]
+__all__ = ["PipelinedModule", "ScheduleStep", "pipelined", "run_schedule"]

@@ -56,7 +56,7 @@ from autopar.program import collectives as C
 from autopar.program.collectives import Executed
 from autopar.runtime.accounting import compare, pipelined_predicted
 from autopar.runtime.collectives import ProcessGroupComm, record_executed
-from autopar.runtime.pipeline import ScheduleStep, micro_slices
+from autopar.runtime.pipeline import ScheduleStep, micro_slices, run_schedule
 from autopar.runtime.pipeline_cut import SHAPE, Cut, StageCut
 from autopar.runtime.pipeline_loss import loss_weights
 from autopar.runtime.pipeline_state import local_state, without_dropped
@@ -369,10 +369,8 @@ class MeshPipelinedModule(torch.nn.Module):
         first = any(st.is_first for st in self.stages)
         last = any(st.is_last for st in self.stages)
         losses: list = []
-        with torch.enable_grad() if backward else torch.no_grad():
-            (self.schedule.step if backward else self.schedule.eval)(
-                *((torch.zeros(self.batch),) if first else ()), target=torch.zeros(self.batch) if last else None,
-                losses=losses if last else None, return_outputs=False)
+        run_schedule(self.schedule, backward, *((torch.zeros(self.batch),) if first else ()),
+                     target=torch.zeros(self.batch) if last else None, losses=losses if last else None)
         if not backward:
             for name in ("statics", "given", "acc"):
                 object.__setattr__(self, name, [])
@@ -408,7 +406,7 @@ class MeshPipelinedModule(torch.nn.Module):
     def _loss(self, losses: list, last: bool) -> torch.Tensor:
         """The step's loss (the micro-batch losses, each times its weight, summed) on every rank."""
         total = torch.stack([x.detach() for x in losses]).sum() if last else torch.zeros(())
-        total = total.to(torch.float32).clone()
+        total = total.to(self.graph.spec(self.graph.loss).dtype).clone()  # the model's loss dtype (float64 too)
         dist.broadcast(total, group_src=self.last_rank, group=self.pp_group)
         return total
 
@@ -424,10 +422,6 @@ class MeshPipelinedModule(torch.nn.Module):
 
     def _step(self, args: tuple, kwargs: dict):
         if not torch.is_grad_enabled():  # the forwards only (evaluation)
-            if self.schedule_name == "ZBVZeroBubble":
-                raise ArgumentError("autopar pipeline: a forward-only step (under torch.no_grad()) of ZBVZeroBubble "
-                                    "fails in torch 2.13 (its eval runs the same-rank backward hand-over); plan "
-                                    "another schedule for evaluation")
             return self.run((args, kwargs), backward=False)[0]
         return ScheduleStep.apply(self, (args, kwargs), *self.params)
 

@@ -12,10 +12,11 @@ from typing import Optional
 import torch
 
 from autopar.cost_model.casting import CASTING
+from autopar.cost_model.precision import AS_CAPTURED
 from autopar.errors import AutoparError
 
-#: Precisions a lowered program runs in as captured (every tensor in its own dtype).
-NATIVE_PRECISIONS = ("model", "fp32", "fp64")
+#: Precisions a lowered program runs in as captured (every tensor in its own dtype; priced so too).
+NATIVE_PRECISIONS = AS_CAPTURED
 #: Every precision a program can run at: the native ones, and those the lowering casts for.
 EXECUTABLE_PRECISIONS = NATIVE_PRECISIONS + tuple(CASTING)
 

@@ -18,11 +18,22 @@ import torch.distributed as dist
 
 from autopar import _torch_compat as tc
 from autopar.ir.rules.random_ops import draw_seed
-from autopar.program.program import Program
+from autopar.program.program import Program, RandomOp, RandomState
 
 #: The ``state_dict`` entry of a program with random ops: ``int64 [seed, step]`` (the next forward's
 #: step), a replicated DTensor. The single-device model has no such entry: drop it to load there.
 RANDOM_KEY = "_autopar_random"
+
+
+def shared_seed(group: Optional[dist.ProcessGroup] = None) -> int:
+    """Every rank of ``group`` (default: the world) draws a seed from torch's default generator
+    (their generators advance alike); all get the group's first rank's. A collective."""
+    box = [draw_seed()]
+    if group is None:
+        dist.broadcast_object_list(box, src=0)
+    else:
+        dist.broadcast_object_list(box, group=group, group_src=0)
+    return int(box[0])
 
 
 def share_seed(program: Program) -> None:
@@ -30,9 +41,7 @@ def share_seed(program: Program) -> None:
     call it on every rank, for a program with random ops."""
     if program.random is None:
         return
-    box = [draw_seed()]
-    dist.broadcast_object_list(box, src=0)
-    program.random.seed = int(box[0])
+    program.random.seed = shared_seed()
 
 
 def random_entry(program: Program, device_mesh, device: Optional[torch.device]):
@@ -47,15 +56,22 @@ def random_entry(program: Program, device_mesh, device: Optional[torch.device]):
     return DTensor.from_local(value, device_mesh, [Replicate()] * device_mesh.ndim, run_check=False)
 
 
+def random_tensor(rs: RandomState) -> torch.Tensor:
+    """``[seed, step]`` as a plain int64 tensor (the pipeline axis alone keeps whole tensors)."""
+    return torch.tensor([rs.seed, rs.step], dtype=torch.int64)
+
+
 def load_random_entry(program: Program, value: torch.Tensor) -> None:
     """Set the program's seed and step from a ``RANDOM_KEY`` entry (a DTensor or a plain tensor)."""
+    if program.random is not None:
+        _load(program.random, value)
+
+
+def _load(rs: RandomState, value: torch.Tensor) -> None:
     from torch.distributed.tensor import DTensor
 
-    if program.random is None:
-        return
     whole = value.full_tensor() if isinstance(value, DTensor) else value
-    seed, step = (int(v) for v in whole.tolist())
-    program.random.seed, program.random.step = seed, step
+    rs.seed, rs.step = (int(v) for v in whole.tolist())
 
 
 def add_random_entry(out: dict, program: Program, device_mesh, prefix: str = "") -> dict:
@@ -70,9 +86,14 @@ def add_random_entry(out: dict, program: Program, device_mesh, prefix: str = "")
 
 def take_random_entry(program: Program, state_dict):
     """``state_dict`` without ``RANDOM_KEY``, the program's seed and step set from it where it is there."""
-    if RANDOM_KEY not in state_dict or program.random is None:
+    return take_random_state(program.random, state_dict)
+
+
+def take_random_state(rs: Optional[RandomState], state_dict):
+    """``state_dict`` without ``RANDOM_KEY``, ``rs``'s seed and step set from it where it is there."""
+    if RANDOM_KEY not in state_dict or rs is None:
         return state_dict
-    load_random_entry(program, state_dict[RANDOM_KEY])
+    _load(rs, state_dict[RANDOM_KEY])
     return tc.with_metadata({k: v for k, v in state_dict.items() if k != RANDOM_KEY}, state_dict)
 
 
@@ -140,6 +161,23 @@ def _lead(factors, sizes):
     return next((f for f in factors if sizes[f] != 1), None)
 
 
+def pipelined_draws(graph, micros: int, rows: int, group: Optional[dist.ProcessGroup] = None):
+    """For a runtime that interprets ``graph``'s ops eagerly (the pipeline axis alone,
+    ``runtime.pipeline``): ``(state, {node: RandomOp})`` drawing each random op (dropout, attention
+    with dropout) as the single-device program does, on one device at micro-batch ``state.micro``'s
+    place in the whole batch; ``(None, {})`` without random ops. The seed is ``group``'s first rank's,
+    from torch's default generator (``shared_seed``: a collective when there are random ops), step 0."""
+    from autopar.ir.rules.base import LocalCtx, op_call
+    from autopar.ir.rules.random_attention import is_random_call, key_node
+
+    drawn = [n for n in graph.ops() if is_random_call(n.op, n.args, n.kwargs)]
+    if not drawn:
+        return None, {}
+    rs = RandomState(seed=shared_seed(group), micros=micros, batch_dims=batch_dims(graph, rows) if micros > 1 else {})
+    ops = {n.name: RandomOp(LocalCtx(op_call(graph, n), (), (), ()), key_node(graph, n), rs) for n in drawn}
+    return rs, ops
+
+
 def pipelined_random(program: Program, graph, micros: int, rows: int) -> None:
     """Key ``program``'s random ops (if any) for a pipelined run of ``micros`` micro-batches of
     ``rows`` samples (``RandomState.micro`` is then set before each micro-batch's part runs)."""
@@ -150,4 +188,5 @@ def pipelined_random(program: Program, graph, micros: int, rows: int) -> None:
     rs.batch_dims = batch_dims(graph, rows)
 
 
-__all__ = ["RANDOM_KEY", "at_step", "batch_dims", "pipelined_random", "load_random_entry", "random_entry", "share_seed"]
+__all__ = ["RANDOM_KEY", "at_step", "batch_dims", "pipelined_draws", "pipelined_random", "load_random_entry",
+           "random_entry", "random_tensor", "share_seed", "shared_seed", "take_random_state"]
