@@ -195,12 +195,12 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
     # exactly, and so on until the best candidate is an exact one. Typically one or two solves.
     found = []  # exact candidates: (price, ranges, m, planned, paths, order)
     estimated: list = []  # (price, m) from a scaled solve
-    # The middle count first. (Starting from the largest would often save a capture and a solve, but the
-    # linear estimate of fewer, larger micro-batches is pessimistic, by 53% for a 1.3B-wide GPT at one
-    # 1024-token row per micro-batch on tp4, where the kernels are far from their peak: a count that is
-    # best would never be solved. From the middle, the estimate of the larger count is optimistic and
-    # that count is solved when it might win.)
-    first = counts[len(counts) // 2]
+    # The pipelined recipe's count first when it is one of them: its shape is captured for the recipe
+    # anyway, so a second capture is paid only if another count might win (a capture of LLaMA-3.1-405B
+    # is about half its plan's time). Else the middle count. The estimates lean optimistic both ways
+    # (``scaled``), so a count they rank worse than an exact candidate would not have won.
+    recipe_m = _recipe_count(sub, batch, pp, counts) if not pin and pp > 1 else None
+    first = recipe_m if recipe_m in counts else counts[len(counts) // 2]
     for bounded in (False, True):
         solved: set[int] = set()
         estimated = []
