@@ -5,10 +5,11 @@ The model is planned by ``run_passes`` on the mesh without the pipeline axis at 
 shape (the batch dimension of every input cut to ``B / m``): one folded solve, which every stage of
 alike layers shares. That plan is read back per segment (``search/pipeline_split.py``), the layer
 instances are split into stages, and every schedule torch 2.13 runs at that shape is priced by
-replay (``cost_model/pipeline.py``). Only one micro-batch count (the middle candidate) is solved
-first; the others are priced from its segments with the per-micro-batch figures scaled
-(``search/pipeline_split.scaled``), and the count that estimate ranks best is then solved exactly,
-until the best candidate is an exact one (one or two solves, not one per count). Each shape is
+replay (``cost_model/pipeline.py``). Only one micro-batch count is solved first (the pipelined
+recipe's, whose shape is captured for the recipe anyway, when it is a candidate; else the middle one);
+the others are priced from its segments with the per-micro-batch figures estimated so as to lean
+optimistic (``search/pipeline_split.scaled``), and the count that estimate ranks best is then solved
+exactly, until the best candidate is an exact one (one or two solves, not one per count). Each shape is
 captured once (the recipe's solve reuses the capture of its shape). The intra-op
 solve is first made without a memory budget (the fastest layer plan; a stage holds only its share
 of the model); when no pipeline fits so, again within the budget (the leaner layer plan).
