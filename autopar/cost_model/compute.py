@@ -235,6 +235,49 @@ def compute_time(
     return max(t_flops, t_bytes) + hw.launch_floor
 
 
+def _along(x: float, half: float) -> float:
+    """How far along an efficiency curve ``x / (x + half)`` the size ``x`` is (1 for a flat curve)."""
+    return 1.0 if half <= 0 else (x / (x + half) if x > 0 else 0.0)
+
+
+def row_growth(
+    call: OpCall,
+    in_shapes: Sequence[Shape],
+    out_shapes: Sequence[Optional[Shape]],
+    hw: Hardware,
+    precision: Precision,
+) -> float:
+    """How fast ``compute_time`` at least grows when every batch-carrying size of the op grows by a
+    factor ``f >= 1`` (its rows: samples or tokens), for an op whose work is per row: seconds per unit
+    of ``f``, so that ``compute_time(f) >= compute_time(1) + (f - 1) * row_growth``. The roofline's
+    active term is affine in ``f`` (the efficiency curves are ``x / (x + half)``): a matmul's slope is
+    its FLOP time at full efficiency in whichever of (MN, K) grows, bounded by
+    ``t_flops * min(sat(MN), sat(K))`` since which of the two holds the rows is not known; fused
+    attention's efficiency does not depend on the rows, so its time is linear; a memory-bound op's
+    slope is its byte time at full bandwidth; the launch floor does not grow. The pipeline driver's
+    estimate of fewer, larger micro-batches from a solve at smaller ones uses it (an estimate that
+    must not be pessimistic: ``passes/search/pipeline_split.scaled``)."""
+    if is_free(call.op):
+        return 0.0
+    ins = [tuple(s) for s in in_shapes]
+    outs = [None if s is None else tuple(s) for s in out_shapes]
+    flops, nbytes = flops_and_bytes(call, ins, outs, precision)
+    if call.op in (_ATTN_FWD, _ATTN_BWD) and not hw.flash_attention:
+        nbytes += _score_bytes(call, ins, precision)
+    dtype = precision.compute_dtype or str(_float_dtype(call)).replace("torch.", "")
+    t_flops = flops / (hw.flops(dtype) * efficiency_of(call, ins, outs, hw)) if flops else 0.0
+    t_bytes = nbytes / (hw.hbm_bandwidth * eff.memory(hw.efficiency, nbytes)) if nbytes else 0.0
+    if t_bytes > t_flops:
+        return t_bytes * _along(nbytes, hw.efficiency.mem_half_bytes)
+    if call.op in (_ATTN_FWD, _ATTN_BWD):
+        return t_flops
+    shape = matmul_shape(call, ins, outs)
+    if shape is None:
+        return t_flops
+    e = hw.efficiency
+    return t_flops * min(_along(shape[0], e.mm_half_mn), _along(shape[1], e.mm_half_k))
+
+
 def model_flops(graph) -> float:
     """Model FLOPs of one step (the MFU numerator, global, every device together): the forward's
     matmuls, convolutions and fused attention at their full shapes, times 3 when training (the
@@ -288,4 +331,5 @@ def optimizer_time(state: dict, hw: Hardware) -> float:
 
 
 __all__ = ["compute_time", "efficiency_of", "flops_and_bytes", "is_free", "matmul_shape", "model_flops", "optimizer_time",
+           "row_growth",
            "tokens_per_step"]

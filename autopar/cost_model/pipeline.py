@@ -58,6 +58,9 @@ class Segment:
     optimizer: float = 0.0
     #: per layer instance it holds that may recompute: ``(path, {mode: Recompute})``
     recompute: tuple = field(default=(), compare=False)
+    #: how fast (forward, input_grad, weight_grad) at least grow with a micro-batch ``f >= 1`` times
+    #: as large: seconds per unit of ``f`` (``compute.row_growth``; ``pipeline_split.scaled`` reads it)
+    growth: tuple = field(default=(0.0, 0.0, 0.0), compare=False)
 
     @property
     def backward(self) -> float:

@@ -17,6 +17,8 @@ are kept by their producers.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from autopar.ir.graph import Graph, Phase, Ref
 from autopar.ir.layers import Key, Layers, layers
 from autopar.ir.views import ALIASES, param_views, storage_shares
@@ -36,27 +38,35 @@ ATTENTION = frozenset({
 })
 
 
-def instance_plan(graph: Graph, membership: Layers, key: Key, mode: str) -> tuple[frozenset[Ref], frozenset[str]]:
+def instance_plan(graph: Graph, membership: Layers, key: Key, mode: str, *, users: Optional[dict] = None,
+                  views: Optional[set[str]] = None) -> tuple[frozenset[Ref], frozenset[str]]:
     """``(kept, recomputed)`` for instance ``key`` checkpointed in ``mode``: the instance's forward
-    values it keeps for the backward, and the names of its forward ops the backward re-runs."""
+    values it keeps for the backward, and the names of its forward ops the backward re-runs.
+    ``users`` (``graph.users()``) and ``views`` (``views.param_views(graph)``): passed by a caller
+    that asks for many instances, so the graph is scanned once, not once per instance."""
     if mode not in MODES:
         raise ValueError(f"checkpointing mode {mode!r}: expected one of {MODES}")
     names = membership.instances[key]
     inside = set(names)
-    views = param_views(graph)  # the backward derives parameters' views again in any case
+    if views is None:
+        views = param_views(graph)  # the backward derives parameters' views again in any case
+    if users is None:
+        users = graph.users()
     forward = [graph.node(n) for n in names if graph.node(n).phase == Phase.FORWARD
                and not graph.node(n).is_placeholder and n not in views]
     made = {n.name for n in forward}
     kept: set[Ref] = set()
     needed: set[Ref] = set()  # forward values of the instance the backward reads
-    for n in graph.nodes:
-        for r in n.inputs:
-            if r.node not in made:
-                continue
-            if n.name not in inside:  # leaves the instance: kept (the next instance starts from it)
-                kept.add(r)
-            elif n.phase == Phase.BACKWARD:
-                needed.add(r)
+    for src in made:
+        for u in users[src]:
+            n = graph.node(u)
+            for r in n.inputs:
+                if r.node != src:
+                    continue
+                if n.name not in inside:  # leaves the instance: kept (the next instance starts from it)
+                    kept.add(r)
+                elif n.phase == Phase.BACKWARD:
+                    needed.add(r)
     policy: set[Ref] = set()  # the values selective mode keeps besides the boundary
     if mode == "selective":
         matmuls = 0
@@ -90,6 +100,7 @@ def recomputed_ops(graph: Graph, checkpointing: dict[str, str]) -> frozenset[str
     membership = layers(graph)
     paths = {(f"{prefix}.{i}" if prefix else str(i)): (prefix, i) for prefix, i in membership.instances}
     out: set[str] = set()
+    users, views = graph.users(), param_views(graph)
     for path, mode in sorted(checkpointing.items()):
         if path not in paths:
             known = ", ".join(sorted(paths)[:4]) or "none"
@@ -97,7 +108,7 @@ def recomputed_ops(graph: Graph, checkpointing: dict[str, str]) -> frozenset[str
                              f"(instances: {known} ...)")
         if mode not in MODES:
             raise ValueError(f"the plan checkpoints {path!r} in mode {mode!r}: expected one of {MODES}")
-        out |= instance_plan(graph, membership, paths[path], mode)[1]
+        out |= instance_plan(graph, membership, paths[path], mode, users=users, views=views)[1]
     return frozenset(out)
 
 

@@ -5,10 +5,11 @@ The model is planned by ``run_passes`` on the mesh without the pipeline axis at 
 shape (the batch dimension of every input cut to ``B / m``): one folded solve, which every stage of
 alike layers shares. That plan is read back per segment (``search/pipeline_split.py``), the layer
 instances are split into stages, and every schedule torch 2.13 runs at that shape is priced by
-replay (``cost_model/pipeline.py``). Only one micro-batch count (the middle candidate) is solved
-first; the others are priced from its segments with the per-micro-batch figures scaled
-(``search/pipeline_split.scaled``), and the count that estimate ranks best is then solved exactly,
-until the best candidate is an exact one (one or two solves, not one per count). Each shape is
+replay (``cost_model/pipeline.py``). Only one micro-batch count is solved first (the pipelined
+recipe's, whose shape is captured for the recipe anyway, when it is a candidate; else the middle one);
+the others are priced from its segments with the per-micro-batch figures estimated so as to lean
+optimistic (``search/pipeline_split.scaled``), and the count that estimate ranks best is then solved
+exactly, until the best candidate is an exact one (one or two solves, not one per count). Each shape is
 captured once (the recipe's solve reuses the capture of its shape). The intra-op
 solve is first made without a memory budget (the fastest layer plan; a stage holds only its share
 of the model); when no pipeline fits so, again within the budget (the leaner layer plan).
@@ -195,12 +196,12 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
     # exactly, and so on until the best candidate is an exact one. Typically one or two solves.
     found = []  # exact candidates: (price, ranges, m, planned, paths, order)
     estimated: list = []  # (price, m) from a scaled solve
-    # The middle count first. (Starting from the largest would often save a capture and a solve, but the
-    # linear estimate of fewer, larger micro-batches is pessimistic, by 53% for a 1.3B-wide GPT at one
-    # 1024-token row per micro-batch on tp4, where the kernels are far from their peak: a count that is
-    # best would never be solved. From the middle, the estimate of the larger count is optimistic and
-    # that count is solved when it might win.)
-    first = counts[len(counts) // 2]
+    # The pipelined recipe's count first when it is one of them: its shape is captured for the recipe
+    # anyway, so a second capture is paid only if another count might win (a capture of LLaMA-3.1-405B
+    # is about half its plan's time). Else the middle count. The estimates lean optimistic both ways
+    # (``scaled``), so a count they rank worse than an exact candidate would not have won.
+    recipe_m = _recipe_count(sub, batch, pp, counts) if not pin and pp > 1 else None
+    first = recipe_m if recipe_m in counts else counts[len(counts) // 2]
     for bounded in (False, True):
         solved: set[int] = set()
         estimated = []
