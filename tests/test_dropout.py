@@ -284,12 +284,9 @@ def test_drop_path_style_ops_run_placement_independently():
 # -- gloo: the seed, the step and the state dict --------------------------------------------------
 
 @pytest.fixture(scope="module")
-def pool():
-    """Four gloo ranks, started once for this module's gloo tests."""
-    from autopar.runtime.pool import WorkerPool
-
-    with WorkerPool(4, timeout=300.0) as p:
-        yield p
+def pool(gloo_pool4):
+    """Four gloo ranks: the pytest process's shared pool (tests/conftest.py)."""
+    return gloo_pool4()
 
 
 def test_gloo_training_matches_simulation_and_the_state_dict_keeps_seed_and_step(pool, gpt_plans, tmp_path):

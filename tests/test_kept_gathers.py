@@ -128,11 +128,9 @@ def test_a_plan_keeping_an_unknown_layer_is_refused_before_it_runs():
 
 
 @pytest.fixture(scope="module")
-def pool():
-    from autopar.runtime.pool import WorkerPool
-
-    with WorkerPool(4, timeout=300.0) as p:
-        yield p
+def pool(gloo_pool4):
+    """Four gloo ranks: the pytest process's shared pool (tests/conftest.py)."""
+    return gloo_pool4()
 
 
 @pytest.mark.parametrize("family,axes,recipe", [
