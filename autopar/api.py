@@ -132,7 +132,8 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
 
 
 def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Optional[dict] = None, *,
-             precision: str = "model", trace: Optional[dict] = None, measure_memory: bool = False):
+             precision: str = "model", trace: Optional[dict] = None, measure_memory: bool = False,
+             graph: Optional[Graph] = None):
     """Run ``plan``'s lowered program for every device of its mesh in this process.
 
     Returns ``(outputs, grads)``: for a training plan ``outputs`` is the loss and ``grads`` maps each
@@ -150,6 +151,9 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     distinct storages live during the step split by what they hold. Each device then holds its
     blocks as copies of its own and, as optimizer state, the plan's optimizer bytes per parameter
     element (what a step after the first holds), so the figures compare with ``plan.memory``.
+
+    ``graph``: an already captured graph of this model on these inputs (as ``autopar.plan`` takes
+    it), to skip the capture; unpipelined plans only (a pipelined plan captures one micro-batch).
     """
     check_model(model, "autopar.simulate: model")
     check_kwargs(example_kwargs, "autopar.simulate: example_kwargs")
@@ -158,16 +162,23 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
         raise ArgumentError(f"autopar.simulate: trace must be a dict to fill (or None), got {type(trace).__name__}")
     if not isinstance(measure_memory, bool):
         raise ArgumentError(f"autopar.simulate: measure_memory must be True or False, got {measure_memory!r}")
+    if graph is not None and not isinstance(graph, Graph):
+        raise ArgumentError(f"autopar.simulate: graph must be a Graph from autopar.ir.capture.capture, got "
+                            f"{type(graph).__name__}")
     if not isinstance(plan, Plan):
         plan = load_plan(check_path(plan, "autopar.simulate: plan (a Plan or a saved plan's path)"))
     if plan.pipeline is not None:  # every stage-mesh device a thread, its stages in turn
-        if precision != "model" or measure_memory:
-            raise ArgumentError("autopar.simulate: a pipelined plan runs at the model's precision and without "
-                                "measure_memory so far")
+        if precision != "model" or measure_memory or graph is not None:
+            raise ArgumentError("autopar.simulate: a pipelined plan runs at the model's precision, without "
+                                "measure_memory and without a given graph so far")
         return _simulate_pipelined(model, plan, as_args(example_inputs), dict(example_kwargs or {}), trace)
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
-    graph = capture(model, args, kwargs, training=plan.training)
+    if graph is None:
+        graph = capture(model, args, kwargs, training=plan.training)
+    elif graph.training != plan.training:
+        raise ArgumentError(f"autopar.simulate: graph was captured with training={graph.training}, the plan "
+                            f"has training={plan.training}: capture it again with the plan's")
     res = resolve(graph, plan)
     run_prec = execution_precision(precision, plan.precision.get("name", "model"))
     programs = {c: lower(res, c, precision=run_prec) for c in device_coords(res.mesh.shape)}

@@ -101,7 +101,8 @@ SEED = 5
 @functools.lru_cache(maxsize=None)
 def corpus_programs(name: str) -> tuple:
     """Corpus model ``name`` with dropout on, in float64: ``(graph, 1-device plan, (2, 2) fsdp_tp
-    plan, the 1-device program's (loss, gradients) with seed ``SEED``)``; made once per process."""
+    plan, the 1-device program's (loss, gradients) with seed ``SEED``)``; made once per process, one
+    capture for both plans and the simulations (capture draws nothing from torch's generator)."""
     import autopar
     from _corpus import build
     from autopar.ir.capture import capture
@@ -115,7 +116,7 @@ def corpus_programs(name: str) -> tuple:
         many = autopar.recipes.fsdp_tp(model, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu"), args, kwargs,
                                        graph=graph, precision="fp64", progress=False)
         torch.manual_seed(SEED)
-        return graph, one, many, autopar.simulate(model, one, args, kwargs)
+        return graph, one, many, autopar.simulate(model, one, args, kwargs, graph=graph)
 
 
 def close(got: tuple, want: tuple, tol: float, label) -> None:

@@ -72,3 +72,9 @@ def train_on_rank(family: str, n_layers: int, batch: int, axes: tuple, text: str
         if name in out["held"]:
             out["param"] = max(out["param"], rel(p.full_tensor(), refp[name]))
     return out
+
+
+def train_cases(cases: list) -> list:
+    """``train_on_rank(*case)`` for each of ``cases`` in turn, on the same ranks (one launch: its
+    processes' start-up and imports are paid once)."""
+    return [train_on_rank(*case) for case in cases]

@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 #: Lines that tests want shown after the run (e.g. how many rule signatures were proven).
@@ -34,3 +36,26 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", "autopar figures")
         for line in REPORT:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def gloo_pool4():
+    """``get()`` -> this pytest process's 4-rank gloo ``WorkerPool``, shared by every module that runs
+    its ranks' functions on one (``make test`` keeps a file on one xdist worker, so each worker starts
+    one pool instead of one per module: 4 processes importing torch and autopar, seconds each). The
+    functions a pool runs build their own models and groups, so modules share nothing else; a pool
+    that a run broke (a rank died or timed out) is replaced for the next module."""
+    from autopar.runtime.pool import WorkerPool
+
+    held: list = []
+
+    def get():
+        if held and held[0].broken:
+            held.pop().close()
+        if not held:
+            held.append(WorkerPool(4, timeout=300.0, start_timeout=300.0))
+        return held[0]
+
+    yield get
+    for p in held:
+        p.close()

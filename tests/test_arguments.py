@@ -168,6 +168,27 @@ def test_simulate_launch_hint_and_load_plan_check_their_arguments(tmp_path):
         autopar.load_plan(pathlib.Path(tmp_path) / "none.json")
 
 
+def test_simulate_takes_the_plans_graph_and_checks_it():
+    """``simulate(..., graph=)`` skips the capture (the corpus parity tests share one per model): the
+    same loss and gradients as its own capture; a graph of the wrong kind is refused by name."""
+    from autopar.ir.capture import capture
+
+    torch.manual_seed(0)
+    model, x = Lin(), (torch.randn(8, 16),)
+    graph = capture(model, x, {})
+    plan = autopar.plan(model, MESH, x, graph=graph, search="propagate", progress=False)
+    loss, grads = autopar.simulate(model, plan, x)
+    loss_g, grads_g = autopar.simulate(model, plan, x, graph=graph)
+    assert torch.equal(loss, loss_g) and grads.keys() == grads_g.keys()
+    assert all(torch.equal(grads[k], grads_g[k]) for k in grads)
+    with pytest.raises(ArgumentError, match=r"^autopar.simulate: graph must be a Graph from "
+                                            r"autopar.ir.capture.capture, got str$"):
+        autopar.simulate(model, plan, x, graph="g")
+    with pytest.raises(ArgumentError, match=r"^autopar.simulate: graph was captured with training=False, the "
+                                            r"plan has training=True"):
+        autopar.simulate(model, plan, x, graph=capture(model, x, {}, training=False))
+
+
 def test_argument_errors_are_autopar_errors_and_the_builtin_kinds_they_replaced():
     """Callers that caught ``TypeError`` (a non-mesh) or ``ValueError`` (an unknown search) still do."""
     for kind in (AutoparError, TypeError, ValueError):

@@ -4,7 +4,8 @@ and unpipelined layouts (parameters and AdamW state, exactly).
 
 What the ranks run is in ``tests/_ckpt_helpers.py`` and ``tests/_dcp_pipeline_helpers.py``
 (importable by the spawned workers, see tests/test_launch.py); one 4-rank ``WorkerPool`` serves the
-whole module, so process start-up and ``import torch`` are paid once. Unpipelined plans are recipes
+whole module (and the other modules of this pytest process, ``tests/conftest.py``), so process
+start-up and ``import torch`` are paid once. Unpipelined plans are recipes
 (no search), to keep planning short; pipelined ones pin their schedule and micro-batches.
 """
 
@@ -15,13 +16,11 @@ import importlib.util
 import pytest
 from _ckpt_helpers import hf_meta_models, materialize_meta, meta_digests, optimizer_state, reshard_through_dcp
 
-from autopar.runtime.pool import WorkerPool
-
 
 @pytest.fixture(scope="module")
-def pool():
-    with WorkerPool(4, timeout=300, start_timeout=300) as p:
-        yield p
+def pool(gloo_pool4):
+    """Four gloo ranks: the pytest process's shared pool (tests/conftest.py)."""
+    return gloo_pool4()
 
 
 def test_dcp_save_under_fsdp_load_under_megatron_tp(pool, tmp_path):

@@ -100,18 +100,10 @@ ERRORS: dict[str, tuple[list, Optional[str], int, list]] = {
                         ["has no attribute 'nope'", "it defines", "mlp"]),
     "factory_returns_wrong_thing": (["plan", "cli_models:not_a_pair", "--mesh", "dp=2", "-o", "x.json"], None, 1,
                                     ["must return (model, example_inputs)", "it returned int 42"]),
-    "bad_mesh": (["plan", "cli_models:mlp", "--mesh", "dp:2", "-o", "x.json"], None, 2,
-                 ["--mesh 'dp:2'", "NAME=SIZE"]),
-    "bad_kw": (["plan", "cli_models:mlp", "--mesh", "dp=2", "--kw", "8", "-o", "x.json"], None, 2,
-               ["--kw '8'", "NAME=VALUE"]),
     "hint_unknown_parameter": (["plan", "cli_models:mlp", "--mesh", "dp=2", "--device", "cpu",
                                 "--hint", "nosuch.*=S(0)", "-o", "x.json"], None, 1,
                                ["--hint nosuch.*=S(0)", "no parameter, buffer or input matches 'nosuch.*'",
                                 "layers.0.weight"]),
-    "unknown_device": (["plan", "cli_models:mlp", "--mesh", "dp=2", "--device", "h900", "-o", "x.json"], None, 2,
-                       ["unknown device preset 'h900'", "h100", "cpu"]),
-    "plan_file_missing": (["show", "missing.json"], None, 1, ["no plan file at 'missing.json'", "autopar plan"]),
-    "plan_file_unreadable": (["show", "garbage.json"], None, 1, ["'garbage.json' is not a plan file", "invalid JSON"]),
     "plan_file_not_a_plan": (["diff", "a.json", "notplan.json"], "plan_a", 1,
                              ["'notplan.json'", "not an autopar plan"]),
     "explain_unknown_module": (["explain", "a.json", "layer.0"], "plan_a", 1,
@@ -166,7 +158,6 @@ def cli(request, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("cli")
     (cwd / "cli_models.py").write_text(FACTORIES)
     (cwd / "ortools.py").write_text(SHADOW)
-    (cwd / "garbage.json").write_text("{ this is not json")
     (cwd / "notplan.json").write_text('{"hello": "world"}\n')
     runner = Runner(cwd)
     wanted = []
@@ -322,8 +313,18 @@ def test_documented_error(cli, name):
     assert run.out == "", str(run)
 
 
-# More errors, in this process (each subprocess costs seconds of imports): the same one line.
+# More errors, in this process (each subprocess costs seconds of imports): the same one line. The
+# subprocesses above keep the path through `python -m autopar` (a fresh interpreter's stderr) covered.
 MORE_ERRORS = {
+    "bad_mesh": (["plan", "{cwd}/cli_models.py:mlp", "--mesh", "dp:2", "-o", "x.json"], 2,
+                 ["--mesh 'dp:2'", "NAME=SIZE"]),
+    "bad_kw": (["plan", "{cwd}/cli_models.py:mlp", "--mesh", "dp=2", "--kw", "8", "-o", "x.json"], 2,
+               ["--kw '8'", "NAME=VALUE"]),
+    "unknown_device": (["plan", "{cwd}/cli_models.py:mlp", "--mesh", "dp=2", "--device", "h900", "-o", "x.json"], 2,
+                       ["unknown device preset 'h900'", "h100", "cpu"]),
+    "plan_file_missing": (["show", "{cwd}/missing.json"], 1, ["no plan file at '{cwd}/missing.json'", "autopar plan"]),
+    "plan_file_unreadable": (["show", "{cwd}/garbage.json"], 1, ["'{cwd}/garbage.json' is not a plan file",
+                                                                 "invalid JSON"]),
     "factory_raises": (["plan", "{cwd}/cli_models.py:broken", "--mesh", "dp=2", "--kw", "batch=3", "-o", "x.json"], 1,
                        ["cli_models:broken(batch=3) raised ValueError: no data for batch 3", "cli_models.py:",
                         "in broken"]),
@@ -356,6 +357,7 @@ MORE_ERRORS = {
 def test_more_errors_in_process(tmp_path, name):
     (tmp_path / "cli_models.py").write_text(FACTORIES)
     (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00garbage")
+    (tmp_path / "garbage.json").write_text("{ this is not json")
     (tmp_path / "ortools.py").write_text(SHADOW)
     argv, code, says = MORE_ERRORS[name]
     rc, out, err = run_cli([a.format(cwd=tmp_path) for a in argv])

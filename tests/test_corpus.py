@@ -96,9 +96,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / max(b.norm().item(), 1e-300)
 
 
-def _check_parity(name: str, plan) -> None:
+def _check_parity(name: str, plan, graph=None) -> None:
     model, args, kwargs = build(name, dtype=torch.float64)
-    loss, grads = autopar.simulate(model, plan, args, kwargs)
+    loss, grads = autopar.simulate(model, plan, args, kwargs, graph=graph)
     out = model(*args, **kwargs)
     ref = out if isinstance(out, torch.Tensor) else out.loss
     ref.backward()
@@ -115,7 +115,8 @@ def _check_parity(name: str, plan) -> None:
 
 @pytest.fixture(scope="module")
 def graphs64():
-    """Per model: its float64 build's captured graph, shared by its (2, 2) and (2, 3) plans."""
+    """Per model: its float64 build's captured graph, shared by its (2, 2) and (2, 3) plans and their
+    simulations (a capture of these models costs as much as a plan or a simulated step)."""
     out = {}
 
     def get(name):
@@ -142,25 +143,26 @@ def test_fsdp_tp_simulates_the_eager_model(graphs64, name, tp):
     params = {n for n, _ in model.named_parameters()}
     split_both = [n for n, pl in plan.placements.items() if n in params and pl.count("S(") == 2]
     assert split_both, (name, {n: pl for n, pl in plan.placements.items() if n in params})
-    _check_parity(name, plan)
+    _check_parity(name, plan, graphs64(name))
 
 
-def test_searched_plan_of_complex_rope_simulates_the_eager_model():
+def test_searched_plan_of_complex_rope_simulates_the_eager_model(graphs64):
     """The searched plan of the torchtitan-style Llama (complex RoPE split by heads or batch)."""
     model, args, kwargs = build("titan_llama", dtype=torch.float64)
+    graph = graphs64("titan_llama")
     plan = autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu"), args, kwargs, precision="fp64",
-                        deterministic_time=0.5, progress=False)
-    _check_parity("titan_llama", plan)
+                        deterministic_time=0.5, progress=False, graph=graph)
+    _check_parity("titan_llama", plan, graph)
 
 
-def test_complex_stays_complex64_under_bf16_mixed_at_8_bytes():
+def test_complex_stays_complex64_under_bf16_mixed_at_8_bytes(planned):
     """No complex bf16: the cast policy leaves complex values alone and prices them at 8 bytes."""
     from autopar.cost_model.casting import cast_policy
     from autopar.cost_model.precision import element_bytes, get_precision
     from autopar.ir.graph import Ref
 
     model, args, kwargs = build("titan_llama")
-    graph = capture(model, args, kwargs)
+    graph = planned("titan_llama")[0]  # the capture of this build (fp32)
     prec = get_precision("bf16-mixed", autopar.Mesh({"dp": 2}, device="h100").hardware, "adamw")
     policy = cast_policy(graph, prec)
     complex_refs = [Ref(n.name, j) for n in graph.nodes for j, o in enumerate(n.outputs)
@@ -175,7 +177,7 @@ def test_complex_stays_complex64_under_bf16_mixed_at_8_bytes():
     assert all("error" not in row for row in plan.baselines.values()), plan.baselines
 
 
-def test_report_alternatives_are_priced_as_evaluate_prices_them():
+def test_report_alternatives_are_priced_as_evaluate_prices_them(planned):
     """The report re-prices one changed strategy from the plan's sums; that equals a full evaluate."""
     import random
 
@@ -185,7 +187,7 @@ def test_report_alternatives_are_priced_as_evaluate_prices_them():
 
     model, args, kwargs = build("hf_gpt2")
     p = run_passes(model, autopar.Mesh({"dp": 2, "tp": 2}, device="h100"), args, kwargs, progress=False,
-                   search="propagate")
+                   search="propagate", graph=planned("hf_gpt2")[0])
     reprice = _Repricer(p.problem, p.choice)
     rng = random.Random(0)
     changed = 0

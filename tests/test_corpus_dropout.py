@@ -55,5 +55,5 @@ def test_with_dropout_the_sharded_program_equals_the_one_device_program(name):
     torch.manual_seed(SEED)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got = autopar.simulate(model, many, args, kwargs)
+        got = autopar.simulate(model, many, args, kwargs, graph=graph)  # this build's capture
     close(got, one, 1e-6 if name in FP32_INSIDE else 1e-9, name)

@@ -136,7 +136,7 @@ def test_sharded_experts_simulate_the_one_device_program_in_bf16(captured):
         warnings.simplefilter("ignore")
         one = autopar.plan(model, autopar.Mesh({"a": 1}, device="cpu"), args, kwargs, graph=graph,
                            search="propagate", progress=False)
-        want = autopar.simulate(_build()[0], one, args, kwargs)
+        want = autopar.simulate(_build()[0], one, args, kwargs, graph=graph)  # one capture for all
         searched = autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu"), args, kwargs, graph=graph,
                                 deterministic_time=0.5, progress=False)
         recipe = autopar.recipes.fsdp_tp(model, autopar.Mesh({"dp": 2, "tp": 3}, device="cpu"), args, kwargs,
@@ -144,7 +144,7 @@ def test_sharded_experts_simulate_the_one_device_program_in_bf16(captured):
     for label, plan in (("searched (2, 2)", searched), ("fsdp_tp (2, 3)", recipe)):
         placed = _grouped_placements(plan, graph)
         assert any("S(" in p for ins, _ in placed for p in ins), (label, placed)  # not vacuous
-        got = autopar.simulate(_build()[0], plan, args, kwargs)
+        got = autopar.simulate(_build()[0], plan, args, kwargs, graph=graph)
         _close(got, want, 2e-2, label)
     # between them: the rows split (shifted offsets), and a partial sum (contraction or weight gradient)
     rows = _grouped_placements(searched, graph, (2, 3)) + _grouped_placements(recipe, graph, (2, 3))

@@ -141,11 +141,13 @@ def _plan(model, args, axes, kwargs=None, **kw):
         return autopar.plan(model, autopar.Mesh(axes, device="cpu"), args, kwargs, progress=False, **kw)
 
 
-def _simulate(model, plan, args, kwargs=None, seed=5):
+def _simulate(model, plan, args, kwargs=None, seed=5, graph=None):
+    """``graph``: the model's capture, shared by a test's plans and simulations (a capture costs
+    seconds; it draws nothing from torch's generator)."""
     torch.manual_seed(seed)  # simulate draws the run's seed from torch's default generator
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return autopar.simulate(model, plan, args, kwargs)
+        return autopar.simulate(model, plan, args, kwargs, graph=graph)
 
 
 def _assert_same(a, b, tol):
@@ -166,12 +168,12 @@ def gpt_plans():
 @pytest.mark.parametrize("which", ["search", "megatron_tp"])
 def test_gpt_with_dropout_on_2x2_equals_its_one_device_program(gpt_plans, which):
     model, args = build_gpt()
-    ops = {n.op for n in capture(model, args).ops()}
-    assert "aten.native_dropout.default" in ops
-    one = _simulate(model, gpt_plans["one"], args)
-    _assert_same(_simulate(model, gpt_plans[which], args), one, 1e-9)
+    graph = capture(model, args)
+    assert "aten.native_dropout.default" in {n.op for n in graph.ops()}
+    one = _simulate(model, gpt_plans["one"], args, graph=graph)
+    _assert_same(_simulate(model, gpt_plans[which], args, graph=graph), one, 1e-9)
     # the draw matters: another seed, or no dropout, is another loss
-    assert abs(_simulate(model, gpt_plans["one"], args, seed=6)[0].item() - one[0].item()) > 1e-6
+    assert abs(_simulate(model, gpt_plans["one"], args, seed=6, graph=graph)[0].item() - one[0].item()) > 1e-6
     model.eval()
     plain = model(*args).item()
     assert abs(plain - one[0].item()) > 1e-6
@@ -227,11 +229,13 @@ def test_hugging_face_bert_with_a_padding_mask_and_default_dropout_on_2x2_equals
     pad = torch.ones(4, 16, dtype=torch.long)
     pad[0, 12:] = 0
     kwargs = dict(input_ids=ids, attention_mask=pad, labels=ids)
-    fused = [n for n in capture(model, (), kwargs).ops() if n.op == "aten._scaled_dot_product_flash_attention_for_cpu.default"]
+    graph = capture(model, (), kwargs)  # one capture for the three plans and their simulations
+    fused = [n for n in graph.ops() if n.op == "aten._scaled_dot_product_flash_attention_for_cpu.default"]
     assert len(fused) == 2 and all(n.args[3] == 0.1 and "attn_mask" in n.kwargs for n in fused)
-    one = _simulate(model, _plan(model, (), {"a": 1}, kwargs), (), kwargs)
+    one = _simulate(model, _plan(model, (), {"a": 1}, kwargs, graph=graph), (), kwargs, graph=graph)
     for recipe in (None, "ddp"):
-        (loss, grads) = _simulate(model, _plan(model, (), {"a": 2, "b": 2}, kwargs, recipe=recipe), (), kwargs)
+        plan = _plan(model, (), {"a": 2, "b": 2}, kwargs, recipe=recipe, graph=graph)
+        (loss, grads) = _simulate(model, plan, (), kwargs, graph=graph)
         assert abs(loss.item() - one[0].item()) <= 1e-9 * abs(one[0].item())
         # one scale for all gradients: the key biases' are zero up to roundoff (softmax ignores a shift)
         scale = max(g.abs().max().item() for g in one[1].values())
@@ -280,12 +284,9 @@ def test_drop_path_style_ops_run_placement_independently():
 # -- gloo: the seed, the step and the state dict --------------------------------------------------
 
 @pytest.fixture(scope="module")
-def pool():
-    """Four gloo ranks, started once for this module's gloo tests."""
-    from autopar.runtime.pool import WorkerPool
-
-    with WorkerPool(4, timeout=300.0) as p:
-        yield p
+def pool(gloo_pool4):
+    """Four gloo ranks: the pytest process's shared pool (tests/conftest.py)."""
+    return gloo_pool4()
 
 
 def test_gloo_training_matches_simulation_and_the_state_dict_keeps_seed_and_step(pool, gpt_plans, tmp_path):

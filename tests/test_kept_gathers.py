@@ -128,11 +128,9 @@ def test_a_plan_keeping_an_unknown_layer_is_refused_before_it_runs():
 
 
 @pytest.fixture(scope="module")
-def pool():
-    from autopar.runtime.pool import WorkerPool
-
-    with WorkerPool(4, timeout=300.0) as p:
-        yield p
+def pool(gloo_pool4):
+    """Four gloo ranks: the pytest process's shared pool (tests/conftest.py)."""
+    return gloo_pool4()
 
 
 @pytest.mark.parametrize("family,axes,recipe", [
@@ -210,14 +208,14 @@ def test_kept_gathers_on_code_this_project_did_not_write():
     from autopar.ir.capture import capture
 
     model, args, kwargs = corpus_build("hf_gpt2", dtype=torch.float64)
+    graph = capture(model, args, kwargs)  # for the plan and the simulation
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = autopar.recipes.fsdp(model, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu"), args, kwargs,
-                                    precision="fp64", progress=False, kept_gathers="all",
-                                    graph=capture(model, args, kwargs))
+                                    precision="fp64", progress=False, kept_gathers="all", graph=graph)
     assert plan.kept_gathers == ["transformer.h.0", "transformer.h.1"]
     trace: dict = {}
-    loss, grads = autopar.simulate(model, plan, args, kwargs, trace=trace)
+    loss, grads = autopar.simulate(model, plan, args, kwargs, trace=trace, graph=graph)
     model(*args, **kwargs).loss.backward()
     names = [n for n, p in model.named_parameters() if p.grad is not None]
     got = torch.cat([grads[n].double().flatten() for n in names])

@@ -72,23 +72,20 @@ def pool():
 # launch
 
 
-def test_launch_two_ranks_rank_order_all_reduce_env_and_size_mismatch():
-    out = launch(report_and_mismatch, 2, timeout=120)
-    assert [r["rank"] for r in out] == [0, 1]
-    assert all(r["world_size"] == 2 and r["sum"] == 3.0 for r in out)  # 1 + 2
-    assert [r["env"]["RANK"] for r in out] == ["0", "1"]
-    assert all(r["env"]["WORLD_SIZE"] == "2" and r["env"]["LOCAL_RANK"] == r["env"]["RANK"] for r in out)
-    assert len({r["env"]["MASTER_PORT"] for r in out}) == 1
-    assert out[0]["pid"] != out[1]["pid"] and os.getpid() not in (out[0]["pid"], out[1]["pid"])
-    msg = out[0]["mismatch"]
-    assert msg.startswith("mesh {'tp': 3} needs 3 processes but the torch.distributed process group has 2")
-    assert "autopar.launch(fn, nprocs=3)" in msg and "\n" not in msg
-
-
-def test_launch_four_ranks_with_args_and_kwargs():
-    out = launch(report, 4, timeout=120, tag="four")
+def test_launch_four_ranks_rank_order_all_reduce_env_kwargs_and_size_mismatch():
+    # one launch for these checks (each launch starts processes that import torch: seconds each); the
+    # positional arguments of fn: the failure tests below
+    out = launch(report_and_mismatch, 4, timeout=120, tag="four")
     assert [r["rank"] for r in out] == [0, 1, 2, 3]
-    assert all(r["world_size"] == 4 and r["sum"] == 10.0 and r["tag"] == "four" for r in out)
+    assert all(r["world_size"] == 4 and r["sum"] == 10.0 and r["tag"] == "four" for r in out)  # 1 + 2 + 3 + 4
+    assert [r["env"]["RANK"] for r in out] == ["0", "1", "2", "3"]
+    assert all(r["env"]["WORLD_SIZE"] == "4" and r["env"]["LOCAL_RANK"] == r["env"]["RANK"] for r in out)
+    assert len({r["env"]["MASTER_PORT"] for r in out}) == 1
+    pids = [r["pid"] for r in out]
+    assert len(set(pids)) == 4 and os.getpid() not in pids
+    msg = out[0]["mismatch"]
+    assert msg.startswith("mesh {'tp': 3} needs 3 processes but the torch.distributed process group has 4")
+    assert "autopar.launch(fn, nprocs=3)" in msg and "\n" not in msg
 
 
 def test_launch_raising_rank_gives_its_traceback_and_stops_the_others(tmp_path):

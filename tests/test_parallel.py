@@ -10,8 +10,6 @@ from collections import Counter
 
 import pytest
 
-from autopar.runtime.pool import WorkerPool
-
 from _parity import inference_on_rank, mismatched_shapes_on_rank, mixed_step_on_rank, plan_json, train_on_rank
 
 FAMILIES = ("mlp", "gpt", "llama", "cnn", "moe")
@@ -20,9 +18,9 @@ RECIPES = ("ddp", "fsdp", "megatron_tp", "megatron_sp", "fsdp_tp")
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with WorkerPool(4, timeout=300.0) as p:
-        yield p
+def pool(gloo_pool4):
+    """Four gloo ranks: the pytest process's shared pool (tests/conftest.py)."""
+    return gloo_pool4()
 
 
 def _check(pool, family, axes, recipe=None):

@@ -5,13 +5,17 @@ embedding and head: its two partial gradients summed over the pipeline) and pp=2
 single-device model's, and every rank runs the collectives and point-to-point transfers the plan
 predicts for it (count and bytes; each transfer the size the plan's ``p2p_time`` prices). The LLaMA
 plan is made under a memory budget its stages meet by recomputing layers (per-stage recomputation:
-the backward re-runs their forward ops and reshardings, listed in the plan's collectives)."""
+the backward re-runs their forward ops and reshardings, listed in the plan's collectives). The three
+cases run in turn in one launch of 4 ranks (each launch starts processes importing torch and autopar:
+seconds each); each test checks its case's results."""
 
 from __future__ import annotations
 
+import pytest
+
 import autopar
 from autopar.cost_model.comm import LOCAL_KINDS
-from _pipeline_mesh_helpers import build, train_on_rank
+from _pipeline_mesh_helpers import build, train_cases
 
 LAYERS = 4
 #: family, schedule, mesh, batch, sequence (None: the preset's), memory budget as a share of the unbudgeted
@@ -21,7 +25,8 @@ CASES = [("gpt", "1F1B", (("pp", 2), ("dp", 2)), 8, None, None),
          ("gpt", "ZBVZeroBubble", (("pp", 2), ("dp", 2)), 8, None, None)]
 
 
-def _case(family, schedule, axes, batch, seq, share):
+def _plan(family, schedule, axes, batch, seq, share):
+    """The case's plan and the bytes its p2p price stands for."""
     model, inputs = build(family, LAYERS, batch, seq)
     mesh = autopar.Mesh(dict(axes), device="cpu")
     pin = {"schedule": schedule, "microbatches": 4}
@@ -29,15 +34,18 @@ def _case(family, schedule, axes, batch, seq, share):
     if share is not None:  # a budget under which the stages recompute layers (per-stage recomputation)
         budget = share * max(plan.pipeline["rank_memory"])
         plan = autopar.plan(model, mesh, inputs, pipeline=pin, memory_budget=budget, progress=False)
-        assert plan.fits and plan.checkpointing
-        assert all(s["layers"] for s in plan.pipeline["recompute"])
-        # the re-runs' collectives are the plan's, and they are among the predicted ones checked below
-        assert any(st["kind"] not in LOCAL_KINDS for r in plan.reshardings if r["kind"] == "recompute"
-                   for st in r["steps"])
-    assert plan.pipeline["schedule"] == schedule
     link = mesh.link("pp")  # the plan prices one transfer at latency + bytes / bandwidth
-    priced = round((plan.pipeline["p2p_time"] - link.latency) * link.bandwidth)
-    return autopar.launch(train_on_rank, 4, family, LAYERS, batch, axes, plan.to_json(), seq, timeout=600), priced
+    return plan, round((plan.pipeline["p2p_time"] - link.latency) * link.bandwidth)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Per case: its plan, every rank's results and the priced transfer bytes; one launch for all."""
+    planned = [_plan(*case) for case in CASES]
+    cases = [(family, LAYERS, batch, axes, plan.to_json(), seq)
+             for (family, _, axes, batch, seq, _), (plan, _) in zip(CASES, planned)]
+    results = autopar.launch(train_cases, 4, cases, timeout=900)
+    return [(plan, [r[k] for r in results], priced) for k, (plan, priced) in enumerate(planned)]
 
 
 def _check(family, results, priced, batch, seq, crossings=1):
@@ -55,17 +63,28 @@ def _check(family, results, priced, batch, seq, crossings=1):
     assert held == names  # every parameter's gradient is held by some stage
 
 
-def test_pp_dp_gpt_tied_matches_single_device():
-    _check("gpt", *_case(*CASES[0]), *CASES[0][3:5])
+def test_pp_dp_gpt_tied_matches_single_device(runs):
+    plan, results, priced = runs[0]
+    assert plan.pipeline["schedule"] == CASES[0][1]
+    _check("gpt", results, priced, *CASES[0][3:5])
 
 
-def test_pp_tp_llama_recomputing_matches_single_device():
+def test_pp_tp_llama_recomputing_matches_single_device(runs):
     """Each stage recomputes layers (a budget under the unbudgeted plan's ranks): the backward re-runs
     them, with their tensor-parallel all-gathers, and what runs still equals the plan's prediction."""
-    _check("llama", *_case(*CASES[1]), *CASES[1][3:5])
+    plan, results, priced = runs[1]
+    assert plan.pipeline["schedule"] == CASES[1][1]
+    assert plan.fits and plan.checkpointing
+    assert all(s["layers"] for s in plan.pipeline["recompute"])
+    # the re-runs' collectives are the plan's, and they are among the predicted ones checked below
+    assert any(st["kind"] not in LOCAL_KINDS for r in plan.reshardings if r["kind"] == "recompute"
+               for st in r["steps"])
+    _check("llama", results, priced, *CASES[1][3:5])
 
 
-def test_pp_dp_gpt_zero_bubble_matches_single_device():
+def test_pp_dp_gpt_zero_bubble_matches_single_device(runs):
     """ZBVZeroBubble (V placement: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2), each stage's
     backward split into its input- and weight-gradient parts: two boundaries between ranks per rank."""
-    _check("gpt", *_case(*CASES[2]), *CASES[2][3:5], crossings=2)
+    plan, results, priced = runs[2]
+    assert plan.pipeline["schedule"] == CASES[2][1]
+    _check("gpt", results, priced, *CASES[2][3:5], crossings=2)

@@ -126,11 +126,9 @@ def test_dropout_is_redrawn_alike_when_recomputed():
 
 
 @pytest.fixture(scope="module")
-def pool():
-    from autopar.runtime.pool import WorkerPool
-
-    with WorkerPool(4, timeout=300.0) as p:
-        yield p
+def pool(gloo_pool4):
+    """Four gloo ranks: the pytest process's shared pool (tests/conftest.py)."""
+    return gloo_pool4()
 
 
 @pytest.mark.parametrize("family,axes,recipe,mode", [
