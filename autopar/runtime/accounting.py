@@ -110,4 +110,18 @@ def pipelined_p2p(pm) -> Counter:
     return out
 
 
-__all__ = ["compare", "differences", "executed", "pipelined_p2p", "pipelined_predicted", "predicted"]
+def static_values(graph) -> set:
+    """Names of the graph's values made from parameters, buffers and constants alone (what a pipelined
+    rank computes once per step, before the schedule)."""
+    out = set()
+    for n in graph.nodes:
+        if n.is_placeholder:
+            if n.name in graph.params.values() or n.name in graph.buffers.values():
+                out.add(n.name)
+        elif all(r.node in out for r in n.inputs):  # constants and ops of no tensor input too
+            out.add(n.name)
+    return out
+
+
+__all__ = ["compare", "differences", "executed", "pipelined_p2p", "pipelined_predicted", "predicted",
+           "static_values"]

@@ -54,7 +54,7 @@ from autopar.ir.placement import local_block
 from autopar.ir.stages import forward_readers
 from autopar.program import collectives as C
 from autopar.program.collectives import Executed
-from autopar.runtime.accounting import compare, pipelined_predicted
+from autopar.runtime.accounting import compare, pipelined_predicted, static_values
 from autopar.runtime.collectives import ProcessGroupComm, record_executed
 from autopar.runtime.pipeline import ScheduleStep, micro_slices
 from autopar.runtime.pipeline_cut import SHAPE, Cut, StageCut
@@ -198,7 +198,7 @@ class MeshPipelinedModule(torch.nn.Module):
                  groups: list, batch: int):
         super().__init__()
         self.graph, self.stage_of = graph, stage_of
-        self.static_refs = _static_values(graph)
+        self.static_refs = static_values(graph)
         #: parameter FQN -> the stages whose forward ops read it (a tied embedding and head: two)
         self.param_stages = forward_readers(graph, stage_of)
         object.__setattr__(self, "module", model)
@@ -430,18 +430,6 @@ class MeshPipelinedModule(torch.nn.Module):
                                     "another schedule for evaluation")
             return self.run((args, kwargs), backward=False)[0]
         return ScheduleStep.apply(self, (args, kwargs), *self.params)
-
-
-def _static_values(graph) -> set:
-    """Names of the graph's values made from parameters, buffers and constants alone."""
-    out = set()
-    for n in graph.nodes:
-        if n.is_placeholder:
-            if n.name in graph.params.values() or n.name in graph.buffers.values():
-                out.add(n.name)
-        elif all(r.node in out for r in n.inputs):  # constants and ops of no tensor input too
-            out.add(n.name)
-    return out
 
 
 def _take_loss(output, target):  # noqa: ARG001 - the last stage's output is the micro-batch's loss already
