@@ -61,6 +61,10 @@ def pipelined_predicted(pm) -> Counter:
     g, stage_of, m = pm.graph, pm.stage_of, pm.m
     mine = set(pm.my_stages)
     names = {n.name for n in g.nodes}
+    last = len(pm.plan.pipeline["stage_ranks"]) - 1
+    # (tensor, placement) the forward gathers: the copy kept for the step serves the backward's reads
+    kept = {(r["tensor"], r["to"]) for r in pm.plan.reshardings if r["kind"] == "param"
+            and any(c in names and g.node(c).phase == Phase.FORWARD for c in r.get("consumers") or [r["consumer"]])}
     groups: dict = {}
     calls = []
     for r in pm.plan.reshardings:
@@ -68,7 +72,14 @@ def pipelined_predicted(pm) -> Counter:
         if r["kind"] == "grad":  # its consumer is the parameter's slot: reduced on the ranks of its stages
             n = 1 if pm.param_stages.get(r["consumer"][len("param:"):], set()) & mine else 0
         elif r["kind"] == "param":
-            n = 1 if {stage_of(c) for c in cons if g.node(c).phase == Phase.FORWARD} & mine else 0
+            forward = {stage_of(c) for c in cons if g.node(c).phase == Phase.FORWARD}
+            if not forward:  # the backward's read: served by the kept copy (not run, nor in its bucket), or
+                if (r["tensor"], r["to"]) in kept:  # a placement only the backward reads, gathered once per step
+                    continue
+                forward = {stage_of(c) for c in cons}
+            n = 1 if forward & mine else 0
+        elif not cons and r["consumer"] == "loss":  # the loss handed back whole: the last stage's, per micro-batch
+            n = m if last in mine else 0
         elif {stage_of(c) for c in cons} & mine:
             n = 1 if r["tensor"] in pm.static_refs else m
         else:

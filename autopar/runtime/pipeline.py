@@ -53,7 +53,7 @@ from autopar.ir.graph import Graph, Ref
 from autopar.ir.rules.random_attention import is_random_call
 from autopar.ir.stages import stage_rule
 from autopar.runtime.pipeline_loss import loss_weights
-from autopar.runtime.pipeline_state import drop_parameters, without_dropped
+from autopar.runtime.pipeline_state import drop_parameters, refuse_buffer_updates, without_dropped
 
 
 def micro_slices(args: tuple, kwargs: dict, batch: int, m: int) -> list[dict[str, Any]]:
@@ -166,6 +166,7 @@ class PipelinedModule(torch.nn.Module):
         graph = capture(model, margs, mkwargs, training=False)
         if not graph.outputs or graph.outputs[0] is None or graph.spec(graph.outputs[0]).shape != ():
             raise ArgumentError("autopar pipelined: the model must return its loss (a scalar) to be pipelined")
+        refuse_buffer_updates(graph, "autopar pipelined")
         stage = stage_rule(graph, pl["stages"])
         drawn = sorted({n.where() for n in graph.ops() if is_random_call(n.op, n.args, n.kwargs)})
         if drawn:  # this runtime runs eager aten ops: torch's generator, drawn in the schedule's order

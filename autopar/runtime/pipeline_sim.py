@@ -36,6 +36,7 @@ from autopar.runtime.accounting import pipelined_predicted, static_values
 from autopar.runtime.pipeline import micro_slices
 from autopar.runtime.pipeline_cut import cut, dry_run
 from autopar.runtime.pipeline_loss import loss_weights
+from autopar.runtime.pipeline_state import refuse_buffer_updates
 from autopar.runtime.random_state import pipelined_random
 from autopar.runtime.threads import gather_slots, placeholder_values, run_threads
 
@@ -54,9 +55,10 @@ def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, 
     parts = micro_slices(args, kwargs, batch, m)
     margs = tuple(parts[0][f"input:{i}"] for i in range(len(args)))
     graph = capture(model, margs, {k: parts[0][k] for k in kwargs}, training=True)
+    refuse_buffer_updates(graph, "autopar.simulate")
     stage_of = stage_rule(graph, pl["stages"])
-    shape = tuple(int(s) for s, n in zip(pl["mesh_shape"], pl["mesh_names"]) if n != pl["axis"])
-    names = tuple(n for n in pl["mesh_names"] if n != pl["axis"])
+    # the plan's stage mesh (the mesh without ``pp``; a pipeline alone plans on a one-device ``dp``)
+    shape, names = plan.mesh_shape, plan.axis_names
     programs, cuts = {}, {}
     split = pl["schedule"] == "ZBVZeroBubble"  # the backward in its input- and weight-gradient parts
     for c in device_coords(shape):
