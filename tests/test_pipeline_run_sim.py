@@ -19,6 +19,7 @@ from autopar.errors import ArgumentError
 from autopar.ir.capture import capture
 from autopar.runtime.pipeline import micro_slices
 from autopar.runtime.pipeline_loss import loss_weights
+from autopar.runtime.pipeline_state import refuse_buffer_updates
 from _corpus import CORPUS
 from _pipeline_mesh_helpers import build, rel
 from _pipeline_parity import parity
@@ -112,3 +113,46 @@ def test_simulated_pipeline_refuses_a_loss_it_cannot_weigh_with_unequal_target_c
                         pipeline={"schedule": "1F1B", "microbatches": 4}, progress=False)
     with pytest.raises(ArgumentError, match="count different numbers of targets"):
         autopar.simulate(model, plan, _uneven(inputs))
+
+
+class _Counted(torch.nn.Module):
+    """A model whose forward updates a buffer (a step counter): once per call on one device, once per
+    micro-batch under a pipeline."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, tokens, targets):
+        self.calls.add_(1)
+        return self.inner(tokens, targets)
+
+
+class _Normed(torch.nn.Module):
+    """BatchNorm in training mode: its running statistics are buffer updates."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.fc(x)).square().mean()
+
+
+@pytest.mark.parametrize("axes", [{"pp": 2}, {"pp": 2, "dp": 2}], ids=["pp2", "pp2xdp2"])
+def test_simulated_pipeline_refuses_buffer_updates_by_name(axes):
+    """Buffer updates are not applied by the pipelined runtimes: refused with the buffer's name and the
+    reason (``runtime.pipeline_state.refuse_buffer_updates``, the check the gloo runtimes make at build),
+    never run with the buffers left at their old values; the pipeline alone used to fail in lowering
+    with an IndexError."""
+    inner, inputs = build("gpt", 2, 8)
+    model = _Counted(inner)
+    plan = autopar.plan(model, autopar.Mesh(axes, device="cpu"), inputs,
+                        pipeline={"schedule": "GPipe", "microbatches": 2}, progress=False)
+    with pytest.raises(ArgumentError, match="updates buffer\\(s\\) calls in its forward.*does not apply buffer updates"):
+        autopar.simulate(model, plan, inputs)
+    assert model.calls.item() == 0  # refused before anything ran
+    graph = capture(_Normed(), (torch.randn(8, 4),), {}, training=True)
+    with pytest.raises(ArgumentError, match="bn.num_batches_tracked, bn.running_mean, bn.running_var"):
+        refuse_buffer_updates(graph, "here")

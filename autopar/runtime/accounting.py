@@ -56,15 +56,13 @@ def pipelined_predicted(pm) -> Counter:
     constants alone, which run once); the parameter gathers its stages' forward ops read, once per step
     (the gathered copy is kept for the step: the backward's regathers are priced as not run), a gather
     group whole when one of its members is wanted; the gradient reductions of the parameters its stages
-    read, once per step (a bucket whole when one of its members is wanted); and its point-to-point
+    read, once per step (a bucket whole when one of its members is wanted); the loss handed back whole
+    (a partial loss reduced) on the last stage's rank, once per micro-batch; and its point-to-point
     transfers (``pipelined_p2p``)."""
     g, stage_of, m = pm.graph, pm.stage_of, pm.m
     mine = set(pm.my_stages)
     names = {n.name for n in g.nodes}
     last = len(pm.plan.pipeline["stage_ranks"]) - 1
-    # (tensor, placement) the forward gathers: the copy kept for the step serves the backward's reads
-    kept = {(r["tensor"], r["to"]) for r in pm.plan.reshardings if r["kind"] == "param"
-            and any(c in names and g.node(c).phase == Phase.FORWARD for c in r.get("consumers") or [r["consumer"]])}
     groups: dict = {}
     calls = []
     for r in pm.plan.reshardings:
@@ -72,12 +70,7 @@ def pipelined_predicted(pm) -> Counter:
         if r["kind"] == "grad":  # its consumer is the parameter's slot: reduced on the ranks of its stages
             n = 1 if pm.param_stages.get(r["consumer"][len("param:"):], set()) & mine else 0
         elif r["kind"] == "param":
-            forward = {stage_of(c) for c in cons if g.node(c).phase == Phase.FORWARD}
-            if not forward:  # the backward's read: served by the kept copy (not run, nor in its bucket), or
-                if (r["tensor"], r["to"]) in kept:  # a placement only the backward reads, gathered once per step
-                    continue
-                forward = {stage_of(c) for c in cons}
-            n = 1 if forward & mine else 0
+            n = 1 if {stage_of(c) for c in cons if g.node(c).phase == Phase.FORWARD} & mine else 0
         elif not cons and r["consumer"] == "loss":  # the loss handed back whole: the last stage's, per micro-batch
             n = m if last in mine else 0
         elif {stage_of(c) for c in cons} & mine:
