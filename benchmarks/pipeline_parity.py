@@ -60,17 +60,18 @@ def line(row: dict) -> str:
 
 def markdown(rows: list[dict]) -> str:
     out = ["| model | mesh | schedule | stage ranks | loss | worst gradient | params after steps | "
-           "collectives / transfers = predicted | s |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "collectives / transfers = predicted | collectives of step 1 (all devices) | s |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['family']} | {r['mesh']} | {r['schedule']} | | **failed**: {r['error']} | | | | "
+            out.append(f"| {r['family']} | {r['mesh']} | {r['schedule']} | | **failed**: {r['error']} | | | | | "
                        f"{r['seconds']} |")
             continue
         comm = (f"yes ({r['collectives']} / {r['transfers']})" if not r["differences"]
                 else f"**no** ({len(r['differences'])} differ)")
         out.append(f"| {r['family']} | {r['mesh']} | {r['schedule']} | {','.join(map(str, r['stage_ranks']))} | "
-                   f"{r['loss']:.1e} | {r['grad']:.1e} | {r['param']:.1e} | {comm} | {r['seconds']} |")
+                   f"{r['loss']:.1e} | {r['grad']:.1e} | {r['param']:.1e} | {comm} | "
+                   f"{', '.join(f'{k} {v}' for k, v in r.get('kinds', {}).items()) or '-'} | {r['seconds']} |")
     return "\n".join(out)
 
 

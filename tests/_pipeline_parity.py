@@ -31,7 +31,8 @@ def parity(model: torch.nn.Module, ref: torch.nn.Module, inputs: tuple, kwargs: 
     step (``param``, ``param_at``), and what the collectives and transfers that ran on each simulated
     device differ from the predicted ones, per step (``differences``: empty when equal in count and
     bytes; a pipelined device holds every stage of its stage-mesh coordinates, ``runtime.pipeline_sim``),
-    with the counts of the first step (``collectives``, ``transfers``: summed over devices).
+    with the counts of the first step (``collectives``, ``transfers``: summed over devices; ``kinds``: the
+    collectives per kind).
     Collectives on a one-device axis are left out (they move nothing)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6)
     ropt = torch.optim.AdamW(ref.parameters(), lr=lr, eps=1e-6)
@@ -61,6 +62,7 @@ def parity(model: torch.nn.Module, ref: torch.nn.Module, inputs: tuple, kwargs: 
             records = [e for c in trace for e in trace[c] if e.axis not in alone]
             out["transfers"] = sum(e.kind in ("send", "recv") for e in records)
             out["collectives"] = len(records) - out["transfers"]
+            out["kinds"] = dict(sorted(Counter(e.kind for e in records if e.kind not in ("send", "recv")).items()))
         opt.step()
         ropt.step()
         opt.zero_grad()

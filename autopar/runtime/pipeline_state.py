@@ -11,7 +11,7 @@ what it keeps up to date:
 
 - ``named_parameters`` / ``parameters`` (what the optimizer is built on): the parameters its stages
   read, the tied ones on both ranks;
-- ``state_dict``: those parameters and every buffer (buffers are not updated by a pipelined run, so
+- ``state_dict``: those parameters and every buffer (a pipelined run refuses buffer updates, so
   every rank's copy is right), by the single-device names. With other mesh axes each is a DTensor on
   the rank's stage mesh (the mesh without ``pp``) placed as the plan says, so
   ``torch.distributed.checkpoint`` writes each piece once (the ranks' entries carry global offsets;
