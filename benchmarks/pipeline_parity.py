@@ -39,7 +39,7 @@ def run_one(family: str, schedule: str, mesh: str, args) -> dict:
     t0 = time.perf_counter()
     row = {"case": f"{family}-{schedule}-{mesh}", "family": family, "schedule": schedule, "mesh": mesh}
     try:
-        row.update(matrix_case(family, schedule, mesh, n_layers=args.layers, steps=args.steps))
+        row.update(matrix_case(family, schedule, mesh, n_layers=args.layers, batch=args.batch, steps=args.steps))
         row["ok"] = max(row["loss"], row["grad"], row["param"]) <= args.tol and not row["differences"]
     except Exception as e:  # noqa: BLE001 - reported as the case's result
         row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
@@ -80,6 +80,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", default=None, help="keep cases whose id contains any of these")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=8, help="4: one sample per micro-batch, so a second axis cannot "
+                    "split the batch")
     ap.add_argument("--tol", type=float, default=1e-4)
     ap.add_argument("--markdown", action="store_true", help="also print the results as a markdown table")
     ap.add_argument("--json", default=None, help="write the rows to this file")

@@ -457,4 +457,21 @@ def _split_backward(root, nodes: list[fx.Node], inputs: list[fx.Node], g_out: li
     return inp, wgt
 
 
-__all__ = ["Cut", "StageCut", "cut", "dry_run"]
+def boundary_pairs(f_vals: list, g_vals: list, where: str) -> list[int]:
+    """For each backward boundary value, the forward boundary slot of equal local shape and dtype
+    that carries it back (torch's stages send a stage's input gradients in its inputs' shapes)."""
+    free = list(range(len(f_vals)))
+    out = []
+    for g in g_vals:
+        want = g.meta.get(SHAPE)
+        slot = next((k for k in free if f_vals[k].meta.get(SHAPE) == want), None)
+        if slot is None:
+            raise ArgumentError(f"autopar pipeline: the backward sends {g.name} {want} back across {where}, but no "
+                                "value the forward sends there has its local shape; this plan's placements do not "
+                                "pair the stage boundary's gradients with its activations")
+        free.remove(slot)
+        out.append(slot)
+    return out
+
+
+__all__ = ["Cut", "StageCut", "boundary_pairs", "cut", "dry_run"]

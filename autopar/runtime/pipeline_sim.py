@@ -34,7 +34,7 @@ from autopar.program import collectives as C
 from autopar.program.collectives import Executed
 from autopar.runtime.accounting import pipelined_predicted, static_values
 from autopar.runtime.pipeline import micro_slices
-from autopar.runtime.pipeline_cut import cut, dry_run
+from autopar.runtime.pipeline_cut import boundary_pairs, cut, dry_run
 from autopar.runtime.pipeline_loss import loss_weights
 from autopar.runtime.pipeline_state import refuse_buffer_updates
 from autopar.runtime.random_state import pipelined_random
@@ -66,6 +66,8 @@ def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, 
         whole = placeholder_values(prog.inputs, model, margs, {k: parts[0][k] for k in kwargs})
         dry_run(prog, [local_block(t, s.placements, shape, c, s.spec.blocks) for t, s in zip(whole, prog.inputs)])
         programs[c], cuts[c] = prog, cut(prog, stage_of, n_stages, range(n_stages), split=split)
+        for s in range(n_stages - 1):  # what the runtime's stages can carry back (refused as it refuses)
+            boundary_pairs(cuts[c].stages[s].f_out, cuts[c].stages[s].g_in, f"stages {s} -> {s + 1}")
     first = programs[(0,) * len(shape)]
     if first.random is not None:  # one seed for every device, from torch's generator; step 0
         seed = draw_seed()
