@@ -10,8 +10,11 @@ the backward re-runs their forward ops and reshardings, listed in the plan's col
 
 from __future__ import annotations
 
+import pytest
+
 import autopar
 from autopar.cost_model.comm import LOCAL_KINDS
+from autopar.runtime.pool import WorkerPool
 from _pipeline_mesh_helpers import build, train_on_rank
 
 LAYERS = 4
@@ -23,7 +26,14 @@ CASES = [("gpt", "1F1B", (("pp", 2), ("dp", 2)), 8, None, None),
          ("llama", "Interleaved1F1B", (("pp", 2), ("dp", 2)), 8, None, None)]
 
 
-def _case(family, schedule, axes, batch, seq, share):
+@pytest.fixture(scope="module")
+def pool():
+    """One 4-rank pool for the module's cases (start-up and rendezvous paid once)."""
+    with WorkerPool(4, timeout=600, start_timeout=300) as p:
+        yield p
+
+
+def _case(pool, family, schedule, axes, batch, seq, share):
     model, inputs = build(family, LAYERS, batch, seq)
     mesh = autopar.Mesh(dict(axes), device="cpu")
     pin = {"schedule": schedule, "microbatches": 4}
@@ -39,7 +49,7 @@ def _case(family, schedule, axes, batch, seq, share):
     assert plan.pipeline["schedule"] == schedule
     link = mesh.link("pp")  # the plan prices one transfer at latency + bytes / bandwidth
     priced = round((plan.pipeline["p2p_time"] - link.latency) * link.bandwidth)
-    return autopar.launch(train_on_rank, 4, family, LAYERS, batch, axes, plan.to_json(), seq, timeout=600), priced
+    return pool.run(train_on_rank, family, LAYERS, batch, axes, plan.to_json(), seq), priced
 
 
 def _check(family, results, priced, batch, seq, crossings=1):
@@ -57,23 +67,23 @@ def _check(family, results, priced, batch, seq, crossings=1):
     assert held == names  # every parameter's gradient is held by some stage
 
 
-def test_pp_dp_gpt_tied_matches_single_device():
-    _check("gpt", *_case(*CASES[0]), *CASES[0][3:5])
+def test_pp_dp_gpt_tied_matches_single_device(pool):
+    _check("gpt", *_case(pool, *CASES[0]), *CASES[0][3:5])
 
 
-def test_pp_tp_llama_recomputing_matches_single_device():
+def test_pp_tp_llama_recomputing_matches_single_device(pool):
     """Each stage recomputes layers (a budget under the unbudgeted plan's ranks): the backward re-runs
     them, with their tensor-parallel all-gathers, and what runs still equals the plan's prediction."""
-    _check("llama", *_case(*CASES[1]), *CASES[1][3:5])
+    _check("llama", *_case(pool, *CASES[1]), *CASES[1][3:5])
 
 
-def test_pp_dp_gpt_zero_bubble_matches_single_device():
+def test_pp_dp_gpt_zero_bubble_matches_single_device(pool):
     """ZBVZeroBubble (V placement: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2), each stage's
     backward split into its input- and weight-gradient parts: two boundaries between ranks per rank."""
-    _check("gpt", *_case(*CASES[2]), *CASES[2][3:5], crossings=2)
+    _check("gpt", *_case(pool, *CASES[2]), *CASES[2][3:5], crossings=2)
 
 
-def test_pp_dp_llama_interleaved_matches_single_device():
+def test_pp_dp_llama_interleaved_matches_single_device(pool):
     """Interleaved1F1B (loop placement: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3, one layer
     each): every boundary is between ranks, so each rank touches three."""
-    _check("llama", *_case(*CASES[3]), *CASES[3][3:5], crossings=3)
+    _check("llama", *_case(pool, *CASES[3]), *CASES[3][3:5], crossings=3)
