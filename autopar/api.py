@@ -28,6 +28,7 @@ from autopar.passes.search.recipes import NAMES
 from autopar.passes.search.checkpoint import check_pin
 from autopar.passes.search.kept import check_pin as check_kept_pin
 from autopar.plans import Plan, load_plan
+from autopar.runtime.accounting import predicted as predicted_collectives
 from autopar.runtime.precision import execution_precision
 from autopar.runtime.threads import gather_slots, placeholder_values, simulate_programs
 from autopar.validate import (
@@ -133,7 +134,7 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
 
 def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Optional[dict] = None, *,
              precision: str = "model", trace: Optional[dict] = None, measure_memory: bool = False,
-             graph: Optional[Graph] = None):
+             predicted: Optional[dict] = None, graph: Optional[Graph] = None):
     """Run ``plan``'s lowered program for every device of its mesh in this process.
 
     Returns ``(outputs, grads)``: for a training plan ``outputs`` is the loss and ``grads`` maps each
@@ -141,7 +142,12 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     model's tensor outputs and ``grads`` is empty. Computes in the model's own dtypes unless
     ``precision="plan"``: the plan's precision, e.g. "bf16-mixed" (bf16 compute, parameters gathered
     in bf16, gradients reduced and returned in fp32, the loss in fp32; see ``cost_model.casting``). Pass a
-    dict as ``trace`` to receive the collectives every device executed (``{coords: [Executed, ...]}``).
+    dict as ``trace`` to receive the collectives every device executed (``{coords: [Executed, ...]}``),
+    and one as ``predicted`` to receive those the plan predicts for each device (``{coords: Counter}``
+    per (kind, axis, bytes), ``runtime.accounting``; ``accounting.compare(predicted[c], trace[c])`` is
+    empty when they are equal). A pipelined plan's device runs every stage of its stage-mesh
+    coordinates: its trace also holds the point-to-point transfers (``send``/``recv`` on the pipeline
+    axis) of the values handed between stages on different pipeline ranks.
     Random ops (dropout) draw from a seed taken from torch's default generator, the same whatever
     the plan's placements (``ir.rules.random_ops``), but not torch's own eager stream.
 
@@ -158,8 +164,9 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     check_model(model, "autopar.simulate: model")
     check_kwargs(example_kwargs, "autopar.simulate: example_kwargs")
     check_choice(precision, ("model", "plan"), "autopar.simulate: precision")
-    if trace is not None and not isinstance(trace, dict):
-        raise ArgumentError(f"autopar.simulate: trace must be a dict to fill (or None), got {type(trace).__name__}")
+    for what, given in (("trace", trace), ("predicted", predicted)):
+        if given is not None and not isinstance(given, dict):
+            raise ArgumentError(f"autopar.simulate: {what} must be a dict to fill (or None), got {type(given).__name__}")
     if not isinstance(measure_memory, bool):
         raise ArgumentError(f"autopar.simulate: measure_memory must be True or False, got {measure_memory!r}")
     if graph is not None and not isinstance(graph, Graph):
@@ -171,7 +178,7 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
         if precision != "model" or measure_memory or graph is not None:
             raise ArgumentError("autopar.simulate: a pipelined plan runs at the model's precision, without "
                                 "measure_memory and without a given graph so far")
-        return _simulate_pipelined(model, plan, as_args(example_inputs), dict(example_kwargs or {}), trace)
+        return _simulate_pipelined(model, plan, as_args(example_inputs), dict(example_kwargs or {}), trace, predicted)
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     if graph is None:
@@ -193,6 +200,8 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
                                           optimizer_bytes=int(plan.precision.get("optimizer_bytes", 0)))
     if trace is not None:
         trace.update(executed)
+    if predicted is not None:
+        predicted.update({c: predicted_collectives(plan) for c in programs})
     shape = res.mesh.shape
     outs = gather_slots(first.outputs, {c: r.outputs for c, r in results.items()}, shape)
     kept = [o for o, s in zip(outs, first.outputs) if s.kind in ("loss", "output")]
@@ -207,13 +216,14 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     return (tuple(kept), grads, memory) if measure_memory else (tuple(kept), grads)
 
 
-def _simulate_pipelined(model, plan, args, kwargs, trace):
+def _simulate_pipelined(model, plan, args, kwargs, trace, predicted):
     """``runtime.pipeline_sim``'s step of a pipelined plan, lowered with ``passes.lower.tagged``."""
     from autopar.passes.lower.tagged import keeping_gathers, lower_tagged
     from autopar.runtime.pipeline_sim import simulate_pipelined
 
     return simulate_pipelined(model, plan, args, kwargs,
-                              lambda g, c: lower_tagged(keeping_gathers(resolve(g, plan)), c, None, "model"), trace)
+                              lambda g, c: lower_tagged(keeping_gathers(resolve(g, plan)), c, None, "model"), trace,
+                              predicted)
 
 
 __all__ = ["PLAN_KEYWORDS", "check_plan_args", "plan", "simulate"]

@@ -146,6 +146,8 @@ def test_simulate_launch_hint_and_load_plan_check_their_arguments(tmp_path):
         autopar.simulate(MODEL, "plan.json", INPUTS, precision="bf16")
     with pytest.raises(ArgumentError, match=r"^autopar.simulate: trace must be a dict to fill \(or None\), got list$"):
         autopar.simulate(MODEL, "plan.json", INPUTS, trace=[])
+    with pytest.raises(ArgumentError, match=r"^autopar.simulate: predicted must be a dict to fill \(or None\), got list$"):
+        autopar.simulate(MODEL, "plan.json", INPUTS, predicted=[])
     with pytest.raises(ArgumentError, match=r"^autopar.launch: fn must be a function, got 3$"):
         autopar.launch(3, 2)
     with pytest.raises(ArgumentError, match=r"^autopar.launch: nprocs \(the number of ranks\) must be a positive "

@@ -20,7 +20,7 @@ from autopar.ir.capture import capture
 from autopar.ir.layers import layer_of
 from autopar.ir.placement import parse
 from autopar.program.bucket import cut_gathered, pack_shards
-from autopar.runtime.accounting import differences
+from autopar.runtime.accounting import compare, differences
 
 from _parity import build, plan_json, rel
 
@@ -78,13 +78,15 @@ def test_layer_grouped_fsdp_matches_one_device_and_runs_the_predicted_collective
     assert {next(iter(x)) for x in per_layer} == {layer_of(f) for f in graph.params if layer_of(f) is not None}
 
     trace: dict = {}
-    loss, grads = autopar.simulate(model, plan, args, trace=trace)
+    predicted: dict = {}
+    loss, grads = autopar.simulate(model, plan, args, trace=trace, predicted=predicted)
     ref = model(*args)
     ref.backward()
     assert rel(loss, ref) <= 1e-5
     for name, p in model.named_parameters():
         assert rel(grads[name], p.grad) <= 1e-4, name
     assert differences(plan, trace[(0,) * len(axes)]) == []
+    assert all(compare(predicted[c], trace[c]) == [] for c in trace)  # simulate's own prediction, every device
     # every device runs the same number of all-gathers as the plan predicts for the first
     want = sum(1 for c in collective_calls(plan.reshardings) if c[1] == "all_gather")
     for coords, ran in trace.items():

@@ -1,7 +1,8 @@
 """Pipelined plans with other mesh axes (``runtime/pipeline_mesh.py``: each stage runs its slice of the
 plan's lowered sharded program on the stage mesh), gloo, 4 processes: pp=2 x dp=2 on a GPT (tied
 embedding and head: its two partial gradients summed over the pipeline) and pp=2 x tp=2 on a LLaMA
-(RoPE tables once per step), and pp=2 x dp=2 GPT under ZBVZeroBubble (the split backward). The loss, every gradient and the parameters after 3 AdamW steps equal the
+(RoPE tables once per step), pp=2 x dp=2 GPT under ZBVZeroBubble (the split backward) and pp=2 x dp=2
+LLaMA under Interleaved1F1B (two stages per rank in loop placement): one run per schedule. The loss, every gradient and the parameters after 3 AdamW steps equal the
 single-device model's, and every rank runs the collectives and point-to-point transfers the plan
 predicts for it (count and bytes; each transfer the size the plan's ``p2p_time`` prices). The LLaMA
 plan is made under a memory budget its stages meet by recomputing layers (per-stage recomputation:
@@ -22,7 +23,8 @@ LAYERS = 4
 #: plan's largest rank (None: no budget)
 CASES = [("gpt", "1F1B", (("pp", 2), ("dp", 2)), 8, None, None),
          ("llama", "GPipe", (("pp", 2), ("tp", 2)), 4, 128, 0.6),
-         ("gpt", "ZBVZeroBubble", (("pp", 2), ("dp", 2)), 8, None, None)]
+         ("gpt", "ZBVZeroBubble", (("pp", 2), ("dp", 2)), 8, None, None),
+         ("llama", "Interleaved1F1B", (("pp", 2), ("dp", 2)), 8, None, None)]
 
 
 def _plan(family, schedule, axes, batch, seq, share):
@@ -88,3 +90,11 @@ def test_pp_dp_gpt_zero_bubble_matches_single_device(runs):
     plan, results, priced = runs[2]
     assert plan.pipeline["schedule"] == CASES[2][1]
     _check("gpt", results, priced, *CASES[2][3:5], crossings=2)
+
+
+def test_pp_dp_llama_interleaved_matches_single_device(runs):
+    """Interleaved1F1B (loop placement: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3, one layer
+    each): every boundary is between ranks, so each rank touches three."""
+    plan, results, priced = runs[3]
+    assert plan.pipeline["schedule"] == CASES[3][1]
+    _check("llama", results, priced, *CASES[3][3:5], crossings=3)

@@ -56,11 +56,13 @@ def pipelined_predicted(pm) -> Counter:
     constants alone, which run once); the parameter gathers its stages' forward ops read, once per step
     (the gathered copy is kept for the step: the backward's regathers are priced as not run), a gather
     group whole when one of its members is wanted; the gradient reductions of the parameters its stages
-    read, once per step (a bucket whole when one of its members is wanted); and its point-to-point
+    read, once per step (a bucket whole when one of its members is wanted); the loss handed back whole
+    (a partial loss reduced) on the last stage's rank, once per micro-batch; and its point-to-point
     transfers (``pipelined_p2p``)."""
     g, stage_of, m = pm.graph, pm.stage_of, pm.m
     mine = set(pm.my_stages)
     names = {n.name for n in g.nodes}
+    last = len(pm.plan.pipeline["stage_ranks"]) - 1
     groups: dict = {}
     calls = []
     for r in pm.plan.reshardings:
@@ -69,6 +71,8 @@ def pipelined_predicted(pm) -> Counter:
             n = 1 if pm.param_stages.get(r["consumer"][len("param:"):], set()) & mine else 0
         elif r["kind"] == "param":
             n = 1 if {stage_of(c) for c in cons if g.node(c).phase == Phase.FORWARD} & mine else 0
+        elif not cons and r["consumer"] == "loss":  # the loss handed back whole: the last stage's, per micro-batch
+            n = m if last in mine else 0
         elif {stage_of(c) for c in cons} & mine:
             n = 1 if r["tensor"] in pm.static_refs else m
         else:
@@ -110,4 +114,18 @@ def pipelined_p2p(pm) -> Counter:
     return out
 
 
-__all__ = ["compare", "differences", "executed", "pipelined_p2p", "pipelined_predicted", "predicted"]
+def static_values(graph) -> set:
+    """Names of the graph's values made from parameters, buffers and constants alone (what a pipelined
+    rank computes once per step, before the schedule)."""
+    out = set()
+    for n in graph.nodes:
+        if n.is_placeholder:
+            if n.name in graph.params.values() or n.name in graph.buffers.values():
+                out.add(n.name)
+        elif all(r.node in out for r in n.inputs):  # constants and ops of no tensor input too
+            out.add(n.name)
+    return out
+
+
+__all__ = ["compare", "differences", "executed", "pipelined_p2p", "pipelined_predicted", "predicted",
+           "static_values"]

@@ -61,7 +61,7 @@ from autopar.ir.graph import Graph, Ref
 from autopar.ir.stages import stage_rule
 from autopar.program.program import RandomOp, RandomState
 from autopar.runtime.pipeline_loss import loss_weights
-from autopar.runtime.pipeline_state import drop_parameters, without_dropped
+from autopar.runtime.pipeline_state import drop_parameters, refuse_buffer_updates, without_dropped
 from autopar.runtime.random_state import RANDOM_KEY, pipelined_draws, random_tensor, take_random_state
 
 
@@ -189,6 +189,7 @@ class PipelinedModule(torch.nn.Module):
         graph = capture(model, margs, mkwargs, training=False)
         if not graph.outputs or graph.outputs[0] is None or graph.spec(graph.outputs[0]).shape != ():
             raise ArgumentError("autopar pipelined: the model must return its loss (a scalar) to be pipelined")
+        refuse_buffer_updates(graph, "autopar pipelined")
         stage = stage_rule(graph, pl["stages"])
         # random ops (dropout): the single-device program's draw, not torch's generator's (see the docstring)
         self.random, randoms = pipelined_draws(graph, self.m, self.batch // self.m, self.group)

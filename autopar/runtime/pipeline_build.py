@@ -24,7 +24,7 @@ from autopar.runtime.collectives import single_worker_gloo_groups
 from autopar.runtime.pipeline import PipelinedModule, micro_slices
 from autopar.runtime.pipeline_cut import cut, dry_run
 from autopar.runtime.pipeline_mesh import MeshPipelinedModule
-from autopar.runtime.pipeline_state import drop_parameters, held_params
+from autopar.runtime.pipeline_state import drop_parameters, held_params, refuse_buffer_updates
 from autopar.runtime.random_state import pipelined_random, share_seed
 from autopar.runtime.state import distribute_state
 
@@ -53,6 +53,7 @@ def build_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, low
     micro = micro_slices(args, kwargs, batch, m)[0]
     margs = tuple(micro[f"input:{i}"] for i in range(len(args)))
     graph = capture(model, margs, {k: micro[k] for k in kwargs}, training=plan.training)
+    refuse_buffer_updates(graph, "autopar pipeline")
     fingerprint_check(graph)
     dmesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
     stage_mesh = dmesh[tuple(others)]

@@ -335,12 +335,15 @@ def cut(program, stage_of: Callable[[str], int], n_stages: int, local: Sequence[
     # nodes the lowering wrote while finishing the program (no IR op): the reductions, casts before them
     reductions = {n for n in bg.nodes if n.op not in ("placeholder", "output") and IR_TAG not in n.meta
                   and not static[n]}
-    # linear on the way to the reductions only: a sum of gradient contributions (a tied weight's)
+    # linear on the way to the reductions (or to a gradient that needs none) only: a sum of gradient
+    # contributions (a tied weight's)
+    grads_out = set(b_out)
     to_grads: dict[fx.Node, bool] = {}
     for n in reversed(list(bg.nodes)):
         if n.op != "output":
             us = users[n]
-            to_grads[n] = n in reductions or (n.target in _LINEAR and bool(us) and all(to_grads[u] for u in us))
+            to_grads[n] = n in reductions or (n.target in _LINEAR and (bool(us) or n in grads_out)
+                                              and all(to_grads[u] for u in us))
     crossing = [n for n in bg.nodes if n in stage and n not in reductions and to_grads[n] and any(
         a in stage and a.graph is bg and stage[a] > stage[n] for a in n.all_input_nodes)]
     step_part = reductions | set(crossing) | below(crossing)
@@ -457,4 +460,21 @@ def _split_backward(root, nodes: list[fx.Node], inputs: list[fx.Node], g_out: li
     return inp, wgt
 
 
-__all__ = ["Cut", "StageCut", "cut", "dry_run"]
+def boundary_pairs(f_vals: list, g_vals: list, where: str) -> list[int]:
+    """For each backward boundary value, the forward boundary slot of equal local shape and dtype
+    that carries it back (torch's stages send a stage's input gradients in its inputs' shapes)."""
+    free = list(range(len(f_vals)))
+    out = []
+    for g in g_vals:
+        want = g.meta.get(SHAPE)
+        slot = next((k for k in free if f_vals[k].meta.get(SHAPE) == want), None)
+        if slot is None:
+            raise ArgumentError(f"autopar pipeline: the backward sends {g.name} {want} back across {where}, but no "
+                                "value the forward sends there has its local shape; this plan's placements do not "
+                                "pair the stage boundary's gradients with its activations")
+        free.remove(slot)
+        out.append(slot)
+    return out
+
+
+__all__ = ["Cut", "StageCut", "boundary_pairs", "cut", "dry_run"]

@@ -54,10 +54,10 @@ from autopar.ir.placement import local_block
 from autopar.ir.stages import forward_readers
 from autopar.program import collectives as C
 from autopar.program.collectives import Executed
-from autopar.runtime.accounting import compare, pipelined_predicted
+from autopar.runtime.accounting import compare, pipelined_predicted, static_values
 from autopar.runtime.collectives import ProcessGroupComm, record_executed
 from autopar.runtime.pipeline import ScheduleStep, micro_slices, run_schedule
-from autopar.runtime.pipeline_cut import SHAPE, Cut, StageCut
+from autopar.runtime.pipeline_cut import SHAPE, Cut, StageCut, boundary_pairs
 from autopar.runtime.pipeline_loss import loss_weights
 from autopar.runtime.pipeline_state import local_state, without_dropped
 from autopar.runtime.random_state import add_random_entry, take_random_entry
@@ -65,23 +65,6 @@ from autopar.runtime.state import as_blocks, state_slots
 
 _SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
               "ZBVZeroBubble": ScheduleZBVZeroBubble}
-
-
-def _pairs(f_vals: list, g_vals: list, where: str) -> list[int]:
-    """For each backward boundary value, the forward boundary slot of equal local shape and dtype
-    that carries it back (torch's stages send a stage's input gradients in its inputs' shapes)."""
-    free = list(range(len(f_vals)))
-    out = []
-    for g in g_vals:
-        want = g.meta.get(SHAPE)
-        slot = next((k for k in free if f_vals[k].meta.get(SHAPE) == want), None)
-        if slot is None:
-            raise ArgumentError(f"autopar pipeline: the backward sends {g.name} {want} back across {where}, but no "
-                                "value the forward sends there has its local shape; this plan's placements do not "
-                                "pair the stage boundary's gradients with its activations")
-        free.remove(slot)
-        out.append(slot)
-    return out
 
 
 class _StageFn(torch.autograd.Function):
@@ -198,7 +181,7 @@ class MeshPipelinedModule(torch.nn.Module):
                  groups: list, batch: int):
         super().__init__()
         self.graph, self.stage_of = graph, stage_of
-        self.static_refs = _static_values(graph)
+        self.static_refs = static_values(graph)
         #: parameter FQN -> the stages whose forward ops read it (a tied embedding and head: two)
         self.param_stages = forward_readers(graph, stage_of)
         object.__setattr__(self, "module", model)
@@ -245,7 +228,7 @@ class MeshPipelinedModule(torch.nn.Module):
             owner, _, name = slot.key.rpartition(".")
             mod = model.get_submodule(owner)
             self._state.append((mod, name, slot.kind, f_ph[k].meta[SHAPE]))
-        pairs = [_pairs(cut.stages[s].f_out, cut.stages[s].g_in, f"stages {s} -> {s + 1}")
+        pairs = [boundary_pairs(cut.stages[s].f_out, cut.stages[s].g_in, f"stages {s} -> {s + 1}")
                  for s in range(n_stages - 1)]
         self.stages, mods = [], []
         for s in self.my_stages:
@@ -424,18 +407,6 @@ class MeshPipelinedModule(torch.nn.Module):
         if not torch.is_grad_enabled():  # the forwards only (evaluation)
             return self.run((args, kwargs), backward=False)[0]
         return ScheduleStep.apply(self, (args, kwargs), *self.params)
-
-
-def _static_values(graph) -> set:
-    """Names of the graph's values made from parameters, buffers and constants alone."""
-    out = set()
-    for n in graph.nodes:
-        if n.is_placeholder:
-            if n.name in graph.params.values() or n.name in graph.buffers.values():
-                out.add(n.name)
-        elif all(r.node in out for r in n.inputs):  # constants and ops of no tensor input too
-            out.add(n.name)
-    return out
 
 
 def _take_loss(output, target):  # noqa: ARG001 - the last stage's output is the micro-batch's loss already

@@ -11,10 +11,17 @@ numbers of targets). The order is GPipe's; every schedule computes the same sums
 checks the cut, the accumulation and the reductions of any schedule against the single-device model.
 For ZBVZeroBubble the backwards run split as the runtime runs them: every input-gradient part first,
 then every weight-gradient part (the latest first) on what the input parts handed over.
+
+Each device is every pipeline rank of its stage-mesh coordinates at once, so what it executes is what
+the plan predicts for a rank that holds every stage (``accounting.pipelined_predicted`` with all the
+stages its own): the collectives, recorded as they run, and the point-to-point transfers, one send and
+one receive of each value handed to a stage on another pipeline rank (forward boundary values and their
+gradients back), at the size of the tensor handed over.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -22,19 +29,23 @@ import torch
 from autopar.ir.capture import capture
 from autopar.ir.placement import local_block
 from autopar.ir.rules.random_ops import draw_seed
-from autopar.ir.stages import stage_rule
+from autopar.ir.stages import forward_readers, stage_rule
 from autopar.program import collectives as C
+from autopar.program.collectives import Executed
+from autopar.runtime.accounting import pipelined_predicted, static_values
 from autopar.runtime.pipeline import micro_slices
-from autopar.runtime.pipeline_cut import cut, dry_run
+from autopar.runtime.pipeline_cut import boundary_pairs, cut, dry_run
 from autopar.runtime.pipeline_loss import loss_weights
+from autopar.runtime.pipeline_state import refuse_buffer_updates
 from autopar.runtime.random_state import pipelined_random
 from autopar.runtime.threads import gather_slots, placeholder_values, run_threads
 
 
 def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, lower: Callable,
-                       trace: Optional[dict] = None):
+                       trace: Optional[dict] = None, predicted: Optional[dict] = None):
     """``(loss, grads)`` of one step of pipelined ``plan`` (see the module docstring); ``lower(graph,
-    coords)`` is the tagged lowering; ``trace`` receives each device's executed collectives."""
+    coords)`` is the tagged lowering; ``trace`` receives each device's executed collectives and
+    transfers, ``predicted`` what the plan predicts for it (``Counter`` per (kind, axis, bytes))."""
     from autopar.ir.rules.proof.interp import device_coords
 
     pl = plan.pipeline
@@ -44,9 +55,10 @@ def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, 
     parts = micro_slices(args, kwargs, batch, m)
     margs = tuple(parts[0][f"input:{i}"] for i in range(len(args)))
     graph = capture(model, margs, {k: parts[0][k] for k in kwargs}, training=True)
+    refuse_buffer_updates(graph, "autopar.simulate")
     stage_of = stage_rule(graph, pl["stages"])
-    shape = tuple(int(s) for s, n in zip(pl["mesh_shape"], pl["mesh_names"]) if n != pl["axis"])
-    names = tuple(n for n in pl["mesh_names"] if n != pl["axis"])
+    # the plan's stage mesh (the mesh without ``pp``; a pipeline alone plans on a one-device ``dp``)
+    shape, names = plan.mesh_shape, plan.axis_names
     programs, cuts = {}, {}
     split = pl["schedule"] == "ZBVZeroBubble"  # the backward in its input- and weight-gradient parts
     for c in device_coords(shape):
@@ -54,6 +66,8 @@ def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, 
         whole = placeholder_values(prog.inputs, model, margs, {k: parts[0][k] for k in kwargs})
         dry_run(prog, [local_block(t, s.placements, shape, c, s.spec.blocks) for t, s in zip(whole, prog.inputs)])
         programs[c], cuts[c] = prog, cut(prog, stage_of, n_stages, range(n_stages), split=split)
+        for s in range(n_stages - 1):  # what the runtime's stages can carry back (refused as it refuses)
+            boundary_pairs(cuts[c].stages[s].f_out, cuts[c].stages[s].g_in, f"stages {s} -> {s + 1}")
     first = programs[(0,) * len(shape)]
     if first.random is not None:  # one seed for every device, from torch's generator; step 0
         seed = draw_seed()
@@ -63,6 +77,14 @@ def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, 
     values = {name: model.get_parameter(fqn) for fqn, name in graph.params.items()}
     values.update({name: model.get_buffer(fqn) for fqn, name in graph.buffers.items()})
     weights = loss_weights(graph, parts, values)  # each micro-batch loss's factor in the step's loss
+    ranks, axis = list(pl["stage_ranks"]), pl["axis"]
+
+    def handed(moved: list, outs: list, here: int, there: int) -> None:
+        """Record ``outs`` handed from stage ``here`` to ``there`` when another pipeline rank holds it."""
+        if ranks[here] != ranks[there]:
+            for t in outs:
+                nbytes = t.numel() * t.element_size()
+                moved += [Executed("send", axis, nbytes), Executed("recv", axis, nbytes)]
 
     def one(coords):
         prog, ct = programs[coords], cuts[coords]
@@ -74,7 +96,7 @@ def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, 
         with torch.no_grad():
             statics = [C.wait(v) for v in ct.static(*[blocks[0][k] for k in ct.state_slots])]
             acc = [torch.zeros(s, dtype=d) for s, d in ct.frontier_shapes]
-            stash, losses = {}, []
+            stash, losses, moved = {}, [], []
             for i in range(m):
                 carry: list = []
                 at_micro(prog, i)
@@ -82,6 +104,8 @@ def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, 
                     ins = [statics[k] for k in st.f_statics] + [blocks[i][k] for k in st.f_given] + carry
                     outs = [C.wait(o) for o in st.forward(*ins)]
                     carry, stash[(st.index, i)] = outs[:len(st.f_out)], outs[len(st.f_out):]
+                    if st.index + 1 < n_stages:
+                        handed(moved, carry, st.index, st.index + 1)
                 losses.append(carry[0])
             deferred = []  # zero bubble: every weight part after all input parts, latest first
             for i in range(m):
@@ -94,9 +118,13 @@ def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, 
                         outs = [C.wait(o) for o in st.backward_input(*ins)]
                         deferred.append((st, i, ins + outs[len(st.g_out):]))
                         back = outs[:len(st.g_out)]
+                        if st.index > 0:
+                            handed(moved, back, st.index, st.index - 1)
                         continue
                     outs = [C.wait(o) for o in st.backward(*ins)]
                     back = outs[:len(st.g_out)]
+                    if st.index > 0:
+                        handed(moved, back, st.index, st.index - 1)
                     for fid, v in zip(st.frontier, outs[len(st.g_out):]):
                         acc[fid] += v
             for st, i, ins in reversed(deferred):
@@ -104,11 +132,16 @@ def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, 
                 for fid, v in zip(st.frontier, [C.wait(o) for o in st.backward_weight(*ins)]):
                     acc[fid] += v
             grads = [C.wait(g) for g in ct.reduce(*acc)]
-        return sum(loss * w for loss, w in zip(losses, weights)), grads
+        return sum(loss * w for loss, w in zip(losses, weights)), grads, moved
 
     results, executed = run_threads(one, shape, names)
     if trace is not None:
-        trace.update(executed)
+        trace.update({c: list(executed.get(c, [])) + r[2] for c, r in results.items()})
+    if predicted is not None:
+        readers, statics = forward_readers(graph, stage_of), static_values(graph)
+        for c in programs:
+            every = _EveryStage(graph, stage_of, m, list(range(n_stages)), plan, readers, statics, cuts[c])
+            predicted[c] = pipelined_predicted(every)
     loss = results[(0,) * len(shape)][0]
     whole = gather_slots(first.grads, {c: r[1] for c, r in results.items()}, shape)
     grads = {s.key: g for s, g in zip(first.grads, whole)}
@@ -116,6 +149,20 @@ def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, 
         if canon in grads:
             grads[alias] = grads[canon]
     return loss, grads
+
+
+@dataclass
+class _EveryStage:
+    """What ``accounting.pipelined_predicted`` reads of a pipelined rank, for a device holding every stage."""
+
+    graph: object
+    stage_of: Callable[[str], int]
+    m: int
+    my_stages: list
+    plan: object
+    param_stages: dict
+    static_refs: set
+    cutting: object
 
 
 def at_micro(program, mb: int) -> None:

@@ -11,7 +11,7 @@ what it keeps up to date:
 
 - ``named_parameters`` / ``parameters`` (what the optimizer is built on): the parameters its stages
   read, the tied ones on both ranks;
-- ``state_dict``: those parameters and every buffer (buffers are not updated by a pipelined run, so
+- ``state_dict``: those parameters and every buffer (a pipelined run refuses buffer updates, so
   every rank's copy is right), by the single-device names. With other mesh axes each is a DTensor on
   the rank's stage mesh (the mesh without ``pp``) placed as the plan says, so
   ``torch.distributed.checkpoint`` writes each piece once (the ranks' entries carry global offsets;
@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from autopar import _torch_compat as tc
-from autopar.errors import CompileError
+from autopar.errors import ArgumentError, CompileError
 
 
 def held_params(stages: Mapping[str, set[int]], stage_ranks: Iterable[int], pp_rank: int,
@@ -90,4 +90,20 @@ def without_dropped(state_dict: Mapping, dropped: Mapping[str, tuple]) -> dict:
     return tc.with_metadata(out, state_dict)
 
 
-__all__ = ["drop_parameters", "held_params", "local_state", "without_dropped"]
+def refuse_buffer_updates(graph, where: str) -> None:
+    """Refuse a model whose forward updates buffers (BatchNorm's running statistics, a step counter):
+    a pipelined step runs the forward once per micro-batch, on the rank holding the op, so the updates
+    would have to be applied in turn per micro-batch (the micro-batched run's, not the whole batch's)
+    and kept equal where other ranks read the buffer; the pipelined runtimes do not do that yet, and
+    dropping them would leave the buffers at their old values without a word."""
+    if graph.mutations:
+        names = sorted(graph.mutations)
+        raise ArgumentError(
+            f"{where}: the model updates buffer(s) {', '.join(names[:4])}{' ...' if len(names) > 4 else ''} in its "
+            "forward (BatchNorm running statistics, a step counter); a pipelined run does not apply buffer updates "
+            "yet (each micro-batch would update them in turn, on the rank holding the op). Plan without a 'pp' axis "
+            "(the unpipelined runtimes apply them), or stop the updates (BatchNorm: module.eval() or "
+            "track_running_stats=False)")
+
+
+__all__ = ["drop_parameters", "held_params", "local_state", "refuse_buffer_updates", "without_dropped"]
