@@ -224,6 +224,12 @@ def compute_time(
     """
     if is_free(call.op):
         return 0.0
+    _, _, t_flops, t_bytes, _ = _roofline(call, in_shapes, out_shapes, hw, precision)
+    return max(t_flops, t_bytes) + hw.launch_floor
+
+
+def _roofline(call: OpCall, in_shapes, out_shapes, hw: Hardware, precision: Precision):
+    """``(ins, outs, t_flops, t_bytes, nbytes)``: the roofline's two terms of a non-free op."""
     ins = [tuple(s) for s in in_shapes]
     outs = [None if s is None else tuple(s) for s in out_shapes]
     flops, nbytes = flops_and_bytes(call, ins, outs, precision)
@@ -232,7 +238,7 @@ def compute_time(
     dtype = precision.compute_dtype or str(_float_dtype(call)).replace("torch.", "")
     t_flops = flops / (hw.flops(dtype) * efficiency_of(call, ins, outs, hw)) if flops else 0.0
     t_bytes = nbytes / (hw.hbm_bandwidth * eff.memory(hw.efficiency, nbytes)) if nbytes else 0.0
-    return max(t_flops, t_bytes) + hw.launch_floor
+    return ins, outs, t_flops, t_bytes, nbytes
 
 
 def _along(x: float, half: float) -> float:
@@ -259,14 +265,7 @@ def row_growth(
     must not be pessimistic: ``passes/search/pipeline_split.scaled``)."""
     if is_free(call.op):
         return 0.0
-    ins = [tuple(s) for s in in_shapes]
-    outs = [None if s is None else tuple(s) for s in out_shapes]
-    flops, nbytes = flops_and_bytes(call, ins, outs, precision)
-    if call.op in (_ATTN_FWD, _ATTN_BWD) and not hw.flash_attention:
-        nbytes += _score_bytes(call, ins, precision)
-    dtype = precision.compute_dtype or str(_float_dtype(call)).replace("torch.", "")
-    t_flops = flops / (hw.flops(dtype) * efficiency_of(call, ins, outs, hw)) if flops else 0.0
-    t_bytes = nbytes / (hw.hbm_bandwidth * eff.memory(hw.efficiency, nbytes)) if nbytes else 0.0
+    ins, outs, t_flops, t_bytes, nbytes = _roofline(call, in_shapes, out_shapes, hw, precision)
     if t_bytes > t_flops:
         return t_bytes * _along(nbytes, hw.efficiency.mem_half_bytes)
     if call.op in (_ATTN_FWD, _ATTN_BWD):
