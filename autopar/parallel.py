@@ -311,7 +311,8 @@ class ParallelModule(torch.nn.Module):
 
         if isinstance(value, DTensor):
             got = from_dtensor(value.placements)
-            if tuple(got) != tuple(slot.placements):
+            # on an axis of size 1 any placement is the whole tensor (the plan says B there)
+            if any(a != b and n > 1 for a, b, n in zip(got, slot.placements, self.program.mesh_shape)):
                 raise CompileError(
                     f"input {slot.key!r} is a DTensor placed {format_placements(got)!r}, but the plan places it "
                     f"{format_placements(slot.placements)!r}: redistribute it, or pass the whole tensor")

@@ -32,7 +32,7 @@ from autopar.passes.search.problem import MEMORY_KINDS, Cost, Problem, evaluate
 from autopar.passes.search.propagate import propagate
 from autopar.passes.search.solve import Solution, greedy, solve
 from autopar.passes.search.solve_axis import FULL_ILP_LIMIT, edge_var_count, solve_by_axis
-from autopar.passes.search.strategies import Constraint, node_strategies, resolve_hints
+from autopar.passes.search.strategies import Constraint, resolve_hints, search_strategies
 from autopar.plans.format import human_bytes
 
 #: The memory budget when none is given: this fraction of the device's memory.
@@ -131,7 +131,7 @@ def run_passes(
     folding = fold(graph)
     clock.lap("fold")
     constraints = resolve_hints(graph, mesh, hints)
-    strategies = {n.name: node_strategies(graph, n, mesh) for n in graph.nodes
+    strategies = {n.name: search_strategies(graph, n, mesh) for n in graph.nodes
                   if folding.representative(n.name) == n.name}
     clock.lap("strategies")
     prec = get_precision(precision, mesh.hardware, optimizer)

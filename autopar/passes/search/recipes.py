@@ -16,6 +16,7 @@ from autopar.errors import RecipeError
 from autopar.ir.dimflow import linked_dims
 from autopar.ir.graph import Graph, Ref, TensorSpec
 from autopar.ir.placement import B, Placements, Split, blocks_fit
+from autopar.passes.search.strategies import unit_replicated
 
 NAMES = ("ddp", "fsdp", "megatron_tp", "megatron_sp", "fsdp_tp")
 
@@ -302,7 +303,9 @@ def constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed:
         raise RecipeError(f"unknown recipe {name!r}; recipes are {', '.join(NAMES)}")
     if not graph.params:
         raise RecipeError(f"{name}: the model has no parameters")
-    return _constraints(graph, mesh, name, tensor_axis)
+    # an axis of size 1 carries nothing: the recipe's splits there read as B (the search's strategies)
+    return {node: list(dict.fromkeys(unit_replicated(p, mesh.shape) for p in options))
+            for node, options in _constraints(graph, mesh, name, tensor_axis).items()}
 
 
 __all__ = ["NAMES", "TensorRegions", "constraints", "pinned_axes", "tensor_regions"]

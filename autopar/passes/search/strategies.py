@@ -5,6 +5,12 @@ may take any placement that splits only dims at least as large as the pieces. A 
 split would leave a device with an empty block is dropped: it never pays, and lowering it would
 only waste a device. Hints (``autopar.hint`` in the graph, and the ``hints=`` argument) keep only
 the strategies that produce the hinted placement.
+
+An axis of size 1 (the one-device ``dp`` under a pipeline alone, or ``Mesh({"dp": 1, "tp": 2})``)
+carries no communication: the search takes only strategies that replicate every tensor on it
+(``search_strategies``), and hints and recipes there read as ``B`` (``unit_replicated``), so a plan
+lists no collective on such an axis. ``node_strategies`` keeps every strategy, so that a plan made
+before this rule still lowers.
 """
 
 from __future__ import annotations
@@ -66,6 +72,29 @@ def node_strategies(graph: Graph, node: Node, mesh: Mesh) -> list[Strategy]:
     return kept or [s for s in strats if all(sig.tag == "B" for sig in s)]
 
 
+def _replicated_on(strat: Strategy, axes: Sequence[int]) -> bool:
+    return all(p is None or p == B for a in axes for p in strat[a].inputs + strat[a].outputs)
+
+
+def search_strategies(graph: Graph, node: Node, mesh: Mesh) -> list[Strategy]:
+    """The strategies the search weighs: ``node_strategies`` less those that split or leave partial
+    any tensor on an axis of size 1 (a split there is the whole tensor, and a collective over one
+    device moves nothing, so such choices only list pointless collectives in the plan). Every
+    strategy, as before, where a node has none replicated on those axes."""
+    strats = node_strategies(graph, node, mesh)
+    unit = [a for a, n in enumerate(mesh.shape) if n == 1]
+    if not unit:
+        return strats
+    kept = [s for s in strats if _replicated_on(s, unit)]
+    return kept or strats
+
+
+def unit_replicated(placements: Placements, mesh_shape: Sequence[int]) -> Placements:
+    """``placements`` with ``B`` on every axis of size 1 (where a split or a partial sum is the whole
+    tensor: the same data, named as the search names it)."""
+    return tuple(B if n == 1 else p for p, n in zip(placements, mesh_shape))
+
+
 def output_placement(strat: Strategy, index: int) -> Placements:
     """Output ``index``'s placement on every mesh axis under strategy ``strat``."""
     return tuple(s.outputs[index] for s in strat)  # type: ignore[misc]
@@ -124,7 +153,7 @@ def resolve_hints(graph: Graph, mesh: Mesh, hints: Optional[dict[str, object]]) 
             out.append(Constraint(Ref(t), pl, where))
     out = [_count_from_end(graph, c) for c in out]
     _check(graph, mesh, out)
-    return out
+    return [Constraint(c.ref, unit_replicated(c.placements, mesh.shape), c.source) for c in out]
 
 
 def _count_from_end(graph: Graph, c: Constraint) -> Constraint:
