@@ -131,19 +131,21 @@ def batch_dims(graph, rows: int) -> dict[str, int]:
     from autopar.ir.graph import Ref
     from autopar.ir.rules.random_attention import is_random_call, key_node
 
-    marked: dict = {}  # (Ref, dim) -> the batch digit's stride along that dim
+    marked: dict = {}  # Ref -> {dim: the batch digit's stride along that dim}
     for name in graph.inputs.values():
         shape = graph.spec(Ref(name)).shape
         if shape and shape[0] == rows:
-            marked[(Ref(name), 0)] = 1
+            marked[Ref(name)] = {0: 1}
     out: dict[str, int] = {}
     for node in graph.nodes:
         if node.is_placeholder:
             continue
-        marked.update(_carry(graph, node, marked, rows))
+        for ref, dims in _carry(graph, node, marked, rows).items():
+            marked.setdefault(ref, {}).update(dims)
         if is_random_call(node.op, node.args, node.kwargs) and key_node(graph, node) == node.name:
             shape = node.out.shape
-            dims_ = [d for d in range(len(shape)) if marked.get((Ref(node.name), d)) == shape[d] // rows]
+            held = marked.get(Ref(node.name), {})
+            dims_ = [d for d in range(len(shape)) if held.get(d) == shape[d] // rows]
             if not dims_:
                 raise ArgumentError(f"autopar pipeline: the random op at {node.where()} draws on a tensor "
                                     f"{tuple(shape)} in which no dim is led by the batch, so its "
@@ -154,23 +156,21 @@ def batch_dims(graph, rows: int) -> dict[str, int]:
 
 
 def _carry(graph, node, marked: dict, rows: int) -> dict:
-    """The batch marks of ``node``'s outputs (``(Ref, dim) -> stride``) from its inputs' ``marked``."""
+    """The batch marks of ``node``'s outputs (``{Ref: {dim: stride}}``) from its inputs' ``marked``."""
     from autopar.ir.graph import Ref
     from autopar.ir.rules.base import dimmap, op_call
 
-    ins = [(r, d, s) for r in node.inputs for (m, d), s in marked.items() if m == r] if node.inputs else []
-    if not ins:
+    if not any(r in marked for r in node.inputs or ()):
         return {}
     if node.op in _RESHAPES and len(node.outputs) == 1 and node.outputs[0] is not None:
-        got = {}
-        for r, d, s in ins:
-            if r != node.inputs[0]:
-                continue
+        got: dict = {}
+        r = node.inputs[0]
+        for d, s in marked.get(r, {}).items():
             step = s * _prod(graph.spec(r).shape[d + 1:])  # the batch digit's stride in the element order
             for e, size in enumerate(node.out.shape):
                 t = _prod(node.out.shape[e + 1:])
                 if step % t == 0 and (t * size) % (step * rows) == 0:
-                    got[(Ref(node.name), e)] = step // t
+                    got.setdefault(Ref(node.name), {})[e] = step // t
         return got
     try:
         dm = dimmap(op_call(graph, node))
@@ -179,8 +179,8 @@ def _carry(graph, node, marked: dict, rows: int) -> dict:
     runs = set()
     for r, dims in zip(node.inputs, dm.inputs):
         for d in range(len(dims or ())):
-            if (r, d) in marked:
-                run = _digit(dims[d], dm.sizes, marked[(r, d)], rows)
+            if d in marked.get(r, {}):
+                run = _digit(dims[d], dm.sizes, marked[r][d], rows)
                 if run is not None:
                     runs.add(run)
     got = {}
@@ -192,7 +192,7 @@ def _carry(graph, node, marked: dict, rows: int) -> dict:
             for run, rel in runs:
                 k = next((i for i in range(len(live)) if tuple(live[i:i + len(run)]) == run), None)
                 if k is not None:
-                    got[(Ref(node.name, j), e)] = rel * _prod(dm.sizes[f] for f in live[k + len(run):])
+                    got.setdefault(Ref(node.name, j), {})[e] = rel * _prod(dm.sizes[f] for f in live[k + len(run):])
     return got
 
 
