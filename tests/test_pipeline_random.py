@@ -120,3 +120,54 @@ def test_gloo_pp_alone_dropout_equals_the_one_device_program():
             held |= set(r["grads"])
             assert r["saved"] == [results[0][k]["saved"][0], 1] and r["loaded_step"] == 5, (name, rank, r["saved"])
         assert held == names[k], name  # every gradient held by some rank
+
+
+@pytest.mark.parametrize("axes", [{"pp": 2}, {"pp": 2, "dp": 2}])
+def test_pipelined_dropout_through_a_batch_merged_with_the_heads(axes):
+    """``nn.TransformerEncoder`` (torch's own attention code: ``view(S, B*H, D)`` merges the batch,
+    major, with the heads, after a ``(S*B, E)`` flatten with the batch minor, then ``view(B, H, S, D)``
+    splits it back), dropout on, float64, 2 micro-batches: ``batch_dims`` follows the batch through
+    the merges (it used to refuse the attention's dropout), and loss and gradients equal the 1-device
+    program's within 1e-9."""
+    from _corpus import build
+    from _dropout_helpers import close
+
+    model, args, _ = build("torch_encoder", dropout=True, dtype=torch.float64)  # no kwargs
+    ref = _simulate(model, _plan(model, args, {"a": 1}), args)
+    plan = _plan(model, args, axes, pipeline={"schedule": "1F1B", "microbatches": 2})
+    close(_simulate(model, plan, args), ref, 1e-9, axes)
+
+
+class _Heads(torch.nn.Module):
+    """Dropout on the batch merged with 4 heads: ``(B*H, S, D)`` (batch major) or ``(S*B, E)``
+    (batch minor)."""
+
+    def __init__(self, major: bool):
+        super().__init__()
+        self.proj, self.major = torch.nn.Linear(16, 16), major
+
+    def forward(self, x):
+        b, s, e = x.shape
+        h = self.proj(x)
+        if self.major:
+            h = h.view(b, s, 4, e // 4).transpose(1, 2).reshape(b * 4, s, e // 4)
+        else:
+            h = h.transpose(0, 1).reshape(s * b, e)
+        return torch.nn.functional.dropout(h, P).sum()
+
+
+@pytest.mark.parametrize("major", [True, False])
+def test_batch_dims_follows_a_major_merged_batch_and_refuses_a_minor_one(major):
+    """A dropout drawn on ``(B*H, S, D)`` (batch the major factor: micro-batch ``k`` is rows
+    ``k*rows*H`` on) is placed on dim 0; one on ``(S*B, E)`` (the batch minor: a micro-batch is no
+    contiguous block) is refused by name."""
+    from autopar.errors import ArgumentError
+    from autopar.ir.capture import capture
+    from autopar.runtime.random_state import batch_dims
+
+    graph = capture(_Heads(major).double(), (torch.randn(2, 8, 16, dtype=torch.float64),))
+    if major:
+        assert list(batch_dims(graph, 2).values()) == [0]
+    else:
+        with pytest.raises(ArgumentError, match="no dim is led by the batch"):
+            batch_dims(graph, 2)

@@ -112,53 +112,110 @@ def at_step(program: Program, step: Optional[int]) -> Iterator[None]:
         rs.step = later
 
 
+#: Ops that only reshape their (contiguous) input: the batch is followed through the element order.
+_RESHAPES = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"})
+
+
 def batch_dims(graph, rows: int) -> dict[str, int]:
     """Per random op of ``graph`` (a capture at the micro-batch's shape, ``rows`` samples): the dim
     of its output along which the micro-batch is one contiguous block of the whole batch's tensor
-    (the batch leads that dim, alone or as the leading factor of merged dims). Found by following
-    the inputs' dim 0 (where it has ``rows``) through every op's ``DimMap`` (the backward's too: a
-    recomputed forward op): a factor that leads a dim holding the batch holds it wherever it leads a
-    dim. Raises where a random op's output has no such dim (its micro-batches' draws could not be
-    placed in the whole batch's). An attention backward draws with its forward's entry."""
+    (the batch leads that dim, alone or as the major factor of merged dims: ``B*H`` with ``B`` major
+    holds micro-batch ``k`` at rows ``k*rows*H``, which ``program.micro_ctx`` cuts). Found by following
+    the inputs' dim 0 (where it has ``rows``) through every op: the batch is a digit (radix ``rows``,
+    stride ``inner``) of a dim, major (``inner * rows`` is the dim's size) or not (``(S*B)`` after a
+    flatten: followed, so a later split gives it back); a reshape moves it by the element order, any
+    other op by its ``DimMap``'s factors. Raises where a random op's output has no dim the batch leads
+    (its micro-batches' draws could not be placed in the whole batch's). An attention backward draws
+    with its forward's entry."""
     from autopar.errors import ArgumentError
     from autopar.ir.graph import Ref
-    from autopar.ir.rules.base import dimmap, op_call
     from autopar.ir.rules.random_attention import is_random_call, key_node
 
-    marked: set = set()
+    marked: dict = {}  # Ref -> {dim: the batch digit's stride along that dim}
     for name in graph.inputs.values():
         shape = graph.spec(Ref(name)).shape
         if shape and shape[0] == rows:
-            marked.add((Ref(name), 0))
+            marked[Ref(name)] = {0: 1}
     out: dict[str, int] = {}
     for node in graph.nodes:
         if node.is_placeholder:
             continue
-        try:
-            dm = dimmap(op_call(graph, node))
-        except Exception:  # noqa: BLE001 - an op without a DimMap carries no mark on
-            dm = None
-        if dm is not None:
-            factors = {_lead(dims[d], dm.sizes) for r, dims in zip(node.inputs, dm.inputs) if dims is not None
-                       for d in range(len(dims)) if (r, d) in marked} - {None}
-            for j, dims in enumerate(dm.outputs):
-                if dims is not None and node.outputs[j] is not None:
-                    marked |= {(Ref(node.name, j), d) for d in range(len(dims))
-                               if _lead(dims[d], dm.sizes) in factors}
+        for ref, dims in _carry(graph, node, marked, rows).items():
+            marked.setdefault(ref, {}).update(dims)
         if is_random_call(node.op, node.args, node.kwargs) and key_node(graph, node) == node.name:
-            dims_ = [d for d in range(len(node.out.shape)) if (Ref(node.name), d) in marked]
+            shape = node.out.shape
+            held = marked.get(Ref(node.name), {})
+            dims_ = [d for d in range(len(shape)) if held.get(d) == shape[d] // rows]
             if not dims_:
                 raise ArgumentError(f"autopar pipeline: the random op at {node.where()} draws on a tensor "
-                                    f"{tuple(node.out.shape)} in which no dim is led by the batch, so its "
+                                    f"{tuple(shape)} in which no dim is led by the batch, so its "
                                     "micro-batches' draws cannot be numbered as the whole batch's; run it "
                                     "without dropout (p=0 or model.eval()) or plan with pipeline={'microbatches': 1}")
             out[node.name] = dims_[0]
     return out
 
 
-def _lead(factors, sizes):
-    """A dim's leading factor (the first of size > 1), or None."""
-    return next((f for f in factors if sizes[f] != 1), None)
+def _carry(graph, node, marked: dict, rows: int) -> dict:
+    """The batch marks of ``node``'s outputs (``{Ref: {dim: stride}}``) from its inputs' ``marked``."""
+    from autopar.ir.graph import Ref
+    from autopar.ir.rules.base import dimmap, op_call
+
+    if not any(r in marked for r in node.inputs or ()):
+        return {}
+    if node.op in _RESHAPES and len(node.outputs) == 1 and node.outputs[0] is not None:
+        got: dict = {}
+        r = node.inputs[0]
+        for d, s in marked.get(r, {}).items():
+            step = s * _prod(graph.spec(r).shape[d + 1:])  # the batch digit's stride in the element order
+            for e, size in enumerate(node.out.shape):
+                t = _prod(node.out.shape[e + 1:])
+                if step % t == 0 and (t * size) % (step * rows) == 0:
+                    got.setdefault(Ref(node.name), {})[e] = step // t
+        return got
+    try:
+        dm = dimmap(op_call(graph, node))
+    except Exception:  # noqa: BLE001 - an op without a DimMap carries no mark on
+        return {}
+    runs = set()
+    for r, dims in zip(node.inputs, dm.inputs):
+        for d in range(len(dims or ())):
+            if d in marked.get(r, {}):
+                run = _digit(dims[d], dm.sizes, marked[r][d], rows)
+                if run is not None:
+                    runs.add(run)
+    got = {}
+    for j, dims in enumerate(dm.outputs):
+        if dims is None or node.outputs[j] is None:
+            continue
+        for e, factors in enumerate(dims):
+            live = [f for f in factors if dm.sizes[f] != 1]
+            for run, rel in runs:
+                k = next((i for i in range(len(live)) if tuple(live[i:i + len(run)]) == run), None)
+                if k is not None:
+                    got.setdefault(Ref(node.name, j), {})[e] = rel * _prod(dm.sizes[f] for f in live[k + len(run):])
+    return got
+
+
+def _digit(factors, sizes, stride: int, rows: int):
+    """``(run, rel)``: the consecutive factors of a dim (``factors``, major first) that hold its batch
+    digit (radix ``rows`` at ``stride``) whole, and the digit's stride within the run; None where
+    the digit straddles a factor's edge (it cannot be followed)."""
+    live = [f for f in factors if sizes[f] != 1]
+    strides = [_prod(sizes[f] for f in live[i + 1:]) for i in range(len(live))]
+    lo = next((i for i in range(len(live)) if strides[i] <= stride < strides[i] * sizes[live[i]]), None)
+    if lo is None or stride % strides[lo]:
+        return None
+    hi = next((i for i in range(lo, -1, -1) if strides[i] * sizes[live[i]] >= stride * rows), None)
+    if hi is None or (strides[hi] * sizes[live[hi]]) % (stride * rows):
+        return None
+    return tuple(live[hi:lo + 1]), stride // strides[lo]
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
 
 
 def pipelined_draws(graph, micros: int, rows: int, group: Optional[dist.ProcessGroup] = None):
