@@ -201,7 +201,8 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     if trace is not None:
         trace.update(executed)
     if predicted is not None:
-        predicted.update({c: predicted_collectives(plan) for c in programs})
+        every = predicted_collectives(plan)  # the plan's prediction is the same for every device
+        predicted.update({c: every.copy() for c in programs})
     shape = res.mesh.shape
     outs = gather_slots(first.outputs, {c: r.outputs for c, r in results.items()}, shape)
     kept = [o for o, s in zip(outs, first.outputs) if s.kind in ("loss", "output")]

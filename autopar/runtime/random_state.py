@@ -11,6 +11,7 @@ per ``pmodel(...)`` call), so a checkpoint carries the next step's draws across 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Iterator, Optional
 
 import torch
@@ -166,9 +167,9 @@ def _carry(graph, node, marked: dict, rows: int) -> dict:
         got: dict = {}
         r = node.inputs[0]
         for d, s in marked.get(r, {}).items():
-            step = s * _prod(graph.spec(r).shape[d + 1:])  # the batch digit's stride in the element order
+            step = s * math.prod(graph.spec(r).shape[d + 1:])  # the batch digit's stride in the element order
             for e, size in enumerate(node.out.shape):
-                t = _prod(node.out.shape[e + 1:])
+                t = math.prod(node.out.shape[e + 1:])
                 if step % t == 0 and (t * size) % (step * rows) == 0:
                     got.setdefault(Ref(node.name), {})[e] = step // t
         return got
@@ -192,7 +193,7 @@ def _carry(graph, node, marked: dict, rows: int) -> dict:
             for run, rel in runs:
                 k = next((i for i in range(len(live)) if tuple(live[i:i + len(run)]) == run), None)
                 if k is not None:
-                    got.setdefault(Ref(node.name, j), {})[e] = rel * _prod(dm.sizes[f] for f in live[k + len(run):])
+                    got.setdefault(Ref(node.name, j), {})[e] = rel * math.prod(dm.sizes[f] for f in live[k + len(run):])
     return got
 
 
@@ -201,7 +202,7 @@ def _digit(factors, sizes, stride: int, rows: int):
     digit (radix ``rows`` at ``stride``) whole, and the digit's stride within the run; None where
     the digit straddles a factor's edge (it cannot be followed)."""
     live = [f for f in factors if sizes[f] != 1]
-    strides = [_prod(sizes[f] for f in live[i + 1:]) for i in range(len(live))]
+    strides = [math.prod(sizes[f] for f in live[i + 1:]) for i in range(len(live))]
     lo = next((i for i in range(len(live)) if strides[i] <= stride < strides[i] * sizes[live[i]]), None)
     if lo is None or stride % strides[lo]:
         return None
@@ -209,13 +210,6 @@ def _digit(factors, sizes, stride: int, rows: int):
     if hi is None or (strides[hi] * sizes[live[hi]]) % (stride * rows):
         return None
     return tuple(live[hi:lo + 1]), stride // strides[lo]
-
-
-def _prod(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
 
 
 def pipelined_draws(graph, micros: int, rows: int, group: Optional[dist.ProcessGroup] = None):
