@@ -22,6 +22,7 @@ import torch.distributed as dist
 from autopar import _torch_compat as tc
 from autopar.cost_model.mesh import Mesh, require_mesh
 from autopar.errors import ArgumentError, CompileError, PlanError
+from autopar.ir.fingerprint import graph_fingerprint
 from autopar.ir.graph import Graph
 from autopar.ir.placement import format_placements, from_dtensor, local_block
 from autopar.passes.lower import lower, resolve
@@ -395,8 +396,6 @@ def _check_plan_mesh(plan: Plan, mesh: Mesh) -> None:
 
 
 def _check_same_capture(graph: Graph) -> None:
-    from autopar.ir.fingerprint import graph_fingerprint
-
     got: list = [None] * dist.get_world_size()
     dist.all_gather_object(got, graph_fingerprint(graph))
     bad = [r for r, f in enumerate(got) if f != got[0]]
@@ -491,6 +490,7 @@ def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, m
                            coords=tuple(int(c) for c in dmesh[tuple(others)].get_coordinate()),
                            precision=execution_precision(precision or "plan", plan.precision.get("name", "fp32"), None),
                            local=[s for s, r in enumerate(pl["stage_ranks"]) if int(r) == pp_rank], checked=False)
+    share_seed(staged.program)  # random ops (dropout): rank 0's seed on every rank
     keep_stage_parameters(model, staged)  # only its stages' parameters (others' would go stale: pipeline.state)
     distribute_state(model, graph, staged.program, dmesh[tuple(others)], None, materializer)
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank())

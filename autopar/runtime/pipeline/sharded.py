@@ -55,7 +55,7 @@ from autopar.runtime.collectives import ProcessGroupComm, record_executed
 from autopar.runtime.pipeline.loss import loss_weights
 from autopar.runtime.pipeline.schedule import SCHEDULES, ScheduleStep, micro_slices, run_schedule, take_loss
 from autopar.runtime.pipeline.state import local_state, without_dropped
-from autopar.runtime.random_state import add_random_entry, pipelined_random, share_seed, take_random_entry
+from autopar.runtime.random_state import add_random_entry, pipelined_random, take_random_entry
 from autopar.runtime.state import as_blocks, state_slots
 
 
@@ -175,8 +175,7 @@ class MeshPipelinedModule(torch.nn.Module):
         super().__init__()
         graph, stage_of, program, cut = staged.graph, staged.stage_of, staged.program, staged.cut
         pl = plan.pipeline
-        # random ops (dropout): rank 0's seed on every rank; each micro-batch draws its block of the whole batch's draw
-        share_seed(program)
+        # random ops (dropout, the seed shared by the driver): each micro-batch draws its block of the batch's draw
         pipelined_random(program, graph, int(pl["microbatches"]), staged.batch // int(pl["microbatches"]))
         dmesh, batch = device_mesh, staged.batch
         stage_mesh = dmesh[tuple(n for n in pl["mesh_names"] if n != pl["axis"])]
