@@ -3,7 +3,11 @@
 ``plan``: ``passes.pipeline.run_passes`` (capture, fold, strategies, cost, merge, recipes, solve),
 then ``passes.report.build_plan`` for the ``Plan``. ``simulate``: capture, ``passes.lower.resolve``
 and ``lower`` for every device, then ``runtime.threads`` runs the programs as threads of this
-process. ``autopar.compile`` (``parallel.py``) is the third driver.
+process. ``autopar.compile`` (``parallel.py``) is the third driver. A pipelined plan's program is
+prepared here for ``simulate`` and ``compile`` alike: ``capture_micro`` captures one micro-batch,
+``stage_program`` lowers it for a device (tagged), dry-runs it and cuts it into stages
+(``passes.lower.stages``); ``pipelined`` builds the module of the pipeline axis alone. The runtime
+(``runtime.pipeline``) only runs what they hand it.
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ from autopar.cost_model.precision import get_precision
 from autopar.errors import ArgumentError, MeshError
 from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph
+from autopar.ir.placement import local_block
 from autopar.ir.rules.proof.interp import device_coords
 from autopar.ir.rules.random_ops import draw_seed
-from autopar.ir.placement import local_block
 from autopar.ir.stages import stage_rule
 from autopar.passes.lower import lower, resolve
 from autopar.passes.lower.stages import cut, dry_run
