@@ -1,4 +1,5 @@
-"""The stage cut (``passes/lower/stages.py``) on a hand-built lowered program, without processes.
+"""The stage cut (``passes/lower/stages.py``) on a hand-built lowered program, and the IR-level cut
+(``ir.stages.cut_graph``) on a captured model, without processes.
 
 The program is written here as the tagged lowering writes one (``passes.lower.tagged``): a forward
 and a backward fx graph of aten ops, each node marked with the IR op it was written for
@@ -19,7 +20,9 @@ time: a boundary dropped (``_crossings`` sending only values made strictly befor
 unmarked node in stage 0, ``stage[n] = 0`` for ``max(ins, default=0)``: the loss) fail all six tests
 (the cut loses ``h0``, resp. ``h3``); the tied weight's sum left out of the per-step part
 (``step_part = reductions | below``) fails the three structural tests (its head contribution is then
-sent back through two boundaries).
+sent back through two boundaries). The last test cuts a captured two-layer LLaMA's forward with
+``ir.stages.cut_graph``, the IR-level cut the pipeline axis alone runs; with its boundaries left empty
+(and its refusal of unsent gradient-carrying reads switched off) it fails.
 """
 
 from __future__ import annotations
@@ -225,3 +228,38 @@ def test_the_cut_matches_autograd():
     assert torch.allclose(loss, (x @ w0 @ w1 @ w2 @ w0).sum())
     for got, w in zip(grads, (w0, w1, w2)):
         assert torch.allclose(got, 0.5 * w.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_the_graph_cut_of_a_captured_model():
+    """``ir.stages.cut_graph`` (the pipeline axis alone runs it eagerly) on a captured two-layer LLaMA:
+    each op in its stage, the hidden state the one value sent across, the gradient-free values (the
+    RoPE tables) made again in the stage that reads them instead of sent."""
+    from autopar import models
+    from autopar.ir.capture import capture
+    from autopar.ir.stages import chain, cut_graph, stage_rule
+
+    torch.manual_seed(0)
+    model, inputs = models.make("llama", "tiny", batch=2, n_layers=2)
+    graph = capture(model, inputs, {}, training=False)
+    first, second = chain(graph).paths
+    stage_of = stage_rule(graph, [[first], [second]])
+    trainable = {name for fqn, name in graph.params.items() if model.get_parameter(fqn).requires_grad}
+    got = cut_graph(graph, stage_of, 2, trainable)
+    ops = [n for n in graph.nodes if not n.is_placeholder]
+    assert got.home == {n.name: stage_of(n.name) for n in ops} and set(got.home.values()) == {0, 1}
+    for s in (0, 1):
+        assert {name for name, at in got.home.items() if at == s} <= got.runs[s]
+    assert len(got.boundaries) == 1
+    (sent,) = got.boundaries[0]  # the residual stream, made in stage 0
+    assert got.home[sent.node] == 0 and graph.spec(sent).dtype.is_floating_point
+    # stage 1 makes some of stage 0's values again: none has a trainable parameter upstream
+    again = {name for name in got.runs[1] if got.home.get(name) == 0}
+    assert again and sent.node not in again
+    by_name = {n.name: n for n in graph.nodes}
+    todo, seen = list(again), set()
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += [r.node for r in by_name[name].inputs]
+    assert not seen & trainable
