@@ -145,7 +145,7 @@ def test_boundaries_and_stashes():
     assert boundary_pairs(s0.f_out, s0.g_in, "0 -> 1") == [0] and boundary_pairs(s1.f_out, s1.g_in, "1 -> 2") == [0]
     assert [n.meta[SHAPE] for n in s0.f_out + s1.f_out] == [((ROWS, WIDTH), torch.float32)] * 2
     # what each backward reads of its own forward (the input x is stage 0's to keep)
-    assert [_names(st.stash) for st in c.stages] == [["x"], ["h0"], ["h2", "h1"]]  # in the order the backward reads them
+    assert [_names(st.stash) for st in c.stages] == [["x"], ["h0"], ["h2", "h1"]]  # in the backward's reading order
     # the inputs: only the first stage reads the batch
     assert [st.f_given for st in c.stages] == [[0], [], []]
 

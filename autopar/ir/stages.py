@@ -202,4 +202,5 @@ def cut_graph(graph: Graph, stage_of: Callable[[str], int], n_stages: int, train
     return GraphCut(home, boundaries[:n_stages - 1], runs)
 
 
-__all__ = ["Chain", "GraphCut", "POST", "PRE", "chain", "cut_graph", "forward_readers", "param_stages", "region_paths", "stage_rule"]
+__all__ = ["Chain", "GraphCut", "POST", "PRE", "chain", "cut_graph", "forward_readers", "param_stages", "region_paths",
+           "stage_rule"]

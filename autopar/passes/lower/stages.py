@@ -155,7 +155,7 @@ def _closure_up(starts, stop: Callable[[fx.Node], bool], through: Callable[[fx.N
     return seen
 
 
-def _local_reductions(j: _Joint, step_part: set, frontier: list, stage: dict, local: set) -> Reductions:
+def _local_reductions(joint: _Joint, step_part: set, frontier: list, stage: dict, local: set) -> Reductions:
     """``Reductions`` of the ``local`` stages: the gradients whose frontier inputs (the summed
     contributions) some local stage makes, or none does, with the per-step nodes they need."""
     in_frontier = set(frontier)
@@ -174,14 +174,14 @@ def _local_reductions(j: _Joint, step_part: set, frontier: list, stage: dict, lo
         return out
 
     kept = []
-    for k, o in enumerate(j.grads):
+    for k, o in enumerate(joint.grads):
         found = makers(o)
         if not found or found & local:
             kept.append(k)
-    need = _closure_up([j.grads[k] for k in kept], lambda x: x not in step_part)
-    gm = _extract(j.root, [n for n in j.backward.nodes if n in step_part and n in need], frontier,
-                  [j.grads[k] for k in kept], j.same)
-    return Reductions(gm, kept, [local_shape(o) for o in j.grads])
+    need = _closure_up([joint.grads[k] for k in kept], lambda x: x not in step_part)
+    gm = _extract(joint.root, [n for n in joint.backward.nodes if n in step_part and n in need], frontier,
+                  [joint.grads[k] for k in kept], joint.same)
+    return Reductions(gm, kept, [local_shape(o) for o in joint.grads])
 
 
 @dataclass
@@ -221,86 +221,86 @@ def _read_programs(program: Program) -> _Joint:
                   list(next(n for n in bwd.nodes if n.op == "output").args[0]))
 
 
-def _static_values(j: _Joint) -> None:
-    """Mark the values made from parameters, buffers and constants alone (``j.static``), hash-consed
-    across both programs (``j.same``): a backward regather of a parameter the forward gathered at the
+def _static_values(joint: _Joint) -> None:
+    """Mark the values made from parameters, buffers and constants alone (``joint.static``), hash-consed
+    across both programs (``joint.same``): a backward regather of a parameter the forward gathered at the
     same placements is the forward's (its copy is kept for the step), and equal calls are one."""
     first_of_call: dict[Any, fx.Node] = {}
     by_value: dict[Any, fx.Node] = {}  # a parameter at the placements a forward op reads it -> its node
-    for graph in (j.forward, j.backward):
+    for graph in (joint.forward, joint.backward):
         for n in graph.nodes:
             if n.op == "output":
                 continue
             if n.op == "placeholder":
-                if graph is j.forward:
-                    j.static[n] = j.program.inputs[j.slot_of[n]].kind in ("param", "buffer")
+                if graph is joint.forward:
+                    joint.static[n] = joint.program.inputs[joint.slot_of[n]].kind in ("param", "buffer")
                 else:
-                    src = j.saved_for.get(n)
-                    j.static[n] = src is not None and j.static[src]
+                    src = joint.saved_for.get(n)
+                    joint.static[n] = src is not None and joint.static[src]
                     if src is not None:
-                        j.same[n] = j.first(src) if j.static[n] else j.placeholder_of[src]
+                        joint.same[n] = joint.first(src) if joint.static[n] else joint.placeholder_of[src]
                 continue
-            j.static[n] = all(j.static[a] for a in n.all_input_nodes)
-            if not j.static[n]:
+            joint.static[n] = all(joint.static[a] for a in n.all_input_nodes)
+            if not joint.static[n]:
                 continue
-            if graph is j.forward and PARAM_VALUE in n.meta:
+            if graph is joint.forward and PARAM_VALUE in n.meta:
                 by_value.setdefault(n.meta[PARAM_VALUE], n)
-            if graph is j.backward and by_value.get(n.meta.get(PARAM_VALUE)) is not None:
-                j.same[n] = by_value[n.meta[PARAM_VALUE]]
+            if graph is joint.backward and by_value.get(n.meta.get(PARAM_VALUE)) is not None:
+                joint.same[n] = by_value[n.meta[PARAM_VALUE]]
             else:
                 key = (n.op, str(n.target),
-                       repr(fx.node.map_arg((n.args, n.kwargs), lambda a: ("n", id(j.first(a))))))
+                       repr(fx.node.map_arg((n.args, n.kwargs), lambda a: ("n", id(joint.first(a))))))
                 if key in first_of_call:
-                    j.same[n] = first_of_call[key]
+                    joint.same[n] = first_of_call[key]
                 else:
                     first_of_call[key] = n
 
 
-def _assign_stages(j: _Joint, stage_of: Callable[[str], int]) -> dict[fx.Node, int]:
+def _assign_stages(joint: _Joint, stage_of: Callable[[str], int]) -> dict[fx.Node, int]:
     """Each per-micro-batch node's stage: its IR op's (``IR_TAG``), else the latest of its inputs'."""
     stage: dict[fx.Node, int] = {}
-    for graph in (j.forward, j.backward):
+    for graph in (joint.forward, joint.backward):
         for n in graph.nodes:
-            if n.op in ("placeholder", "output") or j.static[n]:
+            if n.op in ("placeholder", "output") or joint.static[n]:
                 continue
             tag = n.meta.get(IR_TAG)
             if tag is not None:
                 stage[n] = stage_of(tag)
             else:
-                ins = [stage[j.first(a)] for a in n.all_input_nodes if j.first(a) in stage]
+                ins = [stage[joint.first(a)] for a in n.all_input_nodes if joint.first(a) in stage]
                 stage[n] = max(ins, default=0)
     return stage
 
 
-def _gradient_free(j: _Joint) -> dict[fx.Node, bool]:
+def _gradient_free(joint: _Joint) -> dict[fx.Node, bool]:
     """Forward values with no parameter upstream: made again in each stage that reads them."""
     free: dict[fx.Node, bool] = {}
-    for n in j.forward.nodes:
+    for n in joint.forward.nodes:
         if n.op == "placeholder":
-            free[n] = j.program.inputs[j.slot_of[n]].kind != "param"
+            free[n] = joint.program.inputs[joint.slot_of[n]].kind != "param"
         elif n.op != "output":
             free[n] = all(free[a] for a in n.all_input_nodes)
     return free
 
 
-def _per_step_part(j: _Joint, stage: dict[fx.Node, int]) -> tuple[set, list[fx.Node]]:
+def _per_step_part(joint: _Joint, stage: dict[fx.Node, int]) -> tuple[set, list[fx.Node]]:
     """The backward nodes run once per step on the micro-batches' sums, and the frontier: the
     per-micro-batch values they read (summed), then the gradients that need no reduction."""
-    users = {n: [u for u in n.users if u.op != "output"] for n in j.backward.nodes}
+    users = {n: [u for u in n.users if u.op != "output"] for n in joint.backward.nodes}
     # nodes the lowering wrote while finishing the program (no IR op): the reductions, casts before them
-    reductions = {n for n in j.backward.nodes if n.op not in ("placeholder", "output") and IR_TAG not in n.meta
-                  and not j.static[n]}
+    reductions = {n for n in joint.backward.nodes if n.op not in ("placeholder", "output") and IR_TAG not in n.meta
+                  and not joint.static[n]}
     # linear on the way to the reductions (or to a gradient that needs none) only: a sum of gradient
     # contributions (a tied weight's)
-    grads_out = set(j.grads)
+    grads_out = set(joint.grads)
     to_grads: dict[fx.Node, bool] = {}
-    for n in reversed(list(j.backward.nodes)):
+    for n in reversed(list(joint.backward.nodes)):
         if n.op != "output":
             us = users[n]
             to_grads[n] = n in reductions or (n.target in _LINEAR and (bool(us) or n in grads_out)
                                               and all(to_grads[u] for u in us))
-    crossing = [n for n in j.backward.nodes if n in stage and n not in reductions and to_grads[n] and any(
-        a in stage and a.graph is j.backward and stage[a] > stage[n] for a in n.all_input_nodes)]
+    crossing = [n for n in joint.backward.nodes if n in stage and n not in reductions and to_grads[n] and any(
+        a in stage and a.graph is joint.backward and stage[a] > stage[n] for a in n.all_input_nodes)]
     below: set = set()
     todo = list(crossing)
     while todo:
@@ -310,14 +310,14 @@ def _per_step_part(j: _Joint, stage: dict[fx.Node, int]) -> tuple[set, list[fx.N
                 todo.append(u)
     step_part = reductions | set(crossing) | below
     frontier: list[fx.Node] = []
-    for n in j.backward.nodes:
+    for n in joint.backward.nodes:
         if n in step_part:
             for a in n.all_input_nodes:
-                if a not in step_part and not j.static[a] and a not in frontier:
+                if a not in step_part and not joint.static[a] and a not in frontier:
                     if a.op == "placeholder":
                         raise ArgumentError(f"autopar pipeline: a gradient reduction reads {a.name} directly")
                     frontier.append(a)
-    for o in j.grads:
+    for o in joint.grads:
         if o not in step_part and o not in frontier:
             frontier.append(o)  # a gradient that needs no reduction
     return step_part, frontier
@@ -334,37 +334,37 @@ class _Crossings:
     sent_back: list[list[fx.Node]]  # sent_back[s]: backward values sent from stage s + 1 to s
 
 
-def _crossings(j: _Joint, stage: dict, step_part: set, frontier: list, n_stages: int) -> _Crossings:
+def _crossings(joint: _Joint, stage: dict, step_part: set, frontier: list, n_stages: int) -> _Crossings:
     """Which nodes each stage runs and what crosses between stages (forwarded through the stages in
     between); a backward that reads an earlier stage's backward value does not cut cleanly."""
-    grad_free = _gradient_free(j)
-    b_nodes = [[n for n in j.backward.nodes if stage.get(n) == s and n not in step_part] for s in range(n_stages)]
+    grad_free = _gradient_free(joint)
+    b_nodes = [[n for n in joint.backward.nodes if stage.get(n) == s and n not in step_part] for s in range(n_stages)]
     stash: list[list[fx.Node]] = [[] for _ in range(n_stages)]
     for s in range(n_stages):
         for n in b_nodes[s]:
             for a in n.all_input_nodes:
-                src = j.saved_for.get(a)
-                if src is not None and not j.static[src] and src not in stash[s]:
+                src = joint.saved_for.get(a)
+                if src is not None and not joint.static[src] and src not in stash[s]:
                     stash[s].append(src)
     f_nodes, need = [], []
     for s in range(n_stages):
-        mine = {n for n in j.forward.nodes if stage.get(n) == s}
-        want = [a for n in j.forward.nodes if n in mine for a in n.all_input_nodes] + stash[s] + (
-            [j.loss] if s == n_stages - 1 else [])
-        wanted = [a for a in dict.fromkeys(want) if a not in mine and not j.static[a] and a.op != "placeholder"]
+        mine = {n for n in joint.forward.nodes if stage.get(n) == s}
+        want = [a for n in joint.forward.nodes if n in mine for a in n.all_input_nodes] + stash[s] + (
+            [joint.loss] if s == n_stages - 1 else [])
+        wanted = [a for a in dict.fromkeys(want) if a not in mine and not joint.static[a] and a.op != "placeholder"]
         again = _closure_up([a for a in wanted if grad_free[a]],
-                            lambda x: x in mine or j.static[x] or x.op == "placeholder")
-        f_nodes.append([n for n in j.forward.nodes if n in mine or n in again])
+                            lambda x: x in mine or joint.static[x] or x.op == "placeholder")
+        f_nodes.append([n for n in joint.forward.nodes if n in mine or n in again])
         need.append([a for a in wanted if not grad_free[a]])
     sent = []
     for s in range(n_stages - 1):
         later = {a for t in range(s + 1, n_stages) for a in need[t]}
-        sent.append([n for n in j.forward.nodes if n in later and stage.get(n, n_stages) <= s])
+        sent.append([n for n in joint.forward.nodes if n in later and stage.get(n, n_stages) <= s])
     b_need = []
     for s in range(n_stages):
         mine = set(b_nodes[s])
         want = [a for n in b_nodes[s] for a in n.all_input_nodes] + [f for f in frontier if stage.get(f) == s]
-        got = [a for a in dict.fromkeys(want) if a not in mine and a in stage and a.graph is j.backward]
+        got = [a for a in dict.fromkeys(want) if a not in mine and a in stage and a.graph is joint.backward]
         for a in got:
             if stage[a] < s:
                 raise ArgumentError(f"autopar pipeline: stage {s}'s backward reads {a.name} from the earlier stage "
@@ -373,54 +373,56 @@ def _crossings(j: _Joint, stage: dict, step_part: set, frontier: list, n_stages:
     sent_back = []
     for s in range(n_stages - 1):
         earlier = {a for t in range(s + 1) for a in b_need[t]}
-        sent_back.append([n for n in j.backward.nodes if n in earlier and stage.get(n, -1) >= s + 1])
+        sent_back.append([n for n in joint.backward.nodes if n in earlier and stage.get(n, -1) >= s + 1])
     return _Crossings(f_nodes, b_nodes, stash, sent, sent_back)
 
 
-def _stage_programs(j: _Joint, x: _Crossings, stage: dict, frontier: list, s: int, n_stages: int,
+def _stage_programs(joint: _Joint, crossings: _Crossings, stage: dict, frontier: list, s: int, n_stages: int,
                     split: bool) -> StageCut:
     """Stage ``s``'s forward and backward programs (static value ids are the nodes, numbered later)."""
     last = s == n_stages - 1
-    f_in = x.sent[s - 1] if s > 0 else []
-    f_out = [j.loss] if last else x.sent[s]
+    f_in = crossings.sent[s - 1] if s > 0 else []
+    f_out = [joint.loss] if last else crossings.sent[s]
+    stash = crossings.stash[s]
     given_in = set(f_in)
-    nodes = [n for n in x.forward_nodes[s] if n not in given_in]
-    reads = [a for n in nodes for a in n.all_input_nodes] + f_out + x.stash[s]
-    f_statics = list(dict.fromkeys(j.first(a) for a in reads if j.static.get(a)))
-    f_given = sorted({j.slot_of[a] for a in reads if a.op == "placeholder" and a.graph is j.forward
-                      and not j.static[a]})
-    forward = _extract(j.root, nodes, f_statics + [j.inputs[k] for k in f_given] + f_in, f_out + x.stash[s], j.same)
-    g_in = [] if last else x.sent_back[s]
-    g_out = x.sent_back[s - 1] if s > 0 else []
+    nodes = [n for n in crossings.forward_nodes[s] if n not in given_in]
+    reads = [a for n in nodes for a in n.all_input_nodes] + f_out + stash
+    f_statics = list(dict.fromkeys(joint.first(a) for a in reads if joint.static.get(a)))
+    f_given = sorted({joint.slot_of[a] for a in reads if a.op == "placeholder" and a.graph is joint.forward
+                      and not joint.static[a]})
+    forward = _extract(joint.root, nodes, f_statics + [joint.inputs[k] for k in f_given] + f_in, f_out + stash,
+                       joint.same)
+    g_in = [] if last else crossings.sent_back[s]
+    g_out = crossings.sent_back[s - 1] if s > 0 else []
     made = [f for f in frontier if stage.get(f) == s]
     given_in = set(g_in)
-    nodes = [n for n in x.backward_nodes[s] if n not in given_in]
+    nodes = [n for n in crossings.backward_nodes[s] if n not in given_in]
     reads = [a for n in nodes for a in n.all_input_nodes] + g_out + made
-    b_statics = list(dict.fromkeys(j.first(a) for a in reads if j.static.get(a)))
-    tangent = j.tangent is not None and any(a is j.tangent for a in reads)
-    inputs = [j.placeholder_of[v] for v in x.stash[s]] + b_statics + g_in + ([j.tangent] if tangent else [])
-    halves = _split_backward(j.root, nodes, inputs, g_out, made, j.same) if split else (None, None)
+    b_statics = list(dict.fromkeys(joint.first(a) for a in reads if joint.static.get(a)))
+    tangent = joint.tangent is not None and any(a is joint.tangent for a in reads)
+    inputs = [joint.placeholder_of[v] for v in stash] + b_statics + g_in + ([joint.tangent] if tangent else [])
+    halves = _split_backward(joint.root, nodes, inputs, g_out, made, joint.same) if split else (None, None)
     fid = {n: k for k, n in enumerate(frontier)}
     return StageCut(index=s, forward=forward, f_statics=f_statics, f_given=f_given, f_in=f_in, f_out=f_out,
-                    stash=x.stash[s], backward=_extract(j.root, nodes, inputs, g_out + made, j.same),
+                    stash=stash, backward=_extract(joint.root, nodes, inputs, g_out + made, joint.same),
                     b_statics=b_statics, g_in=g_in, g_out=g_out, frontier=[fid[f] for f in made], tangent=tangent,
                     backward_input=halves[0], backward_weight=halves[1])
 
 
-def _static_program(j: _Joint, stages: list[StageCut], local: set) -> tuple[fx.GraphModule, list[int], int]:
+def _static_program(joint: _Joint, stages: list[StageCut], local: set) -> tuple[fx.GraphModule, list[int], int]:
     """The per-step static program of every static value the ``local`` stages read, and renumber those
     stages' static reads by position in its outputs: (program, the input slots it reads, its value count)."""
     wanted = set().union(*(set(st.f_statics) | set(st.b_statics) for st in stages if st.index in local))
-    values = [n for g in (j.forward, j.backward) for n in g.nodes if n in wanted]
+    values = [n for g in (joint.forward, joint.backward) for n in g.nodes if n in wanted]
     ids = {n: k for k, n in enumerate(values)}
     for st in stages:
         if st.index in local:
             st.f_statics = [ids[n] for n in st.f_statics]
             st.b_statics = [ids[n] for n in st.b_statics]
-    up = _closure_up(values, lambda x: False, j.first)
-    state = [n for n in j.inputs if n in up]
-    body = [n for g in (j.forward, j.backward) for n in g.nodes if n in up and n.op != "placeholder"]
-    return _extract(j.root, body, state, values, j.same), [j.slot_of[n] for n in state], len(values)
+    up = _closure_up(values, lambda x: False, joint.first)
+    state = [n for n in joint.inputs if n in up]
+    body = [n for g in (joint.forward, joint.backward) for n in g.nodes if n in up and n.op != "placeholder"]
+    return _extract(joint.root, body, state, values, joint.same), [joint.slot_of[n] for n in state], len(values)
 
 
 def cut(program: Program, stage_of: Callable[[str], int], n_stages: int, local: Sequence[int],
@@ -434,15 +436,15 @@ def cut(program: Program, stage_of: Callable[[str], int], n_stages: int, local: 
     if kinds != ["loss"]:
         raise ArgumentError(f"autopar pipeline: the program writes {kinds[1:]} besides the loss (buffer updates); "
                             "a pipelined run with other mesh axes does not handle them yet")
-    j = _read_programs(program)
-    _static_values(j)
-    stage = _assign_stages(j, stage_of)
-    step_part, frontier = _per_step_part(j, stage)
-    crossings = _crossings(j, stage, step_part, frontier, n_stages)
-    stages = [_stage_programs(j, crossings, stage, frontier, s, n_stages, split) for s in range(n_stages)]
-    static, state_slots, n_static = _static_program(j, stages, set(local))
+    joint = _read_programs(program)
+    _static_values(joint)
+    stage = _assign_stages(joint, stage_of)
+    step_part, frontier = _per_step_part(joint, stage)
+    crossings = _crossings(joint, stage, step_part, frontier, n_stages)
+    stages = [_stage_programs(joint, crossings, stage, frontier, s, n_stages, split) for s in range(n_stages)]
+    static, state_slots, n_static = _static_program(joint, stages, set(local))
     return Cut(stages=stages, static=static, state_slots=state_slots,
-               reduce=_local_reductions(j, step_part, frontier, stage, set(local)),
+               reduce=_local_reductions(joint, step_part, frontier, stage, set(local)),
                frontier_shapes=[local_shape(n) for n in frontier], frontier_stage=[stage[n] for n in frontier],
                n_static=n_static)
 

@@ -26,5 +26,5 @@ from autopar.runtime.pipeline.state import (
 )
 
 __all__ = ["MeshPipelinedModule", "PipelinedModule", "ScheduleStep", "batch_size", "check_alone", "drop_parameters",
-           "held_params", "keep_stage_parameters", "loss_weights", "local_state", "micro_slices", "refuse_buffer_updates",
-           "run_schedule", "simulate_staged", "take_loss", "without_dropped"]
+           "held_params", "keep_stage_parameters", "loss_weights", "local_state", "micro_slices",
+           "refuse_buffer_updates", "run_schedule", "simulate_staged", "take_loss", "without_dropped"]

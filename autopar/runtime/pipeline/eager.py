@@ -4,8 +4,8 @@
 micro-batch's shape by the driver (``autopar.api.pipelined``, ``training=False``), cut into the
 plan's stages by the planner's own rule (``ir.stages.cut_graph``: what runs before the layers goes to
 the first stage, each layer instance to the stage the plan lists it in, what runs after the layers to
-the last stage). Each stage is an ``nn.Module`` that interprets its ops eagerly (autograd records them) on the model's own parameters
-and buffers, so gradients land in the model's ``.grad``. torch's public ``PipelineStage`` and
+the last stage). Each stage is an ``nn.Module`` that interprets its ops eagerly (autograd records
+them) on the model's own parameters and buffers, so gradients land in the model's ``.grad``. torch's public ``PipelineStage`` and
 schedule classes (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
 ``ScheduleZBVZeroBubble``, by the plan's name) run them: the autograd path, point-to-point sends of
 the boundary values on the process group, ``scale_grads=False``.

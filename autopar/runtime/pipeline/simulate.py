@@ -2,8 +2,8 @@
 
 Each device of the stage mesh (the mesh without ``pp``) runs its staged program (the driver,
 ``autopar.simulate``, lowers the plan for its coordinates and cuts the program into stages exactly as
-``autopar.compile`` does for the pipelined runtime), the whole step in one thread: the static part once, every micro-batch's
-forward through the stages in order (boundary values handed over in memory), every micro-batch's
+``autopar.compile`` does for the pipelined runtime), the whole step in one thread: the static part
+once, every micro-batch's forward through the stages in order (boundary values handed over in memory), every micro-batch's
 backward through the stages in reverse, the unreduced gradients summed, and the per-step reductions
 once. Each micro-batch's loss enters the step's loss (and its backward) with the runtime's weight
 (``pipeline.loss.loss_weights``: the whole batch's mean, also when micro-batches count different

@@ -114,4 +114,5 @@ def refuse_buffer_updates(graph, where: str) -> None:
             "track_running_stats=False)")
 
 
-__all__ = ["drop_parameters", "held_params", "keep_stage_parameters", "local_state", "refuse_buffer_updates", "without_dropped"]
+__all__ = ["drop_parameters", "held_params", "keep_stage_parameters", "local_state", "refuse_buffer_updates",
+           "without_dropped"]
