@@ -3,7 +3,11 @@
 ``plan``: ``passes.pipeline.run_passes`` (capture, fold, strategies, cost, merge, recipes, solve),
 then ``passes.report.build_plan`` for the ``Plan``. ``simulate``: capture, ``passes.lower.resolve``
 and ``lower`` for every device, then ``runtime.threads`` runs the programs as threads of this
-process. ``autopar.compile`` (``parallel.py``) is the third driver.
+process. ``autopar.compile`` (``parallel.py``) is the third driver. A pipelined plan's program is
+prepared here for ``simulate`` and ``compile`` alike: ``capture_micro`` captures one micro-batch,
+``stage_program`` lowers it for a device (tagged), dry-runs it and cuts it into stages
+(``passes.lower.stages``); ``pipelined`` builds the module of the pipeline axis alone. The runtime
+(``runtime.pipeline``) only runs what they hand it.
 """
 
 from __future__ import annotations
@@ -17,9 +21,13 @@ from autopar.cost_model.precision import get_precision
 from autopar.errors import ArgumentError, MeshError
 from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph
+from autopar.ir.placement import local_block
 from autopar.ir.rules.proof.interp import device_coords
 from autopar.ir.rules.random_ops import draw_seed
+from autopar.ir.stages import stage_rule
 from autopar.passes.lower import lower, resolve
+from autopar.passes.lower.stages import cut, dry_run
+from autopar.passes.lower.tagged import keeping_gathers, lower_tagged
 from autopar.passes.pipeline import run_passes
 from autopar.passes.mesh_search import plan_mesh_search
 from autopar.passes.pipelined import plan_pipelined, wants_pipeline
@@ -28,6 +36,7 @@ from autopar.passes.search.recipes import NAMES
 from autopar.passes.search.checkpoint import check_pin
 from autopar.passes.search.kept import check_pin as check_kept_pin
 from autopar.plans import Plan, load_plan
+from autopar.program.staged import StagedProgram
 from autopar.runtime.accounting import predicted as predicted_collectives
 from autopar.runtime.precision import execution_precision
 from autopar.runtime.threads import gather_slots, placeholder_values, simulate_programs
@@ -218,13 +227,76 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
 
 
 def _simulate_pipelined(model, plan, args, kwargs, trace, predicted):
-    """``runtime.pipeline_sim``'s step of a pipelined plan, lowered with ``passes.lower.tagged``."""
-    from autopar.passes.lower.tagged import keeping_gathers, lower_tagged
-    from autopar.runtime.pipeline_sim import simulate_pipelined
+    """A pipelined plan's step simulated: the driver captures one micro-batch, lowers and cuts the
+    program of every stage-mesh device (every stage its own), and ``runtime.pipeline.simulate`` runs them."""
+    from autopar.runtime.pipeline.simulate import simulate_staged
 
-    return simulate_pipelined(model, plan, args, kwargs,
-                              lambda g, c: lower_tagged(keeping_gathers(resolve(g, plan)), c, None, "model"), trace,
-                              predicted)
+    graph, batch = capture_micro(model, plan, args, kwargs, True, "autopar.simulate")
+    res = keeping_gathers(resolve(graph, plan))
+    everything = range(len(plan.pipeline["stage_ranks"]))
+    staged = {c: stage_program(model, plan, graph, batch, args, kwargs, coords=c, precision="model", local=everything,
+                               resolved=res) for c in device_coords(plan.mesh_shape)}
+    return simulate_staged(model, plan, staged, args, kwargs, trace, predicted)
 
 
-__all__ = ["PLAN_KEYWORDS", "check_plan_args", "plan", "simulate"]
+def pipelined(model: torch.nn.Module, plan: Plan, example_inputs=(), example_kwargs: Optional[dict] = None,
+              group=None):
+    """``model`` run by ``plan`` (a pipelined plan over the pipeline axis alone) on this rank of ``group``
+    (default: the world): its forward captured at the micro-batch's shape, run by ``runtime.pipeline``'s
+    ``PipelinedModule``; ``autopar.compile`` builds it for such a plan."""
+    from autopar.runtime.pipeline import PipelinedModule, check_alone
+
+    check_alone(plan, group)
+    args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
+    graph, batch = capture_micro(model, plan, args, kwargs, False, "autopar pipelined")
+    return PipelinedModule(model, plan, graph, batch, group)
+
+
+def capture_micro(model, plan, args: tuple, kwargs: dict, training: bool, where: str) -> tuple[Graph, int]:
+    """``(graph, batch)``: ``model`` captured at the shape of one of ``plan``'s micro-batches (the
+    first), and the whole batch's rows; an ``ArgumentError`` naming ``where`` for a batch the plan's
+    micro-batch count does not divide or a model that updates buffers (a pipelined run refuses them)."""
+    from autopar.runtime.pipeline.schedule import batch_size, micro_slices
+    from autopar.runtime.pipeline.state import refuse_buffer_updates
+
+    m = int(plan.pipeline["microbatches"])
+    batch = batch_size(args, kwargs, m, where)
+    micro = micro_slices(args, kwargs, batch, m)[0]
+    graph = capture(model, tuple(micro[f"input:{i}"] for i in range(len(args))), {k: micro[k] for k in kwargs},
+                    training=training)
+    refuse_buffer_updates(graph, where)
+    return graph, batch
+
+
+def stage_program(model, plan, graph: Graph, batch: int, args: tuple, kwargs: dict, *, coords: tuple,
+                  precision: str, local, checked: bool = True, resolved=None) -> StagedProgram:
+    """The staged program of the stage-mesh device at ``coords``: ``resolved`` (the plan on ``graph``,
+    one micro-batch, its gathers kept for the step: ``keeping_gathers(resolve(graph, plan))``, made
+    here when not given) lowered with its fx nodes tagged, run once without
+    communication for every value's local shape (``dry_run``), and cut into the plan's stages
+    (``passes.lower.stages.cut``); the static program computes what the ``local`` stages read.
+    ``checked``: the state must hold real values of the plan's shapes (``placeholder_values``);
+    without, meta tensors stand in (a model ``compile`` materializes later)."""
+    from autopar.runtime.pipeline.schedule import micro_slices
+
+    pl = plan.pipeline
+    resolved = resolved if resolved is not None else keeping_gathers(resolve(graph, plan))
+    program = lower_tagged(resolved, coords, None, precision)
+    micro = micro_slices(args, kwargs, batch, int(pl["microbatches"]))[0]
+    margs, mkwargs = tuple(micro[f"input:{i}"] for i in range(len(args))), {k: micro[k] for k in kwargs}
+    if checked:
+        whole = placeholder_values(program.inputs, model, margs, mkwargs)
+    else:
+        state = dict(model.named_parameters(remove_duplicate=False))
+        state.update(dict(model.named_buffers(remove_duplicate=False)))
+        whole = [state[s.key].detach() if s.kind in ("param", "buffer") else
+                 margs[int(s.key.split(":")[1])] if s.key.startswith("input:") else mkwargs[s.key]
+                 for s in program.inputs]
+    dry_run(program, [local_block(t, s.placements, program.mesh_shape, coords, s.spec.blocks)
+                      for t, s in zip(whole, program.inputs)])
+    stage_of = stage_rule(graph, pl["stages"])
+    cutting = cut(program, stage_of, len(pl["stage_ranks"]), local, split=pl["schedule"] == "ZBVZeroBubble")
+    return StagedProgram(graph=graph, stage_of=stage_of, program=program, cut=cutting, batch=batch, local=list(local))
+
+
+__all__ = ["PLAN_KEYWORDS", "capture_micro", "check_plan_args", "pipelined", "plan", "simulate", "stage_program"]

@@ -8,7 +8,8 @@ with the plan's placements, so optimizers, ``state_dict`` and ``torch.distribute
 work on them unchanged; ``forward`` runs the lowered forward program and the loss's backward runs
 the lowered backward program, whose gradients arrive as DTensors placed like their parameters.
 Random ops draw from rank 0's seed and a per-forward step (``state_dict``: ``RANDOM_KEY``). A pipelined
-plan becomes ``runtime.pipeline_build``'s module."""
+plan's module runs its stages (``runtime.pipeline``): the driver captures one micro-batch, lowers and
+cuts the program into stages (``passes.lower.stages``), and hands the runtime the staged program."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from autopar import _torch_compat as tc
-from autopar._torch_compat import install_strided_checkpointing
 from autopar.cost_model.mesh import Mesh, require_mesh
-from autopar.errors import CompileError, PlanError
+from autopar.errors import ArgumentError, CompileError, PlanError
+from autopar.ir.fingerprint import graph_fingerprint
 from autopar.ir.graph import Graph
 from autopar.ir.placement import format_placements, from_dtensor, local_block
 from autopar.passes.lower import lower, resolve
@@ -394,9 +395,9 @@ def _check_plan_mesh(plan: Plan, mesh: Mesh) -> None:
         raise CompileError(str(e)) from None
 
 
-def _check_same_graph(fingerprint: str) -> None:
+def _check_same_capture(graph: Graph) -> None:
     got: list = [None] * dist.get_world_size()
-    dist.all_gather_object(got, fingerprint)
+    dist.all_gather_object(got, graph_fingerprint(graph))
     bad = [r for r, f in enumerate(got) if f != got[0]]
     if bad:
         raise CompileError(
@@ -422,7 +423,6 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     from autopar.api import check_plan_args
     from autopar.api import plan as make_plan
     from autopar.ir.capture import as_args, capture
-    from autopar.ir.fingerprint import graph_fingerprint
     from autopar.runtime.launch import ensure_process_group
     from autopar.runtime.materialize import check_materializable
 
@@ -449,7 +449,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     if training is not None and shared.training != training:
         raise CompileError("the plan's training mode differs from training=")
     graph = capture(model, args, kwargs, training=shared.training)
-    _check_same_graph(graph_fingerprint(graph))
+    _check_same_capture(graph)
     res = resolve(graph, shared)
     backend = dist.get_backend()
     device_type = "cuda" if backend == "nccl" else "cpu"
@@ -459,8 +459,6 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     prec = execution_precision(precision or "plan", shared.precision.get("name", "fp32"), device)
     program = lower(res, coords, device, prec)
     share_seed(program)  # with random ops: every rank draws with rank 0's seed
-    if any(slot.spec.blocks for slot in program.inputs):  # _StridedShard parameters: teach DCP their pieces
-        install_strided_checkpointing()
     distribute_state(model, graph, program, dmesh, device, materializer)
     # gloo: the program's collectives get groups of their own with one worker thread each, since
     # torch 2.13's two workers corrupt the heap when two collectives finish together (see there)
@@ -469,15 +467,34 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
 
 
 def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, materializer):
-    """``runtime.pipeline_build``'s module for a pipelined plan, lowering with ``passes.lower.tagged``."""
-    from autopar.ir.fingerprint import graph_fingerprint
-    from autopar.passes.lower.tagged import keeping_gathers, lower_tagged
-    from autopar.runtime.pipeline_build import build_pipelined
-    if dict(mesh.axes) != (axes := dict(zip(plan.pipeline["mesh_names"], plan.pipeline["mesh_shape"]))):
+    """This rank's module for a pipelined plan: ``api.pipelined``'s (pp alone), else its staged program's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.api import capture_micro, pipelined, stage_program
+    from autopar.runtime.pipeline import MeshPipelinedModule, keep_stage_parameters
+
+    pl = plan.pipeline
+    if dict(mesh.axes) != (axes := dict(zip(pl["mesh_names"], pl["mesh_shape"]))):
         raise CompileError(f"this pipelined plan was made for mesh {axes}, not {dict(mesh.axes)}")
-    prec = execution_precision(precision or "plan", plan.precision.get("name", "fp32"), None)
-    lower_at = lambda g, c: lower_tagged(keeping_gathers(resolve(g, plan)), c, None, prec)  # noqa: E731
-    return build_pipelined(model, plan, args, kwargs, lower_at, materializer, lambda g: _check_same_graph(graph_fingerprint(g)))
+    names, shape = list(pl["mesh_names"]), [int(s) for s in pl["mesh_shape"]]  # (compile checked the group's size)
+    others = [n for n in names if n != pl["axis"]]
+    if all(s == 1 for n, s in zip(names, shape) if n != pl["axis"]):
+        return pipelined(model, plan, args, kwargs)
+    if dist.get_backend() != "gloo":
+        raise ArgumentError("autopar pipeline: pipelined plans with other mesh axes run on gloo (CPU) only so far")
+    graph, batch = capture_micro(model, plan, args, kwargs, plan.training, "autopar pipeline")
+    _check_same_capture(graph)
+    dmesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
+    pp_rank = int(dmesh.get_coordinate()[names.index(pl["axis"])])
+    staged = stage_program(model, plan, graph, batch, args, kwargs,
+                           coords=tuple(int(c) for c in dmesh[tuple(others)].get_coordinate()),
+                           precision=execution_precision(precision or "plan", plan.precision.get("name", "fp32"), None),
+                           local=[s for s, r in enumerate(pl["stage_ranks"]) if int(r) == pp_rank], checked=False)
+    share_seed(staged.program)  # random ops (dropout): rank 0's seed on every rank
+    keep_stage_parameters(model, staged)  # only its stages' parameters (others' would go stale: pipeline.state)
+    distribute_state(model, graph, staged.program, dmesh[tuple(others)], None, materializer)
+    groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank())
+    return MeshPipelinedModule(model, plan, staged, dmesh, [g for n, g in zip(names, groups) if n != pl["axis"]])
 
 
 __all__ = ["RANDOM_KEY", "CompileError", "ParallelModule", "compile"]

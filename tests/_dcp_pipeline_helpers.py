@@ -107,7 +107,7 @@ def across_layouts(build, pp_axes: dict, plan_text: str, others: list, alone_tex
     with the single-device model's. Without ``alone_text`` step 4 is left out; ``flat``: the optimizer
     state in torch's flattened form (``flatten_optimizer_state_dict``, its form for pipelines)."""
     import autopar
-    from autopar.runtime.pipeline import pipelined
+    from autopar.api import pipelined
 
     out: dict = {"rank": dist.get_rank()}
     ref, args = build(0)

@@ -38,7 +38,7 @@ def pipelined_step(family: str, n_layers: int, batch: int, plan_text: str, uneve
     import weakref
 
     import autopar
-    from autopar.runtime.pipeline import pipelined
+    from autopar.api import pipelined
 
     model, inputs = build(family, n_layers, batch, uneven=uneven)
     plan = autopar.Plan.from_dict(json.loads(plan_text))
@@ -52,7 +52,7 @@ def pipelined_step(family: str, n_layers: int, batch: int, plan_text: str, uneve
     shared = sorted(set.intersection(*per_stage)) if len(per_stage) > 1 else []
     loss = pm(*inputs)
     loss.backward()
-    with torch.no_grad():  # a forward-only step (ZBV: its forward actions only, runtime.pipeline.run_schedule)
+    with torch.no_grad():  # a forward-only step (ZBV: its forward actions only, runtime.pipeline.schedule.run_schedule)
         again = pm(*inputs)
     grads = {k: p.grad.tolist() for k, p in model.named_parameters() if p.grad is not None}
     return float(loss.detach()), float(again), grads, alive, shared

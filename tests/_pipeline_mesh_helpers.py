@@ -37,7 +37,7 @@ def train_on_rank(family: str, n_layers: int, batch: int, axes: tuple, text: str
     model, args = build(family, n_layers, batch, seq)
     ref, _ = build(family, n_layers, batch, seq)
     pm = autopar.compile(model, autopar.Mesh(dict(axes), device="cpu"), args, plan=plan)
-    # the parameters its stages read (runtime.pipeline_state), in the model's order and names
+    # the parameters its stages read (runtime.pipeline.state), in the model's order and names
     assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()
                                                      if n in dict(pm.named_parameters())]
     assert all(hasattr(t, "placements") for t in pm.state_dict().values())  # DTensors, the model's names

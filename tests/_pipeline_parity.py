@@ -30,7 +30,7 @@ def parity(model: torch.nn.Module, ref: torch.nn.Module, inputs: tuple, kwargs: 
     (``loss``) and of every gradient (``grad``, its name ``grad_at``), of every parameter after the last
     step (``param``, ``param_at``), and what the collectives and transfers that ran on each simulated
     device differ from the predicted ones, per step (``differences``: empty when equal in count and
-    bytes; a pipelined device holds every stage of its stage-mesh coordinates, ``runtime.pipeline_sim``),
+    bytes; a pipelined device holds every stage of its stage-mesh coordinates, ``runtime.pipeline.simulate``),
     with the counts of the first step (``collectives``, ``transfers``: summed over devices; ``kinds``: the
     collectives per kind).
     Collectives on a one-device axis are left out (they move nothing)."""

@@ -59,7 +59,7 @@ def test_pipelined_dropout_draws_the_whole_batchs_masks(reference, axes, schedul
 
 
 def test_gloo_pipelined_dropout_equals_the_one_device_program():
-    """The mesh runtime (``runtime/pipeline_mesh.py``) on 4 gloo ranks, ZBVZeroBubble on pp=2 x tp=2,
+    """The mesh runtime (``runtime/pipeline/sharded.py``) on 4 gloo ranks, ZBVZeroBubble on pp=2 x tp=2,
     float64: one step's loss (a float64 on every rank: it is broadcast in the model's dtype) and
     gradients equal the 1-device program's with the same torch seed within 1e-9 (each micro-batch's
     forward, input- and weight-gradient parts at its place in the whole batch), the collectives and
@@ -86,7 +86,7 @@ def test_gloo_pipelined_dropout_equals_the_one_device_program():
 
 
 def test_gloo_pp_alone_dropout_equals_the_one_device_program():
-    """The pipeline axis alone (``runtime/pipeline.py``: each stage interprets its aten ops eagerly,
+    """The pipeline axis alone (``runtime/pipeline/eager.py``: each stage interprets its aten ops eagerly,
     its random ops drawn as the 1-device program draws them, at the micro-batch's place) on 2 gloo
     ranks, ZBVZeroBubble, float64: one step's loss (a float64 on every rank) and gradients equal the
     1-device program's with the same torch seed within 1e-9, for the dropout GPT and for Hugging

@@ -1,4 +1,4 @@
-"""Pipelined plans run on torch.distributed.pipelining (``runtime/pipeline.py``), gloo, pp=2: loss on
+"""Pipelined plans run on torch.distributed.pipelining (``runtime/pipeline/eager.py``), gloo, pp=2: loss on
 every rank and every gradient equal the single-process model's, for each schedule torch 2.13 runs,
 on an 8-layer GPT (tied embedding and head: gradients summed over the two ends) and an 8-layer LLaMA
 (RoPE tables recomputed per stage; one case with unevenly ignored targets: the whole batch's mean)."""
@@ -12,7 +12,7 @@ from _pipeline_helpers import build, pipelined_cases, reference
 
 CASES = [("gpt", "1F1B"), ("gpt", "ZBVZeroBubble"), ("llama", "GPipe"), ("llama", "Interleaved1F1B")]
 #: the case run with most of the first sample's targets ignored: the loss is the whole batch's mean
-#: (``runtime/pipeline_loss.py``), not the mean of the micro-batch means
+#: (``runtime/pipeline/loss.py``), not the mean of the micro-batch means
 UNEVEN = ("llama", "GPipe")
 LAYERS, BATCH = 8, 8
 #: parameters read by the first and the last stage (two stages of one rank under ZBV's V placement)

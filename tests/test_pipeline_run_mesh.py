@@ -1,4 +1,4 @@
-"""Pipelined plans with other mesh axes (``runtime/pipeline_mesh.py``: each stage runs its slice of the
+"""Pipelined plans with other mesh axes (``runtime/pipeline/sharded.py``: each stage runs its slice of the
 plan's lowered sharded program on the stage mesh), gloo, 4 processes: pp=2 x dp=2 on a GPT (tied
 embedding and head: its two partial gradients summed over the pipeline) and pp=2 x tp=2 on a LLaMA
 (RoPE tables once per step), pp=2 x dp=2 GPT under ZBVZeroBubble (the split backward) and pp=2 x dp=2

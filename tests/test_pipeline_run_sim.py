@@ -1,4 +1,4 @@
-"""``autopar.simulate`` of pipelined plans (``runtime/pipeline_sim.py``): every stage-mesh device a thread
+"""``autopar.simulate`` of pipelined plans (``runtime/pipeline/simulate.py``): every stage-mesh device a thread
 running the pipelined runtime's cut of the plan's lowered program (static part, per-micro-batch stage
 slices, per-step reductions). Loss, every gradient and the parameters after 2 AdamW steps (the second
 simulated from updated parameters) equal the single-device model's (rel. 1e-4, fp32; after one step for
@@ -22,9 +22,9 @@ import torch
 import autopar
 from autopar.errors import ArgumentError
 from autopar.ir.capture import capture
-from autopar.runtime.pipeline import micro_slices
-from autopar.runtime.pipeline_loss import loss_weights
-from autopar.runtime.pipeline_state import refuse_buffer_updates
+from autopar.runtime.pipeline.schedule import micro_slices
+from autopar.runtime.pipeline.loss import loss_weights
+from autopar.runtime.pipeline.state import refuse_buffer_updates
 from _corpus import CORPUS
 from _pipeline_mesh_helpers import build, rel
 from _pipeline_parity import parity
@@ -93,7 +93,7 @@ def _uneven(inputs):
 def test_simulated_pipeline_loss_is_the_whole_batch_mean_with_unequal_target_counts():
     """The step's loss is the cross-entropy mean over the whole batch's counted targets (not the mean
     of the micro-batch means), and its gradients the single-device model's: each micro-batch's loss
-    weighs by its counted targets (``runtime/pipeline_loss.py``)."""
+    weighs by its counted targets (``runtime/pipeline/loss.py``)."""
     model, inputs = build("gpt", 4, 8)
     ref, _ = build("gpt", 4, 8)
     other, _ = build("gpt", 4, 8)
@@ -162,7 +162,7 @@ class _Normed(torch.nn.Module):
 @pytest.mark.parametrize("axes", [{"pp": 2}, {"pp": 2, "dp": 2}], ids=["pp2", "pp2xdp2"])
 def test_simulated_pipeline_refuses_buffer_updates_by_name(axes):
     """Buffer updates are not applied by the pipelined runtimes: refused with the buffer's name and the
-    reason (``runtime.pipeline_state.refuse_buffer_updates``, the check the gloo runtimes make at build),
+    reason (``runtime.pipeline.state.refuse_buffer_updates``, the check the gloo runtimes make at build),
     never run with the buffers left at their old values; the pipeline alone used to fail in lowering
     with an IndexError."""
     inner, inputs = build("gpt", 2, 8)

@@ -1,6 +1,7 @@
 """Where each op of a graph sits along the model's chain of layers: before the layer instances, in one
 of them, or after them; the one rule the pipeline planner (``passes/search/pipeline_split.py``) and
-the pipeline runtime (``runtime/pipeline.py``) share, so stages are priced as they run.
+the pipeline runtime (``runtime/pipeline/``) share, so stages are priced as they run; and the cut of a
+graph's forward into stages along it (``cut_graph``), which the pipeline axis alone runs eagerly.
 
 Layer instances are ``ir.layers``'s (folded or not), numbered in graph order. An op outside every
 instance is *before* (``PRE``) when it is a forward op that runs before the first instance's first
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from autopar.errors import ArgumentError
-from autopar.ir.graph import Graph, Phase
+from autopar.ir.graph import Graph, Phase, Ref
 from autopar.ir.layers import Key, layer_key, layers
 
 PRE, POST = -1, -2  # the regions before and after the layer instances
@@ -133,4 +134,73 @@ def param_stages(graph: Graph, stages: list) -> dict[str, frozenset]:
     return out
 
 
-__all__ = ["Chain", "POST", "PRE", "chain", "forward_readers", "param_stages", "region_paths", "stage_rule"]
+@dataclass(frozen=True)
+class GraphCut:
+    """A forward graph cut into stages (``cut_graph``)."""
+
+    home: dict[str, int]  # op name -> its stage
+    boundaries: list[list[Ref]]  # boundaries[s]: the gradient-carrying values sent from stage s to s + 1
+    runs: list[set[str]]  # per stage: the names of its ops and of the gradient-free values it makes again
+
+
+def _carries_gradient(graph: Graph, trainable: set[str]) -> dict[Ref, bool]:
+    """Which values depend on a trainable parameter (``trainable``: placeholder names) through floats."""
+    carries: dict[Ref, bool] = {}
+    for n in graph.nodes:
+        for j, spec in enumerate(n.outputs):
+            if spec is None:
+                continue
+            if n.is_placeholder:
+                c = n.name in trainable
+            else:
+                c = spec.dtype.is_floating_point and any(carries.get(r, False) for r in n.inputs)
+            carries[Ref(n.name, j)] = c
+    return carries
+
+
+def cut_graph(graph: Graph, stage_of: Callable[[str], int], n_stages: int, trainable: set[str]) -> GraphCut:
+    """``graph`` (a forward, its loss its first output) cut into ``n_stages`` stages by ``stage_of``:
+    every value that carries gradient (depends on a ``trainable`` parameter placeholder) made in an
+    earlier stage and read in a later one crosses each boundary in between (torch's schedules only
+    talk to adjacent stages); a value that carries none is made again in every stage that reads it.
+    An ``ArgumentError`` when a stage reads a gradient-carrying value that is not handed to it."""
+    carries = _carries_gradient(graph, trainable)
+    ops = [n for n in graph.nodes if not n.is_placeholder]
+    home = {n.name: stage_of(n.name) for n in ops}
+    readers: dict[Ref, set[int]] = {}
+    for n in ops:
+        for r in n.inputs:
+            readers.setdefault(r, set()).add(home[n.name])
+    loss = graph.outputs[0]
+    readers.setdefault(loss, set()).add(n_stages)  # the loss leaves the last stage
+    boundaries: list[list[Ref]] = [[] for _ in range(n_stages)]
+    for n in ops:
+        for j in range(len(n.outputs)):
+            r = Ref(n.name, j)
+            if not carries.get(r) or r not in readers:
+                continue
+            for s in range(home[n.name], max(readers[r]) if r != loss else home[n.name]):
+                boundaries[s].append(r)
+    by_name = {n.name: n for n in graph.nodes}
+    runs = []
+    for s in range(n_stages):
+        own = {n.name for n in ops if home[n.name] == s}
+        need = set(own)
+        todo = [r.node for name in own for r in by_name[name].inputs]
+        given = {r.node for r in boundaries[s - 1]} if s > 0 else set()
+        while todo:  # values made elsewhere that carry no gradient: made again here
+            name = todo.pop()
+            if name in need or name in given:
+                continue
+            node = by_name[name]
+            if not node.is_placeholder and any(carries.get(Ref(name, j)) for j in range(len(node.outputs))):
+                raise ArgumentError(f"autopar pipelined: stage {s} reads {graph.user_name(Ref(name))} from a "
+                                    "non-adjacent stage without its gradient path; this model does not cut cleanly")
+            need.add(name)
+            todo += [r.node for r in node.inputs]
+        runs.append(need)
+    return GraphCut(home, boundaries[:n_stages - 1], runs)
+
+
+__all__ = ["Chain", "GraphCut", "POST", "PRE", "chain", "cut_graph", "forward_readers", "param_stages", "region_paths",
+           "stage_rule"]

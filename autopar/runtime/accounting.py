@@ -18,7 +18,7 @@ from typing import Iterable
 
 from autopar.cost_model.buckets import LOCAL_KINDS, collective_calls
 from autopar.ir.graph import Phase
-from autopar.runtime.pipeline_cut import SHAPE
+from autopar.program.staged import SHAPE
 
 Key = tuple[str, str, int]
 

@@ -38,8 +38,12 @@ def distribute_state(model: torch.nn.Module, graph: Graph, program: Program, dme
                      materializer=None) -> None:
     """Replace every parameter and buffer by a DTensor holding this rank's block (tied weights stay
     tied); meta tensors are rebuilt by ``materializer`` (``runtime.materialize``). Entries already
-    None (parameters a pipeline rank does not hold) stay None."""
+    None (parameters a pipeline rank does not hold) stay None. With ``_StridedShard`` parameters it
+    teaches DCP their pieces (``_torch_compat.install_strided_checkpointing``)."""
     from autopar.runtime.materialize import full_value
+
+    if any(slot.spec.blocks for slot in program.inputs):
+        tc.install_strided_checkpointing()
 
     coords = tuple(dmesh.get_coordinate())
     done: dict[str, torch.Tensor] = {}
@@ -49,7 +53,7 @@ def distribute_state(model: torch.nn.Module, graph: Graph, program: Program, dme
         owner, _, name = slot.key.rpartition(".")
         mod = model.get_submodule(owner)
         old = getattr(mod, name)
-        if old is None:  # a parameter this rank does not hold (other pipeline stages': runtime.pipeline_state)
+        if old is None:  # a parameter this rank does not hold (other pipeline stages': runtime.pipeline.state)
             continue
         whole = full_value(model, slot.key, old, materializer)
         block = local_block(whole, slot.placements, program.mesh_shape, coords, slot.spec.blocks)

@@ -1,16 +1,16 @@
 """Lowering with each program node tagged by the IR op it was written for, for the pipeline runtime.
 
 ``lower_tagged`` is ``lower`` (the same ``Emitter``, the same program) with two marks on the fx
-nodes, so that ``runtime/pipeline_cut.py`` can cut one micro-batch's program into pipeline stages
-by the planner's own rule (``ir.stages``):
+nodes (``program.staged`` names them), so that ``passes/lower/stages.py`` can cut one micro-batch's
+program into pipeline stages by the planner's own rule (``ir.stages``):
 
-- ``meta["autopar_ir"]``: the IR node whose emission wrote it (an op, or the reshardings and
+- ``meta[IR_TAG]``: the IR node whose emission wrote it (an op, or the reshardings and
   gathers of its inputs: a transfer belongs to its consumer, as the pipeline price charges it);
   nodes written while finishing the program (the loss's placement, gradient reductions) have none;
-- ``meta["autopar_param_value"]``: (IR node, output, placements) of a parameter (or a layout view of
+- ``meta[PARAM_VALUE]``: (IR node, output, placements) of a parameter (or a layout view of
   one) at the placements an op reads it, so a backward regather can be matched with the forward's.
 
-Every backward node without ``autopar_ir`` was written while finishing the program: the gradient
+Every backward node without ``IR_TAG`` was written while finishing the program: the gradient
 reductions (bucketed or not) and the casts before them.
 """
 
@@ -28,9 +28,7 @@ from autopar.passes.lower.emitter import Emitter
 from autopar.passes.lower.resolve import Resolved
 from autopar.passes.search.kept import instance_path, kept_reads
 from autopar.program.program import Program
-
-IR_TAG = "autopar_ir"
-PARAM_VALUE = "autopar_param_value"
+from autopar.program.staged import IR_TAG, PARAM_VALUE
 
 
 class _Tagging(Emitter):
@@ -71,4 +69,4 @@ def lower_tagged(res: Resolved, coords: Sequence[int], device: Optional[torch.de
     return em.finish()
 
 
-__all__ = ["IR_TAG", "PARAM_VALUE", "keeping_gathers", "lower_tagged"]
+__all__ = ["keeping_gathers", "lower_tagged"]

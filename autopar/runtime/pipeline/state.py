@@ -25,19 +25,18 @@ Parameters that no stage reads or that need no gradient are never updated, so ev
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping
 
 import torch
 
 from autopar import _torch_compat as tc
 from autopar.errors import ArgumentError, CompileError
+from autopar.ir.stages import forward_readers
 
 
-def held_params(stages: Mapping[str, set[int]], stage_ranks: Iterable[int], pp_rank: int,
-                frozen: set[str]) -> set[str]:
-    """The parameter FQNs this pipeline rank holds: those its stages read, and those never updated
-    anywhere (read by no stage, or ``frozen``: no gradient)."""
-    mine = {s for s, r in enumerate(stage_ranks) if int(r) == pp_rank}
+def held_params(stages: Mapping[str, set[int]], mine: set[int], frozen: set[str]) -> set[str]:
+    """The parameter FQNs a pipeline rank holds: those its stages (``mine``) read, and those never
+    updated anywhere (read by no stage, or ``frozen``: no gradient)."""
     return {fqn for fqn, where in stages.items() if where & mine or not where or fqn in frozen}
 
 
@@ -76,6 +75,15 @@ def drop_parameters(model: torch.nn.Module, keep: Callable[[str], bool]) -> dict
     return dropped
 
 
+def keep_stage_parameters(model: torch.nn.Module, staged) -> dict[str, tuple]:
+    """Drop the parameters the pipeline rank of ``staged`` (a ``program.staged.StagedProgram``) does
+    not hold: ``held_params`` of its local stages; -> ``drop_parameters``'s."""
+    graph = staged.graph
+    frozen = {fqn for fqn in graph.params if not model.get_parameter(fqn).requires_grad}
+    held = held_params(forward_readers(graph, staged.stage_of), set(staged.local), frozen)
+    return drop_parameters(model, lambda fqn: graph.aliases.get(fqn, fqn) in held)
+
+
 def without_dropped(state_dict: Mapping, dropped: Mapping[str, tuple]) -> dict:
     """``state_dict`` less the entries of parameters other pipeline ranks hold (``dropped``: name ->
     whole shape), each checked for shape: a single-device state dict loads on every rank."""
@@ -106,4 +114,5 @@ def refuse_buffer_updates(graph, where: str) -> None:
             "track_running_stats=False)")
 
 
-__all__ = ["drop_parameters", "held_params", "local_state", "refuse_buffer_updates", "without_dropped"]
+__all__ = ["drop_parameters", "held_params", "keep_stage_parameters", "local_state", "refuse_buffer_updates",
+           "without_dropped"]

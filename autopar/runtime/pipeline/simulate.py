@@ -1,12 +1,12 @@
 """``autopar.simulate`` of a pipelined plan: every stage-mesh device a thread, its stages run in turn.
 
-Each device of the stage mesh (the mesh without ``pp``) lowers the plan for its coordinates and cuts
-the program into stages exactly as the pipelined runtime does (``pipeline_build`` and
-``pipeline_cut``), then runs the whole step in one thread: the static part once, every micro-batch's
-forward through the stages in order (boundary values handed over in memory), every micro-batch's
+Each device of the stage mesh (the mesh without ``pp``) runs its staged program (the driver,
+``autopar.simulate``, lowers the plan for its coordinates and cuts the program into stages exactly as
+``autopar.compile`` does for the pipelined runtime), the whole step in one thread: the static part
+once, every micro-batch's forward through the stages in order (boundary values handed over in memory), every micro-batch's
 backward through the stages in reverse, the unreduced gradients summed, and the per-step reductions
 once. Each micro-batch's loss enters the step's loss (and its backward) with the runtime's weight
-(``pipeline_loss.loss_weights``: the whole batch's mean, also when micro-batches count different
+(``pipeline.loss.loss_weights``: the whole batch's mean, also when micro-batches count different
 numbers of targets). The order is GPipe's; every schedule computes the same sums (only their order differs), so this
 checks the cut, the accumulation and the reductions of any schedule against the single-device model.
 For ZBVZeroBubble the backwards run split as the runtime runs them: every input-gradient part first,
@@ -26,46 +26,35 @@ from typing import Callable, Optional
 
 import torch
 
-from autopar.ir.capture import capture
 from autopar.ir.placement import local_block
 from autopar.ir.rules.random_ops import draw_seed
-from autopar.ir.stages import forward_readers, stage_rule
+from autopar.ir.stages import forward_readers
 from autopar.program import collectives as C
 from autopar.program.collectives import Executed
+from autopar.program.staged import StagedProgram, boundary_pairs
 from autopar.runtime.accounting import pipelined_predicted, static_values
-from autopar.runtime.pipeline import micro_slices
-from autopar.runtime.pipeline_cut import boundary_pairs, cut, dry_run
-from autopar.runtime.pipeline_loss import loss_weights
-from autopar.runtime.pipeline_state import refuse_buffer_updates
+from autopar.runtime.pipeline.loss import loss_weights
+from autopar.runtime.pipeline.schedule import micro_slices
 from autopar.runtime.random_state import pipelined_random
 from autopar.runtime.threads import gather_slots, placeholder_values, run_threads
 
 
-def simulate_pipelined(model: torch.nn.Module, plan, args: tuple, kwargs: dict, lower: Callable,
-                       trace: Optional[dict] = None, predicted: Optional[dict] = None):
-    """``(loss, grads)`` of one step of pipelined ``plan`` (see the module docstring); ``lower(graph,
-    coords)`` is the tagged lowering; ``trace`` receives each device's executed collectives and
-    transfers, ``predicted`` what the plan predicts for it (``Counter`` per (kind, axis, bytes))."""
-    from autopar.ir.rules.proof.interp import device_coords
-
+def simulate_staged(model: torch.nn.Module, plan, staged: dict[tuple, StagedProgram], args: tuple, kwargs: dict,
+                    trace: Optional[dict] = None, predicted: Optional[dict] = None):
+    """``(loss, grads)`` of one step of pipelined ``plan`` (see the module docstring); ``staged``: each
+    stage-mesh device's staged program (coordinates -> ``StagedProgram``, every stage of it cut);
+    ``trace`` receives each device's executed collectives and transfers, ``predicted`` what the plan
+    predicts for it (``Counter`` per (kind, axis, bytes))."""
     pl = plan.pipeline
     m, n_stages = int(pl["microbatches"]), len(pl["stage_ranks"])
-    batch = next(int(v.shape[0]) for v in list(args) + list(kwargs.values())
-                 if isinstance(v, torch.Tensor) and v.dim() >= 1)
+    first_staged = next(iter(staged.values()))
+    graph, stage_of, batch = first_staged.graph, first_staged.stage_of, first_staged.batch
     parts = micro_slices(args, kwargs, batch, m)
-    margs = tuple(parts[0][f"input:{i}"] for i in range(len(args)))
-    graph = capture(model, margs, {k: parts[0][k] for k in kwargs}, training=True)
-    refuse_buffer_updates(graph, "autopar.simulate")
-    stage_of = stage_rule(graph, pl["stages"])
-    # the plan's stage mesh (the mesh without ``pp``; a pipeline alone plans on a one-device ``dp``)
     shape, names = plan.mesh_shape, plan.axis_names
-    programs, cuts = {}, {}
+    programs = {c: st.program for c, st in staged.items()}
+    cuts = {c: st.cut for c, st in staged.items()}
     split = pl["schedule"] == "ZBVZeroBubble"  # the backward in its input- and weight-gradient parts
-    for c in device_coords(shape):
-        prog = lower(graph, c)
-        whole = placeholder_values(prog.inputs, model, margs, {k: parts[0][k] for k in kwargs})
-        dry_run(prog, [local_block(t, s.placements, shape, c, s.spec.blocks) for t, s in zip(whole, prog.inputs)])
-        programs[c], cuts[c] = prog, cut(prog, stage_of, n_stages, range(n_stages), split=split)
+    for c in programs:
         for s in range(n_stages - 1):  # what the runtime's stages can carry back (refused as it refuses)
             boundary_pairs(cuts[c].stages[s].f_out, cuts[c].stages[s].g_in, f"stages {s} -> {s + 1}")
     first = programs[(0,) * len(shape)]
@@ -171,4 +160,4 @@ def at_micro(program, mb: int) -> None:
         program.random.micro = mb
 
 
-__all__ = ["simulate_pipelined"]
+__all__ = ["simulate_staged"]

@@ -2,8 +2,9 @@
 the plan's lowered sharded program on the stage mesh.
 
 ``autopar.compile`` builds it for a plan whose ``plan.pipeline`` has other axes than ``pp``: the
-model is captured at the micro-batch's shape, the plan lowered (tagged) for this rank's coordinates
-on the stage mesh (the mesh without ``pp``), and the program cut by ``runtime/pipeline_cut.py``.
+driver captures the model at the micro-batch's shape, lowers the plan (tagged) for this rank's
+coordinates on the stage mesh (the mesh without ``pp``) and cuts the program into stages
+(``passes.lower.stages``); this module runs the staged program (``program.staged.StagedProgram``).
 Parameters and buffers become DTensors on the stage mesh with the plan's placements (as ``compile``
 makes them: optimizers, ``state_dict`` and DCP work on them).
 
@@ -16,7 +17,7 @@ One step (``pmodel(*inputs)`` then ``loss.backward()``), every rank:
    between ranks of equal stage-mesh coordinates as this rank's local blocks; a gradient goes back
    in the slot of the forward boundary value of the same local shape; the unreduced parameter
    gradients are summed over the micro-batches; under ZBVZeroBubble a stage's backward is cut in
-   two (``pipeline_cut._split_backward``): its I action runs the input-gradient part (what goes to
+   two (``passes.lower.stages._split_backward``): its I action runs the input-gradient part (what goes to
    the previous stage), its W action (torch's ``dw_builder`` hook of ``PipelineStage``) the rest,
    which makes the unreduced parameter gradients; the plan's gradient reductions still run once per
    step, on the sums (below), as the price charges them;
@@ -26,7 +27,7 @@ One step (``pmodel(*inputs)`` then ``loss.backward()``), every rank:
    over the pipeline group.
 
 The loss is the whole batch's: each micro-batch's loss enters it with its weight
-(``pipeline_loss.loss_weights``: 1/m, or for a cross-entropy mean its counted targets over the
+(``pipeline.loss.loss_weights``: 1/m, or for a cross-entropy mean its counted targets over the
 batch's, so unequal ``ignore_index`` counts give the batch's mean, not the mean of means), returned
 on every rank; gradients land in ``.grad`` as DTensors placed as
 their parameters, on the ranks whose stages read them (None elsewhere).
@@ -40,13 +41,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
 
 from autopar import _torch_compat as tc
 from autopar.errors import ArgumentError
@@ -54,17 +49,14 @@ from autopar.ir.placement import local_block
 from autopar.ir.stages import forward_readers
 from autopar.program import collectives as C
 from autopar.program.collectives import Executed
+from autopar.program.staged import SHAPE, StageCut, StagedProgram, boundary_pairs
 from autopar.runtime.accounting import compare, pipelined_predicted, static_values
 from autopar.runtime.collectives import ProcessGroupComm, record_executed
-from autopar.runtime.pipeline import ScheduleStep, micro_slices, run_schedule
-from autopar.runtime.pipeline_cut import SHAPE, Cut, StageCut, boundary_pairs
-from autopar.runtime.pipeline_loss import loss_weights
-from autopar.runtime.pipeline_state import local_state, without_dropped
-from autopar.runtime.random_state import add_random_entry, take_random_entry
+from autopar.runtime.pipeline.loss import loss_weights
+from autopar.runtime.pipeline.schedule import SCHEDULES, ScheduleStep, micro_slices, run_schedule, take_loss
+from autopar.runtime.pipeline.state import local_state, without_dropped
+from autopar.runtime.random_state import add_random_entry, pipelined_random, take_random_entry
 from autopar.runtime.state import as_blocks, state_slots
-
-_SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
-              "ZBVZeroBubble": ScheduleZBVZeroBubble}
 
 
 class _StageFn(torch.autograd.Function):
@@ -175,27 +167,33 @@ class _RecordedStage(PipelineStage):
 
 
 class MeshPipelinedModule(torch.nn.Module):
-    """``model`` run by a pipelined plan with other mesh axes on this rank (see the module docstring)."""
+    """``model`` run by a pipelined plan with other mesh axes on this rank (see the module docstring):
+    ``staged`` is this rank's staged program, ``device_mesh`` the plan's whole mesh, ``groups`` the
+    process groups of the stage mesh's axes (in ``plan.axis_names`` order) its collectives run on."""
 
-    def __init__(self, model: torch.nn.Module, plan, graph, stage_of, program, cut: Cut, dmesh, stage_mesh,
-                 groups: list, batch: int):
+    def __init__(self, model: torch.nn.Module, plan, staged: StagedProgram, device_mesh, groups: list):
         super().__init__()
+        graph, stage_of, program, cut = staged.graph, staged.stage_of, staged.program, staged.cut
+        pl = plan.pipeline
+        # random ops (dropout, the seed shared by the driver): each micro-batch draws its block of the batch's draw
+        pipelined_random(program, graph, int(pl["microbatches"]), staged.batch // int(pl["microbatches"]))
+        dmesh, batch = device_mesh, staged.batch
+        stage_mesh = dmesh[tuple(n for n in pl["mesh_names"] if n != pl["axis"])]
         self.graph, self.stage_of = graph, stage_of
         self.static_refs = static_values(graph)
         #: parameter FQN -> the stages whose forward ops read it (a tied embedding and head: two)
         self.param_stages = forward_readers(graph, stage_of)
         object.__setattr__(self, "module", model)
-        pl = plan.pipeline
         self.plan, self.program, self.cutting = plan, program, cut
         self.device_mesh, self.stage_mesh = dmesh, stage_mesh
         self.m, self.batch = int(pl["microbatches"]), batch
         self.schedule_name = pl["schedule"]
-        if self.schedule_name not in _SCHEDULES:
+        if self.schedule_name not in SCHEDULES:
             raise ArgumentError(f"autopar pipeline: the {self.schedule_name} schedule is not run with other mesh axes; "
-                                f"plan with one of {sorted(_SCHEDULES)}")
+                                f"plan with one of {sorted(SCHEDULES)}")
         if (self.schedule_name == "ZBVZeroBubble") != any(st.backward_weight is not None for st in cut.stages):
             raise ArgumentError("autopar pipeline: ZBVZeroBubble runs each stage's backward split in two "
-                                "(pipeline_cut.cut(..., split=True)); cut the program for the plan's schedule")
+                                "(passes.lower.stages.cut(..., split=True)); cut the program for the plan's schedule")
         self.pp_group = dmesh.get_group(pl["axis"])
         self.pp_rank = dist.get_rank(self.pp_group)
         self.coords = tuple(int(c) for c in stage_mesh.get_coordinate())
@@ -206,7 +204,7 @@ class MeshPipelinedModule(torch.nn.Module):
         n_stages = len(ranks)
         self.last_rank = ranks[-1]
         self.my_stages = [s for s in range(n_stages) if ranks[s] == self.pp_rank]
-        # the parameters this rank holds: its stages' (the others' entries are None, runtime.pipeline_state)
+        # the parameters this rank holds: its stages' (the others' entries are None, runtime.pipeline.state)
         self.params, self._param_keys = [], []
         self._slots = state_slots(graph, program)
         #: name -> whole shape of the parameters other pipeline ranks hold (a state dict's entries skipped)
@@ -249,9 +247,9 @@ class MeshPipelinedModule(torch.nn.Module):
             stage.autopar_owner = self
             self.stages.append(stage)
         self._mods = mods
-        cls = _SCHEDULES[self.schedule_name]
+        cls = SCHEDULES[self.schedule_name]
         single = self.schedule_name in ("GPipe", "1F1B")
-        self.schedule = cls(self.stages[0] if single else self.stages, self.m, loss_fn=_take_loss, scale_grads=False)
+        self.schedule = cls(self.stages[0] if single else self.stages, self.m, loss_fn=take_loss, scale_grads=False)
         self.weights: list = []  # per micro-batch, its loss's factor in the step's loss
         self.statics: list = []
         self.given: list = []
@@ -271,7 +269,7 @@ class MeshPipelinedModule(torch.nn.Module):
         """``nn.Module.load_state_dict`` by the single-device model's names: a plain tensor (a
         single-device state dict's, whole on every rank) is cut into this rank's block of the DTensor
         of that name; the entries of parameters other pipeline ranks hold are checked and skipped
-        (``runtime.pipeline_state``). DTensors load as they are."""
+        (``runtime.pipeline.state``). DTensors load as they are."""
         state_dict = take_random_entry(self.program, state_dict)  # seed and step of the random draws
         values = as_blocks(without_dropped(state_dict, self._dropped), self._slots, self.program, self.stage_mesh,
                            lambda slot: self.module.get_parameter(slot.key) if slot.kind == "param"
@@ -338,7 +336,7 @@ class MeshPipelinedModule(torch.nn.Module):
         cut = self.cutting
         object.__setattr__(self, "given", self._micro(args, kwargs))
         model, graph = self.module, self.graph  # the tables as they are now (a loaded state may replace them)
-        # the parameters this rank holds (others' are None: runtime.pipeline_state) and every buffer
+        # the parameters this rank holds (others' are None: runtime.pipeline.state) and every buffer
         held = dict(model.named_parameters(remove_duplicate=False))
         values = {name: held[fqn] for fqn, name in graph.params.items() if fqn in held}
         values.update({name: model.get_buffer(fqn) for fqn, name in graph.buffers.items()})
@@ -407,10 +405,6 @@ class MeshPipelinedModule(torch.nn.Module):
         if not torch.is_grad_enabled():  # the forwards only (evaluation)
             return self.run((args, kwargs), backward=False)[0]
         return ScheduleStep.apply(self, (args, kwargs), *self.params)
-
-
-def _take_loss(output, target):  # noqa: ARG001 - the last stage's output is the micro-batch's loss already
-    return output
 
 
 __all__ = ["MeshPipelinedModule"]

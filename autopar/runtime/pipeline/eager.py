@@ -1,11 +1,11 @@
 """Running a pipelined plan on torch.distributed.pipelining (the pipeline axis alone: ``pp`` ranks).
 
-``pipelined(model, plan, example_inputs)`` cuts the model's forward graph, captured at the
-micro-batch's shape (``ir.capture``, ``training=False``), into the plan's stages with the planner's
-own rule (``ir.stages``: what runs before the layers goes to the first stage, each layer instance to
-the stage the plan lists it in, what runs after the layers to the last stage). Each stage is an
-``nn.Module`` that interprets its ops eagerly (autograd records them) on the model's own parameters
-and buffers, so gradients land in the model's ``.grad``. torch's public ``PipelineStage`` and
+``PipelinedModule(model, plan, graph, batch)`` runs the model's forward graph, captured at the
+micro-batch's shape by the driver (``autopar.api.pipelined``, ``training=False``), cut into the
+plan's stages by the planner's own rule (``ir.stages.cut_graph``: what runs before the layers goes to
+the first stage, each layer instance to the stage the plan lists it in, what runs after the layers to
+the last stage). Each stage is an ``nn.Module`` that interprets its ops eagerly (autograd records
+them) on the model's own parameters and buffers, so gradients land in the model's ``.grad``. torch's public ``PipelineStage`` and
 schedule classes (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
 ``ScheduleZBVZeroBubble``, by the plan's name) run them: the autograd path, point-to-point sends of
 the boundary values on the process group, ``scale_grads=False``.
@@ -19,7 +19,7 @@ micro-batch's slice of the inputs it needs (stages run their forwards in micro-b
 schedule, which the stage checks by counting).
 
 ``pmodel(*inputs)`` runs the whole schedule (forward and backward) and returns the loss on every
-rank: the whole batch's loss, each micro-batch's loss times its weight (``pipeline_loss``: 1/m, or
+rank: the whole batch's loss, each micro-batch's loss times its weight (``pipeline.loss``: 1/m, or
 for a cross-entropy mean its counted targets over the batch's, so ``ignore_index`` targets spread
 unevenly over the micro-batches still give the batch's mean; refused where no weighting can). ``loss.backward()``
 then writes the step's gradients into the parameters' ``.grad`` (scaled by the incoming gradient).
@@ -33,51 +33,44 @@ single-device program's numbers (``ir.rules.random_ops``) at the micro-batch's p
 batch (``random_state.pipelined_draws``), with the seed shared at build and the step advanced per
 call, as the mesh runtime draws them. Each stage module holds only the parameters its ops read.
 
-With other mesh axes, ``runtime/pipeline_mesh.py`` runs each stage's slice of the plan's lowered
+With other mesh axes, ``runtime/pipeline/sharded.py`` runs each stage's slice of the plan's lowered
 sharded program (``autopar.compile`` picks it). Not built here: the split backward through autopar's
 own lowered programs (torch's autograd split is used for ZBV), point-to-point transfers in records.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
 from torch.fx.node import map_aggregate
 
 from autopar import _torch_compat as tc
 from autopar.errors import ArgumentError
-from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph, Ref
-from autopar.ir.stages import stage_rule
+from autopar.ir.stages import cut_graph, stage_rule
 from autopar.program.program import RandomOp, RandomState
-from autopar.runtime.pipeline_loss import loss_weights
-from autopar.runtime.pipeline_state import drop_parameters, refuse_buffer_updates, without_dropped
+from autopar.runtime.pipeline.loss import loss_weights
+from autopar.runtime.pipeline.schedule import SCHEDULES, ScheduleStep, micro_slices, run_schedule, take_loss
+from autopar.runtime.pipeline.state import drop_parameters, without_dropped
 from autopar.runtime.random_state import RANDOM_KEY, pipelined_draws, random_tensor, take_random_state
 
 
-def micro_slices(args: tuple, kwargs: dict, batch: int, m: int) -> list[dict[str, Any]]:
-    """Per micro-batch: input key (``input:i`` / keyword) -> its slice (tensors with ``batch`` rows)."""
-    named = {f"input:{i}": a for i, a in enumerate(args)}
-    named.update(kwargs)
-    out: list[dict[str, Any]] = [{} for _ in range(m)]
-    for k, v in named.items():
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch:
-            for i, part in enumerate(torch.tensor_split(v, m)):
-                out[i][k] = part
-        else:
-            for i in range(m):
-                out[i][k] = v
-    return out
+def check_alone(plan, group: Optional[dist.ProcessGroup] = None) -> None:
+    """An ``ArgumentError`` unless ``plan`` pipelines over the pipeline axis alone, on as many ranks as
+    ``group`` (default: the world) has."""
+    pl = plan.pipeline
+    if pl is None:
+        raise ArgumentError("autopar pipelined: the plan has no pipeline (plan.pipeline is None)")
+    others = [(n, s) for n, s in zip(pl["mesh_names"], pl["mesh_shape"]) if n != pl["axis"] and s > 1]
+    if others:
+        raise ArgumentError(f"autopar pipelined: a pipeline with other mesh axes {others} runs its stages' sharded "
+                            "programs: build it with autopar.compile(model, mesh, example_inputs, plan=plan)")
+    pp, size = int(pl["degree"]), dist.get_world_size(group or dist.group.WORLD)
+    if size != pp:
+        raise ArgumentError(f"autopar pipelined: the plan pipelines over {pp} ranks, the process group has {size}")
 
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
@@ -137,150 +130,85 @@ class _Stage(torch.nn.Module):
         return outs[0] if len(outs) == 1 else outs
 
 
-class ScheduleStep(torch.autograd.Function):
-    """The whole schedule as one autograd op: forward runs forward and backward of every
-    micro-batch and returns the loss; backward hands out the stored gradients. ``runner.run(inputs,
-    backward=True)`` -> (loss, per-parameter gradients); the mesh runtime's module runs through it too."""
-
-    @staticmethod
-    def forward(ctx, runner, inputs, *params):  # noqa: ARG004 - params only route the gradients
-        loss, grads = runner.run(inputs, backward=True)
-        ctx.grads = grads
-        return loss
-
-    @staticmethod
-    def backward(ctx, g):
-        return (None, None, *[None if x is None else x * g for x in ctx.grads])
-
-
 class PipelinedModule(torch.nn.Module):
-    """``model`` run by a pipelined plan on this rank (see the module docstring)."""
+    """``model`` run by a pipelined plan on this rank (see the module docstring): ``graph`` is its
+    forward captured at the micro-batch's shape, ``batch`` the whole batch's rows."""
 
-    def __init__(self, model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Optional[dict] = None,
+    def __init__(self, model: torch.nn.Module, plan, graph: Graph, batch: int,
                  group: Optional[dist.ProcessGroup] = None):
         super().__init__()
+        check_alone(plan, group)
         pl = plan.pipeline
-        if pl is None:
-            raise ArgumentError("autopar pipelined: the plan has no pipeline (plan.pipeline is None)")
-        others = [(n, s) for n, s in zip(pl["mesh_names"], pl["mesh_shape"]) if n != pl["axis"] and s > 1]
-        if others:
-            raise ArgumentError(f"autopar pipelined: a pipeline with other mesh axes {others} runs its stages' sharded "
-                                "programs: build it with autopar.compile(model, mesh, example_inputs, plan=plan)")
         object.__setattr__(self, "model", model)  # not a child: the model's own tables become this module's (below)
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
-        pp = int(pl["degree"])
-        if dist.get_world_size(self.group) != pp:
-            raise ArgumentError(f"autopar pipelined: the plan pipelines over {pp} ranks, the process group has "
-                                f"{dist.get_world_size(self.group)}")
-        self.m = int(pl["microbatches"])
+        self.m, self.batch = int(pl["microbatches"]), batch
         self.schedule_name = pl["schedule"]
         ranks = list(pl["stage_ranks"])
         n_stages = len(ranks)
-        args = as_args(example_inputs)
-        kwargs = dict(example_kwargs or {})
-        self.batch = next(int(v.shape[0]) for v in list(args) + list(kwargs.values())
-                          if isinstance(v, torch.Tensor) and v.dim() >= 1)
-        if self.batch % self.m:
-            raise ArgumentError(f"autopar pipelined: {self.m} micro-batches do not divide the batch of {self.batch}")
-        micro = micro_slices(args, kwargs, self.batch, self.m)[0]
-        margs = tuple(micro[f"input:{i}"] for i in range(len(args)))
-        mkwargs = {k: micro[k] for k in kwargs}
-        graph = capture(model, margs, mkwargs, training=False)
         if not graph.outputs or graph.outputs[0] is None or graph.spec(graph.outputs[0]).shape != ():
             raise ArgumentError("autopar pipelined: the model must return its loss (a scalar) to be pipelined")
-        refuse_buffer_updates(graph, "autopar pipelined")
-        stage = stage_rule(graph, pl["stages"])
         # random ops (dropout): the single-device program's draw, not torch's generator's (see the docstring)
         self.random, randoms = pipelined_draws(graph, self.m, self.batch // self.m, self.group)
-
         values: dict[str, Any] = {}
         for fqn, name in graph.params.items():
             values[name] = model.get_parameter(fqn)
         for fqn, name in graph.buffers.items():
             values[name] = model.get_buffer(fqn)
-        inputs_of = {name: key for key, name in graph.inputs.items()}
-        # which values carry gradient
-        carries: dict[Ref, bool] = {}
-        for n in graph.nodes:
-            for j, spec in enumerate(n.outputs):
-                if spec is None:
-                    continue
-                if n.is_placeholder:
-                    v = values.get(n.name)
-                    c = isinstance(v, torch.nn.Parameter) and v.requires_grad
-                else:
-                    c = spec.dtype.is_floating_point and any(carries.get(r, False) for r in n.inputs)
-                carries[Ref(n.name, j)] = c
-        ops = [n for n in graph.nodes if not n.is_placeholder]
-        home = {n.name: stage(n.name) for n in ops}
-        readers: dict[Ref, set[int]] = {}
-        for n in ops:
-            for r in n.inputs:
-                readers.setdefault(r, set()).add(home[n.name])
-        loss = graph.outputs[0]
-        readers.setdefault(loss, set()).add(n_stages)  # the loss leaves the last stage
-        boundaries: list[list[Ref]] = [[] for _ in range(n_stages)]  # after stage s
-        for n in ops:
-            for j in range(len(n.outputs)):
-                r = Ref(n.name, j)
-                if not carries.get(r) or r not in readers:
-                    continue
-                for s in range(home[n.name], max(readers[r]) if r != loss else home[n.name]):
-                    boundaries[s].append(r)
-        by_name = {n.name: n for n in graph.nodes}
+        trainable = {k for k, v in values.items() if isinstance(v, torch.nn.Parameter) and v.requires_grad}
+        cut = cut_graph(graph, stage_rule(graph, pl["stages"]), n_stages, trainable)
         self.store: list = []
         self.weights: list = []
         self.graph, self.values = graph, values
-        self.stages = []
-        mods = []
+        self.stages, self._mods = [], []
         for s in range(n_stages):
-            if ranks[s] != self.rank:
-                continue
-            own = {n.name for n in ops if home[n.name] == s}
-            need = set(own)
-            todo = [r.node for name in own for r in by_name[name].inputs]
-            inputs = boundaries[s - 1] if s > 0 else []
-            given = {r.node for r in inputs}
-            while todo:  # values made elsewhere that carry no gradient: recomputed here
-                name = todo.pop()
-                if name in need or name in given:
-                    continue
-                node = by_name[name]
-                if not node.is_placeholder and any(carries.get(Ref(name, j)) for j in range(len(node.outputs))):
-                    raise ArgumentError(f"autopar pipelined: stage {s} reads {graph.user_name(Ref(name))} from a "
-                                        "non-adjacent stage without its gradient path; this model does not cut cleanly")
-                need.add(name)
-                todo += [r.node for r in node.inputs]
-            nodes = [n for n in graph.nodes if n.name in need or n.name in given]
-            outputs = [loss] if s == n_stages - 1 else boundaries[s]
-            read = {n.name: values[n.name] for n in nodes if n.is_placeholder and n.name in values}
-            mods.append(_Stage(graph, nodes, inputs, outputs, read, inputs_of, self.store, self.weights, self.m,
-                               s == n_stages - 1, {k: v for k, v in randoms.items() if k in need}, self.random))
-            # static metadata from the graph (no shape inference run): requires_grad marks what gets gradients
-            def example(r: Ref, grad: bool = True) -> torch.Tensor:
-                spec = graph.spec(r)
-                return torch.empty(spec.shape, dtype=spec.dtype, requires_grad=grad)
-
-            ins = tuple(example(r, s > 0) for r in inputs) if s > 0 else (torch.empty(self.batch // self.m),)
-            outs = (torch.empty(()),) if s == n_stages - 1 else tuple(example(r) for r in outputs)
-            self.stages.append(PipelineStage(mods[-1], s, n_stages, torch.device("cpu"), input_args=ins,
-                                             output_args=outs, group=self.group))
-        self._mods = mods
-        cls = _SCHEDULES[self.schedule_name]
+            if ranks[s] == self.rank:
+                self._add_stage(cut, s, n_stages, {name: key for key, name in graph.inputs.items()}, randoms)
         single = self.schedule_name in ("GPipe", "1F1B")
-        loss_fn = _take_loss
-        self.schedule = cls(self.stages[0] if single else self.stages, self.m, loss_fn=loss_fn, scale_grads=False)
+        self.schedule = SCHEDULES[self.schedule_name](self.stages[0] if single else self.stages, self.m,
+                                                      loss_fn=take_loss, scale_grads=False)
         self.last_rank = ranks[-1]
-        self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        self._hold_own_parameters(cut.home, ranks)
+        # last: ``parameters()``, ``state_dict()`` and ``load_state_dict`` by the model's own names
+        tc.share_tables(self, model)
+
+    def _add_stage(self, cut, s: int, n_stages: int, inputs_of: dict, randoms: dict) -> None:
+        """Stage ``s``'s module (its ops of ``cut``) and torch's ``PipelineStage`` around it."""
+        graph, values = self.graph, self.values
+        inputs = cut.boundaries[s - 1] if s > 0 else []
+        given = {r.node for r in inputs}
+        need = cut.runs[s]
+        last = s == n_stages - 1
+        nodes = [n for n in graph.nodes if n.name in need or n.name in given]
+        outputs = [graph.outputs[0]] if last else cut.boundaries[s]
+        read = {n.name: values[n.name] for n in nodes if n.is_placeholder and n.name in values}
+        mod = _Stage(graph, nodes, inputs, outputs, read, inputs_of, self.store, self.weights, self.m, last,
+                     {k: v for k, v in randoms.items() if k in need}, self.random)
+        self._mods.append(mod)
+
+        # static metadata from the graph (no shape inference run): requires_grad marks what gets gradients
+        def example(r: Ref, grad: bool = True) -> torch.Tensor:
+            spec = graph.spec(r)
+            return torch.empty(spec.shape, dtype=spec.dtype, requires_grad=grad)
+
+        ins = tuple(example(r, s > 0) for r in inputs) if s > 0 else (torch.empty(self.batch // self.m),)
+        outs = (torch.empty(()),) if last else tuple(example(r) for r in outputs)
+        self.stages.append(PipelineStage(mod, s, n_stages, torch.device("cpu"), input_args=ins, output_args=outs,
+                                         group=self.group))
+
+    def _hold_own_parameters(self, home: dict[str, int], ranks: list) -> None:
+        """Drop the parameters no stage of this rank reads (they would go stale: ``pipeline.state``);
+        note those read on several ranks (their gradients are summed over the group)."""
+        graph, model, values = self.graph, self.model, self.values
+        params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
         where: dict[int, set[int]] = {}
-        for m_ in range(n_stages):
+        for s in range(len(ranks)):
             for n in graph.nodes:
                 if n.is_placeholder and n.name in graph.params.values() and any(
-                        home.get(u) == m_ for u in graph.users()[n.name] if u in home):
-                    where.setdefault(id(values[n.name]), set()).add(ranks[m_])
-        self.shared = {id(p) for p in self.params if len(where.get(id(p), ())) > 1}
-        # the rank holds only the parameters its stages read (the others would go stale: runtime.pipeline_state)
+                        home.get(u) == s for u in graph.users()[n.name] if u in home):
+                    where.setdefault(id(values[n.name]), set()).add(ranks[s])
+        self.shared = {id(p) for p in params if len(where.get(id(p), ())) > 1}
+
         def keep(fqn: str) -> bool:  # read here, read by no stage, or never updated (no gradient)
             p = model.get_parameter(fqn)
             return not p.requires_grad or self.rank in where.get(id(p), {self.rank})
@@ -289,8 +217,6 @@ class PipelinedModule(torch.nn.Module):
         self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
         held = {id(p) for p in model.parameters()}  # (and no reference to the dropped ones is kept here)
         self.values = {k: v for k, v in values.items() if not isinstance(v, torch.nn.Parameter) or id(v) in held}
-        # last: ``parameters()``, ``state_dict()`` and ``load_state_dict`` by the model's own names
-        tc.share_tables(self, model)
 
     def train(self, mode: bool = True) -> "PipelinedModule":
         """Set training mode on this module and the model (whose root is not a child of it)."""
@@ -300,7 +226,7 @@ class PipelinedModule(torch.nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict`` by the single-device model's names; the entries of parameters
-        other pipeline ranks hold are checked and skipped (``runtime.pipeline_state``); ``RANDOM_KEY``
+        other pipeline ranks hold are checked and skipped (``runtime.pipeline.state``); ``RANDOM_KEY``
         sets the random draws' seed and step."""
         state_dict = take_random_state(self.random, state_dict)
         return self.model.load_state_dict(without_dropped(state_dict, self._dropped), strict=strict, assign=assign)
@@ -356,32 +282,4 @@ class PipelinedModule(torch.nn.Module):
                 self.random.step += 1
 
 
-def run_schedule(schedule, backward: bool, *args, **kwargs) -> None:
-    """One step of torch's ``schedule`` (forward and backward of every micro-batch), or without
-    ``backward`` its forwards only (``eval``, under ``no_grad``). A schedule that runs a lowered
-    action order runs only its forward actions then (``_torch_compat.forward_only``): torch 2.13's
-    ``eval`` of ZBVZeroBubble would run the V's same-rank backward hand-over and fail."""
-    if backward:
-        with torch.enable_grad():
-            schedule.step(*args, return_outputs=False, **kwargs)
-        return
-    only = tc.forward_only(schedule) if tc.runs_action_order(schedule) else contextlib.nullcontext()
-    with torch.no_grad(), only:
-        schedule.eval(*args, return_outputs=False, **kwargs)
-
-
-_SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
-              "ZBVZeroBubble": ScheduleZBVZeroBubble}
-
-
-def _take_loss(output, target):  # noqa: ARG001 - the last stage's output is the micro-batch's loss already
-    return output
-
-
-def pipelined(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Optional[dict] = None,
-              group: Optional[dist.ProcessGroup] = None) -> PipelinedModule:
-    """``model`` run by ``plan`` (a pipelined plan) on this rank of ``group`` (default: the world)."""
-    return PipelinedModule(model, plan, example_inputs, example_kwargs, group)
-
-
-__all__ = ["PipelinedModule", "ScheduleStep", "pipelined", "run_schedule"]
+__all__ = ["PipelinedModule", "check_alone"]
