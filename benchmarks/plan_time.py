@@ -269,12 +269,13 @@ def against(args) -> int:
     dirty = " (with uncommitted changes)" if subprocess.run(["git", "status", "--porcelain", "--", "autopar"], cwd=here,
                                                              capture_output=True, text=True).stdout.strip() else ""
     print(f"plan time, {sha} (base, {base}) against {this}{dirty} (this), side by side; batch {args.batch}, "
-          f"seq {args.seq}; load {os.getloadavg()[0]:.1f}", flush=True)
+          f"seq {args.seq}; load {os.getloadavg()[0]:.1f}" + ("; phases in CPU seconds" if args.cpu else ""), flush=True)
     got: dict[str, dict[int, list[dict]]] = {"base": {}, "this": {}}
     for L in args.layers:
         for _ in range(args.repeat):
             for side, tree in (("base", base), ("this", here)):
                 model = ["--model", args.model] if args.model != "llama" else []  # older trees: llama only
+                model += ["--cpu"] if args.cpu else []  # (trees before --cpu existed refuse it)
                 text, _ = run_once(tree, "plan_time.py", model + ["--layers", str(L), "--batch", str(args.batch),
                                                                   "--seq", str(args.seq)], 3600)
                 row = phases_in(text)[L]

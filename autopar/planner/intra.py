@@ -1,9 +1,11 @@
-"""The planning pipeline: capture, fold, strategies, cost, merge, recipes, solve, in that order.
+"""The intra-op planner: the passes capture, fold, strategies, cost, merge, recipes and solve, in
+that order, on one mesh.
 
-``run_passes`` runs them and returns a ``Planned`` (everything they produced); ``autopar.plan`` hands
-it to ``planner.report.build_plan`` for the user's ``Plan``. Each stage lives in ``passes.search``;
-the recipes the search must beat are completed by ``passes.search.complete`` and priced by the same
-evaluator as the searched plan.
+``run_passes`` runs them with the ``PlanOptions`` (``planner/options.py``) and returns a ``Planned``
+(everything they produced); ``autopar.plan`` hands it to ``planner.report.build_plan`` for the user's
+``Plan``. Each stage lives in ``passes.search``; the recipes the search must beat are completed by
+``passes.search.complete`` and priced by the same evaluator as the searched plan. The phases are
+``_price_recipes``, ``_search`` (the solves, as ``Candidate`` records) and ``_choose``.
 """
 
 from __future__ import annotations

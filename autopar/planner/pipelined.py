@@ -45,13 +45,11 @@ from autopar.ir.capture import as_args
 from autopar.passes.search.batch_coupled import batch_coupled
 from autopar.passes.search.pipeline_split import ModelSegments, best_pipelines, candidates, scaled, segments
 from autopar.planner.intra import Planned, run_passes
-from autopar.planner.options import PIPELINE_KEYS, PlanOptions, check_pipeline
+from autopar.planner.options import PlanOptions, check_pipeline
 from autopar.planner.report import PipelineChoice, build_plan
 
 #: ``baselines["unpipelined"]`` of a plan on a given ``pp`` mesh (see the module docstring)
 UNPIPELINED_NOTE = "not planned: a given 'pp' axis pipelines; Mesh.devices(n, pp=[1, ...]) compares it"
-#: keys of ``pipeline=`` (``planner.options.PIPELINE_KEYS``)
-PIN_KEYS = PIPELINE_KEYS
 #: micro-batch counts tried, as multiples of the pipeline degree (gradient accumulation: as counts)
 MICROBATCH_FACTORS = (1, 2, 4)
 ACCUMULATION_COUNTS = (2, 4, 8)
@@ -340,6 +338,6 @@ def _pp_recipe(solver: _Solver, m: int, order: int) -> tuple[dict, list[Staged]]
     return row, [Staged(price, ranges, m, planned, segs, order)]
 
 
-__all__ = ["ACCUMULATION_COUNTS", "MICROBATCH_FACTORS", "PIN_KEYS", "PP_AXIS", "RECIPE", "UNPIPELINED_NOTE",
+__all__ = ["ACCUMULATION_COUNTS", "MICROBATCH_FACTORS", "PP_AXIS", "RECIPE", "UNPIPELINED_NOTE",
            "Estimate", "Staged", "batch_size", "check_pipeline", "micro_inputs", "plan_pipelined", "stage_mesh",
            "wants_pipeline"]
