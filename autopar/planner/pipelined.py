@@ -175,7 +175,7 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, op
     micro-batch -> a captured graph) shares captures across calls and is filled with this call's."""
     start = time.perf_counter()
     options = options if options is not None else PlanOptions()
-    pin = check_pipeline(options.pipeline)
+    pin = dict(options.pipeline or {})  # (checked by ``planner.options.plan_options``)
     _check_options(options)
     pp = mesh.axis_size(PP_AXIS) if PP_AXIS in mesh.names else 1
     sub = stage_mesh(mesh)
