@@ -107,8 +107,8 @@ def _check_budget(budget: float, mesh: Mesh, where: str) -> None:
     if budget != math.inf and budget > memory:
         raise ArgumentError(f"{where}: memory_budget {human_bytes(budget)} is more than the {human_bytes(memory)} "
                             f"of one {mesh.hardware.name} device; give at most {human_bytes(memory)} (the default is "
-                            f"{DEFAULT_BUDGET_FRACTION:.0%} of it), or describe the device's memory with "
-                            f"Mesh(..., memory=...)")
+                            f"{DEFAULT_BUDGET_FRACTION:.0%} of it), or plan for a device with more memory (another "
+                            f"preset, or Mesh(..., memory=...))")
 
 
 def check_pipeline(pipeline: Any, where: str = "autopar.plan") -> dict:
