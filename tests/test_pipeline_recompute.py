@@ -1,4 +1,4 @@
-"""Recomputation chosen per pipeline stage (``cost_model/pipeline.choose_recompute``): under 1F1B the
+"""Recomputation chosen per pipeline stage (``cost_model/pipeline_price.choose_recompute``): under 1F1B the
 first stages hold more micro-batches in flight, so where a rank does not fit its budget it recomputes
 layer instances, the first ranks more, and the re-runs are priced in the replay; the stages are split
 again with the re-runs charged; a recomputing pipelined plan runs (simulated) like the single-device model."""
