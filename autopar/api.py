@@ -1,7 +1,7 @@
 """The drivers ``autopar.plan`` and ``autopar.simulate``: each runs the engines below in order.
 
-``plan``: ``passes.pipeline.run_passes`` (capture, fold, strategies, cost, merge, recipes, solve),
-then ``passes.report.build_plan`` for the ``Plan``. ``simulate``: capture, ``passes.lower.resolve``
+``plan``: ``planner.intra.run_passes`` (capture, fold, strategies, cost, merge, recipes, solve),
+then ``planner.report.build_plan`` for the ``Plan``. ``simulate``: capture, ``passes.lower.resolve``
 and ``lower`` for every device, then ``runtime.threads`` runs the programs as threads of this
 process. ``autopar.compile`` (``parallel.py``) is the third driver. A pipelined plan's program is
 prepared here for ``simulate`` and ``compile`` alike: ``capture_micro`` captures one micro-batch,
@@ -17,8 +17,7 @@ from typing import Optional
 import torch
 
 from autopar.cost_model.mesh import Mesh, require_mesh
-from autopar.cost_model.precision import get_precision
-from autopar.errors import ArgumentError, MeshError
+from autopar.errors import ArgumentError
 from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph
 from autopar.ir.placement import local_block
@@ -28,71 +27,28 @@ from autopar.ir.stages import stage_rule
 from autopar.passes.lower import lower, resolve
 from autopar.passes.lower.stages import cut, dry_run
 from autopar.passes.lower.tagged import keeping_gathers, lower_tagged
-from autopar.passes.pipeline import run_passes
-from autopar.passes.mesh_search import plan_mesh_search
-from autopar.passes.pipelined import plan_pipelined, wants_pipeline
-from autopar.passes.report import build_plan
-from autopar.passes.search.recipes import NAMES
-from autopar.passes.search.checkpoint import check_pin
-from autopar.passes.search.kept import check_pin as check_kept_pin
+from autopar.planner.factorize import plan_mesh_search
+from autopar.planner.intra import run_passes
+from autopar.planner.options import PlanOptions, plan_options
+from autopar.planner.pipelined import plan_pipelined, wants_pipeline
+from autopar.planner.report import build_plan
 from autopar.plans import Plan, load_plan
 from autopar.program.staged import StagedProgram
 from autopar.runtime.accounting import predicted as predicted_collectives
 from autopar.runtime.precision import execution_precision
 from autopar.runtime.threads import gather_slots, placeholder_values, simulate_programs
-from autopar.validate import (
-    check_bool,
-    check_choice,
-    check_hints,
-    check_keywords,
-    check_kwargs,
-    check_model,
-    check_number,
-    check_path,
-    parse_size,
-)
-
-#: The keywords ``plan`` passes on to ``passes.pipeline.run_passes`` (its own are named in its signature).
-PASS_KEYWORDS = ("precision", "optimizer", "recipe", "tensor_axis", "deterministic_time", "progress", "graph",
-                 "checkpointing", "kept_gathers")
-PLAN_KEYWORDS = ("training", "hints", "memory_budget", "time_limit", "search") + PASS_KEYWORDS
+from autopar.validate import check_choice, check_kwargs, check_model, check_path
 
 
-def check_plan_args(model, mesh, example_kwargs, kw: dict, where: str = "autopar.plan") -> dict:
+def check_plan_args(model, mesh, example_kwargs, kw: dict, where: str = "autopar.plan",
+                    pipeline=None) -> PlanOptions:
     """``plan``'s arguments checked before any work (``compile`` checks them on every rank before
-    rank 0 plans): ``kw`` with ``memory_budget`` read as bytes. An ``ArgumentError`` (a ``MeshError``
-    for the mesh) names the argument."""
+    rank 0 plans), read into the planners' ``PlanOptions`` (``planner.options.plan_options``). An
+    ``ArgumentError`` (a ``MeshError`` for the mesh) names the argument."""
     check_model(model, f"{where}: model")
     require_mesh(mesh)
     check_kwargs(example_kwargs, f"{where}: example_kwargs")
-    check_keywords(kw, PLAN_KEYWORDS, where)
-    out = dict(kw)
-    check_bool(kw.get("training", True), f"{where}: training")
-    check_hints(kw.get("hints"), f"{where}: hints")
-    if kw.get("memory_budget") is not None:
-        out["memory_budget"] = parse_size(kw["memory_budget"], f"{where}: memory_budget", allow_inf=True)
-    check_number(kw.get("time_limit"), f"{where}: time_limit (seconds)")
-    check_number(kw.get("deterministic_time", 1.0), f"{where}: deterministic_time", allow_none=False)
-    if kw.get("search", "ilp") not in ("ilp", "propagate"):
-        raise ArgumentError(f"{where}: search={kw['search']!r}: choose 'ilp' (the cheapest plan) or 'propagate' "
-                            "(the annotations spread GSPMD-style, the rest chosen locally)")
-    if kw.get("progress") is not None:
-        check_bool(kw["progress"], f"{where}: progress")
-    try:
-        get_precision(kw.get("precision"), mesh.hardware, kw.get("optimizer", "adamw"))
-    except ValueError as e:
-        raise ArgumentError(f"{where}: {e}") from None
-    check_choice(kw.get("recipe"), NAMES, f"{where}: recipe", allow_none=True)
-    check_pin(kw.get("checkpointing"), f"{where}: checkpointing")
-    check_kept_pin(kw.get("kept_gathers"), f"{where}: kept_gathers")
-    try:
-        mesh.axis(kw.get("tensor_axis", -1))
-    except MeshError as e:
-        raise ArgumentError(f"{where}: tensor_axis: {e}") from None
-    if kw.get("graph") is not None and not isinstance(kw["graph"], Graph):
-        raise ArgumentError(f"{where}: graph must be a Graph from autopar.ir.capture.capture, got "
-                            f"{type(kw['graph']).__name__}")
-    return out
+    return plan_options(mesh, kw, where, pipeline)
 
 
 def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training: bool = True, hints=None,
@@ -104,7 +60,7 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
     parameters and inputs) spread through the graph and the rest takes the cheapest local choice
     (``passes/search/propagate.py``); the plan's ``source`` is then ``"propagate"`` and it may not fit.
 
-    Further keywords (passed to ``passes.pipeline.run_passes``): ``precision`` (e.g. "bf16-mixed"),
+    Further keywords (``planner.options.PlanOptions``): ``precision`` (e.g. "bf16-mixed"),
     ``optimizer`` ("adamw", "sgd", ...: its state is priced), ``deterministic_time`` (CP-SAT's
     deterministic seconds, default 20), ``progress`` (print each phase's time; default: when
     stderr is a terminal), ``recipe`` and ``tensor_axis`` (a named recipe instead of the search, as
@@ -119,7 +75,7 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
     True/False; default: the search keeps them per group of alike layers where that makes the step
     faster and the plan still fits; a named recipe keeps none unless asked).
 
-    A mesh axis named ``pp`` pipelines (``passes/pipelined.py``): the planner splits the repeated
+    A mesh axis named ``pp`` pipelines (``planner/pipelined.py``): the planner splits the repeated
     layers into stages, picks the micro-batch count and the schedule (GPipe, 1F1B, Interleaved1F1B,
     ZBVZeroBubble) by replaying it, and says so in ``plan.pipeline``; ``pipeline`` pins some of
     ``{"schedule": ..., "microbatches": ..., "virtual_stages": ...}`` (without a ``pp`` axis: gradient
@@ -127,18 +83,24 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
 
     A mesh made by ``autopar.Mesh.devices(count, device=..., node_size=...)`` gives only a device
     count: the planner plans each sensible factorization into ``pp`` x ``dp`` x ``tp``
-    (``passes/mesh_search.py``), keeps the fastest that fits, and lists what it compared in
+    (``planner/factorize.py``), keeps the fastest that fits, and lists what it compared in
     ``plan.mesh_search``.
     """
-    kw = check_plan_args(model, mesh, example_kwargs, dict(kw, training=training, hints=hints,
-                                                          memory_budget=memory_budget, time_limit=time_limit,
-                                                          search=search))
+    options = check_plan_args(model, mesh, example_kwargs, dict(kw, training=training, hints=hints,
+                                                               memory_budget=memory_budget, time_limit=time_limit,
+                                                               search=search), pipeline=pipeline)
+    return plan_with(model, mesh, example_inputs, example_kwargs, options)
+
+
+def plan_with(model, mesh: Mesh, example_inputs, example_kwargs, options: PlanOptions):
+    """``plan`` with its arguments already checked into ``options`` (``check_plan_args``): the
+    factorization search for a ``Mesh.devices`` mesh, the pipeline planner for a ``pp`` axis or a
+    pinned ``pipeline``, else the intra-op planner."""
     if getattr(mesh, "factorize", None) is not None:  # Mesh.devices: the planner chooses pp x dp x tp
-        return plan_mesh_search(model, mesh, example_inputs, example_kwargs, pipeline=pipeline, **kw)
-    if wants_pipeline(mesh, pipeline):
-        return plan_pipelined(model, mesh, example_inputs, example_kwargs, pipeline=pipeline, **kw)
-    planned = run_passes(model, mesh, example_inputs, example_kwargs, **kw)
-    return build_plan(planned)
+        return plan_mesh_search(model, mesh, example_inputs, example_kwargs, options)
+    if wants_pipeline(mesh, options.pipeline):
+        return plan_pipelined(model, mesh, example_inputs, example_kwargs, options)
+    return build_plan(run_passes(model, mesh, example_inputs, example_kwargs, options))
 
 
 def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Optional[dict] = None, *,
@@ -299,4 +261,4 @@ def stage_program(model, plan, graph: Graph, batch: int, args: tuple, kwargs: di
     return StagedProgram(graph=graph, stage_of=stage_of, program=program, cut=cutting, batch=batch, local=list(local))
 
 
-__all__ = ["PLAN_KEYWORDS", "capture_micro", "check_plan_args", "pipelined", "plan", "simulate", "stage_program"]
+__all__ = ["capture_micro", "check_plan_args", "pipelined", "plan", "plan_with", "simulate", "stage_program"]

@@ -420,8 +420,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.api import check_plan_args
-    from autopar.api import plan as make_plan
+    from autopar.api import check_plan_args, plan_with
     from autopar.ir.capture import as_args, capture
     from autopar.runtime.launch import ensure_process_group
     from autopar.runtime.materialize import check_materializable
@@ -433,7 +432,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     check_choice(precision, ("plan",) + EXECUTABLE_PRECISIONS, "autopar.compile: precision", allow_none=True)
     if plan is not None and not isinstance(plan, Plan):
         check_path(plan, "autopar.compile: plan (a Plan, a saved plan's path, or None)")
-    plan_kwargs = check_plan_args(model, mesh, example_kwargs, plan_kwargs, "autopar.compile")
+    options = check_plan_args(model, mesh, example_kwargs, plan_kwargs, "autopar.compile")
     if isinstance(plan, Plan) and plan.pipeline is None:  # a plan in hand is checked before any process-group work
         _check_plan_mesh(plan, mesh)
     materializer = check_materializable(model)  # a meta tensor nothing can rebuild is named before planning
@@ -441,8 +440,8 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     given = plan is not None
-    training = plan_kwargs.get("training", True) if not given else None
-    shared = _share_plan(plan, lambda: make_plan(model, mesh, args, kwargs, **plan_kwargs))
+    training = options.training if not given else None
+    shared = _share_plan(plan, lambda: plan_with(model, mesh, args, kwargs, options))
     if shared.pipeline is not None:  # stages on the pp axis, each its slice of the program on the others
         return _compile_pipelined(model, mesh, shared, args, kwargs, precision, materializer)
     _check_plan_mesh(shared, mesh)  # on every rank alike (a plan file is read on rank 0 only)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from autopar.api import check_plan_args, plan
+from autopar.api import check_plan_args, plan_with
 from autopar.cost_model.mesh import Mesh
 from autopar.errors import ArgumentError
 from autopar.passes.search.recipes import NAMES
@@ -31,8 +31,8 @@ def _recipe(name: str) -> Callable:
         if "recipe" in kw:
             raise ArgumentError(f"{where} takes no recipe= (it is the {name} recipe); call autopar.plan(..., "
                                 "recipe=...) for another")
-        kw = check_plan_args(model, mesh, example_kwargs, dict(kw, recipe=name, tensor_axis=tensor_axis), where)
-        return plan(model, mesh, example_inputs, example_kwargs, **kw)
+        options = check_plan_args(model, mesh, example_kwargs, dict(kw, recipe=name, tensor_axis=tensor_axis), where)
+        return plan_with(model, mesh, example_inputs, example_kwargs, options)
 
     build.__name__ = name
     build.__doc__ = f"The {name} recipe as a Plan (see ``autopar.recipes``)."

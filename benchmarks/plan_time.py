@@ -11,7 +11,7 @@ plans corpus model NAME of ``tests/_corpus.py`` at its tiny size (hidden 64, bat
 on a (2, 2) H100 mesh instead.
 
 Prints capture, fold, strategies, cost, merge, solve and total seconds per depth (from
-``autopar.passes.pipeline.run_passes``'s ``phases``) and the process's CPU seconds for the whole
+``autopar.planner.intra.run_passes``'s ``phases``) and the process's CPU seconds for the whole
 plan (``cpu``: on a shared, loaded machine the wall-clock phases inflate, CPU time far less), and
 the ratio of the deepest case's post-capture time (total − capture) to the shallowest's. Targets:
 the 32-layer case under 15 s in total; its post-capture phases under 1.5× the 2-layer case's
@@ -159,7 +159,8 @@ def recompute_text(p) -> str:
 
 def plan_once(layers: int, batch: int, seq: int, model: str = "llama", size: str = "llama3-8b") -> dict:
     import autopar
-    from autopar.passes.pipeline import run_passes
+    from autopar.planner.intra import run_passes
+    from autopar.planner.options import PlanOptions
     from autopar.cost_model import comm
 
     comm.cache_clear()  # every depth prices its reshardings from a cold memo, as a fresh process does
@@ -167,7 +168,7 @@ def plan_once(layers: int, batch: int, seq: int, model: str = "llama", size: str
     module, args, kwargs = build(model, layers, batch, seq, size)
     mesh = autopar.Mesh(CORPUS_MESH if model.startswith("corpus:") else {"dp": 8, "tp": 8}, device="h100")
     t0, c0 = time.perf_counter(), time.process_time()
-    p = run_passes(module, mesh, args, kwargs, progress=False)
+    p = run_passes(module, mesh, args, kwargs, PlanOptions(progress=False))
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = {k: 0.0 for k in PHASES}
     out.update(p.phases)
@@ -268,12 +269,13 @@ def against(args) -> int:
     dirty = " (with uncommitted changes)" if subprocess.run(["git", "status", "--porcelain", "--", "autopar"], cwd=here,
                                                              capture_output=True, text=True).stdout.strip() else ""
     print(f"plan time, {sha} (base, {base}) against {this}{dirty} (this), side by side; batch {args.batch}, "
-          f"seq {args.seq}; load {os.getloadavg()[0]:.1f}", flush=True)
+          f"seq {args.seq}; load {os.getloadavg()[0]:.1f}" + ("; phases in CPU seconds" if args.cpu else ""), flush=True)
     got: dict[str, dict[int, list[dict]]] = {"base": {}, "this": {}}
     for L in args.layers:
         for _ in range(args.repeat):
             for side, tree in (("base", base), ("this", here)):
                 model = ["--model", args.model] if args.model != "llama" else []  # older trees: llama only
+                model += ["--cpu"] if args.cpu else []  # (trees before --cpu existed refuse it)
                 text, _ = run_once(tree, "plan_time.py", model + ["--layers", str(L), "--batch", str(args.batch),
                                                                   "--seq", str(args.seq)], 3600)
                 row = phases_in(text)[L]

@@ -288,8 +288,9 @@ def price(row, graph_cache: dict, kernel: str = "run", overlap_slowdown=None, gr
     from autopar.cost_model.precision import get_precision
     from autopar.ir.capture import capture
     from autopar.models import make, num_params
-    from autopar.passes.pipeline import run_passes
-    from autopar.passes.report import build_plan
+    from autopar.planner.intra import run_passes
+    from autopar.planner.options import PlanOptions
+    from autopar.planner.report import build_plan
 
     device, name, gpus, mb, ckpt, mfu, tok = row
     layers, width, heads = SHAPES[name]
@@ -312,8 +313,9 @@ def price(row, graph_cache: dict, kernel: str = "run", overlap_slowdown=None, gr
     reduce = "bf16" if (device, name) in PURE else "fp32"
     if reduce == "bf16":  # gradients reduced in bf16
         precision = dataclasses.replace(precision, grad_bytes=2)
-    planned = run_passes(model, mesh, inputs, recipe="fsdp", graph=graph, progress=False,
-                         checkpointing="full" if ckpt else None, precision=precision)
+    planned = run_passes(model, mesh, inputs, options=PlanOptions(recipe="fsdp", graph=graph, progress=False,
+                                                                checkpointing="full" if ckpt else None,
+                                                                precision=precision))
     plan = build_plan(planned)
     # the price holds one AdamW step over this device's shard (compute.optimizer_time: 28 B per
     # element for bf16-mixed, at the memory curve); the run takes it once every ACCUM micro-batches

@@ -1,7 +1,7 @@
 """Searched plans against the hand-written recipes, for GPT and LLaMA models on H100 meshes.
 
 For every (family, size, mesh) cell: plan a training step (bf16 mixed precision, AdamW — the h100
-defaults) with ``autopar.passes.pipeline.run_passes`` and print the searched plan's estimated step time, peak
+defaults) with ``autopar.planner.intra.run_passes`` and print the searched plan's estimated step time, peak
 memory per device and source ("search", or the recipe it fell back to), the search's own plan
 (what the ILP found, before the best-of with the recipes), every recipe's step time
 and peak memory (or its error), and two checks:
@@ -73,14 +73,16 @@ def _recompute_text(p) -> str:
 def checkpointed_recipes(graph, model, inputs, mesh, names) -> dict:
     """Each recipe priced with every layer recomputed, per mode; the better of the two (fitting
     first, then faster) with its mode, or the error."""
-    from autopar.passes.pipeline import run_passes
+    from autopar.planner.intra import run_passes
+    from autopar.planner.options import PlanOptions
 
     out = {}
     for name in names:
         found = []
         for mode in ("full", "selective"):
             try:
-                q = run_passes(model, mesh, inputs, progress=False, graph=graph, recipe=name, checkpointing=mode)
+                q = run_passes(model, mesh, inputs, options=PlanOptions(progress=False, graph=graph, recipe=name,
+                                                                       checkpointing=mode))
             except Exception as e:  # noqa: BLE001 - shown in the cell
                 out.setdefault(name, {"error": f"{type(e).__name__}: {e}"})
                 continue
@@ -96,7 +98,8 @@ def run_cell(graph, model, inputs, mesh_key, recipes_names, checkpointing: bool 
     """One planning run; returns a dict describing the cell (with ``checkpointing``, each recipe
     priced again with every layer recomputed: ``cell["checkpointed"]``)."""
     import autopar
-    from autopar.passes.pipeline import run_passes
+    from autopar.planner.intra import run_passes
+    from autopar.planner.options import PlanOptions
     from autopar.errors import InfeasibleError
 
     axes, _ = MESHES[mesh_key]
@@ -104,7 +107,7 @@ def run_cell(graph, model, inputs, mesh_key, recipes_names, checkpointing: bool 
     cell = {"mesh": "(" + ", ".join(str(v) for v in axes.values()) + ("," if len(axes) == 1 else "") + ")"}
     t0 = time.perf_counter()
     try:
-        p = run_passes(model, mesh, inputs, progress=False, graph=graph)
+        p = run_passes(model, mesh, inputs, options=PlanOptions(progress=False, graph=graph))
     except InfeasibleError as e:
         cell.update(status="infeasible", error=str(e), plan_s=time.perf_counter() - t0)
         return cell
@@ -124,7 +127,7 @@ def run_cell(graph, model, inputs, mesh_key, recipes_names, checkpointing: bool 
                           {"step_time": p.searched.step_time, "peak_memory": int(p.searched.peak_memory),
                            "fits": p.searched.peak_memory <= budget}))
     try:  # propagation only (no annotations here: every node's cheapest local choice), same graph
-        q = run_passes(model, mesh, inputs, progress=False, graph=graph, search="propagate")
+        q = run_passes(model, mesh, inputs, options=PlanOptions(progress=False, graph=graph, search="propagate"))
         cell["propagate"] = {"step_time": q.cost.step_time, "peak_memory": int(q.cost.peak_memory),
                              "fits": q.cost.peak_memory <= budget}
     except Exception as e:  # noqa: BLE001

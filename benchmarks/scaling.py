@@ -54,12 +54,13 @@ def _latency_per_step(plan, mesh) -> tuple[int, float]:
 def price(model, inputs, graph, n: int, links=None) -> dict:
     """One FSDP pricing of the captured model on ``{"dp": n}`` H100s (``links`` overrides dp's)."""
     import autopar
-    from autopar.passes.pipeline import run_passes
-    from autopar.passes.report import build_plan
+    from autopar.planner.intra import run_passes
+    from autopar.planner.options import PlanOptions
+    from autopar.planner.report import build_plan
 
     mesh = autopar.Mesh({"dp": n}, device="h100", links=links)
     t0 = time.perf_counter()
-    p = run_passes(model, mesh, inputs, recipe="fsdp", graph=graph, progress=False)
+    p = run_passes(model, mesh, inputs, options=PlanOptions(recipe="fsdp", graph=graph, progress=False))
     plan = build_plan(p)
     count, latency = _latency_per_step(plan, mesh)
     kinds = Counter()

@@ -116,6 +116,25 @@ def test_budget_text_is_read_as_the_cli_reads_it():
     assert plan.memory_budget == 2**30  # as the CLI's --memory-budget 1GiB
 
 
+def test_a_budget_over_the_device_memory_is_refused_naming_both():
+    """A budget above the device's memory would let a plan "fit" that the device cannot hold: it is
+    refused in ``plan``, the recipes and ``compile``, naming the budget and the device's memory; the
+    device's whole memory and no limit (inf) stay budgets."""
+    h100 = autopar.Mesh({"dp": 2}, device="h100")
+    with pytest.raises(ArgumentError, match=r"^autopar.plan: memory_budget 200 GiB is more than the 74.5 GiB of one "
+                                            r"h100 device; give at most 74.5 GiB"):
+        autopar.plan(MODEL, h100, INPUTS, memory_budget="200GiB")
+    with pytest.raises(ArgumentError, match=r"^autopar.recipes.fsdp: memory_budget 60.0 GiB is more than the 7.45 GiB "
+                                            r"of one cpu device"):
+        autopar.recipes.fsdp(MODEL, MESH, INPUTS, memory_budget="60GiB")
+    with pytest.raises(ArgumentError, match=r"^autopar.compile: memory_budget 8.38 GiB is more than the 7.45 GiB"):
+        autopar.compile(MODEL, MESH, INPUTS, memory_budget=9 * 10**9)
+    with pytest.raises(ArgumentError, match=r"^autopar.plan: memory_budget 1.00 TiB is more than the 74.5 GiB"):
+        autopar.plan(MODEL, autopar.Mesh.devices(4, device="h100"), INPUTS, memory_budget="1TiB")
+    assert autopar.plan(MODEL, MESH, INPUTS, memory_budget=8 * 10**9, progress=False).memory_budget == 8 * 10**9
+    assert autopar.plan(MODEL, MESH, INPUTS, memory_budget=math.inf, progress=False).memory_budget == 0  # no limit
+
+
 def test_recipes_check_their_arguments():
     with pytest.raises(ArgumentError, match=r"^autopar.recipes.fsdp: memory_budget must be a positive size .*, "
                                             r"got -5$"):

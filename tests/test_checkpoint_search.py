@@ -4,6 +4,8 @@ the fastest plan does not fit, and ``checkpointing=`` pins the choice."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import autopar
@@ -12,6 +14,7 @@ from autopar.errors import ArgumentError, InfeasibleError
 from autopar.ir.capture import capture
 from autopar.ir.layers import layers
 from autopar.ir.recompute import recompute_peak_share
+from autopar.validate import parse_size
 
 
 def _gpt(layers: int = 4):
@@ -96,6 +99,32 @@ def test_when_model_state_alone_exceeds_the_budget_the_error_says_recomputing_ca
     with pytest.raises(InfeasibleError, match=r"Recomputing activations cannot help: with every layer recomputed "
                                               r"the leanest plan needs .*, and the model state alone"):
         autopar.plan(model, mesh, inputs, memory_budget=state // 4, progress=False)
+
+
+def test_the_infeasible_headline_is_the_least_memory_with_the_recomputation_the_search_uses():
+    """"The leanest possible plan needs N" bounds every plan the planner can find from below, those
+    that recompute included: a plan the search fits by recomputing needs at least N, and a budget
+    under N is what no plan meets."""
+    model, inputs = _gpt()
+    graph = capture(model, inputs)
+    mesh = autopar.Mesh({"dp": 2}, device="cpu")
+    free = autopar.plan(model, mesh, inputs, progress=False, graph=graph)
+    recomputing = None
+    for fraction in (0.9, 0.8, 0.7, 0.6, 0.5):
+        try:
+            plan = autopar.plan(model, mesh, inputs, memory_budget=int(free.peak_memory * fraction), progress=False,
+                                graph=graph)
+        except InfeasibleError:
+            break
+        if plan.checkpointing:
+            recomputing = plan
+    assert recomputing is not None
+    with pytest.raises(InfeasibleError) as info:
+        autopar.plan(model, mesh, inputs, memory_budget=recomputing.peak_memory // 4, progress=False, graph=graph)
+    headline = re.search(r"the leanest possible plan needs ([0-9.]+ [KMG]?i?B) per device", str(info.value))
+    assert headline, str(info.value)
+    # (the figure is rounded to 3 digits: within 0.5% of the exact bytes)
+    assert parse_size(headline.group(1)) <= recomputing.peak_memory * 1.005, (str(info.value), recomputing.peak_memory)
 
 
 def test_a_plan_saved_with_checkpointing_loads_and_shows_it(tmp_path):

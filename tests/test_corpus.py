@@ -181,13 +181,14 @@ def test_report_alternatives_are_priced_as_evaluate_prices_them(planned):
     """The report re-prices one changed strategy from the plan's sums; that equals a full evaluate."""
     import random
 
-    from autopar.passes.pipeline import run_passes
-    from autopar.passes.report import _Repricer
+    from autopar.planner.intra import run_passes
+    from autopar.planner.options import PlanOptions
+    from autopar.planner.report import _Repricer
     from autopar.passes.search.problem import evaluate
 
     model, args, kwargs = build("hf_gpt2")
-    p = run_passes(model, autopar.Mesh({"dp": 2, "tp": 2}, device="h100"), args, kwargs, progress=False,
-                   search="propagate", graph=planned("hf_gpt2")[0])
+    p = run_passes(model, autopar.Mesh({"dp": 2, "tp": 2}, device="h100"), args, kwargs,
+                   PlanOptions(progress=False, search="propagate", graph=planned("hf_gpt2")[0]))
     reprice = _Repricer(p.problem, p.choice)
     rng = random.Random(0)
     changed = 0

@@ -1,4 +1,4 @@
-"""The mesh factorization search (``Mesh.devices``, ``passes/mesh_search.py``): the planner chooses
+"""The mesh factorization search (``Mesh.devices``, ``planner/factorize.py``): the planner chooses
 pp x dp x tp for a device count, plans each sensible shape and says which it compared."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import autopar
 from autopar import models
 from autopar.errors import MeshError
-from autopar.passes.mesh_search import shape_candidates
+from autopar.planner.factorize import shape_candidates
 
 
 def test_candidates_keep_tp_in_a_node_and_pp_within_the_layers():

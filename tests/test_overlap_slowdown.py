@@ -83,11 +83,13 @@ def test_hardware_overlap_slowdown_round_trips_defaults_to_0_and_is_checked():
 
 def test_a_plan_prices_the_slowdown_of_its_hidden_gathers_and_records_it():
     from autopar.models import make
-    from autopar.passes.pipeline import run_passes
-    from autopar.passes.report import build_plan
+    from autopar.planner.intra import run_passes
+    from autopar.planner.options import PlanOptions
+    from autopar.planner.report import build_plan
 
     model, inputs = make("gpt", size="tiny", batch=8, seq=32)
-    planned = run_passes(model, autopar.Mesh({"dp": 4}, device="h100"), inputs, recipe="fsdp", progress=False)
+    planned = run_passes(model, autopar.Mesh({"dp": 4}, device="h100"), inputs,
+                         options=PlanOptions(recipe="fsdp", progress=False))
     s = PRESETS["h100"].overlap_slowdown
     assert planned.problem.overlap_slowdown == s  # carried through fold, merge and the recipe's problem
     plan = build_plan(planned)

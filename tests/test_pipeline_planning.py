@@ -1,5 +1,5 @@
-"""Planning with a pipeline axis (``passes/pipelined.py``, ``passes/search/pipeline_split.py``,
-``cost_model/pipeline.py``): stages, micro-batches and schedule chosen by replay, ``plan.pipeline``
+"""Planning with a pipeline axis (``planner/pipelined.py``, ``passes/search/pipeline_split.py``,
+``cost_model/pipeline_price.py``): stages, micro-batches and schedule chosen by replay, ``plan.pipeline``
 (schema version 5), and the pipeline winning or losing against the plain plan of the same devices."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 
 import autopar
 from autopar import models
-from autopar.cost_model.pipeline import Segment, price_pipeline
+from autopar.cost_model.pipeline_price import Segment, price_pipeline
 from autopar.cost_model.schedules import closed_form_bubble
 from autopar.errors import ArgumentError
-from autopar.passes.pipelined import UNPIPELINED_NOTE
+from autopar.planner.pipelined import UNPIPELINED_NOTE
 from autopar.passes.search.pipeline_split import ModelSegments, split
 
 
@@ -189,15 +189,16 @@ def test_segments_add_up_to_the_plans_compute_and_activation_communication():
     """Read back per segment, a solved plan's forward, input- and weight-gradient times add up to the
     evaluator's compute plus activation communication, its memory to the plan's (the tied embedding and
     head counted at both ends), and its gathers and reductions to the parameter traffic."""
-    from autopar.passes.pipeline import run_passes
+    from autopar.planner.intra import run_passes
+    from autopar.planner.options import PlanOptions
     from autopar.passes.search.pipeline_split import segments
     from autopar.passes.search.problem import evaluate
 
     model, inputs = models.make("gpt", "tiny", batch=4, n_layer=3)
     mesh = autopar.Mesh({"dp": 2}, device="cpu")
-    planned = run_passes(model, mesh, inputs, progress=False)
-    segs, pre, units, post = segments(planned.graph, planned.folding, planned.problem, planned.choice, mesh,
-                                      planned.precision)
+    planned = run_passes(model, mesh, inputs, options=PlanOptions(progress=False))
+    segs = segments(planned.graph, planned.folding, planned.problem, planned.choice, mesh, planned.precision)
+    pre, units, post = segs.pre_paths, segs.unit_paths, segs.post_paths
     assert units == ["blocks.0", "blocks.1", "blocks.2"] and "wte" in pre and "lm_head" in post
     parts = [segs.pre, *segs.units, segs.post]
     cost = evaluate(planned.problem, planned.choice)
@@ -224,15 +225,17 @@ def test_estimate_of_a_larger_micro_batch_grows_by_the_per_row_work_only():
     ranking of micro-batch counts): with the same layer plan (the ddp recipe), each segment's estimate
     is close to the exact price at that shape and not above it (but for a launch-bound embedding, by under 0.1%), where scaling linearly
     would be about 4x (the kernels' fixed parts and latencies do not grow)."""
-    from autopar.passes.pipeline import run_passes
+    from autopar.planner.intra import run_passes
+    from autopar.planner.options import PlanOptions
     from autopar.passes.search.pipeline_split import scaled, segments
 
     model, inputs = models.make("gpt", "tiny", batch=8, n_layer=2)
     mesh = autopar.Mesh({"dp": 2}, device="h100")
 
     def segs(rows):
-        planned = run_passes(model, mesh, tuple(x[:rows] for x in inputs), recipe="ddp", progress=False)
-        return segments(planned.graph, planned.folding, planned.problem, planned.choice, mesh, planned.precision)[0]
+        planned = run_passes(model, mesh, tuple(x[:rows] for x in inputs),
+                             options=PlanOptions(recipe="ddp", progress=False))
+        return segments(planned.graph, planned.folding, planned.problem, planned.choice, mesh, planned.precision)
 
     small, large = segs(2), segs(8)
     est = scaled(small, 4.0)
@@ -252,3 +255,15 @@ def test_the_chosen_micro_batch_count_is_the_best_of_every_count_solved():
     plan = autopar.plan(model, mesh, inputs, progress=False)
     each = [autopar.plan(model, mesh, inputs, pipeline={"microbatches": m}, progress=False).step_time for m in (2, 4)]
     assert plan.step_time <= min(each) * (1 + 1e-12)
+
+
+def test_pipeline_ties_go_to_the_schedule_with_less_memory():
+    """Of pipelines equally fast (here schedules whose replays give the same step on 4 stages of one
+    layer each), the plan takes the one that needs the least memory."""
+    model, inputs = models.make("gpt", "tiny", batch=8, n_layer=4)
+    plan = autopar.plan(model, autopar.Mesh({"pp": 4}, device="cpu"), inputs, progress=False)
+    exact = [c for c in plan.pipeline["compared"] if not c.get("estimated")]
+    ties = [c for c in exact if c["step_time"] == plan.step_time]
+    assert len({(c["schedule"], c["microbatches"], c["virtual_stages"]) for c in ties}) >= 2, exact  # a tie
+    assert len({c["peak_memory"] for c in ties}) >= 2, ties  # of different memory
+    assert plan.peak_memory == min(c["peak_memory"] for c in ties), ties

@@ -1,4 +1,4 @@
-"""Recomputation chosen per pipeline stage (``cost_model/pipeline.choose_recompute``): under 1F1B the
+"""Recomputation chosen per pipeline stage (``cost_model/pipeline_price.choose_recompute``): under 1F1B the
 first stages hold more micro-batches in flight, so where a rank does not fit its budget it recomputes
 layer instances, the first ranks more, and the re-runs are priced in the replay; the stages are split
 again with the re-runs charged; a recomputing pipelined plan runs (simulated) like the single-device model."""
@@ -9,8 +9,8 @@ import pytest
 
 import autopar
 from autopar import models
-from autopar.cost_model.pipeline import Recompute, Segment, price_pipeline
-from autopar.passes.search.pipeline_split import ModelSegments, search, split, stages_of
+from autopar.cost_model.pipeline_price import Recompute, Segment, price_pipeline
+from autopar.passes.search.pipeline_split import ModelSegments, best_pipelines, split, stages_of
 from _pipeline_mesh_helpers import rel
 
 GIB = 2.0**30
@@ -99,9 +99,9 @@ def test_the_split_accounts_for_recomputation():
     assert naive == [(0, 4), (4, 8)]
     before = price_pipeline(stages_of(model, naive), "1F1B", 2, 4, 1, 0.0, 0.0, 60.0)
     assert before.recomputed[0] == ("full", ("layers.0", "layers.1")) and before.step_time == pytest.approx(80.0)
-    (price, ranges), *_ = search(model, 2, 4, 0.0, "1F1B", 1, 60.0)
+    (price, ranges), *_ = best_pipelines(model, 2, 4, 0.0, "1F1B", 1, 60.0)
     assert ranges == [(0, 3), (3, 8)] and all(not paths for _, paths in price.recomputed)
     assert price.step_time == pytest.approx(69.0) and price.peak_memory <= 60.0
     # with room to spare nothing recomputes and the split is the plain one
-    (roomy, ranges), *_ = search(model, 2, 4, 0.0, "1F1B", 1, 100.0)
+    (roomy, ranges), *_ = best_pipelines(model, 2, 4, 0.0, "1F1B", 1, 100.0)
     assert ranges == naive and roomy.step_time == pytest.approx(60.0)

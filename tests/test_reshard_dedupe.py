@@ -12,11 +12,12 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar.passes.pipeline import run_passes
+from autopar.planner.intra import run_passes
+from autopar.planner.options import PlanOptions
 from autopar.ir.placement import B, P, Split
 from autopar.passes.search.merge import merge
 from autopar.passes.search.problem import Group, PEdge, PNode, Problem, evaluate, incident_transfers, local_cost
-from autopar.passes.report import _reshardings
+from autopar.planner.report import _reshardings
 from autopar.passes.search.solve import solve
 
 warnings.simplefilter("ignore")
@@ -155,8 +156,8 @@ def test_plan_reshardings_of_folded_layers_add_up_to_the_evaluator():
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Stack(64, 256, 4)
-    planned = run_passes(model, autopar.Mesh({"tp": 4}, device="h100"), (torch.randn(32, 64),), deterministic_time=5,
-                         progress=False)
+    planned = run_passes(model, autopar.Mesh({"tp": 4}, device="h100"), (torch.randn(32, 64),),
+                         options=PlanOptions(deterministic_time=5, progress=False))
     problem, folding = planned.problem, planned.folding
     assert folding.groups and folding.groups[0].count == 3  # layers 1..3 (layer 0 has no input gradient)
     rng = random.Random(0)
@@ -192,7 +193,8 @@ def test_local_cost_differences_are_evaluator_differences_on_a_captured_graph():
     from autopar.models import make
 
     model, inputs = make("mlp", batch=64, in_dim=64, hidden_dim=256, n_layers=2, num_classes=64, device="meta")
-    planned = run_passes(model, autopar.Mesh({"tp": 4}, device="h100"), inputs, deterministic_time=2, progress=False)
+    planned = run_passes(model, autopar.Mesh({"tp": 4}, device="h100"), inputs,
+                         options=PlanOptions(deterministic_time=2, progress=False))
     p = planned.problem
     flat = Problem(p.nodes, [dataclasses.replace(e, kind="activation") for e in p.edges], p.groups, p.memory_budget)
     assert any(len(t) > 1 for t in flat.transfers)

@@ -12,7 +12,8 @@ import torch.nn as nn
 
 import autopar
 import autopar.models
-from autopar.passes.pipeline import run_passes
+from autopar.planner.intra import run_passes
+from autopar.planner.options import PlanOptions
 from autopar.cost_model.precision import get_precision
 from autopar.ir.capture import capture
 from autopar.passes.search.build import build_problem
@@ -214,7 +215,7 @@ def test_batch_sweep_switches_from_tensor_to_data_parallel_once_near_the_closed_
     kinds = []
     for batch in batches:
         model, inputs = _mlp(2048, 8192, batch=batch, classes=8)
-        planned = run_passes(model, mesh, inputs, deterministic_time=5)
+        planned = run_passes(model, mesh, inputs, options=PlanOptions(deterministic_time=5))
         node = planned.problem.index[planned.graph.inputs["input:0"]]
         placement = str(planned.problem.nodes[node].strategies[planned.choice[node]][0].outputs[0])
         kinds.append("data" if placement == "S(0)" else "tensor")

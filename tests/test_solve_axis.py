@@ -12,7 +12,8 @@ import torch
 
 import autopar
 import autopar.models
-from autopar.passes.pipeline import run_passes
+from autopar.planner.intra import run_passes
+from autopar.planner.options import PlanOptions
 from autopar.passes.search.problem import evaluate
 from autopar.passes.search.solve import greedy
 from autopar.passes.search.solve_axis import solve_by_axis
@@ -25,8 +26,8 @@ def _planned():
     """The tiny MLP's merged problem on a (2, 2) mesh, and every recipe's choice on it."""
     torch.manual_seed(0)
     model, args = autopar.models.make("mlp", "tiny", batch=8)
-    planned = run_passes(model, autopar.Mesh({"a": 2, "b": 2}, device="cpu"), args, search="propagate",
-                         progress=False)
+    planned = run_passes(model, autopar.Mesh({"a": 2, "b": 2}, device="cpu"), args,
+                         options=PlanOptions(search="propagate", progress=False))
     return planned
 
 

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Optional, Sequence, TextIO
 
-#: The phases ``autopar.plan`` reports, in order (``passes/pipeline.py``'s ``_Clock``).
+#: The phases ``autopar.plan`` reports, in order (``planner/intra.py``'s ``_Clock``).
 PLAN_PHASES = ("capture", "fold", "strategies", "cost", "merge", "recipes", "solve")
 
 _LAP = re.compile(r"^autopar: (\w+)\s")

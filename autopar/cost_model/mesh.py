@@ -29,6 +29,14 @@ from autopar.validate import check_path, parse_size
 LinkLike = Union[Link, tuple, list, dict]
 
 
+#: Mesh axis names with a meaning to the planners: ``pp`` pipelines (``autopar.planner.pipelined``);
+#: the factorization search (``Mesh.devices``) names its axes ``pp`` x ``dp`` x ``tp``, data over
+#: tensor parallel; a mesh of one device is ``dp=1``.
+PP_AXIS = "pp"
+DP_AXIS = "dp"
+TP_AXIS = "tp"
+
+
 class Mesh:
     """Named axes (``{"dp": 2, "tp": 4}``), the device kind and one ``Link`` per axis.
 
@@ -332,4 +340,4 @@ def _resolve_links(names, shape, hw: Hardware, links: Optional[Mapping[str, Link
     return out
 
 
-__all__ = ["Mesh", "MeshError", "axis_link", "default_links", "node_layout"]
+__all__ = ["DP_AXIS", "Mesh", "MeshError", "PP_AXIS", "TP_AXIS", "axis_link", "default_links", "node_layout"]

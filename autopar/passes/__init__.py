@@ -1,1 +1,3 @@
-"""Passes over the IR: fold, strategies, merge, solve, lower (see docs/architecture.md)."""
+"""Passes over the IR: ``search`` (fold, strategies, cost, merge, solve, recomputation, kept gathers,
+pipeline stages) and ``lower`` (the plan to per-device programs); see docs/architecture.md. The
+planners that run them are ``autopar.planner``."""

@@ -2,7 +2,7 @@
 
 A Plan is plain data (dicts, lists, strings, numbers) so it can be saved, loaded, shown, explained
 and compared without the model and without solving again. The planner fills it
-(``autopar/passes/report.py``); this module owns its layout (the entry shapes below), its JSON file
+(``autopar/planner/report.py``); this module owns its layout (the entry shapes below), its JSON file
 format and ``load_plan``; ``autopar.plans.view`` renders it for the terminal and
 ``autopar.plans.html`` as a page.
 
@@ -35,7 +35,7 @@ FLOP/s of the compute dtype)), ``tokens_per_step`` and ``tokens_per_second_per_d
 known), its two constants as a flat efficiency, and its layer groups as they were. Version 5 also
 adds ``pipeline`` (None, or what a pipelined plan chose: the ``pp`` axis and the whole mesh's axes, the schedule,
 micro-batches, virtual stages, module paths per stage, the replayed bubble and per-rank figures;
-``autopar/passes/pipelined.py``); a version 1-4 file loads with ``pipeline`` None. Version 6 adds
+``autopar/planner/pipelined.py``); a version 1-4 file loads with ``pipeline`` None. Version 6 adds
 ``mesh.hardware.overlap_slowdown`` (a number in [0, 1): the fraction of compute throughput lost while
 a hidden parameter gather or gradient reduction runs beside it; the plan's ``comm_time`` and
 ``step_time`` include that slowed compute, ``s * min(traffic, compute)`` per overlap group,
@@ -227,7 +227,7 @@ class Plan:
     mfu: float = 0.0  # model_flops / (step_time * devices * peak FLOP/s of the compute dtype)
     tokens_per_step: int = 0  # elements of the token-id input (0: the model takes none)
     tokens_per_second_per_device: float = 0.0
-    # pipeline parallelism (schema version 5; older files load with None): see autopar/passes/pipelined.py
+    # pipeline parallelism (schema version 5; older files load with None): see autopar/planner/pipelined.py
     pipeline: Optional[dict] = None
     # the factorization ``Mesh.devices`` left to the planner (schema version 6; older files load with None)
     mesh_search: Optional[dict] = None

@@ -145,7 +145,7 @@ def with_checkpointing(problem: Problem, terms: list[GroupTerms], choice: Choice
     return Problem(nodes, edges, problem.groups, problem.memory_budget, problem.overlap_slowdown)
 
 
-def check_pin(pin: Pin, where: str = "checkpointing") -> None:
+def check_checkpointing(pin: Pin, where: str = "checkpointing") -> None:
     """An ``ArgumentError`` naming ``where`` unless ``pin`` is None, one of ``PINS`` or a dict from
     module-path globs to one of ``PINS``."""
     if pin is None:
@@ -163,12 +163,12 @@ def check_pin(pin: Pin, where: str = "checkpointing") -> None:
                                 f"'selective'")
 
 
-def pinned(pin: Pin, terms: list[GroupTerms], where: str = "checkpointing") -> Optional[Choice]:
+def pinned_checkpointing(pin: Pin, terms: list[GroupTerms], where: str = "checkpointing") -> Optional[Choice]:
     """The choice a ``checkpointing=`` pin fixes (None: the search chooses). A dict maps module-path
     globs to modes; each group's matched instances must be its first ones and share one mode."""
     if pin is None:
         return None
-    check_pin(pin, where)
+    check_checkpointing(pin, where)
     if isinstance(pin, str):
         if pin != "none" and not terms:
             raise ArgumentError(f"{where}={pin!r}: the model has no repeated layers to checkpoint (autopar "
@@ -238,5 +238,5 @@ def checkpointed_paths(terms: list[GroupTerms], recompute: Choice) -> dict[str, 
     return {path: mode for t, mode, k in zip(terms, recompute.modes, recompute.counts) for path in t.paths[:k]}
 
 
-__all__ = ["Choice", "GroupTerms", "MODES", "PINS", "check_pin", "checkpointed_paths", "group_figures", "group_terms", "levels",
-           "pinned", "with_checkpointing"]
+__all__ = ["Choice", "GroupTerms", "MODES", "PINS", "check_checkpointing", "checkpointed_paths", "group_figures", "group_terms", "levels",
+           "pinned_checkpointing", "with_checkpointing"]

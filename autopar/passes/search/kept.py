@@ -276,7 +276,7 @@ def kept_figures(terms: Sequence[GroupKept], kept: Sequence[Sequence[str]], prob
 
 # -- pins ---------------------------------------------------------------------------------------------
 
-def check_pin(pin: Pin, where: str = "kept_gathers") -> None:
+def check_kept_gathers(pin: Pin, where: str = "kept_gathers") -> None:
     """An ``ArgumentError`` naming ``where`` unless ``pin`` is None, ``"none"``, ``"all"``, a list of
     module-path globs or a dict from globs to booleans."""
     if pin is None:
@@ -297,13 +297,13 @@ def check_pin(pin: Pin, where: str = "kept_gathers") -> None:
                         f"True/False, got {type(pin).__name__}")
 
 
-def pinned(pin: Pin, paths: Sequence[Sequence[str]], where: str = "kept_gathers") -> Optional[list[list[str]]]:
+def pinned_kept_gathers(pin: Pin, paths: Sequence[Sequence[str]], where: str = "kept_gathers") -> Optional[list[list[str]]]:
     """Per group (``paths``: each group's instance paths), the instances a pin keeps; None: the
     search chooses. Globs are matched against instance paths; the last matching entry of a dict
     wins."""
     if pin is None:
         return None
-    check_pin(pin, where)
+    check_kept_gathers(pin, where)
     if isinstance(pin, str):
         if pin == "all" and not paths:
             raise ArgumentError(f"{where}='all': the model has no repeated layers whose gathers could be kept "
@@ -329,5 +329,5 @@ def pinned(pin: Pin, paths: Sequence[Sequence[str]], where: str = "kept_gathers"
     return out
 
 
-__all__ = ["Derived", "GroupKept", "PINS", "check_pin", "choose", "group_kept", "instance_path", "kept_reads",
-           "kept_figures", "kept_sources", "pinned", "with_kept"]
+__all__ = ["Derived", "GroupKept", "PINS", "check_kept_gathers", "choose", "group_kept", "instance_path", "kept_reads",
+           "kept_figures", "kept_sources", "pinned_kept_gathers", "with_kept"]

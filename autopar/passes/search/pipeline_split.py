@@ -19,9 +19,9 @@ figures, so stages of alike layers share the one folded solve), and what runs af
 
 ``split`` cuts the layer instances into contiguous stages minimising the slowest stage (an exact
 dynamic programme over cut points, uneven where the count does not divide; the first stage pays for
-the segment before the layers, the last for the one after). ``search`` prices every schedule torch
+the segment before the layers, the last for the one after). ``best_pipelines`` prices every schedule torch
 2.13 runs that fits (``cost_model/schedules.py``'s constraints) at the given micro-batch count by
-replay (``cost_model/pipeline.py``) and returns them cheapest first. When a candidate's ranks
+replay (``cost_model/pipeline_price.py``) and returns them cheapest first. When a candidate's ranks
 recompute, the layers are split again with the recomputed instances charged their re-run
 (``with_reruns``; a stage that recomputes more gets fewer layers) and the better split is kept.
 """
@@ -36,7 +36,7 @@ from autopar.cost_model.comm import reshard_time
 from autopar.cost_model.compute import matmul_shape, row_growth
 from autopar.cost_model.mesh import Mesh
 from autopar.cost_model.memory import activation_bytes
-from autopar.cost_model.pipeline import PipelinePrice, Recompute, Segment, combine, price_pipeline
+from autopar.cost_model.pipeline_price import PipelinePrice, Recompute, Segment, combine, price_pipeline
 from autopar.cost_model.precision import Precision
 from autopar.cost_model.schedules import SCHEDULES, check_schedule
 from autopar.ir.graph import Graph, Phase, Role
@@ -65,6 +65,28 @@ class ModelSegments:
     boundary_bytes: float
     overlap_slowdown: float = 0.0
 
+    @property
+    def pre_paths(self) -> list[str]:
+        """The module paths that run before the layers."""
+        return list(self.pre.paths)
+
+    @property
+    def unit_paths(self) -> list[str]:
+        """Each layer instance's module path, in order."""
+        return [p for u in self.units for p in u.paths]
+
+    @property
+    def post_paths(self) -> list[str]:
+        """The module paths that run after the layers."""
+        return list(self.post.paths)
+
+    def stage_paths(self, ranges: Sequence[tuple[int, int]]) -> list[list[str]]:
+        """Each stage's module paths (``ranges``: its layer instances): the first with those before the
+        layers, the last with those after."""
+        units = self.unit_paths
+        return [(self.pre_paths if s == 0 else []) + units[a:b] + (self.post_paths if s == len(ranges) - 1 else [])
+                for s, (a, b) in enumerate(ranges)]
+
 
 def _weight_only(graph: Graph, region: dict[str, int]) -> set[str]:
     """Backward ops whose results reach no other segment's op (only parameter gradients and the
@@ -88,10 +110,9 @@ def _weight_only(graph: Graph, region: dict[str, int]) -> set[str]:
 
 
 def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[int], mesh: Mesh,
-             precision: Precision, terms: Sequence[GroupTerms] = ()) -> tuple[ModelSegments, list[str], list[str],
-                                                                             list[str]]:
-    """The plan ``choice`` of ``problem`` read back per segment (see the module docstring); also the
-    module paths before the layers, of each layer instance, and after the layers. With ``terms``
+             precision: Precision, terms: Sequence[GroupTerms] = ()) -> ModelSegments:
+    """The plan ``choice`` of ``problem`` read back per segment (see the module docstring), each
+    segment with its module paths (``ModelSegments.pre_paths``, ...). With ``terms``
     (``checkpoint.group_terms`` of ``problem``, which must be priced without recomputation), each
     layer instance also says what recomputing it would save and cost per mode (``Segment.recompute``),
     for the pipeline's per-stage recomputation."""
@@ -202,9 +223,8 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
                     i = rep(name)
                     place = output_placement(problem.nodes[i].strategies[choice[i]], j)
                     boundary += activation_bytes(spec.shape, spec.dtype, place, mesh, precision)
-    return (ModelSegments(seg(PRE, tuple(pre_paths)), units, seg(POST, tuple(post_paths)), boundary,
-                          mesh.hardware.overlap_slowdown),
-            pre_paths, unit_paths, post_paths)
+    return ModelSegments(seg(PRE, tuple(pre_paths)), units, seg(POST, tuple(post_paths)), boundary,
+                         mesh.hardware.overlap_slowdown)
 
 
 def _per_row(graph: Graph) -> set[str]:
@@ -381,12 +401,12 @@ def candidates(pp: int, microbatches: int, schedule: Optional[str] = None,
     return out
 
 
-def search(model: ModelSegments, pp: int, microbatches: int, p2p: float, schedule: Optional[str] = None,
+def best_pipelines(model: ModelSegments, pp: int, microbatches: int, p2p: float, schedule: Optional[str] = None,
            virtual: Optional[int] = None, budget: Optional[float] = None) -> list[tuple[PipelinePrice,
                                                                                   list[tuple[int, int]]]]:
     """Every schedule that runs this shape, priced, with its stage ranges; cheapest step first
     (ties: the order of ``SCHEDULES``, then fewer virtual stages). With a ``budget``, ranks over it
-    recompute layer instances (``cost_model.pipeline.choose_recompute``)."""
+    recompute layer instances (``cost_model.pipeline_price.choose_recompute``)."""
     out = []
     splits: dict[int, Optional[list[tuple[int, int]]]] = {}  # stages -> ranges (schedules of alike stage counts share)
     for k, (name, v) in enumerate(candidates(pp, microbatches, schedule, virtual)):
@@ -413,4 +433,4 @@ def search(model: ModelSegments, pp: int, microbatches: int, p2p: float, schedul
     return [(p, r) for _, p, r in out]
 
 
-__all__ = ["ModelSegments", "candidates", "scaled", "search", "segments", "split", "stages_of", "with_reruns"]
+__all__ = ["ModelSegments", "best_pipelines", "candidates", "scaled", "segments", "split", "stages_of", "with_reruns"]

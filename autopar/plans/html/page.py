@@ -17,7 +17,7 @@ from typing import Optional, Union
 from autopar.errors import PlanError
 from autopar.plans.html.cells import escape
 from autopar.plans.html.charts import baselines_section, memory_section
-from autopar.plans.html.pipeline import mesh_search_section, pipeline_section
+from autopar.plans.html.pipeline_section import mesh_search_section, pipeline_section
 from autopar.plans.html.sections import communication_section, header_section, layer_groups_section, modules_section
 from autopar.plans.schema import Plan
 

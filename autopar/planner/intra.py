@@ -1,9 +1,11 @@
-"""The planning pipeline: capture, fold, strategies, cost, merge, recipes, solve, in that order.
+"""The intra-op planner: the passes capture, fold, strategies, cost, merge, recipes and solve, in
+that order, on one mesh.
 
-``run_passes`` runs them and returns a ``Planned`` (everything they produced); ``autopar.plan`` hands
-it to ``passes.report.build_plan`` for the user's ``Plan``. Each stage lives in ``passes.search``;
-the recipes the search must beat are completed by ``passes.search.complete`` and priced by the same
-evaluator as the searched plan.
+``run_passes`` runs them with the ``PlanOptions`` (``planner/options.py``) and returns a ``Planned``
+(everything they produced); ``autopar.plan`` hands it to ``planner.report.build_plan`` for the user's
+``Plan``. Each stage lives in ``passes.search``; the recipes the search must beat are completed by
+``passes.search.complete`` and priced by the same evaluator as the searched plan. The phases are
+``_price_recipes``, ``_search`` (the solves, as ``Candidate`` records) and ``_choose``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from autopar.cost_model.mesh import Mesh, require_mesh
@@ -33,11 +35,8 @@ from autopar.passes.search.propagate import propagate
 from autopar.passes.search.solve import Solution, greedy, solve
 from autopar.passes.search.solve_axis import FULL_ILP_LIMIT, edge_var_count, solve_by_axis
 from autopar.passes.search.strategies import Constraint, resolve_hints, search_strategies
+from autopar.planner.options import PlanOptions
 from autopar.plans.format import human_bytes
-
-#: The memory budget when none is given: this fraction of the device's memory.
-DEFAULT_BUDGET_FRACTION = 0.9
-
 
 @dataclass
 class Planned:
@@ -87,46 +86,62 @@ class _Clock:
             print(f"autopar: {name:<10} {self.phases[name]:7.2f} s", file=sys.stderr)
 
 
+@dataclass
+class Solved:
+    """One solve of the search: the recomputation its ``problem`` is priced with, the problem's merged
+    form, the solver's ``solution`` and its ``choice`` per problem node (None: the solver found none)."""
+
+    recompute: checkpoint.Choice
+    problem: Problem
+    merged: Merged
+    solution: Optional[Solution]
+    choice: Optional[list[int]]
+
+
+@dataclass
+class Candidate:
+    """A plan the planner may choose: a solve's choice (``source`` "search") or a recipe's
+    (``source`` "recipe:NAME") priced on that solve's problem (``cost``). Ties on the step time go
+    to the lower ``order`` (the solve's place: without recomputation first), then the lower ``rank``
+    (the search's own plan, then the recipes by name)."""
+
+    cost: Cost
+    order: int
+    rank: int
+    source: str
+    choice: list[int]
+    solved: Solved
+
+    @property
+    def key(self) -> tuple:
+        """What ``_choose`` minimises among the candidates that fit."""
+        return (self.cost.step_time, self.order, self.rank)
+
+
 # Python's cyclic garbage collector is off while the passes run (``search/collector.py``): measured
 # in CPU seconds, its collections were a fifth of the torchtitan-style Llama's 32-layer plan
 # (LLaMA-3-8B dims, (8, 8); 5.7 s, 4.6 s paused) and a growing share of the post-capture time as
 # layers are added (tiny BART: 32 layers over 2, 1.49x with the collector on, 1.38x paused), for 3%
 # more peak memory.
 @collector_paused()
-def run_passes(
-    model,
-    mesh: Mesh,
-    example_inputs=(),
-    example_kwargs=None,
-    *,
-    training: bool = True,
-    hints=None,
-    memory_budget: Optional[float] = None,
-    time_limit: Optional[float] = None,
-    precision=None,
-    optimizer: str = "adamw",
-    recipe: Optional[str] = None,
-    tensor_axis=-1,
-    deterministic_time: float = 20.0,
-    progress: Optional[bool] = None,
-    graph: Optional[Graph] = None,
-    search: str = "ilp",
-    checkpointing: checkpoint.Pin = None,
-    kept_gathers: kept.Pin = None,
-) -> Planned:
-    """The planning passes; ``recipe`` fixes that recipe's placements instead of searching;
-    ``checkpointing`` pins the recomputation (``passes.search.checkpoint.pinned``) instead of
-    searching it; ``kept_gathers`` which layer instances keep their gathered parameters for the
-    backward (``passes.search.kept.pinned``; default: the search keeps them where that is faster
-    and fits, a named recipe keeps none)."""
+def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
+               options: Optional[PlanOptions] = None) -> Planned:
+    """The planning passes with ``options`` (``planner.options.PlanOptions``; default: every default):
+    its ``recipe`` fixes that recipe's placements instead of searching; ``checkpointing`` pins the
+    recomputation (``passes.search.checkpoint.pinned_checkpointing``) instead of searching it;
+    ``kept_gathers`` which layer instances keep their gathered parameters for the backward
+    (``passes.search.kept.pinned_kept_gathers``; default: the search keeps them where that is faster
+    and fits, a named recipe keeps none); ``graph`` skips the capture."""
     require_mesh(mesh)
-    clock = _Clock(sys.stderr.isatty() if progress is None else progress)
+    opts = options if options is not None else PlanOptions()
+    clock = _Clock(sys.stderr.isatty() if opts.progress is None else opts.progress)
     example_inputs = as_args(example_inputs)
     # parameters and inputs that already are DTensors keep their placements (hard, like hints)
     placed = dtensor_hints(model, tuple(example_inputs), example_kwargs or {}, mesh.shape)
-    hints = merge_hints(hints, placed)
+    hints = merge_hints(opts.hints, placed)
+    graph = opts.graph
     if graph is None:
-        graph = capture(model, tuple(example_inputs), example_kwargs, training=training)
+        graph = capture(model, tuple(example_inputs), example_kwargs, training=opts.training)
     clock.lap("capture")
     folding = fold(graph)
     clock.lap("fold")
@@ -134,24 +149,64 @@ def run_passes(
     strategies = {n.name: search_strategies(graph, n, mesh) for n in graph.nodes
                   if folding.representative(n.name) == n.name}
     clock.lap("strategies")
-    prec = get_precision(precision, mesh.hardware, optimizer)
-    budget = float(memory_budget) if memory_budget is not None else DEFAULT_BUDGET_FRACTION * mesh.hardware.memory
+    prec = get_precision(opts.precision, mesh.hardware, opts.optimizer)
+    budget = opts.budget(mesh)
     problem = build_problem(graph, mesh, folding, strategies, prec, budget, constraints)
     clock.lap("cost")
     ops = {n.name: n.op for n in graph.nodes}
     merged = merge(problem, ops)
     clock.lap("merge")
 
+    baselines, choices = _price_recipes(graph, mesh, problem, merged, constraints, placed, opts)
+    clock.lap("recipes")
+
+    solution, searched_cost = None, None
+    unscaled = problem
+    terms = checkpoint.group_terms(graph, folding, problem, mesh, prec) if folding.groups else []
+    pin = checkpoint.pinned_checkpointing(opts.checkpointing, terms)
+    keep = kept.pinned_kept_gathers(opts.kept_gathers, [t.paths for t in terms])
+    recompute = pin or checkpoint.Choice(tuple("full" for _ in terms), tuple(0 for _ in terms))
+    if pin is not None and pin.any:
+        problem = checkpoint.with_checkpointing(problem, terms, pin)
+        merged = merge(problem, ops)
+    if opts.recipe:
+        choice, source = choices[opts.recipe], f"recipe:{opts.recipe}"
+    elif opts.search == "propagate":  # the annotations spread through the graph; no ILP
+        choice, source = propagate(problem), "propagate"
+    else:
+        plain = Solved(recompute, problem, merged, None, None)
+        candidates = _search(plain, choices, ops, clock, mesh, opts, terms if pin is None else [])
+        best = _choose(candidates, budget, graph, problem, unscaled, terms, pin is None)
+        source, choice, solved = best.source, best.choice, best.solved
+        recompute, problem, merged = solved.recompute, solved.problem, solved.merged
+        # (a recipe that won keeps the solver's figures and the cost of the search's plan of its solve)
+        solution = solved.solution
+        searched_cost = next((c.cost for c in candidates if c.source == "search" and c.solved is solved), None)
+    kept_paths, kept_terms, problem = _keep(graph, folding, problem, choice, mesh, prec, terms, recompute,
+                                            [[] for _ in terms] if keep is None and opts.recipe else keep)
+    clock.lap("solve")
+    cost = evaluate(problem, choice)
+    clock.phases["total"] = round(time.perf_counter() - clock.start, 4)
+    return Planned(graph, mesh, folding, problem, merged, prec, choice, cost, source, solution, baselines,
+                   choices, clock.phases, searched_cost, recompute, terms, unscaled, kept_paths, kept_terms)
+
+
+def _price_recipes(graph: Graph, mesh: Mesh, problem: Problem, merged: Merged, constraints: list[Constraint],
+                   placed: dict, opts: PlanOptions) -> tuple[dict[str, dict], dict[str, list[int]]]:
+    """Each recipe's placements completed and priced (only ``opts.recipe`` when one is asked for):
+    ``(baselines, choices)``, its figures (or why it was not priced) and its choice per recipe."""
+    recipe = opts.recipe
     names = [recipe] if recipe else list(recipes.NAMES)
     baselines: dict[str, dict] = {}
     choices: dict[str, list[int]] = {}
+    budget = problem.memory_budget
     for name in names:
         try:
-            allowed = recipes.constraints(graph, mesh, name, tensor_axis)
+            allowed = recipes.constraints(graph, mesh, name, opts.tensor_axis)
             _check_recipe_hints(graph, name, allowed, constraints, bool(recipe), {f"hints[{k!r}]" for k in placed})
             # the exact ILP completion only for a recipe asked for by name: as a baseline for the
             # search, greedy plus local search (the search's ILP starts from the best baseline)
-            pinned = recipes.pinned_axes(mesh, name, tensor_axis)
+            pinned = recipes.pinned_axes(mesh, name, opts.tensor_axis)
             regions = recipes.tensor_regions(graph, name) if pinned else None
             choice = complete(merged, problem, allowed, pinned, exact=bool(recipe), regions=regions,
                               label=graph.user_name)
@@ -164,56 +219,46 @@ def run_passes(
         choices[name] = choice
         baselines[name] = {"step_time": cost.step_time, "peak_memory": int(cost.peak_memory),
                            "fits": cost.peak_memory <= budget}
-    clock.lap("recipes")
+    return baselines, choices
 
-    solution, searched_cost = None, None
-    unscaled = problem
-    terms = checkpoint.group_terms(graph, folding, problem, mesh, prec) if folding.groups else []
-    pin = checkpoint.pinned(checkpointing, terms)
-    keep = kept.pinned(kept_gathers, [t.paths for t in terms])
-    recompute = pin or checkpoint.Choice(tuple("full" for _ in terms), tuple(0 for _ in terms))
-    if pin is not None and pin.any:
-        problem = checkpoint.with_checkpointing(problem, terms, pin)
-        merged = merge(problem, ops)
-    if recipe:
-        choice, source = choices[recipe], f"recipe:{recipe}"
-    elif search == "propagate":  # the annotations spread through the graph; no ILP
-        choice, source = propagate(problem), "propagate"
-    else:
-        search_args = (mesh, deterministic_time, time_limit)
-        # first without the budget: a plan that fits so is the best of every choice (recomputing
-        # only adds time), and planning costs what it did before checkpointing was searched
-        solution, searched = _solve(merged, problem, choices, *search_args, budget=False)
-        found = [(recompute, problem, merged, solution, searched)]
-        over = searched is None or evaluate(problem, searched).peak_memory > budget
-        if over:  # (no solve when even the leanest plan is over the budget)
-            solution, searched = (_solve(merged, problem, choices, *search_args, budget=True)
-                                  if leanest(problem) <= budget else (None, None))
-            found = [(recompute, problem, merged, solution, searched)]
-        if over and pin is None and terms:
-            found += _recompute_candidates(problem, terms, choices, ops, clock, *search_args)
-        candidates = []
-        for order, (rc, prob, mrg, sol, chosen) in enumerate(found):
-            if chosen is not None:
-                candidates.append((evaluate(prob, chosen), order, 0, "search", chosen, rc, prob, mrg, sol))
-            for k, name in enumerate(sorted(choices)):
-                candidates.append((evaluate(prob, choices[name]), order, 1 + k, f"recipe:{name}", choices[name],
-                                   rc, prob, mrg, None))
-        fits = [c for c in candidates if c[0].peak_memory <= budget]
-        if not fits:
-            raise _infeasible(graph, problem, budget, terms)
-        best = min(fits, key=lambda c: (c[0].step_time, c[1], c[2]))
-        _, _, _, source, choice, recompute, problem, merged, solution = best
-        if solution is None:  # a recipe won: the search's figures are those of its own plan at that choice
-            solution = next((c[8] for c in candidates if c[3] == "search" and c[5] == recompute), None)
-        searched_cost = next((c[0] for c in candidates if c[3] == "search" and c[5] == recompute), None)
-    kept_paths, kept_terms, problem = _keep(graph, folding, problem, choice, mesh, prec, terms, recompute,
-                                            [[] for _ in terms] if keep is None and recipe else keep)
-    clock.lap("solve")
-    cost = evaluate(problem, choice)
-    clock.phases["total"] = round(time.perf_counter() - clock.start, 4)
-    return Planned(graph, mesh, folding, problem, merged, prec, choice, cost, source, solution, baselines,
-                   choices, clock.phases, searched_cost, recompute, terms, unscaled, kept_paths, kept_terms)
+
+def _search(plain: Solved, choices: dict[str, list[int]], ops: dict[str, str], clock: "_Clock", mesh: Mesh,
+            opts: PlanOptions, terms: list[checkpoint.GroupTerms]) -> list[Candidate]:
+    """The search's solves of ``plain.problem`` and the recipes priced on each, as candidates. First
+    without the budget: a plan that fits so is the best of every choice (recomputing only adds time),
+    and the budgeted solve and the recomputation are skipped. Else within the budget (no solve when
+    even the leanest plan is over it), then, with ``terms`` (recomputation not pinned), plans that
+    recompute (``_recompute_candidates``)."""
+    problem, merged = plain.problem, plain.merged
+    args = (mesh, opts.deterministic_time, opts.time_limit)
+    solution, searched = _solve(merged, problem, choices, *args, budget=False)
+    found = [replace(plain, solution=solution, choice=searched)]
+    over = searched is None or evaluate(problem, searched).peak_memory > problem.memory_budget
+    if over:
+        solution, searched = (_solve(merged, problem, choices, *args, budget=True)
+                              if leanest(problem) <= problem.memory_budget else (None, None))
+        found = [replace(plain, solution=solution, choice=searched)]
+    if over and terms:
+        found += _recompute_candidates(problem, terms, choices, ops, clock, *args)
+    candidates = []
+    for order, solved in enumerate(found):
+        if solved.choice is not None:
+            candidates.append(Candidate(evaluate(solved.problem, solved.choice), order, 0, "search", solved.choice,
+                                        solved))
+        for k, name in enumerate(sorted(choices)):
+            candidates.append(Candidate(evaluate(solved.problem, choices[name]), order, 1 + k, f"recipe:{name}",
+                                        choices[name], solved))
+    return candidates
+
+
+def _choose(candidates: list[Candidate], budget: float, graph: Graph, problem: Problem, unscaled: Problem,
+            terms: list[checkpoint.GroupTerms], searched: bool) -> Candidate:
+    """The fastest candidate that fits (``Candidate.key``); an ``InfeasibleError`` saying what the
+    leanest plan would need when none fits (``searched``: the recomputation was the search's to choose)."""
+    fits = [c for c in candidates if c.cost.peak_memory <= budget]
+    if not fits:
+        raise _infeasible(graph, problem, budget, terms, unscaled, searched)
+    return min(fits, key=lambda c: c.key)
 
 
 def _keep(graph: Graph, folding: Folding, problem: Problem, choice: list[int], mesh: Mesh, prec: Precision,
@@ -262,7 +307,7 @@ def _solve(merged: Merged, problem: Problem, choices: dict[str, list[int]], mesh
 
 def _recompute_candidates(problem: Problem, terms: list[checkpoint.GroupTerms], choices: dict[str, list[int]],
                           ops: dict[str, str], clock: "_Clock", mesh: Mesh, deterministic_time: float,
-                          time_limit: Optional[float]) -> list[tuple]:
+                          time_limit: Optional[float]) -> list[Solved]:
     """Plans that recompute, for a problem whose best plan does not fit: per mode, from the fewest
     recomputed instances with which any plan fits (the leanest memory is exact and cheap: it is a
     sum over nodes), then more while the plan gets faster. Every candidate is a full solve."""
@@ -289,7 +334,7 @@ def _recompute_candidates(problem: Problem, terms: list[checkpoint.GroupTerms], 
             if chosen is None:
                 continue
             cost = evaluate(prob, chosen)
-            out.append((checkpoint.levels(terms, mode, level), prob, merged, solution, chosen))
+            out.append(Solved(checkpoint.levels(terms, mode, level), prob, merged, solution, chosen))
             if clock.progress:
                 print(f"autopar: recompute {mode} {level}/{top}: {cost.step_time * 1e3:.1f} ms", file=sys.stderr)
             if cost.step_time >= best_time and len(trials) < len(ladder):
@@ -336,9 +381,8 @@ def _check_recipe_hints(graph: Graph, name: str, allowed: recipes.Allowed, const
         raise RecipeError(text)
 
 
-def _infeasible(graph: Graph, problem: Problem, budget: float,
-                terms: Optional[list[checkpoint.GroupTerms]] = None) -> InfeasibleError:
-    """No plan fits: state the smallest per-device memory any plan needs and what dominates it.
+def _leanest_parts(graph: Graph, problem: Problem) -> tuple[dict[str, float], str]:
+    """The leanest plan of ``problem`` by memory kind, and its five largest tensors by user name.
 
     Memory is a sum over nodes with no coupling between them, so the minimum over all plans is
     the sum of every node's leanest strategy — exact, no search needed.
@@ -354,25 +398,48 @@ def _infeasible(graph: Graph, problem: Problem, budget: float,
     tops.sort(reverse=True)
     top = ", ".join(f"{graph.user_name(name)} ({human_bytes(b)}" + (f" over {m} layers)" if m > 1 else ")")
                     for b, name, m in tops[:5])
+    return need, top
+
+
+def _infeasible(graph: Graph, problem: Problem, budget: float, terms: Optional[list[checkpoint.GroupTerms]] = None,
+                unscaled: Optional[Problem] = None, searched: bool = True) -> InfeasibleError:
+    """No plan fits: state the smallest per-device memory any plan the search could choose needs,
+    and what dominates it. ``unscaled``: the problem priced without recomputation (default
+    ``problem``). ``searched``: the search chooses the recomputation, so the leanest plan recomputes
+    every layer instance but the last where that lowers it; else ``problem``'s own (pinned) stands."""
+    deepest = max((t.count for t in terms or ()), default=0)
+    recomputed = None
+    if deepest > 1:  # what recomputing every layer instance but the last could save at best
+        base = unscaled if unscaled is not None else problem
+        tried = [checkpoint.with_checkpointing(base, terms, checkpoint.levels(terms, m, deepest - 1))
+                 for m in checkpoint.MODES]
+        least, k = min((leanest(q), k) for k, q in enumerate(tried))
+        recomputed = tried[k]
+    plain = leanest(problem)
+    lowered = searched and recomputed is not None and least < plain
+    need, top = _leanest_parts(graph, recomputed if lowered else problem)
     total = sum(need.values())
     state = need["params"] + need["grads"] + need["optimizer"]
-    deepest = max((t.count for t in terms or ()), default=0)
-    if deepest > 1:  # what recomputing every layer instance but the last could save at best
-        least = min(leanest(checkpoint.with_checkpointing(problem, terms, checkpoint.levels(terms, m, deepest - 1)))
-                    for m in checkpoint.MODES)
-        verdict = "cannot help" if least > budget else "was tried"
-        recompute = (f" Recomputing activations {verdict}: with every layer recomputed the leanest plan "
-                     f"needs {human_bytes(least)}" + (f", and the model state alone (parameters, gradients, optimizer) "
-                                                      f"needs {human_bytes(state)}" if state > budget else "") + ".")
-    else:
+    too_big = (f", and the model state alone (parameters, gradients, optimizer) needs {human_bytes(state)}"
+               if state > budget else "")
+    if recomputed is None:
         recompute = " The model has no repeated layers to recompute." if terms is not None else ""
+    elif not searched:
+        recompute = (f" checkpointing= fixes what is recomputed; with every layer recomputed the leanest plan "
+                     f"would need {human_bytes(least)}{too_big}.")
+    else:
+        verdict = "cannot help" if least > budget else "was tried"
+        recompute = (f" Recomputing activations {verdict}: with every layer recomputed the leanest plan needs "
+                     f"{human_bytes(least)}" + (f", against {human_bytes(plain)} without" if lowered else "")
+                     + f"{too_big}.")
     return InfeasibleError(
         f"no plan fits the memory budget of {human_bytes(budget)} per device: the leanest possible plan needs "
-        f"{human_bytes(total)} per device (params {human_bytes(need['params'])}, grads {human_bytes(need['grads'])}, "
+        f"{human_bytes(total)} per device" + (" recomputing activations" if lowered else "")
+        + f" (params {human_bytes(need['params'])}, grads {human_bytes(need['grads'])}, "
         f"optimizer {human_bytes(need['optimizer'])}, activations {human_bytes(need['activations'])}); "
         f"largest tensors at their leanest placement: {top}.{recompute} Use more devices, a smaller batch, or raise "
         f"memory_budget."
     )
 
 
-__all__ = ["DEFAULT_BUDGET_FRACTION", "Planned", "run_passes"]
+__all__ = ["Candidate", "Planned", "Solved", "run_passes"]

@@ -13,7 +13,7 @@ exhaustively:
 - ``Mesh.devices(..., pp=[...], tp=[...])`` restricts the degrees further.
 
 Each candidate is planned as the user would plan that shape: ``pp = 1`` by the intra-op planner on
-``{"dp", "tp"}``, ``pp > 1`` by the pipeline driver (``passes/pipelined.py``) without its own
+``{"dp", "tp"}``, ``pp > 1`` by the pipeline planner (``planner/pipelined.py``) without its own
 comparison against the plain plan (the ``pp = 1`` candidates are that comparison). Captures are
 shared across candidates (one per input shape: the full batch and each micro-batch size). The
 pipelined shapes are planned first; an unpipelined shape is first solved without a memory budget,
@@ -27,15 +27,17 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Any, Optional
 
-from autopar.cost_model.mesh import Mesh
+from autopar.cost_model.mesh import DP_AXIS, PP_AXIS, TP_AXIS, Mesh
 from autopar.errors import ArgumentError, InfeasibleError, RecipeError
 from autopar.ir.capture import as_args, capture
 from autopar.ir.stages import chain
-from autopar.passes.pipeline import DEFAULT_BUDGET_FRACTION, run_passes
-from autopar.passes.pipelined import batch_size, plan_pipelined
-from autopar.passes.report import build_plan
+from autopar.planner.intra import run_passes
+from autopar.planner.options import PlanOptions
+from autopar.planner.pipelined import batch_size, plan_pipelined
+from autopar.planner.report import build_plan
 
 
 def shape_candidates(count: int, node_size: int, batch: int, n_layers: int, pp: Optional[list] = None,
@@ -56,7 +58,7 @@ def shape_candidates(count: int, node_size: int, batch: int, n_layers: int, pp: 
             d = count // (p * t)
             if d > batch or (p > 1 and batch % p):
                 continue
-            out.append({"pp": p, "dp": d, "tp": t})
+            out.append({PP_AXIS: p, DP_AXIS: d, TP_AXIS: t})
     return out
 
 
@@ -65,68 +67,67 @@ def candidate_mesh(mesh: Mesh, shape: dict[str, int]) -> Mesh:
     device is ``dp=1``), on ``mesh``'s hardware and node shape, with the default links."""
     axes = {k: v for k, v in shape.items() if v > 1}
     if not axes:
-        axes = {"dp": 1}
+        axes = {DP_AXIS: 1}
     return Mesh(axes, device=mesh.hardware)
 
 
-def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, pipeline=None, **kw):
-    """The ``Plan`` for a ``Mesh.devices`` mesh (see the module docstring); ``kw`` are ``plan``'s
-    checked keywords. Raises ``InfeasibleError`` when no factorization fits, naming each one's need."""
+def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
+                     options: Optional[PlanOptions] = None):
+    """The ``Plan`` for a ``Mesh.devices`` mesh (see the module docstring) with ``options``. Raises
+    ``InfeasibleError`` when no factorization fits, naming each one's need."""
     start = time.perf_counter()
+    options = options if options is not None else PlanOptions()
     spec: dict[str, Any] = mesh.factorize or {}
     count, node = int(spec["devices"]), int(spec["node_size"])
-    if not kw.get("training", True):
+    if not options.training:
         raise ArgumentError("autopar.plan: Mesh.devices (the factorization search) plans training only; give the "
                             "axes (autopar.Mesh({'dp': ..., 'tp': ...})) for inference")
-    if pipeline is not None:
+    if options.pipeline is not None:
         raise ArgumentError("autopar.plan: pipeline= pins a pipeline on a given mesh; with Mesh.devices the planner "
                             "chooses the pipeline degree: give the axes, e.g. Mesh({'pp': 4, 'dp': 2, 'tp': 8}), "
                             "to pin it")
-    if kw.get("recipe") is not None or kw.get("hints") is not None:
+    if options.recipe is not None or options.hints is not None:
         raise ArgumentError("autopar.plan: recipe= and hints= name mesh axes; with Mesh.devices the axes are not known "
                             "yet: give the axes (autopar.Mesh({...})) to use them")
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     batch = batch_size(args, kwargs)
     graphs: dict[int, Any] = {}
-    given = kw.get("graph")
-    graphs[batch] = given if given is not None else capture(model, args, kwargs, training=True)
+    graphs[batch] = options.graph if options.graph is not None else capture(model, args, kwargs, training=True)
     n_layers = len(chain(graphs[batch]).keys)
-    shapes = shape_candidates(count, node, batch, n_layers, spec.get("pp"), spec.get("tp"))
+    shapes = shape_candidates(count, node, batch, n_layers, spec.get(PP_AXIS), spec.get(TP_AXIS))
     if not shapes:
         raise ArgumentError(f"autopar.plan: no factorization of {count} devices into pp x dp x tp fits a batch of "
                             f"{batch} with tp dividing the node size {node}"
-                            + (f" and the degrees asked (pp={spec.get('pp')}, tp={spec.get('tp')})"
-                               if spec.get("pp") or spec.get("tp") else ""))
-    passkw = {k: v for k, v in kw.items() if k not in ("graph", "recipe", "hints", "memory_budget")}
-    budget = kw.get("memory_budget")
-    budget = float(budget) if budget is not None else DEFAULT_BUDGET_FRACTION * mesh.hardware.memory
+                            + (f" and the degrees asked (pp={spec.get(PP_AXIS)}, tp={spec.get(TP_AXIS)})"
+                               if spec.get(PP_AXIS) or spec.get(TP_AXIS) else ""))
+    budget = options.budget(mesh)  # every factorization is on this hardware: one budget for all
+    fixed = replace(options, graph=None, memory_budget=budget)
+    at_batch = replace(fixed, graph=graphs[batch])
     rows: list[dict] = []
     plans = []
     # the pipelined shapes first (their per-stage solves are small), then the unpipelined ones, each
     # first without a budget: recomputing or leaner placements only add time, so when even that is
     # slower than a fitting shape already found, its budgeted search (the costly part) is skipped
-    order = [s for s in shapes if s["pp"] > 1] + [s for s in shapes if s["pp"] == 1]
+    order = [s for s in shapes if s[PP_AXIS] > 1] + [s for s in shapes if s[PP_AXIS] == 1]
     for shape in order:
         sub = candidate_mesh(mesh, shape)
         best = min((p.step_time for p, _ in plans if p.fits), default=math.inf)
         try:
-            if shape["pp"] > 1:
-                plan = plan_pipelined(model, sub, args, kwargs, mesh_search=True, graphs=graphs, memory_budget=budget,
-                                      **passkw)
+            if shape[PP_AXIS] > 1:
+                plan = plan_pipelined(model, sub, args, kwargs, fixed, mesh_search=True, graphs=graphs)
             else:
-                fast = run_passes(model, sub, args, kwargs, graph=graphs[batch], memory_budget=math.inf, **passkw)
+                fast = run_passes(model, sub, args, kwargs, replace(at_batch, memory_budget=math.inf))
                 if fast.cost.peak_memory <= budget:
-                    plan = build_plan(run_passes(model, sub, args, kwargs, graph=graphs[batch], memory_budget=budget,
-                                                 **passkw)) if budget != math.inf else build_plan(fast)
+                    plan = build_plan(run_passes(model, sub, args, kwargs, at_batch)) if budget != math.inf \
+                        else build_plan(fast)
                 elif fast.cost.step_time >= best:
                     rows.append({"shape": dict(shape), "error": f"not planned within the budget: its fastest plan "
                                  f"without one ({fast.cost.step_time * 1e3:.1f} ms) is already slower than a fitting "
                                  f"shape"})
                     continue
                 else:
-                    plan = build_plan(run_passes(model, sub, args, kwargs, graph=graphs[batch], memory_budget=budget,
-                                                 **passkw))
+                    plan = build_plan(run_passes(model, sub, args, kwargs, at_batch))
         except (InfeasibleError, ArgumentError, RecipeError, ValueError) as e:
             rows.append({"shape": dict(shape), "error": str(e).splitlines()[0][:400]})
             continue
@@ -135,7 +136,7 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None, 
                      "fits": bool(plan.fits), "pipelined": plan.pipeline is not None})
     fitting = [(p, k) for p, k in plans if p.fits]
     if not fitting:
-        tried = "; ".join(f"pp={r['shape']['pp']} dp={r['shape']['dp']} tp={r['shape']['tp']}: "
+        tried = "; ".join(" ".join(f"{a}={r['shape'][a]}" for a in (PP_AXIS, DP_AXIS, TP_AXIS)) + ": "
                           + (r["error"][:120] if "error" in r else f"{r['peak_memory'] / 2**30:.1f} GiB")
                           for r in rows)
         raise InfeasibleError(f"no factorization of {count} devices fits the memory budget: {tried}; use more devices, "

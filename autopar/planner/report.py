@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from autopar.cost_model.buckets import BUCKET_SIZE, collective_calls, mark_grad_buckets
@@ -14,10 +16,14 @@ from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_rol
 from autopar.cost_model.comm import reshard_steps
 from autopar.cost_model.compute import model_flops, tokens_per_step
 from autopar.cost_model.gathers import mark_param_groups
+from autopar.cost_model.mesh import PP_AXIS, Mesh
+from autopar.cost_model.pipeline_price import PipelinePrice
+from autopar.cost_model.schedules import stage_ranks
 from autopar.ir.fingerprint import graph_fingerprint, graph_info
 from autopar.ir.graph import Ref
 from autopar.ir.placement import B, format_placements
 from autopar.ir.recompute import recomputed_ops
+from autopar.ir.stages import param_stages
 from autopar.ir.views import param_views
 from autopar.passes.search.checkpoint import checkpointed_paths, group_figures
 from autopar.passes.search.kept import kept_figures, kept_reads
@@ -26,7 +32,7 @@ from autopar.passes.search.problem import (MEMORY_KINDS, edge_cost, incident_tra
 from autopar.passes.search.strategies import input_placement, output_placement
 
 if TYPE_CHECKING:
-    from autopar.passes.pipeline import Planned
+    from autopar.planner.intra import Planned
 
 #: Alternatives kept per module in the plan (the cheapest other strategies of its ops).
 ALTERNATIVES = 4
@@ -36,21 +42,95 @@ def _sha(d: dict) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
 
-def build_plan(planned: "Planned", checkpointing: Optional[dict[str, str]] = None,
-               grad_stages: Optional[dict[str, frozenset]] = None):
+@dataclass
+class PipelineChoice:
+    """What the pipeline planner (``planner/pipelined.py``) chose, for ``build_plan``: the pipeline's
+    ``price`` at ``microbatches``, each stage's module paths, the whole ``mesh`` (with the ``pp``
+    axis), every pipeline priced (``compared``: with whether it was estimated), the ops that couple
+    the batch, and the plan's budget, baselines, source and phases."""
+
+    price: PipelinePrice
+    microbatches: int
+    stages: list[list[str]]
+    mesh: Mesh
+    compared: list[tuple[PipelinePrice, bool]]
+    batch_coupled: list[str]
+    budget: float
+    baselines: dict
+    source: str
+    phases: dict
+
+
+def pipeline_entry(choice: PipelineChoice) -> dict:
+    """``plan.pipeline``: the axis and the whole mesh, the schedule, the stages and the priced figures."""
+    price, mesh, m = choice.price, choice.mesh, choice.microbatches
+    pp = mesh.axis_size(PP_AXIS) if PP_AXIS in mesh.names else 1
+    coupled = choice.batch_coupled
+    return {
+        "axis": PP_AXIS,
+        "degree": pp,
+        "mesh_names": list(mesh.names),
+        "mesh_shape": [int(v) for v in mesh.shape],
+        "schedule": price.schedule,
+        "microbatches": m,
+        "virtual_stages": price.virtual,
+        "stages": choice.stages,
+        "stage_ranks": list(stage_ranks(price.schedule, pp, price.virtual)),
+        "bubble": price.replay.bubble,
+        "makespan": price.replay.makespan,
+        "sync_time": price.sync,
+        "p2p_time": price.p2p,
+        "in_flight": list(price.replay.in_flight),
+        "stage_times": [[st.forward, st.input_grad, st.weight_grad] for st in price.stages],
+        "rank_memory": [int(x) for x in price.rank_memory],
+        "recompute": [{"mode": mode, "layers": list(paths)} if paths else {"mode": "none", "layers": []}
+                      for mode, paths in price.recomputed],
+        "stage_buckets": True,  # (schema version 7) buckets within a stage, each rank its own reductions
+        "compared": [dict({"schedule": p.schedule, "microbatches": p.microbatches, "virtual_stages": p.virtual,
+                           "step_time": p.step_time, "peak_memory": int(p.peak_memory), "bubble": p.replay.bubble,
+                           "recomputed": sum(len(c[1]) for c in p.recomputed)},
+                          **({"estimated": True} if estimated else {}))
+                     for p, estimated in sorted(choice.compared, key=lambda pe: (pe[0].step_time, pe[0].schedule,
+                                                                                  pe[0].microbatches, pe[0].virtual,
+                                                                                  pe[1]))],
+        "batch_coupled": coupled,
+        "reference": "micro-batched" if coupled and m > 1 else "whole-batch",
+    }
+
+
+def _pipeline_figures(choice: PipelineChoice) -> dict:
+    """A pipelined plan's step and memory: the pipeline's (its slowest rank's busy time as compute,
+    the rest of the step as communication; the memory of its fullest rank)."""
+    price = choice.price
+    top = max(range(len(price.rank_memory)), key=lambda r: (price.rank_memory[r], -r))
+    busy = max(price.replay.busy)
+    return dict(step_time=price.step_time, compute_time=busy, comm_time=max(0.0, price.step_time - busy),
+                peak_memory=int(price.peak_memory), memory={k: int(v) for k, v in price.rank_memory_kinds[top].items()},
+                memory_budget=int(choice.budget) if choice.budget != math.inf else 0)
+
+
+def build_plan(planned: "Planned", pipeline: Optional[PipelineChoice] = None):
     """The user's ``Plan`` from the passes' result: placements by FQN and input, every node's
     strategy, each resharding with its collectives (bucketed as the program runs them), per-module
     summaries with alternatives, the recipes' baselines and the solver's statistics.
 
-    For a pipelined plan (``passes/pipelined.py``): ``checkpointing`` is what the stages recompute
-    (module path -> mode; the layer plan itself recomputes nothing): the reshardings their re-runs
-    do again are listed, their parameter regathers not (a pipeline keeps every gathered copy for
-    the step); ``grad_stages`` (parameter -> the stages that read it) keeps gradient buckets within a
-    stage, as the pipeline's lowering groups them (``cost_model.buckets.grad_buckets``)."""
+    For a pipelined plan (``planner/pipelined.py``), ``planned`` is the layer plan of one
+    micro-batch on the stage mesh and ``pipeline`` what was chosen on it: the plan's step, memory,
+    baselines, source, phases and ``plan.pipeline`` are the pipeline's. What the stages recompute
+    (the layer plan's own and each stage's) is the plan's ``checkpointing``: the reshardings their
+    re-runs do again are listed, their parameter regathers not (a pipeline keeps every gathered
+    copy for the step); gradient buckets stay within a stage, as each pipeline rank runs its own
+    stages' reductions (``cost_model.buckets.grad_buckets``)."""
     from autopar.plans import Plan
 
     g, mesh, prob, folding = planned.graph, planned.mesh, planned.problem, planned.folding
     choice = planned.choice
+    checkpointing, grad_stages = None, None
+    if pipeline is not None:
+        redo = {path: mode for mode, paths in pipeline.price.recomputed for path in paths}
+        own = checkpointed_paths(planned.terms, planned.recompute) if planned.recompute else {}
+        checkpointing = dict(sorted(dict(own, **redo).items()))
+        grad_stages = param_stages(g, pipeline.stages)
 
     def strat(name: str):
         i = prob.index[folding.representative(name)]
@@ -83,27 +163,26 @@ def build_plan(planned: "Planned", checkpointing: Optional[dict[str, str]] = Non
     devices = mesh.size
     peak = mesh.hardware.flops(planned.precision.compute_dtype or "float32")
     step = cost.step_time
+    figures = (_pipeline_figures(pipeline) if pipeline is not None else
+               dict(step_time=cost.step_time, compute_time=cost.compute_time, comm_time=cost.comm_time,
+                    peak_memory=int(cost.peak_memory), memory={k: int(v) for k, v in cost.memory.items()},
+                    memory_budget=int(prob.memory_budget) if prob.memory_budget != float("inf") else 0))
     return Plan(
         fingerprint={"graph": graph_fingerprint(g), "mesh": mesh.fingerprint(), "hardware": _sha(mesh.hardware.to_dict())},
         mesh=mesh_dict,
         precision=planned.precision.to_dict(),
         training=g.training,
-        memory_budget=int(prob.memory_budget) if prob.memory_budget != float("inf") else 0,
-        step_time=cost.step_time,
-        compute_time=cost.compute_time,
-        comm_time=cost.comm_time,
-        peak_memory=int(cost.peak_memory),
-        memory={k: int(v) for k, v in cost.memory.items()},
+        **figures,
         placements=placements,
         nodes=nodes,
         reshardings=reshardings,
         collectives=_collectives(reshardings),
         bucket_size=BUCKET_SIZE,
-        baselines=planned.baselines,
+        baselines=planned.baselines if pipeline is None else pipeline.baselines,
         solver=dict(planned.solution.stats) if planned.solution else {"solver": "none (recipe)"},
-        source=planned.source,
+        source=planned.source if pipeline is None else pipeline.source,
         modules=_modules(planned, strat, reshardings),
-        phases=planned.phases,
+        phases=planned.phases if pipeline is None else pipeline.phases,
         graph=graph_info(g),
         checkpointing=(checkpointing if checkpointing is not None else
                        checkpointed_paths(planned.terms, planned.recompute) if planned.recompute else {}),
@@ -115,6 +194,7 @@ def build_plan(planned: "Planned", checkpointing: Optional[dict[str, str]] = Non
         mfu=flops / (step * devices * peak) if step > 0 else 0.0,
         tokens_per_step=tokens,
         tokens_per_second_per_device=tokens / (step * devices) if step > 0 else 0.0,
+        pipeline=pipeline_entry(pipeline) if pipeline is not None else None,
     )
 
 
