@@ -13,7 +13,7 @@ plan becomes ``runtime.pipeline_build``'s module."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -286,8 +286,8 @@ class ParallelModule(torch.nn.Module):
     def _run_backward(self, saved: list, grad_loss: torch.Tensor, step: Optional[int] = None) -> list:
         try:
             with at_step(self.program, step), self._context():  # the forward's step, not the one after it
-                grads = [C.wait(g) for g in self.program.backward(
-                    *saved, grad_loss.to(self.program.grads[0].spec.dtype) if self.program.grads else grad_loss)]
+                grads = self.program.run_backward(
+                    *saved, grad_loss.to(self.program.grads[0].spec.dtype) if self.program.grads else grad_loss)
         except Exception as exc:
             err = self._failed(exc, "the backward")
             if err is exc:
@@ -405,7 +405,8 @@ def _check_same_graph(fingerprint: str) -> None:
 
 
 def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwargs: Optional[dict] = None, *,
-            plan=None, precision: Optional[str] = None, **plan_kwargs) -> ParallelModule:
+            plan=None, precision: Optional[str] = None, compile: Union[bool, str] = False,  # noqa: A002
+            **plan_kwargs) -> ParallelModule:
     """Plan (or take ``plan``: a Plan or a saved plan's path) and build this rank's ParallelModule.
 
     Call on every rank of a process group whose size is ``mesh.size`` (``autopar.launch`` or
@@ -414,8 +415,11 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     own dtype), "fp32", "bf16-mixed", ... Under a mixed precision the parameters stay fp32 DTensors
     (the master weights the optimizer updates), are cast to bf16 before they are gathered, and
     their gradients are reduced and delivered in fp32 (see ``autopar.cost_model.casting``).
-    The other keywords are ``autopar.plan``'s. The model's parameters are replaced, in place, by
-    DTensors holding this rank's blocks.
+    ``compile=True`` (or a ``torch.compile`` backend's name, e.g. ``"aot_eager"``; True is
+    ``"inductor"``) runs this rank's forward and backward programs through ``torch.compile``, with
+    their functional collectives inside the compiled graphs (see ``Program.compile_with``); the first
+    step pays the compilation. The other keywords are ``autopar.plan``'s. The model's parameters are
+    replaced, in place, by DTensors holding this rank's blocks.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -431,6 +435,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     require_mesh(mesh)
     check_kwargs(example_kwargs, "autopar.compile: example_kwargs")
     check_choice(precision, ("plan",) + EXECUTABLE_PRECISIONS, "autopar.compile: precision", allow_none=True)
+    compile_backend = _compile_backend(compile)
     if plan is not None and not isinstance(plan, Plan):
         check_path(plan, "autopar.compile: plan (a Plan, a saved plan's path, or None)")
     plan_kwargs = check_plan_args(model, mesh, example_kwargs, plan_kwargs, "autopar.compile")
@@ -459,6 +464,8 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     prec = execution_precision(precision or "plan", shared.precision.get("name", "fp32"), device)
     program = lower(res, coords, device, prec)
     share_seed(program)  # with random ops: every rank draws with rank 0's seed
+    if compile_backend is not None:
+        program.compile_with(compile_backend)
     if any(slot.spec.blocks for slot in program.inputs):  # _StridedShard parameters: teach DCP their pieces
         install_strided_checkpointing()
     distribute_state(model, graph, program, dmesh, device, materializer)
@@ -466,6 +473,22 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     # torch 2.13's two workers corrupt the heap when two collectives finish together (see there)
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank()) if backend == "gloo" else None
     return ParallelModule(model, shared, graph, dmesh, program, prec, groups)
+
+
+def _compile_backend(choice: Union[bool, str]) -> Optional[str]:
+    """The ``torch.compile`` backend ``compile=`` names (None: run eagerly), checked before any collective."""
+    if choice is False or choice is None:
+        return None
+    if choice is True:
+        return "inductor"
+    if not isinstance(choice, str):
+        raise CompileError(f"autopar.compile: compile must be True, False or a torch.compile backend's name, "
+                           f"got {type(choice).__name__} {choice!r}")
+    known = torch.compiler.list_backends(exclude_tags=())
+    if choice not in known:
+        raise CompileError(f"autopar.compile: compile={choice!r} is not a torch.compile backend; "
+                           f"known: {', '.join(sorted(known))}")
+    return choice
 
 
 def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, materializer):

@@ -65,16 +65,36 @@ class Program:
     grads: list[Slot] = field(default_factory=list)
     #: The key of its random ops (dropout); None when it draws nothing.
     random: Optional[RandomState] = None
+    #: ``torch.compile``'s forward and backward (``compile_with``), run in their place; None: eager.
+    compiled: Optional[tuple] = None
+
+    def compile_with(self, backend: str = "inductor", options: Optional[dict] = None) -> None:
+        """Run the forward and backward programs through ``torch.compile`` with ``backend`` from now on.
+
+        Dynamo traces each program with its functional collectives in it, so the backend may fuse
+        the local ops between them and move a collective's wait towards its first reader. Shapes are
+        static (a program is lowered for one shape), so a new input shape is a new compilation."""
+        kw = dict(options or {})
+        fwd = torch.compile(self.forward, backend=backend, dynamic=False, **kw)
+        bwd = torch.compile(self.backward, backend=backend, dynamic=False, **kw) if self.backward is not None else None
+        self.compiled = (fwd, bwd)
 
     def run_forward(self, *inputs) -> tuple[list, list]:
         """Run the forward program on this thread's collective backend: its outputs, and the values
         it saves for the backward. Every collective is waited before returning: a result left in
         flight (saved for a backward that never runs) would be freed while the process group
         still writes it."""
-        res = self.forward(*inputs)
+        res = (self.compiled[0] if self.compiled is not None else self.forward)(*inputs)
         res = [C.wait(t) for t in (res if isinstance(res, (tuple, list)) else [res])]
         n_out = len(res) - self.n_saved
         return res[:n_out], res[n_out:]
+
+    def run_backward(self, *saved_and_seed) -> list:
+        """Run the backward program on the forward's saved values and the loss's incoming gradient:
+        the gradients, in ``grads`` order, every collective waited."""
+        assert self.backward is not None, "an inference program has no backward"
+        fn = self.compiled[1] if self.compiled is not None else self.backward
+        return [C.wait(g) for g in fn(*saved_and_seed)]
 
     @property
     def code(self) -> str:
