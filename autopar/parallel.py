@@ -13,6 +13,7 @@ plan becomes ``runtime.pipeline_build``'s module."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
@@ -31,6 +32,7 @@ from autopar.program.program import Program, Slot
 from autopar.runtime import faults
 from autopar.runtime.collectives import ProcessGroupComm, record_executed, single_worker_gloo_groups
 from autopar.runtime.memory import MemoryTracker, optimizer_state
+from autopar.runtime.nodes import check_node_layout
 from autopar.runtime.precision import EXECUTABLE_PRECISIONS, execution_precision
 from autopar.runtime.random_state import RANDOM_KEY, add_random_entry, at_step, share_seed, take_random_entry
 from autopar.runtime.state import as_blocks, distribute_state, dtensor_block, state_slots
@@ -428,6 +430,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     from autopar.ir.capture import as_args, capture
     from autopar.ir.fingerprint import graph_fingerprint
     from autopar.runtime.launch import ensure_process_group
+    from autopar.runtime.nodes import start_from_environment
     from autopar.runtime.materialize import check_materializable
 
     # every rank checks its arguments before the first collective: a rank that raised after it would hang the others
@@ -442,12 +445,14 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     if isinstance(plan, Plan) and plan.pipeline is None:  # a plan in hand is checked before any process-group work
         _check_plan_mesh(plan, mesh)
     materializer = check_materializable(model)  # a meta tensor nothing can rebuild is named before planning
+    start_from_environment()  # under torchrun, when the script started no group
     ensure_process_group(mesh.size, f"mesh {mesh.axes}")
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     given = plan is not None
     training = plan_kwargs.get("training", True) if not given else None
     shared = _share_plan(plan, lambda: make_plan(model, mesh, args, kwargs, **plan_kwargs))
+    _warn_node_layout(shared)
     if shared.pipeline is not None:  # stages on the pp axis, each its slice of the program on the others
         return _compile_pipelined(model, mesh, shared, args, kwargs, precision, materializer)
     _check_plan_mesh(shared, mesh)  # on every rank alike (a plan file is read on rank 0 only)
@@ -473,6 +478,15 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     # torch 2.13's two workers corrupt the heap when two collectives finish together (see there)
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank()) if backend == "gloo" else None
     return ParallelModule(model, shared, graph, dmesh, program, prec, groups)
+
+
+def _warn_node_layout(plan: Plan) -> None:
+    """Warn (rank 0) when the job's nodes hold other groups of ranks than the plan priced as a node's."""
+    per_node = int(plan.mesh.get("hardware", {}).get("devices_per_node", 1))
+    why = check_node_layout(per_node, dict(zip(plan.axis_names, plan.mesh_shape)))
+    if why is not None and dist.get_rank() == 0:
+        warnings.warn(f"autopar.compile: {why}; the program is correct, but its plan's prices are not this job's",
+                      RuntimeWarning, stacklevel=3)
 
 
 def _compile_backend(choice: Union[bool, str]) -> Optional[str]:
