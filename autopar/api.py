@@ -45,7 +45,7 @@ from autopar.validate import (
 
 #: The keywords ``plan`` passes on to ``passes.pipeline.run_passes`` (its own are named in its signature).
 PASS_KEYWORDS = ("precision", "optimizer", "recipe", "tensor_axis", "deterministic_time", "progress", "graph",
-                 "checkpointing", "kept_gathers")
+                 "checkpointing", "kept_gathers", "compiled")
 PLAN_KEYWORDS = ("training", "hints", "memory_budget", "time_limit", "search") + PASS_KEYWORDS
 
 
@@ -69,6 +69,7 @@ def check_plan_args(model, mesh, example_kwargs, kw: dict, where: str = "autopar
                             "(the annotations spread GSPMD-style, the rest chosen locally)")
     if kw.get("progress") is not None:
         check_bool(kw["progress"], f"{where}: progress")
+    check_bool(kw.get("compiled", False), f"{where}: compiled")
     try:
         get_precision(kw.get("precision"), mesh.hardware, kw.get("optimizer", "adamw"))
     except ValueError as e:
@@ -108,7 +109,9 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
     backward instead of gathering them again, FSDP's ``reshard_after_forward=False``: ``"none"``,
     ``"all"``, a list of module-path globs such as ``["layers.*"]``, or a dict from globs to
     True/False; default: the search keeps them per group of alike layers where that makes the step
-    faster and the plan still fits; a named recipe keeps none unless asked).
+    faster and the plan still fits; a named recipe keeps none unless asked), ``compiled`` (price the
+    program as ``torch.compile``'s Inductor runs it, pointwise chains fused into one kernel each,
+    ``cost_model/fusion.py``; ``autopar.compile(..., compile=True)`` plans so by itself).
 
     A mesh axis named ``pp`` pipelines (``passes/pipelined.py``): the planner splits the repeated
     layers into stages, picks the micro-batch count and the schedule (GPipe, 1F1B, Interleaved1F1B,

@@ -441,6 +441,8 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     compile_backend = _compile_backend(compile)
     if plan is not None and not isinstance(plan, Plan):
         check_path(plan, "autopar.compile: plan (a Plan, a saved plan's path, or None)")
+    if compile_backend == "inductor" and plan is None:  # priced as Inductor runs it: pointwise chains fused
+        plan_kwargs.setdefault("compiled", True)
     plan_kwargs = check_plan_args(model, mesh, example_kwargs, plan_kwargs, "autopar.compile")
     if isinstance(plan, Plan) and plan.pipeline is None:  # a plan in hand is checked before any process-group work
         _check_plan_mesh(plan, mesh)

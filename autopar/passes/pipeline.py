@@ -113,12 +113,14 @@ def run_passes(
     search: str = "ilp",
     checkpointing: checkpoint.Pin = None,
     kept_gathers: kept.Pin = None,
+    compiled: bool = False,
 ) -> Planned:
     """The planning passes; ``recipe`` fixes that recipe's placements instead of searching;
     ``checkpointing`` pins the recomputation (``passes.search.checkpoint.pinned``) instead of
     searching it; ``kept_gathers`` which layer instances keep their gathered parameters for the
     backward (``passes.search.kept.pinned``; default: the search keeps them where that is faster
-    and fits, a named recipe keeps none)."""
+    and fits, a named recipe keeps none); ``compiled`` prices the program as Inductor compiles it
+    (``cost_model.fusion``: pointwise chains fused)."""
     require_mesh(mesh)
     clock = _Clock(sys.stderr.isatty() if progress is None else progress)
     example_inputs = as_args(example_inputs)
@@ -136,7 +138,7 @@ def run_passes(
     clock.lap("strategies")
     prec = get_precision(precision, mesh.hardware, optimizer)
     budget = float(memory_budget) if memory_budget is not None else DEFAULT_BUDGET_FRACTION * mesh.hardware.memory
-    problem = build_problem(graph, mesh, folding, strategies, prec, budget, constraints)
+    problem = build_problem(graph, mesh, folding, strategies, prec, budget, constraints, compiled=compiled)
     clock.lap("cost")
     ops = {n.name: n.op for n in graph.nodes}
     merged = merge(problem, ops)
