@@ -20,7 +20,7 @@ from autopar.ir.placement import Broadcast, Placements, Split
 from autopar.ir.rules.base import LocalCtx, run_local
 from autopar.ir.rules.dimmap import Signature
 from autopar.ir.rules.random_attention import random_local
-from autopar.ir.rules.random_ops import draw_key
+from autopar.ir.rules.random_ops import draw_key, key_tensor
 from autopar.program import collectives as C
 
 
@@ -142,12 +142,20 @@ class RandomOp(torch.nn.Module):
                 raise RuntimeError(f"autopar: the random op {self.node} has no batch dim for a pipelined run "
                                    "(runtime.random_state.pipelined_random was not given its graph)")
             ctx = micro_ctx(ctx, st.batch_dims[self.node], st.micro, st.micros)
-        out = random_local(ctx, list(xs), draw_key(st.seed, st.step, self.node))
+        key = _step_key(st, self.node, xs[0]) if torch.compiler.is_compiling() else draw_key(st.seed, st.step, self.node)
+        out = random_local(ctx, list(xs), key)
         return tuple(out) if len(self.ctx.call.out_specs) > 1 else out[0]
 
     def extra_repr(self) -> str:
         """The op, its node and its strategy, as ``print(program)`` shows them."""
         return f"{self.ctx.call.op} ({self.node}), " + " | ".join(str(s) for s in self.ctx.strategy)
+
+
+@torch.compiler.disable
+def _step_key(state: RandomState, node: str, like: torch.Tensor) -> torch.Tensor:
+    """The key of ``node``'s draw at the state's current step, as a tensor on ``like``'s device: a
+    compiled program calls it at run time (one graph break) and never specializes on the step."""
+    return key_tensor(draw_key(state.seed, state.step, node), like.device)
 
 
 def micro_ctx(ctx: LocalCtx, dim: int, micro: int, micros: int) -> LocalCtx:
