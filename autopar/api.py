@@ -73,7 +73,9 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
     backward instead of gathering them again, FSDP's ``reshard_after_forward=False``: ``"none"``,
     ``"all"``, a list of module-path globs such as ``["layers.*"]``, or a dict from globs to
     True/False; default: the search keeps them per group of alike layers where that makes the step
-    faster and the plan still fits; a named recipe keeps none unless asked).
+    faster and the plan still fits; a named recipe keeps none unless asked), ``compiled`` (price the
+    program as ``torch.compile``'s Inductor runs it, pointwise chains fused into one kernel each,
+    ``cost_model/fusion.py``; ``autopar.compile(..., compile=True)`` plans so by itself).
 
     A mesh axis named ``pp`` pipelines (``planner/pipelined.py``): the planner splits the repeated
     layers into stages, picks the micro-batch count and the schedule (GPipe, 1F1B, Interleaved1F1B,

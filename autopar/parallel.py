@@ -14,24 +14,24 @@ cuts the program into stages (``passes.lower.stages``), and hands the runtime th
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from autopar import _torch_compat as tc
 from autopar.cost_model.mesh import Mesh, require_mesh
-from autopar.errors import ArgumentError, CompileError, PlanError
-from autopar.ir.fingerprint import graph_fingerprint
+from autopar.errors import ArgumentError, CompileError
 from autopar.ir.graph import Graph
 from autopar.ir.placement import format_placements, from_dtensor, local_block
 from autopar.passes.lower import lower, resolve
-from autopar.plans import Plan, load_plan
+from autopar.plans import Plan
 from autopar.program import collectives as C
-from autopar.program.program import Program, Slot
+from autopar.program.program import Program, Slot, compile_backend
 from autopar.runtime import faults
 from autopar.runtime.collectives import ProcessGroupComm, record_executed, single_worker_gloo_groups
 from autopar.runtime.memory import MemoryTracker, optimizer_state
+from autopar.runtime.consensus import check_plan_mesh, check_same_capture, share_plan, warn_node_layout
 from autopar.runtime.precision import EXECUTABLE_PRECISIONS, execution_precision
 from autopar.runtime.random_state import RANDOM_KEY, add_random_entry, at_step, share_seed, take_random_entry
 from autopar.runtime.state import as_blocks, distribute_state, dtensor_block, state_slots
@@ -287,8 +287,8 @@ class ParallelModule(torch.nn.Module):
     def _run_backward(self, saved: list, grad_loss: torch.Tensor, step: Optional[int] = None) -> list:
         try:
             with at_step(self.program, step), self._context():  # the forward's step, not the one after it
-                grads = [C.wait(g) for g in self.program.backward(
-                    *saved, grad_loss.to(self.program.grads[0].spec.dtype) if self.program.grads else grad_loss)]
+                grads = self.program.run_backward(
+                    *saved, grad_loss.to(self.program.grads[0].spec.dtype) if self.program.grads else grad_loss)
         except Exception as exc:
             err = self._failed(exc, "the backward")
             if err is exc:
@@ -363,50 +363,9 @@ class ParallelModule(torch.nn.Module):
 
 # -- compile ----------------------------------------------------------------------------------------
 
-def _share_plan(plan, make) -> Plan:
-    """Rank 0's plan (made by ``make``, given, or read from the file ``plan`` names) on every rank; a
-    plan file rank 0 cannot load is the same PlanError on every rank, and a plan rank 0 fails to make
-    raises there and a CompileError saying so on the others (none waits for the others)."""
-    box: list = [None]
-    if dist.get_rank() == 0:
-        try:
-            got = make() if plan is None else plan if isinstance(plan, Plan) else load_plan(plan)
-            box[0] = ("plan", got.to_json(timing=False))
-        except PlanError as e:
-            box[0] = ("error", str(e))
-        except Exception as e:  # noqa: BLE001 - planning failed: every rank raises it, none waits
-            box[0] = ("failed", f"planning on rank 0 failed: {type(e).__name__}: {e}")
-            dist.broadcast_object_list(box, src=0)
-            raise
-    dist.broadcast_object_list(box, src=0)
-    kind, text = box[0]
-    if kind == "error":
-        raise PlanError(text)
-    if kind == "failed":
-        raise CompileError(text)
-    return Plan.from_dict(__import__("json").loads(text))
-
-
-def _check_plan_mesh(plan: Plan, mesh: Mesh) -> None:
-    """A CompileError naming both meshes unless the plan's mesh axes are ``mesh``'s: names, sizes and order."""
-    try:
-        plan.check_mesh(mesh.axes)
-    except PlanError as e:
-        raise CompileError(str(e)) from None
-
-
-def _check_same_capture(graph: Graph) -> None:
-    got: list = [None] * dist.get_world_size()
-    dist.all_gather_object(got, graph_fingerprint(graph))
-    bad = [r for r, f in enumerate(got) if f != got[0]]
-    if bad:
-        raise CompileError(
-            f"ranks captured different programs (rank 0 {got[0][:12]}, rank(s) {bad} differ): every rank must "
-            "call autopar.compile with the same model and example input shapes")
-
-
 def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwargs: Optional[dict] = None, *,
-            plan=None, precision: Optional[str] = None, **plan_kwargs) -> ParallelModule:
+            plan=None, precision: Optional[str] = None, compile: Union[bool, str] = False,  # noqa: A002
+            **plan_kwargs) -> ParallelModule:
     """Plan (or take ``plan``: a Plan or a saved plan's path) and build this rank's ParallelModule.
 
     Call on every rank of a process group whose size is ``mesh.size`` (``autopar.launch`` or
@@ -415,14 +374,18 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     own dtype), "fp32", "bf16-mixed", ... Under a mixed precision the parameters stay fp32 DTensors
     (the master weights the optimizer updates), are cast to bf16 before they are gathered, and
     their gradients are reduced and delivered in fp32 (see ``autopar.cost_model.casting``).
-    The other keywords are ``autopar.plan``'s. The model's parameters are replaced, in place, by
-    DTensors holding this rank's blocks.
+    ``compile=True`` (or a ``torch.compile`` backend's name, e.g. ``"aot_eager"``; True is
+    ``"inductor"``) runs this rank's forward and backward programs through ``torch.compile``, with
+    their functional collectives inside the compiled graphs (see ``Program.compile_with``); the first
+    step pays the compilation. The other keywords are ``autopar.plan``'s. The model's parameters are
+    replaced, in place, by DTensors holding this rank's blocks.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.api import check_plan_args, plan_with
     from autopar.ir.capture import as_args, capture
     from autopar.runtime.launch import ensure_process_group
+    from autopar.runtime.nodes import start_from_environment
     from autopar.runtime.materialize import check_materializable
 
     # every rank checks its arguments before the first collective: a rank that raised after it would hang the others
@@ -430,25 +393,30 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     require_mesh(mesh)
     check_kwargs(example_kwargs, "autopar.compile: example_kwargs")
     check_choice(precision, ("plan",) + EXECUTABLE_PRECISIONS, "autopar.compile: precision", allow_none=True)
+    compile_backend = compile_backend(compile, "autopar.compile")
     if plan is not None and not isinstance(plan, Plan):
         check_path(plan, "autopar.compile: plan (a Plan, a saved plan's path, or None)")
+    if compile_backend == "inductor" and plan is None:  # priced as Inductor runs it: pointwise chains fused
+        plan_kwargs.setdefault("compiled", True)
     options = check_plan_args(model, mesh, example_kwargs, plan_kwargs, "autopar.compile")
     if isinstance(plan, Plan) and plan.pipeline is None:  # a plan in hand is checked before any process-group work
-        _check_plan_mesh(plan, mesh)
+        check_plan_mesh(plan, mesh)
     materializer = check_materializable(model)  # a meta tensor nothing can rebuild is named before planning
+    start_from_environment()  # under torchrun, when the script started no group
     ensure_process_group(mesh.size, f"mesh {mesh.axes}")
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     given = plan is not None
     training = options.training if not given else None
-    shared = _share_plan(plan, lambda: plan_with(model, mesh, args, kwargs, options))
+    shared = share_plan(plan, lambda: plan_with(model, mesh, args, kwargs, options))
+    warn_node_layout(shared)
     if shared.pipeline is not None:  # stages on the pp axis, each its slice of the program on the others
         return _compile_pipelined(model, mesh, shared, args, kwargs, precision, materializer)
-    _check_plan_mesh(shared, mesh)  # on every rank alike (a plan file is read on rank 0 only)
+    check_plan_mesh(shared, mesh)  # on every rank alike (a plan file is read on rank 0 only)
     if training is not None and shared.training != training:
         raise CompileError("the plan's training mode differs from training=")
     graph = capture(model, args, kwargs, training=shared.training)
-    _check_same_capture(graph)
+    check_same_capture(graph)
     res = resolve(graph, shared)
     backend = dist.get_backend()
     device_type = "cuda" if backend == "nccl" else "cpu"
@@ -458,6 +426,8 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     prec = execution_precision(precision or "plan", shared.precision.get("name", "fp32"), device)
     program = lower(res, coords, device, prec)
     share_seed(program)  # with random ops: every rank draws with rank 0's seed
+    if compile_backend is not None:
+        program.compile_with(compile_backend)
     distribute_state(model, graph, program, dmesh, device, materializer)
     # gloo: the program's collectives get groups of their own with one worker thread each, since
     # torch 2.13's two workers corrupt the heap when two collectives finish together (see there)
@@ -482,7 +452,7 @@ def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, m
     if dist.get_backend() != "gloo":
         raise ArgumentError("autopar pipeline: pipelined plans with other mesh axes run on gloo (CPU) only so far")
     graph, batch = capture_micro(model, plan, args, kwargs, plan.training, "autopar pipeline")
-    _check_same_capture(graph)
+    check_same_capture(graph)
     dmesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
     pp_rank = int(dmesh.get_coordinate()[names.index(pl["axis"])])
     staged = stage_program(model, plan, graph, batch, args, kwargs,

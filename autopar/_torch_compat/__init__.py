@@ -13,6 +13,7 @@ private surface and says, in its docstring, what to check on a torch upgrade:
 - ``gloo``: gloo groups with one worker thread (a workaround for a torch 2.13 race);
 - ``autograd``: autograd-engine and storage bindings of ``torch._C``;
 - ``nn``: ``nn.Module``'s parameter/buffer tables and its conversion hook;
+- ``dynamo``: the graph-break counts of ``torch.compile`` (compiled rank programs);
 - ``pipelining``: torch's pipeline schedules' action orders, built without a process group, and a
   forward-only step of a schedule that runs a lowered order (ZBV).
 
@@ -48,6 +49,7 @@ from autopar._torch_compat.c10d import (
     process_group,
     set_group_timeout,
 )
+from autopar._torch_compat.dynamo import graph_breaks, reset_dynamo
 from autopar._torch_compat.dtensor import (
     dtensor_from_spec,
     dtensor_spec,
@@ -90,9 +92,9 @@ __all__ = [
     "decompositions", "dtensor_from_spec", "dtensor_spec", "export_joint", "FakeTensor", "FakeTensorMode",
     "FAST_JOINT", "functional_all_gather", "functional_all_reduce", "functional_all_reduce_",
     "functional_all_to_all", "functional_collective_name", "functional_reduce_scatter", "GradAOTOutput",
-    "group_alive", "group_timeout", "has_grad_hooks", "held_indices", "InputMutationAOTOutput",
+    "graph_breaks", "group_alive", "group_timeout", "has_grad_hooks", "held_indices", "InputMutationAOTOutput",
     "install_strided_checkpointing", "JOINT_PATHS", "local_tensor", "new_one_worker_gloo_groups", "ParamAOTInput",
-    "parameter_table", "PlainAOTInput", "PlainAOTOutput", "preserve_node_meta", "process_group", "pytree",
+    "parameter_table", "PlainAOTInput", "PlainAOTOutput", "preserve_node_meta", "process_group", "pytree", "reset_dynamo",
     "forward_only", "record_dispatch", "record_writes", "runs_action_order", "schedule_order", "set_group_timeout", "share_tables", "storage_key", "storage_use_count",
     "strided_shard", "TangentAOTInput",
     "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "use_flat_calling_convention",

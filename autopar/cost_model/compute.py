@@ -211,6 +211,7 @@ def compute_time(
     out_shapes: Sequence[Optional[Shape]],
     hw: Hardware,
     precision: Precision,
+    fused=None,
 ) -> float:
     """Seconds for one op on one device: 0 for ``is_free`` ops, else the roofline
 
@@ -221,11 +222,31 @@ def compute_time(
     shape's achieved fraction of peak (``efficiency_of``) and ``e_memory`` that of the bandwidth
     (``autopar.cost_model.efficiency.memory``). On hardware without flash attention the fused
     attention ops also move their score matrix through memory.
+
+    ``fused`` (a ``cost_model.fusion.Fused``, compiled programs): the inputs it marks are read from
+    registers and move no bytes; an output kept in registers moves none and launches no kernel.
     """
     if is_free(call.op):
         return 0.0
+    if fused is not None:
+        return _fused_time(call, in_shapes, out_shapes, hw, precision, fused)
     _, _, t_flops, t_bytes, _ = _roofline(call, in_shapes, out_shapes, hw, precision)
     return max(t_flops, t_bytes) + hw.launch_floor
+
+
+def _fused_time(call: OpCall, in_shapes, out_shapes, hw: Hardware, precision: Precision, fused) -> float:
+    """A pointwise op's seconds inside a fused kernel (see ``compute_time``)."""
+    _, _, t_flops, _, _ = _roofline(call, in_shapes, out_shapes, hw, precision)
+    moved = 0.0
+    for spec, shape, reg in zip(call.in_specs, in_shapes, fused.inputs):
+        if not reg:
+            moved += _numel(shape) * element_bytes(spec.dtype, "activation", precision)
+    if not fused.output:
+        for spec, shape in zip(call.out_specs, out_shapes):
+            if spec is not None and shape is not None:
+                moved += _numel(shape) * element_bytes(spec.dtype, "activation", precision)
+    t_bytes = moved / (hw.hbm_bandwidth * eff.memory(hw.efficiency, moved)) if moved else 0.0
+    return max(t_flops, t_bytes) + (0.0 if fused.output else hw.launch_floor)
 
 
 def _roofline(call: OpCall, in_shapes, out_shapes, hw: Hardware, precision: Precision):

@@ -131,7 +131,8 @@ def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
     recomputation (``passes.search.checkpoint.pinned_checkpointing``) instead of searching it;
     ``kept_gathers`` which layer instances keep their gathered parameters for the backward
     (``passes.search.kept.pinned_kept_gathers``; default: the search keeps them where that is faster
-    and fits, a named recipe keeps none); ``graph`` skips the capture."""
+    and fits, a named recipe keeps none); ``graph`` skips the capture; ``compiled`` prices the program
+    as Inductor compiles it (``cost_model.fusion``: pointwise chains fused)."""
     require_mesh(mesh)
     opts = options if options is not None else PlanOptions()
     clock = _Clock(sys.stderr.isatty() if opts.progress is None else opts.progress)
@@ -151,7 +152,7 @@ def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
     clock.lap("strategies")
     prec = get_precision(opts.precision, mesh.hardware, opts.optimizer)
     budget = opts.budget(mesh)
-    problem = build_problem(graph, mesh, folding, strategies, prec, budget, constraints)
+    problem = build_problem(graph, mesh, folding, strategies, prec, budget, constraints, compiled=opts.compiled)
     clock.lap("cost")
     ops = {n.name: n.op for n in graph.nodes}
     merged = merge(problem, ops)

@@ -49,6 +49,8 @@ class PlanOptions:
     graph: Optional[Graph] = None
     checkpointing: CheckpointPin = None
     kept_gathers: KeptPin = None
+    #: price the program as Inductor compiles it (``cost_model.fusion``): ``compile(..., compile=True)``
+    compiled: bool = False
     pipeline: Optional[Mapping] = None
 
     def budget(self, mesh: Mesh) -> float:
@@ -83,6 +85,7 @@ def plan_options(mesh: Mesh, kw: Mapping[str, Any], where: str = "autopar.plan",
                             "(the annotations spread GSPMD-style, the rest chosen locally)")
     if opts.progress is not None:
         check_bool(opts.progress, f"{where}: progress")
+    check_bool(opts.compiled, f"{where}: compiled")
     try:
         get_precision(opts.precision, mesh.hardware, opts.optimizer)
     except ValueError as e:

@@ -38,7 +38,11 @@ class Bucket(torch.nn.Module):
         """``x`` copied into the flat buffer at element ``offset``; the buffer is returned. The first
         gradient of a step passes ``buf=None`` and gets the kept buffer of ``total`` elements (a new
         one when its size or dtype differs, or when something still views it)."""
-        if buf is None:
+        if buf is None and torch.compiler.is_compiling():
+            # a compiled program packs into a buffer of its own step: the kept one is state that
+            # the compiled graph cannot own (and that dynamo cannot check for other holders)
+            buf = torch.empty(total, dtype=x.dtype, device=x.device)
+        elif buf is None:
             buf = self._buf
             if buf is None or buf.numel() != total or buf.dtype != x.dtype or buf.device != x.device \
                     or not _only_held_here(buf):

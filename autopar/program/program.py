@@ -10,17 +10,18 @@ collectives of ``program.collectives``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.fx as fx
 
+from autopar.errors import CompileError
 from autopar.ir.graph import TensorSpec
 from autopar.ir.placement import Broadcast, Placements, Split
 from autopar.ir.rules.base import LocalCtx, run_local
 from autopar.ir.rules.dimmap import Signature
 from autopar.ir.rules.random_attention import random_local
-from autopar.ir.rules.random_ops import draw_key
+from autopar.ir.rules.random_ops import draw_key, key_tensor
 from autopar.program import collectives as C
 
 
@@ -65,16 +66,36 @@ class Program:
     grads: list[Slot] = field(default_factory=list)
     #: The key of its random ops (dropout); None when it draws nothing.
     random: Optional[RandomState] = None
+    #: ``torch.compile``'s forward and backward (``compile_with``), run in their place; None: eager.
+    compiled: Optional[tuple] = None
+
+    def compile_with(self, backend: str = "inductor", options: Optional[dict] = None) -> None:
+        """Run the forward and backward programs through ``torch.compile`` with ``backend`` from now on.
+
+        Dynamo traces each program with its functional collectives in it, so the backend may fuse
+        the local ops between them and move a collective's wait towards its first reader. Shapes are
+        static (a program is lowered for one shape), so a new input shape is a new compilation."""
+        kw = dict(options or {})
+        fwd = torch.compile(self.forward, backend=backend, dynamic=False, **kw)
+        bwd = torch.compile(self.backward, backend=backend, dynamic=False, **kw) if self.backward is not None else None
+        self.compiled = (fwd, bwd)
 
     def run_forward(self, *inputs) -> tuple[list, list]:
         """Run the forward program on this thread's collective backend: its outputs, and the values
         it saves for the backward. Every collective is waited before returning: a result left in
         flight (saved for a backward that never runs) would be freed while the process group
         still writes it."""
-        res = self.forward(*inputs)
+        res = (self.compiled[0] if self.compiled is not None else self.forward)(*inputs)
         res = [C.wait(t) for t in (res if isinstance(res, (tuple, list)) else [res])]
         n_out = len(res) - self.n_saved
         return res[:n_out], res[n_out:]
+
+    def run_backward(self, *saved_and_seed) -> list:
+        """Run the backward program on the forward's saved values and the loss's incoming gradient:
+        the gradients, in ``grads`` order, every collective waited."""
+        assert self.backward is not None, "an inference program has no backward"
+        fn = self.compiled[1] if self.compiled is not None else self.backward
+        return [C.wait(g) for g in fn(*saved_and_seed)]
 
     @property
     def code(self) -> str:
@@ -83,6 +104,23 @@ class Program:
         if self.backward is not None:  # fx names every module's function "forward"
             parts.append("# backward" + self.backward.code.replace("def forward(self", "def backward(self", 1))
         return "\n".join(parts)
+
+
+def compile_backend(choice: Union[bool, str, None], where: str) -> Optional[str]:
+    """The ``torch.compile`` backend a ``compile=`` choice names (None: run eagerly; True: Inductor);
+    a CompileError naming ``where`` for anything else than a backend torch knows."""
+    if choice is False or choice is None:
+        return None
+    if choice is True:
+        return "inductor"
+    if not isinstance(choice, str):
+        raise CompileError(f"{where}: compile must be True, False or a torch.compile backend's name, "
+                           f"got {type(choice).__name__} {choice!r}")
+    known = torch.compiler.list_backends(exclude_tags=())
+    if choice not in known:
+        raise CompileError(f"{where}: compile={choice!r} is not a torch.compile backend; "
+                           f"known: {', '.join(sorted(known))}")
+    return choice
 
 
 class LocalOp(torch.nn.Module):
@@ -122,12 +160,20 @@ class RandomOp(torch.nn.Module):
                 raise RuntimeError(f"autopar: the random op {self.node} has no batch dim for a pipelined run "
                                    "(runtime.random_state.pipelined_random was not given its graph)")
             ctx = micro_ctx(ctx, st.batch_dims[self.node], st.micro, st.micros)
-        out = random_local(ctx, list(xs), draw_key(st.seed, st.step, self.node))
+        key = _step_key(st, self.node, xs[0]) if torch.compiler.is_compiling() else draw_key(st.seed, st.step, self.node)
+        out = random_local(ctx, list(xs), key)
         return tuple(out) if len(self.ctx.call.out_specs) > 1 else out[0]
 
     def extra_repr(self) -> str:
         """The op, its node and its strategy, as ``print(program)`` shows them."""
         return f"{self.ctx.call.op} ({self.node}), " + " | ".join(str(s) for s in self.ctx.strategy)
+
+
+@torch.compiler.disable
+def _step_key(state: RandomState, node: str, like: torch.Tensor) -> torch.Tensor:
+    """The key of ``node``'s draw at the state's current step, as a tensor on ``like``'s device: a
+    compiled program calls it at run time (one graph break) and never specializes on the step."""
+    return key_tensor(draw_key(state.seed, state.step, node), like.device)
 
 
 def micro_ctx(ctx: LocalCtx, dim: int, micro: int, micros: int) -> LocalCtx:
@@ -152,4 +198,4 @@ def micro_ctx(ctx: LocalCtx, dim: int, micro: int, micros: int) -> LocalCtx:
                    coords=(micro, *ctx.coords))
 
 
-__all__ = ["LocalOp", "Program", "RandomOp", "RandomState", "Slot"]
+__all__ = ["LocalOp", "Program", "RandomOp", "RandomState", "Slot", "compile_backend"]

@@ -89,7 +89,9 @@ class ProcessGroupComm:
         return tc.functional_all_reduce(x.contiguous(), reduce, self.groups[axis])
 
     def all_reduce_(self, x, axis, reduce):
-        if not x.is_contiguous():  # the collective needs a dense buffer: reduce a dense copy
+        # a dense buffer is reduced in place; a compiled program reduces functionally (an in-place
+        # collective has an aliased output, which AOTAutograd cannot functionalize)
+        if not x.is_contiguous() or torch.compiler.is_compiling():
             return self.all_reduce(x, axis, reduce)
         return tc.functional_all_reduce_(x, reduce, self.groups[axis])  # waited like the others' results
 
@@ -192,18 +194,22 @@ class ThreadComm:
         self.executed.append(Executed(what, self.mesh.axis_names[axis], group_bytes))
         return self._exchange(axis).swap(self.coords[axis], x, what)
 
+    @torch.compiler.disable  # an exchange between threads: a compiled program calls it as Python
     def all_gather(self, x, axis, dim):
         n = self.axis_size(axis)
         return torch.cat(self._swap(axis, x, "all_gather", _nbytes(x) * n), dim=dim)
 
+    @torch.compiler.disable  # an exchange between threads: a compiled program calls it as Python
     def reduce_scatter(self, x, axis, dim, reduce):
         n, i = self.axis_size(axis), self.coords[axis]
         parts = self._swap(axis, x, "reduce_scatter", _nbytes(x))
         return _reduce([p.chunk(n, dim=dim)[i] for p in parts], reduce)
 
+    @torch.compiler.disable  # an exchange between threads: a compiled program calls it as Python
     def all_reduce(self, x, axis, reduce):
         return _reduce(self._swap(axis, x, "all_reduce", _nbytes(x)), reduce)
 
+    @torch.compiler.disable  # an exchange between threads: a compiled program calls it as Python
     def all_reduce_(self, x, axis, reduce):
         parts = self._swap(axis, x, "all_reduce", _nbytes(x))
         with unobserved():  # gloo reduces in place: the simulator's scratch is not the program's memory
@@ -211,6 +217,7 @@ class ThreadComm:
         self._exchange(axis).sync("all_reduce")  # every member has read x before any overwrites its own
         return x.copy_(reduced)
 
+    @torch.compiler.disable  # an exchange between threads: a compiled program calls it as Python
     def all_to_all(self, x, axis):
         n = self.axis_size(axis)
         got = self._swap(axis, x, "all_to_all", _nbytes(x) * n)

@@ -137,8 +137,8 @@ def ensure_process_group(world_size: int, what: str = "this mesh") -> None:
         raise LaunchError(
             f"{what} needs {world_size} processes but there is no torch.distributed process group: "
             f"run your code with autopar.launch(fn, nprocs={world_size}), or start the script with "
-            f"`torchrun --standalone --nproc-per-node {world_size} script.py` and call "
-            "torch.distributed.init_process_group('gloo') first"
+            f"`torchrun --standalone --nproc-per-node {world_size} script.py` (autopar.compile starts the "
+            "group from torchrun's environment), or call torch.distributed.init_process_group first"
         )
     have = dist.get_world_size()
     if have != world_size:

@@ -51,7 +51,7 @@ def run_step(prog: Program, local_inputs: Sequence[torch.Tensor], tangent: Optio
         if prog.backward is not None:
             seed = tangent if tangent is not None else torch.ones((), dtype=outputs[0].dtype)
             with watch():
-                grads = [C.wait(g) for g in prog.backward(*saved, seed)]
+                grads = prog.run_backward(*saved, seed)
             if memory is not None:
                 memory.mark(grads, "grads")
     if memory is not None:

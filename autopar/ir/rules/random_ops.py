@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -93,16 +93,30 @@ def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
     return (z >> s) & ((1 << (64 - s)) - 1)
 
 
-def hash_indices(key: int, index: torch.Tensor) -> torch.Tensor:
+def key_tensor(key: int, device=None) -> torch.Tensor:
+    """``key`` as a 0-dim int64 tensor (its bits, signed): the key a compiled program's draws read as
+    data, so a new step's key is a new input rather than a constant to compile again for."""
+    return torch.tensor(_signed(key), dtype=torch.int64, device=device)
+
+
+def hash_indices(key: Union[int, torch.Tensor], index: torch.Tensor) -> torch.Tensor:
     """splitmix64 of ``key + index * golden`` per element (int64, wrapping), a bijection of the
-    index for a given key: the element's 64 random bits."""
-    z = index * _GOLDEN + _signed(key + 0x9E3779B97F4A7C15)
+    index for a given key: the element's 64 random bits. ``key`` is an int or a ``key_tensor``."""
+    base = key + _signed(0x9E3779B97F4A7C15) if isinstance(key, torch.Tensor) else _signed(key + 0x9E3779B97F4A7C15)
+    z = index * _GOLDEN + base
     z = (z ^ _srl(z, 30)) * _C1
     z = (z ^ _srl(z, 27)) * _C2
     return z ^ _srl(z, 31)
 
 
-def uniform53(key: int, index: torch.Tensor) -> torch.Tensor:
+def _salted(key: Union[int, torch.Tensor], salt: int) -> Union[int, torch.Tensor]:
+    """``splitmix(key ^ salt)``: a second key drawn from ``key``, for an int or a ``key_tensor``."""
+    if isinstance(key, torch.Tensor):
+        return hash_indices(key ^ _signed(salt), torch.zeros((), dtype=torch.int64, device=key.device))
+    return splitmix(key ^ salt)
+
+
+def uniform53(key: Union[int, torch.Tensor], index: torch.Tensor) -> torch.Tensor:
     """Per element an integer uniform in ``[0, 2**53)`` (int64)."""
     return _srl(hash_indices(key, index), 11)
 
@@ -173,7 +187,7 @@ def draw(op: str, args: tuple, kwargs: dict, inputs: Sequence[torch.Tensor], ind
         return [_unit(uniform53(key, index)).to(dtype)]
     if op == "aten.randn_like.default":  # Box-Muller on two independent draws
         u1 = 1.0 - _unit(uniform53(key, index))  # (0, 1]
-        u2 = _unit(uniform53(splitmix(key ^ 0x5851F42D4C957F2D), index))
+        u2 = _unit(uniform53(_salted(key, 0x5851F42D4C957F2D), index))
         return [(torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)).to(dtype)]
     raise NotImplementedError(f"autopar cannot draw {op}")
 
@@ -211,4 +225,5 @@ def _dropout_backward(call: OpCall) -> DimMap:
 
 
 __all__ = ["RANDOM_BASES", "SUPPORTED", "draw", "draw_key", "draw_local", "draw_seed", "global_index", "hash_indices",
+           "key_tensor",
            "is_random", "splitmix", "unsupported_random"]

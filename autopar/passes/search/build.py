@@ -24,6 +24,7 @@ from autopar.cost_model.buckets import grad_time
 from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
 from autopar.cost_model.comm import reshard_time
 from autopar.cost_model.compute import compute_time, optimizer_time
+from autopar.cost_model.fusion import fused_ops
 from autopar.cost_model.gathers import gather_shares, gather_time
 from autopar.cost_model.memory import activation_bytes, param_state_bytes
 from autopar.cost_model.mesh import Mesh
@@ -51,9 +52,13 @@ def build_problem(
     precision: Precision,
     memory_budget: float,
     constraints: Optional[list[Constraint]] = None,
+    compiled: bool = False,
 ) -> Problem:
-    """The problem over the representative nodes of ``folding`` (every node when nothing folds)."""
+    """The problem over the representative nodes of ``folding`` (every node when nothing folds);
+    ``compiled`` prices pointwise chains as the fused kernels of a compiled program
+    (``cost_model.fusion``)."""
     hw = mesh.hardware
+    fused = fused_ops(graph) if compiled else {}
     users_backward: set[Ref] = set()
     for n in graph.nodes:
         if n.phase == Phase.BACKWARD:
@@ -101,7 +106,7 @@ def build_problem(
                 ins = _local_shapes(in_specs, [input_placement(s, i) for i in range(len(in_specs))], mesh)
                 outs = _local_shapes(n.outputs, [output_placement(s, j) if n.outputs[j] is not None else None
                                                  for j in range(len(n.outputs))], mesh)
-                pn.compute.append(compute_time(call, ins, outs, hw, precision))
+                pn.compute.append(compute_time(call, ins, outs, hw, precision, fused.get(n.name)))
                 for j, spec in enumerate(n.outputs):
                     r = Ref(n.name, j)
                     if spec is not None and r in users_backward and n.name not in views:

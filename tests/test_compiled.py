@@ -1,0 +1,101 @@
+"""``autopar.compile(..., compile=...)``: rank programs run through ``torch.compile``.
+
+The compiled programs must compute what the eager ones compute (aot_eager traces the same aten ops,
+so losses and parameters agree to the last bit), without a graph break where the program has no
+random op, on a real gloo group (the shared 4-rank pool). Inductor's cold compile takes minutes on
+this machine, so its step times are measured by ``benchmarks/compiled.py``, not here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import CompileError
+from autopar.models import make
+
+
+def _train(family: str, backend, steps: int = 2):
+    """Loss per step, the final parameters' local blocks and the graph breaks of a compiled run."""
+    from autopar import _torch_compat as tc
+
+    tc.reset_dynamo()
+    torch.manual_seed(0)
+    model, inputs = make(family, "tiny", batch=4)
+    pm = autopar.compile(model, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu"), inputs, compile=backend)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    before = tc.graph_breaks()
+    losses = []
+    for _ in range(steps):
+        loss = pm(*inputs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    breaks = dict(tc.graph_breaks() - before)
+    params = {k: v.to_local().clone() for k, v in pm.state_dict().items() if isinstance(v, torch.Tensor)}
+    compiled = pm.program.compiled is not None
+    tc.reset_dynamo()
+    return losses, params, breaks, compiled
+
+
+def _both(family: str):
+    return _train(family, False), _train(family, "aot_eager")
+
+
+@pytest.fixture(scope="module")
+def pool(gloo_pool4):
+    return gloo_pool4()
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_compiled_program_equals_eager_on_gloo(pool, family):
+    for (eager, compiled) in pool.run(_both, family):
+        e_losses, e_params, _, e_compiled = eager
+        c_losses, c_params, breaks, c_compiled = compiled
+        assert not e_compiled and c_compiled
+        assert c_losses == e_losses
+        assert e_params.keys() == c_params.keys()
+        for k in e_params:
+            assert torch.equal(e_params[k], c_params[k]), k
+        assert breaks == {}, f"graph breaks in a program without random ops: {breaks}"
+
+
+@pytest.mark.parametrize("bad, words", [("no-such-backend", "not a torch.compile backend"),
+                                        (3, "must be True, False or a torch.compile backend")])
+def test_compile_choice_is_checked_before_any_process_group(bad, words):
+    model, inputs = make("mlp", "tiny", batch=4)
+    with pytest.raises(CompileError, match=words):
+        autopar.compile(model, autopar.Mesh({"dp": 2}, device="cpu"), inputs, compile=bad)
+
+
+def _dropout(backend, steps: int = 3):
+    """Losses and the graph breaks counted after each step of GPT with dropout on dp=2 x tp=2."""
+    from autopar import _torch_compat as tc
+
+    tc.reset_dynamo()
+    torch.manual_seed(0)
+    model, inputs = make("gpt", "tiny", batch=4, dropout=0.1)
+    pm = autopar.compile(model, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu"), inputs, compile=backend)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    before, losses, breaks = tc.graph_breaks(), [], []
+    for _ in range(steps):
+        loss = pm(*inputs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        breaks.append(sum((tc.graph_breaks() - before).values()))
+    tc.reset_dynamo()
+    return losses, breaks
+
+
+def test_compiled_dropout_draws_the_eager_masks_without_recompiling(pool):
+    eager = pool.run(_dropout, False)
+    compiled = pool.run(_dropout, "aot_eager")
+    for (e_losses, _), (c_losses, breaks) in zip(eager, compiled):
+        assert c_losses == e_losses
+        # each random op is a graph break (its key is computed at run time), made once: a later
+        # step's new key is data, not a reason to compile again
+        assert breaks[0] > 0 and breaks == [breaks[0]] * len(breaks), breaks
