@@ -393,10 +393,10 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     require_mesh(mesh)
     check_kwargs(example_kwargs, "autopar.compile: example_kwargs")
     check_choice(precision, ("plan",) + EXECUTABLE_PRECISIONS, "autopar.compile: precision", allow_none=True)
-    compile_backend = compile_backend(compile, "autopar.compile")
+    torch_backend = compile_backend(compile, "autopar.compile")
     if plan is not None and not isinstance(plan, Plan):
         check_path(plan, "autopar.compile: plan (a Plan, a saved plan's path, or None)")
-    if compile_backend == "inductor" and plan is None:  # priced as Inductor runs it: pointwise chains fused
+    if torch_backend == "inductor" and plan is None:  # priced as Inductor runs it: pointwise chains fused
         plan_kwargs.setdefault("compiled", True)
     options = check_plan_args(model, mesh, example_kwargs, plan_kwargs, "autopar.compile")
     if isinstance(plan, Plan) and plan.pipeline is None:  # a plan in hand is checked before any process-group work
@@ -426,8 +426,8 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     prec = execution_precision(precision or "plan", shared.precision.get("name", "fp32"), device)
     program = lower(res, coords, device, prec)
     share_seed(program)  # with random ops: every rank draws with rank 0's seed
-    if compile_backend is not None:
-        program.compile_with(compile_backend)
+    if torch_backend is not None:
+        program.compile_with(torch_backend)
     distribute_state(model, graph, program, dmesh, device, materializer)
     # gloo: the program's collectives get groups of their own with one worker thread each, since
     # torch 2.13's two workers corrupt the heap when two collectives finish together (see there)
