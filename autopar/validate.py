@@ -174,11 +174,11 @@ def check_callable(fn: Any, what: str) -> Any:
 
 
 def check_launch_args(fn: Any, nprocs: Any, timeout: Any, backend: Any, collective_timeout: Any = None) -> None:
-    """``autopar.launch``'s own arguments: a function, a positive number of ranks and of seconds
-    (the run's and, when given, each collective's), a backend name."""
+    """``autopar.launch``'s own arguments: a function, a positive number of ranks, positive numbers of
+    seconds when given (the run's and each collective's), a backend name."""
     check_callable(fn, "autopar.launch: fn")
     check_number(nprocs, "autopar.launch: nprocs (the number of ranks)", allow_none=False, integer=True)
-    check_number(timeout, "autopar.launch: timeout (seconds)", allow_none=False)
+    check_number(timeout, "autopar.launch: timeout (seconds)")
     check_number(collective_timeout, "autopar.launch: collective_timeout (seconds)")
     if not isinstance(backend, str) or not backend:
         raise ArgumentError(f"autopar.launch: backend must be a torch.distributed backend name such as 'gloo' or "

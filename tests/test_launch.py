@@ -11,6 +11,7 @@ per launch.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import re
@@ -34,7 +35,7 @@ from _launch_helpers import (
 )
 
 from autopar.errors import AutoparError
-from autopar.runtime.launch import LaunchError, launch
+from autopar.runtime.launch import DEFAULT_COLLECTIVE_TIMEOUT_S, LaunchError, launch, run_deadline
 from autopar.runtime.pool import WorkerPool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +115,17 @@ def test_launch_timeout_stops_everything():
     # Start-up alone may take seconds here; either way the run cannot finish inside the timeout.
     with pytest.raises(LaunchError, match="timed out after 2 s"):
         launch(sleep, 1, 120, timeout=2)
+
+
+def test_launch_has_no_run_deadline_by_default():
+    """A long training run is not stopped: launch's default ``timeout`` is None, which sets no deadline
+    (a stall is caught per collective, whose own default stays 300 s); a given timeout sets one
+    (``test_launch_timeout_stops_everything`` shows it stops a hang)."""
+    params = inspect.signature(launch).parameters
+    assert params["timeout"].default is None and params["collective_timeout"].default is None
+    assert DEFAULT_COLLECTIVE_TIMEOUT_S == 300.0
+    assert run_deadline(None, 100.0) is None
+    assert run_deadline(2, 100.0) == 102.0
 
 
 def test_launch_rejects_unpicklable_fn_before_spawning():
