@@ -13,6 +13,7 @@ plan becomes ``runtime.pipeline_build``'s module."""
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -394,6 +395,23 @@ def _check_plan_mesh(plan: Plan, mesh: Mesh) -> None:
         raise CompileError(str(e)) from None
 
 
+def _chosen_mesh(plan: Plan, mesh: Mesh) -> Mesh:
+    """For a ``Mesh.devices(n)`` mesh (its axes left to the planner): the mesh ``plan`` runs on, the
+    factorization of the n devices it was made for (the whole mesh, ``pp`` included, for a pipelined
+    plan), on ``mesh``'s hardware; a CompileError when the plan is for another number of devices."""
+    if plan.pipeline is not None:
+        axes = dict(zip(plan.pipeline["mesh_names"], plan.pipeline["mesh_shape"]))
+    else:
+        axes = dict(zip(plan.axis_names, plan.mesh_shape))
+    count = math.prod(axes.values())
+    if count != mesh.size:
+        shown = " x ".join(f"{k}={v}" for k, v in axes.items())
+        raise CompileError(f"this plan was made for {count} devices (mesh {shown}), not the {mesh.size} of "
+                           f"Mesh.devices({mesh.size}): plan again for {mesh.size} devices, or compile on "
+                           f"{count} processes")
+    return Mesh(axes, device=mesh.hardware)
+
+
 def _check_same_graph(fingerprint: str) -> None:
     got: list = [None] * dist.get_world_size()
     dist.all_gather_object(got, fingerprint)
@@ -409,7 +427,8 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     """Plan (or take ``plan``: a Plan or a saved plan's path) and build this rank's ParallelModule.
 
     Call on every rank of a process group whose size is ``mesh.size`` (``autopar.launch`` or
-    ``torchrun``). The program computes at the plan's precision (``plan.precision``: "bf16-mixed" on
+    ``torchrun``). A ``Mesh.devices(n)`` mesh runs on the factorization the plan chose (the plan
+    made here, or the ``plan`` given, which must be for n devices). The program computes at the plan's precision (``plan.precision``: "bf16-mixed" on
     the GPU presets, "fp32" on cpu) unless ``precision`` overrides it: "model" (each tensor in its
     own dtype), "fp32", "bf16-mixed", ... Under a mixed precision the parameters stay fp32 DTensors
     (the master weights the optimizer updates), are cast to bf16 before they are gathered, and
@@ -434,7 +453,10 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     if plan is not None and not isinstance(plan, Plan):
         check_path(plan, "autopar.compile: plan (a Plan, a saved plan's path, or None)")
     plan_kwargs = check_plan_args(model, mesh, example_kwargs, plan_kwargs, "autopar.compile")
-    if isinstance(plan, Plan) and plan.pipeline is None:  # a plan in hand is checked before any process-group work
+    factorized = getattr(mesh, "factorize", None) is not None  # Mesh.devices(n): the plan says which axes
+    if isinstance(plan, Plan) and factorized:  # a plan in hand is checked before any process-group work
+        _chosen_mesh(plan, mesh)
+    elif isinstance(plan, Plan) and plan.pipeline is None:
         _check_plan_mesh(plan, mesh)
     materializer = check_materializable(model)  # a meta tensor nothing can rebuild is named before planning
     ensure_process_group(mesh.size, f"mesh {mesh.axes}")
@@ -443,6 +465,8 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     given = plan is not None
     training = plan_kwargs.get("training", True) if not given else None
     shared = _share_plan(plan, lambda: make_plan(model, mesh, args, kwargs, **plan_kwargs))
+    if factorized:
+        mesh = _chosen_mesh(shared, mesh)
     if shared.pipeline is not None:  # stages on the pp axis, each its slice of the program on the others
         return _compile_pipelined(model, mesh, shared, args, kwargs, precision, materializer)
     _check_plan_mesh(shared, mesh)  # on every rank alike (a plan file is read on rank 0 only)
