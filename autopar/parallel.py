@@ -13,7 +13,6 @@ plan becomes ``runtime.pipeline_build``'s module."""
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from autopar import _torch_compat as tc
 from autopar._torch_compat import install_strided_checkpointing
 from autopar.cost_model.mesh import Mesh, require_mesh
-from autopar.errors import CompileError, PlanError
+from autopar.errors import CompileError, MeshError, PlanError
 from autopar.ir.graph import Graph
 from autopar.ir.placement import format_placements, from_dtensor, local_block
 from autopar.passes.lower import lower, resolve
@@ -396,20 +395,11 @@ def _check_plan_mesh(plan: Plan, mesh: Mesh) -> None:
 
 
 def _chosen_mesh(plan: Plan, mesh: Mesh) -> Mesh:
-    """For a ``Mesh.devices(n)`` mesh (its axes left to the planner): the mesh ``plan`` runs on, the
-    factorization of the n devices it was made for (the whole mesh, ``pp`` included, for a pipelined
-    plan), on ``mesh``'s hardware; a CompileError when the plan is for another number of devices."""
-    if plan.pipeline is not None:
-        axes = dict(zip(plan.pipeline["mesh_names"], plan.pipeline["mesh_shape"]))
-    else:
-        axes = dict(zip(plan.axis_names, plan.mesh_shape))
-    count = math.prod(axes.values())
-    if count != mesh.size:
-        shown = " x ".join(f"{k}={v}" for k, v in axes.items())
-        raise CompileError(f"this plan was made for {count} devices (mesh {shown}), not the {mesh.size} of "
-                           f"Mesh.devices({mesh.size}): plan again for {mesh.size} devices, or compile on "
-                           f"{count} processes")
-    return Mesh(axes, device=mesh.hardware)
+    """A ``Mesh.devices(n)`` mesh as the factorization ``plan`` chose (a CompileError if not for n devices)."""
+    try:
+        return mesh.factorized(plan.run_axes)
+    except MeshError as e:
+        raise CompileError(str(e)) from None
 
 
 def _check_same_graph(fingerprint: str) -> None:

@@ -401,6 +401,29 @@ def test_debug_shows_the_traceback(tmp_path):
 
 # -- in process: the parsers and the progress line -------------------------------------------------
 
+def test_help_and_argument_errors_do_not_import_torch():
+    """``import autopar``, ``autopar --help`` and a malformed command line load neither torch nor the planner
+    (``autopar/__init__.py`` loads its names on first use), so they answer at once."""
+    code = (
+        "import sys, contextlib, io\n"
+        "import autopar\n"
+        "assert 'torch' not in sys.modules, 'import autopar'\n"
+        "from autopar.cli import main\n"
+        "for argv in (['--help'], ['plan', '--help'], ['plan', 'm:f', '--mesh', 'dp=0', '-o', 'x.json'], ['nope']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "        try:\n"
+        "            rc = main(argv)\n"
+        "        except SystemExit as e:\n"
+        "            rc = e.code\n"
+        "    assert rc in (0, 2), (argv, rc)\n"
+        "    assert 'torch' not in sys.modules, argv\n"
+        "assert autopar.Mesh({'dp': 2}).size == 2 and 'torch' not in sys.modules, 'Mesh'\n"
+        "print('ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
 def test_parsers():
     from autopar.cli.args import parse_bytes, parse_kw, parse_mesh, split_hint
     from autopar.cli.errors import CLIError

@@ -246,6 +246,13 @@ class Plan:
         return tuple(int(v) for v in self.mesh.get("axes", {}).values())
 
     @property
+    def run_axes(self) -> dict[str, int]:
+        """The axes of the mesh the plan runs on, in order: a pipelined plan's whole mesh, ``pp`` included."""
+        if self.pipeline is not None:
+            return dict(zip(self.pipeline["mesh_names"], self.pipeline["mesh_shape"]))
+        return dict(zip(self.axis_names, self.mesh_shape))
+
+    @property
     def fits(self) -> bool:
         """Whether the predicted peak memory per device is within the budget."""
         return self.peak_memory <= self.memory_budget
