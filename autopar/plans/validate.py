@@ -36,7 +36,6 @@ from autopar.cost_model.precision import OPTIMIZER_STATES, PRECISIONS
 from autopar.errors import PlacementError, PlanError
 from autopar.ir.placement import Split, parse, parse_one, split_top_level
 from autopar.plans.bounds import (
-    BAD_NAME,
     MAX_AXES,
     MAX_AXIS_SIZE,
     MAX_DEVICES,
@@ -54,12 +53,6 @@ from autopar.plans.bounds import (
 def _whole(x: Any) -> Any:
     """An integral float (``8e10``, as a hand-edited byte count may be written) as an int."""
     return int(x) if isinstance(x, float) and math.isfinite(x) and x.is_integer() else x
-
-
-def _name(s: str) -> str:
-    if BAD_NAME.search(s):
-        raise ValueError("a name may not hold control characters, tabs or newlines")
-    return s
 
 
 def _ndim(info: ValidationInfo) -> int:
@@ -113,7 +106,7 @@ Seconds = Annotated[float, Field(ge=0, le=MAX_NUMBER, allow_inf_nan=False)]
 Delta = Annotated[float, Field(ge=-MAX_NUMBER, le=MAX_NUMBER, allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0, le=MAX_NUMBER, allow_inf_nan=False)]
 NonNegative = Annotated[float, Field(ge=0, le=MAX_NUMBER, allow_inf_nan=False)]
-Name = Annotated[str, Field(max_length=MAX_NAME), AfterValidator(_name)]
+Name = Annotated[str, Field(max_length=MAX_NAME)]
 Text = Annotated[str, Field(max_length=MAX_STRING)]
 PlacementText = Annotated[str, Field(max_length=1024), AfterValidator(_check_placement)]
 AxisName = Annotated[str, Field(max_length=MAX_NAME), AfterValidator(_axis)]
