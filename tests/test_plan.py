@@ -341,3 +341,45 @@ def test_text_output_escapes_control_characters():
     from autopar.plans.format import printable
 
     assert printable("a\tb\nc\x00\x7f\x9b") == "a\tb\nc\\x00\\x7f\\x9b"
+
+
+def test_summary_reads_the_same_after_a_save_and_says_what_it_shows(tmp_path):
+    """The table lists a module's parameters and the memory split in the same order before and after a save
+    (the file's keys are sorted), a legend says what the columns are, and the solver line is in words."""
+    p = make_plan(memory={"params": 24 * MIB, "grads": 24 * MIB, "optimizer": 48 * MIB, "activations": 36 * MIB})
+    p.modules[1]["placements"] = {"mlp.fc1.weight": "B, S(1)", "mlp.fc1.bias": "B, B"}
+    p.save(tmp_path / "p.json", timing=True)
+    s = p.summary()
+
+    def rows(text):
+        lines = text.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("peak memory"))
+        return [line for line in lines if line.startswith("mlp.fc1 ")] + lines[at:at + 2]
+
+    assert rows(load_plan(tmp_path / "p.json").summary()) == rows(s)
+    assert "bias: B,B; weight: B,S(1)" in rows(s)[0]
+    assert "params 24.0 MiB, grads 24.0 MiB, optimizer 48.0 MiB, activations 36.0 MiB" in " ".join(s.split())
+    assert "comm ms: its reshardings' collectives, each timed alone" in s
+    assert "status OPTIMAL (proven the best plan under the cost model)" in s
+    q = make_plan(solver={"solver": "HiGHS by mesh axis", "status": "FEASIBLE", "gap": None, "rounds": 3,
+                          "relative_gap_per_round": 0.02})
+    assert ("status FEASIBLE (a valid plan, not proven the best), solved one mesh axis at a time in 3 rounds, each "
+            "within 2% of that round's best; gap unknown") in " ".join(q.summary().split())
+
+
+def test_explain_and_diff_say_what_they_take(tmp_path):
+    """``explain`` takes a module path or FQN (a str), ``diff`` a Plan or a saved plan's path: anything else is one
+    clear ArgumentError, and a path is read."""
+    from autopar.errors import ArgumentError
+
+    p = make_plan()
+    with pytest.raises(ArgumentError, match=r"^Plan.explain: module_path must be a module path or a parameter FQN "
+                                            r"\(a str\) such as 'blocks.0.mlp' \(.*\), got 123 \(int\)$"):
+        p.explain(123)
+    with pytest.raises(ArgumentError, match=r"^Plan.diff: other must be a Plan or a saved plan's path, got int 3$"):
+        p.diff(3)
+    other = make_plan(source="recipe:ddp")
+    other.save(tmp_path / "other.json")
+    assert p.diff(str(tmp_path / "other.json")) == p.diff(other) and "source: search -> recipe:ddp" in p.diff(other)
+    with pytest.raises(PlanError, match="no plan file at"):
+        p.diff(tmp_path / "missing.json")

@@ -31,6 +31,13 @@ if TYPE_CHECKING:  # the Plan's methods call into this module: no import of it a
 
 WIDTH = 120
 MAX_ROWS = 60
+#: the memory kinds in the order the summary lists them (others follow, sorted)
+MEMORY_ORDER = ("params", "grads", "optimizer", "activations")
+#: what the table's columns mean, printed under it
+LEGEND = ("compute ms: the module's ops on one device; comm ms: its reshardings' collectives, each timed alone "
+          "(most run hidden behind compute, so the column does not add up to the step's communication below, "
+          "which is only what communication adds to the step); moved: the bytes those collectives carry; "
+          "memory: its parameters' bytes (with their gradients and optimizer state) and its activations', per device")
 
 
 # -- small helpers ------------------------------------------------------------------------------------
@@ -44,9 +51,10 @@ def _in_scope(module: str, path: str) -> bool:
 
 
 def _compact(placements: dict[str, str], path: str) -> str:
-    """``{"a.wq": "B, S(0)", "a.wk": "B, S(0)"}`` under ``a`` -> ``"wq,wk: B,S(0)"``."""
+    """``{"a.wq": "B, S(0)", "a.wk": "B, S(0)"}`` under ``a`` -> ``"wk,wq: B,S(0)"``: names in sorted order, so
+    that a plan reads the same before and after a save (the file's keys are sorted)."""
     groups: dict[str, list[str]] = defaultdict(list)
-    for fqn, p in placements.items():
+    for fqn, p in sorted(placements.items()):
         groups[p.replace(" ", "")].append(relative_name(fqn, path))
     return "; ".join(f"{','.join(names)}: {p}" for p, names in groups.items())
 
@@ -123,6 +131,7 @@ def summary(plan: "Plan", full: bool = False) -> str:
     lines += ["-" * len(header),
               f"{'total':<{modw}}  {'':<{plw}}  {_ms(tot[0]):>10}  {_ms(tot[1]):>10}  "
               f"{human_bytes(tot[2]):>10}  {human_bytes(tot[3]):>10}"]
+    lines += textwrap.wrap(LEGEND, WIDTH, break_on_hyphens=False)
     in_modules = {k for m in mods for k in (m.get("placements") or {})} | set(plan.graph.get("fqns") or ())
     inputs = {k: v for k, v in plan.placements.items() if k not in in_modules}
     if inputs:
@@ -140,7 +149,8 @@ def summary(plan: "Plan", full: bool = False) -> str:
     if mfu:
         lines.append(mfu)
     verdict = "fits" if plan.fits else "DOES NOT FIT"
-    split = [f"{k} {human_bytes(v)}" for k, v in plan.memory.items()]
+    kinds = [k for k in MEMORY_ORDER if k in plan.memory] + sorted(k for k in plan.memory if k not in MEMORY_ORDER)
+    split = [f"{k} {human_bytes(plan.memory[k])}" for k in kinds]
     lines += _wrap_items(f"peak memory {human_bytes(plan.peak_memory)} of {human_bytes(plan.memory_budget)} per device "
                          f"({verdict}): ", split)
     lines += _layer_groups(plan)
@@ -149,7 +159,7 @@ def summary(plan: "Plan", full: bool = False) -> str:
         lines += _wrap_items(f"collectives (bucket size {human_bytes(plan.bucket_size)}): ",
                              [_collective_text(c) for c in plan.collectives], "; ")
     lines += _baselines(plan)
-    lines.append(clip(_solver_text(plan.solver), WIDTH))
+    lines += _wrap_items("", _solver_parts(plan.solver))
     if plan.phases:
         lines += _wrap_items("planning: ", [f"{k} {human_time(v)}" for k, v in plan.phases.items()])
     return printable("\n".join(lines))
@@ -212,12 +222,34 @@ def _baselines(plan: "Plan") -> list[str]:
     return out
 
 
-def _solver_text(s: dict) -> str:
+#: the solver's status in plain words
+STATUS_WORDS = {"OPTIMAL": "proven the best plan under the cost model",
+                "FEASIBLE": "a valid plan, not proven the best",
+                "INFEASIBLE": "no plan meets the constraints", "NOT_SOLVED": "stopped before finding a plan"}
+
+
+def _gap_text(s: dict) -> str:
+    """The optimality gap in words: how far from the best possible the plan may be, or why that is unknown."""
+    gap = s.get("gap")
+    if isinstance(gap, (int, float)):
+        return f"gap {gap:.3g} (within {100 * gap:.3g}% of the best bound)"
+    if isinstance(s.get("rounds"), int):
+        per = s.get("relative_gap_per_round")
+        within = f", each within {100 * per:.3g}% of that round's best" if isinstance(per, (int, float)) else ""
+        return (f"solved one mesh axis at a time in {s['rounds']} rounds{within}; gap unknown (no bound over all axes "
+                f"at once)")
+    return "gap unknown" if "gap" in s else ""
+
+
+def _solver_parts(s: dict) -> list[str]:
+    """The solver line's items: which solver, its status and gap in words, the problem's size, its time."""
     if not s:
-        return "solver: (none)"
-    parts = [f"solver {s.get('solver', '?')}"] + ([f"status {s['status']}"] if "status" in s else [])
-    if "gap" in s:
-        parts.append(f"gap {s['gap']:.3g}" if isinstance(s["gap"], (int, float)) else f"gap {s['gap']}")
+        return ["solver: (none)"]
+    parts = [f"solver {s.get('solver', '?')}"]
+    if "status" in s:
+        words = STATUS_WORDS.get(str(s["status"]))
+        parts.append(f"status {s['status']}" + (f" ({words})" if words else ""))
+    parts += [_gap_text(s)] if _gap_text(s) else []
     for k in ("variables", "constraints"):
         if isinstance(s.get(k), int):
             parts.append(f"{s[k]:,} {k}")
@@ -225,7 +257,7 @@ def _solver_text(s: dict) -> str:
         parts.append(f"{human_time(s['wall_time'])} wall")
     if isinstance(s.get("deterministic_time"), (int, float)):
         parts.append(f"deterministic time {s['deterministic_time']:.3g}")
-    return ", ".join(parts)
+    return parts
 
 
 # -- explain ----------------------------------------------------------------------------------------
