@@ -219,28 +219,51 @@ def test_summary_truncates_long_module_lists():
 
 
 def test_explain_module():
+    """Ops, tensors and consumers by user names: ``module: op`` (``(backward)`` for a backward op), a parameter's
+    FQN, the gradient of a parameter, the loss; never a captured graph's node name (``mm_1``, ``embedding[0]``)."""
     p = make_plan()
     e = p.explain("mlp")
-    for name in ("mm", "gelu", "mm_1", "mm_2"):
-        assert f"  {name}  aten." in e
-    assert "embedding  aten." not in e
+    for name in ("mlp.fc1: mm", "mlp: gelu", "mlp.fc2: mm", "mlp.fc2: mm (backward)"):
+        assert f"  {name}  (aten." in e
+    assert "embed: embedding  (aten." not in e
     assert "tp: (B, S(1)) -> (S(1))  [column]" in e and "dp: (S(0), B) -> (S(0))" in e
     assert "compute 123 us" in e
     # mm's incoming resharding: from -> to, collective, bytes, time
-    assert "<- activation embedding[0]: S(0), S(0) -> S(0), B, 2.00 MiB tensor, 17 us" in e
+    assert "<- activation embed: embedding: S(0), S(0) -> S(0), B, 2.00 MiB tensor, 17 us" in e
     assert "all_gather on tp 2.00 MiB 17 us" in e
-    assert "param:mlp.fc2.weight" in e and "all_reduce on dp 8.00 MiB" in e
+    assert "<- grad of mlp.fc2.weight: P, S(0) -> B, S(0)" in e and "all_reduce on dp 8.00 MiB" in e
+    assert "<- activation mlp.fc2: mm for the loss: S(0), P -> S(0), B" in e
     assert "alternatives for mlp.fc2" in e and "replicate" in e and "+65 us" in e and "fsdp" in e
     assert "alternatives for mlp.fc1" in e and "shard dim 0 on tp" in e
+    for internal in ("mm_1", "mm_2", "embedding[0]", "param:"):
+        assert internal not in e, internal
     only = p.explain("mlp.fc1")
-    assert "  mm  aten.mm" in only and "mm_1" not in only and "gelu" not in only
+    assert "  mlp.fc1: mm  (aten.mm)" in only and "mlp.fc2: mm" not in only and "gelu" not in only
 
 
 def test_explain_parameter():
     e = make_plan().explain("mlp.fc2.weight")
     assert e.startswith("parameter mlp.fc2.weight: B, S(0) over (tp, dp), in module mlp.fc2")
-    assert "mm_1  aten.mm" in e and "  mm  aten.mm" not in e
-    assert "grad mm_2[0] for param:mlp.fc2.weight: P, S(0) -> B, S(0)" in e
+    assert "  mlp.fc2: mm  (aten.mm)" in e and "mlp.fc1: mm" not in e
+    assert "<- grad of mlp.fc2.weight: P, S(0) -> B, S(0)" in e
+
+
+def test_explain_names_parameters_and_inputs_by_their_placement_and_size():
+    """A resharding of a parameter or input (a graph placeholder in the plan) is named by the parameter's FQN or
+    the input's name, found from its placement, bytes and module; alike candidates are all named, never guessed."""
+    from autopar.plans.names import namer
+
+    p = make_plan()
+    p.graph["shapes"] = {"embed.weight": "float32[1000, 64]", "mlp.fc1.weight": "float32[64, 256]",
+                         "mlp.fc2.weight": "float32[256, 64]"}
+    name = namer(p)
+    assert name("primals_2", {"kind": "param", "from": "B, S(1)", "bytes": 64 * 256 * 2, "module": "mlp.fc1"}) == \
+        "mlp.fc1.weight"
+    p.placements["mlp.fc2.weight"] = "B, S(1)"
+    assert name("primals_2", {"kind": "param", "from": "B, S(1)", "bytes": 64 * 256 * 4, "module": "mlp.fc1"}) == \
+        "mlp.fc1.weight or mlp.fc2.weight"
+    assert name("primals_9", {"kind": "activation", "from": "B, S(0)", "bytes": 8 * 128 * 8}) == "input:0"
+    assert name("mm_1[0]") == "mlp.fc2: mm" and name("mm_2[1]") == "mlp.fc2: mm (backward) output 1"
 
 
 def test_explain_unknown_suggests():

@@ -12,7 +12,7 @@ import signal
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from _plan_files import tiny_plan_json
 from test_plan import make_plan
@@ -188,6 +188,8 @@ def _renamed(plan: Plan, old: str, new: str) -> Plan:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.text(st.characters(blacklist_characters="."), min_size=1, max_size=30))
+@example(name="x\x1b[31mRED\x1b[0m")
+@example(name="\ud800 \u202e\n")
 def test_whatever_save_writes_load_plan_reads(tmp_path, name):
     """Torch accepts any module name without a dot (control characters, bidi overrides, lone surrogates):
     a plan naming such a module saves, loads back equal, and its views show the name escaped."""

@@ -450,11 +450,32 @@ def check_fields(d: Mapping) -> None:
     if order is not None and isinstance(order, list) and sorted(map(str, order)) != sorted(axes):
         raise PlanError(f"axis_names: {shown(order)} does not list the mesh's axes {list(axes)}")
     try:
-        _PlanFile.model_validate(d, context={"axes": axes})
+        try:
+            _PlanFile.model_validate(d, context={"axes": axes})
+        except ValidationError as e:
+            if not any(err["type"] == "string_unicode" for err in e.errors(include_url=False)):
+                raise
+            # a name with a lone surrogate (torch accepts any str): pydantic cannot read it, so such
+            # strings are checked with U+FFFD in their place (the plan keeps them as they are)
+            _PlanFile.model_validate(_surrogates_replaced(d), context={"axes": axes})
     except ValidationError as e:
         errors = e.errors(include_url=False)
         more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
         raise PlanError(_error_text(errors[0]) + more) from None
+
+
+def _surrogates_replaced(x: Any) -> Any:
+    """A copy of ``x`` whose strings (keys too) have each lone surrogate replaced by U+FFFD."""
+    if isinstance(x, str):
+        return _SURROGATE.sub("\ufffd", x)
+    if isinstance(x, Mapping):
+        return {_surrogates_replaced(k): _surrogates_replaced(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_surrogates_replaced(v) for v in x]
+    return x
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _with_prefix(err: dict, prefix: str) -> dict:

@@ -13,6 +13,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Iterable
 
 from autopar.errors import PlanError
+from autopar.plans.names import alternative_label, namer, op_label
 from autopar.plans.pipeline_view import diff_lines, explain_lines, summary_lines
 from autopar.plans.format import (
     SOLVER_TIMING_KEYS,
@@ -85,9 +86,15 @@ def _steps_text(steps: Iterable[dict]) -> str:
                      for s in steps) or "local (no communication)"
 
 
-def _resharding_line(r: dict, indent: str, show_consumer: bool = False) -> list[str]:
-    who = f" for {r.get('consumer')}" if show_consumer else ""
-    head = (f"{indent}<- {r.get('kind', 'activation')} {r.get('tensor')}{who}: {r.get('from')} -> {r.get('to')}, "
+def _resharding_line(r: dict, indent: str, name, show_consumer: bool = False) -> list[str]:
+    """One resharding, its tensor (and consumer) by user names (``name``: ``names.namer``), and its collectives."""
+    consumer = str(r.get("consumer"))
+    if r.get("kind") == "grad" and consumer.startswith("param:"):  # a gradient reduced to its parameter's placement
+        what, who = f"grad of {consumer[6:]}", ""
+    else:
+        what = f"{r.get('kind', 'activation')} {name(r.get('tensor'), r)}"
+        who = f" for {name(consumer)}" if show_consumer else ""
+    head = (f"{indent}<- {what}{who}: {r.get('from')} -> {r.get('to')}, "
             f"{human_bytes(r.get('bytes', 0))} tensor, {human_time(r.get('time', 0.0))}")
     body = textwrap.wrap(_steps_text(r.get("steps") or ()), WIDTH - len(indent) - 6)
     return [head] + [f"{indent}     {line}" for line in body]
@@ -282,6 +289,7 @@ def explain(plan: "Plan", module_path: str) -> str:
     """Chosen strategy of each op under a module, per-op compute and incoming reshardings, the
     parameters' placements and reshardings, and the module's alternatives."""
     path, fqn = _resolve(plan, module_path)
+    name = namer(plan)
     axes = ", ".join(plan.axis_names)
     nodes = [n for n in plan.nodes if _in_scope(n.get("module", ""), path)]
     mods = [m for m in plan.modules if _in_scope(m.get("path", ""), path)]
@@ -305,8 +313,7 @@ def explain(plan: "Plan", module_path: str) -> str:
     if nodes:
         lines.append(f"ops (graph order; strategy per mesh axis {axes}):")
     for n in nodes:
-        mod = f"  [{n.get('module')}]" if n.get("module") != path else ""
-        lines.append(f"  {n.get('name')}  {n.get('op')}  {n.get('phase', '')}  compute {human_time(n.get('compute', 0.0))}{mod}")
+        lines.append(f"  {op_label(n)}  ({n.get('op')})  compute {human_time(n.get('compute', 0.0))}")
         tags = n.get("tags") or []
         for i, sig in enumerate(n.get("strategy") or []):
             ax = plan.axis_names[i] if i < len(plan.axis_names) else f"axis{i}"
@@ -316,17 +323,17 @@ def explain(plan: "Plan", module_path: str) -> str:
         outs = " | ".join("-" if x is None else str(x) for x in n.get("outputs") or []) or "-"
         lines.append(clip(f"      in: {ins}   out: {outs}", WIDTH))
         for r in by_consumer.get(str(n.get("name")), []):
-            lines += _resharding_line(r, "      ")
+            lines += _resharding_line(r, "      ", name)
     others = [r for r in plan.reshardings if str(r.get("consumer")) not in names and (
         _in_scope(str(r.get("module", "")), path) and r.get("module") is not None
         or (str(r.get("consumer", "")).startswith("param:") and _in_scope(str(r["consumer"])[6:].rsplit(".", 1)[0], path)))]
     if fqn is not None:
-        others = [r for r in others if str(r.get("consumer")) == f"param:{fqn}" or r.get("tensor") == fqn] + \
-                 [r for r in others if not (str(r.get("consumer")) == f"param:{fqn}" or r.get("tensor") == fqn)]
+        mine = [str(r.get("consumer")) == f"param:{fqn}" or name(r.get("tensor"), r) == fqn for r in others]
+        others = [r for r, m in zip(others, mine) if m] + [r for r, m in zip(others, mine) if not m]
     if others:
         lines.append("parameter and other reshardings:")
         for r in others:
-            lines += _resharding_line(r, "  ", show_consumer=True)
+            lines += _resharding_line(r, "  ", name, show_consumer=True)
     mode = (getattr(plan, "checkpointing", {}) or {}).get(path)
     if mode:
         lines.append(f"checkpointed ({mode}): its activations are recomputed in the backward")
@@ -340,10 +347,11 @@ def explain(plan: "Plan", module_path: str) -> str:
             continue
         lines.append(f"alternatives for {m.get('path') or '(root)'} (chosen: compute {human_time(m.get('time', 0.0))}, "
                      f"communication {human_time(m.get('comm', 0.0))}; delta = change in step time):")
-        w = max(len(str(a.get("name"))) for a in alts)
-        for a in sorted(alts, key=lambda a: a.get("delta", 0.0)):
+        labels = [alternative_label(plan, a.get("name")) for a in alts]
+        w = max(len(label) for label in labels)
+        for label, a in sorted(zip(labels, alts), key=lambda la: la[1].get("delta", 0.0)):
             d = a.get("delta", 0.0)
-            lines.append(f"  {str(a.get('name')):<{w}}  {('+' if d >= 0 else '') + human_time(d):>10}  "
+            lines.append(f"  {label:<{w}}  {('+' if d >= 0 else '') + human_time(d):>10}  "
                          f"(compute {human_time(a.get('time', 0.0))}, communication {human_time(a.get('comm', 0.0))})")
     return printable("\n".join(lines))
 
@@ -399,7 +407,8 @@ def diff(a: "Plan", b: "Plan", limit: int = 40) -> str:
     sb = {n.get("name"): n.get("strategy") for n in b.nodes}
     ops = [k for k in sa if k in sb and sa[k] != sb[k]]
     if ops:
-        out.append(f"op strategies: {len(ops)} of {len(sa)} ops differ (first: {', '.join(map(str, ops[:5]))})")
+        first = ", ".join(namer(a)(k) for k in ops[:5])
+        out.append(f"op strategies: {len(ops)} of {len(sa)} ops differ (first: {first})")
     if set(sa) != set(sb):
         out.append(f"ops: {len(sa)} -> {len(sb)} (the graphs differ)")
     for label, x, y in (("reshardings", a.reshardings, b.reshardings), ("collectives", a.collectives, b.collectives)):
