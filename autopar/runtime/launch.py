@@ -113,6 +113,9 @@ def launch(
     (they are launch's).
     """
     check_launch_args(fn, nprocs, timeout, backend, collective_timeout)
+    if getattr(mp.current_process(), "_inheriting", False):  # a rank importing the script that launched it
+        raise LaunchError("autopar.launch was called while this process was starting as a rank of a launch: the "
+                          "script calls launch when it is imported; call it under `if __name__ == \"__main__\":`")
     collective_timeout = DEFAULT_COLLECTIVE_TIMEOUT_S if collective_timeout is None else collective_timeout
     if in_torchrun():
         return [_run_in_this_rank(fn, nprocs, args, kwargs, collective_timeout, backend)]
@@ -214,6 +217,11 @@ class _Failure:
 
     def headline(self, world_size: int) -> str:
         at = f" in step {self.step}" if self.step is not None else ""
+        if self.kind == "died" and self.step is None:  # at start-up: an import, or a script's launch run on import
+            return (f"rank {self.rank} of {world_size} {_describe_exit(self.exitcode)} before returning a result "
+                    "(os._exit, a crash, a kill, a failed start-up import, or a script that calls autopar.launch "
+                    "outside `if __name__ == \"__main__\":`, which each rank runs again on import: its stderr may "
+                    "say which)")
         if self.kind == "died":
             return (f"rank {self.rank} of {world_size} {_describe_exit(self.exitcode)}{at} before returning a result "
                     "(os._exit, a crash, a kill, or a failed start-up import: its stderr may say which)")
