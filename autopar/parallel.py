@@ -418,11 +418,12 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
 
     Call on every rank of a process group whose size is ``mesh.size`` (``autopar.launch`` or
     ``torchrun``). A ``Mesh.devices(n)`` mesh runs on the factorization the plan chose (the plan
-    made here, or the ``plan`` given, which must be for n devices). The program computes at the plan's precision (``plan.precision``: "bf16-mixed" on
-    the GPU presets, "fp32" on cpu) unless ``precision`` overrides it: "model" (each tensor in its
-    own dtype), "fp32", "bf16-mixed", ... Under a mixed precision the parameters stay fp32 DTensors
-    (the master weights the optimizer updates), are cast to bf16 before they are gathered, and
-    their gradients are reduced and delivered in fp32 (see ``autopar.cost_model.casting``).
+    made here, or the ``plan`` given, which must be for n devices). The program computes at the
+    plan's precision (``plan.precision``: "bf16-mixed" on the GPU presets, "fp32" on cpu) unless
+    ``precision`` overrides it: "model" (each tensor in its own dtype), "fp32", "bf16-mixed", ...
+    Under a mixed precision the parameters stay fp32 DTensors (the master weights the optimizer
+    updates), are cast to bf16 before they are gathered, and their gradients are reduced and
+    delivered in fp32 (see ``autopar.cost_model.casting``).
     The other keywords are ``autopar.plan``'s. The model's parameters are replaced, in place, by
     DTensors holding this rank's blocks.
     """

@@ -192,5 +192,6 @@ def check_launch_args(fn: Any, nprocs: Any, timeout: Any, backend: Any, collecti
                             f"'nccl', got {_got(backend)}")
 
 
-__all__ = ["RECIPE_NAMES", "UNITS", "ArgumentError", "check_bool", "check_callable", "check_choice", "check_hints", "check_keywords",
+__all__ = ["RECIPE_NAMES", "UNITS", "ArgumentError",
+           "check_bool", "check_callable", "check_choice", "check_hints", "check_keywords",
            "check_kwargs", "check_launch_args", "check_model", "check_number", "check_path", "parse_size"]

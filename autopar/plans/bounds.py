@@ -102,8 +102,9 @@ def read_json(path: str) -> Any:
 
 def check_values(d: Any) -> bool:
     """Raise PlanError at the first value out of bounds: nesting deeper than ``MAX_DEPTH``, an
-    integer beyond 64 bits, a number that is not finite or beyond ``MAX_NUMBER``, a string too long, more than ``MAX_VALUES`` values in all. Returns whether every
-    value is plain JSON data (dict, list, str, int, float, bool, None), as a parsed file is."""
+    integer beyond 64 bits, a number that is not finite or beyond ``MAX_NUMBER``, a string too long,
+    more than ``MAX_VALUES`` values in all. Returns whether every value is plain JSON data (dict,
+    list, str, int, float, bool, None), as a parsed file is."""
     stack: list[tuple[Any, tuple, int]] = [(d, (), 0)]
     count, plain = 0, True
     while stack:

@@ -214,7 +214,8 @@ def _baselines(plan: "Plan") -> list[str]:
     if not plan.baselines:
         return ["baselines: none evaluated"]
     w = max(max(len(k) for k in plan.baselines), len("recipe"))
-    out = ["", "baselines (vs plan: baseline step time / plan step time; the ops a tensor-parallel recipe leaves open are",
+    out = ["", "baselines (vs plan: baseline step time / plan step time; the ops a tensor-parallel recipe leaves "
+               "open are",
            "  completed greedily here, and exactly when planned alone with recipe=NAME, which may be faster):",
            f"  {'recipe':<{w}}  {'step time':>10}  {'vs plan':>8}  {'peak memory':>11}  fits"]
     for name in sorted(plan.baselines):

@@ -5,8 +5,8 @@ Why its own launcher rather than ``torch.multiprocessing.spawn``: a rank that di
 (``os._exit``, a segfault, the OOM killer) must fail the whole run within seconds, while the other
 ranks sit blocked in a collective that will never complete. So the parent never just waits on a
 queue: it waits on every child's result pipe *and* its process sentinel at once, and stops all
-ranks on the first failure or when the run's deadline (if it has one) passes. What a child runs is in ``_rank.py``,
-which imports nothing from autopar (see there why).
+ranks on the first failure or when the run's deadline (if it has one) passes. What a child runs is
+in ``_rank.py``, which imports nothing from autopar (see there why).
 
 Rendezvous: the launching process hosts a ``TCPStore`` on a port the OS picks (port 0, so two
 launches on one machine cannot race for a port); the children join it as clients and initialise the
@@ -43,7 +43,8 @@ from autopar.runtime import _rank
 from autopar.runtime.faults import fault_key
 from autopar.validate import check_launch_args
 
-__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "LaunchError", "ensure_process_group", "in_torchrun", "launch", "run_deadline"]
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "LaunchError", "ensure_process_group", "in_torchrun", "launch",
+           "run_deadline"]
 
 #: Each collective's timeout (s) when launch is given none: it bounds a stall, not a run's length.
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
@@ -389,8 +390,8 @@ class _Group:
 
     def collect(self, deadline: Optional[float], grace: float) -> _Outcome:
         """Wait for one message from each rank until ``deadline`` (``time.monotonic()``; None: no
-        deadline), or for its death. After the first failure, listen ``grace`` seconds more, then stop listening; ranks not
-        heard from by then are ``pending``."""
+        deadline), or for its death. After the first failure, listen ``grace`` seconds more, then stop
+        listening; ranks not heard from by then are ``pending``."""
         pending = set(range(self.world_size))
         out = _Outcome(self.world_size, {}, [], [])
         while pending:

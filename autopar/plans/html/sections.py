@@ -157,7 +157,8 @@ def _alternatives_cell(plan: "Plan", m: dict) -> str:
     best = finite_float(alts[0].get("delta"))
     items = "".join(
         f'<li><span class="delta">{"+" if finite_float(a.get("delta")) >= 0 else ""}{escape(time_text(finite_float(a.get("delta"))))}</span> '
-        f'{escape(alternative_label(plan, a.get("name")))} <span class="sub">(compute {escape(time_text(a.get("time")))}, '
+        f'{escape(alternative_label(plan, a.get("name")))} '
+        f'<span class="sub">(compute {escape(time_text(a.get("time")))}, '
         f'communication {escape(time_text(a.get("comm")))})</span></li>' for a in alts)
     return (f'<td class="num alts" data-v="{sort_key(best)}"><details><summary>{len(alts)}: best '
             f'{"+" if best >= 0 else ""}{escape(time_text(best))}</summary><ol>{items}</ol></details></td>')
