@@ -12,6 +12,7 @@ so the ``autopar`` command answers ``--help`` and argument errors at once.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 from typing import TYPE_CHECKING, Any
@@ -37,11 +38,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
 
 
 def __getattr__(name: str) -> Any:
-    """Load a public name (or the ``recipes`` submodule) on first use and keep it."""
-    if name == "recipes":
-        value: Any = importlib.import_module("autopar.recipes")
-    elif name in _WHERE:
-        value = getattr(importlib.import_module(_WHERE[name]), name)
+    """Load a public name, or a submodule (``autopar.recipes``, ``autopar.models``, ...), on first use and keep it."""
+    if name in _WHERE:
+        value: Any = getattr(importlib.import_module(_WHERE[name]), name)
+    elif not name.startswith("__") and importlib.util.find_spec(f"autopar.{name}") is not None:
+        value = importlib.import_module(f"autopar.{name}")
     else:
         raise AttributeError(f"module 'autopar' has no attribute {name!r}")
     globals()[name] = value
