@@ -424,6 +424,22 @@ def test_help_and_argument_errors_do_not_import_torch():
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
 
 
+def test_python_m_autopar_imports_no_file_named_like_a_dependency(tmp_path):
+    """``python -m autopar`` (the current directory first on ``sys.path``) drops that directory before it imports
+    autopar's dependencies: a ``json.py`` or ``numpy.py`` lying there is never run, and ``show`` works."""
+    from test_plan import make_plan
+
+    make_plan().save(tmp_path / "plan.json")
+    for name in ("json", "numpy", "networkx", "ortools"):
+        (tmp_path / f"{name}.py").write_text(SHADOW)
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    run = subprocess.run([sys.executable, "-m", "autopar", "show", "plan.json"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 0 and run.stdout.startswith("autopar plan: mesh"), run.stderr[-2000:]
+    assert not (tmp_path / "SHADOWED").exists()
+
+
 def test_parsers():
     from autopar.cli.args import parse_bytes, parse_kw, parse_mesh, split_hint
     from autopar.cli.errors import CLIError
