@@ -31,7 +31,7 @@ from autopar.program.program import Program, Slot, compile_backend
 from autopar.runtime import faults
 from autopar.runtime.collectives import ProcessGroupComm, record_executed, single_worker_gloo_groups
 from autopar.runtime.memory import MemoryTracker, optimizer_state
-from autopar.runtime.consensus import check_plan_mesh, check_same_capture, share_plan, warn_node_layout
+from autopar.runtime.consensus import check_plan_mesh, check_same_capture, chosen_mesh, share_plan, warn_node_layout
 from autopar.runtime.precision import EXECUTABLE_PRECISIONS, execution_precision
 from autopar.runtime.random_state import RANDOM_KEY, add_random_entry, at_step, share_seed, take_random_entry
 from autopar.runtime.state import as_blocks, distribute_state, dtensor_block, state_slots
@@ -369,11 +369,13 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     """Plan (or take ``plan``: a Plan or a saved plan's path) and build this rank's ParallelModule.
 
     Call on every rank of a process group whose size is ``mesh.size`` (``autopar.launch`` or
-    ``torchrun``). The program computes at the plan's precision (``plan.precision``: "bf16-mixed" on
-    the GPU presets, "fp32" on cpu) unless ``precision`` overrides it: "model" (each tensor in its
-    own dtype), "fp32", "bf16-mixed", ... Under a mixed precision the parameters stay fp32 DTensors
-    (the master weights the optimizer updates), are cast to bf16 before they are gathered, and
-    their gradients are reduced and delivered in fp32 (see ``autopar.cost_model.casting``).
+    ``torchrun``). A ``Mesh.devices(n)`` mesh runs on the factorization the plan chose (the plan
+    made here, or the ``plan`` given, which must be for n devices). The program computes at the
+    plan's precision (``plan.precision``: "bf16-mixed" on the GPU presets, "fp32" on cpu) unless
+    ``precision`` overrides it: "model" (each tensor in its own dtype), "fp32", "bf16-mixed", ...
+    Under a mixed precision the parameters stay fp32 DTensors (the master weights the optimizer
+    updates), are cast to bf16 before they are gathered, and their gradients are reduced and
+    delivered in fp32 (see ``autopar.cost_model.casting``).
     ``compile=True`` (or a ``torch.compile`` backend's name, e.g. ``"aot_eager"``; True is
     ``"inductor"``) runs this rank's forward and backward programs through ``torch.compile``, with
     their functional collectives inside the compiled graphs (see ``Program.compile_with``); the first
@@ -399,7 +401,10 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     if torch_backend == "inductor" and plan is None:  # priced as Inductor runs it: pointwise chains fused
         plan_kwargs.setdefault("compiled", True)
     options = check_plan_args(model, mesh, example_kwargs, plan_kwargs, "autopar.compile")
-    if isinstance(plan, Plan) and plan.pipeline is None:  # a plan in hand is checked before any process-group work
+    factorized = getattr(mesh, "factorize", None) is not None  # Mesh.devices(n): the plan says which axes
+    if isinstance(plan, Plan) and factorized:  # a plan in hand is checked before any process-group work
+        chosen_mesh(plan, mesh)
+    elif isinstance(plan, Plan) and plan.pipeline is None:
         check_plan_mesh(plan, mesh)
     materializer = check_materializable(model)  # a meta tensor nothing can rebuild is named before planning
     start_from_environment()  # under torchrun, when the script started no group
@@ -410,6 +415,8 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     training = options.training if not given else None
     shared = share_plan(plan, lambda: plan_with(model, mesh, args, kwargs, options))
     warn_node_layout(shared)
+    if factorized:
+        mesh = chosen_mesh(shared, mesh)
     if shared.pipeline is not None:  # stages on the pp axis, each its slice of the program on the others
         return _compile_pipelined(model, mesh, shared, args, kwargs, precision, materializer)
     check_plan_mesh(shared, mesh)  # on every rank alike (a plan file is read on rank 0 only)

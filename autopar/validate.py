@@ -14,11 +14,16 @@ import math
 import numbers
 import os
 import re
-from typing import Any, Collection, Iterable, Mapping, Optional, Sequence, Union
-
-import torch
+from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, Optional, Sequence, Union
 
 from autopar.errors import ArgumentError
+
+if TYPE_CHECKING:
+    import torch
+
+#: The hand-written recipes, by name (``autopar.recipes``; here so that the command line lists them
+#: without loading the planner).
+RECIPE_NAMES = ("ddp", "fsdp", "megatron_tp", "megatron_sp", "fsdp_tp")
 
 #: Unit suffixes of a size (case-insensitive): ``GB`` is 10^9, ``GiB`` and a bare ``G`` 2^30; none: bytes.
 UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
@@ -107,6 +112,8 @@ def check_choice(value: Any, choices: Collection[str], what: str, *, allow_none:
 def check_model(model: Any, what: str = "model") -> torch.nn.Module:
     """``model`` when it is a ``torch.nn.Module``; a function, a class or a factory's
     ``(model, inputs)`` pair get an error saying what to pass instead."""
+    import torch  # here, not at the top: the command line reads its arguments with this module before torch loads
+
     if isinstance(model, torch.nn.Module):
         return model
     if isinstance(model, type) and issubclass(model, torch.nn.Module):
@@ -174,16 +181,17 @@ def check_callable(fn: Any, what: str) -> Any:
 
 
 def check_launch_args(fn: Any, nprocs: Any, timeout: Any, backend: Any, collective_timeout: Any = None) -> None:
-    """``autopar.launch``'s own arguments: a function, a positive number of ranks and of seconds
-    (the run's and, when given, each collective's), a backend name."""
+    """``autopar.launch``'s own arguments: a function, a positive number of ranks, positive numbers of
+    seconds when given (the run's and each collective's), a backend name."""
     check_callable(fn, "autopar.launch: fn")
     check_number(nprocs, "autopar.launch: nprocs (the number of ranks)", allow_none=False, integer=True)
-    check_number(timeout, "autopar.launch: timeout (seconds)", allow_none=False)
+    check_number(timeout, "autopar.launch: timeout (seconds)")
     check_number(collective_timeout, "autopar.launch: collective_timeout (seconds)")
     if not isinstance(backend, str) or not backend:
         raise ArgumentError(f"autopar.launch: backend must be a torch.distributed backend name such as 'gloo' or "
                             f"'nccl', got {_got(backend)}")
 
 
-__all__ = ["UNITS", "ArgumentError", "check_bool", "check_callable", "check_choice", "check_hints", "check_keywords",
+__all__ = ["RECIPE_NAMES", "UNITS", "ArgumentError",
+           "check_bool", "check_callable", "check_choice", "check_hints", "check_keywords",
            "check_kwargs", "check_launch_args", "check_model", "check_number", "check_path", "parse_size"]

@@ -304,3 +304,26 @@ def _steps_named_child_trains(mesh) -> tuple:
     for _ in range(2):
         pm(torch.randn(8, 8)).backward()
     return pm.steps, type(pm.module.steps).__name__
+
+
+def devices_mesh_on_rank(text: str) -> dict:
+    """On every gloo rank: compile the MLP on ``Mesh.devices(4)``, once planning there and once with the plan
+    ``text`` that ``autopar.plan`` made for that mesh; per way, the mesh it runs on and the loss's and the
+    gradients' worst relative errors against one device."""
+    import autopar
+
+    out = {}
+    for way, plan, kw in (("planned", None, {"deterministic_time": 0.5, "progress": False}),
+                          ("given", autopar.Plan.from_dict(json.loads(text)), {})):
+        model, args = build("mlp")
+        ref, _ = build("mlp")
+        pm = autopar.compile(model, autopar.Mesh.devices(4, device="cpu"), args, plan=plan, **kw)
+        loss = pm(*args)
+        loss.backward()
+        r = ref(*args)
+        r.backward()
+        refp = dict(ref.named_parameters())
+        grad = max(rel(p.grad.full_tensor(), refp[name].grad) for name, p in pm.module.named_parameters())
+        out[way] = {"mesh": dict(zip(pm.device_mesh.mesh_dim_names, pm.device_mesh.mesh.shape)),
+                    "loss": rel(loss, r), "grad": grad}
+    return out

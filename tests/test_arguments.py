@@ -174,8 +174,8 @@ def test_simulate_launch_hint_and_load_plan_check_their_arguments(tmp_path):
         autopar.launch(print, 0)
     with pytest.raises(ArgumentError, match=r"^autopar.launch: nprocs \(the number of ranks\) .*, got 2.0$"):
         autopar.launch(print, 2.0)
-    with pytest.raises(ArgumentError, match=r"^autopar.launch: timeout \(seconds\) must be a positive number, "
-                                            r"got -1$"):
+    with pytest.raises(ArgumentError, match=r"^autopar.launch: timeout \(seconds\) must be a positive number "
+                                            r"or None, got -1$"):
         autopar.launch(print, 2, timeout=-1)
     with pytest.raises(ArgumentError, match=r"^autopar.hint expects a tensor, got int: hint a tensor of forward, "
                                             r"x = autopar.hint\(x, 'dp=S\(0\)'\)$"):

@@ -401,6 +401,45 @@ def test_debug_shows_the_traceback(tmp_path):
 
 # -- in process: the parsers and the progress line -------------------------------------------------
 
+def test_help_and_argument_errors_do_not_import_torch():
+    """``import autopar``, ``autopar --help`` and a malformed command line load neither torch nor the planner
+    (``autopar/__init__.py`` loads its names on first use), so they answer at once."""
+    code = (
+        "import sys, contextlib, io\n"
+        "import autopar\n"
+        "assert 'torch' not in sys.modules, 'import autopar'\n"
+        "from autopar.cli import main\n"
+        "for argv in (['--help'], ['plan', '--help'], ['plan', 'm:f', '--mesh', 'dp=0', '-o', 'x.json'], ['nope']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "        try:\n"
+        "            rc = main(argv)\n"
+        "        except SystemExit as e:\n"
+        "            rc = e.code\n"
+        "    assert rc in (0, 2), (argv, rc)\n"
+        "    assert 'torch' not in sys.modules, argv\n"
+        "assert autopar.Mesh({'dp': 2}).size == 2 and 'torch' not in sys.modules, 'Mesh'\n"
+        "print('ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+def test_python_m_autopar_imports_no_file_named_like_a_dependency(tmp_path):
+    """``python -m autopar`` (the current directory first on ``sys.path``) drops that directory before it imports
+    autopar's dependencies: a ``json.py`` or ``numpy.py`` lying there is never run, and ``show`` works."""
+    from test_plan import make_plan
+
+    make_plan().save(tmp_path / "plan.json")
+    for name in ("json", "numpy", "networkx", "ortools"):
+        (tmp_path / f"{name}.py").write_text(SHADOW)
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    run = subprocess.run([sys.executable, "-m", "autopar", "show", "plan.json"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 0 and run.stdout.startswith("autopar plan: mesh"), run.stderr[-2000:]
+    assert not (tmp_path / "SHADOWED").exists()
+
+
 def test_parsers():
     from autopar.cli.args import parse_bytes, parse_kw, parse_mesh, split_hint
     from autopar.cli.errors import CLIError

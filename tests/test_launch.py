@@ -11,6 +11,7 @@ per launch.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import re
@@ -34,7 +35,7 @@ from _launch_helpers import (
 )
 
 from autopar.errors import AutoparError
-from autopar.runtime.launch import LaunchError, launch
+from autopar.runtime.launch import DEFAULT_COLLECTIVE_TIMEOUT_S, LaunchError, launch, run_deadline
 from autopar.runtime.pool import WorkerPool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +115,17 @@ def test_launch_timeout_stops_everything():
     # Start-up alone may take seconds here; either way the run cannot finish inside the timeout.
     with pytest.raises(LaunchError, match="timed out after 2 s"):
         launch(sleep, 1, 120, timeout=2)
+
+
+def test_launch_has_no_run_deadline_by_default():
+    """A long training run is not stopped: launch's default ``timeout`` is None, which sets no deadline
+    (a stall is caught per collective, whose own default stays 300 s); a given timeout sets one
+    (``test_launch_timeout_stops_everything`` shows it stops a hang)."""
+    params = inspect.signature(launch).parameters
+    assert params["timeout"].default is None and params["collective_timeout"].default is None
+    assert DEFAULT_COLLECTIVE_TIMEOUT_S == 300.0
+    assert run_deadline(None, 100.0) is None
+    assert run_deadline(2, 100.0) == 102.0
 
 
 def test_launch_rejects_unpicklable_fn_before_spawning():
@@ -272,3 +284,30 @@ def test_launch_rejects_a_bad_collective_timeout():
     with pytest.raises(ValueError, match=r"^autopar.launch: collective_timeout \(seconds\) must be a positive number "
                                           r"or None, got 0$"):
         launch(report, 2, "x", collective_timeout=0)
+
+
+UNGUARDED_SCRIPT = """
+import autopar
+
+
+def work():
+    return 1
+
+
+print(autopar.launch(work, 2, timeout=300))
+"""
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    """A script that calls launch at import time (no ``if __name__ == "__main__":``) is imported again by every
+    rank: each rank says so and exits, and the run's error names the guard as a cause."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)}
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode != 0
+    assert "the script calls launch when it is imported; call it under `if __name__ == \"__main__\":`" in run.stderr
+    assert re.search(r"LaunchError: launch\(work, nprocs=2\) failed: rank \d of 2 exited with code 1 before returning "
+                     r"a result \(.*a script that calls autopar.launch outside `if __name__ == \"__main__\":`",
+                     run.stderr), run.stderr[-3000:]

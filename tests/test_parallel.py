@@ -5,6 +5,7 @@ steps equal the single-device model's, and the collectives each rank ran are the
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 
@@ -48,7 +49,6 @@ def test_layer_grouped_fsdp_trains_like_one_device(pool):
     """FSDP gathers each layer's parameters with one all-gather per phase (``cost_model.gathers``)
     on gloo: the same training as one device, and the collectives each rank ran are the predicted
     ones, one per group. (GPT's FSDP on (2, 2) runs grouped too, in ``test_recipes_...``.)"""
-    import json
 
     import autopar
 
@@ -116,3 +116,33 @@ def test_state_dict_uses_the_single_device_models_names(pool):
         assert r["eval"] == (False, False, False) and r["train"] == (True, True, True)
         assert re.fullmatch(r"state_dict\['ln_f.weight'\] has shape \(3,\), but the model's ln_f.weight has "
                             r"\(\d+,\)", r["shape_error"]), r["shape_error"]
+
+
+def test_a_mesh_of_devices_compiles_on_the_plans_factorization(pool):
+    """``Mesh.devices(4)`` leaves the axes to the planner: ``compile`` with it, planning there or given the plan
+    ``autopar.plan`` made for it, runs on the mesh that plan chose and trains like one device."""
+    import autopar
+    from _parity import build, devices_mesh_on_rank
+
+    model, args = build("mlp")
+    plan = autopar.plan(model, autopar.Mesh.devices(4, device="cpu"), args, deterministic_time=0.5, progress=False)
+    chosen = {k: v for k, v in plan.mesh_search["chosen"].items() if v > 1} or {"dp": 1}
+    assert dict(zip(plan.axis_names, plan.mesh_shape)) == chosen
+    for r in pool.run(devices_mesh_on_rank, plan.to_json()):
+        for way in ("planned", "given"):
+            assert r[way]["mesh"] == chosen, (way, r)
+            assert r[way]["loss"] <= 1e-5 and r[way]["grad"] <= 1e-4, (way, r)
+
+
+def test_a_mesh_of_devices_refuses_a_plan_for_another_count():
+    """A plan given with ``Mesh.devices(n)`` must be for n devices: the error says both counts, before any
+    process-group work (no group exists here)."""
+    import autopar
+    from _parity import build, plan_json
+    from autopar.errors import CompileError
+
+    model, args = build("mlp")
+    plan = autopar.Plan.from_dict(json.loads(plan_json("mlp", (("a", 4),), "ddp")))
+    with pytest.raises(CompileError, match=r"^this plan was made for 4 devices \(mesh a=4\), not the 8 of "
+                                           r"Mesh.devices\(8\)"):
+        autopar.compile(model, autopar.Mesh.devices(8, device="cpu"), args, plan=plan)

@@ -219,28 +219,51 @@ def test_summary_truncates_long_module_lists():
 
 
 def test_explain_module():
+    """Ops, tensors and consumers by user names: ``module: op`` (``(backward)`` for a backward op), a parameter's
+    FQN, the gradient of a parameter, the loss; never a captured graph's node name (``mm_1``, ``embedding[0]``)."""
     p = make_plan()
     e = p.explain("mlp")
-    for name in ("mm", "gelu", "mm_1", "mm_2"):
-        assert f"  {name}  aten." in e
-    assert "embedding  aten." not in e
+    for name in ("mlp.fc1: mm", "mlp: gelu", "mlp.fc2: mm", "mlp.fc2: mm (backward)"):
+        assert f"  {name}  (aten." in e
+    assert "embed: embedding  (aten." not in e
     assert "tp: (B, S(1)) -> (S(1))  [column]" in e and "dp: (S(0), B) -> (S(0))" in e
     assert "compute 123 us" in e
     # mm's incoming resharding: from -> to, collective, bytes, time
-    assert "<- activation embedding[0]: S(0), S(0) -> S(0), B, 2.00 MiB tensor, 17 us" in e
+    assert "<- activation embed: embedding: S(0), S(0) -> S(0), B, 2.00 MiB tensor, 17 us" in e
     assert "all_gather on tp 2.00 MiB 17 us" in e
-    assert "param:mlp.fc2.weight" in e and "all_reduce on dp 8.00 MiB" in e
+    assert "<- grad of mlp.fc2.weight: P, S(0) -> B, S(0)" in e and "all_reduce on dp 8.00 MiB" in e
+    assert "<- activation mlp.fc2: mm for the loss: S(0), P -> S(0), B" in e
     assert "alternatives for mlp.fc2" in e and "replicate" in e and "+65 us" in e and "fsdp" in e
     assert "alternatives for mlp.fc1" in e and "shard dim 0 on tp" in e
+    for internal in ("mm_1", "mm_2", "embedding[0]", "param:"):
+        assert internal not in e, internal
     only = p.explain("mlp.fc1")
-    assert "  mm  aten.mm" in only and "mm_1" not in only and "gelu" not in only
+    assert "  mlp.fc1: mm  (aten.mm)" in only and "mlp.fc2: mm" not in only and "gelu" not in only
 
 
 def test_explain_parameter():
     e = make_plan().explain("mlp.fc2.weight")
     assert e.startswith("parameter mlp.fc2.weight: B, S(0) over (tp, dp), in module mlp.fc2")
-    assert "mm_1  aten.mm" in e and "  mm  aten.mm" not in e
-    assert "grad mm_2[0] for param:mlp.fc2.weight: P, S(0) -> B, S(0)" in e
+    assert "  mlp.fc2: mm  (aten.mm)" in e and "mlp.fc1: mm" not in e
+    assert "<- grad of mlp.fc2.weight: P, S(0) -> B, S(0)" in e
+
+
+def test_explain_names_parameters_and_inputs_by_their_placement_and_size():
+    """A resharding of a parameter or input (a graph placeholder in the plan) is named by the parameter's FQN or
+    the input's name, found from its placement, bytes and module; alike candidates are all named, never guessed."""
+    from autopar.plans.names import namer
+
+    p = make_plan()
+    p.graph["shapes"] = {"embed.weight": "float32[1000, 64]", "mlp.fc1.weight": "float32[64, 256]",
+                         "mlp.fc2.weight": "float32[256, 64]"}
+    name = namer(p)
+    assert name("primals_2", {"kind": "param", "from": "B, S(1)", "bytes": 64 * 256 * 2, "module": "mlp.fc1"}) == \
+        "mlp.fc1.weight"
+    p.placements["mlp.fc2.weight"] = "B, S(1)"
+    assert name("primals_2", {"kind": "param", "from": "B, S(1)", "bytes": 64 * 256 * 4, "module": "mlp.fc1"}) == \
+        "mlp.fc1.weight or mlp.fc2.weight"
+    assert name("primals_9", {"kind": "activation", "from": "B, S(0)", "bytes": 8 * 128 * 8}) == "input:0"
+    assert name("mm_1[0]") == "mlp.fc2: mm" and name("mm_2[1]") == "mlp.fc2: mm (backward) output 1"
 
 
 def test_explain_unknown_suggests():
@@ -341,3 +364,45 @@ def test_text_output_escapes_control_characters():
     from autopar.plans.format import printable
 
     assert printable("a\tb\nc\x00\x7f\x9b") == "a\tb\nc\\x00\\x7f\\x9b"
+
+
+def test_summary_reads_the_same_after_a_save_and_says_what_it_shows(tmp_path):
+    """The table lists a module's parameters and the memory split in the same order before and after a save
+    (the file's keys are sorted), a legend says what the columns are, and the solver line is in words."""
+    p = make_plan(memory={"params": 24 * MIB, "grads": 24 * MIB, "optimizer": 48 * MIB, "activations": 36 * MIB})
+    p.modules[1]["placements"] = {"mlp.fc1.weight": "B, S(1)", "mlp.fc1.bias": "B, B"}
+    p.save(tmp_path / "p.json", timing=True)
+    s = p.summary()
+
+    def rows(text):
+        lines = text.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("peak memory"))
+        return [line for line in lines if line.startswith("mlp.fc1 ")] + lines[at:at + 2]
+
+    assert rows(load_plan(tmp_path / "p.json").summary()) == rows(s)
+    assert "bias: B,B; weight: B,S(1)" in rows(s)[0]
+    assert "params 24.0 MiB, grads 24.0 MiB, optimizer 48.0 MiB, activations 36.0 MiB" in " ".join(s.split())
+    assert "comm ms: its reshardings' collectives, each timed alone" in s
+    assert "status OPTIMAL (proven the best plan under the cost model)" in s
+    q = make_plan(solver={"solver": "HiGHS by mesh axis", "status": "FEASIBLE", "gap": None, "rounds": 3,
+                          "relative_gap_per_round": 0.02})
+    assert ("status FEASIBLE (a valid plan, not proven the best), solved one mesh axis at a time in 3 rounds, each "
+            "within 2% of that round's best; gap unknown") in " ".join(q.summary().split())
+
+
+def test_explain_and_diff_say_what_they_take(tmp_path):
+    """``explain`` takes a module path or FQN (a str), ``diff`` a Plan or a saved plan's path: anything else is one
+    clear ArgumentError, and a path is read."""
+    from autopar.errors import ArgumentError
+
+    p = make_plan()
+    with pytest.raises(ArgumentError, match=r"^Plan.explain: module_path must be a module path or a parameter FQN "
+                                            r"\(a str\) such as 'blocks.0.mlp' \(.*\), got 123 \(int\)$"):
+        p.explain(123)
+    with pytest.raises(ArgumentError, match=r"^Plan.diff: other must be a Plan or a saved plan's path, got int 3$"):
+        p.diff(3)
+    other = make_plan(source="recipe:ddp")
+    other.save(tmp_path / "other.json")
+    assert p.diff(str(tmp_path / "other.json")) == p.diff(other) and "source: search -> recipe:ddp" in p.diff(other)
+    with pytest.raises(PlanError, match="no plan file at"):
+        p.diff(tmp_path / "missing.json")

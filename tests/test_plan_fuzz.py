@@ -12,6 +12,8 @@ import signal
 import time
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from _plan_files import tiny_plan_json
 from test_plan import make_plan
 
@@ -166,3 +168,58 @@ def test_load_plan_fuzz(tmp_path, which):
         signal.signal(signal.SIGALRM, old)
     # the mutations reach both sides: plans that load (and render) and files that are refused
     assert outcomes["loaded"] >= CASES // 20 and outcomes["refused"] >= CASES // 2, (outcomes, slowest)
+
+
+def _renamed(plan: Plan, old: str, new: str) -> Plan:
+    """``plan`` with module ``old`` (and its parameters) named ``new`` wherever a name appears."""
+    d = json.loads(plan.to_json())
+
+    def swap(x):
+        if isinstance(x, str):
+            return new + x[len(old):] if x == old or x.startswith(old + ".") else x
+        if isinstance(x, dict):
+            return {swap(k): swap(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [swap(v) for v in x]
+        return x
+
+    return Plan.from_dict(swap(d))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.text(st.characters(blacklist_characters="."), min_size=1, max_size=30))
+@example(name="x\x1b[31mRED\x1b[0m")
+@example(name="\ud800 \u202e\n")
+def test_whatever_save_writes_load_plan_reads(tmp_path, name):
+    """Torch accepts any module name without a dot (control characters, bidi overrides, lone surrogates):
+    a plan naming such a module saves, loads back equal, and its views show the name escaped."""
+    plan = _renamed(make_plan(), "mlp.fc1", name)
+    path = tmp_path / "named.json"
+    plan.save(path)
+    loaded = load_plan(path)
+    assert loaded.to_json() == plan.to_json()
+    _render(loaded, plan)
+    assert not any(c in loaded.explain(name) for c in "\x1b\x07\r\u202e")
+
+
+def test_a_planned_module_with_an_escape_in_its_name_round_trips(tmp_path):
+    """The probe's case end to end: a real model with a module named with terminal escapes plans, saves and loads."""
+    import torch
+
+    import autopar
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.add_module("x\x1b[31mRED\x1b[0m", torch.nn.Linear(8, 8))
+            self.head = torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.head(getattr(self, "x\x1b[31mRED\x1b[0m")(x)).square().mean()
+
+    torch.manual_seed(0)
+    plan = autopar.plan(Net(), autopar.Mesh({"dp": 2}, device="cpu"), (torch.randn(4, 8),), progress=False,
+                        deterministic_time=0.5)
+    assert any("\x1b" in m["path"] for m in plan.modules)
+    plan.save(tmp_path / "esc.json")
+    assert load_plan(tmp_path / "esc.json").to_json() == plan.to_json()

@@ -159,3 +159,17 @@ def test_ddp_completes_as_ddp_when_a_collective_kind_is_priced_up(tmp_path):
     plan = autopar.recipes.ddp(model, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu", profile=str(path)), inputs,
                                progress=False)
     assert {c["kind"] for c in plan.collectives} == {"all_reduce"}, plan.collectives
+
+
+def test_a_baseline_is_a_greedy_completion_and_the_summary_says_so():
+    """A tensor-parallel recipe leaves some ops open: the plan's baselines complete them greedily (a cheap start for
+    the search), ``recipe=`` exactly. So the named recipe is never slower than its baseline (here it is faster),
+    and the summary's baselines table says why the two differ."""
+    from autopar.models import make
+
+    model, args = make("mlp", "tiny", batch=8)
+    mesh = autopar.Mesh({"dp": 2, "tp": 2}, device="h100")
+    plan = autopar.plan(model, mesh, args, progress=False, deterministic_time=0.5)
+    alone = autopar.recipes.megatron_tp(model, mesh, args)
+    assert alone.step_time < plan.baselines["megatron_tp"]["step_time"]
+    assert "completed greedily here, and exactly when planned alone with recipe=NAME" in plan.summary()

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_explain,
         cmd_plan,
     )
-    from autopar.recipes import NAMES
+    from autopar.validate import RECIPE_NAMES as NAMES
 
     common = _common()
     parser = _Parser(prog="autopar", description="Automatic parallelization of PyTorch models.", parents=[common],

@@ -131,6 +131,16 @@ class Mesh:
                           "tp": None if tp is None else sorted(set(tp))}
         return mesh
 
+    def factorized(self, axes: Mapping[str, int]) -> "Mesh":
+        """This ``Mesh.devices(n)`` mesh as the factorization ``axes`` (a plan's choice, ``plan.run_axes``),
+        on the same hardware; a MeshError when ``axes`` do not hold n devices."""
+        count = math.prod(axes.values())
+        if count != self.size:
+            shown = " x ".join(f"{k}={v}" for k, v in axes.items())
+            raise MeshError(f"this plan was made for {count} devices (mesh {shown}), not the {self.size} of "
+                            f"Mesh.devices({self.size}): plan again for {self.size} devices, or run on {count}")
+        return Mesh(dict(axes), device=self.hardware)
+
     # -- geometry ---------------------------------------------------------------------------
 
     @property

@@ -92,7 +92,7 @@ def finite_float(x: Any, default: float = 0.0) -> float:
 
 #: what ``printable`` escapes: C0 controls but newline and tab, DEL, C1 controls (CSI among them), and the
 #: bidirectional overrides and isolates (text that displays in another order than it reads)
-_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def printable(text: str) -> str:

@@ -64,7 +64,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, TypedDict, Union
 
-from autopar.errors import PlanError
+from autopar.errors import ArgumentError, PlanError
 from autopar.plans import legacy, view
 from autopar.plans.format import SOLVER_TIMING_KEYS, canon
 from autopar.plans.legacy import copy_plain
@@ -246,6 +246,13 @@ class Plan:
         return tuple(int(v) for v in self.mesh.get("axes", {}).values())
 
     @property
+    def run_axes(self) -> dict[str, int]:
+        """The axes of the mesh the plan runs on, in order: a pipelined plan's whole mesh, ``pp`` included."""
+        if self.pipeline is not None:
+            return dict(zip(self.pipeline["mesh_names"], self.pipeline["mesh_shape"]))
+        return dict(zip(self.axis_names, self.mesh_shape))
+
+    @property
     def fits(self) -> bool:
         """Whether the predicted peak memory per device is within the budget."""
         return self.peak_memory <= self.memory_budget
@@ -339,11 +346,21 @@ class Plan:
 
     def explain(self, module_path: str) -> str:
         """Chosen strategy, compute time and incoming reshardings of every op in a module (or the
-        module of a parameter FQN), and the module's alternatives."""
+        module of a parameter FQN; "" is the whole model), and the module's alternatives."""
+        if not isinstance(module_path, str):
+            raise ArgumentError(f"Plan.explain: module_path must be a module path or a parameter FQN (a str) such as "
+                                f"'blocks.0.mlp' ('' for the whole model), got {shown(module_path)} "
+                                f"({type(module_path).__name__})")
         return view.explain(self, module_path)
 
-    def diff(self, other: "Plan") -> str:
-        """What differs between two plans: placements, estimates, source, mesh, precision."""
+    def diff(self, other: Union["Plan", str, os.PathLike]) -> str:
+        """What differs between two plans: placements, estimates, source, mesh, precision. ``other`` is a
+        Plan or a saved plan's path."""
+        if isinstance(other, (str, os.PathLike)):
+            other = load_plan(other)
+        elif not isinstance(other, Plan):
+            raise ArgumentError(f"Plan.diff: other must be a Plan or a saved plan's path, got "
+                                f"{type(other).__name__} {shown(other)}")
         return view.diff(self, other)
 
     def __str__(self) -> str:

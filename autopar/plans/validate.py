@@ -36,7 +36,6 @@ from autopar.cost_model.precision import OPTIMIZER_STATES, PRECISIONS
 from autopar.errors import PlacementError, PlanError
 from autopar.ir.placement import Split, parse, parse_one, split_top_level
 from autopar.plans.bounds import (
-    BAD_NAME,
     MAX_AXES,
     MAX_AXIS_SIZE,
     MAX_DEVICES,
@@ -54,12 +53,6 @@ from autopar.plans.bounds import (
 def _whole(x: Any) -> Any:
     """An integral float (``8e10``, as a hand-edited byte count may be written) as an int."""
     return int(x) if isinstance(x, float) and math.isfinite(x) and x.is_integer() else x
-
-
-def _name(s: str) -> str:
-    if BAD_NAME.search(s):
-        raise ValueError("a name may not hold control characters, tabs or newlines")
-    return s
 
 
 def _ndim(info: ValidationInfo) -> int:
@@ -113,7 +106,7 @@ Seconds = Annotated[float, Field(ge=0, le=MAX_NUMBER, allow_inf_nan=False)]
 Delta = Annotated[float, Field(ge=-MAX_NUMBER, le=MAX_NUMBER, allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0, le=MAX_NUMBER, allow_inf_nan=False)]
 NonNegative = Annotated[float, Field(ge=0, le=MAX_NUMBER, allow_inf_nan=False)]
-Name = Annotated[str, Field(max_length=MAX_NAME), AfterValidator(_name)]
+Name = Annotated[str, Field(max_length=MAX_NAME)]
 Text = Annotated[str, Field(max_length=MAX_STRING)]
 PlacementText = Annotated[str, Field(max_length=1024), AfterValidator(_check_placement)]
 AxisName = Annotated[str, Field(max_length=MAX_NAME), AfterValidator(_axis)]
@@ -457,11 +450,32 @@ def check_fields(d: Mapping) -> None:
     if order is not None and isinstance(order, list) and sorted(map(str, order)) != sorted(axes):
         raise PlanError(f"axis_names: {shown(order)} does not list the mesh's axes {list(axes)}")
     try:
-        _PlanFile.model_validate(d, context={"axes": axes})
+        try:
+            _PlanFile.model_validate(d, context={"axes": axes})
+        except ValidationError as e:
+            if not any(err["type"] == "string_unicode" for err in e.errors(include_url=False)):
+                raise
+            # a name with a lone surrogate (torch accepts any str): pydantic cannot read it, so such
+            # strings are checked with U+FFFD in their place (the plan keeps them as they are)
+            _PlanFile.model_validate(_surrogates_replaced(d), context={"axes": axes})
     except ValidationError as e:
         errors = e.errors(include_url=False)
         more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
         raise PlanError(_error_text(errors[0]) + more) from None
+
+
+def _surrogates_replaced(x: Any) -> Any:
+    """A copy of ``x`` whose strings (keys too) have each lone surrogate replaced by U+FFFD."""
+    if isinstance(x, str):
+        return _SURROGATE.sub("\ufffd", x)
+    if isinstance(x, Mapping):
+        return {_surrogates_replaced(k): _surrogates_replaced(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_surrogates_replaced(v) for v in x]
+    return x
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _with_prefix(err: dict, prefix: str) -> dict:

@@ -13,6 +13,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Iterable
 
 from autopar.errors import PlanError
+from autopar.plans.names import alternative_label, namer, op_label
 from autopar.plans.pipeline_view import diff_lines, explain_lines, summary_lines
 from autopar.plans.format import (
     SOLVER_TIMING_KEYS,
@@ -31,6 +32,13 @@ if TYPE_CHECKING:  # the Plan's methods call into this module: no import of it a
 
 WIDTH = 120
 MAX_ROWS = 60
+#: the memory kinds in the order the summary lists them (others follow, sorted)
+MEMORY_ORDER = ("params", "grads", "optimizer", "activations")
+#: what the table's columns mean, printed under it
+LEGEND = ("compute ms: the module's ops on one device; comm ms: its reshardings' collectives, each timed alone "
+          "(most run hidden behind compute, so the column does not add up to the step's communication below, "
+          "which is only what communication adds to the step); moved: the bytes those collectives carry; "
+          "memory: its parameters' bytes (with their gradients and optimizer state) and its activations', per device")
 
 
 # -- small helpers ------------------------------------------------------------------------------------
@@ -44,9 +52,10 @@ def _in_scope(module: str, path: str) -> bool:
 
 
 def _compact(placements: dict[str, str], path: str) -> str:
-    """``{"a.wq": "B, S(0)", "a.wk": "B, S(0)"}`` under ``a`` -> ``"wq,wk: B,S(0)"``."""
+    """``{"a.wq": "B, S(0)", "a.wk": "B, S(0)"}`` under ``a`` -> ``"wk,wq: B,S(0)"``: names in sorted order, so
+    that a plan reads the same before and after a save (the file's keys are sorted)."""
     groups: dict[str, list[str]] = defaultdict(list)
-    for fqn, p in placements.items():
+    for fqn, p in sorted(placements.items()):
         groups[p.replace(" ", "")].append(relative_name(fqn, path))
     return "; ".join(f"{','.join(names)}: {p}" for p, names in groups.items())
 
@@ -77,9 +86,15 @@ def _steps_text(steps: Iterable[dict]) -> str:
                      for s in steps) or "local (no communication)"
 
 
-def _resharding_line(r: dict, indent: str, show_consumer: bool = False) -> list[str]:
-    who = f" for {r.get('consumer')}" if show_consumer else ""
-    head = (f"{indent}<- {r.get('kind', 'activation')} {r.get('tensor')}{who}: {r.get('from')} -> {r.get('to')}, "
+def _resharding_line(r: dict, indent: str, name, show_consumer: bool = False) -> list[str]:
+    """One resharding, its tensor (and consumer) by user names (``name``: ``names.namer``), and its collectives."""
+    consumer = str(r.get("consumer"))
+    if r.get("kind") == "grad" and consumer.startswith("param:"):  # a gradient reduced to its parameter's placement
+        what, who = f"grad of {consumer[6:]}", ""
+    else:
+        what = f"{r.get('kind', 'activation')} {name(r.get('tensor'), r)}"
+        who = f" for {name(consumer)}" if show_consumer else ""
+    head = (f"{indent}<- {what}{who}: {r.get('from')} -> {r.get('to')}, "
             f"{human_bytes(r.get('bytes', 0))} tensor, {human_time(r.get('time', 0.0))}")
     body = textwrap.wrap(_steps_text(r.get("steps") or ()), WIDTH - len(indent) - 6)
     return [head] + [f"{indent}     {line}" for line in body]
@@ -123,6 +138,7 @@ def summary(plan: "Plan", full: bool = False) -> str:
     lines += ["-" * len(header),
               f"{'total':<{modw}}  {'':<{plw}}  {_ms(tot[0]):>10}  {_ms(tot[1]):>10}  "
               f"{human_bytes(tot[2]):>10}  {human_bytes(tot[3]):>10}"]
+    lines += textwrap.wrap(LEGEND, WIDTH, break_on_hyphens=False)
     in_modules = {k for m in mods for k in (m.get("placements") or {})} | set(plan.graph.get("fqns") or ())
     inputs = {k: v for k, v in plan.placements.items() if k not in in_modules}
     if inputs:
@@ -140,7 +156,8 @@ def summary(plan: "Plan", full: bool = False) -> str:
     if mfu:
         lines.append(mfu)
     verdict = "fits" if plan.fits else "DOES NOT FIT"
-    split = [f"{k} {human_bytes(v)}" for k, v in plan.memory.items()]
+    kinds = [k for k in MEMORY_ORDER if k in plan.memory] + sorted(k for k in plan.memory if k not in MEMORY_ORDER)
+    split = [f"{k} {human_bytes(plan.memory[k])}" for k in kinds]
     lines += _wrap_items(f"peak memory {human_bytes(plan.peak_memory)} of {human_bytes(plan.memory_budget)} per device "
                          f"({verdict}): ", split)
     lines += _layer_groups(plan)
@@ -149,7 +166,7 @@ def summary(plan: "Plan", full: bool = False) -> str:
         lines += _wrap_items(f"collectives (bucket size {human_bytes(plan.bucket_size)}): ",
                              [_collective_text(c) for c in plan.collectives], "; ")
     lines += _baselines(plan)
-    lines.append(clip(_solver_text(plan.solver), WIDTH))
+    lines += _wrap_items("", _solver_parts(plan.solver))
     if plan.phases:
         lines += _wrap_items("planning: ", [f"{k} {human_time(v)}" for k, v in plan.phases.items()])
     return printable("\n".join(lines))
@@ -197,7 +214,9 @@ def _baselines(plan: "Plan") -> list[str]:
     if not plan.baselines:
         return ["baselines: none evaluated"]
     w = max(max(len(k) for k in plan.baselines), len("recipe"))
-    out = ["", "baselines (vs plan: baseline step time / plan step time):",
+    out = ["", "baselines (vs plan: baseline step time / plan step time; the ops a tensor-parallel recipe leaves "
+               "open are",
+           "  completed greedily here, and exactly when planned alone with recipe=NAME, which may be faster):",
            f"  {'recipe':<{w}}  {'step time':>10}  {'vs plan':>8}  {'peak memory':>11}  fits"]
     for name in sorted(plan.baselines):
         b = plan.baselines[name]
@@ -212,12 +231,34 @@ def _baselines(plan: "Plan") -> list[str]:
     return out
 
 
-def _solver_text(s: dict) -> str:
+#: the solver's status in plain words
+STATUS_WORDS = {"OPTIMAL": "proven the best plan under the cost model",
+                "FEASIBLE": "a valid plan, not proven the best",
+                "INFEASIBLE": "no plan meets the constraints", "NOT_SOLVED": "stopped before finding a plan"}
+
+
+def _gap_text(s: dict) -> str:
+    """The optimality gap in words: how far from the best possible the plan may be, or why that is unknown."""
+    gap = s.get("gap")
+    if isinstance(gap, (int, float)):
+        return f"gap {gap:.3g} (within {100 * gap:.3g}% of the best bound)"
+    if isinstance(s.get("rounds"), int):
+        per = s.get("relative_gap_per_round")
+        within = f", each within {100 * per:.3g}% of that round's best" if isinstance(per, (int, float)) else ""
+        return (f"solved one mesh axis at a time in {s['rounds']} rounds{within}; gap unknown (no bound over all axes "
+                f"at once)")
+    return "gap unknown" if "gap" in s else ""
+
+
+def _solver_parts(s: dict) -> list[str]:
+    """The solver line's items: which solver, its status and gap in words, the problem's size, its time."""
     if not s:
-        return "solver: (none)"
-    parts = [f"solver {s.get('solver', '?')}"] + ([f"status {s['status']}"] if "status" in s else [])
-    if "gap" in s:
-        parts.append(f"gap {s['gap']:.3g}" if isinstance(s["gap"], (int, float)) else f"gap {s['gap']}")
+        return ["solver: (none)"]
+    parts = [f"solver {s.get('solver', '?')}"]
+    if "status" in s:
+        words = STATUS_WORDS.get(str(s["status"]))
+        parts.append(f"status {s['status']}" + (f" ({words})" if words else ""))
+    parts += [_gap_text(s)] if _gap_text(s) else []
     for k in ("variables", "constraints"):
         if isinstance(s.get(k), int):
             parts.append(f"{s[k]:,} {k}")
@@ -225,7 +266,7 @@ def _solver_text(s: dict) -> str:
         parts.append(f"{human_time(s['wall_time'])} wall")
     if isinstance(s.get("deterministic_time"), (int, float)):
         parts.append(f"deterministic time {s['deterministic_time']:.3g}")
-    return ", ".join(parts)
+    return parts
 
 
 # -- explain ----------------------------------------------------------------------------------------
@@ -249,6 +290,7 @@ def explain(plan: "Plan", module_path: str) -> str:
     """Chosen strategy of each op under a module, per-op compute and incoming reshardings, the
     parameters' placements and reshardings, and the module's alternatives."""
     path, fqn = _resolve(plan, module_path)
+    name = namer(plan)
     axes = ", ".join(plan.axis_names)
     nodes = [n for n in plan.nodes if _in_scope(n.get("module", ""), path)]
     mods = [m for m in plan.modules if _in_scope(m.get("path", ""), path)]
@@ -272,8 +314,7 @@ def explain(plan: "Plan", module_path: str) -> str:
     if nodes:
         lines.append(f"ops (graph order; strategy per mesh axis {axes}):")
     for n in nodes:
-        mod = f"  [{n.get('module')}]" if n.get("module") != path else ""
-        lines.append(f"  {n.get('name')}  {n.get('op')}  {n.get('phase', '')}  compute {human_time(n.get('compute', 0.0))}{mod}")
+        lines.append(f"  {op_label(n)}  ({n.get('op')})  compute {human_time(n.get('compute', 0.0))}")
         tags = n.get("tags") or []
         for i, sig in enumerate(n.get("strategy") or []):
             ax = plan.axis_names[i] if i < len(plan.axis_names) else f"axis{i}"
@@ -283,17 +324,17 @@ def explain(plan: "Plan", module_path: str) -> str:
         outs = " | ".join("-" if x is None else str(x) for x in n.get("outputs") or []) or "-"
         lines.append(clip(f"      in: {ins}   out: {outs}", WIDTH))
         for r in by_consumer.get(str(n.get("name")), []):
-            lines += _resharding_line(r, "      ")
+            lines += _resharding_line(r, "      ", name)
     others = [r for r in plan.reshardings if str(r.get("consumer")) not in names and (
         _in_scope(str(r.get("module", "")), path) and r.get("module") is not None
         or (str(r.get("consumer", "")).startswith("param:") and _in_scope(str(r["consumer"])[6:].rsplit(".", 1)[0], path)))]
     if fqn is not None:
-        others = [r for r in others if str(r.get("consumer")) == f"param:{fqn}" or r.get("tensor") == fqn] + \
-                 [r for r in others if not (str(r.get("consumer")) == f"param:{fqn}" or r.get("tensor") == fqn)]
+        mine = [str(r.get("consumer")) == f"param:{fqn}" or name(r.get("tensor"), r) == fqn for r in others]
+        others = [r for r, m in zip(others, mine) if m] + [r for r, m in zip(others, mine) if not m]
     if others:
         lines.append("parameter and other reshardings:")
         for r in others:
-            lines += _resharding_line(r, "  ", show_consumer=True)
+            lines += _resharding_line(r, "  ", name, show_consumer=True)
     mode = (getattr(plan, "checkpointing", {}) or {}).get(path)
     if mode:
         lines.append(f"checkpointed ({mode}): its activations are recomputed in the backward")
@@ -307,10 +348,11 @@ def explain(plan: "Plan", module_path: str) -> str:
             continue
         lines.append(f"alternatives for {m.get('path') or '(root)'} (chosen: compute {human_time(m.get('time', 0.0))}, "
                      f"communication {human_time(m.get('comm', 0.0))}; delta = change in step time):")
-        w = max(len(str(a.get("name"))) for a in alts)
-        for a in sorted(alts, key=lambda a: a.get("delta", 0.0)):
+        labels = [alternative_label(plan, a.get("name")) for a in alts]
+        w = max(len(label) for label in labels)
+        for label, a in sorted(zip(labels, alts), key=lambda la: la[1].get("delta", 0.0)):
             d = a.get("delta", 0.0)
-            lines.append(f"  {str(a.get('name')):<{w}}  {('+' if d >= 0 else '') + human_time(d):>10}  "
+            lines.append(f"  {label:<{w}}  {('+' if d >= 0 else '') + human_time(d):>10}  "
                          f"(compute {human_time(a.get('time', 0.0))}, communication {human_time(a.get('comm', 0.0))})")
     return printable("\n".join(lines))
 
@@ -366,7 +408,8 @@ def diff(a: "Plan", b: "Plan", limit: int = 40) -> str:
     sb = {n.get("name"): n.get("strategy") for n in b.nodes}
     ops = [k for k in sa if k in sb and sa[k] != sb[k]]
     if ops:
-        out.append(f"op strategies: {len(ops)} of {len(sa)} ops differ (first: {', '.join(map(str, ops[:5]))})")
+        first = ", ".join(namer(a)(k) for k in ops[:5])
+        out.append(f"op strategies: {len(ops)} of {len(sa)} ops differ (first: {first})")
     if set(sa) != set(sb):
         out.append(f"ops: {len(sa)} -> {len(sb)} (the graphs differ)")
     for label, x, y in (("reshardings", a.reshardings, b.reshardings), ("collectives", a.collectives, b.collectives)):

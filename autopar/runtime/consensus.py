@@ -11,7 +11,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from autopar.cost_model.mesh import Mesh
-from autopar.errors import CompileError, PlanError
+from autopar.errors import CompileError, MeshError, PlanError
 from autopar.ir.fingerprint import graph_fingerprint
 from autopar.ir.graph import Graph
 from autopar.plans import Plan, load_plan
@@ -50,6 +50,14 @@ def check_plan_mesh(plan: Plan, mesh: Mesh) -> None:
         raise CompileError(str(e)) from None
 
 
+def chosen_mesh(plan: Plan, mesh: Mesh) -> Mesh:
+    """A ``Mesh.devices(n)`` mesh as the factorization ``plan`` chose (a CompileError if not for n devices)."""
+    try:
+        return mesh.factorized(plan.run_axes)
+    except MeshError as e:
+        raise CompileError(str(e)) from None
+
+
 def check_same_capture(graph: Graph) -> None:
     """A CompileError on every rank unless every rank captured the same program (its fingerprint)."""
     got: list = [None] * dist.get_world_size()
@@ -70,4 +78,4 @@ def warn_node_layout(plan: Plan) -> None:
                       RuntimeWarning, stacklevel=3)
 
 
-__all__ = ["check_plan_mesh", "check_same_capture", "share_plan", "warn_node_layout"]
+__all__ = ["check_plan_mesh", "check_same_capture", "chosen_mesh", "share_plan", "warn_node_layout"]

@@ -5,8 +5,8 @@ Why its own launcher rather than ``torch.multiprocessing.spawn``: a rank that di
 (``os._exit``, a segfault, the OOM killer) must fail the whole run within seconds, while the other
 ranks sit blocked in a collective that will never complete. So the parent never just waits on a
 queue: it waits on every child's result pipe *and* its process sentinel at once, and stops all
-ranks on the first failure or when the run's deadline passes. What a child runs is in ``_rank.py``,
-which imports nothing from autopar (see there why).
+ranks on the first failure or when the run's deadline (if it has one) passes. What a child runs is
+in ``_rank.py``, which imports nothing from autopar (see there why).
 
 Rendezvous: the launching process hosts a ``TCPStore`` on a port the OS picks (port 0, so two
 launches on one machine cannot race for a port); the children join it as clients and initialise the
@@ -21,6 +21,7 @@ and a launched rank exits right after it returns.
 from __future__ import annotations
 
 import datetime
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -42,8 +43,11 @@ from autopar.runtime import _rank
 from autopar.runtime.faults import fault_key
 from autopar.validate import check_launch_args
 
-__all__ = ["LaunchError", "ensure_process_group", "in_torchrun", "launch"]
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "LaunchError", "ensure_process_group", "in_torchrun", "launch",
+           "run_deadline"]
 
+#: Each collective's timeout (s) when launch is given none: it bounds a stall, not a run's length.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 #: After the first failure, how long the parent keeps listening for other ranks' reports before it
 #: stops them: long enough to see a death that caused a peer's "connection closed" error.
 _FAILURE_GRACE_S = 0.5
@@ -70,7 +74,7 @@ def launch(
     nprocs: int,
     /,
     *args: Any,
-    timeout: float = 300.0,
+    timeout: Optional[float] = None,
     collective_timeout: Optional[float] = None,
     backend: str = "gloo",
     **kwargs: Any,
@@ -98,23 +102,29 @@ def launch(
     its exit code or signal within about a second; a rank that hangs (never enters a collective the
     others wait in) is named once the others' collectives time out. Either way the other ranks are
     stopped, and the message gives the step (``ParallelModule``'s count of forward calls) the ranks
-    were in. ``collective_timeout`` (seconds, default ``timeout``) is every process group's
-    collective timeout, including the mesh groups ``autopar.compile`` makes: a collective that a
-    peer never joins fails after it. If the whole run takes longer than ``timeout`` seconds, every
-    rank is stopped and ``LaunchError`` says it timed out. Under torchrun, ``collective_timeout``
-    is the timeout of the group launch initialises (a group you initialise has yours).
+    were in. ``collective_timeout`` (seconds, default ``DEFAULT_COLLECTIVE_TIMEOUT_S`` = 300) is every
+    process group's collective timeout, including the mesh groups ``autopar.compile`` makes: a
+    collective that a peer never joins fails after it, so a stalled run stops without a whole-run
+    limit. ``timeout`` (seconds, default None: no limit) bounds the whole run: past it, every rank is
+    stopped and ``LaunchError`` says it timed out. Start-up (the ranks meeting) is bounded by
+    ``timeout`` when given, else by ``collective_timeout``. Under torchrun, ``collective_timeout`` is
+    the timeout of the group launch initialises (a group you initialise has yours).
 
     ``fn`` cannot receive keyword arguments named ``timeout``, ``collective_timeout`` or ``backend``
     (they are launch's).
     """
     check_launch_args(fn, nprocs, timeout, backend, collective_timeout)
-    collective_timeout = timeout if collective_timeout is None else collective_timeout
+    if getattr(mp.current_process(), "_inheriting", False):  # a rank importing the script that launched it
+        raise LaunchError("autopar.launch was called while this process was starting as a rank of a launch: the "
+                          "script calls launch when it is imported; call it under `if __name__ == \"__main__\":`")
+    collective_timeout = DEFAULT_COLLECTIVE_TIMEOUT_S if collective_timeout is None else collective_timeout
     if in_torchrun():
         return [_run_in_this_rank(fn, nprocs, args, kwargs, collective_timeout, backend)]
     payload = _pickle_task(fn, args, kwargs, "launch")
-    group = _Group.start("launch", nprocs, backend, timeout, payload, collective_timeout_s=collective_timeout)
+    start_s = collective_timeout if timeout is None else timeout
+    group = _Group.start("launch", nprocs, backend, start_s, payload, collective_timeout_s=collective_timeout)
     try:
-        outcome = group.collect(time.monotonic() + timeout, _FAILURE_GRACE_S)
+        outcome = group.collect(run_deadline(timeout, time.monotonic()), _FAILURE_GRACE_S)
     except BaseException:
         group.stop()
         raise
@@ -128,6 +138,12 @@ def launch(
     # second or more to shut down, which the caller need not wait for.
     group.reap_later(_EXIT_GRACE_S)
     return [outcome.results[r] for r in range(nprocs)]
+
+
+def run_deadline(timeout: Optional[float], now: float) -> Optional[float]:
+    """When a run started at ``now`` (``time.monotonic()``) is stopped: ``now + timeout``, or None (never)
+    when ``timeout`` is None, launch's default: a stall is caught per collective instead."""
+    return None if timeout is None else now + timeout
 
 
 def ensure_process_group(world_size: int, what: str = "this mesh") -> None:
@@ -202,6 +218,11 @@ class _Failure:
 
     def headline(self, world_size: int) -> str:
         at = f" in step {self.step}" if self.step is not None else ""
+        if self.kind == "died" and self.step is None:  # at start-up: an import, or a script's launch run on import
+            return (f"rank {self.rank} of {world_size} {_describe_exit(self.exitcode)} before returning a result "
+                    "(os._exit, a crash, a kill, a failed start-up import, or a script that calls autopar.launch "
+                    "outside `if __name__ == \"__main__\":`, which each rank runs again on import: its stderr may "
+                    "say which)")
         if self.kind == "died":
             return (f"rank {self.rank} of {world_size} {_describe_exit(self.exitcode)}{at} before returning a result "
                     "(os._exit, a crash, a kill, or a failed start-up import: its stderr may say which)")
@@ -367,15 +388,15 @@ class _Group:
             raise
         return group
 
-    def collect(self, deadline: float, grace: float) -> _Outcome:
-        """Wait for one message from each rank until ``deadline`` (``time.monotonic()``), or for its
-        death. After the first failure, listen ``grace`` seconds more, then stop listening; ranks not
-        heard from by then are ``pending``."""
+    def collect(self, deadline: Optional[float], grace: float) -> _Outcome:
+        """Wait for one message from each rank until ``deadline`` (``time.monotonic()``; None: no
+        deadline), or for its death. After the first failure, listen ``grace`` seconds more, then stop
+        listening; ranks not heard from by then are ``pending``."""
         pending = set(range(self.world_size))
         out = _Outcome(self.world_size, {}, [], [])
         while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 break
             by_handle: dict[Any, tuple[str, int]] = {}
             for r in pending:
@@ -406,7 +427,7 @@ class _Group:
                     out.failures.append(self._death(r))
                 pending.discard(r)
             if out.failures:
-                deadline = min(deadline, time.monotonic() + grace)
+                deadline = min(deadline if deadline is not None else math.inf, time.monotonic() + grace)
         out.pending = sorted(pending)
         return out
 

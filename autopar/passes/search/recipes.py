@@ -17,8 +17,9 @@ from autopar.ir.dimflow import linked_dims
 from autopar.ir.graph import Graph, Ref, TensorSpec
 from autopar.ir.placement import B, Placements, Split, blocks_fit
 from autopar.passes.search.strategies import unit_replicated
+from autopar.validate import RECIPE_NAMES
 
-NAMES = ("ddp", "fsdp", "megatron_tp", "megatron_sp", "fsdp_tp")
+NAMES = RECIPE_NAMES
 
 
 Allowed = dict[str, list[Placements]]  # placeholder node name -> allowed placements

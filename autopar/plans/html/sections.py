@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from autopar.plans.format import device_count, finite_float, relative_name
+from autopar.plans.names import alternative_label, namer
 from autopar.plans.html.cells import (
     bar_cell,
     bytes_text,
@@ -147,7 +148,7 @@ def _axis_cell(params: dict[str, str], path: str, axis: str, axes: tuple[str, ..
     return f'<td class="axis" data-v="{escape(key)}">{"".join(parts)}</td>'
 
 
-def _alternatives_cell(m: dict) -> str:
+def _alternatives_cell(plan: "Plan", m: dict) -> str:
     """A module's alternatives, cheapest first, folded under their count."""
     alts = [a for a in (m.get("alternatives") or []) if isinstance(a, dict)]
     if not alts:
@@ -156,7 +157,8 @@ def _alternatives_cell(m: dict) -> str:
     best = finite_float(alts[0].get("delta"))
     items = "".join(
         f'<li><span class="delta">{"+" if finite_float(a.get("delta")) >= 0 else ""}{escape(time_text(finite_float(a.get("delta"))))}</span> '
-        f'{escape(a.get("name"))} <span class="sub">(compute {escape(time_text(a.get("time")))}, '
+        f'{escape(alternative_label(plan, a.get("name")))} '
+        f'<span class="sub">(compute {escape(time_text(a.get("time")))}, '
         f'communication {escape(time_text(a.get("comm")))})</span></li>' for a in alts)
     return (f'<td class="num alts" data-v="{sort_key(best)}"><details><summary>{len(alts)}: best '
             f'{"+" if best >= 0 else ""}{escape(time_text(best))}</summary><ol>{items}</ol></details></td>')
@@ -194,7 +196,7 @@ def modules_section(plan: "Plan") -> str:
             + bar_cell(m.get("comm"), time_text(m.get("comm")), cmax, "b-comm")
             + bar_cell(m.get("bytes"), bytes_text(m.get("bytes")), bmax, "b-comm")
             + bar_cell(m.get("memory"), bytes_text(m.get("memory")), mmax, "b-mem")
-            + _alternatives_cell(m) + "</tr>")
+            + _alternatives_cell(plan, m) + "</tr>")
     tot = [sum(finite_float(m.get(k)) for m in mods) for k in ("time", "comm", "bytes", "memory")]
     foot = (f'<tr><td></td><th scope="row">total ({len(mods)} modules)</th>{"<td></td>" * len(axes)}'
             f'<td class="num">{escape(time_text(tot[0]))}</td><td class="num">{escape(time_text(tot[1]))}</td>'
@@ -275,10 +277,11 @@ def communication_section(plan: "Plan") -> str:
     rs = [r for r in plan.reshardings if isinstance(r, dict)]
     if rs:
         shown = rs[:MAX_RESHARDINGS]
+        name = namer(plan)
         rows = "".join(
             f'<tr><td data-v="{escape(r.get("module", ""))}"><code>{escape(r.get("module") if r.get("module") is not None else "-")}'
-            f'</code></td><td>{escape(r.get("kind", ""))}</td><td><code>{escape(r.get("tensor"))}</code></td>'
-            f'<td><code>{escape(r.get("consumer"))}</code></td>'
+            f'</code></td><td>{escape(r.get("kind", ""))}</td><td><code>{escape(name(r.get("tensor"), r))}</code></td>'
+            f'<td><code>{escape(name(r.get("consumer")))}</code></td>'
             f'<td data-v="{escape(r.get("from"))}">{placement_chips(r.get("from"))} \u2192 {placement_chips(r.get("to"))}</td>'
             f'<td class="num" data-v="{sort_key(r.get("bytes"))}">{escape(bytes_text(r.get("bytes")))}</td>'
             f'<td class="num" data-v="{sort_key(r.get("time"))}">{escape(time_text(r.get("time")))}</td>'
