@@ -1,6 +1,6 @@
 """docs/user_guide.md documents every public keyword of ``autopar.plan``, ``compile``, ``simulate``,
 ``launch``, ``Mesh`` and ``Mesh.devices`` (read from their signatures, and for ``plan``/``compile`` the
-keywords they pass on to the planner, ``api.PLAN_KEYWORDS``), every command and flag of the ``autopar``
+keywords they pass on to the planner, ``planner.options.KEYWORDS``), every command and flag of the ``autopar``
 command line (read from its argparse parser), and quotes no plan schema version but the code's."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pathlib
 import re
 
 import autopar
-from autopar.api import PLAN_KEYWORDS
+from autopar.planner.options import KEYWORDS as PLAN_KEYWORDS
 from autopar.cli import build_parser
 from autopar.plans import SCHEMA_VERSION
 
