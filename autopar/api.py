@@ -29,6 +29,7 @@ from autopar.passes.search.checkpoint import check_pin
 from autopar.passes.search.kept import check_pin as check_kept_pin
 from autopar.plans import Plan, load_plan
 from autopar.runtime.accounting import predicted as predicted_collectives
+from autopar.runtime.outputs import step_result
 from autopar.runtime.precision import execution_precision
 from autopar.runtime.threads import gather_slots, placeholder_values, simulate_programs
 from autopar.validate import (
@@ -45,7 +46,7 @@ from autopar.validate import (
 
 #: The keywords ``plan`` passes on to ``passes.pipeline.run_passes`` (its own are named in its signature).
 PASS_KEYWORDS = ("precision", "optimizer", "recipe", "tensor_axis", "deterministic_time", "progress", "graph",
-                 "checkpointing", "kept_gathers")
+                 "checkpointing", "kept_gathers", "loss_fn")
 PLAN_KEYWORDS = ("training", "hints", "memory_budget", "time_limit", "search") + PASS_KEYWORDS
 
 
@@ -80,6 +81,9 @@ def check_plan_args(model, mesh, example_kwargs, kw: dict, where: str = "autopar
         mesh.axis(kw.get("tensor_axis", -1))
     except MeshError as e:
         raise ArgumentError(f"{where}: tensor_axis: {e}") from None
+    if kw.get("loss_fn") is not None and not callable(kw["loss_fn"]):
+        raise ArgumentError(f"{where}: loss_fn must be a callable loss_fn(output, target) (or loss_fn(output)), got "
+                            f"{type(kw['loss_fn']).__name__}")
     if kw.get("graph") is not None and not isinstance(kw["graph"], Graph):
         raise ArgumentError(f"{where}: graph must be a Graph from autopar.ir.capture.capture, got "
                             f"{type(kw['graph']).__name__}")
@@ -108,7 +112,10 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
     backward instead of gathering them again, FSDP's ``reshard_after_forward=False``: ``"none"``,
     ``"all"``, a list of module-path globs such as ``["layers.*"]``, or a dict from globs to
     True/False; default: the search keeps them per group of alike layers where that makes the step
-    faster and the plan still fits; a named recipe keeps none unless asked).
+    faster and the plan still fits; a named recipe keeps none unless asked), ``loss_fn`` (for a
+    model that returns logits: ``loss_fn(output, target)``, captured into the step with the model;
+    the target is the keyword input ``target=``, which goes to ``loss_fn``, not to the model;
+    ``loss_fn(output)`` without one; unpipelined plans only).
 
     A mesh axis named ``pp`` pipelines (``passes/pipelined.py``): the planner splits the repeated
     layers into stages, picks the micro-batch count and the schedule (GPipe, 1F1B, Interleaved1F1B,
@@ -124,22 +131,27 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
     kw = check_plan_args(model, mesh, example_kwargs, dict(kw, training=training, hints=hints,
                                                           memory_budget=memory_budget, time_limit=time_limit,
                                                           search=search))
+    if kw.get("loss_fn") is not None and (getattr(mesh, "factorize", None) is not None or wants_pipeline(mesh, pipeline)):
+        raise ArgumentError("autopar.plan: loss_fn= works with unpipelined plans: under a pipeline (a 'pp' axis, "
+                            "pipeline=, or Mesh.devices, which may choose one) the model must return its loss")
     if getattr(mesh, "factorize", None) is not None:  # Mesh.devices: the planner chooses pp x dp x tp
         return plan_mesh_search(model, mesh, example_inputs, example_kwargs, pipeline=pipeline, **kw)
     if wants_pipeline(mesh, pipeline):
         return plan_pipelined(model, mesh, example_inputs, example_kwargs, pipeline=pipeline, **kw)
-    planned = run_passes(model, mesh, example_inputs, example_kwargs, **kw)
+    planned = run_passes(model, mesh, example_inputs, example_kwargs, outputs=True, **kw)  # the model's outputs too
     return build_plan(planned)
 
 
 def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Optional[dict] = None, *,
              precision: str = "model", trace: Optional[dict] = None, measure_memory: bool = False,
-             predicted: Optional[dict] = None, graph: Optional[Graph] = None):
+             predicted: Optional[dict] = None, graph: Optional[Graph] = None, loss_fn=None):
     """Run ``plan``'s lowered program for every device of its mesh in this process.
 
-    Returns ``(outputs, grads)``: for a training plan ``outputs`` is the loss and ``grads`` maps each
-    parameter's FQN to its whole gradient; for an inference plan ``outputs`` is the tuple of the
-    model's tensor outputs and ``grads`` is empty. Computes in the model's own dtypes unless
+    Returns ``(outputs, grads)``: ``outputs`` is what the model returns (a ``ModelOutput``, dict,
+    dataclass, tuple or tensor: the loss in its place and every other tensor whole; with
+    ``loss_fn``, as ``autopar.plan`` takes it, ``StepOutput(loss, output)``; a pipelined plan's is
+    the loss alone), and ``grads`` maps each parameter's FQN to its whole gradient (empty for an
+    inference plan). Computes in the model's own dtypes unless
     ``precision="plan"``: the plan's precision, e.g. "bf16-mixed" (bf16 compute, parameters gathered
     in bf16, gradients reduced and returned in fp32, the loss in fp32; see ``cost_model.casting``). Pass a
     dict as ``trace`` to receive the collectives every device executed (``{coords: [Executed, ...]}``),
@@ -167,6 +179,9 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     for what, given in (("trace", trace), ("predicted", predicted)):
         if given is not None and not isinstance(given, dict):
             raise ArgumentError(f"autopar.simulate: {what} must be a dict to fill (or None), got {type(given).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ArgumentError(f"autopar.simulate: loss_fn must be a callable loss_fn(output, target), got "
+                            f"{type(loss_fn).__name__}")
     if not isinstance(measure_memory, bool):
         raise ArgumentError(f"autopar.simulate: measure_memory must be True or False, got {measure_memory!r}")
     if graph is not None and not isinstance(graph, Graph):
@@ -175,14 +190,14 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     if not isinstance(plan, Plan):
         plan = load_plan(check_path(plan, "autopar.simulate: plan (a Plan or a saved plan's path)"))
     if plan.pipeline is not None:  # every stage-mesh device a thread, its stages in turn
-        if precision != "model" or measure_memory or graph is not None:
+        if precision != "model" or measure_memory or graph is not None or loss_fn is not None:
             raise ArgumentError("autopar.simulate: a pipelined plan runs at the model's precision, without "
-                                "measure_memory and without a given graph so far")
+                                "measure_memory, a given graph or loss_fn= (it returns the loss alone) so far")
         return _simulate_pipelined(model, plan, as_args(example_inputs), dict(example_kwargs or {}), trace, predicted)
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     if graph is None:
-        graph = capture(model, args, kwargs, training=plan.training)
+        graph = capture(model, args, kwargs, training=plan.training, outputs=True, loss_fn=loss_fn)
     elif graph.training != plan.training:
         raise ArgumentError(f"autopar.simulate: graph was captured with training={graph.training}, the plan "
                             f"has training={plan.training}: capture it again with the plan's")
@@ -205,7 +220,8 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
         predicted.update({c: every.copy() for c in programs})
     shape = res.mesh.shape
     outs = gather_slots(first.outputs, {c: r.outputs for c, r in results.items()}, shape)
-    kept = [o for o, s in zip(outs, first.outputs) if s.kind in ("loss", "output")]
+    loss = next((o for o, s in zip(outs, first.outputs) if s.kind == "loss"), None)
+    result = step_result(graph.output_tree, loss, [o for o, s in zip(outs, first.outputs) if s.kind == "output"])
     grads = {}
     if plan.training:
         whole = gather_slots(first.grads, {c: r.grads for c, r in results.items()}, shape)
@@ -213,8 +229,7 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
         for alias, canon in graph.aliases.items():
             if canon in grads:
                 grads[alias] = grads[canon]
-        return (kept[0], grads, memory) if measure_memory else (kept[0], grads)
-    return (tuple(kept), grads, memory) if measure_memory else (tuple(kept), grads)
+    return (result, grads, memory) if measure_memory else (result, grads)
 
 
 def _simulate_pipelined(model, plan, args, kwargs, trace, predicted):

@@ -31,9 +31,10 @@ from autopar.program.program import Program, Slot
 from autopar.runtime import faults
 from autopar.runtime.collectives import ProcessGroupComm, record_executed, single_worker_gloo_groups
 from autopar.runtime.memory import MemoryTracker, optimizer_state
+from autopar.runtime.outputs import OUTPUT_MODES, placed_output, step_result
 from autopar.runtime.precision import EXECUTABLE_PRECISIONS, execution_precision
 from autopar.runtime.random_state import RANDOM_KEY, add_random_entry, at_step, share_seed, take_random_entry
-from autopar.runtime.state import as_blocks, distribute_state, dtensor_block, state_slots
+from autopar.runtime.state import as_blocks, distribute_state, state_slots
 from autopar.validate import check_choice, check_kwargs, check_model, check_path
 
 
@@ -78,10 +79,11 @@ class _Step(torch.autograd.Function):
         ctx.pm, ctx.saved, ctx.n_params = pm, saved, n_params
         ctx.params = params
         ctx.specs = [tc.dtensor_spec(p) for p in params]
-        return outs[0]
+        ctx.mark_non_differentiable(*outs[1:])  # the model's other outputs: the gradient is the loss's
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, *_):
         pm = ctx.pm
         grads = pm._run_backward(ctx.saved, grad_loss, ctx.step)
         if pm._memory is not None:
@@ -142,7 +144,7 @@ class ParallelModule(torch.nn.Module):
     itself is ``.module``."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, graph: Graph, dmesh, program: Program,
-                 precision: str, groups: Optional[Sequence] = None):
+                 precision: str, groups: Optional[Sequence] = None, outputs: str = "dtensor"):
         super().__init__()
         # the model's own tables become this module's (tc.share_tables, at the end): state_dict,
         # named_parameters and load_state_dict use the single-device model's names, no "module." prefix.
@@ -162,6 +164,7 @@ class ParallelModule(torch.nn.Module):
         self._comm = ProcessGroupComm(groups, plan.axis_names)
         self._axis_of_group = {g.group_name: name for g, name in zip(groups, plan.axis_names)}
         self._recording: Optional[list] = None
+        self._outputs = outputs  # how the model's other outputs come back (``runtime.outputs.OUTPUT_MODES``)
         self._memory: Optional[MemoryTracker] = None
         self._memory_optimizer: Optional[torch.optim.Optimizer] = None
         self._param_slots = [s for s in program.inputs if s.kind == "param"]
@@ -326,7 +329,8 @@ class ParallelModule(torch.nn.Module):
         return local_block(value, slot.placements, self.program.mesh_shape, coords, slot.spec.blocks)
 
     def forward(self, *args, **kwargs):
-        """Run the lowered forward program on this rank's blocks (the backward runs at ``loss.backward()``)."""
+        """Run the lowered forward program on this rank's blocks (the backward runs at ``loss.backward()``);
+        returns what the model returns (``runtime.outputs.step_result``)."""
         # not ``self.steps += 1``: nn.Module's setter would refuse an int where the model has a
         # parameter, buffer or child named ``steps`` (the tables are the model's)
         object.__setattr__(self, "steps", self.steps + 1)
@@ -342,22 +346,24 @@ class ParallelModule(torch.nn.Module):
                 values.append(self._local_input(slot, args[int(slot.key.split(":")[1])]))
             else:
                 values.append(self._local_input(slot, kwargs[slot.key]))
-        if self.program.backward is not None:
+        loss = None
+        if training:
             n = len(self._param_slots)
             # parameters first: _Step returns their gradients in the same order
             order = [i for i, s in enumerate(self.program.inputs) if s.kind == "param"]
             rest = [i for i, s in enumerate(self.program.inputs) if s.kind != "param"]
             if order != list(range(n)):
                 raise CompileError("the lowered program does not list parameters first")  # lowering invariant
-            return _Step.apply(self, n, *[values[i] for i in order + rest])
-        if self._memory is not None:
-            self._begin_memory([self._param(s.key) for s in self._param_slots], values)
-        outs, _ = self._run_forward(values)
-        if self._memory is not None:
-            self._memory.finish()
+            loss, *outs = _Step.apply(self, n, *[values[i] for i in order + rest])
+        else:
+            if self._memory is not None:
+                self._begin_memory([self._param(s.key) for s in self._param_slots], values)
+            outs, _ = self._run_forward(values)
+            if self._memory is not None:
+                self._memory.finish()
         slots = [s for s in self.program.outputs if s.kind == "output"]
-        wrapped = tuple(dtensor_block(o, self.device_mesh, s) for o, s in zip(outs, slots))
-        return wrapped[0] if len(wrapped) == 1 else wrapped
+        placed = [placed_output(o, s, self.device_mesh, self._outputs) for o, s in zip(outs, slots)]
+        return step_result(self.graph.output_tree, loss, placed)
 
 
 # -- compile ----------------------------------------------------------------------------------------
@@ -405,7 +411,8 @@ def _check_same_graph(fingerprint: str) -> None:
 
 
 def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwargs: Optional[dict] = None, *,
-            plan=None, precision: Optional[str] = None, **plan_kwargs) -> ParallelModule:
+            plan=None, precision: Optional[str] = None, loss_fn=None, outputs: str = "dtensor",
+            **plan_kwargs) -> ParallelModule:
     """Plan (or take ``plan``: a Plan or a saved plan's path) and build this rank's ParallelModule.
 
     Call on every rank of a process group whose size is ``mesh.size`` (``autopar.launch`` or
@@ -416,7 +423,12 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     their gradients are reduced and delivered in fp32 (see ``autopar.cost_model.casting``).
     The other keywords are ``autopar.plan``'s. The model's parameters are replaced, in place, by
     DTensors holding this rank's blocks.
-    """
+
+    The module returns what the model returns, the loss (what ``backward()`` is called on) in its
+    place and its other tensors as ``outputs`` says: "dtensor" (the plan's placements), "full"
+    (whole on every rank, gathered) or "local" (this rank's blocks). ``loss_fn``: ``autopar.plan``'s;
+    the module then takes the keyword ``target=`` and returns ``StepOutput(loss, output)``. A
+    pipelined plan's module returns the loss alone and takes neither keyword."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.api import check_plan_args
@@ -431,6 +443,8 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     require_mesh(mesh)
     check_kwargs(example_kwargs, "autopar.compile: example_kwargs")
     check_choice(precision, ("plan",) + EXECUTABLE_PRECISIONS, "autopar.compile: precision", allow_none=True)
+    check_choice(outputs, OUTPUT_MODES, "autopar.compile: outputs")
+    plan_kwargs = dict(plan_kwargs, loss_fn=loss_fn) if loss_fn is not None else plan_kwargs  # plan's keyword too
     if plan is not None and not isinstance(plan, Plan):
         check_path(plan, "autopar.compile: plan (a Plan, a saved plan's path, or None)")
     plan_kwargs = check_plan_args(model, mesh, example_kwargs, plan_kwargs, "autopar.compile")
@@ -444,11 +458,14 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     training = plan_kwargs.get("training", True) if not given else None
     shared = _share_plan(plan, lambda: make_plan(model, mesh, args, kwargs, **plan_kwargs))
     if shared.pipeline is not None:  # stages on the pp axis, each its slice of the program on the others
+        if loss_fn is not None or outputs != "dtensor":
+            raise CompileError("a pipelined plan returns the loss alone: the model returns its loss (no loss_fn=) "
+                               "and outputs= does not apply; plan without a 'pp' axis for the model's other outputs")
         return _compile_pipelined(model, mesh, shared, args, kwargs, precision, materializer)
     _check_plan_mesh(shared, mesh)  # on every rank alike (a plan file is read on rank 0 only)
     if training is not None and shared.training != training:
         raise CompileError("the plan's training mode differs from training=")
-    graph = capture(model, args, kwargs, training=shared.training)
+    graph = capture(model, args, kwargs, training=shared.training, outputs=True, loss_fn=loss_fn)
     _check_same_graph(graph_fingerprint(graph))
     res = resolve(graph, shared)
     backend = dist.get_backend()
@@ -465,7 +482,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     # gloo: the program's collectives get groups of their own with one worker thread each, since
     # torch 2.13's two workers corrupt the heap when two collectives finish together (see there)
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank()) if backend == "gloo" else None
-    return ParallelModule(model, shared, graph, dmesh, program, prec, groups)
+    return ParallelModule(model, shared, graph, dmesh, program, prec, groups, outputs)
 
 
 def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, materializer):

@@ -88,10 +88,11 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None, 
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     batch = batch_size(args, kwargs)
-    graphs: dict[int, Any] = {}
+    graphs: dict[int, Any] = {}  # the pipelined shapes' captures (the loss alone, as pipelines run)
     given = kw.get("graph")
-    graphs[batch] = given if given is not None else capture(model, args, kwargs, training=True)
-    n_layers = len(chain(graphs[batch]).keys)
+    # the unpipelined shapes' capture: the step returns the model's other outputs too
+    full = given if given is not None else capture(model, args, kwargs, training=True, outputs=True)
+    n_layers = len(chain(full).keys)
     shapes = shape_candidates(count, node, batch, n_layers, spec.get("pp"), spec.get("tp"))
     if not shapes:
         raise ArgumentError(f"autopar.plan: no factorization of {count} devices into pp x dp x tp fits a batch of "
@@ -115,9 +116,9 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None, 
                 plan = plan_pipelined(model, sub, args, kwargs, mesh_search=True, graphs=graphs, memory_budget=budget,
                                       **passkw)
             else:
-                fast = run_passes(model, sub, args, kwargs, graph=graphs[batch], memory_budget=math.inf, **passkw)
+                fast = run_passes(model, sub, args, kwargs, graph=full, memory_budget=math.inf, **passkw)
                 if fast.cost.peak_memory <= budget:
-                    plan = build_plan(run_passes(model, sub, args, kwargs, graph=graphs[batch], memory_budget=budget,
+                    plan = build_plan(run_passes(model, sub, args, kwargs, graph=full, memory_budget=budget,
                                                  **passkw)) if budget != math.inf else build_plan(fast)
                 elif fast.cost.step_time >= best:
                     rows.append({"shape": dict(shape), "error": f"not planned within the budget: its fastest plan "
@@ -125,7 +126,7 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None, 
                                  f"shape"})
                     continue
                 else:
-                    plan = build_plan(run_passes(model, sub, args, kwargs, graph=graphs[batch], memory_budget=budget,
+                    plan = build_plan(run_passes(model, sub, args, kwargs, graph=full, memory_budget=budget,
                                                  **passkw))
         except (InfeasibleError, ArgumentError, RecipeError, ValueError) as e:
             rows.append({"shape": dict(shape), "error": str(e).splitlines()[0][:400]})

@@ -113,12 +113,15 @@ def run_passes(
     search: str = "ilp",
     checkpointing: checkpoint.Pin = None,
     kept_gathers: kept.Pin = None,
+    outputs: bool = False,
+    loss_fn=None,
 ) -> Planned:
     """The planning passes; ``recipe`` fixes that recipe's placements instead of searching;
     ``checkpointing`` pins the recomputation (``passes.search.checkpoint.pinned``) instead of
     searching it; ``kept_gathers`` which layer instances keep their gathered parameters for the
     backward (``passes.search.kept.pinned``; default: the search keeps them where that is faster
-    and fits, a named recipe keeps none)."""
+    and fits, a named recipe keeps none). ``outputs`` and ``loss_fn`` are ``ir.capture.capture``'s
+    (the model's other outputs in the step; the loss of a model that returns logits)."""
     require_mesh(mesh)
     clock = _Clock(sys.stderr.isatty() if progress is None else progress)
     example_inputs = as_args(example_inputs)
@@ -126,7 +129,8 @@ def run_passes(
     placed = dtensor_hints(model, tuple(example_inputs), example_kwargs or {}, mesh.shape)
     hints = merge_hints(hints, placed)
     if graph is None:
-        graph = capture(model, tuple(example_inputs), example_kwargs, training=training)
+        graph = capture(model, tuple(example_inputs), example_kwargs, training=training, outputs=outputs,
+                        loss_fn=loss_fn)
     clock.lap("capture")
     folding = fold(graph)
     clock.lap("fold")
