@@ -9,7 +9,8 @@ Recipe (the reasons are measured, see DESIGN.md "Capture: traps measured on torc
    ``aten._scaled_dot_product_flash_attention_for_cpu``. The user's model is never touched.
 2. On the copy: forward-pre/forward hooks that annotate every traced node with the module path
    (``node.meta["custom"]["autopar_module"]``; backward nodes inherit it), and a ``forward`` that
-   returns the loss (training) or the flattened tensor outputs (inference).
+   returns the loss (training; with ``outputs=True`` the model's other tensors after it, detached)
+   or the flattened tensor outputs (inference); ``ir.outputs`` records where each goes back.
 3. ``aot_export_joint_with_descriptors`` with ``_log_softmax`` (and its backward) decomposed, so a
    vocab-split cross-entropy is a sequence of reductions. Inference exports a copy whose parameters
    do not require grad, which gives a forward-only graph.
@@ -21,11 +22,9 @@ Recipe (the reasons are measured, see DESIGN.md "Capture: traps measured on torc
 from __future__ import annotations
 
 import copy
-import dataclasses
 import operator
 import sys
 import warnings
-from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
@@ -36,7 +35,7 @@ from autopar.errors import CaptureError
 from autopar.ir.blocks import mark_blocks
 from autopar.ir.graph import Graph
 from autopar.ir.lift import drop_constant_inputs, lift, merge_tied
-from autopar.ir.outputs import OutputTree, StepOutput, flatten_outputs, is_namedtuple_type
+from autopar.ir.outputs import OutputTree, check_loss_fn, strip_output_detach, traced_forward
 from autopar.ir.placement import PlacementError
 from autopar.ir.rules.random_attention import fused_dropout_attention
 
@@ -99,14 +98,14 @@ def capture(
     kwargs = dict(example_kwargs or {})
     names, constants = _check_inputs(args, kwargs)
     if loss_fn is not None:
-        _check_loss_fn(loss_fn)
+        check_loss_fn(loss_fn)
 
     fm = tc.FakeTensorMode(allow_non_fake_inputs=True)
     mc = _fake_copy(model, fm, training)
     fargs, fkwargs = _fake_inputs(args, kwargs, fm)
     tracker = _ModuleTracker(mc)
     trees: list[OutputTree] = []  # the model's output structure, as the trace saw it
-    mc.forward = _wrap_forward(mc.forward, training, outputs, loss_fn, trees)  # instance attribute: hooks still run
+    mc.forward = traced_forward(mc.forward, training, outputs, loss_fn, trees)  # instance attribute: hooks still run
     decomps = tc.decompositions(_DECOMPOSE)
     grad_mode = torch.enable_grad() if training else torch.no_grad()
     # attention with dropout is recorded fused, with its dropout_p (ir.rules.random_attention)
@@ -122,7 +121,7 @@ def capture(
     const_idx = [i for i, n in enumerate(names) if n in constants]
     drop_constant_inputs(gm, const_idx)
     aliases = merge_tied(gm, mc)
-    _strip_output_detach(gm)
+    strip_output_detach(gm)
     normalize_mean_losses(gm)
     tc.use_flat_calling_convention(gm)  # gm(*placeholders) -> tuple of outputs
     gm.graph.lint()
@@ -267,118 +266,7 @@ class _ModuleTracker:
 
 
 # ---------------------------------------------------------------------------------------------
-# Outputs: what the exported function returns
-
-
-def _describe(out: Any) -> str:
-    if isinstance(out, torch.Tensor):
-        return f"a {str(out.dtype).replace('torch.', '')} tensor of shape {tuple(out.shape)}"
-    if isinstance(out, Mapping):
-        return f"a {type(out).__name__} with keys {list(out.keys())}"
-    if isinstance(out, (tuple, list)):
-        return f"a {type(out).__name__} of {len(out)}: [{', '.join(_describe(o) for o in out[:6])}]"
-    return f"a {type(out).__name__}"
-
-
-def _loss_of(out: Any) -> torch.Tensor:
-    """The loss among a model's outputs (see ``capture``)."""
-    loss = None
-    if isinstance(out, torch.Tensor):
-        loss = out
-    elif isinstance(out, Mapping):
-        loss = out.get("loss")
-    elif (dataclasses.is_dataclass(out) and not isinstance(out, type)) or is_namedtuple_type(type(out)):
-        loss = getattr(out, "loss", None)
-    if loss is None and isinstance(out, (tuple, list)) and out and _is_loss(out[0]):
-        loss = out[0]  # (loss, logits, ...), as Hugging Face models return it with return_dict=False
-    if _is_loss(loss):
-        return loss
-    if loss is None and not isinstance(out, torch.Tensor):
-        scalars = [t for t in pytree.tree_leaves(out) if _is_loss(t)]
-        if len(scalars) == 1:
-            return scalars[0]
-    raise CaptureError(
-        f"training capture needs a loss, but the model returned {_describe(out)}. Pass loss_fn= (e.g. "
-        "loss_fn=lambda logits, target: F.cross_entropy(logits.flatten(0, -2), target.flatten()), with the target "
-        "as the keyword input target=), or return a scalar loss tensor, a dict or dataclass with a 'loss' entry "
-        "or a tuple starting with the loss; or capture with training=False for a forward-only graph."
-    )
-
-
-def _is_loss(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.ndim == 0 and t.is_floating_point()
-
-
-def _check_loss_fn(loss_fn: Any) -> None:
-    """A ``CaptureError`` for a ``loss_fn`` that is not callable or closes over a tensor (which
-    would be a constant of the captured step, the same every step)."""
-    if not callable(loss_fn):
-        raise CaptureError(f"loss_fn must be a callable loss_fn(output, target), got {type(loss_fn).__name__}")
-    cells = getattr(loss_fn, "__closure__", None) or ()
-    held = [c.cell_contents for c in cells if _cell_tensor(c)]
-    if held:
-        raise CaptureError(
-            f"loss_fn closes over a tensor of shape {tuple(held[0].shape)}: the captured step would use that value "
-            "every step. Pass the targets as the keyword input target= (loss_fn(output, target) receives it)")
-
-
-def _cell_tensor(cell) -> bool:
-    try:
-        return isinstance(cell.cell_contents, torch.Tensor)
-    except ValueError:  # an empty cell
-        return False
-
-
-def _wrap_forward(forward, training: bool, outputs: bool, loss_fn: Optional[Callable], trees: list):
-    """The forward capture traces: the loss (with ``outputs``: and the model's other tensors,
-    detached), or every tensor output; the structure goes to ``trees``."""
-
-    def call(*args, **kwargs):
-        if loss_fn is None:
-            return forward(*args, **kwargs)
-        kwargs = dict(kwargs)
-        has_target = "target" in kwargs
-        target = kwargs.pop("target", None)
-        out = forward(*args, **kwargs)
-        return StepOutput(loss_fn(out, target) if has_target else loss_fn(out), out)
-
-    def loss_forward(*args, **kwargs):
-        out = call(*args, **kwargs)
-        loss = _loss_of(out)
-        if not outputs:
-            return loss
-        tree, tensors = flatten_outputs(out, loss)
-        trees.append(tree)
-        # detached: the step's gradient is the loss's alone (capture removes the detach again)
-        return (loss, *(t.detach() for t in tensors)) if tensors else loss
-
-    def flat_forward(*args, **kwargs):
-        tree, outs = flatten_outputs(call(*args, **kwargs))
-        trees.append(tree)
-        if not outs:
-            raise CaptureError("the model returned no tensors: nothing to capture")
-        return tuple(outs)
-
-    return loss_forward if training else flat_forward
-
-
-def _strip_output_detach(gm: torch.fx.GraphModule) -> None:
-    """Outputs of the step that are ``detach``/``alias`` of a value (capture detaches the model's
-    outputs other than the loss) read the value itself: the program returns it as it is."""
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    strip = (aten.detach.default, aten.alias.default)
-    args = []
-    for a in out.args[0]:
-        while isinstance(a, torch.fx.Node) and a.op == "call_function" and a.target in strip:
-            a = a.args[0]
-        args.append(a)
-    old = [a for a in out.args[0] if isinstance(a, torch.fx.Node)]
-    out.args = (tuple(args),)
-    for n in old:
-        while isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target in strip and not n.users:
-            src = n.args[0]
-            gm.graph.erase_node(n)
-            n = src
+# Errors
 
 
 def _capture_error(e: Exception, where: Optional[tuple[str, str]]) -> Exception:
