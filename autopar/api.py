@@ -131,10 +131,11 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
     kw = check_plan_args(model, mesh, example_kwargs, dict(kw, training=training, hints=hints,
                                                           memory_budget=memory_budget, time_limit=time_limit,
                                                           search=search))
-    if kw.get("loss_fn") is not None and (getattr(mesh, "factorize", None) is not None or wants_pipeline(mesh, pipeline)):
+    searched = getattr(mesh, "factorize", None) is not None
+    if kw.get("loss_fn") is not None and (searched or wants_pipeline(mesh, pipeline)):
         raise ArgumentError("autopar.plan: loss_fn= works with unpipelined plans: under a pipeline (a 'pp' axis, "
                             "pipeline=, or Mesh.devices, which may choose one) the model must return its loss")
-    if getattr(mesh, "factorize", None) is not None:  # Mesh.devices: the planner chooses pp x dp x tp
+    if searched:  # Mesh.devices: the planner chooses pp x dp x tp
         return plan_mesh_search(model, mesh, example_inputs, example_kwargs, pipeline=pipeline, **kw)
     if wants_pipeline(mesh, pipeline):
         return plan_pipelined(model, mesh, example_inputs, example_kwargs, pipeline=pipeline, **kw)
@@ -172,6 +173,7 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
 
     ``graph``: an already captured graph of this model on these inputs (as ``autopar.plan`` takes
     it), to skip the capture; unpipelined plans only (a pipelined plan captures one micro-batch).
+    A training graph captured without ``outputs=True`` (``ir.capture.capture``) gives the loss alone.
     """
     check_model(model, "autopar.simulate: model")
     check_kwargs(example_kwargs, "autopar.simulate: example_kwargs")

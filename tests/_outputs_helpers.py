@@ -25,7 +25,7 @@ class Out:
 
 class Classifier(nn.Module):
     """Two linear layers; ``returns`` picks the output: "tuple" ``(loss, accuracy)``, "dict"
-    ``{"loss", "logits", "acc", "n"}``, "dataclass" ``Out``, "logits" the logits alone."""
+    ``{"loss", "logits", "acc", "n", "again"}`` (the loss, detached), "dataclass" ``Out``, "logits" the logits alone."""
 
     def __init__(self, returns: str, d: int = 16, h: int = 32):
         super().__init__()
@@ -42,7 +42,7 @@ class Classifier(nn.Module):
         if self.returns == "tuple":
             return loss, acc
         if self.returns == "dict":
-            return {"loss": loss, "logits": logits, "acc": acc, "n": 3}
+            return {"loss": loss, "logits": logits, "acc": acc, "n": 3, "again": loss.detach()}
         return Out(loss, logits)
 
 
@@ -91,6 +91,7 @@ def outputs_on_rank(text: str) -> dict:
     res["loss"] = _rel(out["loss"], want["loss"])
     res["logits"] = _rel(out["logits"].full_tensor(), want["logits"])
     res["acc"] = _rel(out["acc"].full_tensor(), want["acc"])
+    res["again"] = _rel(out["again"].full_tensor(), want["loss"])
     res["grads"] = max(_rel(p.grad.full_tensor(), dict(ref.named_parameters())[n].grad)
                        for n, p in pm.named_parameters())
 

@@ -67,14 +67,15 @@ def test_builtin_models_returning_logits_train_with_loss_fn(family):
     _grads_close(grads, model)
 
 
-def test_hugging_face_model_output_comes_back_with_loss_and_logits():
-    """A Hugging Face GPT-2 (shrunk) returns its ``CausalLMOutputWithCrossAttentions``: ``out.loss``
-    and ``out.logits`` equal one device's, the key-value cache object (which autopar does not
-    rebuild) is None, and the gradients match."""
-    from _corpus import hf_gpt2
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
+def test_hugging_face_model_output_comes_back_with_loss_and_logits(name):
+    """Hugging Face GPT-2 and LLaMA (shrunk) return their ``ModelOutput`` class: ``out.loss`` and
+    ``out.logits`` equal one device's, the key-value cache object (which autopar does not rebuild)
+    is None, and the gradients match."""
+    import _corpus
 
     torch.manual_seed(0)
-    model, args, kwargs = hf_gpt2()
+    model, args, kwargs = getattr(_corpus, name)()
     plan = _plan(model, args, kwargs)
     out, grads = autopar.simulate(model, plan, args, kwargs)
     want = model(*args, **kwargs)
@@ -88,7 +89,8 @@ def test_hugging_face_model_output_comes_back_with_loss_and_logits():
 
 @pytest.mark.parametrize("returns", ["tuple", "dict", "dataclass"])
 def test_loss_with_other_outputs_in_any_structure(returns):
-    """``(loss, accuracy)``, a dict with logits, accuracy and a constant, and a dataclass: each
+    """``(loss, accuracy)``, a dict with logits, accuracy, a constant and the loss again (detached),
+    and a dataclass: each
     comes back in its own structure, every output equal to one device's."""
     model, (x, y) = build(returns)
     plan = _plan(model, (x, y))
@@ -101,8 +103,8 @@ def test_loss_with_other_outputs_in_any_structure(returns):
         _close(out[1], want[1])
     elif returns == "dict":
         want["loss"].backward()
-        assert list(out) == ["loss", "logits", "acc", "n"] and out["n"] == 3
-        for k in ("loss", "logits", "acc"):
+        assert list(out) == ["loss", "logits", "acc", "n", "again"] and out["n"] == 3
+        for k in ("loss", "logits", "acc", "again"):
             _close(out[k], want[k])
     else:
         want.loss.backward()
@@ -197,8 +199,9 @@ def test_gloo_compiled_module_returns_the_model_outputs(pool):
     model, (x, y) = build("dict")
     plan = _plan(model, (x, y))
     for rank, r in enumerate(pool.run(outputs_on_rank, plan.to_json())):
-        assert r["dict_type"] == "dict" and r["keys"] == ["loss", "logits", "acc", "n"] and r["n"] == 3, (rank, r)
+        assert r["dict_type"] == "dict" and r["n"] == 3, (rank, r)
+        assert r["keys"] == ["loss", "logits", "acc", "n", "again"], (rank, r)
         assert r["logits_is_dtensor"], (rank, r)
-        assert max(r[k] for k in ("loss", "logits", "acc", "grads")) <= 1e-5, (rank, r)
+        assert max(r[k] for k in ("loss", "logits", "acc", "again", "grads")) <= 1e-5, (rank, r)
         assert r["step_type"] == "StepOutput" and r["full_is_plain"], (rank, r)
         assert max(r[k] for k in ("fn_loss", "fn_logits", "fn_grads")) <= 1e-5, (rank, r)
