@@ -76,11 +76,11 @@ class _Step(torch.autograd.Function):
         outs, saved = pm._run_forward([_local(p) for p in params] + list(values[n_params:]))
         if memory is not None:
             memory.mark(saved, "activations")
-        ctx.pm, ctx.saved, ctx.n_params = pm, saved, n_params
-        ctx.params = params
+        ctx.pm, ctx.saved, ctx.n_params, ctx.params = pm, saved, n_params, params
         ctx.specs = [tc.dtensor_spec(p) for p in params]
-        ctx.mark_non_differentiable(*outs[1:])  # the model's other outputs: the gradient is the loss's
-        return tuple(outs)
+        extras = [o.detach() if o is outs[0] else o for o in outs[1:]]  # the loss returned again: its own tensor
+        ctx.mark_non_differentiable(*extras)  # the model's other outputs: the gradient is the loss's
+        return (outs[0], *extras)
 
     @staticmethod
     def backward(ctx, grad_loss, *_):

@@ -220,16 +220,14 @@ def traced_forward(forward, training: bool, outputs: bool, loss_fn: Optional[Cal
 
 def strip_output_detach(gm: torch.fx.GraphModule) -> None:
     """Outputs of the step that are ``detach``/``alias`` of a value (capture detaches the model's
-    outputs other than the loss) read the value itself: the program returns it as it is. One that
-    detaches an earlier output (the loss itself, returned again) stays a tensor of its own."""
+    outputs other than the loss) read the value itself: the program returns it as it is."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     strip = (aten.detach.default, aten.alias.default)
-    args: list = []
+    args = []
     for a in out.args[0]:
-        src = a
-        while isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target in strip:
-            src = src.args[0]
-        args.append(a if src is not a and src in args else src)
+        while isinstance(a, torch.fx.Node) and a.op == "call_function" and a.target in strip:
+            a = a.args[0]
+        args.append(a)
     old = [a for a in out.args[0] if isinstance(a, torch.fx.Node)]
     out.args = (tuple(args),)
     for n in old:
