@@ -65,7 +65,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def outputs_on_rank(text: str) -> dict:
     """Under the plan in ``text``: a dict-returning model's compiled step gives its dict (loss to
-    backward, logits as a DTensor placed as the plan says, accuracy, the constant), and a
+    backward, logits as a DTensor placed as the plan says, accuracy, the constant; with
+    ``outputs="local"`` the logits are this rank's block as a plain tensor), and a
     logits-returning model with ``loss_fn`` and ``outputs="full"`` gives ``StepOutput`` with whole
     logits; each against the single-device model."""
     from torch.distributed.tensor import DTensor
@@ -94,6 +95,9 @@ def outputs_on_rank(text: str) -> dict:
     res["again"] = _rel(out["again"].full_tensor(), want["loss"])
     res["grads"] = max(_rel(p.grad.full_tensor(), dict(ref.named_parameters())[n].grad)
                        for n, p in pm.named_parameters())
+    again, _ = build("dict")
+    local = autopar.compile(again, mesh, (x, y), plan=plan, outputs="local")(x, y)["logits"]
+    res["local_is_block"] = type(local) is torch.Tensor and torch.equal(local, out["logits"].to_local())
 
     model, (x, y) = build("logits")
     ref, _ = build("logits")

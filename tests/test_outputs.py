@@ -193,15 +193,15 @@ def pool(gloo_pool4):
 
 def test_gloo_compiled_module_returns_the_model_outputs(pool):
     """On 4 gloo ranks (dp x tp = 2 x 2): the dict model's step returns its dict, the logits a DTensor
-    with the plan's placements, each output and every gradient equal to one device's; the
-    logits-returning model with ``loss_fn`` and ``outputs="full"`` returns ``StepOutput`` with whole
-    plain logits."""
+    with the plan's placements (``outputs="local"``: its block), each output and every gradient equal
+    to one device's; the logits-returning model with ``loss_fn`` and ``outputs="full"`` returns
+    ``StepOutput`` with whole plain logits."""
     model, (x, y) = build("dict")
     plan = _plan(model, (x, y))
     for rank, r in enumerate(pool.run(outputs_on_rank, plan.to_json())):
         assert r["dict_type"] == "dict" and r["n"] == 3, (rank, r)
         assert r["keys"] == ["loss", "logits", "acc", "n", "again"], (rank, r)
-        assert r["logits_is_dtensor"], (rank, r)
+        assert r["logits_is_dtensor"] and r["local_is_block"], (rank, r)
         assert max(r[k] for k in ("loss", "logits", "acc", "again", "grads")) <= 1e-5, (rank, r)
         assert r["step_type"] == "StepOutput" and r["full_is_plain"], (rank, r)
         assert max(r[k] for k in ("fn_loss", "fn_logits", "fn_grads")) <= 1e-5, (rank, r)

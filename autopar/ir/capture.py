@@ -121,7 +121,8 @@ def capture(
     const_idx = [i for i, n in enumerate(names) if n in constants]
     drop_constant_inputs(gm, const_idx)
     aliases = merge_tied(gm, mc)
-    strip_output_detach(gm)
+    if training:
+        strip_output_detach(gm)
     normalize_mean_losses(gm)
     tc.use_flat_calling_convention(gm)  # gm(*placeholders) -> tuple of outputs
     gm.graph.lint()

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 
+from autopar import _torch_compat as tc
 from autopar._torch_compat import pytree
 from autopar.errors import CaptureError
 
@@ -219,13 +220,15 @@ def traced_forward(forward, training: bool, outputs: bool, loss_fn: Optional[Cal
 
 
 def strip_output_detach(gm: torch.fx.GraphModule) -> None:
-    """Outputs of the step that are ``detach``/``alias`` of a value (capture detaches the model's
-    outputs other than the loss) read the value itself: the program returns it as it is."""
+    """The training step's outputs after the loss that are ``detach``/``alias`` of a value (capture
+    detaches the model's other outputs) read the value itself: the program returns it as it is."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    descs = out.meta.get("desc") or [None] * len(out.args[0])
     strip = (aten.detach.default, aten.alias.default)
     args = []
-    for a in out.args[0]:
-        while isinstance(a, torch.fx.Node) and a.op == "call_function" and a.target in strip:
+    for a, d in zip(out.args[0], descs):
+        while (isinstance(d, tc.PlainAOTOutput) and d.idx > 0 and isinstance(a, torch.fx.Node)
+               and a.op == "call_function" and a.target in strip):
             a = a.args[0]
         args.append(a)
     old = [a for a in out.args[0] if isinstance(a, torch.fx.Node)]
