@@ -10,6 +10,7 @@ from autopar import recipes
 from autopar.cost_model.mesh import Mesh
 from autopar.errors import AutoparError, CaptureError
 from autopar.ir.hint import hint
+from autopar.ir.outputs import StepOutput
 from autopar.plans import Plan, PlanError, load_plan
 from autopar.runtime.launch import LaunchError, launch
 
@@ -23,5 +24,5 @@ del _plan_module
 from autopar.api import plan, simulate  # noqa: E402  isort: skip
 from autopar.parallel import ParallelModule, compile  # noqa: E402,A004  isort: skip
 
-__all__ = ["AutoparError", "CaptureError", "LaunchError", "Mesh", "ParallelModule", "Plan", "PlanError", "compile",
-           "hint", "launch", "load_plan", "plan", "recipes", "simulate"]
+__all__ = ["AutoparError", "CaptureError", "LaunchError", "Mesh", "ParallelModule", "Plan", "PlanError", "StepOutput",
+           "compile", "hint", "launch", "load_plan", "plan", "recipes", "simulate"]

@@ -11,8 +11,8 @@ import torch.nn as nn
 from _outputs_helpers import Classifier, Out, build, cross_entropy, outputs_on_rank
 
 import autopar
+from autopar import StepOutput
 from autopar.errors import ArgumentError, CaptureError
-from autopar.ir.outputs import StepOutput
 
 MESH = {"dp": 2, "tp": 2}
 
