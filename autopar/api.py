@@ -15,7 +15,7 @@ import torch
 from autopar.cost_model.mesh import Mesh, require_mesh
 from autopar.cost_model.precision import get_precision
 from autopar.errors import ArgumentError, MeshError
-from autopar.ir.capture import as_args, capture
+from autopar.ir.capture import as_args, capture_for_plan
 from autopar.ir.graph import Graph
 from autopar.ir.rules.proof.interp import device_coords
 from autopar.ir.rules.random_ops import draw_seed
@@ -199,7 +199,8 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     if graph is None:
-        graph = capture(model, args, kwargs, training=plan.training, outputs=True, loss_fn=loss_fn)
+        graph = capture_for_plan(model, args, kwargs, training=plan.training, fingerprint=plan.fingerprint.get("graph"),
+                                 loss_fn=loss_fn)
     elif graph.training != plan.training:
         raise ArgumentError(f"autopar.simulate: graph was captured with training={graph.training}, the plan "
                             f"has training={plan.training}: capture it again with the plan's")

@@ -424,16 +424,15 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     The other keywords are ``autopar.plan``'s. The model's parameters are replaced, in place, by
     DTensors holding this rank's blocks.
 
-    The module returns what the model returns, the loss (what ``backward()`` is called on) in its
-    place and its other tensors as ``outputs`` says: "dtensor" (the plan's placements), "full"
-    (whole on every rank, gathered) or "local" (this rank's blocks). ``loss_fn``: ``autopar.plan``'s;
-    the module then takes the keyword ``target=`` and returns ``StepOutput(loss, output)``. A
-    pipelined plan's module returns the loss alone and takes neither keyword."""
+    The module returns what the model returns, the loss (``backward()``'s) in its place, its other
+    tensors as ``outputs`` says: "dtensor" (the plan's placements), "full" (whole on every rank) or
+    "local" (this rank's blocks). With ``loss_fn`` (``autopar.plan``'s) it takes ``target=`` and returns
+    ``StepOutput(loss, output)``. A pipelined plan's returns the loss alone and takes neither."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.api import check_plan_args
     from autopar.api import plan as make_plan
-    from autopar.ir.capture import as_args, capture
+    from autopar.ir.capture import as_args, capture_for_plan
     from autopar.ir.fingerprint import graph_fingerprint
     from autopar.runtime.launch import ensure_process_group
     from autopar.runtime.materialize import check_materializable
@@ -465,7 +464,8 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     _check_plan_mesh(shared, mesh)  # on every rank alike (a plan file is read on rank 0 only)
     if training is not None and shared.training != training:
         raise CompileError("the plan's training mode differs from training=")
-    graph = capture(model, args, kwargs, training=shared.training, outputs=True, loss_fn=loss_fn)
+    graph = capture_for_plan(model, args, kwargs, training=shared.training, fingerprint=shared.fingerprint.get("graph"),
+                             loss_fn=loss_fn)
     _check_same_graph(graph_fingerprint(graph))
     res = resolve(graph, shared)
     backend = dist.get_backend()

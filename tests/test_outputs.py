@@ -140,6 +140,17 @@ def test_loss_fn_without_target_and_eval():
         _close(out.output, logits)
 
 
+def test_plan_made_from_a_loss_only_graph_runs_with_the_loss_alone():
+    """A plan made from a graph captured without the other outputs (``plan(graph=capture(...))``)
+    still simulates: the step is the one it was planned for, and returns the loss alone."""
+    from autopar.ir.capture import capture
+
+    model, (x, y) = build("dict")
+    plan = _plan(model, (x, y), graph=capture(model, (x, y)))
+    loss, _ = autopar.simulate(model, plan, (x, y))
+    _close(loss, model(x, y)["loss"])
+
+
 def test_extra_outputs_are_priced_until_returned():
     """The logits a model returns live until the step ends: the plan's peak holds them on top of
     what the loss-only step holds (their block is at least the whole logits over 4 devices)."""

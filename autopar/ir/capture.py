@@ -39,7 +39,7 @@ from autopar.ir.outputs import OutputTree, check_loss_fn, strip_output_detach, t
 from autopar.ir.placement import PlacementError
 from autopar.ir.rules.random_attention import fused_dropout_attention
 
-__all__ = ["capture", "normalize_mean_losses"]
+__all__ = ["capture", "capture_for_plan", "normalize_mean_losses"]
 
 aten = torch.ops.aten
 
@@ -135,6 +135,21 @@ def capture(
         _check_grads(graph, mc)
     _refuse_random_ops(graph)
     _warn_attention_dropout(graph)
+    return graph
+
+
+def capture_for_plan(model: torch.nn.Module, example_inputs: Any, example_kwargs: Optional[dict], *, training: bool,
+                     fingerprint: Optional[str], loss_fn: Optional[Callable] = None) -> Graph:
+    """The capture a plan whose graph fingerprint is ``fingerprint`` was made from: with the model's
+    other outputs (as ``autopar.plan`` captures), or the loss alone where the plan was made from
+    such a graph (``plan(..., graph=capture(...))``); the step then returns the loss alone."""
+    from autopar.ir.fingerprint import graph_fingerprint
+
+    graph = capture(model, example_inputs, example_kwargs, training=training, outputs=True, loss_fn=loss_fn)
+    if training and graph.extras and graph_fingerprint(graph) != fingerprint:
+        alone = capture(model, example_inputs, example_kwargs, training=training, loss_fn=loss_fn)
+        if graph_fingerprint(alone) == fingerprint:
+            return alone
     return graph
 
 
