@@ -33,6 +33,7 @@ from autopar import _torch_compat as tc
 from autopar._torch_compat import pytree
 from autopar.errors import CaptureError
 from autopar.ir.blocks import mark_blocks
+from autopar.ir.fingerprint import graph_fingerprint
 from autopar.ir.graph import Graph
 from autopar.ir.lift import drop_constant_inputs, lift, merge_tied
 from autopar.ir.outputs import OutputTree, check_loss_fn, strip_output_detach, traced_forward
@@ -143,8 +144,6 @@ def capture_for_plan(model: torch.nn.Module, example_inputs: Any, example_kwargs
     """The capture a plan whose graph fingerprint is ``fingerprint`` was made from: with the model's
     other outputs (as ``autopar.plan`` captures), or the loss alone where the plan was made from
     such a graph (``plan(..., graph=capture(...))``); the step then returns the loss alone."""
-    from autopar.ir.fingerprint import graph_fingerprint
-
     graph = capture(model, example_inputs, example_kwargs, training=training, outputs=True, loss_fn=loss_fn)
     if training and graph.extras and graph_fingerprint(graph) != fingerprint:
         alone = capture(model, example_inputs, example_kwargs, training=training, loss_fn=loss_fn)
