@@ -23,7 +23,7 @@ _WHERE = {
     "PlanError": "autopar.errors", "Mesh": "autopar.cost_model.mesh", "hint": "autopar.ir.hint",
     "Plan": "autopar.plans.schema", "load_plan": "autopar.plans.schema", "launch": "autopar.runtime.launch",
     "plan": "autopar.api", "simulate": "autopar.api", "ParallelModule": "autopar.parallel",
-    "compile": "autopar.parallel",
+    "compile": "autopar.parallel", "StepOutput": "autopar.ir.outputs",
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from autopar.cost_model.mesh import Mesh
     from autopar.errors import AutoparError, CaptureError, LaunchError, PlanError
     from autopar.ir.hint import hint
+    from autopar.ir.outputs import StepOutput
     from autopar.parallel import ParallelModule, compile  # noqa: A004
     from autopar.plans.schema import Plan, load_plan
     from autopar.runtime.launch import launch
@@ -67,5 +68,5 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
-__all__ = ["AutoparError", "CaptureError", "LaunchError", "Mesh", "ParallelModule", "Plan", "PlanError", "compile",
-           "hint", "launch", "load_plan", "plan", "recipes", "simulate"]
+__all__ = ["AutoparError", "CaptureError", "LaunchError", "Mesh", "ParallelModule", "Plan", "PlanError", "StepOutput",
+           "compile", "hint", "launch", "load_plan", "plan", "recipes", "simulate"]

@@ -12,13 +12,14 @@ prepared here for ``simulate`` and ``compile`` alike: ``capture_micro`` captures
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
 
 from autopar.cost_model.mesh import Mesh, require_mesh
 from autopar.errors import ArgumentError
-from autopar.ir.capture import as_args, capture
+from autopar.ir.capture import as_args, capture, capture_for_plan
 from autopar.ir.graph import Graph
 from autopar.ir.placement import local_block
 from autopar.ir.rules.proof.interp import device_coords
@@ -35,6 +36,7 @@ from autopar.planner.report import build_plan
 from autopar.plans import Plan, load_plan
 from autopar.program.staged import StagedProgram
 from autopar.runtime.accounting import predicted as predicted_collectives
+from autopar.runtime.outputs import step_result
 from autopar.runtime.precision import execution_precision
 from autopar.runtime.threads import gather_slots, placeholder_values, simulate_programs
 from autopar.validate import check_choice, check_kwargs, check_model, check_path
@@ -75,7 +77,10 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
     True/False; default: the search keeps them per group of alike layers where that makes the step
     faster and the plan still fits; a named recipe keeps none unless asked), ``compiled`` (price the
     program as ``torch.compile``'s Inductor runs it, pointwise chains fused into one kernel each,
-    ``cost_model/fusion.py``; ``autopar.compile(..., compile=True)`` plans so by itself).
+    ``cost_model/fusion.py``; ``autopar.compile(..., compile=True)`` plans so by itself), ``loss_fn``
+    (for a model that returns logits: ``loss_fn(output, target)``, captured into the step with the
+    model; the target is the keyword input ``target=``, which goes to ``loss_fn``, not to the model;
+    ``loss_fn(output)`` without one; unpipelined plans only).
 
     A mesh axis named ``pp`` pipelines (``planner/pipelined.py``): the planner splits the repeated
     layers into stages, picks the micro-batch count and the schedule (GPipe, 1F1B, Interleaved1F1B,
@@ -97,22 +102,29 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
 def plan_with(model, mesh: Mesh, example_inputs, example_kwargs, options: PlanOptions):
     """``plan`` with its arguments already checked into ``options`` (``check_plan_args``): the
     factorization search for a ``Mesh.devices`` mesh, the pipeline planner for a ``pp`` axis or a
-    pinned ``pipeline``, else the intra-op planner."""
-    if getattr(mesh, "factorize", None) is not None:  # Mesh.devices: the planner chooses pp x dp x tp
+    pinned ``pipeline``, else the intra-op planner (whose step returns the model's other outputs too)."""
+    searched = getattr(mesh, "factorize", None) is not None
+    pipelines = wants_pipeline(mesh, options.pipeline)
+    if options.loss_fn is not None and (searched or pipelines):
+        raise ArgumentError("autopar.plan: loss_fn= works with unpipelined plans: under a pipeline (a 'pp' axis, "
+                            "pipeline=, or Mesh.devices, which may choose one) the model must return its loss")
+    if searched:  # Mesh.devices: the planner chooses pp x dp x tp
         return plan_mesh_search(model, mesh, example_inputs, example_kwargs, options)
-    if wants_pipeline(mesh, options.pipeline):
+    if pipelines:
         return plan_pipelined(model, mesh, example_inputs, example_kwargs, options)
-    return build_plan(run_passes(model, mesh, example_inputs, example_kwargs, options))
+    return build_plan(run_passes(model, mesh, example_inputs, example_kwargs, replace(options, capture_outputs=True)))
 
 
 def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Optional[dict] = None, *,
              precision: str = "model", trace: Optional[dict] = None, measure_memory: bool = False,
-             predicted: Optional[dict] = None, graph: Optional[Graph] = None):
+             predicted: Optional[dict] = None, graph: Optional[Graph] = None, loss_fn=None):
     """Run ``plan``'s lowered program for every device of its mesh in this process.
 
-    Returns ``(outputs, grads)``: for a training plan ``outputs`` is the loss and ``grads`` maps each
-    parameter's FQN to its whole gradient; for an inference plan ``outputs`` is the tuple of the
-    model's tensor outputs and ``grads`` is empty. Computes in the model's own dtypes unless
+    Returns ``(outputs, grads)``: ``outputs`` is what the model returns (a ``ModelOutput``, dict,
+    dataclass, tuple or tensor: the loss in its place and every other tensor whole; with
+    ``loss_fn``, as ``autopar.plan`` takes it, ``StepOutput(loss, output)``; a pipelined plan's is
+    the loss alone), and ``grads`` maps each parameter's FQN to its whole gradient (empty for an
+    inference plan). Computes in the model's own dtypes unless
     ``precision="plan"``: the plan's precision, e.g. "bf16-mixed" (bf16 compute, parameters gathered
     in bf16, gradients reduced and returned in fp32, the loss in fp32; see ``cost_model.casting``). Pass a
     dict as ``trace`` to receive the collectives every device executed (``{coords: [Executed, ...]}``),
@@ -133,6 +145,7 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
 
     ``graph``: an already captured graph of this model on these inputs (as ``autopar.plan`` takes
     it), to skip the capture; unpipelined plans only (a pipelined plan captures one micro-batch).
+    A training graph captured without ``outputs=True`` (``ir.capture.capture``) gives the loss alone.
     """
     check_model(model, "autopar.simulate: model")
     check_kwargs(example_kwargs, "autopar.simulate: example_kwargs")
@@ -140,6 +153,9 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     for what, given in (("trace", trace), ("predicted", predicted)):
         if given is not None and not isinstance(given, dict):
             raise ArgumentError(f"autopar.simulate: {what} must be a dict to fill (or None), got {type(given).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ArgumentError(f"autopar.simulate: loss_fn must be a callable loss_fn(output, target), got "
+                            f"{type(loss_fn).__name__}")
     if not isinstance(measure_memory, bool):
         raise ArgumentError(f"autopar.simulate: measure_memory must be True or False, got {measure_memory!r}")
     if graph is not None and not isinstance(graph, Graph):
@@ -148,14 +164,15 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     if not isinstance(plan, Plan):
         plan = load_plan(check_path(plan, "autopar.simulate: plan (a Plan or a saved plan's path)"))
     if plan.pipeline is not None:  # every stage-mesh device a thread, its stages in turn
-        if precision != "model" or measure_memory or graph is not None:
+        if precision != "model" or measure_memory or graph is not None or loss_fn is not None:
             raise ArgumentError("autopar.simulate: a pipelined plan runs at the model's precision, without "
-                                "measure_memory and without a given graph so far")
+                                "measure_memory, a given graph or loss_fn= (it returns the loss alone) so far")
         return _simulate_pipelined(model, plan, as_args(example_inputs), dict(example_kwargs or {}), trace, predicted)
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     if graph is None:
-        graph = capture(model, args, kwargs, training=plan.training)
+        graph = capture_for_plan(model, args, kwargs, training=plan.training, fingerprint=plan.fingerprint.get("graph"),
+                                 loss_fn=loss_fn)
     elif graph.training != plan.training:
         raise ArgumentError(f"autopar.simulate: graph was captured with training={graph.training}, the plan "
                             f"has training={plan.training}: capture it again with the plan's")
@@ -178,7 +195,8 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
         predicted.update({c: every.copy() for c in programs})
     shape = res.mesh.shape
     outs = gather_slots(first.outputs, {c: r.outputs for c, r in results.items()}, shape)
-    kept = [o for o, s in zip(outs, first.outputs) if s.kind in ("loss", "output")]
+    loss = next((o for o, s in zip(outs, first.outputs) if s.kind == "loss"), None)
+    result = step_result(graph.output_tree, loss, [o for o, s in zip(outs, first.outputs) if s.kind == "output"])
     grads = {}
     if plan.training:
         whole = gather_slots(first.grads, {c: r.grads for c, r in results.items()}, shape)
@@ -186,8 +204,7 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
         for alias, canon in graph.aliases.items():
             if canon in grads:
                 grads[alias] = grads[canon]
-        return (kept[0], grads, memory) if measure_memory else (kept[0], grads)
-    return (tuple(kept), grads, memory) if measure_memory else (tuple(kept), grads)
+    return (result, grads, memory) if measure_memory else (result, grads)
 
 
 def _simulate_pipelined(model, plan, args, kwargs, trace, predicted):

@@ -32,9 +32,10 @@ from autopar.runtime import faults
 from autopar.runtime.collectives import ProcessGroupComm, record_executed, single_worker_gloo_groups
 from autopar.runtime.memory import MemoryTracker, optimizer_state
 from autopar.runtime.consensus import check_plan_mesh, check_same_capture, chosen_mesh, share_plan, warn_node_layout
+from autopar.runtime.outputs import OUTPUT_MODES, placed_output, step_result
 from autopar.runtime.precision import EXECUTABLE_PRECISIONS, execution_precision
 from autopar.runtime.random_state import RANDOM_KEY, add_random_entry, at_step, share_seed, take_random_entry
-from autopar.runtime.state import as_blocks, distribute_state, dtensor_block, state_slots
+from autopar.runtime.state import as_blocks, distribute_state, state_slots
 from autopar.validate import check_choice, check_kwargs, check_model, check_path
 
 
@@ -76,13 +77,14 @@ class _Step(torch.autograd.Function):
         outs, saved = pm._run_forward([_local(p) for p in params] + list(values[n_params:]))
         if memory is not None:
             memory.mark(saved, "activations")
-        ctx.pm, ctx.saved, ctx.n_params = pm, saved, n_params
-        ctx.params = params
+        ctx.pm, ctx.saved, ctx.n_params, ctx.params = pm, saved, n_params, params
         ctx.specs = [tc.dtensor_spec(p) for p in params]
-        return outs[0]
+        extras = [o.detach() if o is outs[0] else o for o in outs[1:]]  # the loss returned again: its own tensor
+        ctx.mark_non_differentiable(*extras)  # the model's other outputs: the gradient is the loss's
+        return (outs[0], *extras)
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, *_):
         pm = ctx.pm
         grads = pm._run_backward(ctx.saved, grad_loss, ctx.step)
         if pm._memory is not None:
@@ -143,7 +145,7 @@ class ParallelModule(torch.nn.Module):
     itself is ``.module``."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, graph: Graph, dmesh, program: Program,
-                 precision: str, groups: Optional[Sequence] = None):
+                 precision: str, groups: Optional[Sequence] = None, outputs: str = "dtensor"):
         super().__init__()
         # the model's own tables become this module's (tc.share_tables, at the end): state_dict,
         # named_parameters and load_state_dict use the single-device model's names, no "module." prefix.
@@ -163,6 +165,7 @@ class ParallelModule(torch.nn.Module):
         self._comm = ProcessGroupComm(groups, plan.axis_names)
         self._axis_of_group = {g.group_name: name for g, name in zip(groups, plan.axis_names)}
         self._recording: Optional[list] = None
+        self._outputs = outputs  # how the model's other outputs come back (``runtime.outputs.OUTPUT_MODES``)
         self._memory: Optional[MemoryTracker] = None
         self._memory_optimizer: Optional[torch.optim.Optimizer] = None
         self._param_slots = [s for s in program.inputs if s.kind == "param"]
@@ -327,7 +330,8 @@ class ParallelModule(torch.nn.Module):
         return local_block(value, slot.placements, self.program.mesh_shape, coords, slot.spec.blocks)
 
     def forward(self, *args, **kwargs):
-        """Run the lowered forward program on this rank's blocks (the backward runs at ``loss.backward()``)."""
+        """Run the lowered forward program on this rank's blocks (the backward runs at ``loss.backward()``);
+        returns what the model returns (``runtime.outputs.step_result``)."""
         # not ``self.steps += 1``: nn.Module's setter would refuse an int where the model has a
         # parameter, buffer or child named ``steps`` (the tables are the model's)
         object.__setattr__(self, "steps", self.steps + 1)
@@ -343,28 +347,31 @@ class ParallelModule(torch.nn.Module):
                 values.append(self._local_input(slot, args[int(slot.key.split(":")[1])]))
             else:
                 values.append(self._local_input(slot, kwargs[slot.key]))
-        if self.program.backward is not None:
+        loss = None
+        if training:
             n = len(self._param_slots)
             # parameters first: _Step returns their gradients in the same order
             order = [i for i, s in enumerate(self.program.inputs) if s.kind == "param"]
             rest = [i for i, s in enumerate(self.program.inputs) if s.kind != "param"]
             if order != list(range(n)):
                 raise CompileError("the lowered program does not list parameters first")  # lowering invariant
-            return _Step.apply(self, n, *[values[i] for i in order + rest])
-        if self._memory is not None:
-            self._begin_memory([self._param(s.key) for s in self._param_slots], values)
-        outs, _ = self._run_forward(values)
-        if self._memory is not None:
-            self._memory.finish()
+            loss, *outs = _Step.apply(self, n, *[values[i] for i in order + rest])
+        else:
+            if self._memory is not None:
+                self._begin_memory([self._param(s.key) for s in self._param_slots], values)
+            outs, _ = self._run_forward(values)
+            if self._memory is not None:
+                self._memory.finish()
         slots = [s for s in self.program.outputs if s.kind == "output"]
-        wrapped = tuple(dtensor_block(o, self.device_mesh, s) for o, s in zip(outs, slots))
-        return wrapped[0] if len(wrapped) == 1 else wrapped
+        placed = [placed_output(o, s, self.device_mesh, self._outputs) for o, s in zip(outs, slots)]
+        return step_result(self.graph.output_tree, loss, placed)
 
 
 # -- compile ----------------------------------------------------------------------------------------
 
 def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwargs: Optional[dict] = None, *,
-            plan=None, precision: Optional[str] = None, compile: Union[bool, str] = False,  # noqa: A002
+            plan=None, precision: Optional[str] = None, loss_fn=None, outputs: str = "dtensor",
+            compile: Union[bool, str] = False,  # noqa: A002
             **plan_kwargs) -> ParallelModule:
     """Plan (or take ``plan``: a Plan or a saved plan's path) and build this rank's ParallelModule.
 
@@ -381,11 +388,15 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     their functional collectives inside the compiled graphs (see ``Program.compile_with``); the first
     step pays the compilation. The other keywords are ``autopar.plan``'s. The model's parameters are
     replaced, in place, by DTensors holding this rank's blocks.
-    """
+
+    The module returns what the model returns, the loss (``backward()``'s) in its place, its other
+    tensors as ``outputs`` says: "dtensor" (the plan's placements), "full" (whole on every rank) or
+    "local" (this rank's blocks). With ``loss_fn`` (``autopar.plan``'s) it takes ``target=`` and returns
+    ``StepOutput(loss, output)``. A pipelined plan's returns the loss alone and takes neither."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.api import check_plan_args, plan_with
-    from autopar.ir.capture import as_args, capture
+    from autopar.ir.capture import as_args, capture_for_plan
     from autopar.runtime.launch import ensure_process_group
     from autopar.runtime.nodes import start_from_environment
     from autopar.runtime.materialize import check_materializable
@@ -396,6 +407,8 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     check_kwargs(example_kwargs, "autopar.compile: example_kwargs")
     check_choice(precision, ("plan",) + EXECUTABLE_PRECISIONS, "autopar.compile: precision", allow_none=True)
     torch_backend = compile_backend(compile, "autopar.compile")
+    check_choice(outputs, OUTPUT_MODES, "autopar.compile: outputs")
+    plan_kwargs = dict(plan_kwargs, loss_fn=loss_fn) if loss_fn is not None else plan_kwargs  # plan's keyword too
     if plan is not None and not isinstance(plan, Plan):
         check_path(plan, "autopar.compile: plan (a Plan, a saved plan's path, or None)")
     if torch_backend == "inductor" and plan is None:  # priced as Inductor runs it: pointwise chains fused
@@ -418,11 +431,15 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     if factorized:
         mesh = chosen_mesh(shared, mesh)
     if shared.pipeline is not None:  # stages on the pp axis, each its slice of the program on the others
+        if loss_fn is not None or outputs != "dtensor":
+            raise CompileError("a pipelined plan returns the loss alone: the model returns its loss (no loss_fn=) "
+                               "and outputs= does not apply; plan without a 'pp' axis for the model's other outputs")
         return _compile_pipelined(model, mesh, shared, args, kwargs, precision, materializer)
     check_plan_mesh(shared, mesh)  # on every rank alike (a plan file is read on rank 0 only)
     if training is not None and shared.training != training:
         raise CompileError("the plan's training mode differs from training=")
-    graph = capture(model, args, kwargs, training=shared.training)
+    graph = capture_for_plan(model, args, kwargs, training=shared.training, fingerprint=shared.fingerprint.get("graph"),
+                             loss_fn=loss_fn)
     check_same_capture(graph)
     res = resolve(graph, shared)
     backend = dist.get_backend()
@@ -439,7 +456,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     # gloo: the program's collectives get groups of their own with one worker thread each, since
     # torch 2.13's two workers corrupt the heap when two collectives finish together (see there)
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank()) if backend == "gloo" else None
-    return ParallelModule(model, shared, graph, dmesh, program, prec, groups)
+    return ParallelModule(model, shared, graph, dmesh, program, prec, groups, outputs)
 
 
 def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, materializer):

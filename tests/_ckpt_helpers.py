@@ -156,7 +156,7 @@ def hf_meta_models() -> dict:
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-6)
         losses = []
         for _ in range(3):
-            loss = pm(input_ids=ids, labels=ids)
+            loss = pm(input_ids=ids, labels=ids).loss  # the model's own ModelOutput
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -84,14 +84,19 @@ def corpus_step_on_rank(cases: list, seed: int) -> dict:
         torch.manual_seed(seed)
         pm = autopar.compile(model, autopar.Mesh(dict(zip(plan.axis_names, plan.mesh_shape)), device="cpu"), args,
                              kwargs, plan=plan)
-        loss = pm(*args, **kwargs)
+        loss = _loss(pm(*args, **kwargs))  # a Hugging Face model returns its ModelOutput
         loss.backward()
         out[name] = (loss.item(), {n: p.grad.full_tensor()  # tied weights under each of their names
                                    for n, p in pm.module.named_parameters(remove_duplicate=False)
                                    if p.grad is not None})
         with torch.no_grad():
-            out[name + ":next"] = pm(*args, **kwargs).item()
+            out[name + ":next"] = _loss(pm(*args, **kwargs)).item()
     return out
+
+
+def _loss(out):
+    """The loss of what a compiled step returns: the tensor itself, or a ``ModelOutput``'s ``loss``."""
+    return out if isinstance(out, torch.Tensor) else out.loss
 
 
 #: The run's seed of the corpus programs below (simulate and compile draw it from torch's generator).

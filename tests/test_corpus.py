@@ -2,8 +2,8 @@
 RoPE, Hugging Face GPT-2, LLaMA, BERT, T5, ViT and Mixtral, ``nn.TransformerEncoder``, the
 functional-loop decoder) plans and runs like the built-in models: every op has a sharding rule (no
 warning at capture or planning), every named recipe prices on every model, and the simulated
-program on (2, 2) and (2, 3) meshes computes the eager model's loss and gradients (float64, dropout
-off). With dropout on: tests/test_corpus_dropout.py."""
+program on (2, 2) and (2, 3) meshes computes the eager model's loss, its other outputs and the gradients
+(float64, dropout off). With dropout on: tests/test_corpus_dropout.py."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 import autopar
 from autopar.ir.capture import capture
+from autopar.ir.outputs import flatten_outputs
 from autopar.ir.rules import has_rule
 
 transformers = pytest.importorskip("transformers")
@@ -98,18 +99,25 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _check_parity(name: str, plan, graph=None) -> None:
     model, args, kwargs = build(name, dtype=torch.float64)
-    loss, grads = autopar.simulate(model, plan, args, kwargs, graph=graph)
+    got, grads = autopar.simulate(model, plan, args, kwargs, graph=graph)
     out = model(*args, **kwargs)
     ref = out if isinstance(out, torch.Tensor) else out.loss
+    loss = got if isinstance(got, torch.Tensor) else got.loss
     ref.backward()
+    # every output the model returns comes back in its structure, equal to the eager model's
+    assert type(got) is type(out), (name, type(got), type(out))
+    ours, theirs = flatten_outputs(got)[1], flatten_outputs(out)[1]
+    assert len(ours) == len(theirs), (name, len(ours), len(theirs))
     names = [n for n, p in model.named_parameters() if p.grad is not None]
     assert set(names) <= set(grads)
-    # one vector: a gradient that is zero in exact arithmetic (attention's key bias: softmax ignores
-    # a shift of every score) is roundoff alone, and no two correct programs share their roundoff
-    got = torch.cat([grads[n].double().flatten() for n in names])
-    want = torch.cat([dict(model.named_parameters())[n].grad.double().flatten() for n in names])
     tol = 1e-6 if name in FP32_INSIDE else 1e-9
     assert _rel(loss, ref) < tol, (name, _rel(loss, ref))
+    for k, (x, y) in enumerate(zip(ours, theirs)):
+        assert _rel(x, y) < tol, (name, k, tuple(y.shape), _rel(x, y))
+    # one vector: a gradient that is zero in exact arithmetic (attention's key bias: softmax ignores
+    # a shift of every score) is roundoff alone, and no two correct programs share their roundoff
+    got, want = torch.cat([grads[n].double().flatten() for n in names]), torch.cat(
+        [dict(model.named_parameters())[n].grad.double().flatten() for n in names])
     assert _rel(got, want) < tol, (name, _rel(got, want))
 
 
@@ -122,7 +130,7 @@ def graphs64():
     def get(name):
         if name not in out:
             model, args, kwargs = build(name, dtype=torch.float64)
-            out[name] = capture(model, args, kwargs)
+            out[name] = capture(model, args, kwargs, outputs=True)
         return out[name]
 
     return get

@@ -100,9 +100,10 @@ def _saved_tensors_hooks_tracing():
 
 def _export_joint_fast(module, args, kwargs, decomps, loss_dtype=torch.float32):
     """The same joint graph as ``aot_export_joint_with_descriptors`` for a module whose forward
-    returns a scalar loss and mutates no input, traced in one pass: make_fx of forward +
-    ``torch.autograd.grad`` on the fake inputs, without functionalization and without AOTAutograd's
-    metadata pre-pass. Raises _NotFast where AOTAutograd's export is needed."""
+    returns a scalar loss (or a tuple of the loss and tensors that need no gradient) and mutates
+    no input, traced in one pass: make_fx of forward + ``torch.autograd.grad`` on the fake inputs,
+    without functionalization and without AOTAutograd's metadata pre-pass. Raises _NotFast where
+    AOTAutograd's export is needed."""
     import warnings
 
     from torch._dispatch.python import enable_python_dispatcher
@@ -142,13 +143,18 @@ def _export_joint_fast(module, args, kwargs, decomps, loss_dtype=torch.float32):
     n_state = len(params) + len(buffers)
     needs = [isinstance(p, torch.Tensor) and p.requires_grad for p in primals]
     seen_dtype = []
+    n_extra = [0]  # the module's outputs after the loss (returned as they are, no gradient flows from them)
 
     def joint(primals, tangents):
         a, k = pytree.tree_unflatten(list(primals[n_state:]), in_spec)
         # like AOTAutograd's functional_call: with tied weights, every FQN is swapped in (the last wins)
         with _reparametrize_module(module, dict(zip([*params, *buffers], primals[:n_state]))) if aliases \
                 else contextlib.nullcontext():
-            loss = module(*a, **k)
+            res = module(*a, **k)
+        loss, extras = (res[0], list(res[1:])) if isinstance(res, tuple) and res else (res, [])
+        if any(not isinstance(t, torch.Tensor) for t in extras):
+            raise _NotFast("an output after the loss is not a tensor")
+        n_extra[0] = len(extras)
         if not isinstance(loss, torch.Tensor) or loss.shape != () or not loss.requires_grad:
             raise _NotFast("output is not a scalar loss that requires grad")
         if loss.dtype != tangents[0].dtype:
@@ -160,7 +166,7 @@ def _export_joint_fast(module, args, kwargs, decomps, loss_dtype=torch.float32):
         with set_partitioner_tag_is_backward(), _fx_traceback.preserve_node_meta():
             grads = iter(torch.autograd.grad([loss], [p for p, n in zip(primals, needs) if n],
                                              grad_outputs=[tangents[0]], allow_unused=True))
-        return [loss, *(next(grads) if n else None for n in needs)]
+        return [loss, *extras, *(next(grads) if n else None for n in needs)]
 
     try:
         with contextlib.ExitStack() as st:
@@ -194,7 +200,8 @@ def _export_joint_fast(module, args, kwargs, decomps, loss_dtype=torch.float32):
     for n, d in zip(ph, [*descs, TangentAOTInput(PlainAOTOutput(0))]):
         n.meta["desc"] = d
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
-    out.meta["desc"] = [PlainAOTOutput(0), *(GradAOTOutput(d) if n else None for d, n in zip(descs, needs))]
+    out.meta["desc"] = [*(PlainAOTOutput(i) for i in range(1 + n_extra[0])),
+                        *(GradAOTOutput(d) if n else None for d, n in zip(descs, needs))]
     graph.eliminate_dead_code()
     gm.recompile()
     return gm

@@ -9,7 +9,8 @@ Recipe (the reasons are measured, see DESIGN.md "Capture: traps measured on torc
    ``aten._scaled_dot_product_flash_attention_for_cpu``. The user's model is never touched.
 2. On the copy: forward-pre/forward hooks that annotate every traced node with the module path
    (``node.meta["custom"]["autopar_module"]``; backward nodes inherit it), and a ``forward`` that
-   returns the loss (training) or the flattened tensor outputs (inference).
+   returns the loss (training; with ``outputs=True`` the model's other tensors after it, detached)
+   or the flattened tensor outputs (inference); ``ir.outputs`` records where each goes back.
 3. ``aot_export_joint_with_descriptors`` with ``_log_softmax`` (and its backward) decomposed, so a
    vocab-split cross-entropy is a sequence of reductions. Inference exports a copy whose parameters
    do not require grad, which gives a forward-only graph.
@@ -21,12 +22,10 @@ Recipe (the reasons are measured, see DESIGN.md "Capture: traps measured on torc
 from __future__ import annotations
 
 import copy
-import dataclasses
 import operator
 import sys
 import warnings
-from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -34,12 +33,14 @@ from autopar import _torch_compat as tc
 from autopar._torch_compat import pytree
 from autopar.errors import CaptureError
 from autopar.ir.blocks import mark_blocks
+from autopar.ir.fingerprint import graph_fingerprint
 from autopar.ir.graph import Graph
 from autopar.ir.lift import drop_constant_inputs, lift, merge_tied
+from autopar.ir.outputs import OutputTree, check_loss_fn, strip_output_detach, traced_forward
 from autopar.ir.placement import PlacementError
 from autopar.ir.rules.random_attention import fused_dropout_attention
 
-__all__ = ["capture", "normalize_mean_losses"]
+__all__ = ["capture", "capture_for_plan", "normalize_mean_losses"]
 
 aten = torch.ops.aten
 
@@ -61,14 +62,26 @@ def capture(
     example_kwargs: Optional[dict] = None,
     *,
     training: bool = True,
+    outputs: bool = False,
+    loss_fn: Optional[Callable] = None,
 ) -> Graph:
     """Capture ``model(*example_inputs, **example_kwargs)`` as an IR Graph of aten ops.
 
     ``training=True``: the joint forward+backward step; the model must return a loss (a scalar
-    tensor, a dict or dataclass with a ``loss`` entry, or exactly one scalar float tensor among its
-    outputs). ``training=False``: the forward only, every tensor output kept. The model's own mode
-    (``train()``/``eval()``) is used as is. Inputs may live on any device, meta included: only their
-    shapes and dtypes are used. Raises :class:`CaptureError` with a reason and a remedy.
+    tensor, a dict, dataclass or named tuple with a ``loss`` entry, a tuple whose first element is
+    a scalar float tensor, or exactly one scalar float tensor among its outputs), or ``loss_fn``
+    computes it. With ``outputs=True`` the model's other tensor outputs are outputs of the step too
+    (``Graph.extras``, no gradient flows from them); without, the step returns the loss alone.
+    ``training=False``: the forward only, every tensor output kept. ``Graph.output_tree`` records
+    where each output goes back in the model's result (``ir.outputs``).
+
+    ``loss_fn(output, target)`` (or ``loss_fn(output)`` without a ``target`` keyword input): the
+    loss of the model's output, captured into the step; the keyword input ``target`` goes to it,
+    not to the model, and the step returns ``StepOutput(loss, output)``.
+
+    The model's own mode (``train()``/``eval()``) is used as is. Inputs may live on any device, meta
+    included: only their shapes and dtypes are used. Raises :class:`CaptureError` with a reason and
+    a remedy.
     """
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
@@ -85,12 +98,15 @@ def capture(
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     names, constants = _check_inputs(args, kwargs)
+    if loss_fn is not None:
+        check_loss_fn(loss_fn)
 
     fm = tc.FakeTensorMode(allow_non_fake_inputs=True)
     mc = _fake_copy(model, fm, training)
     fargs, fkwargs = _fake_inputs(args, kwargs, fm)
     tracker = _ModuleTracker(mc)
-    mc.forward = _wrap_forward(mc.forward, training)  # instance attribute: hooks still run
+    trees: list[OutputTree] = []  # the model's output structure, as the trace saw it
+    mc.forward = traced_forward(mc.forward, training, outputs, loss_fn, trees)  # instance attribute: hooks still run
     decomps = tc.decompositions(_DECOMPOSE)
     grad_mode = torch.enable_grad() if training else torch.no_grad()
     # attention with dropout is recorded fused, with its dropout_p (ir.rules.random_attention)
@@ -106,17 +122,33 @@ def capture(
     const_idx = [i for i, n in enumerate(names) if n in constants]
     drop_constant_inputs(gm, const_idx)
     aliases = merge_tied(gm, mc)
+    if training:
+        strip_output_detach(gm)
     normalize_mean_losses(gm)
     tc.use_flat_calling_convention(gm)  # gm(*placeholders) -> tuple of outputs
     gm.graph.lint()
     gm.recompile()
 
     graph = lift(gm, training=training, input_names=names, constants=constants, aliases=aliases)
+    graph.output_tree = trees[-1] if trees else None
     mark_blocks(graph)
     if training:
         _check_grads(graph, mc)
     _refuse_random_ops(graph)
     _warn_attention_dropout(graph)
+    return graph
+
+
+def capture_for_plan(model: torch.nn.Module, example_inputs: Any, example_kwargs: Optional[dict], *, training: bool,
+                     fingerprint: Optional[str], loss_fn: Optional[Callable] = None) -> Graph:
+    """The capture a plan whose graph fingerprint is ``fingerprint`` was made from: with the model's
+    other outputs (as ``autopar.plan`` captures), or the loss alone where the plan was made from
+    such a graph (``plan(..., graph=capture(...))``); the step then returns the loss alone."""
+    graph = capture(model, example_inputs, example_kwargs, training=training, outputs=True, loss_fn=loss_fn)
+    if training and graph.extras and graph_fingerprint(graph) != fingerprint:
+        alone = capture(model, example_inputs, example_kwargs, training=training, loss_fn=loss_fn)
+        if graph_fingerprint(alone) == fingerprint:
+            return alone
     return graph
 
 
@@ -249,54 +281,7 @@ class _ModuleTracker:
 
 
 # ---------------------------------------------------------------------------------------------
-# Outputs: what the exported function returns
-
-
-def _describe(out: Any) -> str:
-    if isinstance(out, torch.Tensor):
-        return f"a {str(out.dtype).replace('torch.', '')} tensor of shape {tuple(out.shape)}"
-    if isinstance(out, Mapping):
-        return f"a {type(out).__name__} with keys {list(out.keys())}"
-    if isinstance(out, (tuple, list)):
-        return f"a {type(out).__name__} of {len(out)}: [{', '.join(_describe(o) for o in out[:6])}]"
-    return f"a {type(out).__name__}"
-
-
-def _loss_of(out: Any) -> torch.Tensor:
-    """The loss among a model's outputs (see ``capture``)."""
-    loss = None
-    if isinstance(out, torch.Tensor):
-        loss = out
-    elif isinstance(out, Mapping):
-        loss = out.get("loss")
-    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
-        loss = getattr(out, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point():
-        return loss
-    if loss is None and not isinstance(out, torch.Tensor):
-        scalars = [
-            t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.ndim == 0 and t.is_floating_point()
-        ]
-        if len(scalars) == 1:
-            return scalars[0]
-    raise CaptureError(
-        f"training capture needs a loss, but the model returned {_describe(out)}. Return a scalar loss "
-        "tensor (e.g. compute the loss in forward from targets passed as an input), a dict or dataclass "
-        "with a 'loss' entry, or capture with training=False for a forward-only graph."
-    )
-
-
-def _wrap_forward(forward, training: bool):
-    def loss_forward(*args, **kwargs):
-        return _loss_of(forward(*args, **kwargs))
-
-    def flat_forward(*args, **kwargs):
-        outs = tuple(t for t in pytree.tree_leaves(forward(*args, **kwargs)) if isinstance(t, torch.Tensor))
-        if not outs:
-            raise CaptureError("the model returned no tensors: nothing to capture")
-        return outs
-
-    return loss_forward if training else flat_forward
+# Errors
 
 
 def _capture_error(e: Exception, where: Optional[tuple[str, str]]) -> Exception:

@@ -164,6 +164,10 @@ class Graph:
     hints: list[Hint] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)  # tied FQN -> canonical FQN (in params/buffers)
     mutations: dict[str, Ref] = field(default_factory=dict)  # buffer FQN -> its new value (e.g. BatchNorm stats)
+    #: a training step's outputs besides the loss (the model's other tensors, ``capture(outputs=True)``), in order
+    extras: list[Ref] = field(default_factory=list)
+    #: where each output goes back in the model's result (``ir.outputs.OutputTree``); None: not recorded
+    output_tree: Any = None
     gm: Optional[torch.fx.GraphModule] = field(default=None, repr=False)
     _by_name: dict[str, Node] = field(default_factory=dict, repr=False)
 

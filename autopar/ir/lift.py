@@ -195,6 +195,7 @@ def lift(
     grads: dict[str, Ref] = {}
     mutations: dict[str, Ref] = {}
     loss: Optional[Ref] = None
+    extras: dict[int, Ref] = {}
     for o, d in zip(out_node.args[0], descs):
         r = ref_of[o] if isinstance(o, torch.fx.Node) else None
         outputs.append(r)
@@ -208,6 +209,8 @@ def lift(
         elif isinstance(d, tc.PlainAOTOutput) and training and d.idx == 0:
             loss = r
             by_name[r.node].roles[r.index] = Role.LOSS
+        elif isinstance(d, tc.PlainAOTOutput) and training:
+            extras[d.idx] = r  # the model's other outputs (capture(outputs=True))
 
     return Graph(
         nodes=nodes,
@@ -223,4 +226,5 @@ def lift(
         gm=gm,
         aliases=dict(aliases),
         mutations=mutations,
+        extras=[extras[i] for i in sorted(extras)],
     )

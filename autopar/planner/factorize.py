@@ -92,9 +92,10 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     batch = batch_size(args, kwargs)
-    graphs: dict[int, Any] = {}
-    graphs[batch] = options.graph if options.graph is not None else capture(model, args, kwargs, training=True)
-    n_layers = len(chain(graphs[batch]).keys)
+    graphs: dict[int, Any] = {}  # the pipelined shapes' captures (the loss alone, as pipelines run)
+    # the unpipelined shapes' capture: the step returns the model's other outputs too
+    full = options.graph if options.graph is not None else capture(model, args, kwargs, training=True, outputs=True)
+    n_layers = len(chain(full).keys)
     shapes = shape_candidates(count, node, batch, n_layers, spec.get(PP_AXIS), spec.get(TP_AXIS))
     if not shapes:
         raise ArgumentError(f"autopar.plan: no factorization of {count} devices into pp x dp x tp fits a batch of "
@@ -103,7 +104,7 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
                                if spec.get(PP_AXIS) or spec.get(TP_AXIS) else ""))
     budget = options.budget(mesh)  # every factorization is on this hardware: one budget for all
     fixed = replace(options, graph=None, memory_budget=budget)
-    at_batch = replace(fixed, graph=graphs[batch])
+    at_batch = replace(fixed, graph=full)
     rows: list[dict] = []
     plans = []
     # the pipelined shapes first (their per-stage solves are small), then the unpipelined ones, each

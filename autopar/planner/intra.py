@@ -132,7 +132,9 @@ def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
     ``kept_gathers`` which layer instances keep their gathered parameters for the backward
     (``passes.search.kept.pinned_kept_gathers``; default: the search keeps them where that is faster
     and fits, a named recipe keeps none); ``graph`` skips the capture; ``compiled`` prices the program
-    as Inductor compiles it (``cost_model.fusion``: pointwise chains fused)."""
+    as Inductor compiles it (``cost_model.fusion``: pointwise chains fused); ``capture_outputs`` and
+    ``loss_fn`` are ``ir.capture.capture``'s ``outputs`` and ``loss_fn`` (the model's other outputs in
+    the step; the loss of a model that returns logits)."""
     require_mesh(mesh)
     opts = options if options is not None else PlanOptions()
     clock = _Clock(sys.stderr.isatty() if opts.progress is None else opts.progress)
@@ -142,7 +144,8 @@ def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
     hints = merge_hints(opts.hints, placed)
     graph = opts.graph
     if graph is None:
-        graph = capture(model, tuple(example_inputs), example_kwargs, training=opts.training)
+        graph = capture(model, tuple(example_inputs), example_kwargs, training=opts.training,
+                        outputs=opts.capture_outputs, loss_fn=opts.loss_fn)
     clock.lap("capture")
     folding = fold(graph)
     clock.lap("fold")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 from autopar.cost_model.mesh import Mesh
 from autopar.cost_model.precision import get_precision
@@ -51,7 +51,13 @@ class PlanOptions:
     kept_gathers: KeptPin = None
     #: price the program as Inductor compiles it (``cost_model.fusion``): ``compile(..., compile=True)``
     compiled: bool = False
+    #: for a model that returns logits: ``loss_fn(output, target)`` (``target=`` a keyword input) or
+    #: ``loss_fn(output)``, captured into the step with the model (unpipelined plans)
+    loss_fn: Optional[Callable] = None
     pipeline: Optional[Mapping] = None
+    #: the step returns the model's other outputs too (``ir.capture.capture(outputs=True)``): set by
+    #: ``autopar.plan`` for unpipelined plans, not a keyword
+    capture_outputs: bool = False
 
     def budget(self, mesh: Mesh) -> float:
         """The memory budget per device in bytes: the one given, else ``DEFAULT_BUDGET_FRACTION`` of
@@ -63,7 +69,7 @@ class PlanOptions:
 
 #: the keywords ``plan_options`` reads (``autopar.plan``'s own and those it passes on); ``pipeline``
 #: is an argument of ``autopar.plan`` alone
-KEYWORDS = tuple(f for f in PlanOptions.__dataclass_fields__ if f != "pipeline")
+KEYWORDS = tuple(f for f in PlanOptions.__dataclass_fields__ if f not in ("pipeline", "capture_outputs"))
 
 
 def plan_options(mesh: Mesh, kw: Mapping[str, Any], where: str = "autopar.plan", pipeline: Any = None) -> PlanOptions:
@@ -86,6 +92,9 @@ def plan_options(mesh: Mesh, kw: Mapping[str, Any], where: str = "autopar.plan",
     if opts.progress is not None:
         check_bool(opts.progress, f"{where}: progress")
     check_bool(opts.compiled, f"{where}: compiled")
+    if opts.loss_fn is not None and not callable(opts.loss_fn):
+        raise ArgumentError(f"{where}: loss_fn must be a callable loss_fn(output, target) (or loss_fn(output)), got "
+                            f"{type(opts.loss_fn).__name__}")
     try:
         get_precision(opts.precision, mesh.hardware, opts.optimizer)
     except ValueError as e:

@@ -324,6 +324,10 @@ class Emitter:
                 full = tuple(B for _ in self.mesh_shape)
                 outs.append(self.value(g.loss, full, self.fg))
                 slots_out.append(Slot("loss", "loss", full, g.spec(g.loss)))
+            for k, r in enumerate(g.extras, 1):  # the model's other outputs, where they were made, in their dtype
+                pl = self.base[r][2]
+                outs.append(self.value(r, pl, self.fg, g.spec(r).dtype if self._dtype(r) != g.spec(r).dtype else None))
+                slots_out.append(Slot("output", str(k), pl, g.spec(r)))
         else:
             for i, r in enumerate(g.outputs):
                 if r is None or r in g.mutations.values():

@@ -66,6 +66,8 @@ def build_problem(
     param_node = {name: fqn for fqn, name in graph.params.items()}
     # parameters' layout views are derived again in the backward (the lowering never saves them)
     views = param_views(graph)
+    # the model's other outputs (``Graph.extras``) live until the step returns them, as saved values do
+    users_backward.update(r for r in graph.extras if graph.node(r.node).phase == Phase.FORWARD)
     # what a saved value's storage adds (a view keeps its whole base; two views of one base, one storage)
     shares = storage_shares(graph, [r for r in users_backward if r.node not in views])
 
