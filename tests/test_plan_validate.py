@@ -168,7 +168,7 @@ def test_a_saved_plan_loads_and_saves_to_the_same_bytes(tmp_path):
     plan = load_plan(path)
     plan.save(tmp_path / "again.json")
     assert (tmp_path / "again.json").read_text(encoding="utf-8") == text
-    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 7
+    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 8
 
 
 def test_later_versions_only_add_fields(good):

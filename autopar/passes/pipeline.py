@@ -12,8 +12,9 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
+from autopar.cost_model.liveness import Peak
 from autopar.cost_model.mesh import Mesh, require_mesh
 from autopar.cost_model.precision import Precision, get_precision
 from autopar.errors import InfeasibleError, RecipeError
@@ -22,7 +23,7 @@ from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph
 from autopar.ir.placement import format_placements
 from autopar.ir.recompute import recomputed_ops
-from autopar.passes.search import checkpoint, kept, recipes
+from autopar.passes.search import checkpoint, kept, peak, recipes
 from autopar.passes.search.build import build_problem
 from autopar.passes.search.collector import collector_paused
 from autopar.passes.search.complete import complete
@@ -68,6 +69,8 @@ class Planned:
     #: (``problem`` is priced with them) and what keeping costs and saves (``passes.search.kept``)
     kept_paths: list[list[str]] = field(default_factory=list)
     kept_terms: list[kept.GroupKept] = field(default_factory=list)
+    #: the walked peak of the chosen plan (``cost.memory`` is its parts; ``passes.search.peak``)
+    peak: Optional[Peak] = None
 
 
 class _Clock:
@@ -141,6 +144,12 @@ def run_passes(
     ops = {n.name: n.op for n in graph.nodes}
     merged = merge(problem, ops)
     clock.lap("merge")
+    terms = checkpoint.group_terms(graph, folding, problem, mesh, prec) if folding.groups else []
+
+    def walk(prob: Problem, choice: list[int], rc: Optional[checkpoint.Choice] = None,
+             keep_paths: Sequence[str] = ()) -> Cost:  # the choice's cost with its walked peak
+        paths = checkpoint.checkpointed_paths(terms, rc) if rc is not None and rc.any else None
+        return peak.walked(graph, mesh, prec, folding, prob, choice, paths, keep_paths)
 
     names = [recipe] if recipe else list(recipes.NAMES)
     baselines: dict[str, dict] = {}
@@ -160,7 +169,7 @@ def run_passes(
                 raise
             baselines[name] = {"error": str(e)}
             continue
-        cost = evaluate(problem, choice)
+        cost = walk(problem, choice)
         choices[name] = choice
         baselines[name] = {"step_time": cost.step_time, "peak_memory": int(cost.peak_memory),
                            "fits": cost.peak_memory <= budget}
@@ -168,7 +177,6 @@ def run_passes(
 
     solution, searched_cost = None, None
     unscaled = problem
-    terms = checkpoint.group_terms(graph, folding, problem, mesh, prec) if folding.groups else []
     pin = checkpoint.pinned(checkpointing, terms)
     keep = kept.pinned(kept_gathers, [t.paths for t in terms])
     recompute = pin or checkpoint.Choice(tuple("full" for _ in terms), tuple(0 for _ in terms))
@@ -185,19 +193,20 @@ def run_passes(
         # only adds time), and planning costs what it did before checkpointing was searched
         solution, searched = _solve(merged, problem, choices, *search_args, budget=False)
         found = [(recompute, problem, merged, solution, searched)]
-        over = searched is None or evaluate(problem, searched).peak_memory > budget
+        over = searched is None or walk(problem, searched, recompute).peak_memory > budget
         if over:  # (no solve when even the leanest plan is over the budget)
-            solution, searched = (_solve(merged, problem, choices, *search_args, budget=True)
+            solution, searched = (_solve_fitting(merged, problem, choices, search_args, budget,
+                                                 lambda c: walk(problem, c, recompute).peak_memory)
                                   if leanest(problem) <= budget else (None, None))
             found = [(recompute, problem, merged, solution, searched)]
         if over and pin is None and terms:
-            found += _recompute_candidates(problem, terms, choices, ops, clock, *search_args)
+            found += _recompute_candidates(problem, terms, choices, ops, clock, *search_args, walk=walk)
         candidates = []
         for order, (rc, prob, mrg, sol, chosen) in enumerate(found):
             if chosen is not None:
-                candidates.append((evaluate(prob, chosen), order, 0, "search", chosen, rc, prob, mrg, sol))
+                candidates.append((walk(prob, chosen, rc), order, 0, "search", chosen, rc, prob, mrg, sol))
             for k, name in enumerate(sorted(choices)):
-                candidates.append((evaluate(prob, choices[name]), order, 1 + k, f"recipe:{name}", choices[name],
+                candidates.append((walk(prob, choices[name], rc), order, 1 + k, f"recipe:{name}", choices[name],
                                    rc, prob, mrg, None))
         fits = [c for c in candidates if c[0].peak_memory <= budget]
         if not fits:
@@ -209,11 +218,17 @@ def run_passes(
         searched_cost = next((c[0] for c in candidates if c[3] == "search" and c[5] == recompute), None)
     kept_paths, kept_terms, problem = _keep(graph, folding, problem, choice, mesh, prec, terms, recompute,
                                             [[] for _ in terms] if keep is None and recipe else keep)
+    paths = checkpoint.checkpointed_paths(terms, recompute) if recompute.any else None
+    top = peak.choice_peak(graph, mesh, prec, folding, problem, choice, paths, [p for ps in kept_paths for p in ps])
+    if keep is None and not recipe and any(kept_paths) and top.peak > budget:  # kept gathers do not fit: keep none
+        kept_paths, kept_terms, problem = _keep(graph, folding, problem, choice, mesh, prec, terms, recompute,
+                                                [[] for _ in terms])
+        top = peak.choice_peak(graph, mesh, prec, folding, problem, choice, paths)
+    cost = peak.with_peak(evaluate(problem, choice), top)
     clock.lap("solve")
-    cost = evaluate(problem, choice)
     clock.phases["total"] = round(time.perf_counter() - clock.start, 4)
     return Planned(graph, mesh, folding, problem, merged, prec, choice, cost, source, solution, baselines,
-                   choices, clock.phases, searched_cost, recompute, terms, unscaled, kept_paths, kept_terms)
+                   choices, clock.phases, searched_cost, recompute, terms, unscaled, kept_paths, kept_terms, top)
 
 
 def _keep(graph: Graph, folding: Folding, problem: Problem, choice: list[int], mesh: Mesh, prec: Precision,
@@ -238,17 +253,27 @@ def _keep(graph: Graph, folding: Folding, problem: Problem, choice: list[int], m
     return keep, found, priced
 
 
+def _solve_fitting(merged: Merged, problem: Problem, choices: dict[str, list[int]], search_args: tuple,
+                   budget: float, peak_of):
+    """``_solve`` with the budget, its linear memory budget lowered until the walked peak
+    (``peak_of``) of its plan fits (``passes.search.peak.solve_fitting``)."""
+    return peak.solve_fitting(lambda lower: _solve(merged, problem, choices, *search_args, budget=True, lower=lower),
+                              peak_of, problem, budget)
+
+
 def _solve(merged: Merged, problem: Problem, choices: dict[str, list[int]], mesh: Mesh,
-           deterministic_time: float, time_limit: Optional[float], budget: bool):
+           deterministic_time: float, time_limit: Optional[float], budget: bool, lower: float = 0.0):
     """The search's plan of ``problem`` (``(solution, choice)``; ``(None, None)`` when the solver finds
     none), warm-started from the best recipe (the best that fits, with the budget), without the
-    memory budget unless ``budget``."""
+    memory budget unless ``budget`` (lowered by ``lower`` bytes: the transient memory the linear
+    form does not see)."""
     fitting = [n for n in choices if evaluate(problem, choices[n]).peak_memory <= problem.memory_budget]
     pool = fitting if budget and fitting else list(choices)
     starts = sorted(pool, key=lambda n: (evaluate(problem, choices[n]).step_time, n))
     start = choices[starts[0]] if starts else greedy(problem)
-    target = merged.problem if budget else Problem(merged.problem.nodes, merged.problem.edges, merged.problem.groups,
-                                                   math.inf, merged.problem.overlap_slowdown)
+    limit = merged.problem.memory_budget - lower if budget else math.inf
+    target = merged.problem if budget and not lower else Problem(
+        merged.problem.nodes, merged.problem.edges, merged.problem.groups, limit, merged.problem.overlap_slowdown)
     warm_start = [start[i] for i in merged.keep]
     try:
         if edge_var_count(target) <= FULL_ILP_LIMIT or mesh.ndim == 1:
@@ -262,7 +287,7 @@ def _solve(merged: Merged, problem: Problem, choices: dict[str, list[int]], mesh
 
 def _recompute_candidates(problem: Problem, terms: list[checkpoint.GroupTerms], choices: dict[str, list[int]],
                           ops: dict[str, str], clock: "_Clock", mesh: Mesh, deterministic_time: float,
-                          time_limit: Optional[float]) -> list[tuple]:
+                          time_limit: Optional[float], walk=None) -> list[tuple]:
     """Plans that recompute, for a problem whose best plan does not fit: per mode, from the fewest
     recomputed instances with which any plan fits (the leanest memory is exact and cheap: it is a
     sum over nodes), then more while the plan gets faster. Every candidate is a full solve."""
@@ -283,13 +308,16 @@ def _recompute_candidates(problem: Problem, terms: list[checkpoint.GroupTerms], 
         best_time = math.inf
         trials = _trials(ladder[0], top - 1)
         for level in trials:
-            prob = at(level)
+            prob, rc = at(level), checkpoint.levels(terms, mode, level)
             merged = merge(prob, ops)
-            solution, chosen = _solve(merged, prob, choices, mesh, deterministic_time, time_limit, budget=True)
+            search_args = (mesh, deterministic_time, time_limit)
+            solution, chosen = (_solve_fitting(merged, prob, choices, search_args, problem.memory_budget,
+                                               lambda c: walk(prob, c, rc).peak_memory) if walk is not None else
+                                _solve(merged, prob, choices, *search_args, budget=True))
             if chosen is None:
                 continue
             cost = evaluate(prob, chosen)
-            out.append((checkpoint.levels(terms, mode, level), prob, merged, solution, chosen))
+            out.append((rc, prob, merged, solution, chosen))
             if clock.progress:
                 print(f"autopar: recompute {mode} {level}/{top}: {cost.step_time * 1e3:.1f} ms", file=sys.stderr)
             if cost.step_time >= best_time and len(trials) < len(ladder):

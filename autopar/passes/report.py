@@ -21,6 +21,7 @@ from autopar.ir.recompute import recomputed_ops
 from autopar.ir.views import param_views
 from autopar.passes.search.checkpoint import checkpointed_paths, group_figures
 from autopar.passes.search.kept import kept_figures, kept_reads
+from autopar.passes.search.peak import peak_place
 from autopar.passes.search.problem import (MEMORY_KINDS, edge_cost, incident_transfers, local_cost, overlap_terms,
                                            transfer_cost)
 from autopar.passes.search.strategies import input_placement, output_placement
@@ -94,6 +95,7 @@ def build_plan(planned: "Planned", checkpointing: Optional[dict[str, str]] = Non
         comm_time=cost.comm_time,
         peak_memory=int(cost.peak_memory),
         memory={k: int(v) for k, v in cost.memory.items()},
+        peak_at=peak_place(g, planned.peak),
         placements=placements,
         nodes=nodes,
         reshardings=reshardings,
