@@ -44,6 +44,7 @@ from autopar.errors import ArgumentError, InfeasibleError, RecipeError
 from autopar.ir.capture import as_args
 from autopar.ir.stages import param_stages
 from autopar.passes.pipeline import DEFAULT_BUDGET_FRACTION, run_passes
+from autopar.passes.search.peak import with_temporaries
 from autopar.passes.report import build_plan
 from autopar.passes.search.batch_coupled import batch_coupled
 from autopar.passes.search.checkpoint import checkpointed_paths
@@ -178,6 +179,7 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
         plain_layers = planned.recompute is None or not planned.recompute.any
         segs, pre, units, post = segments(planned.graph, planned.folding, planned.problem, planned.choice, sub,
                                           planned.precision, planned.terms if plain_layers and recipe is None else ())
+        segs = with_temporaries(segs, planned.peak)  # what a micro-batch holds between its ops
         lap("split", t)
         if not segs.units:
             raise ArgumentError("autopar.plan: a pipeline splits the model's repeated layers (numbered modules such "

@@ -75,6 +75,12 @@ def peak_place(graph: Graph, peak: Optional[Peak]) -> str:
     return f"{peak.phase}, at {node.module_path or 'the model'} ({node.op.replace('aten.', '')})"
 
 
+def with_temporaries(segments, peak: Optional[Peak]):
+    """A pipeline's ``ModelSegments`` charged the temporaries of its micro-batch plan's walked peak
+    (``cost_model.pipeline``: every rank holds them once, beside its micro-batches' saved values)."""
+    return segments if peak is None else replace(segments, temporaries=float(peak.parts.get("temporaries", 0)))
+
+
 def transient(problem: Problem, choice: Sequence[int], peak: Peak) -> float:
     """How far the walked peak of ``choice`` lies above ``evaluate``'s linear memory of it (may be
     negative: not every gradient is alive at the peak)."""
@@ -101,4 +107,4 @@ def solve_fitting(solve, peak_of, problem: Problem, budget: float, tries: int = 
     return solution, choice
 
 
-__all__ = ["choice_peak", "peak_place", "solve_fitting", "strategy_lookup", "transient", "walked", "with_peak"]
+__all__ = ["choice_peak", "peak_place", "solve_fitting", "strategy_lookup", "transient", "walked", "with_peak", "with_temporaries"]
