@@ -10,10 +10,10 @@ op that makes it to its last reader:
 - a resharded copy, from its first reader to its last, saved with the forward when the backward
   reads it at that placement (as the lowering does), and at the collective a second buffer of its
   size in flight (the collective's output before the copy its readers take);
-- a gathered parameter from its issue (a layer ahead of its layer, or the start of the phase for
-  one outside the layers, as ``passes/lower/schedule`` issues it) to its last reader in that phase,
-  with the flat buffer the group gathers into alive until its first reader; a gather a layer keeps
-  for the backward (``served``) lives on into it;
+- a gathered parameter: the flat buffer its group gathers into from its issue (a layer ahead of
+  its layer, or the start of the phase for one outside the layers, as ``passes/lower/schedule``
+  issues it) to its first reader, where it is cut into each parameter's block, which lives to its
+  last reader in that phase; a gather a layer keeps for the backward (``served``) lives on into it;
 - a checkpointed op (``recomputed``) made again in the backward where it is first needed;
 - gradients: unreduced from the op that makes them until their bucket is reduced
   (``cost_model.buckets``: an all-reduce bucket packs each as it is made into one buffer, reduced
@@ -178,8 +178,8 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
                 if key not in ws.start:
                     at = min(issue.get((n.name, phase), t), t) if not rerun else t
                     size = nbytes(r, want)
-                    ws.make(key, at, size, None)
-                    ws.make(("gf",) + key[1:], at, size, "temporaries")  # the flat buffer in flight
+                    ws.make(key, t, size, None)  # cut out of the flat buffer at its first reader
+                    ws.make(("gf",) + key[1:], at, size, "temporaries")  # the flat buffer, in flight until then
                     ws.use(("gf",) + key[1:], t)
                 ws.use(key, t)
                 read_keys.append(key)

@@ -70,7 +70,7 @@ def peak_place(graph: Graph, peak: Optional[Peak]) -> str:
     if peak is None:
         return ""
     if not peak.at:
-        return peak.phase
+        return "backward, reducing the gradients after its ops" if peak.phase == "backward" else peak.phase
     node = graph.node(peak.at)
     return f"{peak.phase}, at {node.module_path or 'the model'} ({node.op.replace('aten.', '')})"
 
