@@ -269,7 +269,8 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *,
     plan.comm_time = max(0.0, price.step_time - busy)
     plan.peak_memory = int(price.peak_memory)
     plan.memory = {k: int(v) for k, v in rank_kinds[top].items()}
-    plan.peak_at = f"pipeline rank {top}: its stages' state, its micro-batches' saved values, one micro-batch's temporaries"
+    plan.peak_at = (f"pipeline rank {top}: its stages' state, its micro-batches' saved values and one "
+                    f"micro-batch's temporaries")
     plan.memory_budget = int(budget) if budget != math.inf else 0
     # the recipes priced at the micro-batch's shape on the stage mesh do not compare with a step:
     # the baselines are the whole mesh's (the plain plan's recipes and the plain plan itself)

@@ -6,8 +6,8 @@ the loss, gathered weights in flight, collective and bucket buffers, unreduced g
 the backward, the optimizer's scratch. ``walked`` prices one choice by walking its program; every
 place that decides whether a plan fits, and every memory figure a plan reports, uses it.
 
-The ILP keeps the linear form with the budget lowered by the walk's excess over it
-(``transient``): ``solve_fitting`` solves, walks the result, and solves again with the budget
+The ILP keeps the linear form with the budget lowered by the walk's excess over it:
+``solve_fitting`` solves, walks the result, and solves again with the budget
 lowered by the excess it found while the walked plan does not fit.
 """
 
@@ -81,14 +81,6 @@ def with_temporaries(segments, peak: Optional[Peak]):
     return segments if peak is None else replace(segments, temporaries=float(peak.parts.get("temporaries", 0)))
 
 
-def transient(problem: Problem, choice: Sequence[int], peak: Peak) -> float:
-    """How far the walked peak of ``choice`` lies above ``evaluate``'s linear memory of it (may be
-    negative: not every gradient is alive at the peak)."""
-    return peak.peak - evaluate(problem, choice).peak_memory
-
-
-
-
 def solve_fitting(solve, peak_of, problem: Problem, budget: float, tries: int = 3):
     """``solve(lower)`` (the ILP with its memory budget lowered by ``lower`` bytes: ``(solution,
     choice)``, choice None when none is found) until the walked peak of its choice (``peak_of``)
@@ -107,4 +99,5 @@ def solve_fitting(solve, peak_of, problem: Problem, budget: float, tries: int = 
     return solution, choice
 
 
-__all__ = ["choice_peak", "peak_place", "solve_fitting", "strategy_lookup", "transient", "walked", "with_peak", "with_temporaries"]
+__all__ = ["choice_peak", "peak_place", "solve_fitting", "strategy_lookup", "walked", "with_peak",
+           "with_temporaries"]
