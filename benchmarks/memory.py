@@ -71,19 +71,36 @@ def _plan(family: str, mesh: str, recipe, checkpointing: str, kept: str = "none"
 
 def _measure_on_rank(cases: list, steps: int) -> list[dict]:
     """On every gloo rank: each case's plan compiled and trained ``steps`` steps; the last step's stats."""
-    out = []
-    for family, mesh, text in cases:
-        model, args = _model(family)
-        pm = autopar.compile(model, autopar.Mesh(MESHES[mesh], device="cpu"), args,
-                             plan=autopar.Plan.from_dict(json.loads(text)))
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-        pm.track_memory(opt)
-        for _ in range(steps):
-            pm(*args).backward()
-            opt.step()
-            opt.zero_grad()
-        out.append(pm.memory_stats())
-    return out
+    return [_trained(*_model(family), MESHES[mesh], text, steps) for family, mesh, text in cases]
+
+
+def _trained(model, args, axes: dict, text: str, steps: int) -> dict:
+    """``model`` compiled on this gloo rank with ``text``'s plan, ``steps`` AdamW steps measured: the last's stats."""
+    pm = autopar.compile(model, autopar.Mesh(axes, device="cpu"), args, plan=autopar.Plan.from_dict(json.loads(text)))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    pm.track_memory(opt)
+    for _ in range(steps):
+        pm(*args).backward()
+        opt.step()
+        opt.zero_grad()
+    return pm.memory_stats()
+
+
+def _table(head: list, rows: list, markdown: bool) -> None:
+    if markdown:
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+    else:
+        for r in [head] + rows:
+            print("  ".join(r))
+
+
+def _split(memory: dict) -> str:
+    """Parameters / gradients / optimizer / activations / temporaries, in MiB."""
+    return " / ".join(f"{memory.get(k, 0) / (1 << 20):.2f}" for k in ("params", "grads", "optimizer", "activations",
+                                                                       "temporaries"))
 
 
 def _issue_gpt(vocab: int):
@@ -127,16 +144,7 @@ def _built(builder):
 
 def _gloo_issue_gpt(text: str, steps: int) -> dict:
     """On every gloo rank: the issue's GPT compiled with ``text``'s plan, ``steps`` AdamW steps measured."""
-    model, args = _issue_gpt(8192)
-    pm = autopar.compile(model, autopar.Mesh({"dp": 4}, device="cpu"), args,
-                         plan=autopar.Plan.from_dict(json.loads(text)))
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    pm.track_memory(opt)
-    for _ in range(steps):
-        pm(*args).backward()
-        opt.step()
-        opt.zero_grad()
-    return pm.memory_stats()
+    return _trained(*_issue_gpt(8192), {"dp": 4}, text, steps)
 
 
 def corpus(a) -> int:
@@ -150,8 +158,7 @@ def corpus(a) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = autopar.plan(model, autopar.Mesh(axes, device="cpu"), args, kwargs, progress=False, **kw)
-        split = " / ".join(f"{plan.memory.get(k, 0) / mib:.2f}" for k in ("params", "grads", "optimizer", "activations",
-                                                                         "temporaries"))
+        split = _split(plan.memory)
         mesh = " x ".join(f"{k}{v}" for k, v in axes.items())
         what = "recomputed" if plan.checkpointing else "pipelined" if plan.pipeline else plan.source
         if plan.pipeline is not None:
@@ -162,8 +169,7 @@ def corpus(a) -> int:
         got = max(mem.values(), key=lambda m: m["peak"])
         ratio = plan.peak_memory / got["peak"]
         ratios.append(ratio)
-        measured = " / ".join(f"{got[k] / mib:.2f}" for k in ("params", "grads", "optimizer", "activations",
-                                                             "temporaries"))
+        measured = _split(got)
         rows.append([label, size, mesh, what, f"{plan.peak_memory / mib:.2f}", f"{got['peak'] / mib:.2f}",
                      f"{ratio:.3f}", split, measured, plan.peak_at])
     if a.gloo:
@@ -176,19 +182,8 @@ def corpus(a) -> int:
         ratio = plan.peak_memory / got["peak"]
         ratios.append(ratio)
         rows.append(["gpt (issue 31), gloo", "vocab 8192", "dp4", plan.source, f"{plan.peak_memory / mib:.2f}",
-                     f"{got['peak'] / mib:.2f}", f"{ratio:.3f}",
-                     " / ".join(f"{plan.memory.get(k, 0) / mib:.2f}" for k in ("params", "grads", "optimizer",
-                                                                               "activations", "temporaries")),
-                     " / ".join(f"{got[k] / mib:.2f}" for k in ("params", "grads", "optimizer", "activations",
-                                                                "temporaries")), plan.peak_at])
-    if a.markdown:
-        print("| " + " | ".join(head) + " |")
-        print("|" + "---|" * len(head))
-        for r in rows:
-            print("| " + " | ".join(r) + " |")
-    else:
-        for r in [head] + rows:
-            print("  ".join(r))
+                     f"{got['peak'] / mib:.2f}", f"{ratio:.3f}", _split(plan.memory), _split(got), plan.peak_at])
+    _table(head, rows, a.markdown)
     print(f"predicted / measured: {min(ratios):.3f} to {max(ratios):.3f} over {len(ratios)} measured rows "
           f"(target 0.9-1.15)")
     return 0
@@ -245,14 +240,7 @@ def main(argv=None) -> int:
                      f"{plan.peak_memory / mib:.2f}", f"{got['peak'] / mib:.2f}", f"{ratio:.3f}", f"{pa / mib:.2f}",
                      f"{got['activations'] / mib:.2f}", f"{aratio:.3f}", f"{got['activations_peak'] / mib:.2f}",
                      f"{most:.3f}", rest])
-    if a.markdown:
-        print("| " + " | ".join(head) + " |")
-        print("|" + "---|" * len(head))
-        for r in rows:
-            print("| " + " | ".join(r) + " |")
-    else:
-        for r in [head] + rows:
-            print("  ".join(r))
+    _table(head, rows, a.markdown)
     print(f"searched plans: largest deviation of the peak or the activations at the peak from the prediction: "
           f"{worst * 100:.1f}%")
     return 0
