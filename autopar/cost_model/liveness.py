@@ -30,7 +30,7 @@ The peak is the larger of the two; ``Peak`` says what it consists of and where i
 
 from __future__ import annotations
 
-import math
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Optional
@@ -123,7 +123,7 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
         key = (r, place, role)
         if key not in sizes:
             spec = graph.spec(r)
-            sizes[key] = local_numel(spec.shape, place, shape) * element_bytes(spec.dtype, role, precision)
+            sizes[key] = _block_bytes(tuple(spec.shape), spec.dtype, place, shape, role, precision)
         return sizes[key]
 
     # the moments: every graph node at its index; a re-run op just before its first backward reader
@@ -268,6 +268,12 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
             peak = Peak(after, {"params": static["params"], "grads": grads_total, "optimizer": static["optimizer"],
                                 "activations": 0, "temporaries": scratch}, "optimizer step", "")
     return peak
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _block_bytes(shape: tuple, dtype, place: tuple, mesh_shape: tuple, role: str, precision: Precision) -> int:
+    """Bytes of the largest local block (alike layers share their shapes: cached across walks)."""
+    return local_numel(shape, place, mesh_shape) * element_bytes(dtype, role, precision)
 
 
 def _moves(have, want) -> bool:

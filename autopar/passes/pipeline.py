@@ -151,10 +151,15 @@ def run_passes(
     clock.lap("merge")
     terms = checkpoint.group_terms(graph, folding, problem, mesh, prec) if folding.groups else []
 
+    walks: dict[tuple, Cost] = {}  # a recipe is a baseline and a candidate: walked once
+
     def walk(prob: Problem, choice: list[int], rc: Optional[checkpoint.Choice] = None,
              keep_paths: Sequence[str] = ()) -> Cost:  # the choice's cost with its walked peak
-        paths = checkpoint.checkpointed_paths(terms, rc) if rc is not None and rc.any else None
-        return peak.walked(graph, mesh, prec, folding, prob, choice, paths, keep_paths)
+        key = (id(prob), tuple(choice), rc if rc is not None and rc.any else None, tuple(keep_paths))
+        if key not in walks:
+            paths = checkpoint.checkpointed_paths(terms, rc) if rc is not None and rc.any else None
+            walks[key] = peak.walked(graph, mesh, prec, folding, prob, choice, paths, keep_paths)
+        return walks[key]
 
     names = [recipe] if recipe else list(recipes.NAMES)
     baselines: dict[str, dict] = {}
@@ -225,10 +230,13 @@ def run_passes(
                                             [[] for _ in terms] if keep is None and recipe else keep)
     paths = checkpoint.checkpointed_paths(terms, recompute) if recompute.any else None
     top = peak.choice_peak(graph, mesh, prec, folding, problem, choice, paths, [p for ps in kept_paths for p in ps])
-    if keep is None and not recipe and any(kept_paths) and top.peak > budget:  # kept gathers do not fit: keep none
+    if any(kept_paths) and top.peak > budget:  # the kept gathers do not fit (the walked peak)
+        plain = peak.choice_peak(graph, mesh, prec, folding, problem, choice, paths)
+        if keep is not None and plain.peak <= budget:  # pinned: say so
+            raise _kept_over(kept_paths, top.peak, budget)
         kept_paths, kept_terms, problem = _keep(graph, folding, problem, choice, mesh, prec, terms, recompute,
                                                 [[] for _ in terms])
-        top = peak.choice_peak(graph, mesh, prec, folding, problem, choice, paths)
+        top = plain
     cost = peak.with_peak(evaluate(problem, choice), top)
     clock.lap("solve")
     clock.phases["total"] = round(time.perf_counter() - clock.start, 4)
@@ -252,10 +260,14 @@ def _keep(graph: Graph, folding: Folding, problem: Problem, choice: list[int], m
     priced = kept.with_kept(problem, found, [len(p) for p in keep], choice)
     need = evaluate(priced, choice).peak_memory
     if need > problem.memory_budget >= evaluate(problem, choice).peak_memory:
-        raise InfeasibleError(f"kept_gathers: keeping the gathered parameters of {', '.join(p for g in keep for p in g)} "
-                              f"needs {human_bytes(need)} per device, over the memory budget of "
-                              f"{human_bytes(problem.memory_budget)}: keep fewer layers or raise memory_budget")
+        raise _kept_over(keep, need, problem.memory_budget)
     return keep, found, priced
+
+
+def _kept_over(keep: list[list[str]], need: float, budget: float) -> InfeasibleError:
+    return InfeasibleError(f"kept_gathers: keeping the gathered parameters of {', '.join(p for g in keep for p in g)} "
+                           f"needs {human_bytes(need)} per device, over the memory budget of {human_bytes(budget)}: "
+                           f"keep fewer layers or raise memory_budget")
 
 
 def _solve_fitting(merged: Merged, problem: Problem, choices: dict[str, list[int]], search_args: tuple,
