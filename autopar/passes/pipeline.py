@@ -151,15 +151,15 @@ def run_passes(
     clock.lap("merge")
     terms = checkpoint.group_terms(graph, folding, problem, mesh, prec) if folding.groups else []
 
-    walks: dict[tuple, Cost] = {}  # a recipe is a baseline and a candidate: walked once
+    walks: dict[tuple, tuple[Problem, Cost]] = {}  # a recipe is a baseline and a candidate: walked once
 
     def walk(prob: Problem, choice: list[int], rc: Optional[checkpoint.Choice] = None,
              keep_paths: Sequence[str] = ()) -> Cost:  # the choice's cost with its walked peak
         key = (id(prob), tuple(choice), rc if rc is not None and rc.any else None, tuple(keep_paths))
         if key not in walks:
             paths = checkpoint.checkpointed_paths(terms, rc) if rc is not None and rc.any else None
-            walks[key] = peak.walked(graph, mesh, prec, folding, prob, choice, paths, keep_paths)
-        return walks[key]
+            walks[key] = (prob, peak.walked(graph, mesh, prec, folding, prob, choice, paths, keep_paths))  # (held)
+        return walks[key][1]
 
     names = [recipe] if recipe else list(recipes.NAMES)
     baselines: dict[str, dict] = {}
