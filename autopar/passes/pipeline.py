@@ -149,12 +149,12 @@ def run_passes(
     ops = {n.name: n.op for n in graph.nodes}
     merged = merge(problem, ops)
     clock.lap("merge")
-    terms = checkpoint.group_terms(graph, folding, problem, mesh, prec) if folding.groups else []
 
     walks: dict[tuple, tuple[Problem, Cost]] = {}  # a recipe is a baseline and a candidate: walked once
 
     def walk(prob: Problem, choice: list[int], rc: Optional[checkpoint.Choice] = None,
              keep_paths: Sequence[str] = ()) -> Cost:  # the choice's cost with its walked peak
+        # (``terms``, the layer groups' recomputation, is set below, before anything recomputes)
         key = (id(prob), tuple(choice), rc if rc is not None and rc.any else None, tuple(keep_paths))
         if key not in walks:
             paths = checkpoint.checkpointed_paths(terms, rc) if rc is not None and rc.any else None
@@ -187,6 +187,7 @@ def run_passes(
 
     solution, searched_cost = None, None
     unscaled = problem
+    terms = checkpoint.group_terms(graph, folding, problem, mesh, prec) if folding.groups else []
     pin = checkpoint.pinned(checkpointing, terms)
     keep = kept.pinned(kept_gathers, [t.paths for t in terms])
     recompute = pin or checkpoint.Choice(tuple("full" for _ in terms), tuple(0 for _ in terms))
