@@ -55,7 +55,9 @@ def test_kept_gathers_on_2x3_compute_what_one_device_computes(family, checkpoint
     assert plan.placements == plain.placements and not plain.kept_gathers
     (group,) = plan.layer_groups
     assert plan.kept_gathers == group["paths"] and group["kept"] == group["count"] and group["kept_bytes"] > 0
-    assert plan.memory["activations"] == plain.memory["activations"] + group["count"] * group["kept_bytes"]
+    # ``plan.memory`` splits the walked peak, whose moment may move: the kept blocks are saved values there
+    assert plan.memory["activations"] >= plain.memory["activations"] + group["count"] * group["kept_bytes"]
+    assert plan.peak_memory > plain.peak_memory
     assert _backward_gathers(plan) < _backward_gathers(plain)
     trace: dict = {}
     loss, grads = simulated_errors(model, plan, args, trace=trace)

@@ -1,6 +1,7 @@
 """Measured memory (``runtime.memory``): ``simulate(..., measure_memory=True)`` and
-``ParallelModule.memory_stats()`` against the plan's prediction, kind by kind, with and without
-checkpointing; on the simulator and on 4 gloo processes."""
+``ParallelModule.memory_stats()`` against the plan's prediction (the liveness walk of
+``cost_model.liveness``), kind by kind, with and without checkpointing; on the simulator and on 4
+gloo processes."""
 
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ def _near(got: float, want: float, tol: float) -> bool:
     return abs(got - want) <= tol * want
 
 
+#: predicted over measured peak: the band the walk must stay in (it errs high where it cannot match)
+BAND = (0.9, 1.15)
+
+
+def _in_band(predicted: int, measured: int) -> bool:
+    return BAND[0] <= predicted / measured <= BAND[1]
+
+
 def test_simulated_memory_is_the_plans_kind_by_kind():
     """Without checkpointing, what the program saves is what the plan counts (views of a saved
     value add nothing), and the parameters, gradients and optimizer state are the plan's."""
@@ -51,7 +60,8 @@ def test_simulated_memory_is_the_plans_kind_by_kind():
     worst = max(memory.values(), key=lambda m: m["peak"])
     for kind in ("params", "grads", "optimizer", "activations"):
         assert _near(worst[kind], plan.memory[kind], 0.02), (kind, worst, plan.memory)
-    assert worst["peak"] >= plan.peak_memory
+    assert plan.peak_memory == sum(plan.memory[k] for k in KINDS)
+    assert _in_band(plan.peak_memory, worst["peak"]), (plan.peak_memory, worst)
 
 
 def test_checkpointed_layers_measure_what_the_plan_predicts():
@@ -69,8 +79,9 @@ def test_checkpointed_layers_measure_what_the_plan_predicts():
     assert b["activations_peak"] < 0.6 * a["activations_peak"]
     assert a["activations_peak"] == a["activations"]  # nothing re-runs: every saved value lives to the end
     assert _near(b["activations_peak"], full.memory["activations"], 0.10), (b, full.memory)
-    # the plan does not price temporaries (activation gradients in flight): 13% of this small peak
-    assert full.peak_memory < b["peak"] <= 1.15 * full.peak_memory, (b["peak"], full.peak_memory)
+    # the temporaries (activation gradients in flight) are priced too
+    assert _in_band(full.peak_memory, b["peak"]), (b["peak"], full.peak_memory)
+    assert _in_band(plain.peak_memory, a["peak"]), (a["peak"], plain.peak_memory)
 
 
 def test_simulate_refuses_a_measure_memory_that_is_not_a_bool():
@@ -145,11 +156,62 @@ def test_memory_stats_on_gloo_count_each_ranks_own_blocks():
         # the plan prices a value at its producer's placement; the program may save a copy resharded
         # for a forward consumer instead (FSDP: the embedding's output, a quarter the size)
         assert _near(m["activations"], fsdp.memory["activations"], 0.10), (rank, m, fsdp.memory)
-        # over the plan's peak by FSDP's working set, which the plan does not price (a layer's gathered
-        # weights, its gradients before their reduce-scatter): a third of this small model's peak
-        assert fsdp.peak_memory < m["peak"] <= 1.5 * fsdp.peak_memory, (rank, json.dumps(m), fsdp.peak_memory)
+        # FSDP's working set (a layer's gathered weights, its gradients before their reduce-scatter)
+        # is priced with the rest
+        assert _in_band(fsdp.peak_memory, m["peak"]), (rank, json.dumps(m), fsdp.peak_memory)
         m = d["stats"]
         assert _near(m["grads"], ddp.memory["grads"], 0.02), (rank, m, ddp.memory)
-        # over the plan's peak by the activation gradients in flight (13% here); a copy of the bucket
-        # counted too would make it 1.26
-        assert ddp.peak_memory < m["peak"] <= 1.2 * ddp.peak_memory, (rank, json.dumps(m), ddp.peak_memory)
+        # the activation gradients in flight are priced; a copy of the bucket counted too would be 13% more
+        assert _in_band(ddp.peak_memory, m["peak"]), (rank, json.dumps(m), ddp.peak_memory)
+
+
+def test_the_tiny_gpts_peak_is_predicted_within_the_band():
+    """The GPT of issue 31 (vocabulary 8192: the loss's logits-sized buffers, the tied embedding
+    gathered for the head and its unreduced gradient are a large share of the peak), searched on
+    (4,): the predicted peak is within 0.9-1.15 of the simulator's measured one (the linear sum
+    of parameter state and saved activations was 1.92 times too low), and what ``plan.memory``
+    splits it into adds up to it and says where it is."""
+    torch.manual_seed(0)
+    model, args = make("gpt", "tiny", batch=8, seq=128, n_layer=4, n_embd=256, n_head=8, vocab_size=8192,
+                       block_size=128)
+    plan = _plan(model, args, {"dp": 4})
+    assert sorted(plan.memory) == sorted(KINDS)
+    assert plan.peak_memory == sum(plan.memory.values())
+    assert plan.memory["temporaries"] > 0 and plan.peak_at.startswith(("forward", "backward", "optimizer step"))
+    _, _, memory = autopar.simulate(model, plan, args, measure_memory=True)
+    worst = max(memory.values(), key=lambda m: m["peak"])
+    assert _in_band(plan.peak_memory, worst["peak"]), (plan.peak_memory, worst)
+    assert _near(plan.memory["activations"], worst["activations"], 0.05), (plan.memory, worst)
+
+
+def test_a_state_heavy_plan_peaks_in_the_optimizer_step():
+    """Large weights, two rows of input: the peak is AdamW's step, the state and gradients plus one
+    moment's bytes of scratch per element (``cost_model.liveness.optimizer_scratch``)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512))
+    x = torch.randn(2, 512)
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def forward(self, x):
+            return self.net(x).square().mean()
+
+    plan = _plan(Loss(), (x,), {"dp": 2}, recipe="ddp")
+    numel = sum(p.numel() for p in model.parameters())
+    assert plan.peak_at == "optimizer step", plan.peak_at
+    assert plan.memory["temporaries"] == numel * 4 and plan.memory["activations"] == 0
+    assert plan.peak_memory == numel * (4 + 4 + 8 + 4)  # weights, gradients, two moments, the scratch
+
+
+def test_a_version_7_plan_loads_without_a_peak_place():
+    """Plans written before the walked peak load with ``peak_at`` empty and their memory as priced."""
+    model, args = _gpt()
+    d = json.loads(_plan(model, args, {"dp": 2}, recipe="ddp").to_json(timing=False))
+    d["schema_version"] = 7
+    del d["peak_at"]
+    d["memory"].pop("temporaries")
+    old = autopar.Plan.from_dict(d)
+    assert old.peak_at == "" and "temporaries" not in old.memory

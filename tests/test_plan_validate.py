@@ -169,14 +169,14 @@ def test_a_saved_plan_loads_and_saves_to_the_same_bytes(tmp_path):
     plan = load_plan(path)
     plan.save(tmp_path / "again.json")
     assert (tmp_path / "again.json").read_text(encoding="utf-8") == text
-    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 7
+    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 8
 
 
 def test_later_versions_only_add_fields(good):
     """The format of version 1 is kept: version 2 adds ``graph.shapes``, 3 ``mesh.hardware.nics_per_node``,
     4 ``checkpointing``, ``kept_gathers`` and ``layer_groups``, 5 the MFU fields and replaces the two
     efficiency constants of ``mesh.hardware`` by its ``efficiency`` curves, 6 ``mesh.hardware.overlap_slowdown``
-    and ``mesh_search``, 7 a link's ``factors`` (written only where there are any)."""
+    and ``mesh_search``, 7 a link's ``factors`` (written only where there are any), 8 ``peak_at``."""
     assert good["graph"]["shapes"] == {"head.bias": "float32[4]", "head.weight": "float32[4, 32]",
                                        "layers.0.bias": "float32[32]", "layers.0.weight": "float32[32, 16]",
                                        "layers.1.bias": "float32[32]", "layers.1.weight": "float32[32, 32]"}
@@ -185,7 +185,7 @@ def test_later_versions_only_add_fields(good):
                  "precision", "reshardings", "schema_version", "solver", "source", "step_time", "training"]
     assert sorted(good) == sorted(version_1 + ["checkpointing", "kept_gathers", "layer_groups", "model_flops", "mfu",
                                                "tokens_per_step", "tokens_per_second_per_device", "pipeline",
-                                               "mesh_search"])
+                                               "mesh_search", "peak_at"])
     assert "nics_per_node" in good["mesh"]["hardware"]
     assert "efficiency" in good["mesh"]["hardware"] and "matmul_efficiency" not in good["mesh"]["hardware"]
     assert "overlap_slowdown" in good["mesh"]["hardware"]
@@ -290,11 +290,11 @@ def test_a_version_5_file_loads_with_overlap_free_and_a_slowdown_out_of_range_is
         assert _load_error(tmp_path, d).startswith("mesh.hardware.overlap_slowdown")
 
 
-@pytest.mark.parametrize("version", [0, 8, "2", True, None])
+@pytest.mark.parametrize("version", [0, 9, "2", True, None])
 def test_other_versions_are_refused_naming_the_version(tmp_path, good, version):
     d = _mutated(good, lambda d: d.update(schema_version=version))
-    assert _load_error(tmp_path, d) == (f"plan schema version {version!r} found, this autopar reads version 7 (and "
-                                        f"the earlier 1, 2, 3, 4, 5, 6): make the plan again with autopar.plan(...) (or use the "
+    assert _load_error(tmp_path, d) == (f"plan schema version {version!r} found, this autopar reads version 8 (and "
+                                        f"the earlier 1, 2, 3, 4, 5, 6, 7): make the plan again with autopar.plan(...) (or use the "
                                         f"autopar version that wrote it)")
 
 

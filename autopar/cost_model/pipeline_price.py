@@ -121,7 +121,7 @@ class PipelinePrice:
 
 def price_pipeline(stages: Sequence[Segment], schedule: str, pp: int, microbatches: int, virtual: int,
                    p2p: float, boundary_bytes: float, budget: Optional[float] = None,
-                   overlap_slowdown: float = 0.0) -> PipelinePrice:
+                   overlap_slowdown: float = 0.0, temporaries: float = 0.0) -> PipelinePrice:
     """Price ``stages`` (``pp * virtual`` virtual stages, in pipeline order) under ``schedule`` with
     ``microbatches``; ``p2p`` is one boundary transfer's seconds, ``boundary_bytes`` its size (the
     receive buffers). With a ``budget`` (bytes per device), a rank over it recomputes layer
@@ -131,12 +131,12 @@ def price_pipeline(stages: Sequence[Segment], schedule: str, pp: int, microbatch
     rep = _replay(stages, schedule, pp, microbatches, virtual, p2p, ())
     chosen: tuple = tuple(("none", ()) for _ in stages)
     if budget is not None:
-        over = _memory(stages, rep.in_flight, ranks, pp, boundary_bytes, chosen)
+        over = _memory(stages, rep.in_flight, ranks, pp, boundary_bytes, chosen, temporaries)
         if max(sum(k.values()) for k in over) > budget:
-            chosen = choose_recompute(stages, rep.in_flight, ranks, pp, boundary_bytes, budget)
+            chosen = choose_recompute(stages, rep.in_flight, ranks, pp, boundary_bytes, budget - temporaries)
             if any(c[1] for c in chosen):
                 rep = _replay(stages, schedule, pp, microbatches, virtual, p2p, chosen)
-    kinds = _memory(stages, rep.in_flight, ranks, pp, boundary_bytes, chosen)
+    kinds = _memory(stages, rep.in_flight, ranks, pp, boundary_bytes, chosen, temporaries)
     sync = 0.0
     for r in range(pp):
         mine = [s for s, rr in enumerate(ranks) if rr == r]
@@ -172,13 +172,15 @@ def _replay(stages: Sequence[Segment], schedule: str, pp: int, microbatches: int
 
 
 def _memory(stages: Sequence[Segment], in_flight: Sequence[int], ranks: Sequence[int], pp: int, boundary_bytes: float,
-            chosen: tuple) -> list[dict]:
+            chosen: tuple, temporaries: float = 0.0) -> list[dict]:
     """Bytes per rank by kind: its stages' state, the kept gathered copy, saved activations times the
     micro-batches in flight (less what recomputation saves, plus its transient re-run values once),
-    two boundary buffers per stage."""
+    two boundary buffers per stage, and ``temporaries``: what one micro-batch's program holds between
+    its ops at its peak (the walked peak of the layer plan, ``cost_model.liveness``; every rank is
+    charged the whole model's, an upper bound: the loss's buffers are the last stage's alone)."""
     out = []
     for r in range(pp):
-        kind = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+        kind = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "temporaries": temporaries}
         transient = 0.0
         for s, rr in enumerate(ranks):
             if rr != r:

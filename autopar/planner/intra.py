@@ -14,8 +14,9 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Optional, Sequence
 
+from autopar.cost_model.liveness import Peak
 from autopar.cost_model.mesh import Mesh, require_mesh
 from autopar.cost_model.precision import Precision, get_precision
 from autopar.errors import InfeasibleError, RecipeError
@@ -24,7 +25,7 @@ from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph
 from autopar.ir.placement import format_placements
 from autopar.ir.recompute import recomputed_ops
-from autopar.passes.search import checkpoint, kept, recipes
+from autopar.passes.search import checkpoint, kept, peak, recipes
 from autopar.passes.search.build import build_problem
 from autopar.passes.search.collector import collector_paused
 from autopar.passes.search.complete import complete
@@ -67,6 +68,8 @@ class Planned:
     #: (``problem`` is priced with them) and what keeping costs and saves (``passes.search.kept``)
     kept_paths: list[list[str]] = field(default_factory=list)
     kept_terms: list[kept.GroupKept] = field(default_factory=list)
+    #: the walked peak of the chosen plan (``cost.memory`` is its parts; ``passes.search.peak``)
+    peak: Optional[Peak] = None
 
 
 class _Clock:
@@ -161,12 +164,14 @@ def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
     merged = merge(problem, ops)
     clock.lap("merge")
 
-    baselines, choices = _price_recipes(graph, mesh, problem, merged, constraints, placed, opts)
+    walk = _Walker(graph, mesh, prec, folding)
+    baselines, choices = _price_recipes(graph, mesh, problem, merged, constraints, placed, opts, walk)
     clock.lap("recipes")
 
     solution, searched_cost = None, None
     unscaled = problem
     terms = checkpoint.group_terms(graph, folding, problem, mesh, prec) if folding.groups else []
+    walk.terms = terms
     pin = checkpoint.pinned_checkpointing(opts.checkpointing, terms)
     keep = kept.pinned_kept_gathers(opts.kept_gathers, [t.paths for t in terms])
     recompute = pin or checkpoint.Choice(tuple("full" for _ in terms), tuple(0 for _ in terms))
@@ -179,7 +184,7 @@ def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
         choice, source = propagate(problem), "propagate"
     else:
         plain = Solved(recompute, problem, merged, None, None)
-        candidates = _search(plain, choices, ops, clock, mesh, opts, terms if pin is None else [])
+        candidates = _search(plain, choices, ops, clock, mesh, opts, terms if pin is None else [], walk)
         best = _choose(candidates, budget, graph, problem, unscaled, terms, pin is None)
         source, choice, solved = best.source, best.choice, best.solved
         recompute, problem, merged = solved.recompute, solved.problem, solved.merged
@@ -188,17 +193,27 @@ def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
         searched_cost = next((c.cost for c in candidates if c.source == "search" and c.solved is solved), None)
     kept_paths, kept_terms, problem = _keep(graph, folding, problem, choice, mesh, prec, terms, recompute,
                                             [[] for _ in terms] if keep is None and opts.recipe else keep)
+    paths = checkpoint.checkpointed_paths(terms, recompute) if recompute.any else None
+    top = peak.choice_peak(graph, mesh, prec, folding, problem, choice, paths, [p for ps in kept_paths for p in ps])
+    if any(kept_paths) and top.peak > budget:  # the kept gathers do not fit (the walked peak)
+        plain_peak = peak.choice_peak(graph, mesh, prec, folding, problem, choice, paths)
+        if keep is not None and plain_peak.peak <= budget:  # pinned: say so
+            raise _kept_over(kept_paths, top.peak, budget)
+        kept_paths, kept_terms, problem = _keep(graph, folding, problem, choice, mesh, prec, terms, recompute,
+                                                [[] for _ in terms])
+        top = plain_peak
+    cost = peak.with_peak(evaluate(problem, choice), top)
     clock.lap("solve")
-    cost = evaluate(problem, choice)
     clock.phases["total"] = round(time.perf_counter() - clock.start, 4)
     return Planned(graph, mesh, folding, problem, merged, prec, choice, cost, source, solution, baselines,
-                   choices, clock.phases, searched_cost, recompute, terms, unscaled, kept_paths, kept_terms)
+                   choices, clock.phases, searched_cost, recompute, terms, unscaled, kept_paths, kept_terms, top)
 
 
 def _price_recipes(graph: Graph, mesh: Mesh, problem: Problem, merged: Merged, constraints: list[Constraint],
-                   placed: dict, opts: PlanOptions) -> tuple[dict[str, dict], dict[str, list[int]]]:
+                   placed: dict, opts: PlanOptions, walk: "_Walker") -> tuple[dict[str, dict], dict[str, list[int]]]:
     """Each recipe's placements completed and priced (only ``opts.recipe`` when one is asked for):
-    ``(baselines, choices)``, its figures (or why it was not priced) and its choice per recipe."""
+    ``(baselines, choices)``, its figures (or why it was not priced) and its choice per recipe, its
+    peak walked (``walk``)."""
     recipe = opts.recipe
     names = [recipe] if recipe else list(recipes.NAMES)
     baselines: dict[str, dict] = {}
@@ -219,7 +234,7 @@ def _price_recipes(graph: Graph, mesh: Mesh, problem: Problem, merged: Merged, c
                 raise
             baselines[name] = {"error": str(e)}
             continue
-        cost = evaluate(problem, choice)
+        cost = walk(problem, choice)
         choices[name] = choice
         baselines[name] = {"step_time": cost.step_time, "peak_memory": int(cost.peak_memory),
                            "fits": cost.peak_memory <= budget}
@@ -227,7 +242,7 @@ def _price_recipes(graph: Graph, mesh: Mesh, problem: Problem, merged: Merged, c
 
 
 def _search(plain: Solved, choices: dict[str, list[int]], ops: dict[str, str], clock: "_Clock", mesh: Mesh,
-            opts: PlanOptions, terms: list[checkpoint.GroupTerms]) -> list[Candidate]:
+            opts: PlanOptions, terms: list[checkpoint.GroupTerms], walk: _Walker) -> list[Candidate]:
     """The search's solves of ``plain.problem`` and the recipes priced on each, as candidates. First
     without the budget: a plan that fits so is the best of every choice (recomputing only adds time),
     and the budgeted solve and the recomputation are skipped. Else within the budget (no solve when
@@ -237,21 +252,22 @@ def _search(plain: Solved, choices: dict[str, list[int]], ops: dict[str, str], c
     args = (mesh, opts.deterministic_time, opts.time_limit)
     solution, searched = _solve(merged, problem, choices, *args, budget=False)
     found = [replace(plain, solution=solution, choice=searched)]
-    over = searched is None or evaluate(problem, searched).peak_memory > problem.memory_budget
-    if over:
-        solution, searched = (_solve(merged, problem, choices, *args, budget=True)
+    over = searched is None or walk(problem, searched, plain.recompute).peak_memory > problem.memory_budget
+    if over:  # the budgeted solve's linear budget lowered until its walked peak fits
+        solution, searched = (_solve_fitting(merged, problem, choices, args, problem.memory_budget,
+                                             lambda c: walk(problem, c, plain.recompute).peak_memory)
                               if leanest(problem) <= problem.memory_budget else (None, None))
         found = [replace(plain, solution=solution, choice=searched)]
     if over and terms:
-        found += _recompute_candidates(problem, terms, choices, ops, clock, *args)
+        found += _recompute_candidates(problem, terms, choices, ops, clock, *args, walk=walk)
     candidates = []
     for order, solved in enumerate(found):
         if solved.choice is not None:
-            candidates.append(Candidate(evaluate(solved.problem, solved.choice), order, 0, "search", solved.choice,
-                                        solved))
+            candidates.append(Candidate(walk(solved.problem, solved.choice, solved.recompute), order, 0, "search",
+                                        solved.choice, solved))
         for k, name in enumerate(sorted(choices)):
-            candidates.append(Candidate(evaluate(solved.problem, choices[name]), order, 1 + k, f"recipe:{name}",
-                                        choices[name], solved))
+            candidates.append(Candidate(walk(solved.problem, choices[name], solved.recompute), order, 1 + k,
+                                        f"recipe:{name}", choices[name], solved))
     return candidates
 
 
@@ -263,6 +279,26 @@ def _choose(candidates: list[Candidate], budget: float, graph: Graph, problem: P
     if not fits:
         raise _infeasible(graph, problem, budget, terms, unscaled, searched)
     return min(fits, key=lambda c: c.key)
+
+
+class _Walker:
+    """Each choice's cost with its peak walked op by op (``passes.search.peak.walked``), once per
+    (problem, choice, recomputation, kept gathers): a recipe is a baseline and a candidate. ``terms``
+    (the layer groups' recomputation) is set before anything recomputes."""
+
+    def __init__(self, graph: Graph, mesh: Mesh, prec: Precision, folding: Folding):
+        self.graph, self.mesh, self.prec, self.folding = graph, mesh, prec, folding
+        self.terms: list[checkpoint.GroupTerms] = []
+        self._walks: dict[tuple, tuple[Problem, Cost]] = {}  # (the problem held: its id stays its own)
+
+    def __call__(self, prob: Problem, choice: list[int], rc: Optional[checkpoint.Choice] = None,
+                 keep_paths: Sequence[str] = ()) -> Cost:
+        key = (id(prob), tuple(choice), rc if rc is not None and rc.any else None, tuple(keep_paths))
+        if key not in self._walks:
+            paths = checkpoint.checkpointed_paths(self.terms, rc) if rc is not None and rc.any else None
+            self._walks[key] = (prob, peak.walked(self.graph, self.mesh, self.prec, self.folding, prob, choice, paths,
+                                                  keep_paths))
+        return self._walks[key][1]
 
 
 def _keep(graph: Graph, folding: Folding, problem: Problem, choice: list[int], mesh: Mesh, prec: Precision,
@@ -281,23 +317,37 @@ def _keep(graph: Graph, folding: Folding, problem: Problem, choice: list[int], m
     priced = kept.with_kept(problem, found, [len(p) for p in keep], choice)
     need = evaluate(priced, choice).peak_memory
     if need > problem.memory_budget >= evaluate(problem, choice).peak_memory:
-        raise InfeasibleError(f"kept_gathers: keeping the gathered parameters of {', '.join(p for g in keep for p in g)} "
-                              f"needs {human_bytes(need)} per device, over the memory budget of "
-                              f"{human_bytes(problem.memory_budget)}: keep fewer layers or raise memory_budget")
+        raise _kept_over(keep, need, problem.memory_budget)
     return keep, found, priced
 
 
+def _kept_over(keep: list[list[str]], need: float, budget: float) -> InfeasibleError:
+    return InfeasibleError(f"kept_gathers: keeping the gathered parameters of {', '.join(p for g in keep for p in g)} "
+                           f"needs {human_bytes(need)} per device, over the memory budget of {human_bytes(budget)}: "
+                           f"keep fewer layers or raise memory_budget")
+
+
+def _solve_fitting(merged: Merged, problem: Problem, choices: dict[str, list[int]], search_args: tuple,
+                   budget: float, peak_of):
+    """``_solve`` with the budget, its linear memory budget lowered until the walked peak
+    (``peak_of``) of its plan fits (``passes.search.peak.solve_fitting``)."""
+    return peak.solve_fitting(lambda lower: _solve(merged, problem, choices, *search_args, budget=True, lower=lower),
+                              peak_of, problem, budget)
+
+
 def _solve(merged: Merged, problem: Problem, choices: dict[str, list[int]], mesh: Mesh,
-           deterministic_time: float, time_limit: Optional[float], budget: bool):
+           deterministic_time: float, time_limit: Optional[float], budget: bool, lower: float = 0.0):
     """The search's plan of ``problem`` (``(solution, choice)``; ``(None, None)`` when the solver finds
     none), warm-started from the best recipe (the best that fits, with the budget), without the
-    memory budget unless ``budget``."""
+    memory budget unless ``budget`` (lowered by ``lower`` bytes: the transient memory the linear
+    form does not see)."""
     fitting = [n for n in choices if evaluate(problem, choices[n]).peak_memory <= problem.memory_budget]
     pool = fitting if budget and fitting else list(choices)
     starts = sorted(pool, key=lambda n: (evaluate(problem, choices[n]).step_time, n))
     start = choices[starts[0]] if starts else greedy(problem)
-    target = merged.problem if budget else Problem(merged.problem.nodes, merged.problem.edges, merged.problem.groups,
-                                                   math.inf, merged.problem.overlap_slowdown)
+    limit = merged.problem.memory_budget - lower if budget else math.inf
+    target = merged.problem if budget and not lower else Problem(
+        merged.problem.nodes, merged.problem.edges, merged.problem.groups, limit, merged.problem.overlap_slowdown)
     warm_start = [start[i] for i in merged.keep]
     try:
         if edge_var_count(target) <= FULL_ILP_LIMIT or mesh.ndim == 1:
@@ -311,7 +361,7 @@ def _solve(merged: Merged, problem: Problem, choices: dict[str, list[int]], mesh
 
 def _recompute_candidates(problem: Problem, terms: list[checkpoint.GroupTerms], choices: dict[str, list[int]],
                           ops: dict[str, str], clock: "_Clock", mesh: Mesh, deterministic_time: float,
-                          time_limit: Optional[float]) -> list[Solved]:
+                          time_limit: Optional[float], walk: Optional[_Walker] = None) -> list[Solved]:
     """Plans that recompute, for a problem whose best plan does not fit: per mode, from the fewest
     recomputed instances with which any plan fits (the leanest memory is exact and cheap: it is a
     sum over nodes), then more while the plan gets faster. Every candidate is a full solve."""
@@ -332,13 +382,16 @@ def _recompute_candidates(problem: Problem, terms: list[checkpoint.GroupTerms], 
         best_time = math.inf
         trials = _trials(ladder[0], top - 1)
         for level in trials:
-            prob = at(level)
+            prob, rc = at(level), checkpoint.levels(terms, mode, level)
             merged = merge(prob, ops)
-            solution, chosen = _solve(merged, prob, choices, mesh, deterministic_time, time_limit, budget=True)
+            search_args = (mesh, deterministic_time, time_limit)
+            solution, chosen = (_solve_fitting(merged, prob, choices, search_args, problem.memory_budget,
+                                               lambda c: walk(prob, c, rc).peak_memory) if walk is not None else
+                                _solve(merged, prob, choices, *search_args, budget=True))
             if chosen is None:
                 continue
             cost = evaluate(prob, chosen)
-            out.append(Solved(checkpoint.levels(terms, mode, level), prob, merged, solution, chosen))
+            out.append(Solved(rc, prob, merged, solution, chosen))
             if clock.progress:
                 print(f"autopar: recompute {mode} {level}/{top}: {cost.step_time * 1e3:.1f} ms", file=sys.stderr)
             if cost.step_time >= best_time and len(trials) < len(ladder):

@@ -23,8 +23,13 @@ from autopar.passes.search.recipes import NAMES
 from autopar.plans.format import human_bytes
 from autopar.validate import check_bool, check_choice, check_hints, check_keywords, check_number, parse_size
 
-#: The memory budget when none is given: this fraction of the device's memory.
-DEFAULT_BUDGET_FRACTION = 0.9
+#: The memory budget when none is given: this fraction of the device's memory. The other 15% is
+#: the headroom a job on the device needs beyond the tensors the plan prices: the caching
+#: allocator's fragmentation (what it reserves over what is allocated, commonly 5-10% of the peak),
+#: the communication library's own buffers (NCCL keeps a few MiB per channel and peer for each
+#: communicator: about 1-2 GiB with a data, a tensor and a pipeline axis), and the CUDA context,
+#: kernel images and library workspaces (about 1 GiB). On an 80 GB device that leaves 12 GB.
+DEFAULT_BUDGET_FRACTION = 0.85
 #: keys of ``pipeline=``
 PIPELINE_KEYS = ("schedule", "microbatches", "virtual_stages")
 

@@ -42,6 +42,7 @@ from autopar.cost_model.mesh import DP_AXIS, PP_AXIS, Mesh
 from autopar.cost_model.pipeline_price import PipelinePrice, p2p_time
 from autopar.errors import ArgumentError, InfeasibleError, RecipeError
 from autopar.ir.capture import as_args
+from autopar.passes.search.peak import with_temporaries
 from autopar.passes.search.batch_coupled import batch_coupled
 from autopar.passes.search.pipeline_split import ModelSegments, best_pipelines, candidates, scaled, segments
 from autopar.planner.intra import Planned, run_passes
@@ -153,6 +154,7 @@ class _Solver:
         plain_layers = planned.recompute is None or not planned.recompute.any
         segs = segments(planned.graph, planned.folding, planned.problem, planned.choice, self.sub,
                         planned.precision, planned.terms if plain_layers and recipe is None else ())
+        segs = with_temporaries(segs, planned.peak)  # what a micro-batch holds between its ops
         self.lap("split", t)
         if not segs.units:
             raise ArgumentError("autopar.plan: a pipeline splits the model's repeated layers (numbered modules such "

@@ -27,6 +27,7 @@ from autopar.ir.stages import param_stages
 from autopar.ir.views import param_views
 from autopar.passes.search.checkpoint import checkpointed_paths, group_figures
 from autopar.passes.search.kept import kept_figures, kept_reads
+from autopar.passes.search.peak import peak_place
 from autopar.passes.search.problem import (MEMORY_KINDS, edge_cost, incident_transfers, local_cost, overlap_terms,
                                            transfer_cost)
 from autopar.passes.search.strategies import input_placement, output_placement
@@ -106,7 +107,9 @@ def _pipeline_figures(choice: PipelineChoice) -> dict:
     busy = max(price.replay.busy)
     return dict(step_time=price.step_time, compute_time=busy, comm_time=max(0.0, price.step_time - busy),
                 peak_memory=int(price.peak_memory), memory={k: int(v) for k, v in price.rank_memory_kinds[top].items()},
-                memory_budget=int(choice.budget) if choice.budget != math.inf else 0)
+                memory_budget=int(choice.budget) if choice.budget != math.inf else 0,
+                peak_at=(f"pipeline rank {top}: its stages' state, its micro-batches' saved values and one "
+                         f"micro-batch's temporaries"))
 
 
 def build_plan(planned: "Planned", pipeline: Optional[PipelineChoice] = None):
@@ -166,7 +169,8 @@ def build_plan(planned: "Planned", pipeline: Optional[PipelineChoice] = None):
     figures = (_pipeline_figures(pipeline) if pipeline is not None else
                dict(step_time=cost.step_time, compute_time=cost.compute_time, comm_time=cost.comm_time,
                     peak_memory=int(cost.peak_memory), memory={k: int(v) for k, v in cost.memory.items()},
-                    memory_budget=int(prob.memory_budget) if prob.memory_budget != float("inf") else 0))
+                    memory_budget=int(prob.memory_budget) if prob.memory_budget != float("inf") else 0,
+                    peak_at=peak_place(g, planned.peak)))
     return Plan(
         fingerprint={"graph": graph_fingerprint(g), "mesh": mesh.fingerprint(), "hardware": _sha(mesh.hardware.to_dict())},
         mesh=mesh_dict,

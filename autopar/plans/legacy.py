@@ -24,6 +24,7 @@ _V5_DEFAULTS: dict[str, Any] = {"model_flops": 0.0, "mfu": 0.0, "tokens_per_step
                                 "pipeline": None}
 #: fields schema version 6 added, as a version 1-5 file loads them
 _V6_DEFAULTS: dict[str, Any] = {"mesh_search": None}
+_V8_DEFAULTS: dict[str, Any] = {"peak_at": ""}
 
 
 def _nics_of_old_plan(d: Mapping) -> Mapping:
@@ -72,9 +73,9 @@ def upgrade_hardware(d: Mapping, version: int) -> Mapping:
 
 
 def with_defaults(d: Mapping, version: int) -> Mapping:
-    """``d`` with the top-level fields versions 4-6 added, where it lacks them, and a version 1-6
+    """``d`` with the top-level fields versions 4-8 added, where it lacks them, and a version 1-6
     pipelined plan's ``pipeline.stage_buckets`` false (its buckets may span stages: lowered as listed)."""
-    for since, defaults in ((4, _V4_DEFAULTS), (5, _V5_DEFAULTS), (6, _V6_DEFAULTS)):
+    for since, defaults in ((4, _V4_DEFAULTS), (5, _V5_DEFAULTS), (6, _V6_DEFAULTS), (8, _V8_DEFAULTS)):
         if version < since:
             d = {**d, **{k: copy_plain(v) for k, v in defaults.items() if k not in d}}
     pipeline = d.get("pipeline")

@@ -53,8 +53,13 @@ gloo mesh prices reduce-scatter at about twice its ring time, as gloo runs it as
 version 1-6 file has none (every kind at its ring price, as it was priced). Version 7 also adds
 ``pipeline.stage_buckets`` (true: the plan's gradient buckets never span pipeline stages, and each rank
 runs its own stages' reductions; the reshardings a stage's recomputation runs again are listed); a
-version 1-6 pipelined plan loads with it false, and its buckets are lowered as it lists them. Any other
-version is a PlanError naming it.
+version 1-6 pipelined plan loads with it false, and its buckets are lowered as it lists them. Version 8
+prices the peak as the program runs it (``autopar.cost_model.liveness``): ``memory`` adds
+``temporaries`` (what lives between ops at the peak: the loss's buffers, gathered weights, collective
+and bucket buffers, unreduced gradients, or the optimizer step's scratch) to the parameters,
+gradients, optimizer state and activations alive at that moment, and ``peak_at`` says where in the
+step the peak is; a version 1-7 file loads with ``peak_at`` empty and its memory as it was priced (a
+sum of parameter state and saved activations). Any other version is a PlanError naming it.
 """
 
 from __future__ import annotations
@@ -72,9 +77,9 @@ from autopar.plans.bounds import check_values, read_json, shown
 from autopar.plans.validate import check_fields
 from autopar.validate import check_path
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 #: the versions ``load_plan`` reads (an older one loads with the newer fields defaulted or left out)
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 # -- entry shapes (what the planner writes; readers use .get() since hand-made plans may lack keys) --
@@ -205,7 +210,7 @@ class Plan:
     compute_time: float
     comm_time: float
     peak_memory: int
-    memory: dict[str, int]  # params, grads, optimizer, activations -> bytes
+    memory: dict[str, int]  # params, grads, optimizer, activations, temporaries alive at the peak -> bytes
     # decisions
     placements: dict[str, str]  # FQN | "input:0" | kw name -> "S(0), B"
     nodes: list[NodeEntry]
@@ -231,6 +236,8 @@ class Plan:
     pipeline: Optional[dict] = None
     # the factorization ``Mesh.devices`` left to the planner (schema version 6; older files load with None)
     mesh_search: Optional[dict] = None
+    # where in the step the peak is, e.g. "backward, at lm_head (aten.mm)" (schema version 8; older: "")
+    peak_at: str = ""
     schema_version: int = field(default=SCHEMA_VERSION)
 
     # -- derived --------------------------------------------------------------------------------

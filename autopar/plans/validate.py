@@ -413,6 +413,7 @@ class _PlanFile(_Strict):
     tokens_per_second_per_device: NonNegative = None
     pipeline: _Pipeline | None = None  # schema version 5
     mesh_search: _MeshSearch | None = None  # schema version 6
+    peak_at: Text = None  # schema version 8
 
 
 _KNOWN_KEYS = sorted({k for m in (_PlanFile, _Mesh, _Hardware, _Link, _Precision, _Fingerprint, _Graph, _Node, _Step,

@@ -139,6 +139,7 @@ class _Exchange:
             self.barrier.wait()
             got = list(self.slots)
             self.barrier.wait()  # nobody overwrites a slot before every member has read it
+            self.slots[i] = None  # read by all: the exchange holds no rank's buffer past its collective
         except threading.BrokenBarrierError:
             raise CollectiveError(f"simulated ranks stopped agreeing at {what} (a rank failed or diverged)") from None
         kinds = {w for w, _ in got}
@@ -203,7 +204,9 @@ class ThreadComm:
     def reduce_scatter(self, x, axis, dim, reduce):
         n, i = self.axis_size(axis), self.coords[axis]
         parts = self._swap(axis, x, "reduce_scatter", _nbytes(x))
-        return _reduce([p.chunk(n, dim=dim)[i] for p in parts], reduce)
+        with unobserved():  # views of every member's buffer: not this rank's memory
+            parts = [p.chunk(n, dim=dim)[i] for p in parts]
+        return _reduce(parts, reduce)
 
     @torch.compiler.disable  # an exchange between threads: a compiled program calls it as Python
     def all_reduce(self, x, axis, reduce):
@@ -221,7 +224,9 @@ class ThreadComm:
     def all_to_all(self, x, axis):
         n = self.axis_size(axis)
         got = self._swap(axis, x, "all_to_all", _nbytes(x) * n)
-        return torch.stack([g[self.coords[axis]] for g in got])
+        with unobserved():  # views of every member's buffer: not this rank's memory
+            got = [g[self.coords[axis]] for g in got]
+        return torch.stack(got)
 
 
 def _nbytes(x: torch.Tensor) -> int:

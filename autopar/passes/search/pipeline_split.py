@@ -64,6 +64,9 @@ class ModelSegments:
     post: Segment
     boundary_bytes: float
     overlap_slowdown: float = 0.0
+    #: bytes alive between ops at a micro-batch's peak besides saved activations and state (the
+    #: walked peak's ``temporaries``, ``cost_model.liveness``): one micro-batch computes at a time
+    temporaries: float = 0.0
 
     @property
     def pre_paths(self) -> list[str]:
@@ -311,7 +314,7 @@ def scaled(model: ModelSegments, factor: float) -> ModelSegments:
                        optimizer=s.optimizer, recompute=redo, growth=s.growth)
 
     return ModelSegments(one(model.pre), tuple(one(u) for u in model.units), one(model.post),
-                         model.boundary_bytes * factor, model.overlap_slowdown)
+                         model.boundary_bytes * factor, model.overlap_slowdown, model.temporaries * factor)
 
 
 def split(model: ModelSegments, n_stages: int) -> Optional[list[tuple[int, int]]]:
@@ -416,7 +419,7 @@ def best_pipelines(model: ModelSegments, pp: int, microbatches: int, p2p: float,
         if ranges is None:
             continue
         price = price_pipeline(stages_of(model, ranges), name, pp, microbatches, v, p2p, model.boundary_bytes, budget,
-                               model.overlap_slowdown)
+                               model.overlap_slowdown, model.temporaries)
         if any(paths for _, paths in price.recomputed):
             # the split balanced the stages without their re-runs: split again with the layer
             # instances this choice recomputes charged their re-run, price that (recomputation chosen

@@ -1,0 +1,103 @@
+"""The walked peak of a chosen plan (``cost_model.liveness``), as the search's ``Cost`` reports it.
+
+``evaluate`` prices memory as a sum over nodes (what the ILP can constrain): parameter state and
+saved activations. The step's real peak also holds what lives between ops (logits-sized buffers of
+the loss, gathered weights in flight, collective and bucket buffers, unreduced gradients) and, after
+the backward, the optimizer's scratch. ``walked`` prices one choice by walking its program; every
+place that decides whether a plan fits, and every memory figure a plan reports, uses it.
+
+The ILP keeps the linear form with the budget lowered by the walk's excess over it:
+``solve_fitting`` solves, walks the result, and solves again with the budget
+lowered by the excess it found while the walked plan does not fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional, Sequence
+
+from autopar.cost_model.liveness import PEAK_KINDS, Peak, step_peak
+from autopar.cost_model.mesh import Mesh
+from autopar.cost_model.precision import Precision
+from autopar.ir.graph import Graph
+from autopar.ir.recompute import recomputed_ops
+from autopar.passes.search.fold import Folding
+from autopar.passes.search.kept import kept_reads
+from autopar.passes.search.problem import Cost, Problem, evaluate
+
+
+def strategy_lookup(problem: Problem, folding: Folding, choice: Sequence[int]):
+    """Graph node name -> its chosen strategy (a folded instance runs its representative's)."""
+    index, nodes = problem.index, problem.nodes
+    cache: dict[str, tuple] = {}
+
+    def strategy_of(name: str):
+        got = cache.get(name)
+        if got is None:
+            i = index[folding.representative(name)]
+            got = cache[name] = nodes[i].strategies[choice[i]]
+        return got
+
+    return strategy_of
+
+
+def choice_peak(graph: Graph, mesh: Mesh, precision: Precision, folding: Folding, problem: Problem,
+                choice: Sequence[int], checkpointing: Optional[dict] = None, kept: Sequence[str] = (),
+                grad_stages=None) -> Peak:
+    """The walked peak of ``choice`` (one strategy per problem node) with the layer instances of
+    ``checkpointing`` (path -> mode) recomputed and those of ``kept`` keeping their gathers."""
+    strategy_of = strategy_lookup(problem, folding, choice)
+    redo = recomputed_ops(graph, checkpointing) if checkpointing else frozenset()
+    served = {k: (d.source, d.placed) for k, d in kept_reads(graph, strategy_of, kept, mesh, redo).items()} \
+        if kept else {}
+    return step_peak(graph, strategy_of, mesh, precision, recomputed=redo, served=served, grad_stages=grad_stages)
+
+
+def with_peak(cost: Cost, peak: Peak) -> Cost:
+    """``cost`` with its memory the walked peak's parts (``Cost.peak_memory`` is then the peak)."""
+    return replace(cost, memory={k: float(peak.parts.get(k, 0)) for k in PEAK_KINDS})
+
+
+def walked(graph: Graph, mesh: Mesh, precision: Precision, folding: Folding, problem: Problem,
+           choice: Sequence[int], checkpointing: Optional[dict] = None, kept: Sequence[str] = ()) -> Cost:
+    """``evaluate``'s step time with the walked peak's memory."""
+    return with_peak(evaluate(problem, choice),
+                     choice_peak(graph, mesh, precision, folding, problem, choice, checkpointing, kept))
+
+
+def peak_place(graph: Graph, peak: Optional[Peak]) -> str:
+    """Where in the step ``peak`` is, in the user's terms: the phase, the module and the op."""
+    if peak is None:
+        return ""
+    if not peak.at:
+        return "backward, reducing the gradients after its ops" if peak.phase == "backward" else peak.phase
+    node = graph.node(peak.at)
+    return f"{peak.phase}, at {node.module_path or 'the model'} ({node.op.replace('aten.', '')})"
+
+
+def with_temporaries(segments, peak: Optional[Peak]):
+    """A pipeline's ``ModelSegments`` charged the temporaries of its micro-batch plan's walked peak
+    (``cost_model.pipeline_price``: every rank holds them once, beside its micro-batches' saved values)."""
+    return segments if peak is None else replace(segments, temporaries=float(peak.parts.get("temporaries", 0)))
+
+
+def solve_fitting(solve, peak_of, problem: Problem, budget: float, tries: int = 3):
+    """``solve(lower)`` (the ILP with its memory budget lowered by ``lower`` bytes: ``(solution,
+    choice)``, choice None when none is found) until the walked peak of its choice (``peak_of``)
+    fits ``budget``: each time lowered by what the walk found over the linear memory, or over the
+    budget, whichever is more. Returns the last ``(solution, choice)``."""
+    solution, choice = solve(0.0)
+    lower = 0.0
+    for _ in range(tries):
+        if choice is None:
+            break
+        need = peak_of(choice)
+        if need <= budget:
+            break
+        lower = max(lower + need - budget, need - evaluate(problem, choice).peak_memory)
+        solution, choice = solve(lower)
+    return solution, choice
+
+
+__all__ = ["choice_peak", "peak_place", "solve_fitting", "strategy_lookup", "walked", "with_peak",
+           "with_temporaries"]
