@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from autopar.ir.attention import ATTN_BWD, ATTN_FWD
 from autopar.ir.graph import Ref
 from autopar.ir.placement import B, P, Split
 from autopar.ir.rules.base import LocalCtx, OpCall, register, substitute
@@ -305,7 +306,7 @@ def _attention_bwd_local(ctx: LocalCtx, xs: list):
     return _attention_local_call(ctx, xs, 1, 7, True)
 
 
-@register("aten._scaled_dot_product_flash_attention_for_cpu.default", local=_attention_fwd_local)
+@register(ATTN_FWD, local=_attention_fwd_local)
 def _attention(call: OpCall) -> DimMap:
     # (q, k, v, dropout_p, is_causal, *, attn_mask, scale) -> (out [b h s e], logsumexp [b h s])
     ins, qside, _, sizes = _attention_dims(call, 0, 3)
@@ -315,7 +316,7 @@ def _attention(call: OpCall) -> DimMap:
     )
 
 
-@register("aten._scaled_dot_product_flash_attention_for_cpu_backward.default", local=_attention_bwd_local)
+@register(ATTN_BWD, local=_attention_bwd_local)
 def _attention_backward(call: OpCall) -> DimMap:
     # (grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask, scale) -> (dq, dk, dv)
     ins, qside, kside, sizes = _attention_dims(call, 1, 6)
