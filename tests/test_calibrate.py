@@ -99,7 +99,7 @@ def test_a_mesh_with_a_reduce_scatter_factor_prices_and_records_it(tmp_path):
     ring, gloo = _fsdp(paths["ring"]), _fsdp(paths["gloo"])
     assert gloo.step_time > ring.step_time
     doc = json.loads(gloo.to_json(timing=False))
-    assert doc["schema_version"] == 7
+    assert doc["schema_version"] == 8
     assert doc["mesh"]["links"]["dp"]["factors"] == {"reduce_scatter": 2.0}
     assert doc["mesh"]["hardware"]["intra_node"]["factors"] == {"reduce_scatter": 2.0}
     assert "factors" not in json.loads(ring.to_json(timing=False))["mesh"]["links"]["dp"]

@@ -52,7 +52,7 @@ def test_pinned_pipeline_plan_says_what_it_chose(pinned):
 
 def test_pipeline_plan_round_trips_and_older_plans_load_without_pipeline(pinned, tmp_path):
     _, _, _, plan = pinned
-    assert plan.schema_version == 7 and plan.pipeline["stage_buckets"] is True
+    assert plan.schema_version == 8 and plan.pipeline["stage_buckets"] is True
     path = tmp_path / "p.json"
     plan.save(path)
     again = autopar.load_plan(path)

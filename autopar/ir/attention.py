@@ -29,7 +29,7 @@ import torch
 
 from autopar._torch_compat import sdpa
 
-__all__ = ["ATTN_BWD", "ATTN_FWD", "CPU_ATTN_BWD", "CPU_ATTN_FWD", "attention", "attention_backward",
+__all__ = ["ATTN_BWD", "ATTN_FWD", "CPU_ATTN_BWD", "CPU_ATTN_FWD", "LEGACY_NAMES", "attention", "attention_backward",
            "device_neutral"]
 
 ATTN_FWD = "autopar.attention.default"
@@ -37,6 +37,9 @@ ATTN_BWD = "autopar.attention_backward.default"
 #: the CPU-only ops torch records on fake CPU tensors, which ``device_neutral`` replaces
 CPU_ATTN_FWD = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 CPU_ATTN_BWD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
+
+#: device-neutral op -> the name schema versions 1-7 of a plan (and their graph fingerprints) gave it
+LEGACY_NAMES = {ATTN_FWD: CPU_ATTN_FWD, ATTN_BWD: CPU_ATTN_BWD}
 
 _cpu_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default

@@ -53,8 +53,13 @@ gloo mesh prices reduce-scatter at about twice its ring time, as gloo runs it as
 version 1-6 file has none (every kind at its ring price, as it was priced). Version 7 also adds
 ``pipeline.stage_buckets`` (true: the plan's gradient buckets never span pipeline stages, and each rank
 runs its own stages' reductions; the reshardings a stage's recomputation runs again are listed); a
-version 1-6 pipelined plan loads with it false, and its buckets are lowered as it lists them. Any other
-version is a PlanError naming it.
+version 1-6 pipelined plan loads with it false, and its buckets are lowered as it lists them. Version 8
+names fused attention by its device-neutral ops, ``autopar.attention.default`` and
+``autopar.attention_backward.default`` (``autopar.ir.attention``), where versions 1-7 wrote the CPU
+kernel's ``aten._scaled_dot_product_flash_attention_for_cpu.default`` (and ``_backward``): the same ops,
+arguments and node names. A version 1-7 file loads with those op names replaced, and the lowering
+accepts its graph fingerprint, which was computed under the old names. Any other version is a PlanError
+naming it.
 """
 
 from __future__ import annotations
@@ -72,9 +77,9 @@ from autopar.plans.bounds import check_values, read_json, shown
 from autopar.plans.validate import check_fields
 from autopar.validate import check_path
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 #: the versions ``load_plan`` reads (an older one loads with the newer fields defaulted or left out)
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 # -- entry shapes (what the planner writes; readers use .get() since hand-made plans may lack keys) --
@@ -274,8 +279,8 @@ class Plan:
     def from_dict(d: Mapping) -> "Plan":
         """Inverse of ``to_dict``; checked against the plan file's schema (``autopar.plans.validate``):
         a PlanError names a schema version it does not read, missing fields, or the first field (a
-        JSON path) of a wrong type or out of range, with its value. A version 1 or 2 plan comes back
-        as version 7 (see the module's "Schema versions")."""
+        JSON path) of a wrong type or out of range, with its value. A version 1-7 plan comes back
+        as version 8 (see the module's "Schema versions")."""
         if not isinstance(d, Mapping):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         if "schema_version" not in d:
