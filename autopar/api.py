@@ -179,9 +179,9 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     if not isinstance(plan, Plan):
         plan = load_plan(check_path(plan, "autopar.simulate: plan (a Plan or a saved plan's path)"))
     if plan.pipeline is not None:  # every stage-mesh device a thread, its stages in turn
-        if precision != "model" or measure_memory or graph is not None:
-            raise ArgumentError("autopar.simulate: a pipelined plan runs at the model's precision, without "
-                                "measure_memory and without a given graph so far")
+        if precision != "model" or measure_memory or graph is not None or device is not None:
+            raise ArgumentError("autopar.simulate: a pipelined plan runs at the model's precision, on the CPU, "
+                                "without measure_memory and without a given graph so far")
         return _simulate_pipelined(model, plan, as_args(example_inputs), dict(example_kwargs or {}), trace, predicted)
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})

@@ -231,3 +231,30 @@ def test_the_same_plan_runs_on_cpu(planned, name):
     want.backward()
     for fqn, p in model.named_parameters():
         torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_plan_saved_naming_the_cpu_attention_op_loads_and_lowers():
+    """``tests/data/plan_v7_gpt_dropout_dp2_tp2.json`` was made by autopar at plan schema version 7,
+    which named attention by the CPU kernel captured: it loads as version 8 with the device-neutral
+    ops, lowers, and draws and computes what a plan made now does."""
+    from autopar.models import make
+    from autopar.plans import load_plan
+
+    path = pathlib.Path(__file__).parent / "data" / "plan_v7_gpt_dropout_dp2_tp2.json"
+    text = path.read_text()
+    assert '"schema_version": 7' in text and "_scaled_dot_product_flash_attention_for_cpu" in text
+    old = load_plan(path)
+    assert old.schema_version == 8 and not any("_for_cpu" in n["op"] for n in old.nodes)
+    assert sorted(n["op"] for n in old.nodes if "attention" in n["op"]) == [
+        "autopar.attention.default", "autopar.attention_backward.default"]
+    torch.manual_seed(0)
+    model, args = make("gpt", "tiny", batch=4, seq=16, dropout=0.1, n_layer=1)
+    new = autopar.plan(model, autopar.Mesh(MESH, device="cpu"), args)
+    assert [n["name"] for n in old.nodes] == [n["name"] for n in new.nodes]
+    runs = []
+    for plan in (old, new):
+        torch.manual_seed(5)  # the dropout seed
+        runs.append(autopar.simulate(model, plan, args))
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=0, atol=0)
+    for fqn, g in runs[1][1].items():
+        torch.testing.assert_close(runs[0][1][fqn], g, rtol=1e-6, atol=1e-7)

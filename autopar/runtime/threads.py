@@ -49,7 +49,7 @@ def run_step(prog: Program, local_inputs: Sequence[torch.Tensor], tangent: Optio
             memory.mark(saved, "activations")
         grads: list = []
         if prog.backward is not None:
-            seed = tangent if tangent is not None else torch.ones((), dtype=outputs[0].dtype)
+            seed = tangent if tangent is not None else torch.ones((), dtype=outputs[0].dtype, device=outputs[0].device)
             with watch():
                 grads = [C.wait(g) for g in prog.backward(*saved, seed)]
             if memory is not None:
