@@ -13,6 +13,8 @@ private surface and says, in its docstring, what to check on a torch upgrade:
 - ``gloo``: gloo groups with one worker thread (a workaround for a torch 2.13 race);
 - ``autograd``: autograd-engine and storage bindings of ``torch._C``;
 - ``nn``: ``nn.Module``'s parameter/buffer tables and its conversion hook;
+- ``sdpa``: fused attention kernels chosen as ``F.scaled_dot_product_attention`` chooses them, with
+  their logsumexp and backward (the CUDA kernels of ``autopar.ir.attention``);
 - ``pipelining``: torch's pipeline schedules' action orders, built without a process group, and a
   forward-only step of a schedule that runs a lowered order (ZBV).
 

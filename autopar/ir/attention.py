@@ -3,12 +3,13 @@
 Capture runs on fake CPU tensors, where ``F.scaled_dot_product_attention`` fuses into
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``), an op with a CPU kernel only.
 Capture keeps torch's own choice of fused against unfused attention (the CPU dispatch decides, as for
-any model), then ``device_neutral`` retargets those two nodes to the ops below. They have the same
-schemas (so node names, arguments and every rule's positions are unchanged) and carry what every
-backend needs: the forward returns ``(out, logsumexp [b h s] fp32)``, the backward takes both; with
-``dropout_p > 0`` the lowered program draws autopar's own placement-invariant mask
-(``ir.rules.random_attention``) and never calls these kernels. Grouped-query attention is read from
-the head counts (k/v with fewer heads), as the CPU kernel does.
+any model), then ``device_neutral`` retargets those two nodes to the ops below. They take the same
+arguments in the same order (``attn_mask`` may also be passed by position: ``register_autograd``
+refuses keyword-only tensors), so node names, arguments and every rule's positions are unchanged,
+and they carry what every backend needs: the forward returns ``(out, logsumexp [b h s] fp32)``,
+the backward takes both. With ``dropout_p > 0`` the lowered program draws autopar's own
+placement-invariant mask (``ir.rules.random_attention``) and never calls these kernels.
+Grouped-query attention is read from the head counts (k/v with fewer heads), as the CPU kernel does.
 
 They are ``torch.library`` custom ops, a mechanism torch maintains, rather than a rewrite of the
 lowered program: the kernel is bound when the op runs, from the tensors' device, so the same IR and
@@ -49,7 +50,8 @@ _cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.d
 def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
                is_causal: bool = False, attn_mask: Optional[torch.Tensor] = None, *,
                scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention's ``(out, logsumexp)``: on a device without a kernel below, the math (no dropout)."""
+    """Attention's ``(out, logsumexp [b h s] fp32)``: on a device without a kernel below, the math
+    (without dropout)."""
     _no_dropout(dropout_p, query)
     return _math_forward(query, key, value, attn_mask, is_causal, scale)
 
