@@ -117,7 +117,7 @@ def plan_with(model, mesh: Mesh, example_inputs, example_kwargs, options: PlanOp
 
 def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Optional[dict] = None, *,
              precision: str = "model", trace: Optional[dict] = None, measure_memory: bool = False,
-             predicted: Optional[dict] = None, graph: Optional[Graph] = None, loss_fn=None):
+             predicted: Optional[dict] = None, graph: Optional[Graph] = None, loss_fn=None, device=None):
     """Run ``plan``'s lowered program for every device of its mesh in this process.
 
     Returns ``(outputs, grads)``: ``outputs`` is what the model returns (a ``ModelOutput``, dict,
@@ -146,6 +146,10 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     ``graph``: an already captured graph of this model on these inputs (as ``autopar.plan`` takes
     it), to skip the capture; unpipelined plans only (a pipelined plan captures one micro-batch).
     A training graph captured without ``outputs=True`` (``ir.capture.capture``) gives the loss alone.
+
+    ``device`` (default: the device of the model's parameters): where every device's program runs,
+    its blocks of the inputs and parameters moved there; ``"cuda"`` runs a whole mesh's programs, each
+    rank a thread, on one GPU. Unpipelined plans only.
     """
     check_model(model, "autopar.simulate: model")
     check_kwargs(example_kwargs, "autopar.simulate: example_kwargs")
@@ -164,9 +168,9 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     if not isinstance(plan, Plan):
         plan = load_plan(check_path(plan, "autopar.simulate: plan (a Plan or a saved plan's path)"))
     if plan.pipeline is not None:  # every stage-mesh device a thread, its stages in turn
-        if precision != "model" or measure_memory or graph is not None or loss_fn is not None:
-            raise ArgumentError("autopar.simulate: a pipelined plan runs at the model's precision, without "
-                                "measure_memory, a given graph or loss_fn= (it returns the loss alone) so far")
+        if precision != "model" or measure_memory or graph is not None or loss_fn is not None or device is not None:
+            raise ArgumentError("autopar.simulate: a pipelined plan runs at the model's precision, on the CPU, "
+                                "without measure_memory, a given graph or loss_fn= (it returns the loss alone) so far")
         return _simulate_pipelined(model, plan, as_args(example_inputs), dict(example_kwargs or {}), trace, predicted)
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
@@ -177,8 +181,9 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
         raise ArgumentError(f"autopar.simulate: graph was captured with training={graph.training}, the plan "
                             f"has training={plan.training}: capture it again with the plan's")
     res = resolve(graph, plan)
-    run_prec = execution_precision(precision, plan.precision.get("name", "model"))
-    programs = {c: lower(res, c, precision=run_prec) for c in device_coords(res.mesh.shape)}
+    on = _simulation_device(model, device)
+    run_prec = execution_precision(precision, plan.precision.get("name", "model"), on)
+    programs = {c: lower(res, c, on, precision=run_prec) for c in device_coords(res.mesh.shape)}
     first = programs[(0,) * len(res.mesh.shape)]
     if first.random is not None:  # one seed for every device, from torch's generator; step 0
         seed = draw_seed()
@@ -187,7 +192,7 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     values = placeholder_values(first.inputs, model, args, kwargs)
     memory: Optional[dict] = {} if measure_memory else None
     results, executed = simulate_programs(programs, values, run_prec, memory=memory,
-                                          optimizer_bytes=int(plan.precision.get("optimizer_bytes", 0)))
+                                          optimizer_bytes=int(plan.precision.get("optimizer_bytes", 0)), device=on)
     if trace is not None:
         trace.update(executed)
     if predicted is not None:
@@ -205,6 +210,21 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
             if canon in grads:
                 grads[alias] = grads[canon]
     return (result, grads, memory) if measure_memory else (result, grads)
+
+
+def _simulation_device(model: torch.nn.Module, device) -> Optional[torch.device]:
+    """The device ``simulate`` lowers for: ``device``, else the model's parameters'; None for the CPU
+    (the programs then create their tensors where torch's default puts them)."""
+    if device is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ArgumentError(f"autopar.simulate: device must be a torch device such as 'cpu' or 'cuda', got "
+                            f"{device!r}") from e
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return None if device.type == "cpu" else device
 
 
 def _simulate_pipelined(model, plan, args, kwargs, trace, predicted):

@@ -145,7 +145,8 @@ class ParallelModule(torch.nn.Module):
     itself is ``.module``."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, graph: Graph, dmesh, program: Program,
-                 precision: str, groups: Optional[Sequence] = None, outputs: str = "dtensor"):
+                 precision: str, groups: Optional[Sequence] = None, outputs: str = "dtensor",
+                 device: Optional[torch.device] = None):
         super().__init__()
         # the model's own tables become this module's (tc.share_tables, at the end): state_dict,
         # named_parameters and load_state_dict use the single-device model's names, no "module." prefix.
@@ -156,6 +157,8 @@ class ParallelModule(torch.nn.Module):
         self.device_mesh = dmesh
         self.program = program
         self.precision = precision
+        #: the program's device, where inputs are moved (None: they run where they are)
+        self._device = device
         self._collective_timeout_s = _match_group_timeouts(dmesh)
         #: Forward calls so far: the step number failure messages give (``autopar.runtime.faults``).
         self.steps = 0
@@ -228,7 +231,7 @@ class ParallelModule(torch.nn.Module):
         Measuring costs time (every op is watched): switch it off with ``enabled=False``."""
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise CompileError(f"track_memory: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        object.__setattr__(self, "_memory", MemoryTracker() if enabled else None)
+        object.__setattr__(self, "_memory", MemoryTracker(self._device) if enabled else None)
         object.__setattr__(self, "_memory_optimizer", optimizer if enabled else None)
         return self
 
@@ -238,8 +241,10 @@ class ParallelModule(torch.nn.Module):
         step, and what they held at that moment: ``params`` (parameters and buffers), ``grads``,
         ``optimizer`` (the state of the optimizer given to ``track_memory``), ``activations``
         (what the forward saved for the backward) and ``temporaries`` (the rest: values between
-        ops, collective and bucket buffers); ``step``, the steps measured so far. Compare with
-        ``plan.memory`` from the second step on, once the optimizer holds its state."""
+        ops, collective and bucket buffers); ``step``, the steps measured so far. On CUDA also
+        ``cuda_allocated_peak`` and ``cuda_reserved_peak``: the caching allocator's peaks in the
+        step (``runtime.memory``). Compare with ``plan.memory`` from the second step on, once the
+        optimizer holds its state."""
         if self._memory is None:
             raise CompileError("memory_stats: memory is not being measured: call pmodel.track_memory(optimizer) "
                                "before the steps to measure")
@@ -327,7 +332,8 @@ class ParallelModule(torch.nn.Module):
             raise CompileError(f"input {slot.key!r} has shape {tuple(value.shape)}, but the program was compiled for "
                                f"{slot.spec}: compile again for this shape")
         coords = tuple(self.program.coords)
-        return local_block(value, slot.placements, self.program.mesh_shape, coords, slot.spec.blocks)
+        block = local_block(value, slot.placements, self.program.mesh_shape, coords, slot.spec.blocks)
+        return block if self._device is None else block.to(self._device, non_blocking=True)
 
     def forward(self, *args, **kwargs):
         """Run the lowered forward program on this rank's blocks (the backward runs at ``loss.backward()``);
@@ -443,7 +449,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     check_same_capture(graph)
     res = resolve(graph, shared)
     backend = dist.get_backend()
-    device_type = "cuda" if backend == "nccl" else "cpu"
+    device_type = "cuda" if "nccl" in str(backend) else "cpu"  # "nccl" or "cpu:gloo,cuda:nccl"
     dmesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=tuple(mesh.names))
     coords = tuple(int(c) for c in dmesh.get_coordinate())
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else None
@@ -456,7 +462,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     # gloo: the program's collectives get groups of their own with one worker thread each, since
     # torch 2.13's two workers corrupt the heap when two collectives finish together (see there)
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank()) if backend == "gloo" else None
-    return ParallelModule(model, shared, graph, dmesh, program, prec, groups, outputs)
+    return ParallelModule(model, shared, graph, dmesh, program, prec, groups, outputs, device=device)
 
 
 def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, materializer):

@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         missing = [fqn for fqn, p in model.named_parameters() if p.requires_grad and fqn not in graph.grads]
         assert not missing, f"{name}: missing gradients: {missing[:5]}"
         n_params = sum(p.numel() for p in model.parameters())
-        fused = sum(1 for n in graph.ops() if n.op == "aten._scaled_dot_product_flash_attention_for_cpu.default")
+        fused = sum(1 for n in graph.ops() if n.op == "autopar.attention.default")
         best = min(times[name])
         print(f"{name:<12} capture {best:.2f} s (best of {len(times[name])}: "
               f"{' '.join(f'{t:.2f}' for t in times[name])}), {best / first:.2f}x {args.model[0]}; CPU time "

@@ -334,7 +334,7 @@ def price(row, graph_cache: dict, kernel: str = "run", overlap_slowdown=None, gr
     for n in plan.nodes:  # every op instance at its chosen strategy's priced seconds, re-runs included
         op = n["op"]
         kind = ("matmul" if op.split(".")[1] in ("mm", "addmm", "bmm", "baddbmm") else
-                "attention" if "scaled_dot_product" in op else "other")
+                "attention" if "scaled_dot_product" in op or op.startswith("autopar.attention") else "other")
         parts[kind] += n["compute"]
     recompute = sum(g.get("checkpointed", 0) * g.get("recompute_time", 0.0) for g in plan.layer_groups)
     fpt = foundry_flops_per_token(params, layers, width)

@@ -32,7 +32,7 @@ except ImportError:
 needs_zoo = pytest.mark.skipif(zoo is None, reason="autopar.models is not available")
 needs_hf = pytest.mark.skipif(transformers is None, reason="transformers is not installed")
 
-FUSED_ATTN = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+FUSED_ATTN = "autopar.attention.default"
 
 
 # ---------------------------------------------------------------------------------------------

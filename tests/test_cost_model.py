@@ -193,7 +193,7 @@ def test_attention_flops_causal_halving_and_backward():
     b, h, s, d = 2, 4, 128, 64
     q = (b, h, s, d)
     refs = (Ref("q"), Ref("k"), Ref("v"))
-    fwd = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    fwd = "autopar.attention.default"
     full = _call(fwd, [q, q, q], [q, (b, h, s)], args=refs + (0.0, False))
     causal = _call(fwd, [q, q, q], [q, (b, h, s)], args=refs + (0.0, True))
     assert _fb(full)[0] == 4 * b * h * s * s * d

@@ -30,7 +30,7 @@ from autopar.ir.rules.random_ops import (
 )
 from autopar.parallel import RANDOM_KEY
 
-FUSED = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+FUSED = "autopar.attention.default"
 
 N = 1 << 20
 
@@ -184,7 +184,7 @@ def test_the_plans_split_the_dropout_masks(gpt_plans, which):
     """The parity above is not vacuous: dropout runs on a device's piece of its tensor."""
     drops = [n for n in gpt_plans[which].nodes if n["op"] == "aten.native_dropout.default"]
     assert len(drops) == 5 and any("S(" in n["outputs"][1] for n in drops), drops
-    attn = [n for n in gpt_plans[which].nodes if n["op"].startswith("aten._scaled_dot_product_flash_attention")]
+    attn = [n for n in gpt_plans[which].nodes if n["op"].startswith("autopar.attention")]
     assert len(attn) == 4 and all("S(" in n["outputs"][0] for n in attn), attn
     if which == "megatron_tp":  # heads split on the tensor axis, with the dropout inside
         assert all(n["outputs"][0] == "S(0), S(1)" for n in attn if n["phase"] == "forward"), attn
@@ -230,7 +230,7 @@ def test_hugging_face_bert_with_a_padding_mask_and_default_dropout_on_2x2_equals
     pad[0, 12:] = 0
     kwargs = dict(input_ids=ids, attention_mask=pad, labels=ids)
     graph = capture(model, (), kwargs)  # one capture for the three plans and their simulations
-    fused = [n for n in graph.ops() if n.op == "aten._scaled_dot_product_flash_attention_for_cpu.default"]
+    fused = [n for n in graph.ops() if n.op == FUSED]
     assert len(fused) == 2 and all(n.args[3] == 0.1 and "attn_mask" in n.kwargs for n in fused)
     one = _simulate(model, _plan(model, (), {"a": 1}, kwargs, graph=graph), (), kwargs, graph=graph)
     for recipe in (None, "ddp"):

@@ -21,7 +21,7 @@ from autopar.ir.rules.base import OpCall
 
 H100, A100 = PRESETS["h100"], PRESETS["a100"]
 BF16 = get_precision("bf16-mixed", H100)
-ATTN = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+ATTN = "autopar.attention.default"
 
 
 def _call(op, in_shapes, out_shapes, args=None):

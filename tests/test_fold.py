@@ -146,7 +146,7 @@ def _functional_ops(graph):
     """The ops the functional-loop decoder runs in its own ``forward`` between the layers' linears
     (attention, RoPE's products, SwiGLU's product, residual adds), forward and backward."""
     return [n for n in graph.ops() if n.module_path == "" and (
-        "scaled_dot_product" in n.op or n.op in ("aten.silu.default", "aten.silu_backward.default", "aten.cat.default"))]
+        n.op.startswith("autopar.attention") or n.op in ("aten.silu.default", "aten.silu_backward.default", "aten.cat.default"))]
 
 
 def test_the_parents_ops_belong_to_the_layer_they_run_for():
@@ -159,7 +159,7 @@ def test_the_parents_ops_belong_to_the_layer_they_run_for():
         assert found.of(n.name) is not None, n.where()
     # attention i (forward and backward) belongs to instance i: the i-th forward one, and the
     # backward ones in reverse
-    attn = [n.name for n in graph.ops() if "scaled_dot_product" in n.op]
+    attn = [n.name for n in graph.ops() if n.op.startswith("autopar.attention")]
     fwd = [n for n in attn if graph.node(n).phase == Phase.FORWARD]
     bwd = [n for n in attn if graph.node(n).phase == Phase.BACKWARD]
     assert [found.of(n) for n in fwd] == [("layers", i) for i in range(4)]

@@ -147,8 +147,8 @@ def test_matmuls_and_attention_run_in_bf16_the_loss_in_fp32():
     for op in ("amax", "log", "nll_loss_forward", "nll_loss_backward"):
         assert {d for dts in rec.seen[op] for d in dts} == {fp32}, (op, rec.seen[op])
     # attention in bf16; its backward reads the kernel's fp32 log-sum-exp as it is
-    assert rec.seen["_scaled_dot_product_flash_attention_for_cpu"] == {(bf16, bf16, bf16)}
-    assert {dts.count(fp32) for dts in rec.seen["_scaled_dot_product_flash_attention_for_cpu_backward"]} == {1}
+    assert rec.seen["attention"] == {(bf16, bf16, bf16)}
+    assert {dts.count(fp32) for dts in rec.seen["attention_backward"]} == {1}
     assert outs[0].dtype == fp32 and all(g.dtype == fp32 for g in grads)
 
 

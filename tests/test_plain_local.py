@@ -51,7 +51,7 @@ def test_embedding_is_plain_unless_its_vocabulary_is_split():
 
 def test_causal_attention_split_on_queries_keeps_its_mask():
     seen = set()
-    for strat, coords, ctx, shapes in _cases("aten._scaled_dot_product_flash_attention_for_cpu.default"):
+    for strat, coords, ctx, shapes in _cases("autopar.attention.default"):
         q_seq_split = input_placement(strat, 0)[0].__class__.__name__ == "Split" and input_placement(strat, 0)[0].dim == 2
         got = plain_call(ctx, shapes)
         seen.add(q_seq_split)
@@ -62,7 +62,7 @@ def test_causal_attention_split_on_queries_keeps_its_mask():
 
 
 def test_plain_call_computes_what_the_local_implementation_computes():
-    for op in ("aten.embedding.default", "aten._scaled_dot_product_flash_attention_for_cpu.default"):
+    for op in ("aten.embedding.default", "autopar.attention.default"):
         for strat, coords, ctx, shapes in _cases(op):
             got = plain_call(ctx, shapes)
             if got is None:

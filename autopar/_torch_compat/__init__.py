@@ -14,6 +14,8 @@ private surface and says, in its docstring, what to check on a torch upgrade:
 - ``autograd``: autograd-engine and storage bindings of ``torch._C``;
 - ``nn``: ``nn.Module``'s parameter/buffer tables and its conversion hook;
 - ``dynamo``: the graph-break counts of ``torch.compile`` (compiled rank programs);
+- ``sdpa``: fused attention kernels chosen as ``F.scaled_dot_product_attention`` chooses them, with
+  their logsumexp and backward (the CUDA kernels of ``autopar.ir.attention``);
 - ``pipelining``: torch's pipeline schedules' action orders, built without a process group, and a
   forward-only step of a schedule that runs a lowered order (ZBV).
 

@@ -1,7 +1,7 @@
 """Mixed precision: the dtype every value of a lowered program holds, and where casts go.
 
 Autocast cannot run a lowered program in mixed precision: the captured graph is made of low-level
-aten ops (``native_layer_norm``, ``_scaled_dot_product_flash_attention_for_cpu``, the decomposed
+aten ops (``native_layer_norm``, ``autopar.attention``, the decomposed
 log-softmax, ...) that its policies do not cover, and a sharded program must move the bytes its
 plan priced. So the lowering casts explicitly, FSDP/AMP style, following one ``CastPolicy`` that
 the cost model (``transfer_bytes``) and the lowering both read:
@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 
 from autopar.cost_model.precision import Precision, element_bytes
+from autopar.ir.attention import ATTN_FWD
 from autopar.ir.graph import Graph, Node, Ref, Role, TensorSpec
 from autopar.ir.layers import layer_members
 from autopar.ir.rules.base import OpCall
@@ -57,12 +58,13 @@ CASTING: dict[str, tuple[torch.dtype, torch.dtype]] = {
 #: Ops where the loss region stops (matmuls, convolutions, attention, embeddings, norms): they run in
 #: the compute dtype, and the loss region starts after the last of them.
 COMPUTE_OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.matmul.", "aten.linear.",
-               "aten.convolution.", "aten._convolution.", "aten._scaled_dot_product", "aten.embedding.",
+               "aten.convolution.", "aten._convolution.", "aten._scaled_dot_product", "autopar.attention", "aten.embedding.",
                "aten.native_layer_norm.", "aten.native_batch_norm.", "aten._native_batch_norm_legit",
                "aten.native_group_norm.", "aten._fused_rms_norm.", "aten._grouped_mm.")
 
 #: Outputs (by index) that kernels compute in fp32 whatever their inputs: left as they are.
 KERNEL_FP32_OUTPUTS: dict[str, tuple[int, ...]] = {
+    ATTN_FWD: (1,),
     "aten._scaled_dot_product_flash_attention_for_cpu.default": (1,),
     "aten._scaled_dot_product_flash_attention.default": (1,),
     "aten._scaled_dot_product_efficient_attention.default": (1,),

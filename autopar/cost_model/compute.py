@@ -15,6 +15,7 @@ import torch
 from autopar.cost_model import efficiency as eff
 from autopar.cost_model.hardware import Hardware
 from autopar.cost_model.precision import Precision, element_bytes
+from autopar.ir.attention import ATTN_BWD, ATTN_FWD
 from autopar.ir.rules.base import OpCall
 
 Shape = tuple[int, ...]
@@ -35,8 +36,6 @@ _FREE_OPS = frozenset(
     }
 )
 
-_ATTN_FWD = "aten._scaled_dot_product_flash_attention_for_cpu.default"
-_ATTN_BWD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
 #: flash attention's backward recomputes the scores: about 2.5x the forward's FLOPs
 FLASH_BACKWARD_FACTOR = 2.5
 
@@ -106,9 +105,9 @@ def _flops(call: OpCall, ins: Sequence[Shape], outs: Sequence[Optional[Shape]]) 
         if len(a) == 2 and len(b) == 2:  # [K, T] x [T, N] -> [E, K, N]: the groups partition T
             return 2.0 * a[0] * a[1] * b[1]
         return 2.0 * _numel(outs[0]) * a[-1]  # [T, K] x [E, K, N] -> [T, N]; batched 3-D x 3-D
-    if call.op == _ATTN_FWD:
+    if call.op == ATTN_FWD:
         return _attention_flops(ins[0], ins[1], ins[2], bool(call.arg(4, "is_causal", False)))
-    if call.op == _ATTN_BWD:
+    if call.op == ATTN_BWD:
         fwd = _attention_flops(ins[1], ins[2], ins[3], bool(call.arg(7, "is_causal", False)))
         return FLASH_BACKWARD_FACTOR * fwd
     if call.op == "aten.convolution.default":
@@ -154,11 +153,11 @@ def flops_and_bytes(
 
 def _score_bytes(call: OpCall, ins: Sequence[Shape], precision: Precision) -> float:
     """Attention without flash: the b h s t score matrix is written and read (twice in backward)."""
-    q_at = 1 if call.op == _ATTN_BWD else 0
+    q_at = 1 if call.op == ATTN_BWD else 0
     q, k = ins[q_at], ins[q_at + 1]
     scores = q[0] * q[1] * q[2] * k[2]
     eb = element_bytes(call.in_specs[q_at].dtype, "activation", precision)
-    return float(scores * eb * (4 if call.op == _ATTN_BWD else 2))
+    return float(scores * eb * (4 if call.op == ATTN_BWD else 2))
 
 
 def matmul_shape(call: OpCall, ins: Sequence[Shape], outs: Sequence[Optional[Shape]]) -> Optional[tuple[float, float]]:
@@ -194,8 +193,8 @@ def efficiency_of(call: OpCall, ins: Sequence[Shape], outs: Sequence[Optional[Sh
     matmuls and convolutions by (MN, K); fused attention by (keys, head dim, causal, phase); any
     other op at the best matmul rate (they are memory-bound: the byte term decides)."""
     e = hw.efficiency
-    if call.op in (_ATTN_FWD, _ATTN_BWD):
-        at = 1 if call.op == _ATTN_BWD else 0
+    if call.op in (ATTN_FWD, ATTN_BWD):
+        at = 1 if call.op == ATTN_BWD else 0
         q, k = ins[at], ins[at + 1]
         causal = bool(call.arg(7, "is_causal", False) if at else call.arg(4, "is_causal", False))
         return eff.attention(e, "bwd" if at else "fwd", k[2], q[3], causal)
@@ -254,7 +253,7 @@ def _roofline(call: OpCall, in_shapes, out_shapes, hw: Hardware, precision: Prec
     ins = [tuple(s) for s in in_shapes]
     outs = [None if s is None else tuple(s) for s in out_shapes]
     flops, nbytes = flops_and_bytes(call, ins, outs, precision)
-    if call.op in (_ATTN_FWD, _ATTN_BWD) and not hw.flash_attention:
+    if call.op in (ATTN_FWD, ATTN_BWD) and not hw.flash_attention:
         nbytes += _score_bytes(call, ins, precision)
     dtype = precision.compute_dtype or str(_float_dtype(call)).replace("torch.", "")
     t_flops = flops / (hw.flops(dtype) * efficiency_of(call, ins, outs, hw)) if flops else 0.0
@@ -289,7 +288,7 @@ def row_growth(
     ins, outs, t_flops, t_bytes, nbytes = _roofline(call, in_shapes, out_shapes, hw, precision)
     if t_bytes > t_flops:
         return t_bytes * _along(nbytes, hw.efficiency.mem_half_bytes)
-    if call.op in (_ATTN_FWD, _ATTN_BWD):
+    if call.op in (ATTN_FWD, ATTN_BWD):
         return t_flops
     shape = matmul_shape(call, ins, outs)
     if shape is None:
@@ -312,7 +311,7 @@ def model_flops(graph) -> float:
     for n in graph.ops():
         if n.phase != Phase.FORWARD:
             continue
-        if n.op == _ATTN_FWD:
+        if n.op == ATTN_FWD:
             ins = [tuple(graph.spec(r).shape) for r in n.inputs[:3]]
             total += _attention_flops(ins[0], ins[1], ins[2], False)
             continue

@@ -6,7 +6,8 @@ Recipe (the reasons are measured, see DESIGN.md "Capture: traps measured on torc
    parameter and buffer to an empty *fake CPU* tensor of the same shape and dtype. Meta models are
    never exported as meta (torch then silently drops every gradient, and attention is decomposed
    into bmm + softmax); on fake CPU tensors SDPA stays fused as
-   ``aten._scaled_dot_product_flash_attention_for_cpu``. The user's model is never touched.
+   ``aten._scaled_dot_product_flash_attention_for_cpu``, which step 4 makes device-neutral
+   (``autopar.ir.attention``). The user's model is never touched.
 2. On the copy: forward-pre/forward hooks that annotate every traced node with the module path
    (``node.meta["custom"]["autopar_module"]``; backward nodes inherit it), and a ``forward`` that
    returns the loss (training; with ``outputs=True`` the model's other tensors after it, detached)
@@ -14,7 +15,8 @@ Recipe (the reasons are measured, see DESIGN.md "Capture: traps measured on torc
 3. ``aot_export_joint_with_descriptors`` with ``_log_softmax`` (and its backward) decomposed, so a
    vocab-split cross-entropy is a sequence of reductions. Inference exports a copy whose parameters
    do not require grad, which gives a forward-only graph.
-4. Rewrites on the fx graph: tied parameters merged into one placeholder (gradients summed),
+4. Rewrites on the fx graph: fused attention retargeted to the device-neutral ``autopar.attention``
+   (+ backward), tied parameters merged into one placeholder (gradients summed),
    non-tensor inputs removed (they are constants), mean losses turned into sum / total_weight.
 5. Lift to the IR (``autopar.ir.lift``) and check: every trainable parameter has a gradient.
 """
@@ -32,6 +34,7 @@ import torch
 from autopar import _torch_compat as tc
 from autopar._torch_compat import pytree
 from autopar.errors import CaptureError
+from autopar.ir.attention import device_neutral
 from autopar.ir.blocks import mark_blocks
 from autopar.ir.fingerprint import graph_fingerprint
 from autopar.ir.graph import Graph
@@ -119,6 +122,7 @@ def capture(
             raise _capture_error(e, where) from e
         tracker.close()
 
+    device_neutral(gm)
     const_idx = [i for i, n in enumerate(names) if n in constants]
     drop_constant_inputs(gm, const_idx)
     aliases = merge_tied(gm, mc)

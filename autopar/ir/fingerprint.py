@@ -11,6 +11,7 @@ import hashlib
 import json
 from collections import Counter
 
+from autopar.ir.attention import LEGACY_NAMES
 from autopar.ir.graph import Graph
 
 
@@ -35,11 +36,13 @@ def graph_info(graph: Graph) -> dict:
     return info
 
 
-def graph_fingerprint(graph: Graph) -> str:
-    """A hash of everything that shapes a plan: ops, shapes, dtypes, arguments, inputs' meaning."""
+def graph_fingerprint(graph: Graph, *, legacy: bool = False) -> str:
+    """A hash of everything that shapes a plan: ops, shapes, dtypes, arguments, inputs' meaning.
+    ``legacy``: with attention under the name plan schema versions 1-7 recorded (``ir.attention``)."""
     h = hashlib.sha256()
+    names = LEGACY_NAMES if legacy else {}
     for n in graph.nodes:
-        h.update(repr((n.name, n.op, [str(o) for o in n.outputs], repr(n.args), repr(n.kwargs), n.roles)).encode())
+        h.update(repr((n.name, names.get(n.op, n.op), [str(o) for o in n.outputs], repr(n.args), repr(n.kwargs), n.roles)).encode())
     h.update(json.dumps([sorted(graph.params.items()), sorted(graph.inputs.items()), graph.training],
                         sort_keys=True, default=str).encode())
     return h.hexdigest()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from autopar.ir.attention import ATTN_FWD
 from autopar.ir.graph import Graph, Phase, Ref
 from autopar.ir.layers import Key, Layers, layers
 from autopar.ir.views import ALIASES, param_views, storage_shares
@@ -30,6 +31,7 @@ MODES = ("full", "selective")
 MATMULS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"})
 #: attention: selective mode keeps every one's outputs
 ATTENTION = frozenset({
+    ATTN_FWD,
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
     "aten._scaled_dot_product_flash_attention.default",
     "aten._scaled_dot_product_efficient_attention.default",

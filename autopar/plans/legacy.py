@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from autopar.ir.attention import LEGACY_NAMES
+
 
 def copy_plain(x: Any) -> Any:
     """A deep copy of plain data (dicts, lists, tuples as lists), numbers untouched."""
@@ -25,6 +27,20 @@ _V5_DEFAULTS: dict[str, Any] = {"model_flops": 0.0, "mfu": 0.0, "tokens_per_step
 #: fields schema version 6 added, as a version 1-5 file loads them
 _V6_DEFAULTS: dict[str, Any] = {"mesh_search": None}
 _V8_DEFAULTS: dict[str, Any] = {"peak_at": ""}
+
+
+def _attention_of_old_plan(d: Mapping) -> Mapping:
+    """A version 1-7 plan with its fused attention ops under the names version 8 captures them as
+    (``autopar.ir.attention``): the same ops, arguments and node names, so it lowers as it was made."""
+    new = {old: name for name, old in LEGACY_NAMES.items()}
+    nodes, graph = d.get("nodes"), d.get("graph")
+    if isinstance(nodes, list):
+        d = {**d, "nodes": [{**n, "op": new.get(n.get("op"), n.get("op"))} if isinstance(n, Mapping) else n
+                            for n in nodes]}
+    hist = graph.get("ops_hist") if isinstance(graph, Mapping) else None
+    if isinstance(hist, Mapping):
+        d = {**d, "graph": {**graph, "ops_hist": dict(sorted((new.get(k, k), v) for k, v in hist.items()))}}
+    return d
 
 
 def _nics_of_old_plan(d: Mapping) -> Mapping:
@@ -73,11 +89,14 @@ def upgrade_hardware(d: Mapping, version: int) -> Mapping:
 
 
 def with_defaults(d: Mapping, version: int) -> Mapping:
-    """``d`` with the top-level fields versions 4-8 added, where it lacks them, and a version 1-6
-    pipelined plan's ``pipeline.stage_buckets`` false (its buckets may span stages: lowered as listed)."""
+    """``d`` with the top-level fields versions 4-8 added, where it lacks them, a version 1-6
+    pipelined plan's ``pipeline.stage_buckets`` false (its buckets may span stages: lowered as listed)
+    and a version 1-7 plan's attention ops renamed (version 8)."""
     for since, defaults in ((4, _V4_DEFAULTS), (5, _V5_DEFAULTS), (6, _V6_DEFAULTS), (8, _V8_DEFAULTS)):
         if version < since:
             d = {**d, **{k: copy_plain(v) for k, v in defaults.items() if k not in d}}
+    if version < 8:
+        d = _attention_of_old_plan(d)
     pipeline = d.get("pipeline")
     if version < 7 and isinstance(pipeline, Mapping) and "stage_buckets" not in pipeline:
         d = {**d, "pipeline": {**pipeline, "stage_buckets": False}}

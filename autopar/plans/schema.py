@@ -59,7 +59,12 @@ prices the peak as the program runs it (``autopar.cost_model.liveness``): ``memo
 and bucket buffers, unreduced gradients, or the optimizer step's scratch) to the parameters,
 gradients, optimizer state and activations alive at that moment, and ``peak_at`` says where in the
 step the peak is; a version 1-7 file loads with ``peak_at`` empty and its memory as it was priced (a
-sum of parameter state and saved activations). Any other version is a PlanError naming it.
+sum of parameter state and saved activations). Version 8 also names fused attention by its device-neutral ops, ``autopar.attention.default`` and
+``autopar.attention_backward.default`` (``autopar.ir.attention``), where versions 1-7 wrote the CPU
+kernel's ``aten._scaled_dot_product_flash_attention_for_cpu.default`` (and ``_backward``): the same ops,
+arguments and node names. A version 1-7 file loads with those op names replaced, and the lowering
+accepts its graph fingerprint, which was computed under the old names. Any other version is a PlanError
+naming it.
 """
 
 from __future__ import annotations
@@ -288,8 +293,8 @@ class Plan:
     def from_dict(d: Mapping) -> "Plan":
         """Inverse of ``to_dict``; checked against the plan file's schema (``autopar.plans.validate``):
         a PlanError names a schema version it does not read, missing fields, or the first field (a
-        JSON path) of a wrong type or out of range, with its value. A version 1 or 2 plan comes back
-        as version 7 (see the module's "Schema versions")."""
+        JSON path) of a wrong type or out of range, with its value. A version 1-7 plan comes back
+        as version 8 (see the module's "Schema versions")."""
         if not isinstance(d, Mapping):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         if "schema_version" not in d:

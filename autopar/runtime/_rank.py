@@ -60,10 +60,12 @@ def init_group(rank: int, world_size: int, port: int, backend: str, timeout_s: f
     while arrived < world_size and time.monotonic() < until:
         time.sleep(0.05)
         arrived = store.add("autopar/arrived", 0)
+    device = None
     if "nccl" in backend and torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     td = datetime.timedelta(seconds=collective_timeout_s or timeout_s)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td, device_id=device)
 
 
 def destroy_group() -> None:

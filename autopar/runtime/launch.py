@@ -36,6 +36,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 from autopar.errors import LaunchError
@@ -76,7 +77,7 @@ def launch(
     *args: Any,
     timeout: Optional[float] = None,
     collective_timeout: Optional[float] = None,
-    backend: str = "gloo",
+    backend: Optional[str] = None,
     **kwargs: Any,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks of a default torch.distributed group and
@@ -85,7 +86,7 @@ def launch(
     Two modes, so that one user script works both ways:
 
     * **Local spawn** (the usual case): starts ``nprocs`` fresh processes (multiprocessing *spawn*),
-      joins them into a default process group of ``backend`` (gloo: CPU), runs ``fn`` on each and
+      joins them into a default process group of ``backend``, runs ``fn`` on each and
       destroys the group at the end. ``fn``, its arguments and its return values must be picklable:
       define ``fn`` at module level of an importable module (a script's functions work when the
       script guards its entry point with ``if __name__ == "__main__":``). Each child gets
@@ -110,9 +111,16 @@ def launch(
     ``timeout`` when given, else by ``collective_timeout``. Under torchrun, ``collective_timeout`` is
     the timeout of the group launch initialises (a group you initialise has yours).
 
+    ``backend`` (default): ``"nccl"`` when CUDA is available and every rank of this machine has a GPU
+    of its own (``nprocs``, or under torchrun ``LOCAL_WORLD_SIZE``, at most the GPU count), else
+    ``"gloo"`` (CPU). With NCCL each rank uses GPU ``LOCAL_RANK`` (``torch.cuda.set_device`` before
+    the group starts, and the group is bound to it).
+
     ``fn`` cannot receive keyword arguments named ``timeout``, ``collective_timeout`` or ``backend``
     (they are launch's).
     """
+    if backend is None:
+        backend = default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", nprocs)) if in_torchrun() else nprocs)
     check_launch_args(fn, nprocs, timeout, backend, collective_timeout)
     if getattr(mp.current_process(), "_inheriting", False):  # a rank importing the script that launched it
         raise LaunchError("autopar.launch was called while this process was starting as a rank of a launch: the "
@@ -144,11 +152,26 @@ def run_deadline(timeout: Optional[float], now: float) -> Optional[float]:
     """When a run started at ``now`` (``time.monotonic()``) is stopped: ``now + timeout``, or None (never)
     when ``timeout`` is None, launch's default: a stall is caught per collective instead."""
     return None if timeout is None else now + timeout
+def default_backend(local_ranks: int) -> str:
+    """``"nccl"`` when CUDA is available with a GPU for each of this machine's ``local_ranks`` ranks, else ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() and 0 < local_ranks <= torch.cuda.device_count() else "gloo"
+
+
+def bind_device(backend: str) -> Optional[torch.device]:
+    """Under a backend with NCCL, make GPU ``LOCAL_RANK`` this process's current device (before the
+    first collective: NCCL stages object collectives through the current device, and ranks left on
+    ``cuda:0`` collide) and return it; None for a CPU backend."""
+    if "nccl" not in backend or not torch.cuda.is_available():
+        return None
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 def ensure_process_group(world_size: int, what: str = "this mesh") -> None:
     """Raise ``LaunchError`` unless a default torch.distributed group of ``world_size`` ranks is
-    initialised in this process. ``what`` names who needs it (e.g. ``"mesh {'dp': 2, 'tp': 2}"``)."""
+    initialised in this process. ``what`` names who needs it (e.g. ``"mesh {'dp': 2, 'tp': 2}"``).
+    With an NCCL group, GPU ``LOCAL_RANK`` becomes the current device (``bind_device``)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise LaunchError(
             f"{what} needs {world_size} processes but there is no torch.distributed process group: "
@@ -163,6 +186,8 @@ def ensure_process_group(world_size: int, what: str = "this mesh") -> None:
             f"start {world_size} processes (autopar.launch(fn, nprocs={world_size}) or torchrun "
             f"--nproc-per-node {world_size}), or use a mesh of {have} devices"
         )
+    if "LOCAL_RANK" in os.environ:
+        bind_device(str(dist.get_backend()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,7 +212,8 @@ def _run_in_this_rank(fn: Callable[..., Any], nprocs: int, args: tuple, kwargs: 
                 f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: start the job with "
                 "torchrun, or unset RANK and WORLD_SIZE to let launch spawn local processes"
             )
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        device = bind_device(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), device_id=device)
     try:
         return fn(*args, **kwargs)
     finally:

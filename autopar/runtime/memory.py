@@ -19,6 +19,13 @@ values, and in a checkpointed layer's backward its re-run values): the figure th
 ``activations`` prices, which need not all be alive at the overall peak, when the temporaries
 of another moment may be larger.
 
+On a CUDA device (``MemoryTracker(device)``) the step also reads the caching allocator's own peak
+statistics, reset when the step begins: ``cuda_allocated_peak`` and ``cuda_reserved_peak``. They
+count what the storages above cannot see: allocator rounding and fragmentation, library workspaces
+(cuBLAS, cuDNN, attention kernels) and buffers freed late on a collective's stream. They are the
+device's figures, so one process must run one rank there (``autopar.simulate`` runs a mesh's ranks
+as threads of one process and does not read them).
+
 Why our own tracker rather than ``torch.distributed._tools.mem_tracker``: that one sorts
 storages by module hooks and autograd, and a lowered program runs op by op with neither; here the
 program itself says what is saved and what is a gradient.
@@ -74,7 +81,9 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 class MemoryTracker:
     """The peak of one step's live storages on this rank (see the module's docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        #: the CUDA device whose allocator statistics each step reads as well (None: none)
+        self.cuda = torch.device(device) if device is not None and torch.device(device).type == "cuda" else None
         #: storage key -> (uid, bytes); a key whose storage died may be reused by a new storage
         self._live: dict[Any, tuple[int, int]] = {}
         self._kind: dict[int, str] = {}
@@ -140,6 +149,8 @@ class MemoryTracker:
         for t in _tensors(list(inputs)):  # of no kind: activations if the forward saves them
             self._add(t)
         self._peak, self._at_peak, self._act_peak = 0, [], 0
+        if self.cuda is not None:
+            torch.cuda.reset_peak_memory_stats(self.cuda)
         self._sample()
 
     def _sample(self) -> None:
@@ -181,6 +192,9 @@ class MemoryTracker:
         # the most activation bytes alive at once (from the end of the forward on, when the saved
         # values are known): the moment the cost model prices, which need not be the peak's
         out["activations_peak"] = max(self._act_peak, out["activations"])
+        if self.cuda is not None:
+            out["cuda_allocated_peak"] = int(torch.cuda.max_memory_allocated(self.cuda))
+            out["cuda_reserved_peak"] = int(torch.cuda.max_memory_reserved(self.cuda))
         self.steps += 1
         out["step"] = self.steps
         self.last = out

@@ -19,8 +19,9 @@ import os
 import socket
 from typing import Optional, Sequence
 
-import torch
 import torch.distributed as dist
+
+from autopar.runtime.launch import bind_device, default_backend
 
 #: What torchrun (and any launcher that sets up ``env://`` rendezvous) puts in each rank's environment.
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -31,28 +32,16 @@ def under_launcher() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARIABLES)
 
 
-def local_rank() -> int:
-    """This rank's index on its node (``LOCAL_RANK``; 0 outside a launcher)."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def default_backend() -> str:
-    """NCCL when every rank of this node has a GPU of its own, gloo otherwise."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local:
-        return "nccl"
-    return "gloo"
-
-
 def start_from_environment(timeout: Optional[float] = None) -> bool:
     """Start the default process group from the launcher's environment unless one exists; True when
     this call started it. With NCCL the rank's GPU is made current first."""
     if dist.is_initialized() or not under_launcher():
         return False
-    backend = default_backend()
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank())
-    kw = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    backend = default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    device = bind_device(backend)
+    kw: dict = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    if device is not None:
+        kw["device_id"] = device
     dist.init_process_group(backend, **kw)
     return True
 
@@ -95,5 +84,5 @@ def check_node_layout(devices_per_node: int, axes: dict) -> Optional[str]:
     return node_mismatch(got, devices_per_node, axes)
 
 
-__all__ = ["TORCHRUN_VARIABLES", "check_node_layout", "default_backend", "local_rank", "node_key", "node_mismatch",
-           "start_from_environment", "under_launcher"]
+__all__ = ["TORCHRUN_VARIABLES", "check_node_layout", "node_key", "node_mismatch", "start_from_environment",
+           "under_launcher"]

@@ -49,7 +49,7 @@ def run_step(prog: Program, local_inputs: Sequence[torch.Tensor], tangent: Optio
             memory.mark(saved, "activations")
         grads: list = []
         if prog.backward is not None:
-            seed = tangent if tangent is not None else torch.ones((), dtype=outputs[0].dtype)
+            seed = tangent if tangent is not None else torch.ones((), dtype=outputs[0].dtype, device=outputs[0].device)
             with watch():
                 grads = prog.run_backward(*saved, seed)
             if memory is not None:
@@ -93,7 +93,8 @@ def run_threads(fn: Callable[[tuple[int, ...]], Any], mesh_shape: Sequence[int],
 
 def simulate_programs(programs: dict[tuple[int, ...], Program], placeholders: Sequence[torch.Tensor],
                       precision: str = "model", tangent: Optional[torch.Tensor] = None,
-                      memory: Optional[dict] = None, optimizer_bytes: int = 0):
+                      memory: Optional[dict] = None, optimizer_bytes: int = 0,
+                      device: Optional[torch.device] = None):
     """Run every device's lowered program (``programs``: coords -> Program, one per device of the
     mesh) on blocks of the whole tensors ``placeholders`` (in the programs' input order).
     Returns ``(results, executed)``: per-device outputs and gradients, and the collectives each ran.
@@ -101,7 +102,8 @@ def simulate_programs(programs: dict[tuple[int, ...], Program], placeholders: Se
     With ``memory`` (a dict), each device's step is measured (``runtime.memory``) into
     ``memory[coords]``: its blocks are copies of their own (not views of the whole tensors), and
     it holds ``optimizer_bytes`` per element of each floating-point parameter block as optimizer
-    state, as a training step after the first does."""
+    state, as a training step after the first does. ``device``: where the blocks are moved (None: where
+    ``placeholders`` are)."""
     first = next(iter(programs.values()))
     mesh_shape, names = first.mesh_shape, first.axis_names
 
@@ -109,11 +111,13 @@ def simulate_programs(programs: dict[tuple[int, ...], Program], placeholders: Se
         prog = programs[coords]
         local = [local_block(t, slot.placements, mesh_shape, coords, slot.spec.blocks)
                  for t, slot in zip(placeholders, prog.inputs)]
+        if device is not None:
+            local = [t.to(device) for t in local]
         tracker, state = None, []
         if memory is not None:
             local = [t.clone() for t in local]
             tracker = MemoryTracker()
-            state = [torch.zeros(t.numel() * optimizer_bytes, dtype=torch.uint8)
+            state = [torch.zeros(t.numel() * optimizer_bytes, dtype=torch.uint8, device=t.device)
                      for t, s in zip(local, prog.inputs) if s.kind == "param" and t.is_floating_point()]
         outs, grads = run_step(prog, local, tangent, precision, tracker, state)
         if tracker is not None:

@@ -74,6 +74,8 @@ class LocalCtx:
     coords: tuple[int, ...]
     #: 1 normally; the mutation test sets 0 to check that offsets are really needed (and checked).
     offset_scale: int = 1
+    #: the program's device: where local code creates tensors that no input places (None: torch's default)
+    device: Optional[torch.device] = None
 
     def in_placements(self, i: int) -> tuple[Placement, ...]:
         """This op's input placements on every mesh axis, per input."""

@@ -202,7 +202,7 @@ def _extreme_local(ctx, xs):
     call = ctx.call
     if xs[0].numel() == 0:
         fill = float("-inf") if call.op == "aten.amax.default" else float("inf")
-        return torch.full(ctx.out_shape(0), fill, dtype=call.out_specs[0].dtype)
+        return torch.full(ctx.out_shape(0), fill, dtype=call.out_specs[0].dtype, device=xs[0].device)
     return call.target(xs[0], *call.args[1:], **call.kwargs)
 
 

@@ -113,7 +113,7 @@ def _grouped_local(ctx: LocalCtx, xs: list) -> torch.Tensor:
         if length == 0:
             spec = call.out_specs[0]
             assert spec is not None
-            return torch.zeros(ctx.out_shape(0), dtype=spec.dtype)
+            return torch.zeros(ctx.out_shape(0), dtype=spec.dtype, device=a.device)
         offs = (offs - start).clamp(0, length).to(offs.dtype)
     out = grouped_mm(call.target, a, b, offs, form)
     if split_t and form == "sum":  # a group with no rows here contributes zeros to the sum

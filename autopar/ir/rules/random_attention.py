@@ -17,13 +17,12 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from autopar.ir.attention import ATTN_BWD, ATTN_FWD
 from autopar.ir.graph import Graph, Node, Ref
 from autopar.ir.rules.base import LocalCtx
 from autopar.ir.rules.random_ops import draw_local, global_index, is_random, uniform53
 from autopar.ir.rules.special import _causal_mask
 
-ATTN_FWD = "aten._scaled_dot_product_flash_attention_for_cpu.default"
-ATTN_BWD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
 #: op -> (position of dropout_p, of is_causal, index of q among the tensor inputs)
 _ARGS = {ATTN_FWD: (3, 4, 0), ATTN_BWD: (6, 7, 1)}
 #: Ops that pass a value through unchanged: a backward may read the forward's logsumexp through them.
@@ -76,7 +75,7 @@ def _scores(ctx: LocalCtx, q: torch.Tensor, k: torch.Tensor, mask: Optional[torc
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
         start, length = ctx.in_range(qi, 2)
-        s = s + _causal_mask(start, length, k.shape[2], s.dtype).to(s.device)
+        s = s + _causal_mask(start, length, k.shape[2], s.dtype, s.device)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
     return s

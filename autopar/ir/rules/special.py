@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from autopar.ir.attention import ATTN_BWD, ATTN_FWD
 from autopar.ir.graph import Ref
 from autopar.ir.placement import B, P, Split
 from autopar.ir.rules.base import LocalCtx, OpCall, register, substitute
@@ -37,7 +38,7 @@ def _splits_dim(ctx: LocalCtx, i: int, dim: int) -> bool:
 def _zeros(ctx: LocalCtx, j: int) -> torch.Tensor:
     spec = ctx.call.out_specs[j]
     assert spec is not None
-    return torch.zeros(ctx.out_shape(j), dtype=spec.dtype)
+    return torch.zeros(ctx.out_shape(j), dtype=spec.dtype, device=ctx.device)
 
 
 def _masked_ids(ids: torch.Tensor, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +141,7 @@ def _nll_local(ctx: LocalCtx, xs: list) -> tuple:
     local, valid = _masked_ids(target, start, length)
     valid = valid & counted
     picked = -torch.gather(logp, 1, local.unsqueeze(1)).squeeze(1) if length else torch.zeros(
-        target.shape, dtype=logp.dtype
+        target.shape, dtype=logp.dtype, device=logp.device
     )
     picked = picked * valid.to(logp.dtype)
     if reduction == 0:
@@ -225,10 +226,11 @@ def _nll_backward(call: OpCall) -> DimMap:
 # needs its row offset in the mask.
 
 
-def _causal_mask(q_start: int, q_len: int, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
-    rows = torch.arange(q_start, q_start + q_len).unsqueeze(1)
-    cols = torch.arange(kv_len).unsqueeze(0)
-    return torch.zeros(q_len, kv_len, dtype=dtype).masked_fill(cols > rows, float("-inf"))
+def _causal_mask(q_start: int, q_len: int, kv_len: int, dtype: torch.dtype,
+                 device: Optional[torch.device] = None) -> torch.Tensor:
+    rows = torch.arange(q_start, q_start + q_len, device=device).unsqueeze(1)
+    cols = torch.arange(kv_len, device=device).unsqueeze(0)
+    return torch.zeros(q_len, kv_len, dtype=dtype, device=device).masked_fill(cols > rows, float("-inf"))
 
 
 def _attention_dims(call: OpCall, n_lead: int, mask_index: int) -> tuple[list[Optional[Dims]], Dims, Dims, dict[str, int]]:
@@ -278,7 +280,7 @@ def _attention_local_call(ctx: LocalCtx, xs: list, q_index: int, causal_pos: int
             args[causal_pos] = False
         else:
             kwargs["is_causal"] = False
-        kwargs["attn_mask"] = _causal_mask(start, length, xs[q_index + 1].shape[2], q.dtype)
+        kwargs["attn_mask"] = _causal_mask(start, length, xs[q_index + 1].shape[2], q.dtype, q.device)
         args = tuple(args)
     return call.target(*args, **kwargs)
 
@@ -305,7 +307,7 @@ def _attention_bwd_local(ctx: LocalCtx, xs: list):
     return _attention_local_call(ctx, xs, 1, 7, True)
 
 
-@register("aten._scaled_dot_product_flash_attention_for_cpu.default", local=_attention_fwd_local)
+@register(ATTN_FWD, local=_attention_fwd_local)
 def _attention(call: OpCall) -> DimMap:
     # (q, k, v, dropout_p, is_causal, *, attn_mask, scale) -> (out [b h s e], logsumexp [b h s])
     ins, qside, _, sizes = _attention_dims(call, 0, 3)
@@ -315,7 +317,7 @@ def _attention(call: OpCall) -> DimMap:
     )
 
 
-@register("aten._scaled_dot_product_flash_attention_for_cpu_backward.default", local=_attention_bwd_local)
+@register(ATTN_BWD, local=_attention_bwd_local)
 def _attention_backward(call: OpCall) -> DimMap:
     # (grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask, scale) -> (dq, dk, dv)
     ins, qside, kside, sizes = _attention_dims(call, 1, 6)
@@ -391,7 +393,7 @@ def _arange_local(ctx: LocalCtx, xs: list) -> torch.Tensor:
         start, step = call.args[0], call.arg(2, "step", 1) if call.op == "aten.arange.start_step" else 1
     off, length = ctx.out_range(0, 0)
     lo = start + step * off
-    return torch.arange(lo, lo + step * length, step, dtype=spec.dtype)[:length]
+    return torch.arange(lo, lo + step * length, step, dtype=spec.dtype, device=ctx.device)[:length]
 
 
 def _factory_map(call: OpCall) -> DimMap:

@@ -67,7 +67,7 @@ class Emitter:
         self.g = res.graph
         self.coords = tuple(coords)
         self.mesh_shape = res.mesh.shape
-        self.device = device
+        self.device = None if device is None else torch.device(device)
         self.root = torch.nn.Module()
         self.fg, self.bg = fx.Graph(), fx.Graph()
         # base[ref] = (fx node, phase graph, placements) of a value where it was produced
@@ -196,7 +196,10 @@ class Emitter:
 
     def _constant(self, node: Node, strat: Strategy) -> None:
         name = self.fresh_name(f"const_{node.name}")
-        setattr(self.root, name, getattr(self.g.gm, node.target))
+        value = getattr(self.g.gm, node.target)
+        if self.device is not None and isinstance(value, torch.Tensor):
+            value = value.to(self.device)  # a captured constant (HF's ``_tensor_constant*``) lives on the CPU
+        setattr(self.root, name, value)
         where = self.fg if node.phase == Phase.FORWARD else self.bg
         self.base[Ref(node.name, 0)] = (where.get_attr(name), where, output_placement(strat, 0))
 
@@ -218,7 +221,7 @@ class Emitter:
         cur = d.placed
         for name, strat in d.replay:
             node = self.g.node(name)
-            ctx = LocalCtx(self.res.calls[name], strat, self.mesh_shape, self.coords)
+            ctx = LocalCtx(self.res.calls[name], strat, self.mesh_shape, self.coords, device=self.device)
             if has_local(node.op):
                 mod_name = self.fresh_name(f"{name}_kept_local")
                 self.root.add_module(mod_name, LocalOp(ctx))
@@ -241,7 +244,7 @@ class Emitter:
                for k, r in enumerate(node.inputs)]
         if casts is not None:
             call = casts.op_call(self.g, node, call)
-        ctx = LocalCtx(call, strat, self.mesh_shape, self.coords)
+        ctx = LocalCtx(call, strat, self.mesh_shape, self.coords, device=self.device)
         random = is_random_call(node.op, node.args, node.kwargs)
         plain = self._plain_local(node, strat, ctx) if has_local(node.op) and not random else None
         if random:  # this device's block of the whole tensor's draw (``ir.rules.random_ops``)
@@ -277,7 +280,7 @@ class Emitter:
         """The one plain op ``node``'s local implementation runs on this device, if that is all it
         does (``passes.plain_local``); None keeps the ``LocalOp``. Not on an accelerator: the
         probe runs on fake CPU tensors."""
-        if self.device is not None:
+        if self.device is not None and self.device.type != "cpu":
             return None
         shapes = [local_shape(self.g.spec(r).shape, input_placement(strat, k), self.mesh_shape, self.coords)
                   for k, r in enumerate(node.inputs)]

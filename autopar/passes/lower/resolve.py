@@ -60,7 +60,11 @@ class Resolved:
 def resolve(graph: Graph, plan) -> Resolved:
     """Every node's chosen strategy, looked up in the rules by the plan's text; checks the plan
     was made for this graph first."""
-    plan.check_graph(graph_fingerprint(graph), graph_info(graph))
+    fingerprint = graph_fingerprint(graph)
+    if plan.fingerprint.get("graph") not in (fingerprint, None) and plan.fingerprint.get("graph") == (
+            legacy := graph_fingerprint(graph, legacy=True)):
+        fingerprint = legacy  # a plan of schema version 1-7: attention under its captured CPU name
+    plan.check_graph(fingerprint, graph_info(graph))
     mesh = Mesh.from_dict(plan.mesh)
     precision = Precision.from_dict(plan.precision)
     by_name = {n["name"]: n for n in plan.nodes}
