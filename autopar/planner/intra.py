@@ -14,7 +14,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Optional
 
 from autopar.cost_model.liveness import Peak
 from autopar.cost_model.mesh import Mesh, require_mesh
@@ -164,7 +164,7 @@ def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
     merged = merge(problem, ops)
     clock.lap("merge")
 
-    walk = _Walker(graph, mesh, prec, folding)
+    walk = peak.Walker(graph, mesh, prec, folding)
     baselines, choices = _price_recipes(graph, mesh, problem, merged, constraints, placed, opts, walk)
     clock.lap("recipes")
 
@@ -210,7 +210,7 @@ def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
 
 
 def _price_recipes(graph: Graph, mesh: Mesh, problem: Problem, merged: Merged, constraints: list[Constraint],
-                   placed: dict, opts: PlanOptions, walk: "_Walker") -> tuple[dict[str, dict], dict[str, list[int]]]:
+                   placed: dict, opts: PlanOptions, walk: peak.Walker) -> tuple[dict[str, dict], dict[str, list[int]]]:
     """Each recipe's placements completed and priced (only ``opts.recipe`` when one is asked for):
     ``(baselines, choices)``, its figures (or why it was not priced) and its choice per recipe, its
     peak walked (``walk``)."""
@@ -242,7 +242,7 @@ def _price_recipes(graph: Graph, mesh: Mesh, problem: Problem, merged: Merged, c
 
 
 def _search(plain: Solved, choices: dict[str, list[int]], ops: dict[str, str], clock: "_Clock", mesh: Mesh,
-            opts: PlanOptions, terms: list[checkpoint.GroupTerms], walk: _Walker) -> list[Candidate]:
+            opts: PlanOptions, terms: list[checkpoint.GroupTerms], walk: peak.Walker) -> list[Candidate]:
     """The search's solves of ``plain.problem`` and the recipes priced on each, as candidates. First
     without the budget: a plan that fits so is the best of every choice (recomputing only adds time),
     and the budgeted solve and the recomputation are skipped. Else within the budget (no solve when
@@ -279,26 +279,6 @@ def _choose(candidates: list[Candidate], budget: float, graph: Graph, problem: P
     if not fits:
         raise _infeasible(graph, problem, budget, terms, unscaled, searched)
     return min(fits, key=lambda c: c.key)
-
-
-class _Walker:
-    """Each choice's cost with its peak walked op by op (``passes.search.peak.walked``), once per
-    (problem, choice, recomputation, kept gathers): a recipe is a baseline and a candidate. ``terms``
-    (the layer groups' recomputation) is set before anything recomputes."""
-
-    def __init__(self, graph: Graph, mesh: Mesh, prec: Precision, folding: Folding):
-        self.graph, self.mesh, self.prec, self.folding = graph, mesh, prec, folding
-        self.terms: list[checkpoint.GroupTerms] = []
-        self._walks: dict[tuple, tuple[Problem, Cost]] = {}  # (the problem held: its id stays its own)
-
-    def __call__(self, prob: Problem, choice: list[int], rc: Optional[checkpoint.Choice] = None,
-                 keep_paths: Sequence[str] = ()) -> Cost:
-        key = (id(prob), tuple(choice), rc if rc is not None and rc.any else None, tuple(keep_paths))
-        if key not in self._walks:
-            paths = checkpoint.checkpointed_paths(self.terms, rc) if rc is not None and rc.any else None
-            self._walks[key] = (prob, peak.walked(self.graph, self.mesh, self.prec, self.folding, prob, choice, paths,
-                                                  keep_paths))
-        return self._walks[key][1]
 
 
 def _keep(graph: Graph, folding: Folding, problem: Problem, choice: list[int], mesh: Mesh, prec: Precision,
@@ -361,7 +341,7 @@ def _solve(merged: Merged, problem: Problem, choices: dict[str, list[int]], mesh
 
 def _recompute_candidates(problem: Problem, terms: list[checkpoint.GroupTerms], choices: dict[str, list[int]],
                           ops: dict[str, str], clock: "_Clock", mesh: Mesh, deterministic_time: float,
-                          time_limit: Optional[float], walk: Optional[_Walker] = None) -> list[Solved]:
+                          time_limit: Optional[float], walk: Optional[peak.Walker] = None) -> list[Solved]:
     """Plans that recompute, for a problem whose best plan does not fit: per mode, from the fewest
     recomputed instances with which any plan fits (the leanest memory is exact and cheap: it is a
     sum over nodes), then more while the plan gets faster. Every candidate is a full solve."""

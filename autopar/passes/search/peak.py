@@ -21,6 +21,7 @@ from autopar.cost_model.mesh import Mesh
 from autopar.cost_model.precision import Precision
 from autopar.ir.graph import Graph
 from autopar.ir.recompute import recomputed_ops
+from autopar.passes.search.checkpoint import Choice, checkpointed_paths
 from autopar.passes.search.fold import Folding
 from autopar.passes.search.kept import kept_reads
 from autopar.passes.search.problem import Cost, Problem, evaluate
@@ -99,5 +100,25 @@ def solve_fitting(solve, peak_of, problem: Problem, budget: float, tries: int = 
     return solution, choice
 
 
-__all__ = ["choice_peak", "peak_place", "solve_fitting", "strategy_lookup", "walked", "with_peak",
+class Walker:
+    """Each choice's cost with its peak walked op by op (``passes.search.peak.walked``), once per
+    (problem, choice, recomputation, kept gathers): a recipe is a baseline and a candidate. ``terms``
+    (the layer groups' recomputation) is set before anything recomputes."""
+
+    def __init__(self, graph: Graph, mesh: Mesh, prec: Precision, folding: Folding):
+        self.graph, self.mesh, self.prec, self.folding = graph, mesh, prec, folding
+        self.terms: list = []  # the layer groups' ``checkpoint.GroupTerms``
+        self._walks: dict[tuple, tuple[Problem, Cost]] = {}  # (the problem held: its id stays its own)
+
+    def __call__(self, prob: Problem, choice: list[int], rc: Optional[Choice] = None,
+                 keep_paths: Sequence[str] = ()) -> Cost:
+        key = (id(prob), tuple(choice), rc if rc is not None and rc.any else None, tuple(keep_paths))
+        if key not in self._walks:
+            paths = checkpointed_paths(self.terms, rc) if rc is not None and rc.any else None
+            self._walks[key] = (prob, walked(self.graph, self.mesh, self.prec, self.folding, prob, choice, paths,
+                                             keep_paths))
+        return self._walks[key][1]
+
+
+__all__ = ["Walker", "choice_peak", "peak_place", "solve_fitting", "strategy_lookup", "walked", "with_peak",
            "with_temporaries"]
