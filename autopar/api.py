@@ -33,7 +33,8 @@ from autopar.planner.options import PlanOptions, plan_options
 from autopar.planner.pipelined import plan_pipelined, wants_pipeline
 from autopar.planner.report import build_plan
 from autopar.plans import Plan, load_plan
-from autopar.program.staged import StagedProgram
+from autopar.program.program import compile_backend
+from autopar.program.staged import StagedProgram, compile_cut
 from autopar.runtime.accounting import predicted as predicted_collectives
 from autopar.runtime.precision import execution_precision
 from autopar.runtime.threads import gather_slots, placeholder_values, simulate_programs
@@ -107,7 +108,7 @@ def plan_with(model, mesh: Mesh, example_inputs, example_kwargs, options: PlanOp
 
 def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Optional[dict] = None, *,
              precision: str = "model", trace: Optional[dict] = None, measure_memory: bool = False,
-             predicted: Optional[dict] = None, graph: Optional[Graph] = None):
+             predicted: Optional[dict] = None, graph: Optional[Graph] = None, compile=False):  # noqa: A002
     """Run ``plan``'s lowered program for every device of its mesh in this process.
 
     Returns ``(outputs, grads)``: for a training plan ``outputs`` is the loss and ``grads`` maps each
@@ -133,6 +134,9 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
 
     ``graph``: an already captured graph of this model on these inputs (as ``autopar.plan`` takes
     it), to skip the capture; unpipelined plans only (a pipelined plan captures one micro-batch).
+
+    ``compile``: as ``autopar.compile``'s, every device's programs (a pipelined plan: every stage's)
+    run through ``torch.compile`` with that backend (True: Inductor).
     """
     check_model(model, "autopar.simulate: model")
     check_kwargs(example_kwargs, "autopar.simulate: example_kwargs")
@@ -142,6 +146,7 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
             raise ArgumentError(f"autopar.simulate: {what} must be a dict to fill (or None), got {type(given).__name__}")
     if not isinstance(measure_memory, bool):
         raise ArgumentError(f"autopar.simulate: measure_memory must be True or False, got {measure_memory!r}")
+    torch_backend = compile_backend(compile, "autopar.simulate")
     if graph is not None and not isinstance(graph, Graph):
         raise ArgumentError(f"autopar.simulate: graph must be a Graph from autopar.ir.capture.capture, got "
                             f"{type(graph).__name__}")
@@ -151,7 +156,8 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
         if precision != "model" or measure_memory or graph is not None:
             raise ArgumentError("autopar.simulate: a pipelined plan runs at the model's precision, without "
                                 "measure_memory and without a given graph so far")
-        return _simulate_pipelined(model, plan, as_args(example_inputs), dict(example_kwargs or {}), trace, predicted)
+        return _simulate_pipelined(model, plan, as_args(example_inputs), dict(example_kwargs or {}), trace, predicted,
+                                   torch_backend)
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     if graph is None:
@@ -167,6 +173,9 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
         seed = draw_seed()
         for prog in programs.values():
             prog.random.seed = seed  # type: ignore[union-attr]
+    if torch_backend is not None:
+        for prog in programs.values():
+            prog.compile_with(torch_backend)
     values = placeholder_values(first.inputs, model, args, kwargs)
     memory: Optional[dict] = {} if measure_memory else None
     results, executed = simulate_programs(programs, values, run_prec, memory=memory,
@@ -190,7 +199,7 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     return (tuple(kept), grads, memory) if measure_memory else (tuple(kept), grads)
 
 
-def _simulate_pipelined(model, plan, args, kwargs, trace, predicted):
+def _simulate_pipelined(model, plan, args, kwargs, trace, predicted, torch_backend=None):
     """A pipelined plan's step simulated: the driver captures one micro-batch, lowers and cuts the
     program of every stage-mesh device (every stage its own), and ``runtime.pipeline.simulate`` runs them."""
     from autopar.runtime.pipeline.simulate import simulate_staged
@@ -200,6 +209,9 @@ def _simulate_pipelined(model, plan, args, kwargs, trace, predicted):
     everything = range(len(plan.pipeline["stage_ranks"]))
     staged = {c: stage_program(model, plan, graph, batch, args, kwargs, coords=c, precision="model", local=everything,
                                resolved=res) for c in device_coords(plan.mesh_shape)}
+    if torch_backend is not None:
+        for st in staged.values():
+            compile_cut(st.cut, torch_backend)
     return simulate_staged(model, plan, staged, args, kwargs, trace, predicted)
 
 

@@ -28,6 +28,7 @@ from autopar.passes.lower import lower, resolve
 from autopar.plans import Plan
 from autopar.program import collectives as C
 from autopar.program.program import Program, Slot, compile_backend
+from autopar.program.staged import compile_cut
 from autopar.runtime import faults
 from autopar.runtime.collectives import ProcessGroupComm, record_executed, single_worker_gloo_groups
 from autopar.runtime.memory import MemoryTracker, optimizer_state
@@ -411,7 +412,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     shared = share_plan(plan, lambda: plan_with(model, mesh, args, kwargs, options))
     warn_node_layout(shared)
     if shared.pipeline is not None:  # stages on the pp axis, each its slice of the program on the others
-        return _compile_pipelined(model, mesh, shared, args, kwargs, precision, materializer)
+        return _compile_pipelined(model, mesh, shared, args, kwargs, precision, materializer, torch_backend)
     check_plan_mesh(shared, mesh)  # on every rank alike (a plan file is read on rank 0 only)
     if training is not None and shared.training != training:
         raise CompileError("the plan's training mode differs from training=")
@@ -435,8 +436,9 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     return ParallelModule(model, shared, graph, dmesh, program, prec, groups)
 
 
-def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, materializer):
-    """This rank's module for a pipelined plan: ``api.pipelined``'s (pp alone), else its staged program's."""
+def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, materializer, torch_backend=None):
+    """This rank's module for a pipelined plan: ``api.pipelined``'s (pp alone), else its staged program's
+    (its stages compiled with ``torch_backend`` when one is given)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.api import capture_micro, pipelined, stage_program
@@ -448,6 +450,10 @@ def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, m
     names, shape = list(pl["mesh_names"]), [int(s) for s in pl["mesh_shape"]]  # (compile checked the group's size)
     others = [n for n in names if n != pl["axis"]]
     if all(s == 1 for n, s in zip(names, shape) if n != pl["axis"]):
+        if torch_backend is not None:
+            raise CompileError("autopar.compile: compile= runs the lowered program's stages, but a plan pipelined "
+                               "over the pp axis alone runs the model's own ops stage by stage: leave compile= "
+                               "out, or plan with another mesh axis (e.g. dp=1 is not enough: a size > 1)")
         return pipelined(model, plan, args, kwargs)
     if dist.get_backend() != "gloo":
         raise ArgumentError("autopar pipeline: pipelined plans with other mesh axes run on gloo (CPU) only so far")
@@ -460,6 +466,8 @@ def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, m
                            precision=execution_precision(precision or "plan", plan.precision.get("name", "fp32"), None),
                            local=[s for s, r in enumerate(pl["stage_ranks"]) if int(r) == pp_rank], checked=False)
     share_seed(staged.program)  # random ops (dropout): rank 0's seed on every rank
+    if torch_backend is not None:
+        compile_cut(staged.cut, torch_backend)
     keep_stage_parameters(model, staged)  # only its stages' parameters (others' would go stale: pipeline.state)
     distribute_state(model, graph, staged.program, dmesh[tuple(others)], None, materializer)
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank())
