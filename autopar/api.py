@@ -34,7 +34,8 @@ from autopar.planner.options import PlanOptions, plan_options
 from autopar.planner.pipelined import plan_pipelined, wants_pipeline
 from autopar.planner.report import build_plan
 from autopar.plans import Plan, load_plan
-from autopar.program.staged import StagedProgram
+from autopar.program.program import compile_backend
+from autopar.program.staged import StagedProgram, compile_cut
 from autopar.runtime.accounting import predicted as predicted_collectives
 from autopar.runtime.outputs import step_result
 from autopar.runtime.precision import execution_precision
@@ -117,7 +118,8 @@ def plan_with(model, mesh: Mesh, example_inputs, example_kwargs, options: PlanOp
 
 def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Optional[dict] = None, *,
              precision: str = "model", trace: Optional[dict] = None, measure_memory: bool = False,
-             predicted: Optional[dict] = None, graph: Optional[Graph] = None, loss_fn=None, device=None):
+             predicted: Optional[dict] = None, graph: Optional[Graph] = None, loss_fn=None, device=None,
+             compile=False):  # noqa: A002
     """Run ``plan``'s lowered program for every device of its mesh in this process.
 
     Returns ``(outputs, grads)``: ``outputs`` is what the model returns (a ``ModelOutput``, dict,
@@ -150,6 +152,9 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     ``device`` (default: the device of the model's parameters): where every device's program runs,
     its blocks of the inputs and parameters moved there; ``"cuda"`` runs a whole mesh's programs, each
     rank a thread, on one GPU. Unpipelined plans only.
+
+    ``compile``: as ``autopar.compile``'s, every device's programs (a pipelined plan: every stage's)
+    run through ``torch.compile`` with that backend (True: Inductor).
     """
     check_model(model, "autopar.simulate: model")
     check_kwargs(example_kwargs, "autopar.simulate: example_kwargs")
@@ -162,6 +167,7 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
                             f"{type(loss_fn).__name__}")
     if not isinstance(measure_memory, bool):
         raise ArgumentError(f"autopar.simulate: measure_memory must be True or False, got {measure_memory!r}")
+    torch_backend = compile_backend(compile, "autopar.simulate")
     if graph is not None and not isinstance(graph, Graph):
         raise ArgumentError(f"autopar.simulate: graph must be a Graph from autopar.ir.capture.capture, got "
                             f"{type(graph).__name__}")
@@ -171,7 +177,8 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
         if precision != "model" or measure_memory or graph is not None or loss_fn is not None or device is not None:
             raise ArgumentError("autopar.simulate: a pipelined plan runs at the model's precision, on the CPU, "
                                 "without measure_memory, a given graph or loss_fn= (it returns the loss alone) so far")
-        return _simulate_pipelined(model, plan, as_args(example_inputs), dict(example_kwargs or {}), trace, predicted)
+        return _simulate_pipelined(model, plan, as_args(example_inputs), dict(example_kwargs or {}), trace, predicted,
+                                   torch_backend)
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     if graph is None:
@@ -189,6 +196,9 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
         seed = draw_seed()
         for prog in programs.values():
             prog.random.seed = seed  # type: ignore[union-attr]
+    if torch_backend is not None:
+        for prog in programs.values():
+            prog.compile_with(torch_backend)
     values = placeholder_values(first.inputs, model, args, kwargs)
     memory: Optional[dict] = {} if measure_memory else None
     results, executed = simulate_programs(programs, values, run_prec, memory=memory,
@@ -227,7 +237,7 @@ def _simulation_device(model: torch.nn.Module, device) -> Optional[torch.device]
     return None if device.type == "cpu" else device
 
 
-def _simulate_pipelined(model, plan, args, kwargs, trace, predicted):
+def _simulate_pipelined(model, plan, args, kwargs, trace, predicted, torch_backend=None):
     """A pipelined plan's step simulated: the driver captures one micro-batch, lowers and cuts the
     program of every stage-mesh device (every stage its own), and ``runtime.pipeline.simulate`` runs them."""
     from autopar.runtime.pipeline.simulate import simulate_staged
@@ -237,6 +247,9 @@ def _simulate_pipelined(model, plan, args, kwargs, trace, predicted):
     everything = range(len(plan.pipeline["stage_ranks"]))
     staged = {c: stage_program(model, plan, graph, batch, args, kwargs, coords=c, precision="model", local=everything,
                                resolved=res) for c in device_coords(plan.mesh_shape)}
+    if torch_backend is not None:
+        for st in staged.values():
+            compile_cut(st.cut, torch_backend)
     return simulate_staged(model, plan, staged, args, kwargs, trace, predicted)
 
 

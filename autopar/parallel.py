@@ -28,6 +28,7 @@ from autopar.passes.lower import lower, resolve
 from autopar.plans import Plan
 from autopar.program import collectives as C
 from autopar.program.program import Program, Slot, compile_backend
+from autopar.program.staged import compile_cut
 from autopar.runtime import faults
 from autopar.runtime.collectives import ProcessGroupComm, record_executed, single_worker_gloo_groups
 from autopar.runtime.memory import MemoryTracker, optimizer_state
@@ -35,6 +36,7 @@ from autopar.runtime.consensus import check_plan_mesh, check_same_capture, chose
 from autopar.runtime.outputs import OUTPUT_MODES, placed_output, step_result
 from autopar.runtime.precision import EXECUTABLE_PRECISIONS, execution_precision
 from autopar.runtime.random_state import RANDOM_KEY, add_random_entry, at_step, share_seed, take_random_entry
+from autopar.runtime.step import Step
 from autopar.runtime.state import as_blocks, distribute_state, state_slots
 from autopar.validate import check_choice, check_kwargs, check_model, check_path
 
@@ -55,85 +57,6 @@ def _match_group_timeouts(dmesh) -> Optional[float]:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local block, without ``to_local``'s autograd node (programs run without grad)."""
     return tc.local_tensor(t)
-
-
-class _Step(torch.autograd.Function):
-    """The lowered program as one autograd node: forward runs the forward program, backward the
-    backward program seeded with the loss's incoming gradient.
-
-    It takes the parameters themselves (DTensors) and returns their gradients as DTensors with
-    the parameters' own specs, built directly: a ``to_local`` / ``from_local`` pair per parameter
-    and step costs more than a small model's whole step on CPU. Under a plain ``backward()`` it
-    stores them in ``.grad`` itself (``_deliver``) rather than through autograd's accumulation."""
-
-    @staticmethod
-    def forward(ctx, pm: "ParallelModule", n_params: int, *values):
-        params = values[:n_params]
-        # the backward redraws this forward's masks (attention with dropout): it runs at this step
-        ctx.step = pm.program.random.step if pm.program.random is not None else None
-        memory = pm._memory
-        if memory is not None:
-            pm._begin_memory(params, values[n_params:])
-        outs, saved = pm._run_forward([_local(p) for p in params] + list(values[n_params:]))
-        if memory is not None:
-            memory.mark(saved, "activations")
-        ctx.pm, ctx.saved, ctx.n_params, ctx.params = pm, saved, n_params, params
-        ctx.specs = [tc.dtensor_spec(p) for p in params]
-        extras = [o.detach() if o is outs[0] else o for o in outs[1:]]  # the loss returned again: its own tensor
-        ctx.mark_non_differentiable(*extras)  # the model's other outputs: the gradient is the loss's
-        return (outs[0], *extras)
-
-    @staticmethod
-    def backward(ctx, grad_loss, *_):
-        pm = ctx.pm
-        grads = pm._run_backward(ctx.saved, grad_loss, ctx.step)
-        if pm._memory is not None:
-            pm._memory.mark(grads, "grads")
-            pm._memory.finish()
-        ctx.saved = None
-        grads = [tc.dtensor_from_spec(g, spec) for g, spec in zip(grads, ctx.specs)]
-        rest = [None] * (len(pm.program.inputs) - ctx.n_params)
-        params, ctx.params = ctx.params, None
-        if _deliver(ctx, params, grads):
-            return (None, None, *([None] * len(grads)), *rest)
-        return (None, None, *grads, *rest)
-
-
-def _deliver(ctx, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
-    """Store the gradients in ``.grad`` as autograd's accumulation would (set, or add to the one
-    there), when this backward is a plain ``backward()`` reaching every parameter; False (nothing
-    stored) otherwise, and autograd accumulates the returned gradients itself.
-
-    Why: autograd's accumulation detaches each DTensor gradient, a Python dispatch of DTensor's
-    per parameter and step (about 45 us each on CPU, a millisecond of a small GPT's DDP step).
-    It is skipped only where nothing can tell: no gradient graph is being built (``create_graph``),
-    every parameter's accumulation node is its own and will run in this backward (not
-    ``autograd.grad``, which raises on the question, nor ``backward(inputs=...)`` leaving some
-    out), and no parameter has a tensor hook or a post-accumulate-grad hook (a hook registered
-    on the accumulation node itself is not visible here and would not run)."""
-    if torch.is_grad_enabled():
-        return False
-    nodes = ctx.next_functions[:len(params)]  # one per tensor input: the parameters come first
-    if len(nodes) != len(params):
-        return False
-    for (node, _), p in zip(nodes, params):
-        if node is None:  # a parameter that does not require grad gets none
-            continue
-        if getattr(node, "variable", None) is not p or tc.has_grad_hooks(p):
-            return False
-        try:
-            if not tc.will_engine_execute(node):
-                return False
-        except RuntimeError:  # autograd.grad(): gradients are returned, not accumulated
-            return False
-    for (node, _), p, g in zip(nodes, params, grads):
-        if node is None:
-            continue
-        if p.grad is None:
-            p.grad = g
-        else:
-            p.grad.add_(g)
-    return True
 
 
 class ParallelModule(torch.nn.Module):
@@ -345,7 +268,7 @@ class ParallelModule(torch.nn.Module):
         values = []
         training = self.program.backward is not None
         for slot in self.program.inputs:
-            if slot.kind == "param":  # the DTensor itself when training: _Step takes its local block
+            if slot.kind == "param":  # the DTensor itself when training: Step takes its local block
                 values.append(self._param(slot.key) if training else _local(self._param(slot.key)))
             elif slot.kind == "buffer":
                 values.append(self._buffer_local(slot.key))
@@ -356,12 +279,12 @@ class ParallelModule(torch.nn.Module):
         loss = None
         if training:
             n = len(self._param_slots)
-            # parameters first: _Step returns their gradients in the same order
+            # parameters first: Step returns their gradients in the same order
             order = [i for i, s in enumerate(self.program.inputs) if s.kind == "param"]
             rest = [i for i, s in enumerate(self.program.inputs) if s.kind != "param"]
             if order != list(range(n)):
                 raise CompileError("the lowered program does not list parameters first")  # lowering invariant
-            loss, *outs = _Step.apply(self, n, *[values[i] for i in order + rest])
+            loss, *outs = Step.apply(self, n, *[values[i] for i in order + rest])
         else:
             if self._memory is not None:
                 self._begin_memory([self._param(s.key) for s in self._param_slots], values)
@@ -440,7 +363,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
         if loss_fn is not None or outputs != "dtensor":
             raise CompileError("a pipelined plan returns the loss alone: the model returns its loss (no loss_fn=) "
                                "and outputs= does not apply; plan without a 'pp' axis for the model's other outputs")
-        return _compile_pipelined(model, mesh, shared, args, kwargs, precision, materializer)
+        return _compile_pipelined(model, mesh, shared, args, kwargs, precision, materializer, torch_backend)
     check_plan_mesh(shared, mesh)  # on every rank alike (a plan file is read on rank 0 only)
     if training is not None and shared.training != training:
         raise CompileError("the plan's training mode differs from training=")
@@ -465,8 +388,9 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     return ParallelModule(model, shared, graph, dmesh, program, prec, groups, outputs, device=device)
 
 
-def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, materializer):
-    """This rank's module for a pipelined plan: ``api.pipelined``'s (pp alone), else its staged program's."""
+def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, materializer, torch_backend=None):
+    """This rank's module for a pipelined plan: ``api.pipelined``'s (pp alone), else its staged program's
+    (its stages compiled with ``torch_backend`` when one is given)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.api import capture_micro, pipelined, stage_program
@@ -478,6 +402,10 @@ def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, m
     names, shape = list(pl["mesh_names"]), [int(s) for s in pl["mesh_shape"]]  # (compile checked the group's size)
     others = [n for n in names if n != pl["axis"]]
     if all(s == 1 for n, s in zip(names, shape) if n != pl["axis"]):
+        if torch_backend is not None:
+            raise CompileError("autopar.compile: compile= runs the lowered program's stages, but a plan pipelined "
+                               "over the pp axis alone runs the model's own ops stage by stage: leave compile= "
+                               "out, or plan with another mesh axis (e.g. dp=1 is not enough: a size > 1)")
         return pipelined(model, plan, args, kwargs)
     if dist.get_backend() != "gloo":
         raise ArgumentError("autopar pipeline: pipelined plans with other mesh axes run on gloo (CPU) only so far")
@@ -490,6 +418,8 @@ def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, m
                            precision=execution_precision(precision or "plan", plan.precision.get("name", "fp32"), None),
                            local=[s for s, r in enumerate(pl["stage_ranks"]) if int(r) == pp_rank], checked=False)
     share_seed(staged.program)  # random ops (dropout): rank 0's seed on every rank
+    if torch_backend is not None:
+        compile_cut(staged.cut, torch_backend)
     keep_stage_parameters(model, staged)  # only its stages' parameters (others' would go stale: pipeline.state)
     distribute_state(model, graph, staged.program, dmesh[tuple(others)], None, materializer)
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank())

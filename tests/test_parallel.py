@@ -89,7 +89,7 @@ def test_ranks_with_different_programs_fail_together(pool):
 
 
 def test_gradients_arrive_where_autograd_would_put_them(pool):
-    """``_Step`` stores gradients in ``.grad`` itself under a plain ``backward()``; accumulation,
+    """``runtime.step.Step`` stores gradients in ``.grad`` itself under a plain ``backward()``; accumulation,
     ``autograd.grad``, ``backward(inputs=...)`` and parameter hooks behave as with autograd's own."""
     from _parity import grad_paths_on_rank
 

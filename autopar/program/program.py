@@ -106,6 +106,21 @@ class Program:
         return "\n".join(parts)
 
 
+class CompiledPart:
+    """A program part (an ``fx.GraphModule``) run through ``torch.compile``; everything else read of
+    it (its graph, its code) is the part's own."""
+
+    def __init__(self, gm: fx.GraphModule, backend: str):
+        self.gm = gm
+        self.fn = torch.compile(gm, backend=backend, dynamic=False)
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.gm, name)
+
+
 def compile_backend(choice: Union[bool, str, None], where: str) -> Optional[str]:
     """The ``torch.compile`` backend a ``compile=`` choice names (None: run eagerly; True: Inductor);
     a CompileError naming ``where`` for anything else than a backend torch knows."""
@@ -154,6 +169,15 @@ class RandomOp(torch.nn.Module):
 
     def forward(self, *xs):
         """Draw this device's block for the current step (and micro-batch)."""
+        if self.state.micros > 1 and torch.compiler.is_compiling():
+            return self._micro_draw(*xs)  # the micro-batch is read at run time, never compiled in
+        return self._draw(*xs)
+
+    @torch.compiler.disable
+    def _micro_draw(self, *xs):
+        return self._draw(*xs)
+
+    def _draw(self, *xs):
         st, ctx = self.state, self.ctx
         if st.micros > 1:
             if self.node not in st.batch_dims:
@@ -198,4 +222,4 @@ def micro_ctx(ctx: LocalCtx, dim: int, micro: int, micros: int) -> LocalCtx:
                    coords=(micro, *ctx.coords))
 
 
-__all__ = ["LocalOp", "Program", "RandomOp", "RandomState", "Slot", "compile_backend"]
+__all__ = ["CompiledPart", "LocalOp", "Program", "RandomOp", "RandomState", "Slot", "compile_backend"]

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from autopar.errors import ArgumentError
 from autopar.ir.graph import Graph
-from autopar.program.program import Program
+from autopar.program.program import CompiledPart, Program
 
 IR_TAG = "autopar_ir"
 PARAM_VALUE = "autopar_param_value"
@@ -95,6 +95,17 @@ class StagedProgram:
     local: list[int]  # the stages this device runs (the static program computes what they read)
 
 
+def compile_cut(cut: Cut, backend: str) -> None:
+    """Run every stage's per-micro-batch programs (forward, backward and the zero-bubble halves)
+    through ``torch.compile`` with ``backend`` from now on (``program.CompiledPart``); the static
+    program and the reductions, once a step each, stay eager."""
+    for st in cut.stages:
+        for part in ("forward", "backward", "backward_input", "backward_weight"):
+            gm = getattr(st, part)
+            if gm is not None and not isinstance(gm, CompiledPart):
+                setattr(st, part, CompiledPart(gm, backend))
+
+
 def local_shape(n: fx.Node) -> tuple:
     """The (shape, dtype) the dry run recorded for ``n``; an ``ArgumentError`` if it did not reach it."""
     got = n.meta.get(SHAPE)
@@ -120,5 +131,5 @@ def boundary_pairs(f_vals: list, g_vals: list, where: str) -> list[int]:
     return out
 
 
-__all__ = ["IR_TAG", "PARAM_VALUE", "SHAPE", "Cut", "Reductions", "StageCut", "StagedProgram", "boundary_pairs",
+__all__ = ["IR_TAG", "PARAM_VALUE", "SHAPE", "Cut", "Reductions", "StageCut", "StagedProgram", "boundary_pairs", "compile_cut",
            "local_shape"]
