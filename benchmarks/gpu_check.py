@@ -132,7 +132,7 @@ def parity(device: str, preset: str, toy: bool, budget: float) -> bool:
                                            {k: _to(v, device) for k, v in kwargs.items()},
                                            precision="plan" if bf16 else "model", **extra)
             model.to("cpu")
-            loss = float(loss)
+            loss = float(loss if isinstance(loss, torch.Tensor) else loss["loss"])  # the model's own output
             dl = abs(loss - ref_loss) / max(abs(ref_loss), 1e-12)
             dg, worst = grad_error(grads, ref_grads)
             good = dl <= loss_tol and dg <= grad_tol

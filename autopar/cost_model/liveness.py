@@ -225,6 +225,9 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
                 ws.use(key, end)
     if training and graph.loss is not None:
         ws.use(storage.get(graph.loss), end)
+    if training:  # the model's other outputs (``Graph.extras``) live until the step returns them
+        for r in graph.extras:
+            ws.use(storage.get(r), end)
     if not training:
         for r in graph.outputs:
             if r is not None:
