@@ -25,6 +25,9 @@ import pytest
 
 from tests._cli_helpers import run_cli
 
+#: fixtures that start processes (the console script in a subprocess): conftest marks their tests gloo
+PROCESS_FIXTURES = {"cli"}
+
 #: The user's module: factories returning (model, example_inputs), and some that go wrong.
 FACTORIES = '''
 import torch

@@ -182,13 +182,12 @@ def test_report_alternatives_are_priced_as_evaluate_prices_them(planned):
     import random
 
     from autopar.passes.pipeline import run_passes
-    from autopar.passes.report import _Repricer
-    from autopar.passes.search.problem import evaluate
+    from autopar.passes.search.problem import Repricer, evaluate
 
     model, args, kwargs = build("hf_gpt2")
     p = run_passes(model, autopar.Mesh({"dp": 2, "tp": 2}, device="h100"), args, kwargs, progress=False,
                    search="propagate", graph=planned("hf_gpt2")[0])
-    reprice = _Repricer(p.problem, p.choice)
+    reprice = Repricer(p.problem, p.choice)
     rng = random.Random(0)
     changed = 0
     for _ in range(100):

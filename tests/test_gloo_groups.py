@@ -5,6 +5,7 @@ heap when two collectives of one group finish together on its two workers (see
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from _gloo_helpers import program_groups_on_rank
@@ -19,6 +20,7 @@ def test_axis_groups_lists_every_group_along_each_axis():
     assert axis_groups(torch.arange(4)) == [[[0, 1, 2, 3]]]
 
 
+@pytest.mark.gloo
 def test_programs_collectives_run_on_single_worker_gloo_groups():
     import autopar
 

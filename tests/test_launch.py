@@ -37,6 +37,8 @@ from autopar.errors import AutoparError
 from autopar.runtime.launch import LaunchError, launch
 from autopar.runtime.pool import WorkerPool
 
+pytestmark = pytest.mark.gloo
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -122,6 +122,7 @@ def _collective_results_counted_once() -> list[int]:
     return peaks
 
 
+@pytest.mark.gloo
 def test_memory_stats_on_gloo_count_each_ranks_own_blocks():
     """FSDP on 4 gloo ranks: each rank holds a quarter of the weights (its blocks are tensors of
     their own, not views of the whole weight), AdamW's two moments, and the plan's activations.

@@ -58,6 +58,7 @@ def test_pipelined_dropout_draws_the_whole_batchs_masks(reference, axes, schedul
     assert abs(model(*args).item() - ref_loss.item()) > 1e-6
 
 
+@pytest.mark.gloo
 def test_gloo_pipelined_dropout_equals_the_one_device_program():
     """The mesh runtime (``runtime/pipeline_mesh.py``) on 4 gloo ranks, ZBVZeroBubble on pp=2 x tp=2,
     float64: one step's loss (a float64 on every rank: it is broadcast in the model's dtype) and
@@ -85,6 +86,7 @@ def test_gloo_pipelined_dropout_equals_the_one_device_program():
     assert held == {n for n, _ in model.named_parameters()}  # every gradient held by some rank
 
 
+@pytest.mark.gloo
 def test_gloo_pp_alone_dropout_equals_the_one_device_program():
     """The pipeline axis alone (``runtime/pipeline.py``: each stage interprets its aten ops eagerly,
     its random ops drawn as the 1-device program draws them, at the micro-batch's place) on 2 gloo

@@ -5,10 +5,13 @@ on an 8-layer GPT (tied embedding and head: gradients summed over the two ends) 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import autopar
 from _pipeline_helpers import build, pipelined_cases, reference
+
+pytestmark = pytest.mark.gloo
 
 CASES = [("gpt", "1F1B"), ("gpt", "ZBVZeroBubble"), ("llama", "GPipe"), ("llama", "Interleaved1F1B")]
 #: the case run with most of the first sample's targets ignored: the loss is the whole batch's mean

@@ -18,6 +18,8 @@ import autopar
 from autopar.cost_model.comm import LOCAL_KINDS
 from _pipeline_mesh_helpers import build, train_cases
 
+pytestmark = pytest.mark.gloo
+
 LAYERS = 4
 #: family, schedule, mesh, batch, sequence (None: the preset's), memory budget as a share of the unbudgeted
 #: plan's largest rank (None: no budget)

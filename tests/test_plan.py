@@ -296,6 +296,7 @@ def test_check_graph():
         p.check_graph("d" * 64, p.graph)
 
 
+@pytest.mark.gloo
 def test_old_module_paths_still_work():
     """``autopar.plan`` and ``autopar.plan_html`` are deprecated re-exports of ``autopar.plans``; importing
     them (first thing, in a fresh interpreter) must not turn ``autopar.plan`` from the function into a module."""

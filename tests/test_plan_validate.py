@@ -370,6 +370,7 @@ def test_cli_show_prints_one_line_naming_the_field(tmp_path, good, capsys, chang
     assert err.count("\n") == 1 and "memory_budget: an integer of 5000 digits" in err, err
 
 
+@pytest.mark.gloo
 def test_compile_with_a_plan_file_fails_alike_on_every_rank(tmp_path, good):
     """Rank 0 reads the file; a file it refuses, or a plan for other mesh axes, is the same error on
     every rank (none is left waiting for rank 0's plan)."""
