@@ -125,7 +125,9 @@ def gloo_pool4():
         if held and held[0].broken:
             held.pop().close()
         if not held:
-            held.append(WorkerPool(4, timeout=300.0, start_timeout=300.0))
+            # a run took at most 32 s under load (tests/test_dcp.py), the start-up (4 processes
+            # importing torch) tens of seconds: a hang fails in minutes
+            held.append(WorkerPool(4, timeout=120.0, start_timeout=180.0))
         return held[0]
 
     yield get

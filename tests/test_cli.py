@@ -59,7 +59,7 @@ raise ImportError("the test's ortools.py was imported")
 '''
 
 WORKERS = 3
-TIMEOUT = 300
+TIMEOUT = 180
 
 
 @dataclass
@@ -286,6 +286,7 @@ def test_diff_with_console_script(cli):
     assert "training: True -> False" in run.out and "mesh: dp=2 (cpu) -> dp=2 x tp=1 (cpu)" in run.out, str(run)
 
 
+@pytest.mark.slow
 def test_demo_quick(cli):
     run = cli.result("demo")
     assert run.rc == 0, str(run)

@@ -146,6 +146,7 @@ def test_fsdp_tp_simulates_the_eager_model(graphs64, name, tp):
     _check_parity(name, plan, graphs64(name))
 
 
+@pytest.mark.slow
 def test_searched_plan_of_complex_rope_simulates_the_eager_model(graphs64):
     """The searched plan of the torchtitan-style Llama (complex RoPE split by heads or batch)."""
     model, args, kwargs = build("titan_llama", dtype=torch.float64)

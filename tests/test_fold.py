@@ -201,6 +201,7 @@ def test_gather_shares_follow_the_instances():
     assert all(abs(v - 1.0) < 1e-9 for v in per_instance.values()), per_instance
 
 
+@pytest.mark.slow
 def test_functional_loop_decoder_plans_run_as_the_model():
     """The searched plan of the functional-loop decoder on (2, 2) runs in the simulator and gives
     the single device's loss and gradients, planning it twice gives the same bytes, and its

@@ -37,7 +37,7 @@ from autopar.errors import AutoparError
 from autopar.runtime.launch import LaunchError, launch
 from autopar.runtime.pool import WorkerPool
 
-pytestmark = pytest.mark.gloo
+pytestmark = [pytest.mark.gloo, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 

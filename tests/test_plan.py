@@ -317,7 +317,7 @@ def test_old_module_paths_still_work():
         "assert autopar.plan_html.write_html is autopar.plans.html.write_html\n"
         "print('ok')\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
 
 

@@ -381,7 +381,7 @@ def test_compile_with_a_plan_file_fails_alike_on_every_rank(tmp_path, good):
     ok = tmp_path / "dp.json"
     plan.save(ok)
     bad = _write(tmp_path, json.loads(ok.read_text()) | {"step_time": "fast"})
-    results = launch(compile_errors_on_rank, 2, [str(bad), str(ok)], {"data": 2}, timeout=240)
+    results = launch(compile_errors_on_rank, 2, [str(bad), str(ok)], {"data": 2}, timeout=120)
     assert results[0] == results[1], results
     assert results[0] == [
         f"PlanError: {str(bad)!r}: plan field 'step_time' should be int or float, got str 'fast'",
