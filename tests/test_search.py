@@ -387,6 +387,6 @@ def test_plans_are_byte_identical_across_processes(tmp_path):
     for seed in ("1", "2"):
         path = tmp_path / f"plan{seed}.json"
         env = dict(os.environ, PYTHONHASHSEED=seed, OMP_NUM_THREADS="1")
-        subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env, timeout=120)
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env, timeout=180)  # 52 s under load
         outs.append(path.read_bytes())
     assert outs[0] == outs[1]
