@@ -1,4 +1,4 @@
-"""Functions that ranks run in tests/test_checkpoint.py (spawned pool workers import this module).
+"""Functions that ranks run in tests/test_dcp.py (spawned pool workers import this module).
 
 It imports only torch at module level (autopar inside the functions), so a worker pays for it
 only when a test runs. Every function runs on all ranks of the pool's 4-rank gloo group and

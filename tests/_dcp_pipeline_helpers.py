@@ -1,4 +1,4 @@
-"""What ranks run in tests/test_checkpoint.py's DCP test across pipelined and unpipelined layouts (a
+"""What ranks run in tests/test_dcp.py's DCP test across pipelined and unpipelined layouts (a
 module of its own: spawned pool workers import it without pytest).
 
 One model trains with AdamW under one layout, saves its parameters and optimizer state with

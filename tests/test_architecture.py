@@ -31,6 +31,7 @@ def _lint(root: pathlib.Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed (pip install -e '.[test]')")
+@pytest.mark.gloo
 def test_import_contract_holds_and_names_an_import_against_the_layers(tmp_path):
     assert _lint(ROOT).returncode == 0, _lint(ROOT).stdout[-3000:]
     shutil.copytree(PACKAGE, tmp_path / "autopar", ignore=shutil.ignore_patterns("__pycache__"))

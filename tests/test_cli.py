@@ -25,6 +25,9 @@ import pytest
 
 from tests._cli_helpers import run_cli
 
+#: fixtures that start processes (the console script in a subprocess): conftest marks their tests gloo
+PROCESS_FIXTURES = {"cli"}
+
 #: The user's module: factories returning (model, example_inputs), and some that go wrong.
 FACTORIES = '''
 import torch
@@ -56,7 +59,7 @@ raise ImportError("the test's ortools.py was imported")
 '''
 
 WORKERS = 3
-TIMEOUT = 300
+TIMEOUT = 180
 
 
 @dataclass
@@ -283,6 +286,7 @@ def test_diff_with_console_script(cli):
     assert "training: True -> False" in run.out and "mesh: dp=2 (cpu) -> dp=2 x tp=1 (cpu)" in run.out, str(run)
 
 
+@pytest.mark.slow
 def test_demo_quick(cli):
     run = cli.result("demo")
     assert run.rc == 0, str(run)

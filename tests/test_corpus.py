@@ -154,6 +154,7 @@ def test_fsdp_tp_simulates_the_eager_model(graphs64, name, tp):
     _check_parity(name, plan, graphs64(name))
 
 
+@pytest.mark.slow
 def test_searched_plan_of_complex_rope_simulates_the_eager_model(graphs64):
     """The searched plan of the torchtitan-style Llama (complex RoPE split by heads or batch)."""
     model, args, kwargs = build("titan_llama", dtype=torch.float64)
@@ -191,13 +192,12 @@ def test_report_alternatives_are_priced_as_evaluate_prices_them(planned):
 
     from autopar.planner.intra import run_passes
     from autopar.planner.options import PlanOptions
-    from autopar.planner.report import _Repricer
-    from autopar.passes.search.problem import evaluate
+    from autopar.passes.search.problem import Repricer, evaluate
 
     model, args, kwargs = build("hf_gpt2")
     p = run_passes(model, autopar.Mesh({"dp": 2, "tp": 2}, device="h100"), args, kwargs,
                    PlanOptions(progress=False, search="propagate", graph=planned("hf_gpt2")[0]))
-    reprice = _Repricer(p.problem, p.choice)
+    reprice = Repricer(p.problem, p.choice)
     rng = random.Random(0)
     changed = 0
     for _ in range(100):

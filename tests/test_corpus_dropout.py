@@ -23,7 +23,8 @@ from _corpus import CORPUS, FP32_INSIDE, build
 #: Architectures with no dropout at all (torchtitan's Llama 3, the zoo's LLaMA): dropout on is
 #: dropout off for them, whose parity tests/test_corpus.py checks against the eager model.
 NO_DROPOUT = ("titan_llama", "llama_loop")
-DROPPING = [n for n in CORPUS if n not in NO_DROPOUT]
+#: (hf_t5 takes over 10 s, its layers not folding: marked slow)
+DROPPING = [pytest.param(n, marks=pytest.mark.slow) if n == "hf_t5" else n for n in CORPUS if n not in NO_DROPOUT]
 
 
 def _random_nodes(graph) -> list:

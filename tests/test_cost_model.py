@@ -326,6 +326,7 @@ def test_profile_save_load(tmp_path):
         load_profile(tmp_path / "missing.json")
 
 
+@pytest.mark.slow
 def test_calibrate_quick(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     path = tmp_path / "cpu.json"

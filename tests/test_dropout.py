@@ -19,7 +19,6 @@ from autopar.ir.rules import strategies
 from autopar.ir.rules.base import LocalCtx, OpCall
 from autopar.ir.rules.proof.interp import device_coords
 from autopar.ir.rules.random_ops import (
-    _M64,
     SUPPORTED,
     draw,
     draw_key,
@@ -33,6 +32,8 @@ from autopar.parallel import RANDOM_KEY
 FUSED = "autopar.attention.default"
 
 N = 1 << 20
+#: 64-bit wraparound of the reference computation (Python ints do not overflow)
+M64 = (1 << 64) - 1
 
 
 def _dropout_mask(key: int, n: int = N, p: float = P) -> torch.Tensor:
@@ -50,8 +51,8 @@ def test_hash_is_splitmix64_of_the_index():
     """The vectorized int64 hash is splitmix64 exactly (so int64 overflow wraps as it must)."""
     key = 0x0123456789ABCDEF
     idx = torch.arange(500, dtype=torch.int64) * 7919 + (1 << 40)
-    got = [v & _M64 for v in hash_indices(key, idx).tolist()]
-    assert got == [splitmix((key + i * 0x9E3779B97F4A7C15) & _M64) for i in idx.tolist()]
+    got = [v & M64 for v in hash_indices(key, idx).tolist()]
+    assert got == [splitmix((key + i * 0x9E3779B97F4A7C15) & M64) for i in idx.tolist()]
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
@@ -348,14 +349,14 @@ def _attention_calls(b=2, h=4, hk=4, s=6, d=4, p=0.3, causal=True):
 def test_attention_with_dropout_matches_autograd_of_its_own_forward():
     """On one device the fused op is softmax attention with the drawn mask: its backward is
     autograd's of that forward (GQA: 2 query heads per key head), and with p -> 0 it is SDPA."""
-    from autopar.ir.rules.random_attention import _keep, attention_local
+    from autopar.ir.rules.random_attention import attention_local, keep_mask
 
     for hk in (4, 2):
         fwd, bwd, (q, k, v), g = _attention_calls(hk=hk)
         one = lambda call: LocalCtx(call, strategies(call, (1,))[0], (1,), (0,))
         out, lse = attention_local(one(fwd), [q, k, v], 77)
         dq, dk, dv = attention_local(one(bwd), [g, q, k, v, out, lse], 77)
-        keep = _keep(one(fwd), 0, k.shape[2], 77, 0.3, None).double()
+        keep = keep_mask(one(fwd), 0, k.shape[2], 77, 0.3, None).double()
         assert 0.5 < keep.mean().item() < 0.9
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
         ke, ve = kr.repeat_interleave(4 // hk, 1), vr.repeat_interleave(4 // hk, 1)
@@ -390,7 +391,7 @@ def _check_attention_blocks(call, st, ins, want, seed: int, label) -> None:
 def test_attention_with_dropout_applies_its_attention_mask(kind):
     """A padding mask (``[b 1 1 t]``, as encoders pass it) reaches the fused op's math, forward and
     backward, on one device and under every (2, 2) strategy."""
-    from autopar.ir.rules.random_attention import ATTN_BWD, ATTN_FWD, _keep, attention_local
+    from autopar.ir.rules.random_attention import ATTN_BWD, ATTN_FWD, attention_local, keep_mask
 
     fwd, bwd, (q, k, v), g = _attention_calls(causal=False)
     valid = torch.ones(2, 1, 1, 6, dtype=torch.bool)
@@ -402,7 +403,7 @@ def test_attention_with_dropout_applies_its_attention_mask(kind):
     one = lambda call: LocalCtx(call, strategies(call, (1,))[0], (1,), (0,))
     out, lse = attention_local(one(fwd), [q, k, v, m], 31)
     grads = attention_local(one(bwd), [g, q, k, v, out, lse, m], 31)
-    keep = _keep(one(fwd), 0, 6, 31, 0.3, None).double()
+    keep = keep_mask(one(fwd), 0, 6, 31, 0.3, None).double()
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     sc = (qr @ kr.transpose(-1, -2) / 2.0).masked_fill(~valid, float("-inf"))
     ref = (torch.softmax(sc, -1) * keep / 0.7) @ vr

@@ -201,6 +201,7 @@ def test_gather_shares_follow_the_instances():
     assert all(abs(v - 1.0) < 1e-9 for v in per_instance.values()), per_instance
 
 
+@pytest.mark.slow
 def test_functional_loop_decoder_plans_run_as_the_model():
     """The searched plan of the functional-loop decoder on (2, 2) runs in the simulator and gives
     the single device's loss and gradients, planning it twice gives the same bytes, and its
@@ -219,8 +220,8 @@ def test_functional_loop_decoder_plans_run_as_the_model():
 
 
 def test_the_cut_is_where_fewest_values_cross():
-    """``_cut``'s one sweep finds what counting the crossing values at every cut finds."""
-    from autopar.ir.layers import _cut
+    """``fewest_crossing_cut``'s one sweep finds what counting the crossing values at every cut finds."""
+    from autopar.ir.layers import fewest_crossing_cut
 
     rng = random.Random(0)
     for _ in range(300):
@@ -230,7 +231,7 @@ def test_the_cut_is_where_fewest_values_cross():
         last = rng.randrange(start, nxt)
         crossing = [sum(1 for p in range(start, c) if last_read[p] >= c) for c in range(last + 1, nxt + 1)]
         best = min(crossing)
-        assert _cut(start, last, nxt, last_read) == max(k for k, x in enumerate(crossing) if x == best)
+        assert fewest_crossing_cut(start, last, nxt, last_read) == max(k for k, x in enumerate(crossing) if x == best)
 
 
 def test_without_sequence_numbers_module_paths_stand_in():

@@ -38,6 +38,8 @@ from autopar.errors import AutoparError
 from autopar.runtime.launch import DEFAULT_COLLECTIVE_TIMEOUT_S, LaunchError, launch, run_deadline
 from autopar.runtime.pool import WorkerPool
 
+pytestmark = [pytest.mark.gloo, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -2,7 +2,7 @@
 Hugging Face's ``_init_weights``, a model-level ``init_weights()``, ``reset_parameters()``; the same
 values on every rank (seeded per module path), following the model's distribution; and a tensor
 nothing can rebuild is named before planning. Compiling and training such models on gloo is in
-``tests/test_checkpoint.py``."""
+``tests/test_dcp.py``."""
 
 from __future__ import annotations
 

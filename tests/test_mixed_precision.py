@@ -1,4 +1,4 @@
-"""Mixed precision executed (``passes/cast.py``): a "bf16-mixed" plan simulated with
+"""Mixed precision executed (``cost_model/casting.py``): a "bf16-mixed" plan simulated with
 ``precision="plan"`` computes in bf16 with the loss in fp32, gathers parameters in bf16, reduces
 and returns gradients in fp32, and runs exactly the collectives (kind, axis, bytes) its plan
 predicted. Values are compared with two single-device references: the fp32 model (loosely: bf16

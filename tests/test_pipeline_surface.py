@@ -71,6 +71,7 @@ def test_diff_compares_pipelined_plans(plans):
     assert "pipeline memory per rank" in out
 
 
+@pytest.mark.slow
 def test_cli_devices_lets_the_planner_factorize(plans):
     cwd, _ = plans
     rc, out, err = run_cli(["plan", f"{cwd}/pipe_models.py:gpt", "--devices", "4", "--devices-per-node", "2",

@@ -1,4 +1,4 @@
-"""``passes.plain_local``: a rank-aware local op becomes its plain op exactly where its rule's local
+"""``passes.lower.plain_local``: a rank-aware local op becomes its plain op exactly where its rule's local
 implementation runs that op alone on this device, and stays a ``LocalOp`` wherever it needs the
 device's offsets (a vocabulary split embedding, attention split on the causal query sequence)."""
 

@@ -19,6 +19,9 @@ from autopar.models import make
 from autopar.plans import Plan, load_plan
 from autopar.plans.html import render_html, write_html
 
+#: fixtures that start processes (a headless browser): conftest marks their tests gloo
+PROCESS_FIXTURES = {"browser"}
+
 #: bytes per device: small enough that the ddp recipe (about 31 KiB) does not fit
 BUDGET = 24_000
 

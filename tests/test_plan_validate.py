@@ -371,6 +371,7 @@ def test_cli_show_prints_one_line_naming_the_field(tmp_path, good, capsys, chang
     assert err.count("\n") == 1 and "memory_budget: an integer of 5000 digits" in err, err
 
 
+@pytest.mark.gloo
 def test_compile_with_a_plan_file_fails_alike_on_every_rank(tmp_path, good):
     """Rank 0 reads the file; a file it refuses, or a plan for other mesh axes, is the same error on
     every rank (none is left waiting for rank 0's plan)."""
@@ -381,7 +382,7 @@ def test_compile_with_a_plan_file_fails_alike_on_every_rank(tmp_path, good):
     ok = tmp_path / "dp.json"
     plan.save(ok)
     bad = _write(tmp_path, json.loads(ok.read_text()) | {"step_time": "fast"})
-    results = launch(compile_errors_on_rank, 2, [str(bad), str(ok)], {"data": 2}, timeout=240)
+    results = launch(compile_errors_on_rank, 2, [str(bad), str(ok)], {"data": 2}, timeout=120)
     assert results[0] == results[1], results
     assert results[0] == [
         f"PlanError: {str(bad)!r}: plan field 'step_time' should be int or float, got str 'fast'",

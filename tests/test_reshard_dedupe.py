@@ -17,7 +17,7 @@ from autopar.planner.options import PlanOptions
 from autopar.ir.placement import B, P, Split
 from autopar.passes.search.merge import merge
 from autopar.passes.search.problem import Group, PEdge, PNode, Problem, evaluate, incident_transfers, local_cost
-from autopar.planner.report import _reshardings
+from autopar.planner.report import build_plan
 from autopar.passes.search.solve import solve
 
 warnings.simplefilter("ignore")
@@ -164,13 +164,7 @@ def test_plan_reshardings_of_folded_layers_add_up_to_the_evaluator():
     choices = [planned.choice] + [[rng.randrange(len(n.strategies)) for n in problem.nodes] for _ in range(12)]
     for choice in choices:
         cost = evaluate(problem, choice)
-        at = dataclasses.replace(planned, choice=choice, cost=cost)
-
-        def strat(name, at=at):
-            i = problem.index[folding.representative(name)]
-            return problem.nodes[i].strategies[at.choice[i]]
-
-        listed = _reshardings(at, strat)
+        listed = build_plan(dataclasses.replace(planned, choice=choice, cost=cost)).reshardings
         activation = sum(r["time"] for r in listed if r["kind"] == "activation")
         # a parameter node's comm is its optimizer step (``build``), not a resharding
         optimizer = sum(n.mult * n.comm[c] for n, c in zip(problem.nodes, choice)

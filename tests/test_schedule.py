@@ -1,4 +1,4 @@
-"""``passes.schedule``: every collective is issued as early as its inputs allow (a gather of a
+"""``passes.lower.schedule``: every collective is issued as early as its inputs allow (a gather of a
 parameter a layer ahead of its use, and no further) and waited for just before its first use;
 the scheduled program computes what it computed before. Checked on a hand-built program, node by
 node, and on the programs the lowering makes for an FSDP plan."""

@@ -19,6 +19,9 @@ import torch
 import autopar
 from autopar.ir.hint import hint
 
+#: fixtures that start processes (JAX in a subprocess): conftest marks their tests gloo
+PROCESS_FIXTURES = {"xla"}
+
 X = pytest.importorskip("xla_oracle")
 
 

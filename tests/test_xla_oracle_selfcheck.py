@@ -71,6 +71,7 @@ def _need_jax():
         pytest.skip("jax is not installed: the XLA oracle cannot run (pip install -e '.[test]')")
 
 
+@pytest.mark.gloo
 def test_oracle_known_answers():
     _need_jax()
     everything = X.all_xla_collectives()
@@ -88,6 +89,7 @@ def test_oracle_known_answers():
     assert everything["reshape_between_layouts"] == [dict(kind="all_to_all", axis="tp", bytes=16 * 64 * 4)]
 
 
+@pytest.mark.gloo
 def test_oracle_programs_apply_the_table():
     """The constraints the JAX programs apply are exactly the documented table's."""
     _need_jax()

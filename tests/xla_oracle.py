@@ -622,7 +622,7 @@ def _run_jobs(jobs: list[dict]) -> None:
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--worker"],
-        input=json.dumps(jobs), capture_output=True, text=True, env=env, timeout=600,
+        input=json.dumps(jobs), capture_output=True, text=True, env=env, timeout=120,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MARK)]
     if proc.returncode != 0 or not lines:

@@ -7,7 +7,7 @@ constructor, and the checkpoint hooks DTensor gives ``torch.distributed.checkpoi
 On a torch upgrade: check ``_StridedShard(dim, split_factor=)`` and the order in which DTensor
 applies it over mesh axes (``tests/test_blocks.py`` compares ``held_indices`` with DTensor's own
 ``_local_shard_size_and_offset``), whether DCP still refuses a strided block's overlapping chunk
-(``install_strided_checkpointing`` may become unnecessary; ``tests/test_checkpoint.py``), and
+(``install_strided_checkpointing`` may become unnecessary; ``tests/test_dcp.py``), and
 that ``_local_tensor``/``_spec`` and the constructor keep their names and meaning.
 """
 

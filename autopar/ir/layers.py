@@ -228,7 +228,7 @@ def _forward_windows(graph: Graph, anchors: dict[str, Key]) -> Optional[dict[str
         if len(idx) < 2 or any(last[j] >= first[j + 1] for j in range(len(idx) - 1)):
             continue
         owner.update((n, key) for n, key in anchors.items() if key[0] == prefix)
-        cut = _cut(first[0], last[0], first[1], last_read)
+        cut = fewest_crossing_cut(first[0], last[0], first[1], last_read)
         bounds = [(min(last[j - 1] + 1 + cut, first[j]) if j else first[0], min(last[j] + 1 + cut, first[j + 1])
                    if j + 1 < len(idx) else last[j] + 1) for j in range(len(idx))]
         windows = _shared_out(forward, [list(range(a, b)) for a, b in bounds], anchors)
@@ -245,7 +245,7 @@ def _forward_windows(graph: Graph, anchors: dict[str, Key]) -> Optional[dict[str
     return owner
 
 
-def _cut(start: int, last: int, nxt: int, last_read: list[int]) -> int:
+def fewest_crossing_cut(start: int, last: int, nxt: int, last_read: list[int]) -> int:
     """How many of the ops between an instance's last parameter use (``last``) and the next
     instance's first (``nxt``) stay with it: the cut where the fewest values made since ``start``
     cross (the residual stream alone, where the layer's own ops end), the latest such cut on a tie.
@@ -379,4 +379,4 @@ def _find(graph: Graph) -> Layers:
     return Layers(instances, alike, owner, positions)
 
 
-__all__ = ["Layers", "layer_key", "layer_members", "layer_of", "layers"]
+__all__ = ["Layers", "fewest_crossing_cut", "layer_key", "layer_members", "layer_of", "layers"]

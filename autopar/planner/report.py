@@ -28,8 +28,7 @@ from autopar.ir.views import param_views
 from autopar.passes.search.checkpoint import checkpointed_paths, group_figures
 from autopar.passes.search.kept import kept_figures, kept_reads
 from autopar.passes.search.peak import peak_place
-from autopar.passes.search.problem import (MEMORY_KINDS, edge_cost, incident_transfers, local_cost, overlap_terms,
-                                           transfer_cost)
+from autopar.passes.search.problem import MEMORY_KINDS, Repricer, incident_transfers, local_cost
 from autopar.passes.search.strategies import input_placement, output_placement
 
 if TYPE_CHECKING:
@@ -310,7 +309,7 @@ def _modules(planned: "Planned", strat, reshardings: list[dict]) -> list[dict]:
         r["memory"] += int(sum(prob.nodes[i].memory[k][choice[i]] for k in MEMORY_KINDS))
     alts: dict[str, list] = defaultdict(list)
     incident = incident_transfers(prob)
-    reprice = _Repricer(prob, choice)
+    reprice = Repricer(prob, choice)
     for n in g.ops():
         r = row(n.module_path)
         i = prob.index[folding.representative(n.name)]
@@ -329,59 +328,7 @@ def _modules(planned: "Planned", strat, reshardings: list[dict]) -> list[dict]:
     return list(rows.values())
 
 
-class _Repricer:
-    """``evaluate``'s step time of the chosen strategies with one node's strategy changed, from the
-    chosen plan's own sums: only that node's terms and the transfers it touches are priced again.
-    (A full ``evaluate`` per alternative made the report quadratic in the graph: 28 of 42 s of
-    planning a 2+2-layer T5, whose layers do not fold.)"""
-
-    def __init__(self, prob, choice) -> None:
-        self.prob, self.choice = prob, list(choice)
-        self.compute = self.comm = 0.0
-        self.group_compute = [0.0] * len(prob.groups)
-        self.group_comm = [0.0] * len(prob.groups)
-        for i, n in enumerate(prob.nodes):
-            self.compute += n.mult * n.compute[choice[i]]
-            self.comm += n.mult * n.comm[choice[i]]
-            self.group_compute[n.group] += n.compute[choice[i]]
-        self.edges: list[list] = []
-        self.paid: list[float] = []
-        self.touching: dict[int, list[int]] = defaultdict(list)
-        for t, ks in enumerate(prob.transfers):
-            edges = [prob.edges[k] for k in ks]
-            c = edge_cost(edges[0], choice) if len(ks) == 1 else transfer_cost(edges, choice)
-            self.edges.append(edges)
-            self.paid.append(c)
-            self._add(edges[0], c)
-            for node in sorted({e.src for e in edges} | {e.dst for e in edges}):
-                self.touching[node].append(t)
-
-    def _add(self, e, c: float) -> None:
-        if e.overlappable():
-            self.group_comm[e.group] += c * e.mult / self.prob.groups[e.group].mult
-        else:
-            self.comm += c * e.mult
-
-    def _times(self) -> tuple[float, float, float]:
-        exposed, contention = overlap_terms(self.prob, self.group_comm, self.group_compute)
-        return self.compute + self.comm + exposed + contention, self.compute, self.comm + exposed + contention
-
-    def with_strategy(self, i: int, s: int) -> tuple[float, float, float]:
-        """``(step time, compute time, communication time)`` with node ``i`` running ``s``."""
-        n, old = self.prob.nodes[i], self.choice[i]
-        saved = (self.compute, self.comm, list(self.group_compute), list(self.group_comm))
-        self.compute += n.mult * (n.compute[s] - n.compute[old])
-        self.comm += n.mult * (n.comm[s] - n.comm[old])
-        self.group_compute[n.group] += n.compute[s] - n.compute[old]
-        for t in self.touching.get(i, ()):
-            edges = self.edges[t]
-            self._add(edges[0], transfer_cost(edges, self.choice, i, s) - self.paid[t])
-        out = self._times()
-        self.compute, self.comm, self.group_compute, self.group_comm = saved
-        return out
-
-
-def _alternatives(planned: "Planned", i: int, node, incident: dict, reprice: _Repricer) -> list[dict]:
+def _alternatives(planned: "Planned", i: int, node, incident: dict, reprice: Repricer) -> list[dict]:
     """The other strategies of one op that look cheapest locally (its compute and reshardings,
     everything else held), re-priced exactly by the evaluator: ``delta`` is the change in step time."""
     prob, choice = planned.problem, planned.choice

@@ -81,8 +81,10 @@ def _scores(ctx: LocalCtx, q: torch.Tensor, k: torch.Tensor, mask: Optional[torc
     return s
 
 
-def _keep(ctx: LocalCtx, qi: int, t: int, key: int, p: float, device) -> torch.Tensor:
-    """This block's dropout mask: the scores' ``[b h s t]`` indices in the whole ``[B H S T]``."""
+def keep_mask(ctx: LocalCtx, qi: int, t: int, key: int, p: float, device: Optional[torch.device]) -> torch.Tensor:
+    """This device's block of the attention dropout mask (True where a score is kept, with
+    probability ``1 - p``), drawn with ``key`` at the scores' ``[b h s t]`` indices in the whole
+    ``[B H S T]``: ``qi`` is the query's input position, ``t`` the key length."""
     q = ctx.call.in_specs[qi]
     shape = tuple(q.shape[:3]) + (t,)
     blocks = tuple((d, c) for d, c in q.blocks if d < 3)
@@ -106,7 +108,7 @@ def attention_local(ctx: LocalCtx, xs: list, key: int) -> list:
     g = q.shape[1] // max(k.shape[1], 1)
     ke, ve = (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)) if g > 1 else (k, v)
     s = _scores(ctx, q, ke, mask, qi, scale, causal)
-    keep = _keep(ctx, qi, k.shape[2], key, p, q.device).to(q.dtype) * (1.0 / (1.0 - p) if p < 1 else 0.0)
+    keep = keep_mask(ctx, qi, k.shape[2], key, p, q.device).to(q.dtype) * (1.0 / (1.0 - p) if p < 1 else 0.0)
     if call.op == ATTN_FWD:
         lse = torch.logsumexp(s, -1)
     else:
@@ -160,4 +162,4 @@ def fused_dropout_attention() -> Iterator[None]:
 
 
 __all__ = ["ATTN_BWD", "ATTN_FWD", "attention_dropout", "attention_local", "fused_dropout_attention",
-           "is_random_call", "key_node", "random_local"]
+           "is_random_call", "keep_mask", "key_node", "random_local"]
