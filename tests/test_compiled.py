@@ -101,6 +101,7 @@ def test_compiled_dropout_draws_the_eager_masks_without_recompiling(pool):
         assert breaks[0] > 0 and breaks == [breaks[0]] * len(breaks), breaks
 
 
+@pytest.mark.slow
 def test_pipelined_stages_compile_in_the_simulator():
     """Every stage's forward and backward of a pp=2 x dp=2 plan compiled: the simulated step equals
     the eager one exactly, and the only graph breaks are the simulator's own exchanges (collectives

@@ -9,9 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 
 
+@pytest.mark.gloo
+@pytest.mark.slow
 def test_gpu_check_runs_on_cpu(tmp_path):
     out = tmp_path / "rows.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from autopar.models import make
@@ -43,6 +44,8 @@ def _single_device_losses(steps: int = 2) -> list[float]:
     return out
 
 
+@pytest.mark.gloo
+@pytest.mark.slow
 def test_two_torchrun_agents_compile_without_init(tmp_path):
     port, result = _free_port(), tmp_path / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
