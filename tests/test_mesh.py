@@ -38,7 +38,7 @@ def test_default_links_inner_axes_on_nvlink():
     assert m.links == (H100.intra_node, H100.intra_node)
     m = Mesh({"pp": 2, "dp": 4, "tp": 4})  # tp 4, dp*tp 16 > 8: dp has 2 members on each of 2 nodes
     assert m.links[0] == H100.inter_node and m.links[2] == H100.intra_node
-    # dp is hierarchical (docs/architecture.md, "Links"): alpha (2 * 10 + 2 * 4) us / 4, and
+    # dp is hierarchical (docs/design/cost_model.md, "Links"): alpha (2 * 10 + 2 * 4) us / 4, and
     # beta = (3/4) / ((1/2) / (2 rails * 48 GB/s) + (1/2) / 360 GB/s)
     assert m.links[1].latency == pytest.approx(7e-6, rel=1e-12)
     assert m.links[1].bandwidth == pytest.approx(0.75 / (0.5 / 96e9 + 0.5 / 360e9), rel=1e-12)

@@ -60,7 +60,7 @@ def test_a_group_inside_a_node_is_nvlink():
 
 
 def test_dp64_on_8_gpu_nodes_is_hierarchical():
-    """The worked example of docs/architecture.md, "Links"."""
+    """The worked example of docs/design/cost_model.md, "Links"."""
     link = Mesh({"dp": 64}).link("dp")
     assert link.latency == pytest.approx((8 * 10e-6 + 8 * 4e-6) / 64, rel=1e-12)  # 1.75 us
     assert link.bandwidth == pytest.approx((63 / 64) / (7 / 8 / (8 * 48e9) + 7 / 8 / 360e9), rel=1e-12)

@@ -6,7 +6,7 @@ Each program of the oracle's table is written again as a torch module with every
 and the collectives the first device executed are compared with XLA's, both as sorted
 (kind, axis, bytes) lists. Not compared: the two 2-D reshards of the table, where XLA exchanges
 through a sub-axis all-to-all and collective-permutes (point-to-point), which autopar's SBP steps
-do not have (see docs/architecture.md, known limitations).
+do not have (see docs/design/limitations.md).
 """
 
 from __future__ import annotations

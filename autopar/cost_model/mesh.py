@@ -6,7 +6,7 @@ innermost axes are the ones that stay within a node. By default each axis gets o
 inter-node link (one NIC) when its group has one member per node; and, when the group has ``k``
 members on each of ``m`` nodes, a hierarchical price (an NVLink phase over ``k`` plus an
 inter-node phase over ``m`` on ``k`` NIC rails) folded into one link so the ring formulas of
-``autopar.cost_model.comm`` apply unchanged (docs/architecture.md, "Links"). ``Mesh({"dp": 8,
+``autopar.cost_model.comm`` apply unchanged (docs/design/cost_model.md, "Links"). ``Mesh({"dp": 8,
 "tp": 8})`` on h100 puts tp on NVLink and dp on InfiniBand; ``Mesh({"dp": 64})`` prices dp with
 eight rails. ``devices_per_node=``/``nics_per_node=`` override the hardware's; ``links=``
 overrides any axis.
@@ -304,7 +304,7 @@ def axis_link(n: int, inner: int, hw: Hardware) -> Link:
     """The one link whose ring formulas price an axis of ``n`` devices (inner span ``inner``) on
     ``hw``'s nodes: all-gathers and reduce-scatters exactly as the hierarchical collective (an
     NVLink phase over the ``k`` members of a node, then an inter-node phase over ``m`` nodes on
-    ``k`` rails, fewer where the node has fewer NICs than devices); see docs/architecture.md."""
+    ``k`` rails, fewer where the node has fewer NICs than devices); see docs/design/cost_model.md, "Links"."""
     k, m = node_layout(n, inner, hw.devices_per_node)
     if m == 1:
         return hw.intra_node

@@ -4,7 +4,7 @@ One rule serves every pass that needs layers, so they cannot disagree: ``fold`` 
 instances, the cast policy keeps layer ops in the compute dtype, and parameter gathers are grouped
 per layer instance. Instances are anchored by their parameters and buffers: those whose FQN has a
 numbered module (``layers.3.wq.weight``: instance 3 of ``layers``). Their ops are found from the
-graph, whatever module ran them (docs/architecture.md, "Fold, merge, solve"):
+graph, whatever module ran them (docs/design/search.md, "Fold, merge, solve"):
 
 - forward: instance i owns the forward ops from its first parameter use to its last, and the ops
   after its last up to instance i+1's first (residual adds, RoPE, attention, anything written in

@@ -17,7 +17,7 @@ price any problem:
   frees their values after their last reader). The program holds every saved value until its
   backward ends, so the peak is in the backward of a recomputed instance.
 
-The outer search (``candidates``) runs the solver once per candidate choice; docs/architecture.md
+The outer search (``candidates``) runs the solver once per candidate choice; docs/design/checkpointing.md
 says why the count is searched outside the ILP.
 """
 
