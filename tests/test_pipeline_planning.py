@@ -72,6 +72,49 @@ def test_pipeline_plan_round_trips_and_older_plans_load_without_pipeline(pinned,
         autopar.Plan.from_dict(bad)
 
 
+def test_pipeline_entry_is_the_file_schemas_record(pinned):
+    """``plan.pipeline`` is the file schema's own model (``plans/entries.py``), not a second description:
+    the planner builds it, the validator checks the file with it, and every key written is one of its
+    fields; a round trip keeps the record, its keys and the bytes; a version 5 file (without the keys
+    versions 6 and 7 added) loads with them None (``stage_buckets`` false) and writes back without them."""
+    from dataclasses import fields
+    from typing import get_type_hints
+
+    from autopar.plans import entries, schema
+    from autopar.plans.entries import ComparedSchedule, PipelineChoice, PlanFile, StageRecompute
+
+    _, _, _, plan = pinned
+    pl = plan.pipeline
+    assert isinstance(pl, PipelineChoice) and isinstance(pl.recompute[0], StageRecompute)
+    assert all(isinstance(c, ComparedSchedule) for c in pl.compared)
+    written = plan.to_dict()["pipeline"]
+    assert set(written) <= set(PipelineChoice.model_fields)
+    assert set(written) == {k for k, v in pl if v is not None}  # every field the planner sets is written
+    assert set(written) == set(PipelineChoice.model_fields)  # and it sets them all
+    # the file's validation and the typed records are the same classes
+    assert PipelineChoice in PlanFile.model_fields["pipeline"].annotation.__args__
+    assert get_type_hints(schema.Plan, vars(schema))["pipeline"] == PipelineChoice | None
+    assert {f.name for f in fields(schema.Plan)} == set(PlanFile.model_fields) - {"axis_names", "timing"}
+    for name in ("NodeEntry", "Resharding", "ReshardingStep", "Collective", "Alternative", "ModuleEntry",
+                 "LayerGroupEntry", "Baseline", "Fingerprint", "GraphSummary", "PipelineChoice"):
+        assert getattr(schema, name) is getattr(entries, name) and name in schema.__all__
+    again = autopar.Plan.from_dict(plan.to_dict())
+    assert again == plan and again.pipeline == pl and again.to_json() == plan.to_json()
+    d = json.loads(plan.to_json())
+    d["schema_version"] = 5
+    for k in ("recompute", "batch_coupled", "reference", "stage_buckets"):
+        del d["pipeline"][k]
+    for c in d["pipeline"]["compared"]:
+        c.pop("recomputed"), c.pop("estimated", None)
+    old = autopar.Plan.from_dict(d)
+    assert old.pipeline.recompute is None and old.pipeline.reference is None and old.pipeline.stage_buckets is False
+    assert old.pipeline.compared[0].recomputed is None and old.pipeline.stages == pl.stages
+    back = old.to_dict()["pipeline"]
+    assert set(back) == set(d["pipeline"]) | {"stage_buckets"} and "recomputed" not in back["compared"][0]
+    assert autopar.Plan.from_dict(old.to_dict()) == old
+    assert "pipeline stage 1 of 2" in old.explain("blocks.3") and "bubble" in old.summary()
+
+
 def test_pipeline_plans_are_deterministic_and_zbv_uses_v_placement(pinned):
     model, inputs, mesh, plan = pinned
     again = autopar.plan(model, mesh, inputs, pipeline={"schedule": "1F1B", "microbatches": 4}, progress=False)

@@ -1,9 +1,10 @@
 """The Plan: what ``autopar.plan(...)`` decided and what the cost model predicts for it.
 
-A Plan is plain data (dicts, lists, strings, numbers) so it can be saved, loaded, shown, explained
-and compared without the model and without solving again. The planner fills it
-(``autopar/planner/report.py``); this module owns its layout (the entry shapes below), its JSON file
-format and ``load_plan``; ``autopar.plans.view`` renders it for the terminal and
+A Plan is plain data (dicts, lists, strings, numbers; the pipeline entry a typed record) so it can be
+saved, loaded, shown, explained and compared without the model and without solving again. The planner
+fills it (``autopar/planner/report.py``); its entry shapes are the pydantic models of
+``autopar.plans.entries`` (which also check a file); this module owns the Plan, its JSON file format
+and ``load_plan``; ``autopar.plans.view`` renders it for the terminal and
 ``autopar.plans.html`` as a page.
 
 File format: canonical JSON (keys sorted, indent 1, floats rounded to 12 significant digits), so
