@@ -113,6 +113,12 @@ def test_pipeline_entry_is_the_file_schemas_record(pinned):
     assert set(back) == set(d["pipeline"]) | {"stage_buckets"} and "recomputed" not in back["compared"][0]
     assert autopar.Plan.from_dict(old.to_dict()) == old
     assert "pipeline stage 1 of 2" in old.explain("blocks.3") and "bubble" in old.summary()
+    # a module path pydantic cannot read (a lone surrogate; torch takes any str) is kept as it is
+    odd = json.loads(plan.to_json())["pipeline"]
+    odd["stages"][0][0] += "\ud800"
+    assert entries.dump(entries.record(PipelineChoice, odd)) == odd
+    with pytest.raises(ValueError, match="pipline"):
+        entries.record(PipelineChoice, {**odd, "pipline": 1})  # a key it lacks is refused
 
 
 def test_pipeline_plans_are_deterministic_and_zbv_uses_v_placement(pinned):

@@ -72,7 +72,7 @@ def test_a_pipeline_that_fits_only_by_recomputing_its_first_stage(tmp_path):
     assert plan.checkpointing == {p: redo[0].mode for p in redo[0].layers}
     assert plan.fits and plan.peak_memory <= budget
     assert plan.step_time > free.step_time
-    assert f"recomputes {len(redo[0]['layers'])} layer(s)" in plan.summary()
+    assert f"recomputes {len(redo[0].layers)} layer(s)" in plan.summary()
     plan.save(tmp_path / "p.json")
     again = autopar.load_plan(tmp_path / "p.json")
     assert again.to_json() == plan.to_json() and again.pipeline.recompute == redo

@@ -33,7 +33,7 @@ from autopar.passes.search.strategies import input_placement, output_placement
 
 if TYPE_CHECKING:
     from autopar.planner.intra import Planned
-    from autopar.plans.entries import PipelineChoice
+    from autopar.plans.entries import PipelineChoice, record
 
 #: Alternatives kept per module in the plan (the cheapest other strategies of its ops).
 ALTERNATIVES = 4
@@ -65,12 +65,12 @@ class PipelineDecision:
 def pipeline_entry(choice: PipelineDecision) -> "PipelineChoice":
     """``plan.pipeline``: the axis and the whole mesh, the schedule, the stages and the priced figures,
     as the plan file's record (validated as a file's entry is, so a key the schema lacks fails here)."""
-    from autopar.plans.entries import PipelineChoice
+    from autopar.plans.entries import PipelineChoice, record
 
     price, mesh, m = choice.price, choice.mesh, choice.microbatches
     pp = mesh.axis_size(PP_AXIS) if PP_AXIS in mesh.names else 1
     coupled = choice.batch_coupled
-    return PipelineChoice.model_validate({
+    return record(PipelineChoice, {
         "axis": PP_AXIS,
         "degree": pp,
         "mesh_names": list(mesh.names),

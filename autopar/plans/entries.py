@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Annotated, Any, Literal
+import typing
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -21,6 +23,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -41,6 +44,8 @@ from autopar.plans.bounds import (
     MAX_STRING,
     shown,
 )
+
+R = TypeVar("R", bound=BaseModel)
 
 # -- field types ------------------------------------------------------------------------------------
 
@@ -446,6 +451,37 @@ class PlanFile(Strict):
     mesh_search: MeshSearchEntry | None = None  # schema version 6
 
 
+def record(model: type[R], data: Mapping) -> R:
+    """``data`` (an entry ``check_fields`` or the planner checked) as a ``model`` record, nested entries
+    as their records. A string pydantic cannot read (a lone surrogate: torch takes any str as a module
+    name; the file's check reads it with U+FFFD in its place) is kept as it is: the record is then
+    built field by field, without a second check."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        if any(err["type"] != "string_unicode" for err in e.errors(include_url=False)):
+            raise
+    return _built(model, data)
+
+
+def _built(model: type[R], data: Mapping) -> R:
+    names = {(f.alias or n): n for n, f in model.model_fields.items()}
+    return model.model_construct(**{names[k]: _value(model.model_fields[names[k]].annotation, v)
+                                    for k, v in data.items()})
+
+
+def _value(kind: Any, v: Any) -> Any:
+    """``v`` built as the field type ``kind`` says: a nested model (or a list of them) as records."""
+    if isinstance(v, Mapping) and isinstance(kind, type) and issubclass(kind, BaseModel):
+        return _built(kind, v)
+    for arg in typing.get_args(kind):  # ``list[Model]``, ``Model | None``
+        if isinstance(v, list) and typing.get_origin(kind) is list:
+            return [_value(arg, x) for x in v]
+        if isinstance(arg, type) and issubclass(arg, BaseModel) and isinstance(v, Mapping):
+            return _built(arg, v)
+    return v
+
+
 def dump(record: BaseModel) -> dict:
     """``record`` as the file writes it: its keys by alias (``"from"``), None fields left out."""
     return record.model_dump(by_alias=True, exclude_none=True)
@@ -460,4 +496,4 @@ MODELS: tuple[type[BaseModel], ...] = (
 __all__ = ["MODELS", "Alternative", "Baseline", "Collective", "ComparedSchedule", "EfficiencyEntry", "Fingerprint",
            "GraphSummary", "HardwareEntry", "LayerGroupEntry", "LinkEntry", "MeshCandidate", "MeshEntry",
            "MeshSearchEntry", "ModuleEntry", "NodeEntry", "PipelineChoice", "PlanFile", "PrecisionEntry", "Resharding",
-           "ReshardingStep", "SolverEntry", "StageRecompute", "Strict", "TimingEntry", "dump"]
+           "ReshardingStep", "SolverEntry", "StageRecompute", "Strict", "TimingEntry", "dump", "record"]

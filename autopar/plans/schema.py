@@ -83,6 +83,7 @@ from autopar.plans.entries import (
     Resharding,
     ReshardingStep,
     dump,
+    record,
 )
 from autopar.plans.validate import check_fields
 from autopar.validate import check_path
@@ -225,7 +226,7 @@ class Plan:
                 if isinstance(mesh.get(key), dict) and set(mesh[key]) == set(order):
                     mesh[key] = {a: mesh[key][a] for a in order}
         if kw["pipeline"] is not None:  # the entry as its record (checked above; validated once more on the way)
-            kw["pipeline"] = PipelineChoice.model_validate(kw["pipeline"] if plain else canon(kw["pipeline"]))
+            kw["pipeline"] = record(PipelineChoice, kw["pipeline"] if plain else canon(kw["pipeline"]))
         if version < 3 and "links" not in kw["mesh"]:
             kw["mesh"]["links"] = legacy.links_of_old_plan(kw["mesh"])
         timing = d.get("timing") or {}
