@@ -482,15 +482,16 @@ def _value(kind: Any, v: Any) -> Any:
     return v
 
 
-def dump(record: BaseModel) -> dict:
-    """``record`` as the file writes it: its keys by alias (``"from"``), None fields left out."""
-    return record.model_dump(by_alias=True, exclude_none=True)
+def dump(entry: BaseModel) -> dict:
+    """``entry`` as the file writes it: its keys by alias (``"from"``), None fields left out."""
+    return entry.model_dump(by_alias=True, exclude_none=True)
 
 
-#: every model of the file, for the validator's "did you mean" hints
+#: the models whose keys the validator's "did you mean" hint offers (every one but the solver's
+#: statistics, which take any names)
 MODELS: tuple[type[BaseModel], ...] = (
     PlanFile, MeshEntry, HardwareEntry, LinkEntry, EfficiencyEntry, PrecisionEntry, Fingerprint, GraphSummary,
-    NodeEntry, ReshardingStep, Resharding, Collective, Alternative, ModuleEntry, Baseline, SolverEntry, TimingEntry,
+    NodeEntry, ReshardingStep, Resharding, Collective, Alternative, ModuleEntry, Baseline, TimingEntry,
     LayerGroupEntry, PipelineChoice, ComparedSchedule, StageRecompute, MeshCandidate, MeshSearchEntry)
 
 __all__ = ["MODELS", "Alternative", "Baseline", "Collective", "ComparedSchedule", "EfficiencyEntry", "Fingerprint",
