@@ -244,7 +244,7 @@ def _simulate_pipelined(model, plan, args, kwargs, trace, predicted, torch_backe
 
     graph, batch = capture_micro(model, plan, args, kwargs, True, "autopar.simulate")
     res = keeping_gathers(resolve(graph, plan))
-    everything = range(len(plan.pipeline["stage_ranks"]))
+    everything = range(len(plan.pipeline.stage_ranks))
     staged = {c: stage_program(model, plan, graph, batch, args, kwargs, coords=c, precision="model", local=everything,
                                resolved=res) for c in device_coords(plan.mesh_shape)}
     if torch_backend is not None:
@@ -273,7 +273,7 @@ def capture_micro(model, plan, args: tuple, kwargs: dict, training: bool, where:
     from autopar.runtime.pipeline.schedule import batch_size, micro_slices
     from autopar.runtime.pipeline.state import refuse_buffer_updates
 
-    m = int(plan.pipeline["microbatches"])
+    m = plan.pipeline.microbatches
     batch = batch_size(args, kwargs, m, where)
     micro = micro_slices(args, kwargs, batch, m)[0]
     graph = capture(model, tuple(micro[f"input:{i}"] for i in range(len(args))), {k: micro[k] for k in kwargs},
@@ -296,7 +296,7 @@ def stage_program(model, plan, graph: Graph, batch: int, args: tuple, kwargs: di
     pl = plan.pipeline
     resolved = resolved if resolved is not None else keeping_gathers(resolve(graph, plan))
     program = lower_tagged(resolved, coords, None, precision)
-    micro = micro_slices(args, kwargs, batch, int(pl["microbatches"]))[0]
+    micro = micro_slices(args, kwargs, batch, pl.microbatches)[0]
     margs, mkwargs = tuple(micro[f"input:{i}"] for i in range(len(args))), {k: micro[k] for k in kwargs}
     if checked:
         whole = placeholder_values(program.inputs, model, margs, mkwargs)
@@ -308,8 +308,8 @@ def stage_program(model, plan, graph: Graph, batch: int, args: tuple, kwargs: di
                  for s in program.inputs]
     dry_run(program, [local_block(t, s.placements, program.mesh_shape, coords, s.spec.blocks)
                       for t, s in zip(whole, program.inputs)])
-    stage_of = stage_rule(graph, pl["stages"])
-    cutting = cut(program, stage_of, len(pl["stage_ranks"]), local, split=pl["schedule"] == "ZBVZeroBubble")
+    stage_of = stage_rule(graph, pl.stages)
+    cutting = cut(program, stage_of, len(pl.stage_ranks), local, split=pl.schedule == "ZBVZeroBubble")
     return StagedProgram(graph=graph, stage_of=stage_of, program=program, cut=cutting, batch=batch, local=list(local))
 
 

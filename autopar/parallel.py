@@ -397,11 +397,11 @@ def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, m
     from autopar.runtime.pipeline import MeshPipelinedModule, keep_stage_parameters
 
     pl = plan.pipeline
-    if dict(mesh.axes) != (axes := dict(zip(pl["mesh_names"], pl["mesh_shape"]))):
+    if dict(mesh.axes) != (axes := dict(zip(pl.mesh_names, pl.mesh_shape))):
         raise CompileError(f"this pipelined plan was made for mesh {axes}, not {dict(mesh.axes)}")
-    names, shape = list(pl["mesh_names"]), [int(s) for s in pl["mesh_shape"]]  # (compile checked the group's size)
-    others = [n for n in names if n != pl["axis"]]
-    if all(s == 1 for n, s in zip(names, shape) if n != pl["axis"]):
+    names, shape = list(pl.mesh_names), list(pl.mesh_shape)  # (compile checked the group's size)
+    others = [n for n in names if n != pl.axis]
+    if all(s == 1 for n, s in zip(names, shape) if n != pl.axis):
         if torch_backend is not None:
             raise CompileError("autopar.compile: compile= runs the lowered program's stages, but a plan pipelined "
                                "over the pp axis alone runs the model's own ops stage by stage: leave compile= "
@@ -412,18 +412,18 @@ def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, m
     graph, batch = capture_micro(model, plan, args, kwargs, plan.training, "autopar pipeline")
     check_same_capture(graph)
     dmesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
-    pp_rank = int(dmesh.get_coordinate()[names.index(pl["axis"])])
+    pp_rank = int(dmesh.get_coordinate()[names.index(pl.axis)])
     staged = stage_program(model, plan, graph, batch, args, kwargs,
                            coords=tuple(int(c) for c in dmesh[tuple(others)].get_coordinate()),
                            precision=execution_precision(precision or "plan", plan.precision.get("name", "fp32"), None),
-                           local=[s for s, r in enumerate(pl["stage_ranks"]) if int(r) == pp_rank], checked=False)
+                           local=[s for s, r in enumerate(pl.stage_ranks) if int(r) == pp_rank], checked=False)
     share_seed(staged.program)  # random ops (dropout): rank 0's seed on every rank
     if torch_backend is not None:
         compile_cut(staged.cut, torch_backend)
     keep_stage_parameters(model, staged)  # only its stages' parameters (others' would go stale: pipeline.state)
     distribute_state(model, graph, staged.program, dmesh[tuple(others)], None, materializer)
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank())
-    return MeshPipelinedModule(model, plan, staged, dmesh, [g for n, g in zip(names, groups) if n != pl["axis"]])
+    return MeshPipelinedModule(model, plan, staged, dmesh, [g for n, g in zip(names, groups) if n != pl.axis])
 
 
 __all__ = ["RANDOM_KEY", "CompileError", "ParallelModule", "compile"]

@@ -73,13 +73,13 @@ def main() -> None:
                                          f"fits={r['fits']} pipelined={r['pipelined']}"))
     pl = plan.pipeline
     if pl:
-        print(f"pipeline: {pl['schedule']} m={pl['microbatches']} v={pl['virtual_stages']} bubble {pl['bubble']:.3f} "
-              f"makespan {pl['makespan'] * 1e3:.1f} ms sync {pl['sync_time'] * 1e3:.2f} ms p2p {pl['p2p_time'] * 1e6:.0f} us")
-        print("stages (layers per stage):", [sum(p.startswith("layers.") for p in s) for s in pl["stages"]])
-        print("rank memory GiB:", [round(x / 2**30, 1) for x in pl["rank_memory"]])
-        for c in pl["compared"][:8]:
-            print(f"  {c['schedule']:<16} m={c['microbatches']:<3} v={c['virtual_stages']} {c['step_time'] * 1e3:8.1f} ms "
-                  f"{c['peak_memory'] / 2**30:6.1f} GiB bubble {c['bubble']:.3f}" + (" (estimated)" if c.get('estimated') else ""))
+        print(f"pipeline: {pl.schedule} m={pl.microbatches} v={pl.virtual_stages} bubble {pl.bubble:.3f} "
+              f"makespan {pl.makespan * 1e3:.1f} ms sync {pl.sync_time * 1e3:.2f} ms p2p {pl.p2p_time * 1e6:.0f} us")
+        print("stages (layers per stage):", [sum(p.startswith("layers.") for p in s) for s in pl.stages])
+        print("rank memory GiB:", [round(x / 2**30, 1) for x in pl.rank_memory])
+        for c in pl.compared[:8]:
+            print(f"  {c.schedule:<16} m={c.microbatches:<3} v={c.virtual_stages} {c.step_time * 1e3:8.1f} ms "
+                  f"{c.peak_memory / 2**30:6.1f} GiB bubble {c.bubble:.3f}" + (" (estimated)" if c.estimated else ""))
     print(f"step {plan.step_time * 1e3:.1f} ms, peak {plan.peak_memory / 2**30:.1f} GiB of "
           f"{plan.memory_budget / 2**30:.1f} GiB ({'fits' if plan.fits else 'DOES NOT FIT'}), source {plan.source}")
     for k, v in sorted(plan.baselines.items()):

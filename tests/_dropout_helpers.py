@@ -148,7 +148,7 @@ def pipelined_dropout_step_on_rank(text: str, seed: int, dtype=torch.float32) ->
     torch.manual_seed(0)
     model, args = make("gpt", "tiny", batch=4, seq=16, dropout=P, n_layer=4, dtype=dtype)
     torch.manual_seed(seed)
-    mesh = autopar.Mesh(dict(zip(plan.pipeline["mesh_names"], plan.pipeline["mesh_shape"])), device="cpu")
+    mesh = autopar.Mesh(dict(zip(plan.pipeline.mesh_names, plan.pipeline.mesh_shape)), device="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.compile(model, mesh, args, plan=plan)

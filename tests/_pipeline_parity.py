@@ -82,9 +82,9 @@ def matrix_case(family: str, schedule: str, mesh: str, n_layers: int = 8, batch:
     ref, _ = build(family, n_layers, batch)
     plan = autopar.plan(model, autopar.Mesh(MESHES[mesh], device="cpu"), inputs,
                         pipeline={"schedule": schedule, "microbatches": microbatches}, progress=False)
-    assert plan.pipeline["schedule"] == schedule, plan.pipeline["schedule"]
+    assert plan.pipeline.schedule == schedule, plan.pipeline.schedule
     out = parity(model, ref, inputs, {}, plan, steps)
-    out["stage_ranks"] = list(plan.pipeline["stage_ranks"])
+    out["stage_ranks"] = list(plan.pipeline.stage_ranks)
     return out
 
 

@@ -55,10 +55,10 @@ def test_a_micro_batched_pipeline_states_its_reference():
     with pytest.warns(UserWarning, match="couple the whole batch"):
         plan = autopar.plan(model, mesh, inputs, pipeline={"microbatches": 2}, progress=False)
     pl = plan.pipeline
-    assert pl["reference"] == "micro-batched" and any("cumsum" in x for x in pl["batch_coupled"])
+    assert pl.reference == "micro-batched" and any("cumsum" in x for x in pl.batch_coupled)
     assert "batch-coupled ops" in plan.summary()
     # one micro-batch keeps the whole batch: nothing to state
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         whole = autopar.plan(model, mesh, inputs, pipeline={"microbatches": 1}, progress=False)
-    assert whole.pipeline["reference"] == "whole-batch" and whole.pipeline["batch_coupled"]
+    assert whole.pipeline.reference == "whole-batch" and whole.pipeline.batch_coupled

@@ -76,6 +76,6 @@ def test_a_slow_link_between_nodes_makes_the_search_pipeline():
     mesh = autopar.Mesh.devices(8, device=hw, node_size=4, pp=[1, 2], tp=[4])
     plan = autopar.plan(model, mesh, inputs, progress=False)
     assert plan.mesh_search["chosen"] == {"pp": 2, "dp": 1, "tp": 4}
-    assert plan.pipeline is not None and plan.pipeline["mesh_shape"] == [2, 4]
+    assert plan.pipeline is not None and plan.pipeline.mesh_shape == [2, 4]
     plain = next(r for r in plan.mesh_search["compared"] if r["shape"]["pp"] == 1)
     assert plain["step_time"] > plan.step_time

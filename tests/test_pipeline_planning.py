@@ -31,20 +31,20 @@ def pinned():
 def test_pinned_pipeline_plan_says_what_it_chose(pinned):
     _, _, _, plan = pinned
     pl = plan.pipeline
-    assert (pl["axis"], pl["degree"], pl["schedule"], pl["microbatches"], pl["virtual_stages"]) == ("pp", 2, "1F1B", 4, 1)
-    assert pl["mesh_names"] == ["pp", "dp"] and pl["mesh_shape"] == [2, 2]
+    assert (pl.axis, pl.degree, pl.schedule, pl.microbatches, pl.virtual_stages) == ("pp", 2, "1F1B", 4, 1)
+    assert pl.mesh_names == ["pp", "dp"] and pl.mesh_shape == [2, 2]
     assert plan.axis_names == ("dp",)  # placements are on the other axes
-    stages = pl["stages"]
+    stages = pl.stages
     assert len(stages) == 2
     assert "wte" in stages[0] and "lm_head" in stages[-1]  # embedding first, head last
     blocks = [p for s in stages for p in s if p.startswith("blocks.")]
     assert blocks == [f"blocks.{i}" for i in range(4)]  # every layer once, in order
     # step time: the replayed makespan plus the exposed synchronisation; peak: the largest rank's
-    assert plan.step_time == pytest.approx(pl["makespan"] + pl["sync_time"])
-    assert plan.peak_memory == max(pl["rank_memory"])
+    assert plan.step_time == pytest.approx(pl.makespan + pl.sync_time)
+    assert plan.peak_memory == max(pl.rank_memory)
     assert sum(plan.memory.values()) == plan.peak_memory
-    assert 0 < pl["bubble"] < 1
-    assert pl["in_flight"] == [2, 1]  # 1F1B: p - s micro-batches in flight on stage s
+    assert 0 < pl.bubble < 1
+    assert pl.in_flight == [2, 1]  # 1F1B: p - s micro-batches in flight on stage s
     text = plan.summary()
     assert "pipeline on axis 'pp'" in text and "1F1B, 4 micro-batches" in text and "stage 1 (rank 1)" in text
     assert "pipeline stage 1 of 2" in plan.explain("blocks.3")
@@ -52,16 +52,16 @@ def test_pinned_pipeline_plan_says_what_it_chose(pinned):
 
 def test_pipeline_plan_round_trips_and_older_plans_load_without_pipeline(pinned, tmp_path):
     _, _, _, plan = pinned
-    assert plan.schema_version == 8 and plan.pipeline["stage_buckets"] is True
+    assert plan.schema_version == 8 and plan.pipeline.stage_buckets is True
     path = tmp_path / "p.json"
     plan.save(path)
     again = autopar.load_plan(path)
     assert again.to_json() == plan.to_json()
-    assert again.pipeline["stages"] == plan.pipeline["stages"]
+    assert again.pipeline.stages == plan.pipeline.stages
     d = json.loads(plan.to_json())
     d["schema_version"] = 6  # a version 6 pipelined plan: its buckets as listed (they may span stages)
     del d["pipeline"]["stage_buckets"]
-    assert autopar.Plan.from_dict(d).pipeline["stage_buckets"] is False
+    assert autopar.Plan.from_dict(d).pipeline.stage_buckets is False
     d["schema_version"] = 4
     del d["pipeline"]
     assert autopar.Plan.from_dict(d).pipeline is None
@@ -72,15 +72,64 @@ def test_pipeline_plan_round_trips_and_older_plans_load_without_pipeline(pinned,
         autopar.Plan.from_dict(bad)
 
 
+def test_pipeline_entry_is_the_file_schemas_record(pinned):
+    """``plan.pipeline`` is the file schema's own model (``plans/entries.py``), not a second description:
+    the planner builds it, the validator checks the file with it, and every key written is one of its
+    fields; a round trip keeps the record, its keys and the bytes; a version 5 file (without the keys
+    versions 6 and 7 added) loads with them None (``stage_buckets`` false) and writes back without them."""
+    from dataclasses import fields
+    from typing import get_type_hints
+
+    from autopar.plans import entries, schema
+    from autopar.plans.entries import ComparedSchedule, PipelineChoice, PlanFile, StageRecompute
+
+    _, _, _, plan = pinned
+    pl = plan.pipeline
+    assert isinstance(pl, PipelineChoice) and isinstance(pl.recompute[0], StageRecompute)
+    assert all(isinstance(c, ComparedSchedule) for c in pl.compared)
+    written = plan.to_dict()["pipeline"]
+    assert set(written) <= set(PipelineChoice.model_fields)
+    assert set(written) == {k for k, v in pl if v is not None}  # every field the planner sets is written
+    assert set(written) == set(PipelineChoice.model_fields)  # and it sets them all
+    # the file's validation and the typed records are the same classes
+    assert PipelineChoice in PlanFile.model_fields["pipeline"].annotation.__args__
+    assert get_type_hints(schema.Plan, vars(schema))["pipeline"] == PipelineChoice | None
+    assert {f.name for f in fields(schema.Plan)} == set(PlanFile.model_fields) - {"axis_names", "timing"}
+    for name in ("NodeEntry", "Resharding", "ReshardingStep", "Collective", "Alternative", "ModuleEntry",
+                 "LayerGroupEntry", "Baseline", "Fingerprint", "GraphSummary", "PipelineChoice"):
+        assert getattr(schema, name) is getattr(entries, name) and name in schema.__all__
+    again = autopar.Plan.from_dict(plan.to_dict())
+    assert again == plan and again.pipeline == pl and again.to_json() == plan.to_json()
+    d = json.loads(plan.to_json())
+    d["schema_version"] = 5
+    for k in ("recompute", "batch_coupled", "reference", "stage_buckets"):
+        del d["pipeline"][k]
+    for c in d["pipeline"]["compared"]:
+        c.pop("recomputed"), c.pop("estimated", None)
+    old = autopar.Plan.from_dict(d)
+    assert old.pipeline.recompute is None and old.pipeline.reference is None and old.pipeline.stage_buckets is False
+    assert old.pipeline.compared[0].recomputed is None and old.pipeline.stages == pl.stages
+    back = old.to_dict()["pipeline"]
+    assert set(back) == set(d["pipeline"]) | {"stage_buckets"} and "recomputed" not in back["compared"][0]
+    assert autopar.Plan.from_dict(old.to_dict()) == old
+    assert "pipeline stage 1 of 2" in old.explain("blocks.3") and "bubble" in old.summary()
+    # a module path pydantic cannot read (a lone surrogate; torch takes any str) is kept as it is
+    odd = json.loads(plan.to_json())["pipeline"]
+    odd["stages"][0][0] += "\ud800"
+    assert entries.dump(entries.record(PipelineChoice, odd)) == odd
+    with pytest.raises(ValueError, match="pipline"):
+        entries.record(PipelineChoice, {**odd, "pipline": 1})  # a key it lacks is refused
+
+
 def test_pipeline_plans_are_deterministic_and_zbv_uses_v_placement(pinned):
     model, inputs, mesh, plan = pinned
     again = autopar.plan(model, mesh, inputs, pipeline={"schedule": "1F1B", "microbatches": 4}, progress=False)
     assert again.to_json() == plan.to_json()
     zbv = autopar.plan(model, mesh, inputs, pipeline={"schedule": "ZBVZeroBubble", "microbatches": 4}, progress=False)
     pl = zbv.pipeline
-    assert pl["virtual_stages"] == 2 and pl["stage_ranks"] == [0, 1, 1, 0] and len(pl["stages"]) == 4
-    assert "wte" in pl["stages"][0] and "lm_head" in pl["stages"][3]  # both ends on rank 0
-    assert len(pl["rank_memory"]) == 2
+    assert pl.virtual_stages == 2 and pl.stage_ranks == [0, 1, 1, 0] and len(pl.stages) == 4
+    assert "wte" in pl.stages[0] and "lm_head" in pl.stages[3]  # both ends on rank 0
+    assert len(pl.rank_memory) == 2
 
 
 def test_pipeline_pins_are_checked():
@@ -114,10 +163,10 @@ def test_pipeline_wins_on_slow_outer_links():
     # one or two micro-batch counts solved; the others priced from a solve, marked estimated; the plan's
     # own count is a solved one
     pl = plan.pipeline
-    rows = pl["compared"]
-    solved = {c["microbatches"] for c in rows if not c.get("estimated")}
-    assert 1 <= len(solved) <= 2 and any(c.get("estimated") for c in rows)
-    assert pl["microbatches"] in solved
+    rows = pl.compared
+    solved = {c.microbatches for c in rows if not c.estimated}
+    assert 1 <= len(solved) <= 2 and any(c.estimated for c in rows)
+    assert pl.microbatches in solved
     assert {"stage_plans", "split", "pp_recipe", "total"} <= set(plan.phases)
     # the torchtitan-style pipelined recipe is priced alike; the plan is never slower than it
     recipe = plan.baselines["pp_fsdp_tp"]
@@ -146,8 +195,8 @@ def test_gradient_accumulation_without_a_pp_axis():
     plain = autopar.plan(model, mesh, inputs, progress=False)
     acc = autopar.plan(model, mesh, inputs, pipeline={"microbatches": 4}, progress=False)
     pl = acc.pipeline
-    assert (pl["degree"], pl["schedule"], pl["microbatches"], pl["bubble"]) == (1, "1F1B", 4, 0.0)
-    assert pl["in_flight"] == [1]  # accumulation: one micro-batch's activations at a time
+    assert (pl.degree, pl.schedule, pl.microbatches, pl.bubble) == (1, "1F1B", 4, 0.0)
+    assert pl.in_flight == [1]  # accumulation: one micro-batch's activations at a time
     assert acc.memory["activations"] < plain.memory["activations"]
 
 
@@ -262,8 +311,8 @@ def test_pipeline_ties_go_to_the_schedule_with_less_memory():
     layer each), the plan takes the one that needs the least memory."""
     model, inputs = models.make("gpt", "tiny", batch=8, n_layer=4)
     plan = autopar.plan(model, autopar.Mesh({"pp": 4}, device="cpu"), inputs, progress=False)
-    exact = [c for c in plan.pipeline["compared"] if not c.get("estimated")]
-    ties = [c for c in exact if c["step_time"] == plan.step_time]
-    assert len({(c["schedule"], c["microbatches"], c["virtual_stages"]) for c in ties}) >= 2, exact  # a tie
-    assert len({c["peak_memory"] for c in ties}) >= 2, ties  # of different memory
-    assert plan.peak_memory == min(c["peak_memory"] for c in ties), ties
+    exact = [c for c in plan.pipeline.compared if not c.estimated]
+    ties = [c for c in exact if c.step_time == plan.step_time]
+    assert len({(c.schedule, c.microbatches, c.virtual_stages) for c in ties}) >= 2, exact  # a tie
+    assert len({c.peak_memory for c in ties}) >= 2, ties  # of different memory
+    assert plan.peak_memory == min(c.peak_memory for c in ties), ties

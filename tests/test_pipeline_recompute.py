@@ -62,20 +62,20 @@ def test_a_pipeline_that_fits_only_by_recomputing_its_first_stage(tmp_path):
     mesh = autopar.Mesh({"pp": 2, "dp": 2}, device="cpu")
     pin = {"schedule": "1F1B", "microbatches": 4}
     free = autopar.plan(model, mesh, inputs, pipeline=pin, progress=False)
-    mem = free.pipeline["rank_memory"]
-    assert mem[0] > mem[1] and all(s["mode"] == "none" for s in free.pipeline["recompute"])
+    mem = free.pipeline.rank_memory
+    assert mem[0] > mem[1] and all(s.mode == "none" for s in free.pipeline.recompute)
     budget = (mem[0] + mem[1]) / 2
     plan = autopar.plan(model, mesh, inputs, pipeline=pin, memory_budget=budget, progress=False)
-    redo = plan.pipeline["recompute"]
-    assert redo[0]["layers"] and not redo[1]["layers"]
-    assert set(redo[0]["layers"]) <= set(plan.pipeline["stages"][0])
-    assert plan.checkpointing == {p: redo[0]["mode"] for p in redo[0]["layers"]}
+    redo = plan.pipeline.recompute
+    assert redo[0].layers and not redo[1].layers
+    assert set(redo[0].layers) <= set(plan.pipeline.stages[0])
+    assert plan.checkpointing == {p: redo[0].mode for p in redo[0].layers}
     assert plan.fits and plan.peak_memory <= budget
     assert plan.step_time > free.step_time
-    assert f"recomputes {len(redo[0]['layers'])} layer(s)" in plan.summary()
+    assert f"recomputes {len(redo[0].layers)} layer(s)" in plan.summary()
     plan.save(tmp_path / "p.json")
     again = autopar.load_plan(tmp_path / "p.json")
-    assert again.to_json() == plan.to_json() and again.pipeline["recompute"] == redo
+    assert again.to_json() == plan.to_json() and again.pipeline.recompute == redo
     # run (simulated on every stage-mesh device): stage 0's backward re-runs its recomputed layers, and
     # the loss and every gradient equal the single-device model's
     loss, grads = autopar.simulate(model, plan, inputs)

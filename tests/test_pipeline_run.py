@@ -28,7 +28,7 @@ def test_pipelined_step_matches_the_single_device_model():
         model, inputs = build(family, LAYERS, BATCH)
         plan = autopar.plan(model, autopar.Mesh({"pp": 2}, device="cpu"), inputs,
                             pipeline={"schedule": schedule, "microbatches": 4}, progress=False)
-        assert plan.pipeline["schedule"] == schedule
+        assert plan.pipeline.schedule == schedule
         uneven = (family, schedule) == UNEVEN
         cases.append((family, LAYERS, BATCH, plan.to_json(), uneven))
         refs.append(reference(family, LAYERS, BATCH, uneven))

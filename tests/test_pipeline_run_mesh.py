@@ -36,10 +36,10 @@ def _plan(family, schedule, axes, batch, seq, share):
     pin = {"schedule": schedule, "microbatches": 4}
     plan = autopar.plan(model, mesh, inputs, pipeline=pin, progress=False)
     if share is not None:  # a budget under which the stages recompute layers (per-stage recomputation)
-        budget = share * max(plan.pipeline["rank_memory"])
+        budget = share * max(plan.pipeline.rank_memory)
         plan = autopar.plan(model, mesh, inputs, pipeline=pin, memory_budget=budget, progress=False)
     link = mesh.link("pp")  # the plan prices one transfer at latency + bytes / bandwidth
-    return plan, round((plan.pipeline["p2p_time"] - link.latency) * link.bandwidth)
+    return plan, round((plan.pipeline.p2p_time - link.latency) * link.bandwidth)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def _check(family, results, priced, batch, seq, crossings=1):
 
 def test_pp_dp_gpt_tied_matches_single_device(runs):
     plan, results, priced = runs[0]
-    assert plan.pipeline["schedule"] == CASES[0][1]
+    assert plan.pipeline.schedule == CASES[0][1]
     _check("gpt", results, priced, *CASES[0][3:5])
 
 
@@ -78,9 +78,9 @@ def test_pp_tp_llama_recomputing_matches_single_device(runs):
     """Each stage recomputes layers (a budget under the unbudgeted plan's ranks): the backward re-runs
     them, with their tensor-parallel all-gathers, and what runs still equals the plan's prediction."""
     plan, results, priced = runs[1]
-    assert plan.pipeline["schedule"] == CASES[1][1]
+    assert plan.pipeline.schedule == CASES[1][1]
     assert plan.fits and plan.checkpointing
-    assert all(s["layers"] for s in plan.pipeline["recompute"])
+    assert all(s.layers for s in plan.pipeline.recompute)
     # the re-runs' collectives are the plan's, and they are among the predicted ones checked below
     assert any(st["kind"] not in LOCAL_KINDS for r in plan.reshardings if r["kind"] == "recompute"
                for st in r["steps"])
@@ -91,7 +91,7 @@ def test_pp_dp_gpt_zero_bubble_matches_single_device(runs):
     """ZBVZeroBubble (V placement: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2), each stage's
     backward split into its input- and weight-gradient parts: two boundaries between ranks per rank."""
     plan, results, priced = runs[2]
-    assert plan.pipeline["schedule"] == CASES[2][1]
+    assert plan.pipeline.schedule == CASES[2][1]
     _check("gpt", results, priced, *CASES[2][3:5], crossings=2)
 
 
@@ -99,5 +99,5 @@ def test_pp_dp_llama_interleaved_matches_single_device(runs):
     """Interleaved1F1B (loop placement: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3, one layer
     each): every boundary is between ranks, so each rank touches three."""
     plan, results, priced = runs[3]
-    assert plan.pipeline["schedule"] == CASES[3][1]
+    assert plan.pipeline.schedule == CASES[3][1]
     _check("llama", results, priced, *CASES[3][3:5], crossings=3)

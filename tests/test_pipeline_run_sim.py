@@ -71,7 +71,7 @@ def test_simulated_pipeline_matches_single_device(name, schedule, axes):
     model, inputs, kw = _model(name)
     ref, _, _ = _model(name)
     plan = _plan(name, schedule, axes, 4 if name[:3] in ("gpt", "lla") else 2)
-    assert plan.pipeline["schedule"] == schedule
+    assert plan.pipeline.schedule == schedule
     # two steps: the second simulates from the updated parameters; model code not ours: one step (loss,
     # gradients, the update)
     out = parity(model, ref, inputs, kw, plan, steps=1 if name in CORPUS else 2)

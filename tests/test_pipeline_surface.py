@@ -55,7 +55,7 @@ def test_html_page_shows_the_pipeline(plans):
         assert text in section
     stages = section[section.index('id="pipeline-stages"'):]
     stages = stages[:stages.index("</table>")]
-    assert stages.count("<tr>") == 1 + len(plan.pipeline["stages"])  # the header and one row per stage
+    assert stages.count("<tr>") == 1 + len(plan.pipeline.stages)  # the header and one row per stage
     assert 'href="#pipeline"' in page
     rc, _, err = run_cli(["show", f"{cwd}/a.json", "--html", f"{cwd}/a.html"])
     assert rc == 0, err

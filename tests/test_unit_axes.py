@@ -18,7 +18,7 @@ def test_a_pipeline_alone_lists_no_collective_on_its_one_device_axis():
     model, inputs = models.make("gpt", "tiny", batch=8, n_layer=8)
     mesh = autopar.Mesh({"pp": 4}, device="cpu")
     plan = autopar.plan(model, mesh, inputs, progress=False)
-    assert plan.pipeline["degree"] == 4 and plan.axis_names == ("dp",)
+    assert plan.pipeline.degree == 4 and plan.axis_names == ("dp",)
     assert _steps_on(plan, "dp") == []  # 556 listed before this rule (this GPT, pp4)
     assert [c for c in plan.to_dict()["collectives"] if c["axis"] == "dp"] == []
     assert set(plan.placements.values()) == {"B"}

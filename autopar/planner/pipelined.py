@@ -47,7 +47,7 @@ from autopar.passes.search.batch_coupled import batch_coupled
 from autopar.passes.search.pipeline_split import ModelSegments, best_pipelines, candidates, scaled, segments
 from autopar.planner.intra import Planned, run_passes
 from autopar.planner.options import PlanOptions, check_pipeline
-from autopar.planner.report import PipelineChoice, build_plan
+from autopar.planner.report import PipelineDecision, build_plan
 
 #: ``baselines["unpipelined"]`` of a plan on a given ``pp`` mesh (see the module docstring)
 UNPIPELINED_NOTE = "not planned: a given 'pp' axis pipelines; Mesh.devices(n, pp=[1, ...]) compares it"
@@ -227,9 +227,9 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, op
         warnings.warn(f"autopar.plan: {len(coupled)} op(s) couple the whole batch ({', '.join(coupled[:3])}"
                       f"{', ...' if len(coupled) > 3 else ''}) and run per micro-batch in this pipeline ({m} "
                       f"micro-batches): the plan equals the single-device run of the same micro-batches one after "
-                      f"the other, not of the whole batch (plan.pipeline['reference']); pin "
+                      f"the other, not of the whole batch (plan.pipeline.reference); pin "
                       f"pipeline={{'microbatches': 1}} to keep the whole batch", stacklevel=4)
-    choice = PipelineChoice(
+    choice = PipelineDecision(
         price=best.price, microbatches=m, stages=best.model.stage_paths(best.ranges), mesh=mesh, compared=tried,
         batch_coupled=coupled, budget=budget, baselines=baselines,
         source=f"recipe:{RECIPE}" if planned.source.startswith("recipe:") else planned.source,

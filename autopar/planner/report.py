@@ -33,6 +33,7 @@ from autopar.passes.search.strategies import input_placement, output_placement
 
 if TYPE_CHECKING:
     from autopar.planner.intra import Planned
+    from autopar.plans.entries import PipelineChoice, record
 
 #: Alternatives kept per module in the plan (the cheapest other strategies of its ops).
 ALTERNATIVES = 4
@@ -43,7 +44,7 @@ def _sha(d: dict) -> str:
 
 
 @dataclass
-class PipelineChoice:
+class PipelineDecision:
     """What the pipeline planner (``planner/pipelined.py``) chose, for ``build_plan``: the pipeline's
     ``price`` at ``microbatches``, each stage's module paths, the whole ``mesh`` (with the ``pp``
     axis), every pipeline priced (``compared``: with whether it was estimated), the ops that couple
@@ -61,12 +62,15 @@ class PipelineChoice:
     phases: dict
 
 
-def pipeline_entry(choice: PipelineChoice) -> dict:
-    """``plan.pipeline``: the axis and the whole mesh, the schedule, the stages and the priced figures."""
+def pipeline_entry(choice: PipelineDecision) -> "PipelineChoice":
+    """``plan.pipeline``: the axis and the whole mesh, the schedule, the stages and the priced figures,
+    as the plan file's record (validated as a file's entry is, so a key the schema lacks fails here)."""
+    from autopar.plans.entries import PipelineChoice, record
+
     price, mesh, m = choice.price, choice.mesh, choice.microbatches
     pp = mesh.axis_size(PP_AXIS) if PP_AXIS in mesh.names else 1
     coupled = choice.batch_coupled
-    return {
+    return record(PipelineChoice, {
         "axis": PP_AXIS,
         "degree": pp,
         "mesh_names": list(mesh.names),
@@ -95,10 +99,10 @@ def pipeline_entry(choice: PipelineChoice) -> dict:
                                                                                   pe[1]))],
         "batch_coupled": coupled,
         "reference": "micro-batched" if coupled and m > 1 else "whole-batch",
-    }
+    })
 
 
-def _pipeline_figures(choice: PipelineChoice) -> dict:
+def _pipeline_figures(choice: PipelineDecision) -> dict:
     """A pipelined plan's step and memory: the pipeline's (its slowest rank's busy time as compute,
     the rest of the step as communication; the memory of its fullest rank)."""
     price = choice.price
@@ -111,7 +115,7 @@ def _pipeline_figures(choice: PipelineChoice) -> dict:
                          f"micro-batch's temporaries"))
 
 
-def build_plan(planned: "Planned", pipeline: Optional[PipelineChoice] = None):
+def build_plan(planned: "Planned", pipeline: Optional[PipelineDecision] = None):
     """The user's ``Plan`` from the passes' result: placements by FQN and input, every node's
     strategy, each resharding with its collectives (bucketed as the program runs them), per-module
     summaries with alternatives, the recipes' baselines and the solver's statistics.

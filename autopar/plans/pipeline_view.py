@@ -3,11 +3,12 @@ per-stage recomputation, batch-coupled ops and the mesh search: version 6)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from autopar.plans.format import human_bytes, human_time
 
 if TYPE_CHECKING:
+    from autopar.plans.entries import PipelineChoice
     from autopar.plans.schema import Plan
 
 
@@ -39,82 +40,82 @@ def mesh_search_lines(plan: "Plan") -> list[str]:
 def summary_lines(plan: "Plan") -> list[str]:
     """The mesh search, if any, then the pipeline: axes, schedule, micro-batches, bubble, and per
     stage its modules, times and its rank's memory."""
-    pl: Optional[dict] = getattr(plan, "pipeline", None)
+    pl: Optional[PipelineChoice] = getattr(plan, "pipeline", None)
     if not pl:
         return mesh_search_lines(plan)
-    axes = ", ".join(f"{n}={s}" for n, s in zip(pl.get("mesh_names", []), pl.get("mesh_shape", [])))
-    out = ["", f"pipeline on axis {pl.get('axis')!r} ({axes}; placements above are per stage, on the other axes, "
+    axes = ", ".join(f"{n}={s}" for n, s in zip(pl.mesh_names, pl.mesh_shape))
+    out = ["", f"pipeline on axis {pl.axis!r} ({axes}; placements above are per stage, on the other axes, "
                f"per micro-batch):",
-           f"  {pl.get('schedule')}, {pl.get('microbatches')} micro-batches, {pl.get('virtual_stages')} stage(s) per "
-           f"rank; bubble {100 * pl.get('bubble', 0.0):.1f}%, replayed makespan {human_time(pl.get('makespan', 0.0))}, "
-           f"gradient sync exposed {human_time(pl.get('sync_time', 0.0))}, one boundary transfer "
-           f"{human_time(pl.get('p2p_time', 0.0))}"]
-    ranks = pl.get("stage_ranks") or []
-    times = pl.get("stage_times") or []
-    flight = pl.get("in_flight") or []
-    mem = pl.get("rank_memory") or []
-    redo = pl.get("recompute") or []
-    for s, paths in enumerate(pl.get("stages") or []):
+           f"  {pl.schedule}, {pl.microbatches} micro-batches, {pl.virtual_stages} stage(s) per "
+           f"rank; bubble {100 * pl.bubble:.1f}%, replayed makespan {human_time(pl.makespan or 0.0)}, "
+           f"gradient sync exposed {human_time(pl.sync_time or 0.0)}, one boundary transfer "
+           f"{human_time(pl.p2p_time or 0.0)}"]
+    ranks = pl.stage_ranks or []
+    times = pl.stage_times or []
+    flight = pl.in_flight or []
+    mem = pl.rank_memory or []
+    redo = pl.recompute or []
+    for s, paths in enumerate(pl.stages):
         r = ranks[s] if s < len(ranks) else s
         t = times[s] if s < len(times) else [0.0, 0.0, 0.0]
-        rc = redo[s] if s < len(redo) else {}
-        again = (f"; recomputes {len(rc['layers'])} layer(s) ({rc['mode']})" if rc.get("layers") else "")
+        rc = redo[s] if s < len(redo) else None
+        again = (f"; recomputes {len(rc.layers)} layer(s) ({rc.mode})" if rc is not None and rc.layers else "")
         out.append(f"  stage {s} (rank {r}): {_span(paths)}; fwd {human_time(t[0])}, bwd {human_time(t[1] + t[2])} "
                    f"per micro-batch, {flight[s] if s < len(flight) else '?'} in flight; rank memory "
                    f"{human_bytes(mem[r]) if r < len(mem) else '?'}{again}")
-    others = [c for c in pl.get("compared") or []][:6]
+    others = (pl.compared or [])[:6]
     if len(others) > 1:
         out.append("  compared: " + "; ".join(
-            f"{c.get('schedule')} m={c.get('microbatches')} v={c.get('virtual_stages')} {human_time(c.get('step_time', 0.0))}"
-            f" {human_bytes(c.get('peak_memory', 0))}{' (estimated)' if c.get('estimated') else ''}" for c in others))
-    if pl.get("batch_coupled"):
-        out.append(f"  batch-coupled ops ({', '.join(pl['batch_coupled'][:4])}): the reference is the "
-                   f"{pl.get('reference', 'micro-batched')} single-device run")
+            f"{c.schedule} m={c.microbatches} v={c.virtual_stages} {human_time(c.step_time or 0.0)}"
+            f" {human_bytes(c.peak_memory or 0)}{' (estimated)' if c.estimated else ''}" for c in others))
+    if pl.batch_coupled:
+        out.append(f"  batch-coupled ops ({', '.join(pl.batch_coupled[:4])}): the reference is the "
+                   f"{pl.reference or 'micro-batched'} single-device run")
     return mesh_search_lines(plan) + out
 
 
 def explain_lines(plan: "Plan", path: str) -> list[str]:
     """Which pipeline stage (and rank) holds ``path``."""
-    pl: Optional[dict] = getattr(plan, "pipeline", None)
+    pl: Optional[PipelineChoice] = getattr(plan, "pipeline", None)
     if not pl or not path:
         return []
-    ranks = pl.get("stage_ranks") or []
+    ranks = pl.stage_ranks or []
     out = []
-    for s, paths in enumerate(pl.get("stages") or []):
+    for s, paths in enumerate(pl.stages):
         if any(p == path or path.startswith(p + ".") or p.startswith(path + ".") for p in paths):
-            out.append(f"pipeline stage {s} of {len(pl['stages'])} (rank {ranks[s] if s < len(ranks) else s} on axis "
-                       f"{pl.get('axis')!r}, {pl.get('schedule')}, {pl.get('microbatches')} micro-batches)")
+            out.append(f"pipeline stage {s} of {len(pl.stages)} (rank {ranks[s] if s < len(ranks) else s} on axis "
+                       f"{pl.axis!r}, {pl.schedule}, {pl.microbatches} micro-batches)")
     return out
 
 
 def diff_lines(a: "Plan", b: "Plan") -> list[str]:
     """What differs between two plans' pipelines (and their mesh searches' choices)."""
-    pa: Any = getattr(a, "pipeline", None)
-    pb: Any = getattr(b, "pipeline", None)
+    pa: Optional[PipelineChoice] = getattr(a, "pipeline", None)
+    pb: Optional[PipelineChoice] = getattr(b, "pipeline", None)
     ma = (getattr(a, "mesh_search", None) or {}).get("chosen")
     mb = (getattr(b, "mesh_search", None) or {}).get("chosen")
     head = [f"mesh search chose: {ma or 'no search'} -> {mb or 'no search'}"] if ma != mb else []
     if pa == pb:
         return head
     if not pa or not pb:
-        was, now = ("none" if not pa else pa.get("schedule")), ("none" if not pb else pb.get("schedule"))
+        was, now = ("none" if not pa else pa.schedule), ("none" if not pb else pb.schedule)
         return head + [f"pipeline: {was} -> {now}"]
     out = head
     for k in ("schedule", "microbatches", "virtual_stages"):
-        if pa.get(k) != pb.get(k):
-            out.append(f"pipeline {k}: {pa.get(k)} -> {pb.get(k)}")
-    if pa.get("stages") != pb.get("stages"):
-        out.append("pipeline stages: " + " | ".join(str(len(s)) for s in pa.get("stages", [])) + " -> "
-                   + " | ".join(str(len(s)) for s in pb.get("stages", [])) + " modules per stage")
-    if pa.get("bubble") != pb.get("bubble"):
-        out.append(f"pipeline bubble: {100 * pa.get('bubble', 0):.1f}% -> {100 * pb.get('bubble', 0):.1f}%")
-    ra = [len(r.get("layers", [])) for r in pa.get("recompute") or []]
-    rb = [len(r.get("layers", [])) for r in pb.get("recompute") or []]
+        if getattr(pa, k) != getattr(pb, k):
+            out.append(f"pipeline {k}: {getattr(pa, k)} -> {getattr(pb, k)}")
+    if pa.stages != pb.stages:
+        out.append("pipeline stages: " + " | ".join(str(len(s)) for s in pa.stages) + " -> "
+                   + " | ".join(str(len(s)) for s in pb.stages) + " modules per stage")
+    if pa.bubble != pb.bubble:
+        out.append(f"pipeline bubble: {100 * pa.bubble:.1f}% -> {100 * pb.bubble:.1f}%")
+    ra = [len(r.layers) for r in pa.recompute or []]
+    rb = [len(r.layers) for r in pb.recompute or []]
     if ra != rb:
         out.append(f"pipeline recomputed layers per stage: {ra or 'none'} -> {rb or 'none'}")
-    if pa.get("rank_memory") != pb.get("rank_memory"):
-        out.append("pipeline memory per rank: " + ", ".join(human_bytes(x) for x in pa.get("rank_memory") or [])
-                   + " -> " + ", ".join(human_bytes(x) for x in pb.get("rank_memory") or []))
+    if pa.rank_memory != pb.rank_memory:
+        out.append("pipeline memory per rank: " + ", ".join(human_bytes(x) for x in pa.rank_memory or [])
+                   + " -> " + ", ".join(human_bytes(x) for x in pb.rank_memory or []))
     return out
 
 

@@ -1,9 +1,10 @@
 """The Plan: what ``autopar.plan(...)`` decided and what the cost model predicts for it.
 
-A Plan is plain data (dicts, lists, strings, numbers) so it can be saved, loaded, shown, explained
-and compared without the model and without solving again. The planner fills it
-(``autopar/planner/report.py``); this module owns its layout (the entry shapes below), its JSON file
-format and ``load_plan``; ``autopar.plans.view`` renders it for the terminal and
+A Plan is plain data (dicts, lists, strings, numbers; the pipeline entry a typed record) so it can be
+saved, loaded, shown, explained and compared without the model and without solving again. The planner
+fills it (``autopar/planner/report.py``); its entry shapes are the pydantic models of
+``autopar.plans.entries`` (which also check a file); this module owns the Plan, its JSON file format
+and ``load_plan``; ``autopar.plans.view`` renders it for the terminal and
 ``autopar.plans.html`` as a page.
 
 File format: canonical JSON (keys sorted, indent 1, floats rounded to 12 significant digits), so
@@ -72,13 +73,28 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Optional, TypedDict, Union
+from typing import Any, Mapping, Optional, Union
 
 from autopar.errors import ArgumentError, PlanError
 from autopar.plans import legacy, view
 from autopar.plans.format import SOLVER_TIMING_KEYS, canon
 from autopar.plans.legacy import copy_plain
 from autopar.plans.bounds import check_values, read_json, shown
+from autopar.plans.entries import (
+    Alternative,
+    Baseline,
+    Collective,
+    Fingerprint,
+    GraphSummary,
+    LayerGroupEntry,
+    ModuleEntry,
+    NodeEntry,
+    PipelineChoice,
+    Resharding,
+    ReshardingStep,
+    dump,
+    record,
+)
 from autopar.plans.validate import check_fields
 from autopar.validate import check_path
 
@@ -87,112 +103,9 @@ SCHEMA_VERSION = 8
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
-# -- entry shapes (what the planner writes; readers use .get() since hand-made plans may lack keys) --
-
-class Fingerprint(TypedDict, total=False):
-    """sha256 hex digests of what shaped the plan."""
-    graph: str
-    mesh: str
-    hardware: str
-
-
-class GraphSummary(TypedDict, total=False):
-    """The captured graph in brief, to say why a plan is stale (``graph_differences``)."""
-    nodes: int
-    ops: int
-    params: int
-    fqns: list[str]
-    inputs: dict[str, str]  # input name -> tensor spec text
-    shapes: dict[str, str]  # parameter FQN -> tensor spec text (schema version 2)
-    ops_hist: dict[str, int]  # op -> count
-    blocks: dict[str, list[list[int]]]  # FQN -> [[dim, blocks], ...] for dims of equal blocks
-
-
-class NodeEntry(TypedDict, total=False):
-    """One IR op node with its chosen strategy, in graph order."""
-    name: str
-    op: str
-    module: str
-    phase: str
-    strategy: list[str]  # per mesh axis
-    tags: list[str]
-    inputs: list[str]  # placement text per input
-    outputs: list[Optional[str]]
-    compute: float
-
-
-class ReshardingStep(TypedDict):
-    """One collective of a resharding."""
-    kind: str
-    axis: str
-    bytes: int
-    time: float
-
-
-#: "from" is a Python keyword, hence the functional form
-Resharding = TypedDict("Resharding", {
-    "tensor": str, "consumers": list[str], "consumer": str, "kind": str, "from": str, "to": str,
-    "bytes": int,  # the whole tensor
-    "time": float, "steps": list[ReshardingStep], "module": Optional[str],  # kind: activation, param, grad, recompute
-    "bucket": int,  # gradients sharing a bucket, or parameter gathers a group (per kind)
-    "phase": str,  # "backward": a gather for a forward op re-run in the backward (version 4)
-}, total=False)
-Resharding.__doc__ = "A placement change on the way from a tensor's producer to its consumer(s)."
-
-
-class Collective(TypedDict, total=False):
-    """A collective the program issues ``count`` times per step."""
-    kind: str
-    axis: str
-    bytes: int  # per call
-    count: int
-    phase: str
-    bucketed: bool
-
-
-class Alternative(TypedDict, total=False):
-    """Another strategy of a module's op and how much it would add to the step time."""
-    name: str
-    time: float
-    comm: float
-    delta: float
-
-
-class ModuleEntry(TypedDict, total=False):
-    """Per-module totals and its parameters' placements."""
-    path: str
-    time: float
-    comm: float
-    bytes: int
-    memory: int
-    placements: dict[str, str]  # parameter FQN -> placement text
-    alternatives: list[Alternative]
-
-
-class LayerGroupEntry(TypedDict, total=False):
-    """One group of alike layer instances (the folding's groups) and its memory/time trade-off
-    (schema version 4). Bytes per device and seconds per instance."""
-    prefix: str  # the instances' common module path prefix, e.g. "layers"
-    count: int  # instances in the group
-    paths: list[str]  # the instances' module paths
-    checkpointed: int  # instances recomputed
-    mode: str  # "none" | "full" | "selective"
-    saved_bytes: int  # activations one instance saves for the backward when not recomputed
-    input_bytes: int  # what one recomputed instance keeps instead (its inputs; "selective": and the outputs it saves)
-    recompute_time: float  # seconds one recomputed instance adds to the backward
-    kept_gathers: bool  # gathered parameters kept from the forward for the backward
-    kept: int  # instances that keep them (version 5)
-    kept_bytes: int  # gathered bytes one keeping instance holds from forward to backward (version 5)
-    kept_time: float  # seconds of backward gathers one keeping instance does not run (version 5)
-
-
-class Baseline(TypedDict, total=False):
-    """A hand-written recipe priced by the same cost model, or the error that kept it out."""
-    step_time: float
-    peak_memory: int
-    fits: bool
-    error: str
-
+# -- entry shapes: the pydantic models of ``autopar.plans.entries``, the one description of the file's
+# shapes. ``pipeline`` is held as its record; the other entries are held as the plain dicts the file
+# has (readers use .get(), since hand-made plans may lack keys), and these names say their shape.
 
 # -- the plan ---------------------------------------------------------------------------------------
 
@@ -205,7 +118,7 @@ class Plan:
     """
 
     # identity
-    fingerprint: Fingerprint
+    fingerprint: dict  # Fingerprint
     mesh: dict  # Mesh.to_dict(): {"axes", "device", "hardware", "links"}
     precision: dict  # Precision.to_dict()
     training: bool
@@ -218,27 +131,27 @@ class Plan:
     memory: dict[str, int]  # params, grads, optimizer, activations, temporaries alive at the peak -> bytes
     # decisions
     placements: dict[str, str]  # FQN | "input:0" | kw name -> "S(0), B"
-    nodes: list[NodeEntry]
-    reshardings: list[Resharding]
-    collectives: list[Collective]
+    nodes: list[dict]  # NodeEntry each
+    reshardings: list[dict]  # Resharding each
+    collectives: list[dict]  # Collective each
     bucket_size: int
-    baselines: dict[str, Baseline]  # recipe name -> its estimate
+    baselines: dict[str, dict]  # recipe name -> its estimate (Baseline)
     solver: dict
     source: str  # "search" | "recipe:fsdp" ...
-    modules: list[ModuleEntry]
+    modules: list[dict]  # ModuleEntry each
     phases: dict[str, float]  # planning wall times: capture, fold, ..., total
-    graph: GraphSummary
+    graph: dict  # GraphSummary
     # memory/time trade-offs (schema version 4; older files load with these empty)
     checkpointing: dict[str, str] = field(default_factory=dict)  # module path -> "full" | "selective"
     kept_gathers: list[str] = field(default_factory=list)  # module paths whose gathers are kept
-    layer_groups: list[LayerGroupEntry] = field(default_factory=list)
+    layer_groups: list[dict] = field(default_factory=list)  # LayerGroupEntry each
     # model FLOPs utilization (schema version 5; older files load with 0: not known)
     model_flops: float = 0.0  # per step, every device together (3 x forward matmuls + attention)
     mfu: float = 0.0  # model_flops / (step_time * devices * peak FLOP/s of the compute dtype)
     tokens_per_step: int = 0  # elements of the token-id input (0: the model takes none)
     tokens_per_second_per_device: float = 0.0
     # pipeline parallelism (schema version 5; older files load with None): see autopar/planner/pipelined.py
-    pipeline: Optional[dict] = None
+    pipeline: Optional[PipelineChoice] = None
     # the factorization ``Mesh.devices`` left to the planner (schema version 6; older files load with None)
     mesh_search: Optional[dict] = None
     # where in the step the peak is, e.g. "backward, at lm_head (aten.mm)" (schema version 8; older: "")
@@ -261,7 +174,7 @@ class Plan:
     def run_axes(self) -> dict[str, int]:
         """The axes of the mesh the plan runs on, in order: a pipelined plan's whole mesh, ``pp`` included."""
         if self.pipeline is not None:
-            return dict(zip(self.pipeline["mesh_names"], self.pipeline["mesh_shape"]))
+            return dict(zip(self.pipeline.mesh_names, self.pipeline.mesh_shape))
         return dict(zip(self.axis_names, self.mesh_shape))
 
     @property
@@ -283,6 +196,8 @@ class Plan:
         for f in fields(self):
             if f.name != "phases":
                 d[f.name] = copy_plain(getattr(self, f.name))
+        if self.pipeline is not None:  # the record's keys as the file has them: None fields are not written
+            d["pipeline"] = dump(self.pipeline)
         d["axis_names"] = list(self.axis_names)
         solver_timing = {k: d["solver"].pop(k) for k in SOLVER_TIMING_KEYS if k in d["solver"]}
         if timing:
@@ -329,6 +244,8 @@ class Plan:
             for key in ("axes", "links"):
                 if isinstance(mesh.get(key), dict) and set(mesh[key]) == set(order):
                     mesh[key] = {a: mesh[key][a] for a in order}
+        if kw["pipeline"] is not None:  # the entry as its record (checked above; validated once more on the way)
+            kw["pipeline"] = record(PipelineChoice, kw["pipeline"] if plain else canon(kw["pipeline"]))
         if version < 3 and "links" not in kw["mesh"]:
             kw["mesh"]["links"] = legacy.links_of_old_plan(kw["mesh"])
         timing = d.get("timing") or {}
@@ -481,5 +398,6 @@ def load_plan(path: Union[str, os.PathLike]) -> Plan:
 
 
 __all__ = ["READABLE_VERSIONS", "SCHEMA_VERSION", "SOLVER_TIMING_KEYS", "Alternative", "Baseline", "Collective",
-           "Fingerprint", "GraphSummary", "LayerGroupEntry", "ModuleEntry", "NodeEntry", "Plan", "PlanError", "Resharding", "ReshardingStep",
+           "Fingerprint", "GraphSummary", "LayerGroupEntry", "ModuleEntry", "NodeEntry", "PipelineChoice", "Plan",
+           "PlanError", "Resharding", "ReshardingStep",
            "graph_differences", "load_plan"]

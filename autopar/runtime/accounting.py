@@ -62,7 +62,7 @@ def pipelined_predicted(pm) -> Counter:
     g, stage_of, m = pm.graph, pm.stage_of, pm.m
     mine = set(pm.my_stages)
     names = {n.name for n in g.nodes}
-    last = len(pm.plan.pipeline["stage_ranks"]) - 1
+    last = len(pm.plan.pipeline.stage_ranks) - 1
     groups: dict = {}
     calls = []
     for r in pm.plan.reshardings:
@@ -95,7 +95,7 @@ def pipelined_p2p(pm) -> Counter:
     micro-batch, each value its stages send the next stage (and, back, a gradient in each one's slot),
     each value they receive, at the local size the plan's placements give it."""
     pl, cut = pm.plan.pipeline, pm.cutting
-    ranks, axis, out = list(pl["stage_ranks"]), pl["axis"], Counter()
+    ranks, axis, out = list(pl.stage_ranks), pl.axis, Counter()
 
     def size(n) -> int:
         shape, dtype = n.meta[SHAPE]

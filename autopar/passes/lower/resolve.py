@@ -105,7 +105,7 @@ def resolve(graph: Graph, plan) -> Resolved:
     derived: dict = kept_reads(graph, strategies.__getitem__, kept, mesh, redo) if kept else {}
     pipeline = getattr(plan, "pipeline", None)
     # a pipelined plan's buckets stay within a stage (schema version 7; an older one's as it lists them)
-    stages = param_stages(graph, pipeline["stages"]) if pipeline and pipeline.get("stage_buckets") else None
+    stages = param_stages(graph, pipeline.stages) if pipeline is not None and pipeline.stage_buckets else None
     return Resolved(graph, mesh, precision, strategies, calls, redo, derived, stages)
 
 

@@ -5,7 +5,7 @@ time, so such an op computes something else than on the whole batch: batch-norm 
 the micro-batch, an MoE router's per-expert capacity and slot positions over the micro-batch's
 tokens. The intra-op plans are exact for them (their rules gather what they need across a data
 axis); a pipeline is not. ``batch_coupled`` finds them in the captured forward so the plan can say
-so (``plan.pipeline["batch_coupled"]``, with ``reference`` "micro-batched": the single-device run it
+so (``plan.pipeline.batch_coupled``, with ``reference`` "micro-batched": the single-device run it
 equals is the one that runs the same micro-batches one after the other), or the user pins one
 micro-batch (``pipeline={"microbatches": 1}``, GPipe).
 

@@ -5,12 +5,13 @@ factorizations (``Mesh.devices``). Empty strings for a plan without them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from autopar.plans.format import finite_float
 from autopar.plans.html.cells import bar_cell, bytes_text, escape, header_cell, sort_key, time_text
 
 if TYPE_CHECKING:
+    from autopar.plans.entries import PipelineChoice
     from autopar.plans.schema import Plan
 
 
@@ -25,23 +26,23 @@ def _num(value, text: str) -> str:
 
 def pipeline_section(plan: "Plan") -> str:
     """The pipeline (``plan.pipeline``): its choice, per stage its figures, what it compared."""
-    pl = getattr(plan, "pipeline", None)
-    if not isinstance(pl, dict) or not pl:
+    pl: Optional[PipelineChoice] = getattr(plan, "pipeline", None)
+    if pl is None:
         return ""
-    ranks = pl.get("stage_ranks") or []
-    times = pl.get("stage_times") or []
-    flight = pl.get("in_flight") or []
-    mem = pl.get("rank_memory") or []
-    redo = pl.get("recompute") or []
+    ranks = pl.stage_ranks or []
+    times = pl.stage_times or []
+    flight = pl.in_flight or []
+    mem = pl.rank_memory or []
+    redo = pl.recompute or []
     top = max((finite_float(x) for x in mem), default=0.0)
     rows = []
-    for s, paths in enumerate(pl.get("stages") or []):
+    for s, paths in enumerate(pl.stages):
         r = int(ranks[s]) if s < len(ranks) else s
         f, i, w = (list(times[s]) + [0.0, 0.0, 0.0])[:3] if s < len(times) else (0.0, 0.0, 0.0)
-        rc = redo[s] if s < len(redo) and isinstance(redo[s], dict) else {}
-        n_redo = len(rc.get("layers") or [])
+        rc = redo[s] if s < len(redo) else None
+        n_redo = len(rc.layers) if rc is not None else 0
+        redo_text = f"{n_redo} ({rc.mode})" if rc is not None and n_redo else "-"
         rm = finite_float(mem[r]) if r < len(mem) else 0.0
-        redo_text = f"{n_redo} ({rc.get('mode')})" if n_redo else "-"
         rows.append(
             f"<tr>{_num(s, str(s))}{_num(r, str(r))}<td><code>{escape(_span(paths))}</code></td>"
             f"{_num(f, time_text(f))}{_num(i + w, time_text(i + w))}{_num(w, time_text(w))}"
@@ -53,37 +54,38 @@ def pipeline_section(plan: "Plan") -> str:
         ("forward per micro-batch", "fwd", True), ("backward per micro-batch", "bwd", True),
         ("of which weight gradients", "wgrad", True), ("micro-batches in flight", "flight", True),
         ("layers recomputed", "redo", True), ("rank memory", "mem", True)))
-    axes = " \u00d7 ".join(f"{n}={v}" for n, v in zip(pl.get("mesh_names") or [], pl.get("mesh_shape") or []))
-    facts = [("schedule", pl.get("schedule")), ("micro-batches", pl.get("microbatches")),
-             ("stages per rank", pl.get("virtual_stages")),
-             ("bubble", f"{100 * finite_float(pl.get('bubble')):.1f}%"),
-             ("replayed makespan", time_text(pl.get("makespan"))),
-             ("exposed gradient sync", time_text(pl.get("sync_time"))),
-             ("one boundary transfer", time_text(pl.get("p2p_time")))]
+    axes = " \u00d7 ".join(f"{n}={v}" for n, v in zip(pl.mesh_names, pl.mesh_shape))
+    facts = [("schedule", pl.schedule), ("micro-batches", pl.microbatches),
+             ("stages per rank", pl.virtual_stages),
+             ("bubble", f"{100 * finite_float(pl.bubble):.1f}%"),
+             ("replayed makespan", time_text(pl.makespan)),
+             ("exposed gradient sync", time_text(pl.sync_time)),
+             ("one boundary transfer", time_text(pl.p2p_time))]
     dl = "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in facts)
-    coupled = pl.get("batch_coupled") or []
+    coupled = pl.batch_coupled or []
     note = ""
     if coupled:
         note = (f'<p class="warn">{len(coupled)} op(s) couple the whole batch ({escape(", ".join(coupled[:4]))}'
                 f'{" .." if len(coupled) > 4 else ""}): the plan\'s reference is the '
-                f'{escape(pl.get("reference", "micro-batched"))} single-device run.</p>')
-    compared = pl.get("compared") or []
+                f'{escape(pl.reference or "micro-batched")} single-device run.</p>')
+    compared = pl.compared or []
     crow = []
     for c in compared:
-        st = finite_float(c.get("step_time"))
-        pm = finite_float(c.get("peak_memory"))
-        bubble = finite_float(c.get("bubble"))
-        crow.append(f"<tr><td>{escape(c.get('schedule'))}</td>{_num(c.get('microbatches'), str(c.get('microbatches')))}"
-                    f"{_num(c.get('virtual_stages'), str(c.get('virtual_stages')))}{_num(st, time_text(st))}"
+        st = finite_float(c.step_time)
+        pm = finite_float(c.peak_memory)
+        bubble = finite_float(c.bubble)
+        redone = c.recomputed or 0
+        crow.append(f"<tr><td>{escape(c.schedule)}</td>{_num(c.microbatches, str(c.microbatches))}"
+                    f"{_num(c.virtual_stages, str(c.virtual_stages))}{_num(st, time_text(st))}"
                     f"{_num(pm, bytes_text(pm))}{_num(bubble, f'{100 * bubble:.1f}%')}"
-                    f"{_num(c.get('recomputed', 0), str(c.get('recomputed', 0)))}"
-                    f"<td>{'estimated' if c.get('estimated') else 'solved'}</td></tr>")
+                    f"{_num(redone, str(redone))}"
+                    f"<td>{'estimated' if c.estimated else 'solved'}</td></tr>")
     chead = "".join(header_cell(label, key, num=num) for label, key, num in (
         ("schedule", "schedule", False), ("micro-batches", "m", True), ("stages per rank", "v", True),
         ("step", "step", True), ("peak memory", "peak", True), ("bubble", "bubble", True),
         ("layers recomputed", "recomputed", True), ("priced from", "how", False)))
     return ('<section id="pipeline"><h2>Pipeline</h2>'
-            f'<p class="sub">On axis <code>{escape(pl.get("axis"))}</code> of {escape(axes)}; placements above are '
+            f'<p class="sub">On axis <code>{escape(pl.axis)}</code> of {escape(axes)}; placements above are '
             'per stage, on the other axes, per micro-batch. The step is the replayed schedule plus the gradient '
             'synchronisation and optimizer step each rank does not hide.</p>'
             f'<dl class="facts">{dl}</dl>{note}'

@@ -64,11 +64,11 @@ def check_alone(plan, group: Optional[dist.ProcessGroup] = None) -> None:
     pl = plan.pipeline
     if pl is None:
         raise ArgumentError("autopar pipelined: the plan has no pipeline (plan.pipeline is None)")
-    others = [(n, s) for n, s in zip(pl["mesh_names"], pl["mesh_shape"]) if n != pl["axis"] and s > 1]
+    others = [(n, s) for n, s in zip(pl.mesh_names, pl.mesh_shape) if n != pl.axis and s > 1]
     if others:
         raise ArgumentError(f"autopar pipelined: a pipeline with other mesh axes {others} runs its stages' sharded "
                             "programs: build it with autopar.compile(model, mesh, example_inputs, plan=plan)")
-    pp, size = int(pl["degree"]), dist.get_world_size(group or dist.group.WORLD)
+    pp, size = pl.degree, dist.get_world_size(group or dist.group.WORLD)
     if size != pp:
         raise ArgumentError(f"autopar pipelined: the plan pipelines over {pp} ranks, the process group has {size}")
 
@@ -142,9 +142,9 @@ class PipelinedModule(torch.nn.Module):
         object.__setattr__(self, "model", model)  # not a child: the model's own tables become this module's (below)
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
-        self.m, self.batch = int(pl["microbatches"]), batch
-        self.schedule_name = pl["schedule"]
-        ranks = list(pl["stage_ranks"])
+        self.m, self.batch = pl.microbatches, batch
+        self.schedule_name = pl.schedule
+        ranks = list(pl.stage_ranks)
         n_stages = len(ranks)
         if not graph.outputs or graph.outputs[0] is None or graph.spec(graph.outputs[0]).shape != ():
             raise ArgumentError("autopar pipelined: the model must return its loss (a scalar) to be pipelined")
@@ -156,7 +156,7 @@ class PipelinedModule(torch.nn.Module):
         for fqn, name in graph.buffers.items():
             values[name] = model.get_buffer(fqn)
         trainable = {k for k, v in values.items() if isinstance(v, torch.nn.Parameter) and v.requires_grad}
-        cut = cut_graph(graph, stage_rule(graph, pl["stages"]), n_stages, trainable)
+        cut = cut_graph(graph, stage_rule(graph, pl.stages), n_stages, trainable)
         self.store: list = []
         self.weights: list = []
         self.graph, self.values = graph, values

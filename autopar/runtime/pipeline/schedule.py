@@ -17,7 +17,7 @@ from torch.distributed.pipelining import (
 from autopar import _torch_compat as tc
 from autopar.errors import ArgumentError
 
-#: torch's schedule class per plan schedule name (``plan.pipeline["schedule"]``)
+#: torch's schedule class per plan schedule name (``plan.pipeline.schedule``)
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
              "ZBVZeroBubble": ScheduleZBVZeroBubble}
 

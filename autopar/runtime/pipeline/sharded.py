@@ -149,7 +149,7 @@ class _RecordedStage(PipelineStage):
         if out is not None:
             for op in ops:
                 kind = "send" if op.op is dist.isend else "recv"
-                out.append(Executed(kind, self.autopar_owner.plan.pipeline["axis"],
+                out.append(Executed(kind, self.autopar_owner.plan.pipeline.axis,
                                     op.tensor.numel() * op.tensor.element_size()))
         return ops
 
@@ -176,9 +176,9 @@ class MeshPipelinedModule(torch.nn.Module):
         graph, stage_of, program, cut = staged.graph, staged.stage_of, staged.program, staged.cut
         pl = plan.pipeline
         # random ops (dropout, the seed shared by the driver): each micro-batch draws its block of the batch's draw
-        pipelined_random(program, graph, int(pl["microbatches"]), staged.batch // int(pl["microbatches"]))
+        pipelined_random(program, graph, pl.microbatches, staged.batch // pl.microbatches)
         dmesh, batch = device_mesh, staged.batch
-        stage_mesh = dmesh[tuple(n for n in pl["mesh_names"] if n != pl["axis"])]
+        stage_mesh = dmesh[tuple(n for n in pl.mesh_names if n != pl.axis)]
         self.graph, self.stage_of = graph, stage_of
         self.static_refs = static_values(graph)
         #: parameter FQN -> the stages whose forward ops read it (a tied embedding and head: two)
@@ -186,21 +186,21 @@ class MeshPipelinedModule(torch.nn.Module):
         object.__setattr__(self, "module", model)
         self.plan, self.program, self.cutting = plan, program, cut
         self.device_mesh, self.stage_mesh = dmesh, stage_mesh
-        self.m, self.batch = int(pl["microbatches"]), batch
-        self.schedule_name = pl["schedule"]
+        self.m, self.batch = pl.microbatches, batch
+        self.schedule_name = pl.schedule
         if self.schedule_name not in SCHEDULES:
             raise ArgumentError(f"autopar pipeline: the {self.schedule_name} schedule is not run with other mesh axes; "
                                 f"plan with one of {sorted(SCHEDULES)}")
         if (self.schedule_name == "ZBVZeroBubble") != any(st.backward_weight is not None for st in cut.stages):
             raise ArgumentError("autopar pipeline: ZBVZeroBubble runs each stage's backward split in two "
                                 "(passes.lower.stages.cut(..., split=True)); cut the program for the plan's schedule")
-        self.pp_group = dmesh.get_group(pl["axis"])
+        self.pp_group = dmesh.get_group(pl.axis)
         self.pp_rank = dist.get_rank(self.pp_group)
         self.coords = tuple(int(c) for c in stage_mesh.get_coordinate())
         self._comm = ProcessGroupComm(groups, plan.axis_names)
         self._axis_of_group = {g.group_name: n for g, n in zip(groups, plan.axis_names)}
         self._recording: Optional[list] = None
-        ranks = list(pl["stage_ranks"])
+        ranks = list(pl.stage_ranks)
         n_stages = len(ranks)
         self.last_rank = ranks[-1]
         self.my_stages = [s for s in range(n_stages) if ranks[s] == self.pp_rank]
@@ -362,7 +362,7 @@ class MeshPipelinedModule(torch.nn.Module):
         for name in ("statics", "given", "acc"):
             object.__setattr__(self, name, [])
         mine = set(self.my_stages)
-        stage_rank = list(self.plan.pipeline["stage_ranks"])
+        stage_rank = list(self.plan.pipeline.stage_ranks)
         grads = []
         for p, key, gi in zip(self.params, self._param_keys, self._grad_of):
             if gi is None:

@@ -46,14 +46,14 @@ def simulate_staged(model: torch.nn.Module, plan, staged: dict[tuple, StagedProg
     ``trace`` receives each device's executed collectives and transfers, ``predicted`` what the plan
     predicts for it (``Counter`` per (kind, axis, bytes))."""
     pl = plan.pipeline
-    m, n_stages = int(pl["microbatches"]), len(pl["stage_ranks"])
+    m, n_stages = pl.microbatches, len(pl.stage_ranks)
     first_staged = next(iter(staged.values()))
     graph, stage_of, batch = first_staged.graph, first_staged.stage_of, first_staged.batch
     parts = micro_slices(args, kwargs, batch, m)
     shape, names = plan.mesh_shape, plan.axis_names
     programs = {c: st.program for c, st in staged.items()}
     cuts = {c: st.cut for c, st in staged.items()}
-    split = pl["schedule"] == "ZBVZeroBubble"  # the backward in its input- and weight-gradient parts
+    split = pl.schedule == "ZBVZeroBubble"  # the backward in its input- and weight-gradient parts
     for c in programs:
         for s in range(n_stages - 1):  # what the runtime's stages can carry back (refused as it refuses)
             boundary_pairs(cuts[c].stages[s].f_out, cuts[c].stages[s].g_in, f"stages {s} -> {s + 1}")
@@ -66,7 +66,7 @@ def simulate_staged(model: torch.nn.Module, plan, staged: dict[tuple, StagedProg
     values = {name: model.get_parameter(fqn) for fqn, name in graph.params.items()}
     values.update({name: model.get_buffer(fqn) for fqn, name in graph.buffers.items()})
     weights = loss_weights(graph, parts, values)  # each micro-batch loss's factor in the step's loss
-    ranks, axis = list(pl["stage_ranks"]), pl["axis"]
+    ranks, axis = list(pl.stage_ranks), pl.axis
 
     def handed(moved: list, outs: list, here: int, there: int) -> None:
         """Record ``outs`` handed from stage ``here`` to ``there`` when another pipeline rank holds it."""
