@@ -405,6 +405,7 @@ def test_debug_shows_the_traceback(tmp_path):
 
 # -- in process: the parsers and the progress line -------------------------------------------------
 
+@pytest.mark.gloo  # starts a Python process (the tier's guard counts any)
 def test_help_and_argument_errors_do_not_import_torch():
     """``import autopar``, ``autopar --help`` and a malformed command line load neither torch nor the planner
     (``autopar/__init__.py`` loads its names on first use), so they answer at once."""
@@ -428,6 +429,7 @@ def test_help_and_argument_errors_do_not_import_torch():
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
 
 
+@pytest.mark.gloo  # starts a Python process
 def test_python_m_autopar_imports_no_file_named_like_a_dependency(tmp_path):
     """``python -m autopar`` (the current directory first on ``sys.path``) drops that directory before it imports
     autopar's dependencies: a ``json.py`` or ``numpy.py`` lying there is never run, and ``show`` works."""
