@@ -30,7 +30,7 @@ def test_programs_collectives_run_on_single_worker_gloo_groups():
 
     flat_case = ((("a", 4),), plan_json("mlp", (("a", 4),), "ddp"))
     cases = [flat_case, ((("a", 2), ("b", 2)), plan_json("mlp", (("a", 2), ("b", 2)), "fsdp")), flat_case]
-    results = autopar.launch(program_groups_on_rank, 4, cases, timeout=TIMEOUT)
+    results = autopar.launch(program_groups_on_rank, 4, cases, timeout=TIMEOUT, collective_timeout=TIMEOUT)
     for rank, per_case in enumerate(results):
         flat, square, again = per_case
         # a later program on the same mesh reuses the groups rather than making new ones
