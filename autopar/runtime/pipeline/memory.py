@@ -42,7 +42,9 @@ def state_stages(graph, stages: list, stage_of) -> dict:
 class RankMeters:
     """One tracker per pipeline rank of a stage-mesh device (see the module docstring)."""
 
-    def __init__(self, ranks: list, slots: list, blocks: list, param_stages: dict, cut, optimizer_bytes: int) -> None:
+    def __init__(self, ranks: list, slots: list, blocks: list, owners: dict, cut, optimizer_bytes: int) -> None:
+        """``ranks``: each stage's pipeline rank; ``slots``/``blocks``: the program's inputs and each
+        micro-batch's blocks of them; ``owners``: ``state_stages``; ``cut``: the device's ``Cut``."""
         self.ranks = list(ranks)
         self.trackers = {r: MemoryTracker() for r in sorted(set(ranks))}
         self._cut = cut
@@ -50,7 +52,7 @@ class RankMeters:
         for r, tracker in self.trackers.items():
             mine = {s for s, rr in enumerate(ranks) if rr == r}
             state = [k for k, slot in enumerate(slots) if slot.kind in ("param", "buffer")
-                     and param_stages.get(slot.key, {0}) & mine]
+                     and owners.get(slot.key, {0}) & mine]
             params = [blocks[0][k] for k in state]
             optimizer = [torch.zeros(t.numel() * optimizer_bytes, dtype=torch.uint8, device=t.device)
                          for k, t in zip(state, params) if slots[k].kind == "param" and t.is_floating_point()]
@@ -86,4 +88,4 @@ class RankMeters:
         return {r: tracker.finish() for r, tracker in self.trackers.items()}
 
 
-__all__ = ["RankMeters"]
+__all__ = ["RankMeters", "state_stages"]

@@ -21,10 +21,9 @@ gradients back), at the size of the tensor handed over.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
-
-import contextlib
 
 import torch
 
