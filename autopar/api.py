@@ -144,6 +144,10 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     distinct storages live during the step split by what they hold. Each device then holds its
     blocks as copies of its own and, as optimizer state, the plan's optimizer bytes per parameter
     element (what a step after the first holds), so the figures compare with ``plan.memory``.
+    A pipelined plan's are per device of the whole mesh (the pipeline axis's coordinate its
+    pipeline rank): each rank's own stages measured apart (``runtime.pipeline.memory``), in the
+    simulator's GPipe order (every micro-batch in flight), so they compare with
+    ``plan.pipeline.rank_memory`` of a GPipe plan.
 
     ``graph``: an already captured graph of this model on these inputs (as ``autopar.plan`` takes
     it), to skip the capture; unpipelined plans only (a pipelined plan captures one micro-batch).
@@ -174,11 +178,13 @@ def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Op
     if not isinstance(plan, Plan):
         plan = load_plan(check_path(plan, "autopar.simulate: plan (a Plan or a saved plan's path)"))
     if plan.pipeline is not None:  # every stage-mesh device a thread, its stages in turn
-        if precision != "model" or measure_memory or graph is not None or loss_fn is not None or device is not None:
+        if precision != "model" or graph is not None or loss_fn is not None or device is not None:
             raise ArgumentError("autopar.simulate: a pipelined plan runs at the model's precision, on the CPU, "
-                                "without measure_memory, a given graph or loss_fn= (it returns the loss alone) so far")
-        return _simulate_pipelined(model, plan, as_args(example_inputs), dict(example_kwargs or {}), trace, predicted,
-                                   torch_backend)
+                                "without a given graph or loss_fn= (it returns the loss alone) so far")
+        memory: Optional[dict] = {} if measure_memory else None
+        loss, grads = _simulate_pipelined(model, plan, as_args(example_inputs), dict(example_kwargs or {}), trace,
+                                          predicted, torch_backend, memory)
+        return (loss, grads, memory) if measure_memory else (loss, grads)
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     if graph is None:
@@ -237,7 +243,7 @@ def _simulation_device(model: torch.nn.Module, device) -> Optional[torch.device]
     return None if device.type == "cpu" else device
 
 
-def _simulate_pipelined(model, plan, args, kwargs, trace, predicted, torch_backend=None):
+def _simulate_pipelined(model, plan, args, kwargs, trace, predicted, torch_backend=None, memory=None):
     """A pipelined plan's step simulated: the driver captures one micro-batch, lowers and cuts the
     program of every stage-mesh device (every stage its own), and ``runtime.pipeline.simulate`` runs them."""
     from autopar.runtime.pipeline.simulate import simulate_staged
@@ -250,7 +256,8 @@ def _simulate_pipelined(model, plan, args, kwargs, trace, predicted, torch_backe
     if torch_backend is not None:
         for st in staged.values():
             compile_cut(st.cut, torch_backend)
-    return simulate_staged(model, plan, staged, args, kwargs, trace, predicted)
+    return simulate_staged(model, plan, staged, args, kwargs, trace, predicted, memory,
+                           int(plan.precision.get("optimizer_bytes", 0)))
 
 
 def pipelined(model: torch.nn.Module, plan: Plan, example_inputs=(), example_kwargs: Optional[dict] = None,

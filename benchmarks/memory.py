@@ -25,12 +25,16 @@ instead (one step; the optimizer state is the plan's bytes per parameter element
 the built-in GPT of issue 31 (batch 8 x 128 tokens, width 256, 4 layers) at vocabularies 8192 and
 1024 (searched on (4,), and with every layer recomputed, ``checkpointing="full"``), the built-in
 LLaMA and MoE, the torchtitan-style Llama 3 and Hugging Face GPT-2 of ``tests/_corpus.py`` at 2 and
-4 layers (on (2, 2)), and a pipelined GPT on pp=2 x dp=2 (predicted only: a pipelined plan is not
-measured, neither by the simulator nor by ``memory_stats``). With ``--gloo`` the issue's GPT at
+4 layers (on (2, 2)), and two pipelined plans on pp=2 x dp=2 under GPipe: the GPT at vocabulary
+1024 and the torchtitan-style Llama 3 at 4 layers. A pipelined plan is measured per pipeline rank
+(``runtime.pipeline.memory``: each rank's stages, state and stashes apart) in the simulator's GPipe
+order, hence the pinned schedule; its row's plan column gives each rank's predicted over measured
+peak (``plan.pipeline.rank_memory``). With ``--gloo`` the issue's GPT at
 vocabulary 8192 is also run on 4 gloo processes (3 AdamW steps, the last step's ``memory_stats()``).
-Target: predicted over measured within 0.9-1.15 on every row.
+``--pipelined`` runs the pipelined rows alone. Target: predicted over measured within 0.9-1.15 on
+every row.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/memory.py --corpus [--gloo] [--markdown]
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/memory.py --corpus [--pipelined] [--gloo] [--markdown]
 """
 
 from __future__ import annotations
@@ -133,7 +137,9 @@ CORPUS = [
     ("titan_llama (corpus)", "4 layers", lambda: _corpus_model("titan_llama", 4), {"dp": 2, "tp": 2}, {}),
     ("hf_gpt2 (corpus)", "2 layers", lambda: _corpus_model("hf_gpt2", 2), {"dp": 2, "tp": 2}, {}),
     ("hf_gpt2 (corpus)", "4 layers", lambda: _corpus_model("hf_gpt2", 4), {"dp": 2, "tp": 2}, {}),
-    ("gpt pipelined", "vocab 1024", lambda: _issue_gpt(1024), {"pp": 2, "dp": 2}, {}),
+    ("gpt pipelined", "vocab 1024", lambda: _issue_gpt(1024), {"pp": 2, "dp": 2}, {"pipeline": {"schedule": "GPipe"}}),
+    ("titan_llama pipelined", "4 layers", lambda: _corpus_model("titan_llama", 4), {"pp": 2, "dp": 2},
+     {"pipeline": {"schedule": "GPipe"}}),
 ]
 
 
@@ -154,19 +160,22 @@ def corpus(a) -> int:
             "predicted params / grads / optimizer / activations / temporaries MiB", "measured (same) MiB", "peak at"]
     rows, ratios = [], []
     for label, size, builder, axes, kw in CORPUS:
+        if a.pipelined and "pipeline" not in kw:
+            continue
         model, args, kwargs = _built(builder)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = autopar.plan(model, autopar.Mesh(axes, device="cpu"), args, kwargs, progress=False, **kw)
         split = _split(plan.memory)
         mesh = " x ".join(f"{k}{v}" for k, v in axes.items())
-        what = "recomputed" if plan.checkpointing else "pipelined" if plan.pipeline else plan.source
-        if plan.pipeline is not None:
-            rows.append([label, size, mesh, what, f"{plan.peak_memory / mib:.2f}", "not measured", "-", split, "-",
-                         plan.peak_at or "-"])
-            continue
+        what = "recomputed" if plan.checkpointing else plan.source
         _, _, mem = autopar.simulate(model, plan, args, kwargs, measure_memory=True)
         got = max(mem.values(), key=lambda m: m["peak"])
+        if plan.pipeline is not None:  # each rank's predicted over its largest device's measured peak
+            pl, at = plan.pipeline, list(plan.pipeline.mesh_names).index(plan.pipeline.axis)
+            per = [pl.rank_memory[r] / max(m["peak"] for c, m in mem.items() if c[at] == r) for r in range(pl.degree)]
+            what = (f"{pl.schedule}, {pl.microbatches} micro-batches; per rank "
+                    + " / ".join(f"{x:.3f}" for x in per))
         ratio = plan.peak_memory / got["peak"]
         ratios.append(ratio)
         measured = _split(got)
@@ -200,6 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kept-gathers", action="store_true", help="fsdp with and without kept gathers")
     ap.add_argument("--corpus", action="store_true", help="predicted against simulated peaks over the corpus")
     ap.add_argument("--gloo", action="store_true", help="with --corpus: the issue's GPT on 4 gloo processes too")
+    ap.add_argument("--pipelined", action="store_true", help="with --corpus: the pipelined rows alone")
     a = ap.parse_args(argv)
     if a.corpus:
         return corpus(a)

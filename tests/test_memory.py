@@ -1,7 +1,7 @@
 """Measured memory (``runtime.memory``): ``simulate(..., measure_memory=True)`` and
 ``ParallelModule.memory_stats()`` against the plan's prediction (the liveness walk of
-``cost_model.liveness``), kind by kind, with and without checkpointing; on the simulator and on 4
-gloo processes."""
+``cost_model.liveness``), kind by kind, with and without checkpointing, and per pipeline rank of a
+pipelined plan; on the simulator and on 4 gloo processes."""
 
 from __future__ import annotations
 
@@ -82,6 +82,32 @@ def test_checkpointed_layers_measure_what_the_plan_predicts():
     # the temporaries (activation gradients in flight) are priced too
     assert _in_band(full.peak_memory, b["peak"]), (b["peak"], full.peak_memory)
     assert _in_band(plain.peak_memory, a["peak"]), (a["peak"], plain.peak_memory)
+
+
+def test_a_pipelined_plans_ranks_measure_what_the_plan_predicts():
+    """pp=2 x dp=2 under GPipe (the simulator's order: every micro-batch in flight): each pipeline
+    rank, measured on its own stages (``runtime.pipeline.memory``), peaks within the band of its
+    ``plan.pipeline.rank_memory``, the largest within it of ``plan.peak_memory``; its state is its
+    stages' (the last rank holds more activations: the loss's); measuring changes no result."""
+    model, args = _gpt()
+    mesh = autopar.Mesh({"pp": 2, "dp": 2}, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, mesh, args, progress=False, pipeline={"schedule": "GPipe", "microbatches": 2})
+    loss, grads, memory = autopar.simulate(model, plan, args, measure_memory=True)
+    assert sorted(memory) == [(0, 0), (0, 1), (1, 0), (1, 1)]  # (pp, dp): the whole mesh's devices
+    for (rank, _), m in memory.items():
+        assert m["peak"] == sum(m[k] for k in KINDS), m
+        assert m["optimizer"] > 0 and m["grads"] > 0 and m["activations"] > 0, m
+        assert _in_band(plan.pipeline.rank_memory[rank], m["peak"]), (rank, plan.pipeline.rank_memory, m)
+    worst = max(memory.values(), key=lambda m: m["peak"])
+    assert _in_band(plan.peak_memory, worst["peak"]), (plan.peak_memory, worst)
+    assert memory[(1, 0)]["activations"] > memory[(0, 0)]["activations"]
+    loss_again, grads_again = autopar.simulate(model, plan, args)
+    torch.testing.assert_close(loss, loss_again, rtol=0, atol=0)
+    assert sorted(grads) == sorted(grads_again)
+    for k in grads:
+        torch.testing.assert_close(grads[k], grads_again[k], rtol=0, atol=0)
 
 
 def test_simulate_refuses_a_measure_memory_that_is_not_a_bool():

@@ -137,6 +137,12 @@ class MemoryTracker:
             if uid is not None:
                 self._kind.setdefault(uid, kind)
 
+    def take(self, values: Iterable) -> None:
+        """Count the storages of ``values`` with no kind yet (the step's inputs, a value received from
+        another rank): activations if the forward saves them, else temporaries."""
+        for t in _tensors(list(values)):
+            self._add(t)
+
     # -- the step ---------------------------------------------------------------------------------
     def begin(self, params: Iterable = (), optimizer: Iterable = (), grads: Iterable = (), inputs: Iterable = ()) -> None:
         """Start a step: forget what earlier steps saw and count what lives now."""
@@ -146,8 +152,7 @@ class MemoryTracker:
         self.hold(params, "params")
         self.hold(optimizer, "optimizer")
         self.hold(grads, "grads")
-        for t in _tensors(list(inputs)):  # of no kind: activations if the forward saves them
-            self._add(t)
+        self.take(inputs)
         self._peak, self._at_peak, self._act_peak = 0, [], 0
         if self.cuda is not None:
             torch.cuda.reset_peak_memory_stats(self.cuda)

@@ -21,6 +21,7 @@ gradients back), at the size of the tensor handed over.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -34,17 +35,22 @@ from autopar.program.collectives import Executed
 from autopar.program.staged import StagedProgram, boundary_pairs
 from autopar.runtime.accounting import pipelined_predicted, static_values
 from autopar.runtime.pipeline.loss import loss_weights
+from autopar.runtime.pipeline.memory import RankMeters, state_stages
 from autopar.runtime.pipeline.schedule import micro_slices
 from autopar.runtime.random_state import pipelined_random
 from autopar.runtime.threads import gather_slots, placeholder_values, run_threads
 
 
 def simulate_staged(model: torch.nn.Module, plan, staged: dict[tuple, StagedProgram], args: tuple, kwargs: dict,
-                    trace: Optional[dict] = None, predicted: Optional[dict] = None):
+                    trace: Optional[dict] = None, predicted: Optional[dict] = None, memory: Optional[dict] = None,
+                    optimizer_bytes: int = 0):
     """``(loss, grads)`` of one step of pipelined ``plan`` (see the module docstring); ``staged``: each
     stage-mesh device's staged program (coordinates -> ``StagedProgram``, every stage of it cut);
     ``trace`` receives each device's executed collectives and transfers, ``predicted`` what the plan
-    predicts for it (``Counter`` per (kind, axis, bytes))."""
+    predicts for it (``Counter`` per (kind, axis, bytes)). With ``memory`` (a dict), each pipeline rank
+    of each device is measured apart (``pipeline.memory``: its stages' ops, state and stashes, its
+    parameters' ``optimizer_bytes`` per element as optimizer state) into ``memory[coords]``, the
+    whole mesh's coordinates (the pipeline axis's among them)."""
     pl = plan.pipeline
     m, n_stages = pl.microbatches, len(pl.stage_ranks)
     first_staged = next(iter(staged.values()))
@@ -67,6 +73,7 @@ def simulate_staged(model: torch.nn.Module, plan, staged: dict[tuple, StagedProg
     values.update({name: model.get_buffer(fqn) for fqn, name in graph.buffers.items()})
     weights = loss_weights(graph, parts, values)  # each micro-batch loss's factor in the step's loss
     ranks, axis = list(pl.stage_ranks), pl.axis
+    owners = state_stages(graph, pl.stages, stage_of) if memory is not None else {}
 
     def handed(moved: list, outs: list, here: int, there: int) -> None:
         """Record ``outs`` handed from stage ``here`` to ``there`` when another pipeline rank holds it."""
@@ -82,17 +89,27 @@ def simulate_staged(model: torch.nn.Module, plan, staged: dict[tuple, StagedProg
             mb_args = tuple(parts[i][f"input:{k}"] for k in range(len(args)))
             whole = placeholder_values(prog.inputs, model, mb_args, {k: parts[i][k] for k in kwargs})
             blocks.append([local_block(t, s.placements, shape, coords, s.spec.blocks) for t, s in zip(whole, prog.inputs)])
+        meters = None
+        if memory is not None:  # blocks of their own, not views of the whole tensors; the state once
+            own = {k: t.clone() for k, (t, s) in enumerate(zip(blocks[0], prog.inputs)) if s.kind in ("param", "buffer")}
+            blocks = [[own[k] if k in own else t.clone() for k, t in enumerate(b)] for b in blocks]
+            meters = RankMeters(ranks, prog.inputs, blocks, owners, ct, optimizer_bytes)
         with torch.no_grad():
             statics = [C.wait(v) for v in ct.static(*[blocks[0][k] for k in ct.state_slots])]
             acc = [torch.zeros(s, dtype=d) for s, d in ct.frontier_shapes]
+            if meters is not None:
+                meters.state(statics, acc)
             stash, losses, moved = {}, [], []
             for i in range(m):
                 carry: list = []
                 at_micro(prog, i)
                 for st in ct.stages:
                     ins = [statics[k] for k in st.f_statics] + [blocks[i][k] for k in st.f_given] + carry
-                    outs = [C.wait(o) for o in st.forward(*ins)]
+                    with _watched(meters, st.index, carry, st.index - 1):
+                        outs = [C.wait(o) for o in st.forward(*ins)]
                     carry, stash[(st.index, i)] = outs[:len(st.f_out)], outs[len(st.f_out):]
+                    if meters is not None:
+                        meters.saved(st.index, stash[(st.index, i)])
                     if st.index + 1 < n_stages:
                         handed(moved, carry, st.index, st.index + 1)
                 losses.append(carry[0])
@@ -104,13 +121,15 @@ def simulate_staged(model: torch.nn.Module, plan, staged: dict[tuple, StagedProg
                     tangent = [torch.full((), weights[i], dtype=losses[i].dtype)] if st.tangent else []
                     ins = list(stash.pop((st.index, i))) + [statics[k] for k in st.b_statics] + back + tangent
                     if split:
-                        outs = [C.wait(o) for o in st.backward_input(*ins)]
+                        with _watched(meters, st.index, back, st.index + 1):
+                            outs = [C.wait(o) for o in st.backward_input(*ins)]
                         deferred.append((st, i, ins + outs[len(st.g_out):]))
                         back = outs[:len(st.g_out)]
                         if st.index > 0:
                             handed(moved, back, st.index, st.index - 1)
                         continue
-                    outs = [C.wait(o) for o in st.backward(*ins)]
+                    with _watched(meters, st.index, back, st.index + 1):
+                        outs = [C.wait(o) for o in st.backward(*ins)]
                     back = outs[:len(st.g_out)]
                     if st.index > 0:
                         handed(moved, back, st.index, st.index - 1)
@@ -118,10 +137,13 @@ def simulate_staged(model: torch.nn.Module, plan, staged: dict[tuple, StagedProg
                         acc[fid] += v
             for st, i, ins in reversed(deferred):
                 at_micro(prog, i)
-                for fid, v in zip(st.frontier, [C.wait(o) for o in st.backward_weight(*ins)]):
+                with _watched(meters, st.index):
+                    made = [C.wait(o) for o in st.backward_weight(*ins)]
+                for fid, v in zip(st.frontier, made):
                     acc[fid] += v
             grads = [C.wait(g) for g in ct.reduce(*acc)]
-        return sum(loss * w for loss, w in zip(losses, weights)), grads, moved
+        measured = meters.finish() if meters is not None else {}
+        return sum(loss * w for loss, w in zip(losses, weights)), grads, moved, measured
 
     results, executed = run_threads(one, shape, names)
     if trace is not None:
@@ -131,6 +153,9 @@ def simulate_staged(model: torch.nn.Module, plan, staged: dict[tuple, StagedProg
         for c in programs:
             every = _EveryStage(graph, stage_of, m, list(range(n_stages)), plan, readers, statics, cuts[c])
             predicted[c] = pipelined_predicted(every)
+    if memory is not None:  # the pipeline rank's coordinate in its place on the whole mesh
+        at = list(pl.mesh_names).index(axis)
+        memory.update({c[:at] + (r,) + c[at:]: m for c, res in results.items() for r, m in res[3].items()})
     loss = results[(0,) * len(shape)][0]
     whole = gather_slots(first.grads, {c: r[1] for c, r in results.items()}, shape)
     grads = {s.key: g for s, g in zip(first.grads, whole)}
@@ -152,6 +177,11 @@ class _EveryStage:
     param_stages: dict
     static_refs: set
     cutting: object
+
+
+def _watched(meters: Optional[RankMeters], index: int, handed=(), source: int = -1):
+    """``meters.stage`` when measuring, else nothing."""
+    return meters.stage(index, handed, source) if meters is not None else contextlib.nullcontext()
 
 
 def at_micro(program, mb: int) -> None:
