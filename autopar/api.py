@@ -261,16 +261,17 @@ def _simulate_pipelined(model, plan, args, kwargs, trace, predicted, torch_backe
 
 
 def pipelined(model: torch.nn.Module, plan: Plan, example_inputs=(), example_kwargs: Optional[dict] = None,
-              group=None):
+              group=None, device: Optional[torch.device] = None):
     """``model`` run by ``plan`` (a pipelined plan over the pipeline axis alone) on this rank of ``group``
     (default: the world): its forward captured at the micro-batch's shape, run by ``runtime.pipeline``'s
-    ``PipelinedModule``; ``autopar.compile`` builds it for such a plan."""
+    ``PipelinedModule`` on ``device`` (None: the CPU; the model is moved there); ``autopar.compile``
+    builds it for such a plan."""
     from autopar.runtime.pipeline import PipelinedModule, check_alone
 
     check_alone(plan, group)
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     graph, batch = capture_micro(model, plan, args, kwargs, False, "autopar pipelined")
-    return PipelinedModule(model, plan, graph, batch, group)
+    return PipelinedModule(model, plan, graph, batch, group, device)
 
 
 def capture_micro(model, plan, args: tuple, kwargs: dict, training: bool, where: str) -> tuple[Graph, int]:
@@ -290,19 +291,21 @@ def capture_micro(model, plan, args: tuple, kwargs: dict, training: bool, where:
 
 
 def stage_program(model, plan, graph: Graph, batch: int, args: tuple, kwargs: dict, *, coords: tuple,
-                  precision: str, local, checked: bool = True, resolved=None) -> StagedProgram:
+                  precision: str, local, checked: bool = True, resolved=None,
+                  device: Optional[torch.device] = None) -> StagedProgram:
     """The staged program of the stage-mesh device at ``coords``: ``resolved`` (the plan on ``graph``,
     one micro-batch, its gathers kept for the step: ``keeping_gathers(resolve(graph, plan))``, made
     here when not given) lowered with its fx nodes tagged, run once without
     communication for every value's local shape (``dry_run``), and cut into the plan's stages
     (``passes.lower.stages.cut``); the static program computes what the ``local`` stages read.
     ``checked``: the state must hold real values of the plan's shapes (``placeholder_values``);
-    without, meta tensors stand in (a model ``compile`` materializes later)."""
+    without, meta tensors stand in (a model ``compile`` materializes later). ``device``: the one it
+    is lowered for (``lower``'s; None: the CPU), where the dry run runs it."""
     from autopar.runtime.pipeline.schedule import micro_slices
 
     pl = plan.pipeline
     resolved = resolved if resolved is not None else keeping_gathers(resolve(graph, plan))
-    program = lower_tagged(resolved, coords, None, precision)
+    program = lower_tagged(resolved, coords, device, precision)
     micro = micro_slices(args, kwargs, batch, pl.microbatches)[0]
     margs, mkwargs = tuple(micro[f"input:{i}"] for i in range(len(args))), {k: micro[k] for k in kwargs}
     if checked:
@@ -313,10 +316,13 @@ def stage_program(model, plan, graph: Graph, batch: int, args: tuple, kwargs: di
         whole = [state[s.key].detach() if s.kind in ("param", "buffer") else
                  margs[int(s.key.split(":")[1])] if s.key.startswith("input:") else mkwargs[s.key]
                  for s in program.inputs]
-    dry_run(program, [local_block(t, s.placements, program.mesh_shape, coords, s.spec.blocks)
-                      for t, s in zip(whole, program.inputs)])
+    blocks = [local_block(t, s.placements, program.mesh_shape, coords, s.spec.blocks)
+              for t, s in zip(whole, program.inputs)]
+    if device is not None:  # (a meta tensor stays one: it has no values to move)
+        blocks = [b if b.is_meta else b.to(device) for b in blocks]
+    dry_run(program, blocks)
     stage_of = stage_rule(graph, pl.stages)
-    cutting = cut(program, stage_of, len(pl.stage_ranks), local, split=pl.schedule == "ZBVZeroBubble")
+    cutting = cut(program, stage_of, len(pl.stage_ranks), local, split=pl.schedule == "ZBVZeroBubble", device=device)
     return StagedProgram(graph=graph, stage_of=stage_of, program=program, cut=cutting, batch=batch, local=list(local))
 
 

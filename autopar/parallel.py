@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from autopar import _torch_compat as tc
 from autopar.cost_model.mesh import Mesh, require_mesh
-from autopar.errors import ArgumentError, CompileError
+from autopar.errors import CompileError
 from autopar.ir.graph import Graph
 from autopar.ir.placement import format_placements, from_dtensor, local_block
 from autopar.passes.lower import lower, resolve
@@ -371,11 +371,10 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
                              loss_fn=loss_fn)
     check_same_capture(graph)
     res = resolve(graph, shared)
-    backend = dist.get_backend()
-    device_type = "cuda" if "nccl" in str(backend) else "cpu"  # "nccl" or "cpu:gloo,cuda:nccl"
+    backend, device_type = _group_device_type()
     dmesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=tuple(mesh.names))
     coords = tuple(int(c) for c in dmesh.get_coordinate())
-    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else None
+    device = _rank_device(device_type)
     prec = execution_precision(precision or "plan", shared.precision.get("name", "fp32"), device)
     program = lower(res, coords, device, prec)
     share_seed(program)  # with random ops: every rank draws with rank 0's seed
@@ -386,6 +385,19 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     # torch 2.13's two workers corrupt the heap when two collectives finish together (see there)
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank()) if backend == "gloo" else None
     return ParallelModule(model, shared, graph, dmesh, program, prec, groups, outputs, device=device)
+
+
+def _group_device_type() -> tuple[str, str]:
+    """(the default process group's backend, the device type its programs run on): "cuda" under
+    NCCL ("nccl" or "cpu:gloo,cuda:nccl"), else "cpu"."""
+    backend = str(dist.get_backend())
+    return backend, "cuda" if "nccl" in backend else "cpu"
+
+
+def _rank_device(device_type: str) -> Optional[torch.device]:
+    """This rank's device for ``lower`` and the runtimes: its GPU (set once the device mesh is made),
+    or None for the CPU."""
+    return torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else None
 
 
 def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, materializer, torch_backend=None):
@@ -401,29 +413,34 @@ def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, m
         raise CompileError(f"this pipelined plan was made for mesh {axes}, not {dict(mesh.axes)}")
     names, shape = list(pl.mesh_names), list(pl.mesh_shape)  # (compile checked the group's size)
     others = [n for n in names if n != pl.axis]
+    # the device as ``compile`` takes it: the rank's GPU under NCCL (``ensure_process_group`` bound it)
+    backend, device_type = _group_device_type()
+    device = _rank_device(device_type)
     if all(s == 1 for n, s in zip(names, shape) if n != pl.axis):
         if torch_backend is not None:
             raise CompileError("autopar.compile: compile= runs the lowered program's stages, but a plan pipelined "
                                "over the pp axis alone runs the model's own ops stage by stage: leave compile= "
                                "out, or plan with another mesh axis (e.g. dp=1 is not enough: a size > 1)")
-        return pipelined(model, plan, args, kwargs)
-    if dist.get_backend() != "gloo":
-        raise ArgumentError("autopar pipeline: pipelined plans with other mesh axes run on gloo (CPU) only so far")
+        return pipelined(model, plan, args, kwargs, device=device)
     graph, batch = capture_micro(model, plan, args, kwargs, plan.training, "autopar pipeline")
     check_same_capture(graph)
-    dmesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
+    dmesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
     pp_rank = int(dmesh.get_coordinate()[names.index(pl.axis)])
+    prec = execution_precision(precision or "plan", plan.precision.get("name", "fp32"), device)
     staged = stage_program(model, plan, graph, batch, args, kwargs,
-                           coords=tuple(int(c) for c in dmesh[tuple(others)].get_coordinate()),
-                           precision=execution_precision(precision or "plan", plan.precision.get("name", "fp32"), None),
-                           local=[s for s, r in enumerate(pl.stage_ranks) if int(r) == pp_rank], checked=False)
+                           coords=tuple(int(c) for c in dmesh[tuple(others)].get_coordinate()), precision=prec,
+                           local=[s for s, r in enumerate(pl.stage_ranks) if int(r) == pp_rank], checked=False,
+                           device=device)
     share_seed(staged.program)  # random ops (dropout): rank 0's seed on every rank
     if torch_backend is not None:
         compile_cut(staged.cut, torch_backend)
     keep_stage_parameters(model, staged)  # only its stages' parameters (others' would go stale: pipeline.state)
-    distribute_state(model, graph, staged.program, dmesh[tuple(others)], None, materializer)
-    groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank())
-    return MeshPipelinedModule(model, plan, staged, dmesh, [g for n, g in zip(names, groups) if n != pl.axis])
+    distribute_state(model, graph, staged.program, dmesh[tuple(others)], device, materializer)
+    # gloo: groups of one worker thread each (see ``compile``); otherwise the device mesh's
+    groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank()) if backend == "gloo" else \
+        [dmesh.get_group(n) for n in names]
+    return MeshPipelinedModule(model, plan, staged, dmesh, [g for n, g in zip(names, groups) if n != pl.axis],
+                               device=device)
 
 
 __all__ = ["RANDOM_KEY", "CompileError", "ParallelModule", "compile"]

@@ -73,14 +73,17 @@ class Reductions:
     """The per-step part for one rank: ``(*frontier) ->`` every gradient of the program, in order. Only
     the reductions of gradients that this rank's stages contribute to run (one collective for a
     bucket whole if any member's does); the others are zeros of their reduced shape (a weight read
-    on several ranks, a tied embedding and head, is summed over the pipeline group from them)."""
+    on several ranks, a tied embedding and head, is summed over the pipeline group from them) on
+    ``device`` (the program's; None: the CPU)."""
 
-    def __init__(self, gm: fx.GraphModule, kept: list[int], shapes: list[tuple]):
-        self.gm, self.kept, self.shapes = gm, kept, shapes
+    def __init__(self, gm: fx.GraphModule, kept: list[int], shapes: list[tuple],
+                 device: Optional[torch.device] = None):
+        self.gm, self.kept, self.shapes, self.device = gm, kept, shapes, device
 
     def __call__(self, *frontier):
         got = dict(zip(self.kept, self.gm(*frontier)))
-        return [got[k] if k in got else torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in enumerate(self.shapes)]
+        return [got[k] if k in got else torch.zeros(shape, dtype=dtype, device=self.device)
+                for k, (shape, dtype) in enumerate(self.shapes)]
 
 
 @dataclass

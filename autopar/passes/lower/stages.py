@@ -155,7 +155,8 @@ def _closure_up(starts, stop: Callable[[fx.Node], bool], through: Callable[[fx.N
     return seen
 
 
-def _local_reductions(joint: _Joint, step_part: set, frontier: list, stage: dict, local: set) -> Reductions:
+def _local_reductions(joint: _Joint, step_part: set, frontier: list, stage: dict, local: set,
+                      device: Optional[torch.device] = None) -> Reductions:
     """``Reductions`` of the ``local`` stages: the gradients whose frontier inputs (the summed
     contributions) some local stage makes, or none does, with the per-step nodes they need."""
     in_frontier = set(frontier)
@@ -181,7 +182,7 @@ def _local_reductions(joint: _Joint, step_part: set, frontier: list, stage: dict
     need = _closure_up([joint.grads[k] for k in kept], lambda x: x not in step_part)
     gm = _extract(joint.root, [n for n in joint.backward.nodes if n in step_part and n in need], frontier,
                   [joint.grads[k] for k in kept], joint.same)
-    return Reductions(gm, kept, [local_shape(o) for o in joint.grads])
+    return Reductions(gm, kept, [local_shape(o) for o in joint.grads], device)
 
 
 @dataclass
@@ -426,10 +427,11 @@ def _static_program(joint: _Joint, stages: list[StageCut], local: set) -> tuple[
 
 
 def cut(program: Program, stage_of: Callable[[str], int], n_stages: int, local: Sequence[int],
-        split: bool = False) -> Cut:
+        split: bool = False, device: Optional[torch.device] = None) -> Cut:
     """``program`` (tagged, after ``dry_run``) cut into ``n_stages`` stages; ``stage_of`` gives an IR
     op's stage; the static program computes what the ``local`` stages (this rank's) read. ``split``:
-    each stage's backward also in its input- and weight-gradient parts (``_split_backward``)."""
+    each stage's backward also in its input- and weight-gradient parts (``_split_backward``).
+    ``device``: the one ``program`` was lowered for (the reductions' zeros are made there)."""
     if program.backward is None:
         raise ArgumentError("autopar pipeline: only training plans run pipelined with other mesh axes")
     kinds = [s.kind for s in program.outputs]
@@ -444,7 +446,7 @@ def cut(program: Program, stage_of: Callable[[str], int], n_stages: int, local: 
     stages = [_stage_programs(joint, crossings, stage, frontier, s, n_stages, split) for s in range(n_stages)]
     static, state_slots, n_static = _static_program(joint, stages, set(local))
     return Cut(stages=stages, static=static, state_slots=state_slots,
-               reduce=_local_reductions(joint, step_part, frontier, stage, set(local)),
+               reduce=_local_reductions(joint, step_part, frontier, stage, set(local), device),
                frontier_shapes=[local_shape(n) for n in frontier], frontier_stage=[stage[n] for n in frontier],
                n_static=n_static)
 

@@ -52,7 +52,7 @@ from autopar.errors import ArgumentError
 from autopar.ir.graph import Graph, Ref
 from autopar.ir.stages import cut_graph, stage_rule
 from autopar.program.program import RandomOp, RandomState
-from autopar.runtime.pipeline.loss import loss_weights
+from autopar.runtime.pipeline.loss import loss_weights, on_device
 from autopar.runtime.pipeline.schedule import SCHEDULES, ScheduleStep, micro_slices, run_schedule, take_loss
 from autopar.runtime.pipeline.state import drop_parameters, without_dropped
 from autopar.runtime.random_state import RANDOM_KEY, pipelined_draws, random_tensor, take_random_state
@@ -82,8 +82,9 @@ class _Stage(torch.nn.Module):
 
     def __init__(self, graph: Graph, nodes: list, inputs: list[Ref], outputs: list[Ref], values: dict[str, Any],
                  inputs_of: dict[str, str], store: list, weights: list, m: int, last: bool,
-                 randoms: dict[str, RandomOp], random: Optional[RandomState]):
+                 randoms: dict[str, RandomOp], random: Optional[RandomState], device: Optional[torch.device]):
         super().__init__()
+        self.device = device  # where the captured factory ops make their tensors (None: as captured)
         self.graph, self.nodes, self.inputs, self.outputs = graph, nodes, inputs, outputs
         self.values, self.inputs_of, self.store, self.m, self.last = values, inputs_of, store, m, last
         self.weights = weights  # per micro-batch, its loss's factor in the step's loss (shared, set per step)
@@ -117,6 +118,7 @@ class _Stage(torch.nn.Module):
             else:
                 args = map_aggregate(n.args, lambda a: env[a] if isinstance(a, Ref) else a)
                 kwargs = map_aggregate(n.kwargs, lambda a: env[a] if isinstance(a, Ref) else a)
+                kwargs = on_device(kwargs, self.device)  # the captured factory ops' device=: the stage's
                 # a view recorded on fake tensors may rely on strides a drawn attention's dense output lacks
                 out = (torch.ops.aten.reshape.default if n.target in _VIEWS else n.target)(*args, **kwargs)
             if len(n.outputs) == 1:
@@ -132,12 +134,16 @@ class _Stage(torch.nn.Module):
 
 class PipelinedModule(torch.nn.Module):
     """``model`` run by a pipelined plan on this rank (see the module docstring): ``graph`` is its
-    forward captured at the micro-batch's shape, ``batch`` the whole batch's rows."""
+    forward captured at the micro-batch's shape, ``batch`` the whole batch's rows, ``device`` the rank's
+    device (the process group's: ``compile``'s; None: the CPU), where the model is moved and the stages run."""
 
     def __init__(self, model: torch.nn.Module, plan, graph: Graph, batch: int,
-                 group: Optional[dist.ProcessGroup] = None):
+                 group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None):
         super().__init__()
         check_alone(plan, group)
+        self.device = device
+        if device is not None:
+            model.to(device)
         pl = plan.pipeline
         object.__setattr__(self, "model", model)  # not a child: the model's own tables become this module's (below)
         self.group = group or dist.group.WORLD
@@ -183,17 +189,19 @@ class PipelinedModule(torch.nn.Module):
         outputs = [graph.outputs[0]] if last else cut.boundaries[s]
         read = {n.name: values[n.name] for n in nodes if n.is_placeholder and n.name in values}
         mod = _Stage(graph, nodes, inputs, outputs, read, inputs_of, self.store, self.weights, self.m, last,
-                     {k: v for k, v in randoms.items() if k in need}, self.random)
+                     {k: v for k, v in randoms.items() if k in need}, self.random, self.device)
         self._mods.append(mod)
 
         # static metadata from the graph (no shape inference run): requires_grad marks what gets gradients
+        dev = self.device
+
         def example(r: Ref, grad: bool = True) -> torch.Tensor:
             spec = graph.spec(r)
-            return torch.empty(spec.shape, dtype=spec.dtype, requires_grad=grad)
+            return torch.empty(spec.shape, dtype=spec.dtype, device=dev, requires_grad=grad)
 
-        ins = tuple(example(r, s > 0) for r in inputs) if s > 0 else (torch.empty(self.batch // self.m),)
-        outs = (torch.empty(()),) if last else tuple(example(r) for r in outputs)
-        self.stages.append(PipelineStage(mod, s, n_stages, torch.device("cpu"), input_args=ins, output_args=outs,
+        ins = tuple(example(r, s > 0) for r in inputs) if s > 0 else (torch.empty(self.batch // self.m, device=dev),)
+        outs = (torch.empty((), device=dev),) if last else tuple(example(r) for r in outputs)
+        self.stages.append(PipelineStage(mod, s, n_stages, dev or torch.device("cpu"), input_args=ins, output_args=outs,
                                          group=self.group))
 
     def _hold_own_parameters(self, home: dict[str, int], ranks: list) -> None:
@@ -244,11 +252,14 @@ class PipelinedModule(torch.nn.Module):
         rank and, with ``backward``, this rank's gradient per parameter (None where it has none)."""
         args, kwargs = inputs
         self.store[:] = micro_slices(args, kwargs, self.batch, self.m)
-        self.weights[:] = loss_weights(self.graph, self.store, self.values)
+        if self.device is not None:  # the user's inputs, on the stages' device
+            self.store[:] = [{k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                              for k, v in mb.items()} for mb in self.store]
+        self.weights[:] = loss_weights(self.graph, self.store, self.values, self.device)
         for mod in self._mods:
             mod.calls = 0
-        dummy = torch.zeros(self.batch)
-        target = torch.zeros(self.batch)
+        dummy = torch.zeros(self.batch, device=self.device)
+        target = torch.zeros(self.batch, device=self.device)
         losses: list = []
         first = any(st.is_first for st in self.stages)
         last = any(st.is_last for st in self.stages)
@@ -267,7 +278,7 @@ class PipelinedModule(torch.nn.Module):
                 g = grads[p_i] if grads[p_i] is not None else torch.zeros_like(p)
                 dist.all_reduce(g, group=self.group)
                 grads[p_i] = g
-        total = torch.stack([x.detach() for x in losses]).sum() if last else torch.zeros(())
+        total = torch.stack([x.detach() for x in losses]).sum() if last else torch.zeros((), device=self.device)
         total = total.to(self.graph.spec(self.graph.outputs[0]).dtype).clone()  # the model's loss dtype
         dist.broadcast(total, group_src=self.last_rank, group=self.group)
         return total, grads

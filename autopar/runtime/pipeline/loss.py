@@ -76,7 +76,14 @@ def _means_in(graph: Graph, loss: Ref) -> list[str]:
     return sorted(out)
 
 
-def _evaluate(graph: Graph, refs: list, inputs: dict[str, Any], values: dict[str, Any]) -> list:
+def on_device(kwargs: dict, device: Optional[torch.device]) -> dict:
+    """A captured op's keyword arguments with its factory ``device=`` (the capture's CPU) replaced by
+    ``device`` (None: kept as captured), as the lowering rewrites them."""
+    return dict(kwargs, device=device) if device is not None and "device" in kwargs else kwargs
+
+
+def _evaluate(graph: Graph, refs: list, inputs: dict[str, Any], values: dict[str, Any],
+              device: Optional[torch.device] = None) -> list:
     """``refs`` (Refs or None) computed eagerly from the inputs, parameters and buffers they depend on."""
     need, todo = set(), [r.node for r in refs if isinstance(r, Ref)]
     while todo:
@@ -91,7 +98,8 @@ def _evaluate(graph: Graph, refs: list, inputs: dict[str, Any], values: dict[str
             continue
         if n.is_placeholder:
             if n.name in by_name:
-                env[Ref(n.name)] = inputs[by_name[n.name]]
+                v = inputs[by_name[n.name]]
+                env[Ref(n.name)] = v.to(device) if device is not None and isinstance(v, torch.Tensor) else v
             elif n.name in values:
                 v = values[n.name]
                 env[Ref(n.name)] = v.full_tensor() if hasattr(v, "full_tensor") else v
@@ -101,16 +109,17 @@ def _evaluate(graph: Graph, refs: list, inputs: dict[str, Any], values: dict[str
             continue
         args = map_aggregate(n.args, lambda a: env[a] if isinstance(a, Ref) else a)
         kwargs = map_aggregate(n.kwargs, lambda a: env[a] if isinstance(a, Ref) else a)
-        out = n.target(*args, **kwargs)
+        out = n.target(*args, **on_device(kwargs, device))
         for j in range(len(n.outputs)):
             env[Ref(n.name, j)] = out if len(n.outputs) == 1 else out[j]
     return [env[r] if isinstance(r, Ref) else r for r in refs]
 
 
-def _total_weight(graph: Graph, nll: str, inputs: dict[str, Any], values: dict[str, Any]) -> float:
+def _total_weight(graph: Graph, nll: str, inputs: dict[str, Any], values: dict[str, Any],
+                  device: Optional[torch.device] = None) -> float:
     """``nll_loss_forward``'s total weight on one micro-batch: its counted targets, class-weighted."""
     node = graph.node(nll)
-    target, weight = _evaluate(graph, [node.args[1], node.args[2]], inputs, values)
+    target, weight = _evaluate(graph, [node.args[1], node.args[2]], inputs, values, device)
     ignore = int(node.args[4])
     counted = target != ignore
     if weight is None:
@@ -118,23 +127,25 @@ def _total_weight(graph: Graph, nll: str, inputs: dict[str, Any], values: dict[s
     return float((weight.detach().to(torch.float64)[torch.where(counted, target, 0)] * counted).sum())
 
 
-def loss_weights(graph: Graph, micro: list[dict[str, Any]], values: dict[str, Any]) -> list[float]:
+def loss_weights(graph: Graph, micro: list[dict[str, Any]], values: dict[str, Any],
+                 device: Optional[torch.device] = None) -> list[float]:
     """Per micro-batch, its loss's factor in the step's loss (see the module docstring). ``graph`` is
     the capture at the micro-batch's shape; ``micro[i]`` maps its input keys (``input:k`` / keyword)
-    to micro-batch ``i``'s values; ``values`` maps parameter and buffer node names to tensors."""
+    to micro-batch ``i``'s values; ``values`` maps parameter and buffer node names to tensors;
+    ``device``: where the captured factory ops make their tensors (the values'; None: as captured)."""
     m = len(micro)
     loss = graph.loss if graph.loss is not None else graph.outputs[0]
     if loss is None or m == 1:
         return [1.0 / m] * m
     nll = _mean_of(graph, loss)
     if nll is not None:
-        counts = [_total_weight(graph, nll, mb, values) for mb in micro]
+        counts = [_total_weight(graph, nll, mb, values, device) for mb in micro]
         total = sum(counts)
         if total == 0:  # torch's mean of nothing is nan; so is every micro-batch's: keep it
             return [1.0 / m] * m
         return [c / total for c in counts]
     for name in _means_in(graph, loss):
-        counts = [_total_weight(graph, name, mb, values) for mb in micro]
+        counts = [_total_weight(graph, name, mb, values, device) for mb in micro]
         if len(set(counts)) > 1:
             raise ArgumentError(
                 f"autopar pipeline: the micro-batches count different numbers of targets in the cross-entropy "
@@ -147,4 +158,4 @@ def loss_weights(graph: Graph, micro: list[dict[str, Any]], values: dict[str, An
     return [1.0 / m] * m
 
 
-__all__ = ["loss_weights"]
+__all__ = ["loss_weights", "on_device"]

@@ -96,7 +96,7 @@ class _StageFn(torch.autograd.Function):
                 outs = [C.wait(o) for o in cut.backward(*ins)]
             g_out = outs[:len(cut.g_out)]
             mod.accumulate(outs[len(cut.g_out):])
-        carriers = [torch.zeros(s, dtype=d) for s, d in ctx.shapes]
+        carriers = [torch.zeros(s, dtype=d, device=run.device) for s, d in ctx.shapes]
         for k, slot in enumerate(mod.pair_out):
             carriers[slot] = g_out[k].contiguous()
         return (None, None, *carriers)
@@ -111,7 +111,7 @@ class _Stage(torch.nn.Module):
         self.cut, self.last, self.calls = cut, last, 0
         self.pair_in: list[int] = []
         self.pair_out: list[int] = []
-        self.anchor = torch.zeros((), requires_grad=True)
+        self.anchor = torch.zeros((), requires_grad=True, device=runner.device)
         self.pending: list = []  # zero bubble: inputs of weight parts whose W action has not run
 
     def accumulate(self, made: list) -> None:
@@ -169,10 +169,14 @@ class _RecordedStage(PipelineStage):
 class MeshPipelinedModule(torch.nn.Module):
     """``model`` run by a pipelined plan with other mesh axes on this rank (see the module docstring):
     ``staged`` is this rank's staged program, ``device_mesh`` the plan's whole mesh, ``groups`` the
-    process groups of the stage mesh's axes (in ``plan.axis_names`` order) its collectives run on."""
+    process groups of the stage mesh's axes (in ``plan.axis_names`` order) its collectives run on,
+    ``device`` the one the program was lowered for (the process group's: ``compile``'s; None: the CPU),
+    where the stages' examples, carriers, inputs and losses are made."""
 
-    def __init__(self, model: torch.nn.Module, plan, staged: StagedProgram, device_mesh, groups: list):
+    def __init__(self, model: torch.nn.Module, plan, staged: StagedProgram, device_mesh, groups: list,
+                 device: Optional[torch.device] = None):
         super().__init__()
+        self.device = device
         graph, stage_of, program, cut = staged.graph, staged.stage_of, staged.program, staged.cut
         pl = plan.pipeline
         # random ops (dropout, the seed shared by the driver): each micro-batch draws its block of the batch's draw
@@ -238,11 +242,11 @@ class MeshPipelinedModule(torch.nn.Module):
 
             def example(n, grad=True):
                 shape, dtype = n.meta[SHAPE]
-                return torch.empty(shape, dtype=dtype, requires_grad=grad and dtype.is_floating_point)
+                return torch.empty(shape, dtype=dtype, device=device, requires_grad=grad and dtype.is_floating_point)
 
-            ins = tuple(example(n) for n in sc.f_in) if s > 0 else (torch.empty(self.batch // self.m),)
-            outs = (torch.empty(()),) if s == n_stages - 1 else tuple(example(n) for n in sc.f_out)
-            stage = _RecordedStage(mod, s, n_stages, torch.device("cpu"), input_args=ins, output_args=outs,
+            ins = tuple(example(n) for n in sc.f_in) if s > 0 else (torch.empty(self.batch // self.m, device=device),)
+            outs = (torch.empty((), device=device),) if s == n_stages - 1 else tuple(example(n) for n in sc.f_out)
+            stage = _RecordedStage(mod, s, n_stages, device or torch.device("cpu"), input_args=ins, output_args=outs,
                                    group=self.pp_group, dw_builder=mod.weight_runner if sc.backward_weight else None)
             stage.autopar_owner = self
             self.stages.append(stage)
@@ -324,8 +328,8 @@ class MeshPipelinedModule(torch.nn.Module):
                 if tuple(part.shape) != tuple(slot.spec.shape):
                     raise ArgumentError(f"autopar pipeline: input {slot.key!r}'s micro-batch has shape "
                                         f"{tuple(part.shape)}, the plan was made for {tuple(slot.spec.shape)}")
-                out[i][k] = local_block(part, slot.placements, self.program.mesh_shape, self.coords,
-                                        slot.spec.blocks)
+                block = local_block(part, slot.placements, self.program.mesh_shape, self.coords, slot.spec.blocks)
+                out[i][k] = block if self.device is None else block.to(self.device, non_blocking=True)
         return out
 
     def run(self, inputs: tuple, backward: bool = True):
@@ -340,8 +344,9 @@ class MeshPipelinedModule(torch.nn.Module):
         held = dict(model.named_parameters(remove_duplicate=False))
         values = {name: held[fqn] for fqn, name in graph.params.items() if fqn in held}
         values.update({name: model.get_buffer(fqn) for fqn, name in graph.buffers.items()})
-        object.__setattr__(self, "weights", loss_weights(graph, micro_slices(args, kwargs, self.batch, self.m), values))
-        state = [local_state(mod, name, kind, local) for mod, name, kind, local in self._state]
+        micro = micro_slices(args, kwargs, self.batch, self.m)
+        object.__setattr__(self, "weights", loss_weights(graph, micro, values, self.device))
+        state = [local_state(mod, name, kind, local, self.device) for mod, name, kind, local in self._state]
         with self.context():
             object.__setattr__(self, "statics", [C.wait(v) for v in cut.static(*state)])
         object.__setattr__(self, "acc", [None] * len(cut.frontier_shapes))
@@ -350,13 +355,15 @@ class MeshPipelinedModule(torch.nn.Module):
         first = any(st.is_first for st in self.stages)
         last = any(st.is_last for st in self.stages)
         losses: list = []
-        run_schedule(self.schedule, backward, *((torch.zeros(self.batch),) if first else ()),
-                     target=torch.zeros(self.batch) if last else None, losses=losses if last else None)
+        run_schedule(self.schedule, backward, *((torch.zeros(self.batch, device=self.device),) if first else ()),
+                     target=torch.zeros(self.batch, device=self.device) if last else None,
+                     losses=losses if last else None)
         if not backward:
             for name in ("statics", "given", "acc"):
                 object.__setattr__(self, name, [])
             return self._loss(losses, last), []
-        front = [a if a is not None else torch.zeros(s, dtype=d) for a, (s, d) in zip(self.acc, cut.frontier_shapes)]
+        front = [a if a is not None else torch.zeros(s, dtype=d, device=self.device)
+                 for a, (s, d) in zip(self.acc, cut.frontier_shapes)]
         with self.context():
             reduced = [C.wait(g) for g in cut.reduce(*front)]
         for name in ("statics", "given", "acc"):
@@ -386,7 +393,7 @@ class MeshPipelinedModule(torch.nn.Module):
 
     def _loss(self, losses: list, last: bool) -> torch.Tensor:
         """The step's loss (the micro-batch losses, each times its weight, summed) on every rank."""
-        total = torch.stack([x.detach() for x in losses]).sum() if last else torch.zeros(())
+        total = torch.stack([x.detach() for x in losses]).sum() if last else torch.zeros((), device=self.device)
         total = total.to(self.graph.spec(self.graph.loss).dtype).clone()  # the model's loss dtype (float64 too)
         dist.broadcast(total, group_src=self.last_rank, group=self.pp_group)
         return total

@@ -25,7 +25,7 @@ Parameters that no stage reads or that need no gradient are never updated, so ev
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -40,17 +40,19 @@ def held_params(stages: Mapping[str, set[int]], mine: set[int], frozen: set[str]
     return {fqn for fqn, where in stages.items() if where & mine or not where or fqn in frozen}
 
 
-def local_state(mod: torch.nn.Module, name: str, kind: str, local: tuple) -> torch.Tensor:
+def local_state(mod: torch.nn.Module, name: str, kind: str, local: tuple,
+                device: Optional[torch.device] = None) -> torch.Tensor:
     """The local block of ``mod``'s parameter (``kind`` "param") or buffer ``name`` for the step's
-    static program; for a parameter this rank does not hold, zeros of its ``local`` (shape, dtype),
-    taking no memory. Such a parameter is read by no op of the rank's stages: the static program
-    reads it only where the plan packs it into one gather with parameters the rank does read (a
-    bucket of the embedding and the head); the gathered copy is unused here."""
+    static program; for a parameter this rank does not hold, zeros of its ``local`` (shape, dtype)
+    on ``device`` (the program's; None: the CPU), taking no memory. Such a parameter is read by no
+    op of the rank's stages: the static program reads it only where the plan packs it into one
+    gather with parameters the rank does read (a bucket of the embedding and the head); the
+    gathered copy is unused here."""
     value = tc.parameter_table(mod)[name] if kind == "param" else tc.buffer_table(mod)[name]
     if value is not None:
         return tc.local_tensor(value)
     shape, dtype = local
-    return torch.zeros((), dtype=dtype).expand(shape)
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
 def drop_parameters(model: torch.nn.Module, keep: Callable[[str], bool]) -> dict[str, tuple]:
