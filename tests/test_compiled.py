@@ -16,28 +16,33 @@ from autopar.errors import CompileError
 from autopar.models import make
 
 
-def _train(family: str, backend, steps: int = 2):
-    """Loss per step, the final parameters' local blocks and the graph breaks of a compiled run."""
+def _run(backend, steps: int, optimizer, **model_kw):
+    """A dp=2 x tp=2 run of a tiny model compiled with ``backend``: the module, each step's loss and
+    the graph breaks dynamo counted after each step (dynamo starts afresh and is reset after)."""
     from autopar import _torch_compat as tc
 
     tc.reset_dynamo()
     torch.manual_seed(0)
-    model, inputs = make(family, "tiny", batch=4)
+    model, inputs = make(batch=4, **model_kw)
     pm = autopar.compile(model, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu"), inputs, compile=backend)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-    before = tc.graph_breaks()
-    losses = []
+    opt = optimizer(pm.parameters())
+    before, losses, breaks = tc.graph_breaks(), [], []
     for _ in range(steps):
         loss = pm(*inputs)
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    breaks = dict(tc.graph_breaks() - before)
-    params = {k: v.to_local().clone() for k, v in pm.state_dict().items() if isinstance(v, torch.Tensor)}
-    compiled = pm.program.compiled is not None
+        breaks.append(dict(tc.graph_breaks() - before))
     tc.reset_dynamo()
-    return losses, params, breaks, compiled
+    return pm, losses, breaks
+
+
+def _train(family: str, backend, steps: int = 2):
+    """Loss per step, the final parameters' local blocks and the graph breaks of a compiled run."""
+    pm, losses, breaks = _run(backend, steps, lambda ps: torch.optim.AdamW(ps, lr=1e-2), family=family, size="tiny")
+    params = {k: v.to_local().clone() for k, v in pm.state_dict().items() if isinstance(v, torch.Tensor)}
+    return losses, params, breaks[-1], pm.program.compiled is not None
 
 
 def _both(family: str):
@@ -72,23 +77,9 @@ def test_compile_choice_is_checked_before_any_process_group(bad, words):
 
 def _dropout(backend, steps: int = 3):
     """Losses and the graph breaks counted after each step of GPT with dropout on dp=2 x tp=2."""
-    from autopar import _torch_compat as tc
-
-    tc.reset_dynamo()
-    torch.manual_seed(0)
-    model, inputs = make("gpt", "tiny", batch=4, dropout=0.1)
-    pm = autopar.compile(model, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu"), inputs, compile=backend)
-    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-    before, losses, breaks = tc.graph_breaks(), [], []
-    for _ in range(steps):
-        loss = pm(*inputs)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        breaks.append(sum((tc.graph_breaks() - before).values()))
-    tc.reset_dynamo()
-    return losses, breaks
+    _, losses, breaks = _run(backend, steps, lambda ps: torch.optim.SGD(ps, lr=0.1), family="gpt", size="tiny",
+                             dropout=0.1)
+    return losses, [sum(b.values()) for b in breaks]
 
 
 def test_compiled_dropout_draws_the_eager_masks_without_recompiling(pool):
