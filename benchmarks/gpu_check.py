@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import statistics
 import subprocess
@@ -368,7 +367,7 @@ def main() -> int:
         kernels(args.device, preset, toy, sustain, 10.0 if not toy else 0.2, budget)
     if "memory" in only:
         memory(args.device, preset, toy, budget)
-    print(f"\n| section | case | measured | reference | verdict |\n|---|---|---|---|---|")
+    print("\n| section | case | measured | reference | verdict |\n|---|---|---|---|---|")
     for r in ROWS:
         print(f"| {r['section']} | {r['case']} | {r['measured']} | {r['reference']} | {r['verdict']} |")
     print(f"\n{'all checks passed' if ok else 'a check FAILED'} in {time.monotonic() - START:.0f} s")

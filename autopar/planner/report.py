@@ -33,7 +33,7 @@ from autopar.passes.search.strategies import input_placement, output_placement
 
 if TYPE_CHECKING:
     from autopar.planner.intra import Planned
-    from autopar.plans.entries import PipelineChoice, record
+    from autopar.plans.entries import PipelineChoice
 
 #: Alternatives kept per module in the plan (the cheapest other strategies of its ops).
 ALTERNATIVES = 4
