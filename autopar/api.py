@@ -32,7 +32,7 @@ from autopar.planner.factorize import plan_mesh_search
 from autopar.planner.intra import run_passes
 from autopar.planner.options import PlanOptions, plan_options
 from autopar.planner.pipelined import plan_pipelined, wants_pipeline
-from autopar.planner.report import build_plan
+from autopar.planner.report import build_plan, trace_plan
 from autopar.plans import Plan, load_plan
 from autopar.program.program import compile_backend
 from autopar.program.staged import StagedProgram, compile_cut
@@ -110,10 +110,13 @@ def plan_with(model, mesh: Mesh, example_inputs, example_kwargs, options: PlanOp
         raise ArgumentError("autopar.plan: loss_fn= works with unpipelined plans: under a pipeline (a 'pp' axis, "
                             "pipeline=, or Mesh.devices, which may choose one) the model must return its loss")
     if searched:  # Mesh.devices: the planner chooses pp x dp x tp
-        return plan_mesh_search(model, mesh, example_inputs, example_kwargs, options)
-    if pipelines:
-        return plan_pipelined(model, mesh, example_inputs, example_kwargs, options)
-    return build_plan(run_passes(model, mesh, example_inputs, example_kwargs, replace(options, capture_outputs=True)))
+        made = plan_mesh_search(model, mesh, example_inputs, example_kwargs, options)
+    elif pipelines:
+        made = plan_pipelined(model, mesh, example_inputs, example_kwargs, options)
+    else:
+        made = build_plan(run_passes(model, mesh, example_inputs, example_kwargs, replace(options, capture_outputs=True)))
+    trace_plan(made)  # with TORCH_TRACE set: the plan and its phases in torch's structured trace
+    return made
 
 
 def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Optional[dict] = None, *,
