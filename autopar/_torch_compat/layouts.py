@@ -1,11 +1,13 @@
-"""Which tensor-parallel styles a user's ``parallelize`` function applies, and on which device mesh
-(torch 2.13): ``parallelize_module`` applies a ``ParallelStyle`` through its private ``_apply``
+"""Reading a layout made with torch's DTensor APIs (torch 2.13): the split dim of a placement,
+``_StridedShard`` included (``split_dim``), and which tensor-parallel styles a user's
+``parallelize`` function applies, on which device mesh: ``parallelize_module`` applies a ``ParallelStyle`` through its private ``_apply``
 method, the one point every style passes, whatever name the caller imported ``parallelize_module``
 under. ``recording_styles`` wraps ``_apply`` on every style class for the duration of a block.
 
 On a torch upgrade: check that ``torch.distributed.tensor.parallel.api.parallelize_module`` still
 calls ``style._apply(module, device_mesh)`` (``tests/test_from_dtensor.py`` fails when no style is
-recorded for a torchtitan-style plan).
+recorded for a torchtitan-style plan), and whether ``_StridedShard`` became a ``Shard`` (``fully_shard``
+of a column-parallel weight makes one).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,14 @@ class AppliedStyle:
     style: str
     module: Any
     mesh: Any
+
+
+def split_dim(placement: Any) -> Optional[int]:
+    """The dim a DTensor placement splits (``Shard(d)``, ``_StridedShard(d, sf)``); None for the others."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return placement.dim if isinstance(placement, (Shard, _StridedShard)) else None
 
 
 def _style_classes() -> list[type]:
@@ -64,4 +74,4 @@ def recording_styles() -> Iterator[list[AppliedStyle]]:
             setattr(cls, "_apply", own)
 
 
-__all__ = ["AppliedStyle", "recording_styles"]
+__all__ = ["AppliedStyle", "recording_styles", "split_dim"]
