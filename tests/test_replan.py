@@ -65,10 +65,12 @@ def test_checkpoint_check_names_what_is_missing_or_differs(plans, tmp_path):
 
 def test_replan_refuses_another_model_and_bad_devices(plans):
     first, _ = plans
-    other = torch.nn.Module()
-    other.wte = torch.nn.Embedding(2, 2)  # the plan's parameter name, another shape
-    with pytest.raises(PlanError, match="'wte.weight' is \\[2, 2\\] in the model"):
-        autopar.replan(other, first, 6, (torch.ones(2, 3),))
+    other, args = gpt(0)
+    other.ln_f = torch.nn.LayerNorm(8)  # the plan's parameter names, another shape
+    with pytest.raises(PlanError, match="'ln_f.bias' is \\[8\\] in the model, \\[64\\] in the plan"):
+        autopar.replan(other, first, 6, args)
+    with pytest.raises(PlanError, match="'blocks.0.attn.proj.bias' is absent in the model"):
+        autopar.replan(torch.nn.Linear(2, 2), first, 6, (torch.ones(2, 2),))
     model, args = gpt(0)
     with pytest.raises(ArgumentError, match="devices"):
         autopar.replan(model, first, 0, args)
