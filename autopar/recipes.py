@@ -62,7 +62,6 @@ megatron_sp = _recipe("megatron_sp")
 fsdp_tp = _recipe("fsdp_tp")
 
 
-
 # -- a DTensor parallelize function as a recipe --------------------------------------------------
 
 def from_dtensor(model: torch.nn.Module, mesh: Mesh, parallelize_fn: Callable, example_inputs=(),
@@ -92,7 +91,7 @@ def dtensor_layout(model: torch.nn.Module, mesh: Mesh, parallelize_fn: Callable,
     if not callable(parallelize_fn):
         raise ArgumentError(f"autopar.recipes.from_dtensor: parallelize_fn must be a function parallelize_fn(model, "
                             f"device_mesh), got {type(parallelize_fn).__name__}")
-    fn = getattr(parallelize_fn, "__qualname__", None) or repr(parallelize_fn)
+    fn = getattr(parallelize_fn, "__name__", None) or type(parallelize_fn).__name__
     label = name or f"dtensor:{fn}"
     with _fake_world(mesh) as device_mesh, recording_styles() as styles:
         meta = _meta_copy(model)

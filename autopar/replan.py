@@ -51,7 +51,8 @@ class CheckpointCheck:
         if self.loadable:
             return [f"checkpoint {self.path}: all {len(self.found)} tensors of the model's state are there at their "
                     f"shapes; dcp.load reshards them into the new plan's blocks"]
-        out = [f"checkpoint {self.path}: NOT loadable under the new plan"]
+        out = [f"checkpoint {self.path}: NOT loadable under the new plan ({len(self.missing)} tensors of the model's "
+               f"state missing, {len(self.mismatched)} of another shape)"]
         out += [f"  missing: {name}" for name in self.missing[:20]]
         out += [f"  {name}: checkpoint {ck} vs model {mine}" for name, (ck, mine) in list(self.mismatched.items())[:20]]
         return out

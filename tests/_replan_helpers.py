@@ -44,7 +44,14 @@ def save_under(plan_json: str, ckpt: str) -> dict:
     opt = _optimizer(pm.parameters())
     loss = _step(pm, opt, args)
     dcp.save({"model": pm.state_dict(), "optim": get_optimizer_state_dict(pm, opt)}, checkpoint_id=ckpt)
-    return {"loss": loss, "placements": sorted({str(v.placements) for v in pm.state_dict().values()})}
+    return {"loss": loss, "params": _whole(pm),
+            "placements": sorted({str(v.placements) for v in pm.state_dict().values()})}
+
+
+def _whole(pm) -> dict:
+    """Every parameter whole (a collective: every rank calls it), copied: a replicated one's
+    ``full_tensor`` is its own storage, which the next step updates."""
+    return {n: p.full_tensor().detach().clone() for n, p in pm.module.named_parameters()}
 
 
 def load_under(plan_json: str, ckpt: str) -> dict:
@@ -63,9 +70,10 @@ def load_under(plan_json: str, ckpt: str) -> dict:
     state = {"model": pm.state_dict(), "optim": get_optimizer_state_dict(pm, opt)}
     dcp.load(state, checkpoint_id=ckpt)
     set_optimizer_state_dict(pm, opt, state["optim"])
+    loaded = _whole(pm)
     loss = _step(pm, opt, args)
-    whole = {n: p.full_tensor().detach() for n, p in pm.module.named_parameters()}
-    return {"loss": loss, "params": whole, "placements": sorted({str(v.placements) for v in pm.state_dict().values()})}
+    return {"loss": loss, "loaded": loaded, "params": _whole(pm),
+            "placements": sorted({str(v.placements) for v in pm.state_dict().values()})}
 
 
 def single_device(steps: int) -> tuple[list[float], dict]:

@@ -7,6 +7,8 @@ built-in recipes: within 5% of ``fsdp_tp``, the recipe that matches it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -91,6 +93,10 @@ def test_imported_layout_prices_within_5_percent_of_fsdp_tp():
     # plan.diff compares it with the recipe's plan (fsdp_tp shards a column weight's other dim on dp)
     text = recipe.diff(mine)
     assert "model.layers.0.attention.wq.weight" in text and "recipe:fsdp_tp" in text
+    # the Layout alone is a recipe= of autopar.plan, and its plan is a plan file like any other
+    again = autopar.plan(model, mesh, args, recipe=dtensor_layout(model, mesh, parallelize_llama), progress=False)
+    assert again.to_json() == mine.to_json()
+    assert autopar.Plan.from_dict(json.loads(mine.to_json())).source == mine.source
 
 
 def test_fsdp_alone_and_tensor_parallel_alone():
