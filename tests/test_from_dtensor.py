@@ -99,7 +99,32 @@ def test_imported_layout_prices_within_5_percent_of_fsdp_tp():
     assert autopar.Plan.from_dict(json.loads(mine.to_json())).source == mine.source
 
 
-def test_fsdp_alone_and_tensor_parallel_alone():
+def test_hugging_face_llama_without_sequence_parallel():
+    """Model code this project did not write (transformers' LLaMA), tensor parallel without sequence
+    parallelism (activations then follow Megatron's regions on tp), FSDP per decoder layer."""
+    from _corpus import hf_llama
+
+    model, args, kwargs = hf_llama()
+
+    def parallelize(m, device_mesh):
+        for layer in m.model.layers:
+            parallelize_module(layer, device_mesh["tp"], {
+                **{f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}, "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+            fully_shard(layer, mesh=device_mesh["dp"])
+        fully_shard(m, mesh=device_mesh["dp"])
+
+    mesh = autopar.Mesh({"dp": 2, "tp": 2}, device="h100")
+    layout = dtensor_layout(model, mesh, parallelize)
+    assert layout.roles == ("shard", "tensor") and not layout.sequence_parallel
+    assert layout.params["model.embed_tokens.weight"] == (Split(0), B)  # FSDP alone: not tensor parallel
+    mine = autopar.recipes.from_dtensor(model, mesh, parallelize, args, kwargs, progress=False)
+    assert mine.placements["model.layers.1.mlp.down_proj.weight"] == "S(0), S(1)"
+    recipe = autopar.recipes.fsdp_tp(model, mesh, args, kwargs, progress=False)
+    assert mine.step_time == pytest.approx(recipe.step_time, rel=0.05), (mine.step_time, recipe.step_time)
+
+
+def test_fsdp_alone_and_a_plain_model():
     model, args, _ = titan_llama()
     mesh = autopar.Mesh({"dp": 4}, device="h100")
 
