@@ -114,7 +114,8 @@ def plan_with(model, mesh: Mesh, example_inputs, example_kwargs, options: PlanOp
     elif pipelines:
         made = plan_pipelined(model, mesh, example_inputs, example_kwargs, options)
     else:
-        made = build_plan(run_passes(model, mesh, example_inputs, example_kwargs, replace(options, capture_outputs=True)))
+        planned = run_passes(model, mesh, example_inputs, example_kwargs, replace(options, capture_outputs=True))
+        made = build_plan(planned)
     trace_plan(made)  # with TORCH_TRACE set: the plan and its phases in torch's structured trace
     return made
 

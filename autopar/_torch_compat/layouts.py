@@ -1,8 +1,9 @@
 """Reading a layout made with torch's DTensor APIs (torch 2.13): the split dim of a placement,
 ``_StridedShard`` included (``split_dim``), and which tensor-parallel styles a user's
-``parallelize`` function applies, on which device mesh: ``parallelize_module`` applies a ``ParallelStyle`` through its private ``_apply``
-method, the one point every style passes, whatever name the caller imported ``parallelize_module``
-under. ``recording_styles`` wraps ``_apply`` on every style class for the duration of a block.
+``parallelize`` function applies, on which device mesh: ``parallelize_module`` applies a
+``ParallelStyle`` through its private ``_apply`` method, the one point every style passes, whatever
+name the caller imported ``parallelize_module`` under. ``recording_styles`` wraps ``_apply`` on
+every style class for the duration of a block.
 
 On a torch upgrade: check that ``torch.distributed.tensor.parallel.api.parallelize_module`` still
 calls ``style._apply(module, device_mesh)`` (``tests/test_from_dtensor.py`` fails when no style is
