@@ -178,12 +178,14 @@ TORCHTITAN_AXES = (("pipeline_parallel_degree", "pp"), ("data_parallel_replicate
 _ROLE = {"dp_replicate": "replicate", "dp_shard": "shard", "tp": "tensor"}
 
 
-def torchtitan_layout(config: Union[Mapping, str, os.PathLike], devices: Optional[int] = None) -> tuple[dict, Layout, str]:
-    """``(mesh axes, Layout, checkpointing)`` of a torchtitan job config (its TOML file's path, or
+def torchtitan_layout(config: Union[Mapping, str, os.PathLike],
+                      devices: Optional[int] = None) -> tuple[dict, Layout, dict]:
+    """``(mesh axes, Layout, plan keywords)`` of a torchtitan job config (its TOML file's path, or
     the parsed dict): the ``[parallelism]`` degrees as mesh axes in torchtitan's order (``dp_replicate``
     replicates, ``dp_shard`` is FSDP, ``tp`` tensor parallel with sequence parallelism, as torchtitan's
     Llama applies them; degrees of 1 dropped; a ``data_parallel_shard_degree`` of -1 takes the
-    ``devices`` left) and ``[activation_checkpoint] mode`` as ``autopar.plan``'s ``checkpointing``."""
+    ``devices`` left); ``[activation_checkpoint] mode`` as ``autopar.plan``'s ``checkpointing`` and
+    ``fsdp_reshard_after_forward = "never"`` as ``kept_gathers="all"`` (else ``"none"``)."""
     where = "autopar.recipes.from_torchtitan"
     if isinstance(config, (str, os.PathLike)):
         import tomllib
@@ -218,7 +220,12 @@ def torchtitan_layout(config: Union[Mapping, str, os.PathLike], devices: Optiona
     mode = str((config.get("activation_checkpoint") or {}).get("mode", "selective")).lower()
     if mode not in ("none", "full", "selective"):
         raise ArgumentError(f"{where}: [activation_checkpoint] mode {mode!r} is not none, full or selective")
-    return axes, Layout("torchtitan", tuple(_ROLE[a] for a in axes)), mode
+    reshard = str(par.get("fsdp_reshard_after_forward", "default")).lower()
+    if reshard not in ("default", "always", "never"):
+        raise ArgumentError(f"{where}: [parallelism] fsdp_reshard_after_forward {reshard!r} is not default, always "
+                            f"or never")
+    plan_kw = {"checkpointing": mode, "kept_gathers": "all" if reshard == "never" else "none"}
+    return axes, Layout("torchtitan", tuple(_ROLE[a] for a in axes)), plan_kw
 
 
 def from_torchtitan(model: torch.nn.Module, config: Union[Mapping, str, os.PathLike], example_inputs=(),
@@ -226,11 +233,11 @@ def from_torchtitan(model: torch.nn.Module, config: Union[Mapping, str, os.PathL
     """A torchtitan job config's layout (``torchtitan_layout``) as a Plan on ``device``s, priced like
     the recipes; ``mesh=`` (an ``autopar.Mesh`` with the config's axes) replaces the one made of the
     degrees, to price other hardware or links. The other keywords are ``autopar.plan``'s."""
-    axes, layout, mode = torchtitan_layout(config, devices)
+    axes, layout, plan_kw = torchtitan_layout(config, devices)
     mesh = kw.pop("mesh", None) or Mesh(axes, device=device)
     if dict(mesh.axes) != axes:
         raise ArgumentError(f"autopar.recipes.from_torchtitan: mesh {mesh.axes} is not the config's {axes}")
-    kw.setdefault("checkpointing", mode)
+    kw = dict(plan_kw, **kw)
     return _plan_layout(model, mesh, layout, example_inputs, example_kwargs, kw, "autopar.recipes.from_torchtitan")
 
 

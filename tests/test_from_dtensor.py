@@ -164,15 +164,18 @@ def test_torchtitan_job_config_as_a_baseline(tmp_path):
     config = tmp_path / "llama3.toml"
     config.write_text("[parallelism]\ndata_parallel_shard_degree = -1\ntensor_parallel_degree = 2\n"
                       "[activation_checkpoint]\nmode = \"none\"\n")
-    axes, layout, mode = torchtitan_layout(str(config), devices=4)
-    assert axes == {"dp_shard": 2, "tp": 2} and layout.roles == ("shard", "tensor") and mode == "none"
+    axes, layout, plan_kw = torchtitan_layout(str(config), devices=4)
+    assert axes == {"dp_shard": 2, "tp": 2} and layout.roles == ("shard", "tensor")
+    assert plan_kw == {"checkpointing": "none", "kept_gathers": "none"}
     model, args, _ = titan_llama()
     mine = autopar.recipes.from_torchtitan(model, str(config), args, devices=4, progress=False)
     recipe = autopar.recipes.fsdp_tp(model, autopar.Mesh(axes, device="h100"), args, progress=False)
     assert mine.source == "recipe:torchtitan" and tuple(mine.axis_names) == ("dp_shard", "tp")
     assert mine.step_time == pytest.approx(recipe.step_time, rel=0.05)
-    assert torchtitan_layout({"parallelism": {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2}}
-                             )[1].roles == ("replicate", "shard")
+    hsdp = torchtitan_layout({"parallelism": {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2,
+                                              "fsdp_reshard_after_forward": "never"},
+                              "activation_checkpoint": {"mode": "full"}})
+    assert hsdp[1].roles == ("replicate", "shard") and hsdp[2] == {"checkpointing": "full", "kept_gathers": "all"}
     with pytest.raises(ArgumentError, match="devices="):
         torchtitan_layout({"parallelism": {"tensor_parallel_degree": 2}})
     with pytest.raises(RecipeError, match="pipeline"):
