@@ -67,7 +67,8 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
     ``optimizer`` ("adamw", "sgd", ...: its state is priced), ``deterministic_time`` (CP-SAT's
     deterministic seconds, default 20), ``progress`` (print each phase's time; default: when
     stderr is a terminal), ``recipe`` and ``tensor_axis`` (a named recipe instead of the search, as
-    ``autopar.recipes`` calls it; or a ``Layout`` of your own, ``autopar.recipes.dtensor_layout``), ``graph`` (an already captured graph of this model),
+    ``autopar.recipes`` calls it; or a ``Layout`` of your own, ``autopar.recipes.dtensor_layout``),
+    ``graph`` (an already captured graph of this model),
     ``checkpointing`` (which layer instances recompute their activations in the backward:
     ``"none"``, ``"full"``, ``"selective"`` for every repeated layer, or a dict from module-path
     globs to those, e.g. ``{"layers.[0-9]": "full"}``; default: the search recomputes the fewest
