@@ -23,7 +23,7 @@ _WHERE = {
     "PlanError": "autopar.errors", "Mesh": "autopar.cost_model.mesh", "hint": "autopar.ir.hint",
     "Plan": "autopar.plans.schema", "load_plan": "autopar.plans.schema", "launch": "autopar.runtime.launch",
     "plan": "autopar.api", "simulate": "autopar.api", "ParallelModule": "autopar.parallel",
-    "compile": "autopar.parallel", "StepOutput": "autopar.ir.outputs",
+    "compile": "autopar.parallel", "StepOutput": "autopar.ir.outputs", "replan": "autopar.replan",
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from autopar.ir.outputs import StepOutput
     from autopar.parallel import ParallelModule, compile  # noqa: A004
     from autopar.plans.schema import Plan, load_plan
+    from autopar.replan import replan
     from autopar.runtime.launch import launch
 
 
@@ -57,10 +58,11 @@ def __dir__() -> list[str]:
 class _Package(types.ModuleType):
     """The package's module type: importing the deprecated submodule ``autopar.plan`` (now
     ``autopar.plans``) binds it as an attribute of the package, which would hide the planning
-    function ``autopar.plan``; that one binding is skipped."""
+    function ``autopar.plan``; that one binding is skipped, and so is the submodule ``autopar.replan``'s,
+    which would hide its function ``autopar.replan``."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "plan" and isinstance(value, types.ModuleType):
+        if name in ("plan", "replan") and isinstance(value, types.ModuleType):
             return
         super().__setattr__(name, value)
 
@@ -69,4 +71,4 @@ sys.modules[__name__].__class__ = _Package
 
 
 __all__ = ["AutoparError", "CaptureError", "LaunchError", "Mesh", "ParallelModule", "Plan", "PlanError", "StepOutput",
-           "compile", "hint", "launch", "load_plan", "plan", "recipes", "simulate"]
+           "compile", "hint", "launch", "load_plan", "plan", "recipes", "replan", "simulate"]

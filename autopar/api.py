@@ -32,7 +32,7 @@ from autopar.planner.factorize import plan_mesh_search
 from autopar.planner.intra import run_passes
 from autopar.planner.options import PlanOptions, plan_options
 from autopar.planner.pipelined import plan_pipelined, wants_pipeline
-from autopar.planner.report import build_plan
+from autopar.planner.report import build_plan, trace_plan
 from autopar.plans import Plan, load_plan
 from autopar.program.program import compile_backend
 from autopar.program.staged import StagedProgram, compile_cut
@@ -67,7 +67,8 @@ def plan(model, mesh: Mesh, example_inputs=(), example_kwargs=None, *, training:
     ``optimizer`` ("adamw", "sgd", ...: its state is priced), ``deterministic_time`` (CP-SAT's
     deterministic seconds, default 20), ``progress`` (print each phase's time; default: when
     stderr is a terminal), ``recipe`` and ``tensor_axis`` (a named recipe instead of the search, as
-    ``autopar.recipes`` calls it), ``graph`` (an already captured graph of this model),
+    ``autopar.recipes`` calls it; or a ``Layout`` of your own, ``autopar.recipes.dtensor_layout``),
+    ``graph`` (an already captured graph of this model),
     ``checkpointing`` (which layer instances recompute their activations in the backward:
     ``"none"``, ``"full"``, ``"selective"`` for every repeated layer, or a dict from module-path
     globs to those, e.g. ``{"layers.[0-9]": "full"}``; default: the search recomputes the fewest
@@ -110,10 +111,14 @@ def plan_with(model, mesh: Mesh, example_inputs, example_kwargs, options: PlanOp
         raise ArgumentError("autopar.plan: loss_fn= works with unpipelined plans: under a pipeline (a 'pp' axis, "
                             "pipeline=, or Mesh.devices, which may choose one) the model must return its loss")
     if searched:  # Mesh.devices: the planner chooses pp x dp x tp
-        return plan_mesh_search(model, mesh, example_inputs, example_kwargs, options)
-    if pipelines:
-        return plan_pipelined(model, mesh, example_inputs, example_kwargs, options)
-    return build_plan(run_passes(model, mesh, example_inputs, example_kwargs, replace(options, capture_outputs=True)))
+        made = plan_mesh_search(model, mesh, example_inputs, example_kwargs, options)
+    elif pipelines:
+        made = plan_pipelined(model, mesh, example_inputs, example_kwargs, options)
+    else:
+        planned = run_passes(model, mesh, example_inputs, example_kwargs, replace(options, capture_outputs=True))
+        made = build_plan(planned)
+    trace_plan(made)  # with TORCH_TRACE set: the plan and its phases in torch's structured trace
+    return made
 
 
 def simulate(model: torch.nn.Module, plan, example_inputs=(), example_kwargs: Optional[dict] = None, *,

@@ -17,7 +17,10 @@ private surface and says, in its docstring, what to check on a torch upgrade:
 - ``sdpa``: fused attention kernels chosen as ``F.scaled_dot_product_attention`` chooses them, with
   their logsumexp and backward (the CUDA kernels of ``autopar.ir.attention``);
 - ``pipelining``: torch's pipeline schedules' action orders, built without a process group, and a
-  forward-only step of a schedule that runs a lowered order (ZBV).
+  forward-only step of a schedule that runs a lowered order (ZBV);
+- ``layouts``: the styles a ``parallelize`` function applies, and ``_StridedShard``'s split dim
+  (``autopar.recipes.from_dtensor``); ``trace``: torch's structured trace (``TORCH_TRACE``), which
+  planning writes its plan to. These two are imported from their modules.
 
 Everything else in autopar imports these names from here (``from autopar import _torch_compat as
 tc``), never from torch's private modules (``tests/test_private_api.py`` enforces it), so a torch

@@ -6,6 +6,7 @@
     autopar show plan.json [--full] [--html plan.html]
     autopar explain plan.json MODULE_PATH
     autopar diff a.json b.json
+    autopar replan plan.json MODULE:FACTORY --devices N [--checkpoint DIR] [--kw ...] -o replanned.json
     autopar demo [--quick] [--no-train]
     autopar calibrate [-o cpu-profile.json]
 
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_diff,
         cmd_explain,
         cmd_plan,
+        cmd_replan,
     )
     from autopar.validate import RECIPE_NAMES as NAMES
 
@@ -149,6 +151,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("a", metavar="A.json")
     p.add_argument("b", metavar="B.json")
     p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser("replan", parents=[common], help="plan a saved plan's model again for the devices left",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Plan MODULE:FACTORY (the model PLAN.json was made for) again for the devices left "
+                                   "after a failure, on the plan's hardware and precision; check that the checkpoint "
+                                   "saved under the old plan holds the model's state (torch.distributed.checkpoint "
+                                   "reshards it into the new plan's blocks on load); print the new step time and what "
+                                   "moved; save the new plan.",
+                       epilog="example:\n  autopar replan plan.json mymodels:make_llama --devices 56 --checkpoint "
+                              "ckpt/step_1000 -o replanned.json")
+    p.add_argument("plan", metavar="PLAN.json", help="the plan the job ran under")
+    p.add_argument("target", metavar="MODULE:FACTORY", help="the model's factory, as `autopar plan` takes it")
+    p.add_argument("--devices", type=positive_int, required=True, metavar="N",
+                   help="the devices left; the planner chooses pp x dp x tp for them")
+    p.add_argument("--checkpoint", metavar="DIR", help="a torch.distributed.checkpoint directory saved under PLAN.json")
+    p.add_argument("--kw", action="append", default=[], metavar="NAME=VALUE",
+                   help="an argument of FACTORY, read as a Python literal (else a string); repeatable")
+    p.add_argument("--time-limit", type=positive_float, metavar="S", help="wall-clock limit of the solver (seconds)")
+    p.add_argument("--search-time", type=positive_float, metavar="S",
+                   help="solver effort in deterministic seconds (default 20); lower is faster")
+    p.add_argument("-o", "--output", required=True, metavar="NEW.json", help="where to save the new plan")
+    p.set_defaults(func=cmd_replan)
 
     p = sub.add_parser("demo", parents=[common],
                        help="plan a GPT-2-style model for 8 H100s, then train a small one on 4 local processes",

@@ -136,6 +136,51 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replan(args: argparse.Namespace) -> int:
+    """``autopar replan``: plan a saved plan's model again for the devices left, check the
+    checkpoint against it, save the new plan and print what changed (``autopar.replan``)."""
+    old = load(args.plan)
+    out = args.output
+    if os.path.isdir(out) or not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        raise CLIError(f"-o {out!r}: give a file name in an existing directory, such as 'replanned.json'", USAGE)
+    if args.checkpoint is not None and not os.path.isfile(os.path.join(args.checkpoint, ".metadata")):
+        raise CLIError(f"--checkpoint {args.checkpoint!r} is not a torch.distributed.checkpoint directory (it has no "
+                       f".metadata): give the directory dcp.save wrote under {args.plan}")
+    kw = parse_kw(args.kw)
+    import autopar
+    from autopar.cli.progress import PLAN_PHASES, Progress, is_terminal
+
+    name, factory, file = import_target(args.target)
+    model, inputs, kwargs = call_factory(name, factory, file, kw)
+    if args.checkpoint is not None:  # before planning: a checkpoint of another model ends it at once
+        from autopar.replan import check_checkpoint
+
+        check = check_checkpoint(model, args.checkpoint)
+        if not check.loadable:
+            some = [f"{n} missing" for n in check.missing[:3]] + [
+                f"{n} is {ck} there, {mine} in the model" for n, (ck, mine) in list(check.mismatched.items())[:3]]
+            raise CLIError(f"--checkpoint {args.checkpoint!r} does not hold {name}'s state: {len(check.missing)} "
+                           f"tensors missing, {len(check.mismatched)} of another shape ({'; '.join(some)}); give the "
+                           f"checkpoint saved under {args.plan}")
+    plan_kw: dict[str, Any] = {"time_limit": args.time_limit}
+    if args.search_time is not None:
+        plan_kw["deterministic_time"] = args.search_time
+    tty = is_terminal()
+    try:
+        with Progress("replanning", PLAN_PHASES, enabled=tty):
+            again = autopar.replan(model, old, args.devices, inputs, kwargs or None, checkpoint=args.checkpoint,
+                                   progress=tty, **plan_kw)
+    except autopar.AutoparError as e:
+        raise CLIError(f"replanning {name} ({args.plan}) for {args.devices} devices failed: {e}") from e
+    try:
+        again.plan.save(out)
+    except OSError as e:
+        raise CLIError(f"cannot write the plan to {out!r}: {e.strerror or e}") from e
+    print(again.report())
+    print(f"\nsaved the new plan to {out}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """``autopar demo``: see ``autopar.cli.demo``."""
     from autopar.cli.demo import demo
@@ -165,4 +210,4 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["cmd_calibrate", "cmd_demo", "cmd_diff", "cmd_explain", "cmd_plan", "cmd_show", "load"]
+__all__ = ["cmd_calibrate", "cmd_demo", "cmd_diff", "cmd_explain", "cmd_plan", "cmd_replan", "cmd_show", "load"]

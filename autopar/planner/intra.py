@@ -25,7 +25,7 @@ from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph
 from autopar.ir.placement import format_placements
 from autopar.ir.recompute import recomputed_ops
-from autopar.passes.search import checkpoint, kept, peak, recipes
+from autopar.passes.search import checkpoint, kept, layout, peak, recipes
 from autopar.passes.search.build import build_problem
 from autopar.passes.search.collector import collector_paused
 from autopar.passes.search.complete import complete
@@ -179,7 +179,8 @@ def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
         problem = checkpoint.with_checkpointing(problem, terms, pin)
         merged = merge(problem, ops)
     if opts.recipe:
-        choice, source = choices[opts.recipe], f"recipe:{opts.recipe}"
+        name = layout.recipe_name(opts.recipe)
+        choice, source = choices[name], f"recipe:{name}"
     elif opts.search == "propagate":  # the annotations spread through the graph; no ILP
         choice, source = propagate(problem), "propagate"
     else:
@@ -214,19 +215,20 @@ def _price_recipes(graph: Graph, mesh: Mesh, problem: Problem, merged: Merged, c
     """Each recipe's placements completed and priced (only ``opts.recipe`` when one is asked for):
     ``(baselines, choices)``, its figures (or why it was not priced) and its choice per recipe, its
     peak walked (``walk``)."""
-    recipe = opts.recipe
+    recipe = opts.recipe  # a name, or a ``Layout`` (``passes.search.layout``): the user's own
     names = [recipe] if recipe else list(recipes.NAMES)
     baselines: dict[str, dict] = {}
     choices: dict[str, list[int]] = {}
     budget = problem.memory_budget
-    for name in names:
+    for entry in names:
+        name = layout.recipe_name(entry)
         try:
-            allowed = recipes.constraints(graph, mesh, name, opts.tensor_axis)
+            allowed = layout.recipe_constraints(graph, mesh, entry, opts.tensor_axis)
             _check_recipe_hints(graph, name, allowed, constraints, bool(recipe), {f"hints[{k!r}]" for k in placed})
             # the exact ILP completion only for a recipe asked for by name: as a baseline for the
             # search, greedy plus local search (the search's ILP starts from the best baseline)
-            pinned = recipes.pinned_axes(mesh, name, opts.tensor_axis)
-            regions = recipes.tensor_regions(graph, name) if pinned else None
+            pinned = layout.recipe_pinned(mesh, entry, opts.tensor_axis)
+            regions = layout.recipe_regions(graph, entry) if pinned else None
             choice = complete(merged, problem, allowed, pinned, exact=bool(recipe), regions=regions,
                               label=graph.user_name)
         except (RecipeError, InfeasibleError, ValueError) as e:

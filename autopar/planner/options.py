@@ -19,6 +19,7 @@ from autopar.passes.search.checkpoint import Pin as CheckpointPin
 from autopar.passes.search.checkpoint import check_checkpointing
 from autopar.passes.search.kept import Pin as KeptPin
 from autopar.passes.search.kept import check_kept_gathers
+from autopar.passes.search.layout import Layout
 from autopar.passes.search.recipes import NAMES
 from autopar.plans.format import human_bytes
 from autopar.validate import check_bool, check_choice, check_hints, check_keywords, check_number, parse_size
@@ -47,7 +48,7 @@ class PlanOptions:
     search: str = "ilp"
     precision: Optional[str] = None
     optimizer: str = "adamw"
-    recipe: Optional[str] = None
+    recipe: Optional[Union[str, Layout]] = None
     tensor_axis: Union[int, str] = -1
     deterministic_time: float = 20.0
     progress: Optional[bool] = None
@@ -104,7 +105,8 @@ def plan_options(mesh: Mesh, kw: Mapping[str, Any], where: str = "autopar.plan",
         get_precision(opts.precision, mesh.hardware, opts.optimizer)
     except ValueError as e:
         raise ArgumentError(f"{where}: {e}") from None
-    check_choice(opts.recipe, NAMES, f"{where}: recipe", allow_none=True)
+    if not isinstance(opts.recipe, Layout):  # a Layout: the user's own (``autopar.recipes.from_dtensor``)
+        check_choice(opts.recipe, NAMES, f"{where}: recipe", allow_none=True)
     check_checkpointing(opts.checkpointing, f"{where}: checkpointing")
     check_kept_gathers(opts.kept_gathers, f"{where}: kept_gathers")
     try:

@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from autopar._torch_compat.trace import trace_artifact
 from autopar.cost_model.buckets import BUCKET_SIZE, collective_calls, mark_grad_buckets
 from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
 from autopar.cost_model.comm import reshard_steps
@@ -347,3 +348,13 @@ def _alternatives(planned: "Planned", i: int, node, incident: dict, reprice: Rep
         out.append({"name": f"{node.name} ({node.op.replace('aten.', '')}) as " + " | ".join(str(x) for x in pn.strategies[s]),
                     "time": compute, "comm": comm, "delta": step - base})
     return out
+
+
+def trace_plan(plan) -> None:
+    """With torch's structured trace on (``TORCH_TRACE``), the plan as artifacts tlparse lists beside
+    the compile: ``autopar_plan`` (the plan file's JSON), ``autopar_plan_phases`` (planning seconds
+    per phase) and ``autopar_plan_summary`` (the summary table). Nothing is computed when it is off."""
+    trace_artifact("autopar_plan", plan.to_json)
+    trace_artifact("autopar_plan_phases", lambda: dict(plan.phases))
+    trace_artifact("autopar_plan_summary", plan.summary, encoding="string")
+

@@ -33,7 +33,7 @@ def _axes(mesh: Mesh, tensor_axis, needs_tensor: bool) -> tuple[list[int], Optio
     return [a for a in range(mesh.ndim) if a != t], t
 
 
-def _batch_split(graph: Graph, mesh: Mesh, data_axes: Sequence[int], name: str) -> Allowed:
+def batch_split(graph: Graph, mesh: Mesh, data_axes: Sequence[int], name: str) -> Allowed:
     """Every tensor input split on dim 0 (the batch) over the data axes."""
     out: Allowed = {}
     pieces = 1
@@ -52,7 +52,7 @@ def _batch_split(graph: Graph, mesh: Mesh, data_axes: Sequence[int], name: str) 
     return out
 
 
-def _fits(spec: TensorSpec, pl: Sequence, mesh: Mesh) -> bool:
+def placement_fits(spec: TensorSpec, pl: Sequence, mesh: Mesh) -> bool:
     """Whether placements ``pl`` split ``spec`` into non-empty pieces along every split dim, with
     dims of equal blocks cut evenly (``blocks_fit``)."""
     for d in {p.dim for p in pl if isinstance(p, Split)}:
@@ -61,13 +61,13 @@ def _fits(spec: TensorSpec, pl: Sequence, mesh: Mesh) -> bool:
     return blocks_fit(spec.shape, pl, mesh.shape, spec.blocks)
 
 
-def _shard_dim(spec: TensorSpec, mesh: Mesh, data: Sequence[int], base: Sequence) -> Optional[int]:
+def shard_dim(spec: TensorSpec, mesh: Mesh, data: Sequence[int], base: Sequence) -> Optional[int]:
     """The dim FSDP splits over the data axes, given the placements ``base`` already has (the tensor
     axis's split): dim 0 when it is free and large enough, else the largest dim that is."""
     taken = {p.dim for p in base if isinstance(p, Split)}
 
     def ok(d: int) -> bool:
-        return d not in taken and _fits(spec, [Split(d) if a in data else p for a, p in enumerate(base)], mesh)
+        return d not in taken and placement_fits(spec, [Split(d) if a in data else p for a, p in enumerate(base)], mesh)
 
     if spec.shape and ok(0):
         return 0
@@ -141,7 +141,7 @@ def _constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed
     data, t = _axes(mesh, tensor_axis, tp)
     allowed: Allowed = {}
     if graph.inputs and data:
-        allowed.update(_batch_split(graph, mesh, data, name))
+        allowed.update(batch_split(graph, mesh, data, name))
     elif graph.inputs and t is not None:  # 1-D tensor parallel: every device sees the whole batch
         for node in graph.inputs.values():
             allowed[node] = [tuple(B for _ in mesh.shape)]
@@ -152,12 +152,12 @@ def _constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed
         base: list = [B] * mesh.ndim
         if node in layout:
             base[t] = Split(layout[node])
-            if _fits(spec, base, mesh):
+            if placement_fits(spec, base, mesh):
                 sharded_any = True
             else:  # too small to split on the tensor axis (a few heads of a tiny model)
                 base[t] = B
         if name in ("fsdp", "fsdp_tp") and data:
-            d = _shard_dim(spec, mesh, data, base)
+            d = shard_dim(spec, mesh, data, base)
             if d is not None:
                 for a in data:
                     base[a] = Split(d)
@@ -309,4 +309,5 @@ def constraints(graph: Graph, mesh: Mesh, name: str, tensor_axis=-1) -> Allowed:
             for node, options in _constraints(graph, mesh, name, tensor_axis).items()}
 
 
-__all__ = ["NAMES", "TensorRegions", "constraints", "pinned_axes", "tensor_regions"]
+__all__ = ["NAMES", "TensorRegions", "batch_split", "constraints", "pinned_axes", "placement_fits", "shard_dim",
+           "tensor_regions"]
