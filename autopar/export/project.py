@@ -1,0 +1,208 @@
+"""The projection of an op-level plan onto module-level styles, and its price.
+
+A plan chooses a placement per op; DTensor's ``parallelize_module`` styles and FSDP2's ``fully_shard``
+say only, per ``nn.Linear``, column-parallel, row-parallel or replicated on the tensor axis, and per
+module whether its parameters are sharded over the data axes. ``styles`` reads those choices off the
+plan and the model's graph; ``project`` fixes the parameters and inputs to them, completes the
+activations as the styles run them (``passes.search.complete``, Megatron's activation rule on the
+tensor axis, as the ``megatron_tp`` recipe is completed) and prices the result with the planner's
+own evaluator, as a ``Plan`` beside the original.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from autopar.cost_model.mesh import Mesh
+from autopar.errors import PlanError
+from autopar.ir.attention import ATTN_FWD
+from autopar.ir.graph import Graph
+from autopar.ir.placement import B, Split, blocks_fit, format_placements, parse
+from autopar.passes.search import checkpoint, peak, recipes
+from autopar.passes.search.complete import complete
+from autopar.passes.search.problem import evaluate
+from autopar.planner.intra import Planned, run_passes
+from autopar.planner.options import PlanOptions
+from autopar.planner.report import build_plan
+from autopar.plans.schema import Plan
+
+
+@dataclass
+class Styles:
+    """What the module-level export applies: the mesh's ``tensor_axis`` (None: no tensor
+    parallelism) and ``data_axes`` (FSDP2 shards over the last, replicates over the others), the
+    Linear modules' ``linear`` style by module path (``"colwise"`` or ``"rowwise"``; the others are
+    replicated on the tensor axis), the ``fully_shard`` units (layer instances, then the root ``""``)
+    with ``reshard`` after forward per unit, and the recomputed layers (``checkpointed``)."""
+
+    tensor_axis: Optional[str]
+    data_axes: tuple[str, ...]
+    linear: dict[str, str] = field(default_factory=dict)
+    units: list[str] = field(default_factory=list)
+    reshard: dict[str, bool] = field(default_factory=dict)
+    checkpointed: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _split_dim(text: str, axis: int) -> Optional[int]:
+    """The dim placement ``text`` splits on mesh axis ``axis`` (None: not split there)."""
+    p = parse(text)[axis]
+    return p.dim if isinstance(p, Split) else None
+
+
+def _tensor_axis(plan: Plan, graph: Graph) -> Optional[int]:
+    """The mesh axis the plan runs tensor parallelism on: where the most weight matrices are split
+    and never gathered (used where they lie), if any."""
+    mats = {fqn for fqn, node in graph.params.items() if graph.node(node).out.ndim == 2}
+    gathered: dict[str, set[str]] = {}
+    for r in plan.reshardings:
+        if r.get("kind") == "param":
+            gathered.setdefault(r.get("module", ""), set()).update(
+                s["axis"] for s in r.get("steps", []) if s.get("kind") == "all_gather")
+    counts = [0] * len(plan.axis_names)
+    for fqn in mats:
+        module, name = fqn.rpartition(".")[0], plan.axis_names
+        for a, axis in enumerate(name):
+            if _split_dim(plan.placements.get(fqn, "B"), a) is not None and axis not in gathered.get(module, ()):
+                counts[a] += 1
+    best = max(range(len(counts)), key=lambda a: (counts[a], a)) if counts else 0
+    return best if counts and counts[best] else None
+
+
+def _attention_nodes(graph: Graph) -> set[str]:
+    return {n.name for n in graph.ops() if n.op == ATTN_FWD or "scaled_dot_product" in n.op}
+
+
+def styles(plan: Plan, graph: Optional[Graph]) -> Styles:
+    """The module-level choices closest to ``plan`` on ``graph`` (the plan's model, captured).
+
+    On the tensor axis a pair of weights Megatron would split together (``recipes.tensor_layout``:
+    ``fc`` column-, ``proj`` row-parallel) is split when the plan splits either of them there and
+    nothing between them needs the whole dim: a pair through attention stays replicated, since a
+    module style hands the attention its local heads while the model's views name all of them.
+    Without the graph (``None``) every non-pipeline axis is a data axis."""
+    t = _tensor_axis(plan, graph) if graph is not None else None
+    names = plan.axis_names
+    out = Styles(names[t] if t is not None else None, tuple(a for i, a in enumerate(names) if i != t))
+    for g in plan.layer_groups:
+        for p in g.get("paths", []):
+            out.units.append(p)
+            out.reshard[p] = p not in plan.kept_gathers
+    out.units.append("")
+    out.reshard[""] = False  # FSDP2 keeps the root's parameters gathered from forward to backward
+    out.checkpointed = dict(plan.checkpointing)
+    if t is None or graph is None:
+        return out
+    fqn_of = {node: fqn for fqn, node in graph.params.items()}
+    layout, regions = recipes.tensor_layout(graph), recipes.regions_of(graph)
+    pairs = regions.pairs()
+    attention = _attention_nodes(graph)
+    seen: set[str] = set()
+    for node, d in sorted(pairs.items()):
+        if node in seen:
+            continue
+        reach = regions.reach(node, d)
+        members = sorted({ref.node for ref, _ in reach if ref.node in pairs})
+        seen.update(members)
+        modules = sorted({fqn_of[m].rpartition(".")[0] for m in members if m in fqn_of})
+        split = any(_split_dim(plan.placements.get(fqn_of.get(m, ""), "B"), t) is not None for m in members)
+        if not split:
+            continue
+        if any(ref.node in attention for ref, _ in reach):
+            out.notes.append(f"{', '.join(modules)}: replicated on {names[t]!r} (the pair runs through attention, "
+                             "whose head count the model's views fix)")
+            continue
+        for m in members:
+            if m in fqn_of and fqn_of[m].endswith(".weight"):
+                out.linear[fqn_of[m].rpartition(".")[0]] = "colwise" if layout.get(m, pairs[m]) == 0 else "rowwise"
+    return out
+
+
+def _placements(graph: Graph, mesh: Mesh, st: Styles) -> dict[str, list[tuple]]:
+    """The projected placements of the graph's parameters and inputs, as completion constraints."""
+    names = list(mesh.names)
+    t = names.index(st.tensor_axis) if st.tensor_axis else None
+    shard = names.index(st.data_axes[-1]) if st.data_axes else None
+    data = [names.index(a) for a in st.data_axes]
+    allowed: dict[str, list[tuple]] = {}
+    for fqn, node in graph.params.items():
+        spec = graph.node(node).out
+        base: list = [B] * mesh.ndim
+        module, _, leaf = fqn.rpartition(".")
+        style = st.linear.get(module)
+        if t is not None and style == "colwise":
+            base[t] = Split(0)
+        elif t is not None and style == "rowwise" and leaf == "weight":
+            base[t] = Split(1)
+        if shard is not None and spec.ndim:
+            trial = list(base)
+            trial[shard] = Split(0)
+            if spec.shape[0] >= math.prod(mesh.shape[a] for a, p in enumerate(trial) if p == Split(0)) \
+                    and blocks_fit(spec.shape, trial, mesh.shape, spec.blocks):
+                base = trial
+        allowed[node] = [tuple(base)]
+    pieces = math.prod(mesh.shape[a] for a in data)
+    for key, node in graph.inputs.items():
+        spec = graph.node(node).out
+        if spec.ndim == 0:
+            continue
+        if spec.shape[0] % pieces:
+            raise PlanError(f"export: input {key!r} has batch {spec.shape[0]}, not a multiple of the {pieces} "
+                            f"devices of the data axes {list(st.data_axes)}")
+        allowed[node] = [tuple(Split(0) if a in data else B for a in range(mesh.ndim))]
+    return allowed
+
+
+@dataclass
+class Projection:
+    """The projected plan (``plan``: priced by the planner's evaluator, as a ``Plan``), the styles
+    it applies and the ops whose placements it changed: ``(node, module, original, projected)``."""
+
+    plan: Plan
+    styles: Styles
+    changed: list[tuple[str, str, str, str]]
+
+
+def project(plan: Plan, model, example_inputs=(), example_kwargs=None) -> Projection:
+    """Project ``plan`` (made for ``model`` with these inputs) onto module-level styles and price it."""
+    if plan.pipeline is not None:
+        raise PlanError("export: pricing the projection of a pipelined plan is not supported; export its "
+                        "stages' layout from a plan of one stage (autopar.plan without a pp axis)")
+    mesh = Mesh.from_dict(plan.mesh)
+    opts = PlanOptions(training=plan.training, memory_budget=plan.memory_budget, search="propagate",
+                       precision=plan.precision.get("name"), optimizer=plan.precision.get("optimizer", "adamw"),
+                       checkpointing=dict(plan.checkpointing) or "none", kept_gathers=list(plan.kept_gathers),
+                       progress=False, capture_outputs=True)
+    planned = run_passes(model, mesh, example_inputs, example_kwargs, opts)
+    graph = planned.graph
+    st = styles(plan, graph)
+    t = [list(mesh.names).index(st.tensor_axis)] if st.tensor_axis else []
+    allowed = _placements(graph, mesh, st)
+    choice = complete(planned.merged, planned.problem, allowed, t, exact=True,
+                      regions=recipes.regions_of(graph) if t else None, label=graph.user_name)
+    # priced as ``run_passes`` prices its chosen plan: the evaluator's figures with the walked peak
+    rc = planned.recompute
+    redo = checkpoint.checkpointed_paths(planned.terms, rc) if rc is not None and rc.any else None
+    kept = [p for ps in planned.kept_paths for p in ps]
+    top = peak.choice_peak(graph, mesh, planned.precision, planned.folding, planned.problem, choice, redo, kept)
+    cost = peak.with_peak(evaluate(planned.problem, choice), top)
+    projected = build_plan(replace(planned, choice=choice, cost=cost, source="projection", solution=None, peak=top))
+    return Projection(projected, st, changed_ops(plan, projected))
+
+
+def changed_ops(a: Plan, b: Plan) -> list[tuple[str, str, str, str]]:
+    """The parameters and inputs, then the ops, whose placements differ between ``a`` and ``b``."""
+    out = [(fqn, fqn.rpartition(".")[0], a.placements[fqn], b.placements[fqn]) for fqn in a.placements
+           if fqn in b.placements and a.placements[fqn] != b.placements[fqn]]
+    before = {n["name"]: n for n in a.nodes}
+    for n in b.nodes:
+        old = before.get(n["name"])
+        if old is not None and old.get("outputs") != n.get("outputs"):
+            out.append((n["name"], n.get("module", ""), "; ".join(old.get("outputs", [])),
+                        "; ".join(n.get("outputs", []))))
+    return out
+
+
+__all__ = ["Projection", "Styles", "changed_ops", "project", "styles", "format_placements"]
