@@ -19,10 +19,11 @@ from autopar.cost_model.mesh import Mesh
 from autopar.errors import PlanError
 from autopar.ir.attention import ATTN_FWD
 from autopar.ir.graph import Graph
-from autopar.ir.placement import B, Split, blocks_fit, format_placements, parse
+from autopar.ir.placement import B, Partial, Split, blocks_fit, format_placements, parse
 from autopar.passes.search import checkpoint, peak, recipes
 from autopar.passes.search.complete import complete
 from autopar.passes.search.problem import evaluate
+from autopar.passes.search.strategies import output_placement
 from autopar.planner.intra import Planned, run_passes
 from autopar.planner.options import PlanOptions
 from autopar.planner.report import build_plan
@@ -155,6 +156,23 @@ def _placements(graph: Graph, mesh: Mesh, st: Styles) -> dict[str, list[tuple]]:
     return allowed
 
 
+def _no_partial_outside(planned: Planned, plan: Plan, st: Styles, t: int) -> dict[str, list[tuple]]:
+    """Output constraints for the ops outside the tensor-parallel Linear modules: no partial sums on
+    the tensor axis there, since a row-parallel module's output and a column-parallel module's input
+    gradient are all-reduced at the module's boundary (the style's ``Replicate`` layouts)."""
+    module = {n["name"]: n.get("module", "") for n in plan.nodes}
+    skip = set(planned.graph.params.values()) | set(planned.graph.inputs.values())
+    out = {}
+    for n in planned.merged.problem.nodes:
+        if n.name in skip or module.get(n.name, "") in st.linear:
+            continue
+        places = list(dict.fromkeys(output_placement(s, 0) for s in n.strategies))
+        ok = [p for p in places if p is not None and not isinstance(p[t], Partial)]
+        if ok and len(ok) < len(places):
+            out[n.name] = ok
+    return out
+
+
 @dataclass
 class Projection:
     """The projected plan (``plan``: priced by the planner's evaluator, as a ``Plan``), the styles
@@ -180,6 +198,8 @@ def project(plan: Plan, model, example_inputs=(), example_kwargs=None) -> Projec
     st = styles(plan, graph)
     t = [list(mesh.names).index(st.tensor_axis)] if st.tensor_axis else []
     allowed = _placements(graph, mesh, st)
+    if t:
+        allowed.update(_no_partial_outside(planned, plan, st, t[0]))
     choice = complete(planned.merged, planned.problem, allowed, t, exact=True,
                       regions=recipes.regions_of(graph) if t else None, label=graph.user_name)
     # priced as ``run_passes`` prices its chosen plan: the evaluator's figures with the walked peak
