@@ -27,8 +27,22 @@ def reference(model, args) -> tuple[float, dict]:
     return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def step_on_rank(family: str, text: str) -> dict:
-    """Apply the exported layout to the tiny ``family`` model (float64), run one step under
+def build(case: str):
+    """``(model, example_inputs)`` of a case, the same on every process: a tiny ``autopar.models``
+    family, or ``"titan"`` (the torchtitan-style Llama 3 of tests/_corpus.py)."""
+    if case != "titan":
+        from _parity import build as build_family
+
+        return build_family(case)
+    from _corpus import titan_llama
+
+    torch.manual_seed(0)
+    model, args, _ = titan_llama()
+    return model, args
+
+
+def step_on_rank(case: str, text: str) -> dict:
+    """Apply the exported layout to the ``case`` model (``build``, in float64), run one step under
     CommDebugMode; the loss averaged over the data ranks, the worst gradient error against one
     device, and the collectives by kind."""
     import torch.distributed as dist
@@ -37,12 +51,10 @@ def step_on_rank(family: str, text: str) -> dict:
 
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from _parity import build
-
-    model, args = build(family)
+    model, args = build(case)
     model, args = model.double(), tuple(a.double() if a.is_floating_point() else a for a in args)
     want_loss, want = reference(model, args)
-    module = load_module(text, f"exported_{family}")
+    module = load_module(text, f"exported_{case}")
     mesh = init_device_mesh("cpu", tuple(module.MESH_AXES.values()), mesh_dim_names=tuple(module.MESH_AXES))
     model.zero_grad(set_to_none=True)
     module.parallelize(model, mesh)

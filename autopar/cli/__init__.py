@@ -6,6 +6,7 @@
     autopar show plan.json [--full] [--html plan.html]
     autopar explain plan.json MODULE_PATH
     autopar diff a.json b.json
+    autopar export plan.json --format dtensor|torchtitan [--model MODULE:FACTORY --kw ...] [-o FILE]
     autopar demo [--quick] [--no-train]
     autopar calibrate [-o cpu-profile.json]
 
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         positive_float,
         positive_int,
     )
+    from autopar.cli.export import add_export_parser
     from autopar.cli.commands import (
         cmd_calibrate,
         cmd_demo,
@@ -137,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     add_show_parser(sub, common)
+    add_export_parser(sub, common)
 
     p = sub.add_parser("explain", parents=[common], help="explain the plan of one module or parameter",
                        description="Chosen strategies, reshardings and alternatives of one module (or a parameter's "

@@ -1,6 +1,7 @@
 """The ``dtensor`` export: a Python module whose ``parallelize(model, device_mesh)`` applies a plan's
 projection (``export.project.Styles``) with torch's public APIs only: ``parallelize_module`` with
-``ColwiseParallel``/``RowwiseParallel`` on the tensor axis, ``torch.utils.checkpoint`` around each
+``ColwiseParallel``/``RowwiseParallel`` on the tensor axis (the split attention modules' head-count
+attributes set to this rank's counts), ``torch.utils.checkpoint`` around each
 recomputed layer, ``fully_shard`` (FSDP2) per layer and on the root over the data axes (a 2-D data
 mesh is HSDP: replicated over the first, sharded over the second), and the pipeline's split points
 as data for ``torch.distributed.pipelining``."""
@@ -34,6 +35,9 @@ DATA_AXES = {data_axes}
 #: module path -> its style on TENSOR_AXIS (the other Linear modules are replicated there)
 TP_PLAN = {{
 {tp_plan}}}
+#: attention modules split on TENSOR_AXIS: module path -> {{head-count attribute: its local value}}
+LOCAL_HEADS = {{
+{local_heads}}}
 #: fully_shard units, innermost first, the root ("") last: module path -> reshard_after_forward
 FSDP_UNITS = {{
 {units}}}
@@ -64,6 +68,9 @@ def parallelize(model: torch.nn.Module, device_mesh) -> torch.nn.Module:
     """Apply the layout to ``model`` in place (every rank, same model) and return it."""
     if TP_PLAN:
         parallelize_module(model, device_mesh[TENSOR_AXIS], _styles())
+        for path, counts in LOCAL_HEADS.items():  # the module's views see this rank's heads
+            for name, value in counts.items():
+                setattr(model.get_submodule(path), name, value)
     for path in CHECKPOINTED:
         _recompute(model.get_submodule(path))
     if DATA_AXES:
@@ -102,7 +109,7 @@ def render(plan: Plan, st: Styles, projected: Optional[Plan]) -> str:
     units = {p: st.reshard[p] for p in st.units}
     return _TEMPLATE.format(axes=axes, times=times, shape=tuple(axes.values()), names=tuple(axes),
                             mesh_axes=axes, tensor_axis=repr(st.tensor_axis), data_axes=st.data_axes,
-                            tp_plan=_rows(st.linear), units=_rows(units), checkpointed=st.checkpointed,
+                            tp_plan=_rows(st.linear), local_heads=_rows(st.local_heads), units=_rows(units), checkpointed=st.checkpointed,
                             split_points=split_points, pipeline=pipeline)
 
 

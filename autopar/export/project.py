@@ -35,7 +35,8 @@ class Styles:
     """What the module-level export applies: the mesh's ``tensor_axis`` (None: no tensor
     parallelism) and ``data_axes`` (FSDP2 shards over the last, replicates over the others), the
     Linear modules' ``linear`` style by module path (``"colwise"`` or ``"rowwise"``; the others are
-    replicated on the tensor axis), the ``fully_shard`` units (layer instances, then the root ``""``)
+    replicated on the tensor axis), the head-count attributes the split attention modules must read
+    as their local counts (``local_heads``), the ``fully_shard`` units (layer instances, then the root ``""``)
     with ``reshard`` after forward per unit, and the recomputed layers (``checkpointed``)."""
 
     tensor_axis: Optional[str]
@@ -44,6 +45,8 @@ class Styles:
     units: list[str] = field(default_factory=list)
     reshard: dict[str, bool] = field(default_factory=dict)
     checkpointed: dict[str, str] = field(default_factory=dict)
+    #: attention modules split on the tensor axis: module path -> {head-count attribute: its local value}
+    local_heads: dict[str, dict[str, int]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -76,13 +79,31 @@ def _attention_nodes(graph: Graph) -> set[str]:
     return {n.name for n in graph.ops() if n.op == ATTN_FWD or "scaled_dot_product" in n.op}
 
 
-def styles(plan: Plan, graph: Optional[Graph]) -> Styles:
+def _head_attributes(model, path: str, sizes: set[int], degree: int) -> Optional[dict[str, int]]:
+    """The local values of the head-count attributes of the attention module at ``path`` (int
+    attributes named ``*head*``, not ``*dim*``/``*size*``, whose value is a size the split dim takes
+    in the graph and divides by ``degree``); None when it has none, or one that does not divide."""
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        return None
+    found = {k: v for k, v in sorted(vars(module).items()) if type(v) is int and "head" in k.lower()
+             and "dim" not in k.lower() and "size" not in k.lower() and v in sizes}
+    if not found or any(v % degree for v in found.values()):
+        return None
+    return {k: v // degree for k, v in found.items()}
+
+
+def styles(plan: Plan, graph: Optional[Graph], model=None) -> Styles:
     """The module-level choices closest to ``plan`` on ``graph`` (the plan's model, captured).
 
     On the tensor axis a pair of weights Megatron would split together (``recipes.tensor_layout``:
     ``fc`` column-, ``proj`` row-parallel) is split when the plan splits either of them there and
-    nothing between them needs the whole dim: a pair through attention stays replicated, since a
-    module style hands the attention its local heads while the model's views name all of them.
+    nothing between them needs the whole dim. A pair through attention (``wq``..``wo``) is split
+    only when ``model``'s attention module holds its head counts in attributes (``n_heads``,
+    ``num_key_value_heads``: ``_head_attributes``), which the exported code sets to the local counts
+    (a module style hands the attention its local heads), and no weight of the pair is fused
+    (``qkv`` as blocks: a contiguous column split would mix them); else it stays replicated.
     Without the graph (``None``) every non-pipeline axis is a data axis."""
     t = _tensor_axis(plan, graph) if graph is not None else None
     names = plan.axis_names
@@ -112,9 +133,21 @@ def styles(plan: Plan, graph: Optional[Graph]) -> Styles:
         if not split:
             continue
         if any(ref.node in attention for ref, _ in reach):
-            out.notes.append(f"{', '.join(modules)}: replicated on {names[t]!r} (the pair runs through attention, "
-                             "whose head count the model's views fix)")
-            continue
+            sizes = {graph.node(ref.node).outputs[ref.index].shape[d] for ref, d in reach
+                     if graph.node(ref.node).outputs[ref.index] is not None}
+            kept = []
+            for parent in sorted({m.rpartition(".")[0] for m in modules}):  # each attention module
+                mine = [m for m in members if fqn_of.get(m, "").startswith(parent + ".")]
+                heads = None
+                if model is not None and not any(graph.node(m).out.blocks for m in mine):
+                    heads = _head_attributes(model, parent, sizes, plan.mesh_shape[t])
+                if heads is None:
+                    out.notes.append(f"{parent or 'the model'}: replicated on {names[t]!r} (its projections run "
+                                     "through attention, and it has no head-count attribute to localize or a fused weight)")
+                    continue
+                out.local_heads[parent] = heads
+                kept += mine
+            members = kept
         for m in members:
             if m in fqn_of and fqn_of[m].endswith(".weight"):
                 out.linear[fqn_of[m].rpartition(".")[0]] = "colwise" if layout.get(m, pairs[m]) == 0 else "rowwise"
@@ -195,7 +228,7 @@ def project(plan: Plan, model, example_inputs=(), example_kwargs=None) -> Projec
                        progress=False, capture_outputs=True)
     planned = run_passes(model, mesh, example_inputs, example_kwargs, opts)
     graph = planned.graph
-    st = styles(plan, graph)
+    st = styles(plan, graph, model)
     t = [list(mesh.names).index(st.tensor_axis)] if st.tensor_axis else []
     allowed = _placements(graph, mesh, st)
     if t:

@@ -12,15 +12,15 @@ from autopar.export.project import Styles
 from autopar.plans.schema import Plan
 
 #: module paths of torchtitan's Llama (and its relatives): the layer stack and the projections
-_TITAN = (re.compile(r"^layers\.\d+\.attention\.w[qkvo]$"), re.compile(r"^layers\.\d+\.feed_forward\.w[123]$"))
+_TITAN = (re.compile(r"(^|\.)layers\.\d+\.attention\.w[qkvo]$"), re.compile(r"(^|\.)layers\.\d+\.feed_forward\.w[123]$"),
+          re.compile(r"(^|\.)tok_embeddings$"), re.compile(r"(^|\.)output$"))
 
 
 def titan_shaped(plan: Plan) -> Optional[str]:
     """None when the plan's model has torchtitan's Llama module paths (``tok_embeddings``,
     ``layers.N.attention.wq``, ``layers.N.feed_forward.w1``, ``output``); else why not."""
     paths = {m.get("path", "") for m in plan.modules}
-    missing = [p for p in ("tok_embeddings", "output") if p not in paths]
-    if missing or not all(any(r.match(p) for p in paths) for r in _TITAN):
+    if not all(any(r.search(p) for p in paths) for r in _TITAN):
         return ("the model's module paths are not torchtitan's Llama (tok_embeddings, layers.N.attention.wq, "
                 "layers.N.feed_forward.w1, output): the degrees below apply only to a torchtitan model")
     return None
