@@ -76,3 +76,8 @@ def step_on_rank(case: str, text: str) -> dict:
         worst = max(worst, float((g - want[n]).abs().max() / (want[n].abs().max() + 1e-12)))
     return {"loss": got.item() / dist.get_world_size(), "want_loss": want_loss, "grad_error": worst,
             "collectives": dict(counts)}
+
+
+def cases_on_rank(cases: list) -> list:
+    """``step_on_rank`` for each ``(case, exported text)``."""
+    return [step_on_rank(case, text) for case, text in cases]

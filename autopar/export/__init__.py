@@ -91,15 +91,18 @@ def step_collectives(projected: Plan, st: Styles) -> dict[str, int]:
     return {k: v for k, v in sorted(out.items()) if v}
 
 
-def export(plan: Plan, format: str, model=None, example_inputs=(), example_kwargs=None) -> Export:
+def export(plan: Plan, format: str, model=None, example_inputs=(), example_kwargs=None, *,
+           tensor_parallel: Optional[bool] = None) -> Export:
     """``plan`` as the layout ``format`` names (``"dtensor"`` or ``"torchtitan"``). ``model`` and its
     example inputs (those the plan was made with) let the projection be priced; the ``dtensor``
-    format needs them (its tensor-parallel styles are read off the model's graph)."""
+    format needs them (its tensor-parallel styles are read off the model's graph). ``tensor_parallel``:
+    None projects with and without the plan's tensor axis and keeps the faster that fits; True or
+    False keeps or drops it (``export.project.project``)."""
     if format not in FORMATS:
         raise ArgumentError(f"export: unknown format {format!r}; formats are {', '.join(FORMATS)}")
     proj: Optional[Projection] = None
     if model is not None and plan.pipeline is None:
-        proj = project(plan, model, example_inputs, example_kwargs)
+        proj = project(plan, model, example_inputs, example_kwargs, tensor_parallel)
     elif format == "dtensor" and plan.pipeline is None:
         raise ArgumentError("export: the dtensor format needs the plan's model and example inputs "
                             "(plan.export('dtensor', model, example_inputs))")

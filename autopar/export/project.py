@@ -56,10 +56,11 @@ def _split_dim(text: str, axis: int) -> Optional[int]:
     return p.dim if isinstance(p, Split) else None
 
 
-def _tensor_axis(plan: Plan, graph: Graph) -> Optional[int]:
+def _tensor_axis(plan: Plan) -> Optional[int]:
     """The mesh axis the plan runs tensor parallelism on: where the most weight matrices are split
     and never gathered (used where they lie), if any."""
-    mats = {fqn for fqn, node in graph.params.items() if graph.node(node).out.ndim == 2}
+    # (``graph.shapes``: "dtype[rows, cols]" per parameter)
+    mats = {fqn for fqn, shape in plan.graph.get("shapes", {}).items() if shape.count(",") == 1}
     gathered: dict[str, set[str]] = {}
     for r in plan.reshardings:
         if r.get("kind") == "param":
@@ -94,7 +95,10 @@ def _head_attributes(model, path: str, sizes: set[int], degree: int) -> Optional
     return {k: v // degree for k, v in found.items()}
 
 
-def styles(plan: Plan, graph: Optional[Graph], model=None) -> Styles:
+_FOUND = object()  # ``styles``'s default: the tensor axis read off the plan
+
+
+def styles(plan: Plan, graph: Optional[Graph], model=None, tensor_axis=_FOUND) -> Styles:
     """The module-level choices closest to ``plan`` on ``graph`` (the plan's model, captured).
 
     On the tensor axis a pair of weights Megatron would split together (``recipes.tensor_layout``:
@@ -104,8 +108,9 @@ def styles(plan: Plan, graph: Optional[Graph], model=None) -> Styles:
     ``num_key_value_heads``: ``_head_attributes``), which the exported code sets to the local counts
     (a module style hands the attention its local heads), and no weight of the pair is fused
     (``qkv`` as blocks: a contiguous column split would mix them); else it stays replicated.
-    Without the graph (``None``) every non-pipeline axis is a data axis."""
-    t = _tensor_axis(plan, graph) if graph is not None else None
+    Without the graph (``None``) the axes are found, not the styles. ``tensor_axis`` (an index, or
+    None for none) overrides the axis read off the plan."""
+    t = _tensor_axis(plan) if tensor_axis is _FOUND else tensor_axis
     names = plan.axis_names
     out = Styles(names[t] if t is not None else None, tuple(a for i, a in enumerate(names) if i != t))
     for g in plan.layer_groups:
@@ -216,8 +221,12 @@ class Projection:
     changed: list[tuple[str, str, str, str]]
 
 
-def project(plan: Plan, model, example_inputs=(), example_kwargs=None) -> Projection:
-    """Project ``plan`` (made for ``model`` with these inputs) onto module-level styles and price it."""
+def project(plan: Plan, model, example_inputs=(), example_kwargs=None,
+            tensor_parallel: Optional[bool] = None) -> Projection:
+    """Project ``plan`` (made for ``model`` with these inputs) onto module-level styles and price it:
+    the styles with the tensor axis read off the plan and those without tensor parallelism are
+    both priced, and the faster that fits the plan's budget is the projection (its ``styles.notes``
+    give the other's price). ``tensor_parallel`` True keeps the plan's tensor axis, False drops it."""
     if plan.pipeline is not None:
         raise PlanError("export: pricing the projection of a pipelined plan is not supported; export its "
                         "stages' layout from a plan of one stage (autopar.plan without a pp axis)")
@@ -227,8 +236,23 @@ def project(plan: Plan, model, example_inputs=(), example_kwargs=None) -> Projec
                        checkpointing=dict(plan.checkpointing) or "none", kept_gathers=list(plan.kept_gathers),
                        progress=False, capture_outputs=True)
     planned = run_passes(model, mesh, example_inputs, example_kwargs, opts)
+    found = _tensor_axis(plan)
+    # the styles with the plan's tensor axis, and without tensor parallelism: the faster that fits
+    axes = {None: [found, None], True: [found], False: [None]}[tensor_parallel]
+    tried = [_priced(plan, planned, styles(plan, planned.graph, model, t), mesh) for t in dict.fromkeys(axes)]
+    fits = [p for p in tried if p.plan.fits] or tried
+    best = min(fits, key=lambda p: p.plan.step_time)
+    for other in tried:
+        if other is not best:
+            how = f"tensor-parallel on {other.styles.tensor_axis!r}" if other.styles.tensor_axis else "without tensor parallelism"
+            best.styles.notes.append(f"the styles {how} price at {other.plan.step_time * 1e3:.4g} ms"
+                                     f"{'' if other.plan.fits else ' and do not fit'}")
+    return best
+
+
+def _priced(plan: Plan, planned: Planned, st: Styles, mesh: Mesh) -> Projection:
+    """The styles ``st`` as an op-level assignment on ``planned``'s problem, priced."""
     graph = planned.graph
-    st = styles(plan, graph, model)
     t = [list(mesh.names).index(st.tensor_axis)] if st.tensor_axis else []
     allowed = _placements(graph, mesh, st)
     if t:

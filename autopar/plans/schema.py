@@ -293,13 +293,15 @@ class Plan:
                                 f"{type(other).__name__} {shown(other)}")
         return view.diff(self, other)
 
-    def export(self, format: str, model=None, example_inputs=(), example_kwargs=None):
+    def export(self, format: str, model=None, example_inputs=(), example_kwargs=None, **options):
         """The plan as a layout people already run: ``"dtensor"`` (a Python module applying it with
         DTensor's module styles and FSDP2) or ``"torchtitan"`` (its job-config settings), with a report
         of the projection onto module styles and its price (``autopar.export.export``; the model and
-        the plan's example inputs price the projection, and ``"dtensor"`` needs them)."""
+        the plan's example inputs price the projection, and ``"dtensor"`` needs them; ``options``:
+        ``tensor_parallel``)."""
         # the exporter sits above the plans (it re-runs the planner's passes): loaded by name here
-        return importlib.import_module("autopar.export").export(self, format, model, example_inputs, example_kwargs)
+        return importlib.import_module("autopar.export").export(self, format, model, example_inputs,
+                                                                    example_kwargs, **options)
 
     def __str__(self) -> str:
         """The summary table."""
