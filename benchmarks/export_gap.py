@@ -29,7 +29,9 @@ def main() -> None:
           f"{r['projected']['step_time'] * 1e3:.1f} ms ({gap:+.1%}); peak {r['original']['peak_memory'] / 2**30:.1f} / "
           f"{r['projected']['peak_memory'] / 2**30:.1f} GiB; {len(r['changed'])} placements changed; "
           f"planned in {planned:.0f} s, exported in {time.perf_counter() - t - planned:.0f} s")
-    print(e.summary().splitlines()[-1] if r["notes"] else "")
+    print("\n".join(f"note: {n}" for n in r["notes"]))
+    print("recipes:", ", ".join(f"{k} {v['step_time'] * 1e3:.1f} ms" for k, v in sorted(plan.baselines.items())
+                                if "step_time" in v))
     print("TP_PLAN modules:", e.text.count("'colwise'"), "colwise,", e.text.count("'rowwise'"), "rowwise")
 
 

@@ -93,7 +93,8 @@ def test_torchtitan_settings():
     """The degrees, checkpointing and whether the model is torchtitan-shaped; no model needed."""
     e = _plan("llama", "fsdp_tp").export("torchtitan")
     par = e.report["config"]["parallelism"]
-    assert (par["data_parallel_shard_degree"], par["tensor_parallel_degree"], par["pipeline_parallel_degree"]) == (2, 2, 1)
+    degrees = ("data_parallel_shard_degree", "tensor_parallel_degree", "pipeline_parallel_degree")
+    assert tuple(par[k] for k in degrees) == (2, 2, 1)
     assert e.report["config"]["activation_checkpoint"] == {"mode": "none"}
     assert "[parallelism]\n" in e.text and "tensor_parallel_degree = 2\n" in e.text
     assert e.report["projected"] is None

@@ -11,7 +11,8 @@ from autopar.cli.errors import USAGE, CLIError
 
 def add_export_parser(sub, common) -> argparse.ArgumentParser:
     """The ``export`` sub-parser, added to ``sub`` (the parser's sub-parsers)."""
-    p = sub.add_parser("export", parents=[common], help="write a saved plan as DTensor + FSDP2 code or torchtitan settings",
+    p = sub.add_parser("export", parents=[common],
+                       help="write a saved plan as DTensor + FSDP2 code or torchtitan settings",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Project a saved plan onto module-level styles and write it as a Python module with "
                                    "parallelize(model, device_mesh) (--format dtensor) or as torchtitan job-config "

@@ -66,7 +66,8 @@ def step_collectives(projected: Plan, st: Styles) -> dict[str, int]:
     ``fully_shard`` unit and phase its parameters are gathered in, one reduce-scatter (and, over a
     replicated data axis, one all-reduce) per unit its gradients are reduced in, and each activation
     all-reduce on the tensor axis. The root unit is not resharded after forward (FSDP2 keeps it
-    gathered), where the projection's price gathers what the backward uses again. The loss's own all-reduce (the program averages the step's loss
+    gathered), where the projection's price gathers what the backward uses again. The loss's own
+    all-reduce (the program averages the step's loss
     over the batch; the exported model returns each rank's) is not counted."""
     phase = {n["name"]: n.get("phase", "") for n in projected.nodes}
     data, shard = set(st.data_axes), st.data_axes[-1] if st.data_axes else None

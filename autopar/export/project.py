@@ -19,7 +19,7 @@ from autopar.cost_model.mesh import Mesh
 from autopar.errors import PlanError
 from autopar.ir.attention import ATTN_FWD
 from autopar.ir.graph import Graph
-from autopar.ir.placement import B, Partial, Split, blocks_fit, format_placements, parse
+from autopar.ir.placement import B, Partial, Split, blocks_fit, parse
 from autopar.passes.search import checkpoint, peak, recipes
 from autopar.passes.search.complete import complete
 from autopar.passes.search.problem import evaluate
@@ -68,8 +68,8 @@ def _tensor_axis(plan: Plan) -> Optional[int]:
                 s["axis"] for s in r.get("steps", []) if s.get("kind") == "all_gather")
     counts = [0] * len(plan.axis_names)
     for fqn in mats:
-        module, name = fqn.rpartition(".")[0], plan.axis_names
-        for a, axis in enumerate(name):
+        module = fqn.rpartition(".")[0]
+        for a, axis in enumerate(plan.axis_names):
             if _split_dim(plan.placements.get(fqn, "B"), a) is not None and axis not in gathered.get(module, ()):
                 counts[a] += 1
     best = max(range(len(counts)), key=lambda a: (counts[a], a)) if counts else 0
@@ -77,6 +77,7 @@ def _tensor_axis(plan: Plan) -> Optional[int]:
 
 
 def _attention_nodes(graph: Graph) -> set[str]:
+    """The graph's attention ops (the device-neutral op, or an SDPA kernel captured as is)."""
     return {n.name for n in graph.ops() if n.op == ATTN_FWD or "scaled_dot_product" in n.op}
 
 
@@ -148,7 +149,8 @@ def styles(plan: Plan, graph: Optional[Graph], model=None, tensor_axis=_FOUND) -
                     heads = _head_attributes(model, parent, sizes, plan.mesh_shape[t])
                 if heads is None:
                     out.notes.append(f"{parent or 'the model'}: replicated on {names[t]!r} (its projections run "
-                                     "through attention, and it has no head-count attribute to localize or a fused weight)")
+                                     "through attention, and it has no head-count attribute to localize, "
+                                     "or a fused weight)")
                     continue
                 out.local_heads[parent] = heads
                 kept += mine
@@ -231,7 +233,8 @@ def project(plan: Plan, model, example_inputs=(), example_kwargs=None,
         raise PlanError("export: pricing the projection of a pipelined plan is not supported; export its "
                         "stages' layout from a plan of one stage (autopar.plan without a pp axis)")
     mesh = Mesh.from_dict(plan.mesh)
-    opts = PlanOptions(training=plan.training, memory_budget=plan.memory_budget, search="propagate",
+    # (a plan written without a budget has 0 there)
+    opts = PlanOptions(training=plan.training, memory_budget=plan.memory_budget or math.inf, search="propagate",
                        precision=plan.precision.get("name"), optimizer=plan.precision.get("optimizer", "adamw"),
                        checkpointing=dict(plan.checkpointing) or "none", kept_gathers=list(plan.kept_gathers),
                        progress=False, capture_outputs=True)
@@ -244,7 +247,8 @@ def project(plan: Plan, model, example_inputs=(), example_kwargs=None,
     best = min(fits, key=lambda p: p.plan.step_time)
     for other in tried:
         if other is not best:
-            how = f"tensor-parallel on {other.styles.tensor_axis!r}" if other.styles.tensor_axis else "without tensor parallelism"
+            axis = other.styles.tensor_axis
+            how = f"tensor-parallel on {axis!r}" if axis else "without tensor parallelism"
             best.styles.notes.append(f"the styles {how} price at {other.plan.step_time * 1e3:.4g} ms"
                                      f"{'' if other.plan.fits else ' and do not fit'}")
     return best
@@ -282,4 +286,4 @@ def changed_ops(a: Plan, b: Plan) -> list[tuple[str, str, str, str]]:
     return out
 
 
-__all__ = ["Projection", "Styles", "changed_ops", "project", "styles", "format_placements"]
+__all__ = ["Projection", "Styles", "changed_ops", "project", "styles"]

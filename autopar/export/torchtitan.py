@@ -12,7 +12,8 @@ from autopar.export.project import Styles
 from autopar.plans.schema import Plan
 
 #: module paths of torchtitan's Llama (and its relatives): the layer stack and the projections
-_TITAN = (re.compile(r"(^|\.)layers\.\d+\.attention\.w[qkvo]$"), re.compile(r"(^|\.)layers\.\d+\.feed_forward\.w[123]$"),
+_TITAN = (re.compile(r"(^|\.)layers\.\d+\.attention\.w[qkvo]$"),
+          re.compile(r"(^|\.)layers\.\d+\.feed_forward\.w[123]$"),
           re.compile(r"(^|\.)tok_embeddings$"), re.compile(r"(^|\.)output$"))
 
 
