@@ -103,6 +103,19 @@ def test_torchtitan_settings():
     assert not any("not torchtitan's Llama" in n for n in e.report["notes"])
 
 
+def test_torchtitan_settings_of_a_pipelined_plan():
+    model, args = build("llama")
+    plan = autopar.plan(model, autopar.Mesh({"pp": 2, "dp": 2}, device="cpu"), args, deterministic_time=0.5,
+                        progress=False, pipeline={"schedule": "1F1B", "microbatches": 2})
+    par = plan.export("torchtitan").report["config"]["parallelism"]
+    assert par["pipeline_parallel_degree"] == 2 and par["pipeline_parallel_schedule"] == "1F1B"
+    assert par["module_fqns_per_model_part"] == [list(s) for s in plan.pipeline.stages]
+    assert par["pipeline_parallel_microbatch_size"] == 8 // 2 // 2  # batch 8, 2 micro-batches, 2 data ranks
+    ns: dict = {}
+    exec(compile(plan.export("dtensor").text, "<export>", "exec"), ns)
+    assert ns["SPLIT_POINTS"] == [s[0] for s in plan.pipeline.stages[1:]] and ns["PIPELINE"]["microbatches"] == 2
+
+
 def test_bad_format_and_dtensor_without_model_are_one_line_errors():
     with pytest.raises(ArgumentError, match="unknown format 'megatron'"):
         export(_plan("gpt"), "megatron")

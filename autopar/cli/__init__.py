@@ -76,7 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
         positive_float,
         positive_int,
     )
-    from autopar.cli.export import add_export_parser
     from autopar.cli.commands import (
         cmd_calibrate,
         cmd_demo,
@@ -84,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_explain,
         cmd_plan,
     )
+    from autopar.cli.export import add_export_parser
     from autopar.validate import RECIPE_NAMES as NAMES
 
     common = _common()

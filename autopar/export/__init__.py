@@ -67,8 +67,8 @@ def step_collectives(projected: Plan, st: Styles) -> dict[str, int]:
     replicated data axis, one all-reduce) per unit its gradients are reduced in, and each activation
     all-reduce on the tensor axis. The root unit is not resharded after forward (FSDP2 keeps it
     gathered), where the projection's price gathers what the backward uses again. The loss's own
-    all-reduce (the program averages the step's loss
-    over the batch; the exported model returns each rank's) is not counted."""
+    all-reduce (the program averages the step's loss over the batch; the exported model returns
+    each rank's) is not counted."""
     phase = {n["name"]: n.get("phase", "") for n in projected.nodes}
     data, shard = set(st.data_axes), st.data_axes[-1] if st.data_axes else None
     gathers, reduced = set(), Counter()
@@ -110,8 +110,7 @@ def export(plan: Plan, format: str, model=None, example_inputs=(), example_kwarg
     st = proj.styles if proj is not None else styles(plan, None)
     notes = list(st.notes)
     if plan.pipeline is not None:
-        notes.append("pipelined plan: each stage's layout is exported without tensor styles and unpriced; "
-                     "SPLIT_POINTS gives the stages")
+        notes.append("pipelined plan: the stages' layout is exported without tensor styles and not priced")
     report = {"original": _figures(plan), "projected": _figures(proj.plan) if proj else None,
               "changed": [dict(zip(("name", "module", "planned", "projected"), c)) for c in proj.changed]
               if proj else [], "collectives": step_collectives(proj.plan, st) if proj else None, "notes": notes}

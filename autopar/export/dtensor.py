@@ -64,8 +64,17 @@ def _recompute(module: torch.nn.Module) -> None:
     module.forward = run
 
 
+def _holds(model: torch.nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def parallelize(model: torch.nn.Module, device_mesh) -> torch.nn.Module:
-    """Apply the layout to ``model`` in place (every rank, same model) and return it."""
+    """Apply the layout to ``model`` in place (every rank, same model; with SPLIT_POINTS, a pipeline
+    stage's module, its paths as in the whole model) and return it."""
     if TP_PLAN:
         parallelize_module(model, device_mesh[TENSOR_AXIS], _styles())
         for path, counts in LOCAL_HEADS.items():  # the module's views see this rank's heads
@@ -76,6 +85,8 @@ def parallelize(model: torch.nn.Module, device_mesh) -> torch.nn.Module:
     if DATA_AXES:
         data_mesh = device_mesh[DATA_AXES] if len(DATA_AXES) > 1 else device_mesh[DATA_AXES[0]]
         for path, reshard in FSDP_UNITS.items():
+            if SPLIT_POINTS and not _holds(model, path):  # a pipeline stage holds some layers only
+                continue
             fully_shard(model.get_submodule(path), mesh=data_mesh, reshard_after_forward=reshard)
     return model
 

@@ -27,6 +27,13 @@ def titan_shaped(plan: Plan) -> Optional[str]:
     return None
 
 
+def _batch(plan: Plan) -> int:
+    """The first input's batch in the plan's graph (0: not known)."""
+    shape = plan.graph.get("inputs", {}).get("input:0", "")
+    m = re.search(r"\[(\d+)", shape)
+    return int(m.group(1)) if m else 0
+
+
 def _checkpointing(st: Styles, layers: int) -> tuple[dict, list[str]]:
     """torchtitan's ``[activation_checkpoint]`` for the recomputed layers, and what it cannot say."""
     done = st.checkpointed
@@ -61,11 +68,17 @@ def settings(plan: Plan, st: Styles) -> tuple[dict, list[str]]:
     pipe = plan.pipeline
     if pipe is not None:
         par.update(pipeline_parallel_degree=pipe.degree, pipeline_parallel_schedule=pipe.schedule,
-                   pipeline_parallel_microbatches=pipe.microbatches,
-                   pipeline_parallel_split_points=[s[0] for s in pipe.stages[1:]])
-    if st.tensor_axis and st.notes:
-        notes.append("torchtitan's tensor parallelism splits attention and the MLP (with sequence-parallel norms); "
-                     "the projection splits " + (", ".join(sorted(st.linear)) or "no module"))
+                   module_fqns_per_model_part=[list(s) for s in pipe.stages])
+        # the plan's graph is one micro-batch's: its batch over the data ranks is a rank's micro-batch
+        batch = _batch(plan)
+        pieces = math.prod(data) if data else 1
+        if batch and batch % pieces == 0:
+            par["pipeline_parallel_microbatch_size"] = batch // pieces
+        notes.append(f"{pipe.microbatches} micro-batches: training.local_batch_size = "
+                     f"{pipe.microbatches} x pipeline_parallel_microbatch_size")
+    if st.tensor_axis is not None:
+        notes.append("torchtitan's tensor parallelism splits every attention and MLP projection, with "
+                     f"sequence-parallel norms; the projection splits {len(st.linear)} Linear modules")
     layers = sum(len(g.get("paths", [])) for g in plan.layer_groups)
     ac, more = _checkpointing(st, layers)
     why = titan_shaped(plan)
