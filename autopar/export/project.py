@@ -158,6 +158,11 @@ def styles(plan: Plan, graph: Optional[Graph], model=None, tensor_axis=_FOUND) -
         for m in members:
             if m in fqn_of and fqn_of[m].endswith(".weight"):
                 out.linear[fqn_of[m].rpartition(".")[0]] = "colwise" if layout.get(m, pairs[m]) == 0 else "rowwise"
+    alone = sorted(fqn_of[p].rpartition(".")[0] for p in layout if p not in pairs and p in fqn_of
+                   and graph.node(p).out.ndim == 2 and _split_dim(plan.placements.get(fqn_of[p], "B"), t) is not None)
+    if alone:  # the output head, the token embedding
+        out.notes.append(f"{', '.join(alone)}: replicated on {names[t]!r} (a vocabulary split needs the loss "
+                         "computed on split logits, torch's loss_parallel, which a model's own loss is not told)")
     return out
 
 
