@@ -82,11 +82,18 @@ def test_tensor_parallel_plan_projects_onto_colwise_rowwise_and_local_heads():
 
 def test_default_projection_is_the_faster_of_with_and_without_tensor_parallelism():
     model, args = build("llama")
-    plan = _plan("llama", "fsdp_tp")
-    both = project(plan, model, args)
-    one = [project(plan, model, args, tensor_parallel=tp).plan.step_time for tp in (True, False)]
-    assert both.plan.step_time == pytest.approx(min(one), rel=1e-12)
+    both = project(_plan("llama", "fsdp_tp"), model, args)
+    assert set(both.tried) == {"tp", None}
+    assert both.plan.step_time == min(both.tried.values())
     assert any("price at" in n for n in both.styles.notes)
+    forced = _exported("llama", "fsdp_tp").report["projected"]["step_time"]  # tensor_parallel=True
+    assert forced == pytest.approx(both.tried["tp"], rel=1e-9)
+
+
+def test_a_model_other_than_the_plans_is_refused():
+    model, args = build("llama")
+    with pytest.raises(autopar.PlanError, match="not the one the plan was made for.*parameters"):
+        _plan("gpt").export("dtensor", model, args)
 
 
 def test_torchtitan_settings():
@@ -132,6 +139,11 @@ def test_cli_export(tmp_path, capsys):
     assert "tensor_parallel_degree = 2" in capsys.readouterr().out
     assert main(["export", str(path), "--format", "dtensor"]) == 2
     assert "--model MODULE:FACTORY" in capsys.readouterr().err
+    out = tmp_path / "parallelize_llama.py"
+    assert main(["export", str(path), "--format", "dtensor", "--model", "autopar.models:make", "--kw", "family=llama",
+                 "--kw", "size=tiny", "--kw", "batch=8", "-o", str(out)]) == 0
+    assert "projected" in capsys.readouterr().out
+    assert "def parallelize(model" in out.read_text()
 
 
 CASES = (("gpt", None), ("llama", None), ("llama", "fsdp_tp"), ("titan", None))

@@ -18,6 +18,7 @@ from typing import Optional
 from autopar.cost_model.mesh import Mesh
 from autopar.errors import PlanError
 from autopar.ir.attention import ATTN_FWD
+from autopar.ir.fingerprint import graph_fingerprint, graph_info
 from autopar.ir.graph import Graph
 from autopar.ir.placement import B, Partial, Split, blocks_fit, parse
 from autopar.passes.search import checkpoint, peak, recipes
@@ -27,7 +28,7 @@ from autopar.passes.search.strategies import output_placement
 from autopar.planner.intra import Planned, run_passes
 from autopar.planner.options import PlanOptions
 from autopar.planner.report import build_plan
-from autopar.plans.schema import Plan
+from autopar.plans.schema import Plan, graph_differences
 
 
 @dataclass
@@ -221,11 +222,13 @@ def _no_partial_outside(planned: Planned, plan: Plan, st: Styles, t: int) -> dic
 @dataclass
 class Projection:
     """The projected plan (``plan``: priced by the planner's evaluator, as a ``Plan``), the styles
-    it applies and the ops whose placements it changed: ``(node, module, original, projected)``."""
+    it applies, the ops whose placements it changed (``(node, module, original, projected)``) and
+    the step time of each projection compared (``tried``: by its tensor axis, None for none)."""
 
     plan: Plan
     styles: Styles
     changed: list[tuple[str, str, str, str]]
+    tried: dict[Optional[str], float] = field(default_factory=dict)
 
 
 def project(plan: Plan, model, example_inputs=(), example_kwargs=None,
@@ -244,12 +247,14 @@ def project(plan: Plan, model, example_inputs=(), example_kwargs=None,
                        checkpointing=dict(plan.checkpointing) or "none", kept_gathers=list(plan.kept_gathers),
                        progress=False, capture_outputs=True)
     planned = run_passes(model, mesh, example_inputs, example_kwargs, opts)
+    _check_same_graph(plan, planned.graph)
     found = _tensor_axis(plan)
     # the styles with the plan's tensor axis, and without tensor parallelism: the faster that fits
     axes = {None: [found, None], True: [found], False: [None]}[tensor_parallel]
     tried = [_priced(plan, planned, styles(plan, planned.graph, model, t), mesh) for t in dict.fromkeys(axes)]
     fits = [p for p in tried if p.plan.fits] or tried
     best = min(fits, key=lambda p: p.plan.step_time)
+    best.tried = {p.styles.tensor_axis: p.plan.step_time for p in tried}
     for other in tried:
         if other is not best:
             axis = other.styles.tensor_axis
@@ -257,6 +262,16 @@ def project(plan: Plan, model, example_inputs=(), example_kwargs=None,
             best.styles.notes.append(f"the styles {how} price at {other.plan.step_time * 1e3:.4g} ms"
                                      f"{'' if other.plan.fits else ' and do not fit'}")
     return best
+
+
+def _check_same_graph(plan: Plan, graph: Graph) -> None:
+    """A PlanError listing the differences unless ``graph`` is the graph ``plan`` was made for."""
+    want = plan.fingerprint.get("graph")
+    if want in (graph_fingerprint(graph), graph_fingerprint(graph, legacy=True)):
+        return
+    lines = graph_differences(plan.graph, graph_info(graph)) or ["the graphs' fingerprints differ"]
+    raise PlanError("export: the model (or its example inputs) is not the one the plan was made for: "
+                    + "; ".join(lines) + "; pass the plan's model and example inputs")
 
 
 def _priced(plan: Plan, planned: Planned, st: Styles, mesh: Mesh) -> Projection:
