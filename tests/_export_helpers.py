@@ -44,7 +44,7 @@ def build(case: str):
 def step_on_rank(case: str, text: str) -> dict:
     """Apply the exported layout to the ``case`` model (``build``, in float64), run one step under
     CommDebugMode; the loss averaged over the data ranks, the worst gradient error against one
-    device, and the collectives by kind."""
+    device, the collectives by kind, and how often each recomputed layer ran."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -58,6 +58,10 @@ def step_on_rank(case: str, text: str) -> dict:
     mesh = init_device_mesh("cpu", tuple(module.MESH_AXES.values()), mesh_dim_names=tuple(module.MESH_AXES))
     model.zero_grad(set_to_none=True)
     module.parallelize(model, mesh)
+    runs: dict[str, int] = {}  # per recomputed layer, how often its first child runs in the step
+    for path in module.CHECKPOINTED:
+        child = next(model.get_submodule(path).children())
+        child.register_forward_hook(lambda *_, path=path: runs.__setitem__(path, runs.get(path, 0) + 1))
     local = tuple(module.local_batch(a, mesh) for a in args)
     with CommDebugMode() as comm:
         loss = model(*local)
@@ -75,7 +79,7 @@ def step_on_rank(case: str, text: str) -> dict:
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         worst = max(worst, float((g - want[n]).abs().max() / (want[n].abs().max() + 1e-12)))
     return {"loss": got.item() / dist.get_world_size(), "want_loss": want_loss, "grad_error": worst,
-            "collectives": dict(counts)}
+            "collectives": dict(counts), "runs": runs}
 
 
 def cases_on_rank(cases: list) -> list:

@@ -23,11 +23,14 @@ AXES = (("dp", 2), ("tp", 2))
 
 @functools.lru_cache(maxsize=None)
 def _plan(case: str, recipe: str | None = None) -> autopar.Plan:
-    """The plan of a case on AXES (searched, or a recipe), made once per session."""
-    if case != "titan":
+    """The plan of a case on AXES (searched, or a recipe; ``"checkpointing"``: searched with every
+    layer recomputed), made once per session."""
+    if case != "titan" and recipe != "checkpointing":
         return autopar.Plan.from_dict(json.loads(plan_json(case, AXES, recipe)))
     model, args = build(case)
-    return autopar.plan(model, autopar.Mesh(dict(AXES), device="cpu"), args, deterministic_time=0.5, progress=False)
+    kw = {"checkpointing": "full"} if recipe == "checkpointing" else {}
+    return autopar.plan(model, autopar.Mesh(dict(AXES), device="cpu"), args, deterministic_time=0.5, progress=False,
+                        **kw)
 
 
 #: the cases whose tensor parallelism the export keeps (default: the faster projection)
@@ -146,14 +149,15 @@ def test_cli_export(tmp_path, capsys):
     assert "def parallelize(model" in out.read_text()
 
 
-CASES = (("gpt", None), ("llama", None), ("llama", "fsdp_tp"), ("titan", None))
+CASES = (("gpt", None), ("llama", None), ("llama", "fsdp_tp"), ("llama", "checkpointing"), ("titan", None))
 
 
 @pytest.mark.gloo
 def test_exported_module_trains_as_one_device_with_predicted_collectives(gloo_pool4):
-    """Searched plans of GPT, LLaMA and the torchtitan-style Llama 3, and LLaMA's fsdp_tp, exported and
-    run on 4 gloo ranks in float64 with plain DTensor + FSDP2: loss and gradients equal one device's,
-    and the collectives of the step, by kind, are the projection's."""
+    """Searched plans of GPT, LLaMA and the torchtitan-style Llama 3, LLaMA's fsdp_tp and a plan that
+    recomputes every layer, exported and run on 4 gloo ranks in float64 with plain DTensor + FSDP2:
+    loss and gradients equal one device's, the collectives of the step, by kind, are the
+    projection's, and the recomputed layers run twice."""
     exported = {c: _exported(*c) for c in CASES}
     results = gloo_pool4().run(cases_on_rank, [(c[0], exported[c].text) for c in CASES])
     for rank in results:
@@ -162,4 +166,5 @@ def test_exported_module_trains_as_one_device_with_predicted_collectives(gloo_po
             assert r["loss"] == pytest.approx(r["want_loss"], rel=tol), c
             assert r["grad_error"] < tol, c
             assert r["collectives"] == exported[c].report["collectives"], c
+            assert r["runs"] == ({"layers.0": 2, "layers.1": 2} if c[1] == "checkpointing" else {}), c
     assert exported[("llama", "fsdp_tp")].report["collectives"]["all_reduce"] > 0  # tensor parallelism ran

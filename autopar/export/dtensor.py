@@ -120,7 +120,7 @@ def render(plan: Plan, st: Styles, projected: Optional[Plan]) -> str:
     units = {p: st.reshard[p] for p in st.units}
     return _TEMPLATE.format(axes=axes, times=times, shape=tuple(axes.values()), names=tuple(axes),
                             mesh_axes=axes, tensor_axis=repr(st.tensor_axis), data_axes=st.data_axes,
-                            tp_plan=_rows(st.linear), local_heads=_rows(st.local_heads), units=_rows(units),
+                            tp_plan=_rows(dict(sorted(st.linear.items()))), local_heads=_rows(st.local_heads), units=_rows(units),
                             checkpointed=st.checkpointed,
                             split_points=split_points, pipeline=pipeline)
 
