@@ -23,12 +23,13 @@ AXES = (("dp", 2), ("tp", 2))
 
 @functools.lru_cache(maxsize=None)
 def _plan(case: str, recipe: str | None = None) -> autopar.Plan:
-    """The plan of a case on AXES (searched, or a recipe; ``"checkpointing"``: searched with every
-    layer recomputed), made once per session."""
+    """The plan of a case on AXES (searched, or a recipe; ``"checkpointing"``: searched with layers
+    recomputed), made once per session."""
     if case != "titan" and recipe != "checkpointing":
         return autopar.Plan.from_dict(json.loads(plan_json(case, AXES, recipe)))
     model, args = build(case)
-    kw = {"checkpointing": "full"} if recipe == "checkpointing" else {}
+    # (every GPT block recomputed in full; LLaMA's first layer selectively)
+    kw = {"checkpointing": "full" if case == "gpt" else {"layers.0": "selective"}} if recipe == "checkpointing" else {}
     return autopar.plan(model, autopar.Mesh(dict(AXES), device="cpu"), args, deterministic_time=0.5, progress=False,
                         **kw)
 
@@ -149,13 +150,14 @@ def test_cli_export(tmp_path, capsys):
     assert "def parallelize(model" in out.read_text()
 
 
-CASES = (("gpt", None), ("llama", None), ("llama", "fsdp_tp"), ("llama", "checkpointing"), ("titan", None))
+CASES = (("gpt", None), ("llama", None), ("llama", "fsdp_tp"), ("gpt", "checkpointing"), ("llama", "checkpointing"),
+         ("titan", None))
 
 
 @pytest.mark.gloo
 def test_exported_module_trains_as_one_device_with_predicted_collectives(gloo_pool4):
     """Searched plans of GPT, LLaMA and the torchtitan-style Llama 3, LLaMA's fsdp_tp and a plan that
-    recomputes every layer, exported and run on 4 gloo ranks in float64 with plain DTensor + FSDP2:
+    recomputes its layers (full, selective), exported and run on 4 gloo ranks in float64 with plain DTensor + FSDP2:
     loss and gradients equal one device's, the collectives of the step, by kind, are the
     projection's, and the recomputed layers run twice."""
     exported = {c: _exported(*c) for c in CASES}
@@ -166,5 +168,7 @@ def test_exported_module_trains_as_one_device_with_predicted_collectives(gloo_po
             assert r["loss"] == pytest.approx(r["want_loss"], rel=tol), c
             assert r["grad_error"] < tol, c
             assert r["collectives"] == exported[c].report["collectives"], c
-            assert r["runs"] == ({"layers.0": 2, "layers.1": 2} if c[1] == "checkpointing" else {}), c
+            assert r["runs"] == {path: 2 for path in _plan(*c).checkpointing}, c
     assert exported[("llama", "fsdp_tp")].report["collectives"]["all_reduce"] > 0  # tensor parallelism ran
+    assert _plan("gpt", "checkpointing").checkpointing == {"blocks.0": "full", "blocks.1": "full"}
+    assert _plan("llama", "checkpointing").checkpointing == {"layers.0": "selective"}

@@ -1,10 +1,10 @@
 """The ``dtensor`` export: a Python module whose ``parallelize(model, device_mesh)`` applies a plan's
 projection (``export.project.Styles``) with torch's public APIs only: ``parallelize_module`` with
 ``ColwiseParallel``/``RowwiseParallel`` on the tensor axis (the split attention modules' head-count
-attributes set to this rank's counts), ``torch.utils.checkpoint`` around each
-recomputed layer, ``fully_shard`` (FSDP2) per layer and on the root over the data axes (a 2-D data
-mesh is HSDP: replicated over the first, sharded over the second), and the pipeline's split points
-as data for ``torch.distributed.pipelining``."""
+attributes set to this rank's counts), ``torch.utils.checkpoint`` around each recomputed layer (the
+selective mode's policy through ``create_selective_checkpoint_contexts``), ``fully_shard`` (FSDP2)
+per layer and on the root over the data axes (a 2-D data mesh is HSDP: replicated over the first,
+sharded over the second), and the pipeline's split points as data for ``torch.distributed.pipelining``."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ the batch (``local_batch``). No autopar code runs here.
 import torch
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 #: the mesh the plan was made for, axis name -> size, in order
 MESH_AXES = {mesh_axes}
@@ -54,12 +54,32 @@ def _styles() -> dict:
     return {{path: ColwiseParallel() if style == "colwise" else RowwiseParallel() for path, style in TP_PLAN.items()}}
 
 
-def _recompute(module: torch.nn.Module) -> None:
-    """Recompute ``module``'s forward in the backward instead of keeping its activations."""
+def _selective():
+    """The selective mode's policy: keep the outputs of attention and of every other matmul (the
+    1st, 3rd, ... of the layer's forward), recompute the rest."""
+    counts = {{False: 0, True: 0}}  # matmuls seen in the forward and in the recomputation
+
+    def policy(ctx, op, *args, **kwargs):
+        name = op._overloadpacket.__name__ if hasattr(op, "_overloadpacket") else str(op)
+        if "scaled_dot_product" in name:
+            return CheckpointPolicy.MUST_SAVE
+        if name in ("mm", "addmm", "bmm", "baddbmm"):
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 1:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _recompute(module: torch.nn.Module, mode: str) -> None:
+    """Recompute ``module``'s forward in the backward instead of keeping its activations (``mode``
+    "selective": but the values ``_selective`` keeps)."""
     forward = module.forward
+    extra = {{"context_fn": _selective}} if mode == "selective" else {{}}
 
     def run(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
     module.forward = run
 
@@ -80,8 +100,8 @@ def parallelize(model: torch.nn.Module, device_mesh) -> torch.nn.Module:
         for path, counts in LOCAL_HEADS.items():  # the module's views see this rank's heads
             for name, value in counts.items():
                 setattr(model.get_submodule(path), name, value)
-    for path in CHECKPOINTED:
-        _recompute(model.get_submodule(path))
+    for path, mode in CHECKPOINTED.items():
+        _recompute(model.get_submodule(path), mode)
     if DATA_AXES:
         data_mesh = device_mesh[DATA_AXES] if len(DATA_AXES) > 1 else device_mesh[DATA_AXES[0]]
         for path, reshard in FSDP_UNITS.items():
@@ -120,7 +140,8 @@ def render(plan: Plan, st: Styles, projected: Optional[Plan]) -> str:
     units = {p: st.reshard[p] for p in st.units}
     return _TEMPLATE.format(axes=axes, times=times, shape=tuple(axes.values()), names=tuple(axes),
                             mesh_axes=axes, tensor_axis=repr(st.tensor_axis), data_axes=st.data_axes,
-                            tp_plan=_rows(dict(sorted(st.linear.items()))), local_heads=_rows(st.local_heads), units=_rows(units),
+                            tp_plan=_rows(dict(sorted(st.linear.items()))), local_heads=_rows(st.local_heads),
+                            units=_rows(units),
                             checkpointed=st.checkpointed,
                             split_points=split_points, pipeline=pipeline)
 

@@ -122,10 +122,6 @@ def styles(plan: Plan, graph: Optional[Graph], model=None, tensor_axis=_FOUND) -
     out.units.append("")
     out.reshard[""] = False  # FSDP2 keeps the root's parameters gathered from forward to backward
     out.checkpointed = dict(plan.checkpointing)
-    selective = sorted(p for p, mode in plan.checkpointing.items() if mode != "full")
-    if selective:
-        out.notes.append(f"{', '.join(selective)}: recomputed whole by the exported module (torch.utils.checkpoint), "
-                         "where the plan, and the projection's price, recompute selectively")
     if t is None or graph is None:
         return out
     fqn_of = {node: fqn for fqn, node in graph.params.items()}
