@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+import torch
+
 from autopar.cost_model.mesh import Mesh
 from autopar.errors import PlanError
 from autopar.ir.attention import ATTN_FWD
@@ -97,6 +99,14 @@ def _head_attributes(model, path: str, sizes: set[int], degree: int) -> Optional
     return {k: v // degree for k, v in found.items()}
 
 
+def _is_linear(model, path: str) -> bool:
+    """Whether ``model`` (None: not known) has an ``nn.Linear`` at ``path``, which the styles split."""
+    try:
+        return model is not None and isinstance(model.get_submodule(path), torch.nn.Linear)
+    except AttributeError:
+        return False
+
+
 _FOUND = object()  # ``styles``'s default: the tensor axis read off the plan
 
 
@@ -105,7 +115,7 @@ def styles(plan: Plan, graph: Optional[Graph], model=None, tensor_axis=_FOUND) -
 
     On the tensor axis a pair of weights Megatron would split together (``recipes.tensor_layout``:
     ``fc`` column-, ``proj`` row-parallel) is split when the plan splits either of them there and
-    nothing between them needs the whole dim. A pair through attention (``wq``..``wo``) is split
+    nothing between them needs the whole dim, and every one is an ``nn.Linear``. A pair through attention (``wq``..``wo``) is split
     only when ``model``'s attention module holds its head counts in attributes (``n_heads``,
     ``num_key_value_heads``: ``_head_attributes``), which the exported code sets to the local counts
     (a module style hands the attention its local heads), and no weight of the pair is fused
@@ -138,6 +148,11 @@ def styles(plan: Plan, graph: Optional[Graph], model=None, tensor_axis=_FOUND) -
         modules = sorted({fqn_of[m].rpartition(".")[0] for m in members if m in fqn_of})
         split = any(_split_dim(plan.placements.get(fqn_of.get(m, ""), "B"), t) is not None for m in members)
         if not split:
+            continue
+        others = [m for m in modules if not _is_linear(model, m)]
+        if others:  # a style splits nn.Linear modules only
+            out.notes.append(f"{', '.join(modules)}: replicated on {names[t]!r} ({', '.join(others)} "
+                             "not an nn.Linear)")
             continue
         if any(ref.node in attention for ref, _ in reach):
             sizes = {graph.node(ref.node).outputs[ref.index].shape[d] for ref, d in reach
