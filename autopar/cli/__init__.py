@@ -6,9 +6,9 @@
     autopar show plan.json [--full] [--html plan.html]
     autopar explain plan.json MODULE_PATH
     autopar diff a.json b.json
-    autopar export plan.json --format dtensor|torchtitan [--model MODULE:FACTORY --kw ...] [-o FILE]
     autopar demo [--quick] [--no-train]
     autopar calibrate [-o cpu-profile.json]
+    autopar export plan.json --format dtensor|torchtitan [--model MODULE:FACTORY --kw ...] [-o FILE]
 
 Every failure prints one line to stderr, ``autopar <command>: error: <what, where, what to do>``,
 and exits 2 for a malformed command line (bad syntax, an unknown choice) or 1 for anything that
@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_explain,
         cmd_plan,
     )
-    from autopar.cli.export import add_export_parser
     from autopar.validate import RECIPE_NAMES as NAMES
+    from autopar.cli.export import add_export_parser
 
     common = _common()
     parser = _Parser(prog="autopar", description="Automatic parallelization of PyTorch models.", parents=[common],
