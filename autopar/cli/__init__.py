@@ -9,6 +9,7 @@
     autopar replan plan.json MODULE:FACTORY --devices N [--checkpoint DIR] [--kw ...] -o replanned.json
     autopar demo [--quick] [--no-train]
     autopar calibrate [-o cpu-profile.json]
+    autopar export plan.json --format dtensor|torchtitan [--model MODULE:FACTORY --kw ...] [-o FILE]
 
 Every failure prints one line to stderr, ``autopar <command>: error: <what, where, what to do>``,
 and exits 2 for a malformed command line (bad syntax, an unknown choice) or 1 for anything that
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_replan,
     )
     from autopar.validate import RECIPE_NAMES as NAMES
+    from autopar.cli.export import add_export_parser
 
     common = _common()
     parser = _Parser(prog="autopar", description="Automatic parallelization of PyTorch models.", parents=[common],
@@ -139,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     add_show_parser(sub, common)
+    add_export_parser(sub, common)
 
     p = sub.add_parser("explain", parents=[common], help="explain the plan of one module or parameter",
                        description="Chosen strategies, reshardings and alternatives of one module (or a parameter's "

@@ -70,6 +70,7 @@ naming it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -291,6 +292,16 @@ class Plan:
             raise ArgumentError(f"Plan.diff: other must be a Plan or a saved plan's path, got "
                                 f"{type(other).__name__} {shown(other)}")
         return view.diff(self, other)
+
+    def export(self, format: str, model=None, example_inputs=(), example_kwargs=None, **options):
+        """The plan as a layout people already run: ``"dtensor"`` (a Python module applying it with
+        DTensor's module styles and FSDP2) or ``"torchtitan"`` (its job-config settings), with a report
+        of the projection onto module styles and its price (``autopar.export.export``; the model and
+        the plan's example inputs price the projection, and ``"dtensor"`` needs them; ``options``:
+        ``tensor_parallel``)."""
+        # the exporter sits above the plans (it re-runs the planner's passes): loaded by name here
+        return importlib.import_module("autopar.export").export(self, format, model, example_inputs,
+                                                                    example_kwargs, **options)
 
     def __str__(self) -> str:
         """The summary table."""
