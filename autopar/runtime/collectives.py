@@ -98,6 +98,15 @@ class ProcessGroupComm:
     def all_to_all(self, x, axis):
         return tc.functional_all_to_all(x, self.groups[axis])
 
+    def permute(self, x, axis, dest):
+        # one all-to-all whose only non-empty pieces are the block to dest[me] and the one from its source
+        me, n = self.groups[axis].rank(), self.sizes[axis]
+        src = dest.index(me)
+        flat = x.reshape(-1)
+        ins = [flat.numel() if r == dest[me] else 0 for r in range(n)]
+        outs = [flat.numel() if r == src else 0 for r in range(n)]
+        return tc.functional_all_to_all_split(flat, outs, ins, self.groups[axis]).view(x.shape)
+
 
 def record_executed(axis_of_group: dict[str, str], out: list):
     """A context manager that appends to ``out`` every functional collective dispatched while it
@@ -227,6 +236,15 @@ class ThreadComm:
         with unobserved():  # views of every member's buffer: not this rank's memory
             got = [g[self.coords[axis]] for g in got]
         return torch.stack(got)
+
+
+    @torch.compiler.disable  # an exchange between threads: a compiled program calls it as Python
+    def permute(self, x, axis, dest):
+        got = self._swap(axis, x, "permute", _nbytes(x))
+        src = list(dest).index(self.coords[axis])
+        with unobserved():  # the sender's buffer: this rank's copy below is its memory
+            block = got[src]
+        return block.clone()
 
 
 def _nbytes(x: torch.Tensor) -> int:
