@@ -23,7 +23,7 @@ from autopar.ir.rules.base import OpCall
 from autopar.ir.rules.proof.interp import check_strategy
 from autopar.ir.rules.ring import FORMS, RING, RING_BALANCED, forced_form, ring_axis
 
-from _parity import simulated_errors, train_on_rank
+from _parity import rel, simulated_errors, train_on_rank
 
 MESHES = {"cp4": (("cp", 4),), "dp2xcp2": (("dp", 2), ("cp", 2))}
 SEQ_HINTS = {"input:0": "cp=S(1)", "input:1": "cp=S(1)"}
@@ -118,11 +118,6 @@ def _model(family: str):
         model = Bidirectional()
         idx = torch.randint(0, 64, (2, 16))
         return model, (idx, torch.roll(idx, -1, 1))
-    if family == "titan_llama":
-        from _corpus import build
-
-        model, args, _ = build("titan_llama")
-        return model, tuple(args)
     from autopar.models import make
 
     return make(family, "tiny", batch=2, seq=16)
@@ -154,11 +149,28 @@ def test_forced_ring_matches_the_single_device_model(family, mesh, form):
     assert max(grad_errs.values()) <= 1e-4, grad_errs
 
 
-def test_forced_balanced_ring_on_torchtitan_style_llama():
-    """Model code autopar did not write (complex RoPE from a ``freqs_cis`` buffer, GQA)."""
-    model, args = _model("titan_llama")
-    loss_err, grad_errs = simulated_errors(model, _forced_plan(model, args, MESHES["cp4"], RING_BALANCED), args)
-    assert loss_err <= 1e-5 and max(grad_errs.values()) <= 1e-4, grad_errs
+@pytest.mark.parametrize("name, mesh, form", [("titan_llama", "cp4", RING_BALANCED), ("hf_llama", "dp2xcp2", RING)])
+def test_forced_ring_on_model_code_autopar_did_not_write(name, mesh, form):
+    """A torchtitan-style LLaMA (complex RoPE from a ``freqs_cis`` buffer, GQA) and Hugging Face's
+    LLaMA (keyword inputs, an output object with the loss)."""
+    from _corpus import build
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, args, kwargs = build(name)
+    hints = {k: "cp=S(1)" for k in kwargs} if kwargs else SEQ_HINTS
+    mesh_ = autopar.Mesh(dict(MESHES[mesh]), device="cpu")
+    with forced_form(form), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, mesh_, tuple(args), kwargs or None, hints=hints, deterministic_time=0.5,
+                            progress=False)
+    assert all(form in n["tags"] for n in plan.nodes if n["op"] in (ATTN_FWD, ATTN_BWD))
+    loss, grads = autopar.simulate(model, plan, tuple(args), kwargs or None)
+    out = model(*args, **(kwargs or {}))
+    ref = out if isinstance(out, torch.Tensor) else out.loss
+    ref.backward()
+    assert rel(loss if isinstance(loss, torch.Tensor) else loss.loss, ref) <= 1e-5
+    assert max(rel(grads[n], p.grad) for n, p in model.named_parameters() if p.grad is not None) <= 1e-4
 
 
 @pytest.fixture(scope="module")
