@@ -251,3 +251,16 @@ def test_search_weighs_ring_against_the_other_forms():
     node = next(n for n in graph.nodes if n.op == ATTN_FWD)
     tags = {s[0].tag for s in search_strategies(graph, node, mesh)}
     assert {RING, RING_BALANCED, "S:s", "S:h"} <= tags
+
+
+def test_search_picks_ring_where_heads_cannot_split():
+    """64k tokens of a 4-head encoder on 8 H100s, the sequence split: the heads cannot cover the
+    axis and a gathered key/value sequence costs more than blocks passed under compute, so the
+    unforced search runs ring attention forward and backward."""
+    torch.manual_seed(0)
+    model = Bidirectional(vocab=1024, dim=1024, heads=4)
+    idx = torch.randint(0, 1024, (1, 65536))
+    plan = autopar.plan(model, autopar.Mesh({"cp": 8}, device="h100"), (idx, idx), hints=SEQ_HINTS,
+                        deterministic_time=0.5, progress=False)
+    tags = [n["tags"][0] for n in plan.nodes if n["op"] in (ATTN_FWD, ATTN_BWD)]
+    assert len(tags) == 2 and all(t in FORMS for t in tags), tags
