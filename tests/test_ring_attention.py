@@ -22,6 +22,7 @@ from autopar.ir.rules import signatures, strategies
 from autopar.ir.rules.base import OpCall
 from autopar.ir.rules.proof.interp import check_strategy
 from autopar.ir.rules.ring import FORMS, RING, RING_BALANCED, forced_form, ring_axis
+from autopar.runtime.accounting import differences
 
 from _parity import rel, simulated_errors, train_on_rank
 
@@ -143,8 +144,12 @@ def test_forced_ring_matches_the_single_device_model(family, mesh, form):
     """GPT (causal), LLaMA (causal, GQA, RoPE) and a bidirectional encoder, the sequence split on
     ``cp``: the loss and every gradient equal the model's own."""
     model, args = _model(family)
-    loss_err, grad_errs = simulated_errors(model, _forced_plan(model, args, MESHES[mesh], form), args)
+    plan, trace = _forced_plan(model, args, MESHES[mesh], form), {}
+    loss_err, grad_errs = simulated_errors(model, plan, args, trace=trace)
     assert loss_err <= 1e-5
+    for records in trace.values():  # every reshard as the plan predicted; the ring's own exchanges besides
+        assert [d for d in differences(plan, records) if not d.startswith("permute on cp")] == []
+        assert sum(r.kind == "permute" for r in records) >= (8 if form == RING else 16)
     assert grad_errs.keys() == dict(model.named_parameters()).keys()
     assert max(grad_errs.values()) <= 1e-4, grad_errs
 
@@ -191,6 +196,8 @@ def test_balanced_ring_trains_on_gloo(pool):
     assert any(RING_BALANCED in n["tags"] for n in plan.nodes)
     for out in pool.run(train_on_rank, "llama", axes, plan.to_json()):
         assert out["loss"] <= 1e-5 and out["grad"] <= 1e-4 and out["param"] <= 1e-4, out
+        # the plan's collectives ran as predicted; the ring's permutations, inside the ops, besides them
+        assert out["differences"] and all(d.startswith("permute on cp") for d in out["differences"]), out
 
 
 # ---------------------------------------------------------------------------------------------

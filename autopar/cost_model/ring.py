@@ -106,8 +106,10 @@ def ring_time(call: OpCall, strategy: Strategy, ins: Sequence[Shape], outs: Sequ
     if backward:
         total += _hop(kv_numel * 4, link)  # the accumulators' last pass, home
     if balanced:  # inputs in and outputs out, each as two half-block permutations
-        moved = [s for s in list(ins) + [o for o in outs if o is not None]]
-        total += sum(2 * _hop(_numel(s) * eb / 2, link) for s in moved)
+        moved = [(shape, spec.dtype) for shape, spec in zip(ins, call.in_specs)]
+        moved += [(shape, spec.dtype) for shape, spec in zip(outs, call.out_specs) if shape is not None and spec]
+        total += sum(2 * _hop(_numel(shape) * element_bytes(dt, "activation", precision) / 2, link)
+                     for shape, dt in moved)
     return total
 
 

@@ -7,8 +7,8 @@
 
 ``record_collectives`` lists what actually ran, per collective: kind, mesh axis and bytes of the
 buffer as the axis group sees it (all-gather: its output; reduce-scatter and all-reduce: the
-input; all-to-all: the input times the group size), the same measure as the cost model's
-``step_bytes``. For process groups it intercepts torch's ``_c10d_functional`` ops with a dispatch
+input; all-to-all: the input times the group size; a point-to-point ``permute``, ring attention's
+exchange inside one op: the block sent), the same measure as the cost model's ``step_bytes``. For process groups it intercepts torch's ``_c10d_functional`` ops with a dispatch
 mode, so it sees the collectives the program really issued.
 """
 
@@ -126,6 +126,9 @@ def record_executed(axis_of_group: dict[str, str], out: list):
             out.append(Executed("reduce_scatter", axis, nbytes))
         elif name in ("all_reduce", "all_reduce_"):
             out.append(Executed("all_reduce", axis, nbytes))
+        elif name == "all_to_all_single" and args[1] and sum(1 for k in args[1] if k) == 1 == sum(
+                1 for k in args[2] if k):  # one piece out, one in: a point-to-point permutation
+            out.append(Executed("permute", axis, nbytes))
         elif name == "all_to_all_single":
             size = len(args[1]) if args[1] else tc.process_group(group).size()
             out.append(Executed("all_to_all", axis, nbytes * size))
