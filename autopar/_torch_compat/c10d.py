@@ -66,6 +66,15 @@ def functional_all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
     return fc.all_to_all_single(x, None, None, group)
 
 
+def functional_all_to_all_split(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                                group: Any) -> torch.Tensor:
+    """All-to-all of ``x`` along dim 0 over ``group`` with per-rank split sizes (a zero size sends or
+    receives nothing: a point-to-point permutation is one such call)."""
+    from torch.distributed import _functional_collectives as fc
+
+    return fc.all_to_all_single(x, out_splits, in_splits, group)
+
+
 def functional_collective_name(func: Any) -> Optional[str]:
     """The name of a functional collective op seen at dispatch (``"all_reduce"``,
     ``"all_gather_into_tensor"``, ...), or None for any other op."""

@@ -38,9 +38,12 @@ from typing import Callable, Iterable, Mapping, Optional
 from autopar.cost_model.buckets import grad_buckets, grad_steps
 from autopar.cost_model.memory import local_numel
 from autopar.cost_model.precision import Precision, element_bytes
+from autopar.cost_model.ring import ring_inflight_bytes
 from autopar.ir.graph import Graph, Phase, Ref, Role
 from autopar.ir.layers import layer_key
-from autopar.ir.placement import B
+from autopar.ir.placement import B, local_shape
+from autopar.ir.rules import op_call
+from autopar.ir.rules.ring import ring_axis
 from autopar.ir.views import ALIASES, param_views
 
 #: What a step's peak is split into (``plan.memory``'s keys besides ``peak`` figures).
@@ -205,6 +208,12 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
                     ws.use(src, t)
             ws.use(key, t)
             read_keys.append(key)
+        if ring_axis(strategy_of(n.name)) is not None:  # the blocks in flight while the op runs
+            zero = (0,) * len(shape)
+            ws.make(("ring", n.name, rerun), t, ring_inflight_bytes(
+                op_call(graph, n), [local_shape(graph.spec(r).shape, in_place(n.name, k), shape, zero)
+                                    for k, r in enumerate(n.inputs)], precision), "temporaries")
+            ws.use(("ring", n.name, rerun), t)
         for j, spec in enumerate(n.outputs):
             if spec is None:
                 continue

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Iterator, Protocol, Sequence
 
 import torch
 
@@ -28,7 +28,7 @@ _local = threading.local()
 class Executed:
     """One collective that ran on this rank."""
 
-    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all
+    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | permute
     axis: str  # mesh axis name
     bytes: int
 
@@ -54,6 +54,9 @@ class Backend(Protocol):
 
     def all_to_all(self, x: torch.Tensor, axis: int) -> torch.Tensor:
         """The leading dim exchanged: rank r's ``x[s]`` arrives at rank s as ``out[r]``."""
+
+    def permute(self, x: torch.Tensor, axis: int, dest: Sequence[int]) -> torch.Tensor:
+        """Point to point: rank r's ``x`` (equal shapes) arrives at rank ``dest[r]``, returned there."""
 
 
 def _backend() -> Backend:
@@ -137,6 +140,14 @@ def all_to_all(x: torch.Tensor, axis: int, src_dim: int, dst_dim: int, src_size:
     return out.contiguous()
 
 
+def permute(x: torch.Tensor, axis: int, dest: Sequence[int]) -> torch.Tensor:
+    """Every rank of mesh axis ``axis`` sends its ``x`` (the same shape on all) to rank ``dest[rank]``;
+    returns what this rank received, waited (ring attention's exchanges, inside one op)."""
+    if all(d == r for r, d in enumerate(dest)):
+        return x
+    return wait(_backend().permute(x.contiguous(), axis, list(dest)))
+
+
 def wait(x: torch.Tensor) -> torch.Tensor:
     """Wait for a collective's result (a no-op for results that are already complete)."""
     if type(x) is not torch.Tensor and hasattr(x, "wait"):
@@ -148,5 +159,5 @@ def wait(x: torch.Tensor) -> torch.Tensor:
 COLLECTIVES = (all_gather, reduce_scatter, all_reduce, all_to_all)
 
 
-__all__ = ["COLLECTIVES", "Backend", "Executed", "all_gather", "all_reduce", "all_to_all", "reduce_scatter",
-           "use_backend", "wait"]
+__all__ = ["COLLECTIVES", "Backend", "Executed", "all_gather", "all_reduce", "all_to_all", "permute",
+           "reduce_scatter", "use_backend", "wait"]

@@ -144,7 +144,8 @@ class LocalOp(torch.nn.Module):
 
     def __init__(self, ctx: LocalCtx):
         super().__init__()
-        self.ctx = ctx
+        # a strategy that exchanges blocks inside the op (ring attention) does it with the program's collectives
+        self.ctx = ctx if ctx.permute is not None else replace(ctx, permute=C.permute)
 
     def forward(self, *xs):
         """Run the rule's local implementation on this device's blocks."""

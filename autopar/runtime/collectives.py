@@ -7,8 +7,8 @@
 
 ``record_collectives`` lists what actually ran, per collective: kind, mesh axis and bytes of the
 buffer as the axis group sees it (all-gather: its output; reduce-scatter and all-reduce: the
-input; all-to-all: the input times the group size), the same measure as the cost model's
-``step_bytes``. For process groups it intercepts torch's ``_c10d_functional`` ops with a dispatch
+input; all-to-all: the input times the group size; a point-to-point ``permute``, ring attention's
+exchange inside one op: the block sent), the same measure as the cost model's ``step_bytes``. For process groups it intercepts torch's ``_c10d_functional`` ops with a dispatch
 mode, so it sees the collectives the program really issued.
 """
 
@@ -98,6 +98,15 @@ class ProcessGroupComm:
     def all_to_all(self, x, axis):
         return tc.functional_all_to_all(x, self.groups[axis])
 
+    def permute(self, x, axis, dest):
+        # one all-to-all whose only non-empty pieces are the block to dest[me] and the one from its source
+        me, n = self.groups[axis].rank(), self.sizes[axis]
+        src = dest.index(me)
+        flat = x.reshape(-1)
+        ins = [flat.numel() if r == dest[me] else 0 for r in range(n)]
+        outs = [flat.numel() if r == src else 0 for r in range(n)]
+        return tc.functional_all_to_all_split(flat, outs, ins, self.groups[axis]).view(x.shape)
+
 
 def record_executed(axis_of_group: dict[str, str], out: list):
     """A context manager that appends to ``out`` every functional collective dispatched while it
@@ -117,6 +126,9 @@ def record_executed(axis_of_group: dict[str, str], out: list):
             out.append(Executed("reduce_scatter", axis, nbytes))
         elif name in ("all_reduce", "all_reduce_"):
             out.append(Executed("all_reduce", axis, nbytes))
+        elif name == "all_to_all_single" and args[1] and sum(1 for k in args[1] if k) == 1 == sum(
+                1 for k in args[2] if k):  # one piece out, one in: a point-to-point permutation
+            out.append(Executed("permute", axis, nbytes))
         elif name == "all_to_all_single":
             size = len(args[1]) if args[1] else tc.process_group(group).size()
             out.append(Executed("all_to_all", axis, nbytes * size))
@@ -227,6 +239,15 @@ class ThreadComm:
         with unobserved():  # views of every member's buffer: not this rank's memory
             got = [g[self.coords[axis]] for g in got]
         return torch.stack(got)
+
+
+    @torch.compiler.disable  # an exchange between threads: a compiled program calls it as Python
+    def permute(self, x, axis, dest):
+        got = self._swap(axis, x, "permute", _nbytes(x))
+        src = list(dest).index(self.coords[axis])
+        with unobserved():  # the sender's buffer: this rank's copy below is its memory
+            block = got[src]
+        return block.clone()
 
 
 def _nbytes(x: torch.Tensor) -> int:

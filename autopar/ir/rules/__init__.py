@@ -4,11 +4,11 @@ Importing this package registers every rule (``generic`` for the data-only ops, 
 ops whose local implementation needs offsets, ``vision`` and ``moe`` for the CNN and
 mixture-of-experts ops, ``grouped`` for grouped matrix products (``_grouped_mm``, ``histc``),
 ``indexing`` for positional writes and advanced indexing, ``complex`` for
-complex RoPE, ``random_ops`` for dropout and the other random draws).
+complex RoPE, ``random_ops`` for dropout and the other random draws, ``ring`` for ring attention).
 """
 
 from autopar.ir.rules import (  # noqa: F401  (registration)
-    complex, generic, grouped, indexing, layout, moe, random_ops, special, vision,
+    complex, generic, grouped, indexing, layout, moe, random_ops, ring, special, vision,
 )
 from autopar.ir.rules.base import (
     RULES,

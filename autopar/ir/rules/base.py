@@ -76,6 +76,9 @@ class LocalCtx:
     offset_scale: int = 1
     #: the program's device: where local code creates tensors that no input places (None: torch's default)
     device: Optional[torch.device] = None
+    #: ``permute(x, axis, dest)``: point-to-point exchange on a mesh axis, for strategies that pass
+    #: blocks between devices inside the op (ring attention); set by the program and the rule proof
+    permute: Optional[Callable[..., torch.Tensor]] = None
 
     def in_placements(self, i: int) -> tuple[Placement, ...]:
         """This op's input placements on every mesh axis, per input."""
@@ -132,6 +135,9 @@ class OpRule:
     # the ``local`` implementation reads no offset of a dim of equal blocks (its DimMap keeps such
     # dims whole where it would), so the DimMap's block-by-block splits stay valid
     blocks_ok: bool = False
+    # keeps only the composed strategies that hold together on the mesh (a special signature that
+    # may take one axis only, or needs sizes its pieces divide); None: every composition
+    compose: Optional[Callable[[OpCall, list, Sequence[int]], list]] = None
 
 
 RULES: dict[str, OpRule] = {}
@@ -235,6 +241,8 @@ def strategies(call: OpCall, mesh_shape: Sequence[int], min_size: int = 2) -> li
             out.append(tuple(combo))
     if _has_blocks(call):
         out = [st for st in out if _blocks_fit(call, st, mesh_shape)]
+    if rule is not None and rule.compose is not None:
+        out = rule.compose(call, out, mesh_shape)
     return out
 
 

@@ -95,6 +95,9 @@ class _ShapeOnly:
     def all_to_all(self, x, axis):  # noqa: ARG002
         return x.clone()
 
+    def permute(self, x, axis, dest):  # noqa: ARG002
+        return x.clone()
+
 
 def _holder(program) -> torch.nn.Module:
     """A module holding every submodule and constant either program calls (the same objects)."""

@@ -29,10 +29,12 @@ from autopar.cost_model.gathers import gather_shares, gather_time
 from autopar.cost_model.memory import activation_bytes, param_state_bytes
 from autopar.cost_model.mesh import Mesh
 from autopar.cost_model.precision import Precision
+from autopar.cost_model.ring import ring_time
 from autopar.ir.graph import Graph, Phase, Ref, Role
 from autopar.ir.layers import layers
 from autopar.ir.placement import B, Placements, format_placements, local_shape
 from autopar.ir.rules import op_call
+from autopar.ir.rules.ring import ring_axis
 from autopar.ir.views import param_views, storage_shares
 from autopar.passes.search.fold import Folding
 from autopar.passes.search.problem import MEMORY_KINDS, Group, PEdge, PNode, Problem
@@ -108,7 +110,9 @@ def build_problem(
                 ins = _local_shapes(in_specs, [input_placement(s, i) for i in range(len(in_specs))], mesh)
                 outs = _local_shapes(n.outputs, [output_placement(s, j) if n.outputs[j] is not None else None
                                                  for j in range(len(n.outputs))], mesh)
-                pn.compute.append(compute_time(call, ins, outs, hw, precision, fused.get(n.name)))
+                ring = ring_axis(s)
+                pn.compute.append(compute_time(call, ins, outs, hw, precision, fused.get(n.name)) if ring is None else
+                                  ring_time(call, s, ins, outs, mesh.shape[ring[0]], mesh.link(ring[0]), hw, precision))
                 for j, spec in enumerate(n.outputs):
                     r = Ref(n.name, j)
                     if spec is not None and r in users_backward and n.name not in views:

@@ -16,6 +16,7 @@ import torch
 
 from autopar.ir.placement import Partial, Placement, Split, check_blocks, chunk_range, expand_blocks, local_shape
 from autopar.ir.rules.base import LocalCtx, OpCall, Strategy, as_list, run_local, substitute
+from autopar.ir.rules.ring import ring_axis
 
 Coords = tuple[int, ...]
 
@@ -142,6 +143,10 @@ def run_op(
     offset_scale: int = 1,
 ) -> dict[Coords, list]:
     """Every device's outputs of one op under ``strategy``."""
+    if ring_axis(strategy) is not None:  # blocks pass between devices inside the op
+        from autopar.ir.rules.proof.exchange import run_exchanging
+
+        return run_exchanging(call, strategy, mesh_shape, local_inputs, device_coords(mesh_shape), offset_scale)
     out = {}
     for coords in device_coords(mesh_shape):
         ctx = LocalCtx(call, strategy, tuple(mesh_shape), coords, offset_scale)

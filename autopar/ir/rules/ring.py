@@ -1,0 +1,151 @@
+"""Ring attention as strategies of ``autopar::attention`` and its backward.
+
+Besides the attention rule's own signatures (batch and head splits; the query sequence split with
+whole keys and values), two special ones split queries, keys, values, the output and the
+log-sum-exp (and, backward, the gradients) on the sequence, dim 2, over one mesh axis:
+
+- ``ring``: device ``r`` holds the ``r``-th contiguous block; key/value blocks pass around the
+  ring (``ir.ring_attention``). Under a causal mask the last device has the most work.
+- ``ring:balanced``: the same placements (plain sequence splits, so everything around the op is
+  untouched), but the op permutes its blocks at its edges to the balanced layout (device ``r``
+  holds chunks ``r`` and ``2n-1-r`` of ``2n``), where every ring step costs every device the same
+  causal work, and back. The permutations are priced with the op (``cost_model.ring``).
+
+A strategy may ring on one axis only, with no other axis splitting the sequence; the sequence must
+divide into equal blocks (``2n`` chunks for the balanced layout). Ring runs without a mask tensor
+and without dropout (those keep the other forms).
+
+``forced_form`` pins an attention form for the search (tests, and the planner's hints): inside it,
+every attention op that admits the form keeps only its strategies of that form.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+from typing import Iterator, Optional, Sequence
+
+from autopar.ir.attention import ATTN_BWD, ATTN_FWD
+from autopar.ir.placement import Split
+from autopar.ir.ring_attention import Ring, from_balanced, ring_backward, ring_forward, to_balanced
+from autopar.ir.rules.special import _check_attention_blocks  # (and the attention rules this module extends)
+from autopar.ir.rules.base import RULES, LocalCtx, OpCall
+from autopar.ir.rules.dimmap import DimMap, Signature, Strategy
+
+__all__ = ["FORMS", "RING", "RING_BALANCED", "forced_form", "ring_axis"]
+
+RING = "ring"
+RING_BALANCED = "ring:balanced"
+FORMS = (RING, RING_BALANCED)
+
+_forced: list[Optional[str]] = [None]
+
+
+@contextlib.contextmanager
+def forced_form(form: Optional[str]) -> Iterator[None]:
+    """While the block runs, attention ops that admit ``form`` (``"ring"`` or ``"ring:balanced"``)
+    keep only strategies of that form; None forces nothing."""
+    if form is not None and form not in FORMS:
+        raise ValueError(f"unknown attention form {form!r}; expected one of {FORMS}")
+    prev = _forced[0]
+    _forced[0] = form
+    try:
+        yield
+    finally:
+        _forced[0] = prev
+
+
+def ring_axis(strategy: Strategy) -> Optional[tuple[int, str]]:
+    """``(axis, tag)`` of the strategy's ring signature, or None."""
+    for axis, sig in enumerate(strategy):
+        if sig.tag in FORMS:
+            return axis, sig.tag
+    return None
+
+
+def _layout(call: OpCall) -> tuple[int, int, int]:
+    """(index of q among the tensor inputs, position of is_causal, position of dropout_p)."""
+    return (1, 7, 6) if call.op == ATTN_BWD else (0, 4, 3)
+
+
+def _admits(call: OpCall) -> bool:
+    q_index, _, drop_pos = _layout(call)
+    n_tensors = 6 if call.op == ATTN_BWD else 3
+    if len(call.in_specs) != n_tensors or call.arg(drop_pos, "dropout_p", 0.0):
+        return False  # an explicit mask, or dropout: the other forms
+    q, k = call.in_specs[q_index], call.in_specs[q_index + 1]
+    return q.ndim == 4 and q.shape[2] == k.shape[2] and q.shape[2] >= 2
+
+
+def _ring_extra(call: OpCall, dm: DimMap) -> list[Signature]:
+    if not _admits(call):
+        return []
+    n_out = len(call.out_specs)
+    ins = tuple(Split(2) for _ in call.in_specs)
+    return [Signature(ins, tuple(Split(2) for _ in range(n_out)), tag) for tag in FORMS]
+
+
+def _compose(call: OpCall, strats: list, mesh_shape: Sequence[int]) -> list:
+    seq = call.in_specs[_layout(call)[0]].shape[2] if _admits(call) else 0
+    out = []
+    for st in strats:
+        rings = [(a, s.tag) for a, s in enumerate(st) if s.tag in FORMS]
+        if not rings:
+            out.append(st)
+            continue
+        (axis, tag), n = rings[0], mesh_shape[rings[0][0]]
+        pieces = 2 * n if tag == RING_BALANCED else n
+        others_ok = all(s.tag not in ("S:s", "S:t") for a, s in enumerate(st) if a != axis)
+        if len(rings) == 1 and n > 1 and seq % pieces == 0 and others_ok:
+            out.append(st)
+    form = _forced[0]
+    if form is not None and any(s.tag == form for st in out for s in st):
+        out = [st for st in out if any(s.tag == form for s in st)]
+    return out
+
+
+def _ring_of(ctx: LocalCtx) -> Optional[Ring]:
+    found = ring_axis(ctx.strategy)
+    if found is None:
+        return None
+    axis, tag = found
+    return Ring(ctx.permute, axis, ctx.mesh_shape[axis], ctx.coords[axis], tag == RING_BALANCED)
+
+
+def _check_ring_blocks(xs: list, q_index: int, backward: bool, chunks: int) -> None:
+    """The CPU kernel dies (SIGFPE) on inconsistent or empty blocks: ring blocks must be the
+    attention's own blocks, non-empty, queries and keys equally long, in equal chunks."""
+    _check_attention_blocks(xs, q_index, backward)
+    q, k = xs[q_index], xs[q_index + 1]
+    if q.numel() == 0 or k.numel() == 0 or q.shape[2] != k.shape[2] or q.shape[2] % chunks:
+        shapes = ", ".join(str(tuple(x.shape)) for x in xs)
+        raise RuntimeError(f"ring attention blocks must be equal, non-empty sequence blocks: {shapes}")
+
+
+def _wrap(op: str) -> None:
+    """Add the ring signatures and their local implementation to ``op``'s attention rule."""
+    rule = RULES[op]
+    plain = rule.local
+    assert plain is not None and rule.extra is None and rule.compose is None
+
+    def local(ctx: LocalCtx, xs: list):
+        ring = _ring_of(ctx)
+        if ring is None:
+            return plain(ctx, xs)
+        call = ctx.call
+        q_index, causal_pos, _ = _layout(call)
+        _check_ring_blocks(xs, q_index, op == ATTN_BWD, 2 if ring.balanced else 1)
+        causal, scale = bool(call.arg(causal_pos, "is_causal", False)), call.kwargs.get("scale")
+        if ring.balanced:
+            xs = [to_balanced(ring, x, 2) for x in xs]
+        res = (ring_backward(ring, *xs, causal, scale) if op == ATTN_BWD
+               else ring_forward(ring, *xs, causal, scale))
+        if ring.balanced:
+            res = tuple(from_balanced(ring, x, 2) for x in res)
+        return res
+
+    RULES[op] = replace(rule, extra=_ring_extra, local=local, compose=_compose)
+
+
+for _op in (ATTN_FWD, ATTN_BWD):
+    _wrap(_op)
