@@ -1,7 +1,7 @@
 """The collectives a lowered program calls: the instruction set shared by the lowering and the runtime.
 
 A lowered program calls the rank-level functions below (``all_gather``, ``reduce_scatter``,
-``all_reduce``, ``all_to_all``, ``wait``) with mesh-axis numbers and sizes baked in. They pad
+``all_reduce``, ``all_to_all``, ``all_to_all_v``, ``wait``) with mesh-axis numbers and sizes baked in. They pad
 uneven pieces to equal ones (pieces follow DTensor's ``Shard``: ``ceil(size / n)`` each, the last
 ones shorter or empty), run one collective on the axis's group through the *backend* of the
 calling thread (a ``Backend``: ``runtime.collectives`` has the process-group and the simulated
@@ -54,6 +54,10 @@ class Backend(Protocol):
 
     def all_to_all(self, x: torch.Tensor, axis: int) -> torch.Tensor:
         """The leading dim exchanged: rank r's ``x[s]`` arrives at rank s as ``out[r]``."""
+
+    def all_to_all_v(self, x: torch.Tensor, axis: int, send: list[int], recv: list[int]) -> torch.Tensor:
+        """Rows of ``x`` exchanged in uneven pieces: ``send[s]`` consecutive rows go to rank s, and
+        ``recv[r]`` rows arrive from rank r, concatenated in rank order."""
 
 
 def _backend() -> Backend:
@@ -137,6 +141,16 @@ def all_to_all(x: torch.Tensor, axis: int, src_dim: int, dst_dim: int, src_size:
     return out.contiguous()
 
 
+def all_to_all_v(x: torch.Tensor, axis: int, send: list[int], recv: list[int]) -> torch.Tensor:
+    """Dim 0 of ``x`` exchanged in uneven, run-time pieces on mesh axis ``axis`` (the dispatch and
+    combine of dropless expert parallelism): ``send[s]`` consecutive rows go to the axis's rank s,
+    ``recv[r]`` rows arrive from rank r, in rank order. Every rank passes sizes that agree with its
+    peers' (``recv`` here is ``send`` there)."""
+    if sum(send) != x.shape[0]:
+        raise CollectiveError(f"all_to_all_v: {x.shape[0]} rows to send, split sizes {send} add up to {sum(send)}")
+    return _backend().all_to_all_v(x.contiguous(), axis, list(send), list(recv))
+
+
 def wait(x: torch.Tensor) -> torch.Tensor:
     """Wait for a collective's result (a no-op for results that are already complete)."""
     if type(x) is not torch.Tensor and hasattr(x, "wait"):
@@ -145,8 +159,9 @@ def wait(x: torch.Tensor) -> torch.Tensor:
 
 
 #: The collective functions of lowered programs (for passes that reorder or recognise them).
-COLLECTIVES = (all_gather, reduce_scatter, all_reduce, all_to_all)
+COLLECTIVES = (all_gather, reduce_scatter, all_reduce, all_to_all, all_to_all_v)
 
 
-__all__ = ["COLLECTIVES", "Backend", "Executed", "all_gather", "all_reduce", "all_to_all", "reduce_scatter",
+__all__ = ["COLLECTIVES", "Backend", "Executed", "all_gather", "all_reduce", "all_to_all", "all_to_all_v",
+           "reduce_scatter",
            "use_backend", "wait"]

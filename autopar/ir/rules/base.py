@@ -76,6 +76,9 @@ class LocalCtx:
     offset_scale: int = 1
     #: the program's device: where local code creates tensors that no input places (None: torch's default)
     device: Optional[torch.device] = None
+    #: ``exchange(x, axis, send, recv)``: the rows of ``x`` exchanged in run-time pieces on a mesh axis
+    #: (``program.collectives.all_to_all_v``), for local code that moves rows (``rules.expert``)
+    exchange: Optional[Callable] = None
 
     def in_placements(self, i: int) -> tuple[Placement, ...]:
         """This op's input placements on every mesh axis, per input."""
@@ -132,6 +135,8 @@ class OpRule:
     # the ``local`` implementation reads no offset of a dim of equal blocks (its DimMap keeps such
     # dims whole where it would), so the DimMap's block-by-block splits stay valid
     blocks_ok: bool = False
+    # whether a composition of one-axis signatures over the mesh is valid, beyond the DimMap's checks
+    compose: Optional[Callable[[Strategy], bool]] = None
 
 
 RULES: dict[str, OpRule] = {}
@@ -216,12 +221,14 @@ def signatures(call: OpCall, min_size: int = 2) -> list[Signature]:
         return [replicate_signature(len(call.in_specs), call.out_specs)]
     dm = _build(rule, call)
     sigs = enumerate_signatures(dm, min_size=min_size)
-    if rule.extra is not None:
-        sigs += rule.extra(call, dm)
-    if (rule.local is not None and not rule.blocks_ok or rule.extra is not None) and _has_blocks(call):
-        # special signatures and offset-reading local code know nothing of blocks
-        sigs = [s for s in sigs if not _splits_blocks(call, s)]
-    return sigs
+    extra = rule.extra(call, dm) if rule.extra is not None else []
+    if _has_blocks(call):
+        # special signatures and offset-reading local code know nothing of blocks (``blocks_ok``: the
+        # local code keeps the DimMap's block splits valid; its special signatures still do not)
+        if not rule.blocks_ok and (rule.local is not None or extra):
+            sigs = [s for s in sigs if not _splits_blocks(call, s)]
+        extra = [s for s in extra if not _splits_blocks(call, s)]
+    return sigs + extra
 
 
 def strategies(call: OpCall, mesh_shape: Sequence[int], min_size: int = 2) -> list[Strategy]:
@@ -231,7 +238,8 @@ def strategies(call: OpCall, mesh_shape: Sequence[int], min_size: int = 2) -> li
     dm = _build(rule, call) if rule else None
     out = []
     for combo in itertools.product(sigs, repeat=len(mesh_shape)):
-        if dm is None or compose_ok(dm, combo, mesh_shape):
+        if (dm is None or compose_ok(dm, combo, mesh_shape)) and (rule is None or rule.compose is None
+                                                                   or rule.compose(tuple(combo))):
             out.append(tuple(combo))
     if _has_blocks(call):
         out = [st for st in out if _blocks_fit(call, st, mesh_shape)]
