@@ -142,8 +142,11 @@ def _close(got, want, tol: float, label) -> None:
         assert (a - b).norm().item() <= tol * max(b.norm().item(), 1e-6), (label, name)
 
 
-def _tags(plan) -> set:
-    return {t for n in plan.nodes if n["name"].startswith("_grouped_mm") for t in n.get("tags", [])}
+def _expert_forms(plan, graph) -> set:
+    """The forms (``(2, 3)``: rows, ``(2, 2)``: weight gradient) of the plan's expert-parallel products."""
+    forms = {n.name: (len(graph.spec(n.inputs[0]).shape), len(graph.spec(n.inputs[1]).shape))
+             for n in graph.ops() if n.op == GROUPED}
+    return {forms[n["name"]] for n in plan.nodes if n["name"] in forms and "experts" in n.get("tags", [])}
 
 
 def _plans(model, args, kwargs, hints, graph, search="propagate"):
@@ -182,7 +185,7 @@ def test_zoo_dropless_simulates_the_one_device_program_with_experts_split(routin
                            progress=False)
         want = autopar.simulate(model, one, args, graph=graph)
     for axes, plan in _plans(model, args, {}, ["layers.*.moe.experts.w*"], graph).items():
-        assert "experts" in _tags(plan), (axes, _tags(plan))
+        assert _expert_forms(plan, graph) == {(2, 3), (2, 2)}, axes
         _close(autopar.simulate(model, plan, args, graph=graph), want, 2e-2, (routing, axes))
 
 
@@ -231,16 +234,38 @@ def _hf(name: str, experts: str):
     return model, (), {"input_ids": ids, "labels": ids}
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
-def test_hf_moe_with_aux_loss_simulates_with_experts_split(name):
+def _force_hf_routing(model) -> None:
+    """Every token of every layer routes to expert 0 first and never to the last expert: a large
+    shared direction ``v`` added to every token embedding dominates the residual stream, and the
+    routers' rows for those experts point along ``+v`` and ``-v``."""
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        v = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(emb.dtype)
+        emb.add_(4 * v)
+        for layer in model.model.layers:
+            gate = layer.mlp.gate.weight
+            gate[0].copy_(v)
+            gate[-1].copy_(-v)
+
+
+@pytest.mark.parametrize("name, routing", [("mixtral", "random"), ("mixtral", "forced"), ("qwen2_moe", "forced")])
+def test_hf_moe_with_aux_loss_simulates_with_experts_split(name, routing):
     """Hugging Face Mixtral and Qwen2-MoE (a gated shared expert) as they run by default
     (``grouped_mm`` experts, bf16), their router's load-balancing loss in the loss: capture, then
     plans on (4,) and (2, 2) with the experts' weights forced split by hints compute the 1-device
-    program's loss and gradients, the weight gradients expert-parallel."""
+    program's loss and gradients, every grouped product expert-parallel; on the model's routing and
+    on one where expert 0 takes every token and the last expert none."""
     pytest.importorskip("transformers")
     torch.manual_seed(0)
     model, args, kwargs = _hf(name, "grouped_mm")
-    assert model(*args, **kwargs).aux_loss is not None
+    if routing == "forced":
+        _force_hf_routing(model)
+    out = model(*args, **kwargs)
+    assert out.aux_loss is not None
+    if routing == "forced":
+        for logits in out.router_logits:
+            top = logits.float().topk(2, -1).indices
+            assert (top == 0).any(-1).all() and not (top == logits.shape[-1] - 1).any()
     graph = capture(model, args, kwargs)
     assert GROUPED in {n.op for n in graph.ops()}
     with warnings.catch_warnings():
@@ -250,5 +275,5 @@ def test_hf_moe_with_aux_loss_simulates_with_experts_split(name):
         want = autopar.simulate(model, one, args, kwargs, graph=graph)
     hints = ["model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj"]
     for axes, plan in _plans(model, args, kwargs, hints, graph).items():
-        assert "experts" in _tags(plan), (axes, _tags(plan))
+        assert _expert_forms(plan, graph) == {(2, 3), (2, 2)}, axes
         _close(autopar.simulate(model, plan, args, kwargs, graph=graph), want, 2e-2, (name, axes))
