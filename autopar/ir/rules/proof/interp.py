@@ -16,6 +16,11 @@ import torch
 
 from autopar.ir.placement import Partial, Placement, Split, check_blocks, chunk_range, expand_blocks, local_shape
 from autopar.ir.rules.base import LocalCtx, OpCall, Strategy, as_list, run_local, substitute
+from autopar.ir.rules.expert import TAG as EXPERTS
+from autopar.ir.rules.proof.exchange import run_devices
+
+#: Signature tags whose local code exchanges rows between devices (``LocalCtx.exchange``)
+EXCHANGING = frozenset({EXPERTS})
 
 Coords = tuple[int, ...]
 
@@ -141,7 +146,14 @@ def run_op(
     local_inputs: dict[Coords, list[torch.Tensor]],
     offset_scale: int = 1,
 ) -> dict[Coords, list]:
-    """Every device's outputs of one op under ``strategy``."""
+    """Every device's outputs of one op under ``strategy`` (on a thread each, exchanging rows, where
+    the strategy's local code moves rows between devices)."""
+    if any(sig.tag in EXCHANGING for sig in strategy):
+        def device(coords, exchange):
+            ctx = LocalCtx(call, strategy, tuple(mesh_shape), coords, offset_scale, exchange=exchange)
+            return run_local(ctx, local_inputs[coords])
+
+        return run_devices(device, device_coords(mesh_shape), mesh_shape)  # type: ignore[return-value]
     out = {}
     for coords in device_coords(mesh_shape):
         ctx = LocalCtx(call, strategy, tuple(mesh_shape), coords, offset_scale)
