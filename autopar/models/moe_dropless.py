@@ -10,8 +10,8 @@ back at its token (``index_add``). The layer also returns the Switch-Transformer
 ``E * sum_e f_e * p_e`` (``f_e``: share of pairs routed to ``e``, ``p_e``: mean router
 probability), which the model adds to the loss at ``aux_loss_coef``.
 
-``F.grouped_mm``'s fake-tensor kernel takes bf16 only on torch 2.13, so a model captured in fp32 or
-fp64 uses ``experts="batched"``.
+``F.grouped_mm``'s fake-tensor kernel takes bf16 only on torch 2.13, so ``experts="auto"`` (the
+default) runs grouped products in bf16 and the batched form in every other dtype.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ PRESETS: dict[str, dict] = {
     "large": dict(vocab_size=32000, dim=4096, ffn_dim=14336, n_experts=8, top_k=2, seq_len=1024),
 }
 
-EXPERTS = ("grouped_mm", "batched")
+EXPERTS = ("auto", "grouped_mm", "batched")
 
 
 @dataclass
@@ -49,7 +49,7 @@ class DroplessConfig:
     seq_len: int = 16
     normalize_gates: bool = True
     aux_loss_coef: float = 0.01
-    experts: str = "grouped_mm"  # or "batched" (any dtype; see the module docstring)
+    experts: str = "auto"  # "grouped_mm", "batched" (any dtype), or "auto": grouped_mm in bf16 only
     dtype: torch.dtype = torch.float32
 
     @classmethod
@@ -89,6 +89,8 @@ class DroplessExperts(nn.Module):
         if cfg.experts not in EXPERTS:
             raise ValueError(f"DroplessConfig.experts {cfg.experts!r}: choose from {EXPERTS}")
         self.kind = cfg.experts
+        if self.kind == "auto":
+            self.kind = "grouped_mm" if cfg.dtype == torch.bfloat16 else "batched"
         self.w1 = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim, cfg.ffn_dim, dtype=cfg.dtype))
         self.w2 = nn.Parameter(torch.empty(cfg.n_experts, cfg.ffn_dim, cfg.dim, dtype=cfg.dtype))
         self.reset_parameters()
