@@ -12,7 +12,7 @@ step and memory then cover that depth only; say so when quoting). ``--imbalance`
 exchange's imbalance factor (``autopar.cost_model.experts.IMBALANCE``).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/moe_scale.py [--only qwen3_30b] [--layers 4]
-        [--imbalance 1.25] [--json out.json]
+        [--batch 64] [--imbalance 1.25] [--json out.json]
 """
 
 from __future__ import annotations
@@ -40,12 +40,13 @@ MODELS = {
 }
 
 
-def build(name: str, layers: int | None):
-    """``(model on meta in bf16, kwargs, mesh axes)`` of row ``name``."""
+def build(name: str, layers: int | None, batch: int | None = None):
+    """``(model on meta in bf16, kwargs, mesh axes)`` of row ``name`` (``batch``: sequences, if not the row's)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
-    cfg_cls, model_cls, dims, axes, batch, seq = MODELS[name]
+    cfg_cls, model_cls, dims, axes, rows, seq = MODELS[name]
+    batch = batch or rows
     dims = dict(dims)
     if layers:
         dims["num_hidden_layers"] = layers
@@ -57,19 +58,23 @@ def build(name: str, layers: int | None):
     return model, {"input_ids": ids, "labels": ids}, axes
 
 
-def row(name: str, layers: int | None) -> dict:
-    """Plan row ``name`` and report its figures."""
+def row(name: str, layers: int | None, batch: int | None = None) -> dict:
+    """Plan row ``name`` and report its figures (an ``error`` where no plan fits)."""
     import autopar
 
-    model, kwargs, axes = build(name, layers)
+    model, kwargs, axes = build(name, layers, batch)
+    head = {"model": name, "layers": layers or MODELS[name][2]["num_hidden_layers"], "mesh": axes,
+            "batch": list(kwargs["input_ids"].shape)}
     t = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = autopar.plan(model, autopar.Mesh(axes, device="h100"), (), kwargs, progress=False)
+        try:
+            plan = autopar.plan(model, autopar.Mesh(axes, device="h100"), (), kwargs, progress=False)
+        except autopar.errors.InfeasibleError as e:
+            return {**head, "plan_s": time.perf_counter() - t, "error": str(e)}
     wall = time.perf_counter() - t
     tags = collections.Counter(tuple(n.get("tags", [])) for n in plan.nodes if n["name"].startswith("_grouped_mm"))
-    return {"model": name, "layers": layers or MODELS[name][2]["num_hidden_layers"], "mesh": axes,
-            "step_s": plan.step_time, "tokens_per_s_per_gpu": plan.tokens_per_second_per_device, "mfu": plan.mfu,
+    return {**head, "step_s": plan.step_time, "tokens_per_s_per_gpu": plan.tokens_per_second_per_device, "mfu": plan.mfu,
             "peak_gib": plan.peak_memory / 2**30, "budget_gib": plan.memory_budget / 2**30, "plan_s": wall,
             "grouped_mm_strategies": {", ".join(k): v for k, v in tags.items()},
             "baselines": {k: v.get("step_time") for k, v in plan.baselines.items()}}
@@ -79,6 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", choices=sorted(MODELS))
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None, help="sequences per step (default: the row's 256)")
     ap.add_argument("--imbalance", type=float, default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -88,7 +94,7 @@ def main() -> None:
         experts.IMBALANCE = a.imbalance
     rows = []
     for name in a.only or sorted(MODELS):
-        r = row(name, a.layers)
+        r = row(name, a.layers, a.batch)
         rows.append(r)
         print(json.dumps(r), flush=True)
     if a.json:

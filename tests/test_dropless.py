@@ -20,7 +20,7 @@ import autopar
 from autopar.cost_model import experts as pricing
 from autopar.ir.capture import capture
 from autopar.ir.graph import Ref, TensorSpec
-from autopar.ir.placement import B, Split
+from autopar.ir.placement import B, P, Split
 from autopar.ir.rules.base import LocalCtx, OpCall, run_local, strategies
 from autopar.ir.rules.dimmap import Signature
 from autopar.ir.rules.proof.check import Case, Report, cases, dedupe, mutation_test, record_values, verify
@@ -83,12 +83,17 @@ def _experts(form: str) -> Signature:
 @pytest.mark.parametrize("form", ["rows", "sum"])
 @pytest.mark.parametrize("counts", ROUTINGS)
 def test_experts_strategy_proven_by_execution(form, counts):
-    """On (2,), (3,), (4,) and (2, 2) (the experts on either axis, the other axis replicating or
-    splitting the columns), uneven routings give the whole product's values on every device."""
+    """On (2,), (3,), (4,), (2, 2) and (2, 3) (the experts on either axis, the other axis replicating,
+    splitting the columns, or splitting the rows too: then each axis group exchanges its own rows, and
+    the weight gradient is a partial sum over the other axis), uneven routings give the whole
+    product's values on every device."""
     other = Signature((B, Split(2 if form == "rows" else 1), B), (Split(1 if form == "rows" else 2),), "S:n")
+    rows = (Signature((Split(0), B, B), (Split(0),), "S:t") if form == "rows"
+            else Signature((Split(1), Split(0), B), (P,), "S:t"))
     cases = [((2,), (_experts(form),)), ((3,), (_experts(form),)), ((4,), (_experts(form),)),
              ((2, 2), (_experts(form), other)), ((2, 2), (other, _experts(form))),
-             ((2, 2), (Signature((B, B, B), (B,)), _experts(form)))]
+             ((2, 2), (Signature((B, B, B), (B,)), _experts(form))),
+             ((2, 2), (rows, _experts(form))), ((2, 3), (_experts(form), rows))]
     for mesh, strategy in cases:
         got, want = _run(form, counts, mesh, strategy)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{form} {counts} {mesh} {strategy}")
@@ -123,16 +128,19 @@ def test_rule_proof_covers_the_experts_strategy_on_a_captured_model():
 
 def test_experts_strategy_is_offered_on_one_axis_at_a_time():
     """The rule offers the experts strategy on either mesh axis, never on both, and never with the
-    rows split on another axis too (the exchange runs inside one axis group)."""
+    expert dim split on the other axis (the exchange runs inside one axis group); the rows may split
+    on the other axis too."""
     for form in ("rows", "sum"):
         strats = strategies(_call(form, 24, 8, 4, 4), (2, 2))
         tagged = [[s.tag for s in st] for st in strats if any(s.tag == "experts" for s in st)]
         assert any(t[0] == "experts" for t in tagged) and any(t[1] == "experts" for t in tagged)
         assert not any(t == ["experts", "experts"] for t in tagged)
-        rows_dim = 0 if form == "rows" else 1
         for st in strats:
-            if any(s.tag == "experts" for s in st):
-                assert sum(s.inputs[0] == Split(rows_dim) for s in st) == 1, st
+            for s in st:  # the expert dim is split by the experts axis alone
+                if any(x.tag == "experts" for x in st) and s.tag != "experts":
+                    assert (s.inputs[1] if form == "rows" else s.outputs[0]) != Split(0), st
+        rows_dim = 0 if form == "rows" else 1  # rows split on both axes: each group exchanges its own
+        assert any(all(s.inputs[0] == Split(rows_dim) for s in st) for st in strats if st[1].tag == "experts")
 
 
 def test_exchange_priced_at_the_imbalanced_load():

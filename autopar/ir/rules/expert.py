@@ -5,7 +5,7 @@ The rows of a grouped product are sorted by expert (group ``e`` is rows ``offs[e
 ``offs`` read whole on every device), so the experts a device holds own one contiguous range of
 rows, whose bounds come from ``offs`` when the step runs. With the rows split evenly over the axis
 (``S(0)``, as data parallelism leaves them), what device ``j`` sends to device ``d`` is the overlap
-of its rows with ``d``'s range: every device computes every split size from the same ``offs`` (the
+of its rows with the ranges of ``d``'s experts: every device computes every split size from the same ``offs`` (the
 counts are exchanged by the plan itself, which reduces the ``histc`` counts behind ``offs`` before
 the product reads them whole), the rows arrive in global order, so the received rows of every
 expert are again contiguous and sorted.
@@ -20,7 +20,9 @@ expert are again contiguous and sorted.
 The forward's product and its input gradient are the rows form, the weight gradient the sum form, so
 the backward is the mirror of the forward. The exchange is the lowered program's
 ``all_to_all_v`` (``LocalCtx.exchange``, set by the lowering: rules sit below the collectives).
-A strategy may tag one mesh axis ``experts``; the others must keep ``T`` and ``E`` whole.
+A strategy may tag one mesh axis ``experts``; the others keep ``E`` whole and may split the rows
+too (each axis group then exchanges its own rows: the weight gradient is a partial sum over the
+other axis), the columns or the contraction.
 """
 
 from __future__ import annotations
@@ -47,16 +49,16 @@ def expert_signatures(call: OpCall, form: Optional[str]) -> list[Signature]:
 
 
 def composes(strategy: Strategy) -> bool:
-    """At most one axis runs the experts; every other axis keeps the rows and the experts whole
-    (the exchange runs inside one axis group, on rows split by that axis alone)."""
+    """At most one axis runs the experts, and no other axis splits the expert dim (the exchange runs
+    inside one axis group; other axes may split the rows, the columns or the contraction)."""
     tagged = [s for s in strategy if s.tag == TAG]
     if not tagged:
         return True
     if len(tagged) > 1:
         return False
-    rows_dim = 0 if tagged[0].inputs[0] == Split(0) else 1
+    rows_form = tagged[0].inputs[0] == Split(0)
     for s in strategy:
-        if s.tag != TAG and (s.inputs[0] == Split(rows_dim) or s.inputs[1] == Split(0) or s.outputs[0] == Split(0)):
+        if s.tag != TAG and (s.inputs[1] == Split(0) if rows_form else s.outputs[0] == Split(0)):
             return False
     return True
 
@@ -65,27 +67,24 @@ def _axis(ctx: LocalCtx) -> Optional[int]:
     return next((i for i, s in enumerate(ctx.strategy) if s.tag == TAG), None)
 
 
-def _ranges(size: int, n: int, axis: int, ctx: LocalCtx) -> list[tuple[int, int]]:
-    """``(start, length)`` of every member of the axis group, for a dim of ``size`` split on ``axis``."""
+def _member_range(ctx: LocalCtx, i: int, dim: int, axis: int, j: int) -> tuple[int, int]:
+    """``(start, length)`` along ``dim`` of input ``i``'s block on member ``j`` of this device's group on ``axis``."""
+    coords = list(ctx.coords)
+    coords[axis] = j
+    return local_range(ctx.call.in_specs[i].shape, ctx.in_placements(i), ctx.mesh_shape, coords)[dim]
+
+
+def exchange_counts(ctx: LocalCtx, offs: list[int], axis: int, rows_dim: int,
+                    experts: tuple[int, int]) -> list[list[int]]:
+    """``counts[j][e]``: rows of member ``j`` of the axis group routed to expert ``experts[0] + e``
+    (the block of experts member ``experts``' owner holds). Rows past the last group belong to none."""
+    ends = [0] + list(offs)
+    e0, ek = experts
     out = []
-    for j in range(n):
-        coords = list(ctx.coords)
-        coords[axis] = j
-        placements = [Split(0) if a == axis else B for a in range(len(ctx.mesh_shape))]
-        out.append(local_range((size,), placements, ctx.mesh_shape, coords)[0])
+    for j in range(ctx.mesh_shape[axis]):
+        s, k = _member_range(ctx, 0, rows_dim, axis, j)
+        out.append([max(0, min(s + k, ends[e + 1]) - max(s, ends[e])) for e in range(e0, e0 + ek)])
     return out
-
-
-def exchange_sizes(offs: list[int], n_rows: int, n_experts: int, n: int, ctx: LocalCtx,
-                   axis: int) -> tuple[list[list[int]], list[tuple[int, int]]]:
-    """``(sizes, owned)``: ``sizes[j][d]`` rows that member ``j`` sends to member ``d``; ``owned[d]``
-    the global row range ``(start, stop)`` of member ``d``'s experts."""
-    ends = [0] + [min(o, n_rows) for o in offs]
-    experts = _ranges(n_experts, n, axis, ctx)
-    owned = [(ends[s], ends[s + k]) for s, k in experts]
-    rows = _ranges(n_rows, n, axis, ctx)
-    sizes = [[max(0, min(s + k, hi) - max(s, lo)) for lo, hi in owned] for s, k in rows]
-    return sizes, owned
 
 
 def expert_local(ctx: LocalCtx, xs: list, form: str, grouped) -> Optional[torch.Tensor]:
@@ -100,27 +99,35 @@ def expert_local(ctx: LocalCtx, xs: list, form: str, grouped) -> Optional[torch.
     a, b, offs = xs[0], xs[1], xs[2]
     n, me = ctx.mesh_shape[axis], ctx.coords[axis]
     rows_dim = 0 if form == "rows" else 1
-    n_rows = ctx.call.in_specs[0].shape[rows_dim]
-    n_experts = ctx.call.in_specs[1].shape[0] if form == "rows" else ctx.call.out_specs[0].shape[0]
-    sizes, owned = exchange_sizes([int(o) for o in offs.tolist()], n_rows, n_experts, n, ctx, axis)
-    send, recv = sizes[me], [sizes[j][me] for j in range(n)]
-    lo, hi = owned[me]
-    e0, ek = _ranges(n_experts, n, axis, ctx)[me]
-    mine = (offs[e0:e0 + ek] - lo).clamp(0, hi - lo).to(offs.dtype)
+    experts_of = 1 if form == "rows" else None
+    bounds = [int(o) for o in offs.tolist()]
+    # every member's experts: the rows form's weight block, the weight gradient's output block
+    blocks = []
+    for d in range(n):
+        coords = list(ctx.coords)
+        coords[axis] = d
+        if experts_of is not None:
+            spec, placements = ctx.call.in_specs[1], ctx.in_placements(1)
+        else:
+            spec, placements = ctx.call.out_specs[0], ctx.out_placements(0)
+        blocks.append(local_range(spec.shape, placements, ctx.mesh_shape, coords)[0])
+    mine = exchange_counts(ctx, bounds, axis, rows_dim, blocks[me])  # [member][my expert]
+    send = [sum(exchange_counts(ctx, bounds, axis, rows_dim, blocks[d])[me]) for d in range(n)]
+    recv = [sum(row) for row in mine]
+    counts = [sum(col) for col in zip(*mine)] if mine and mine[0] else []
+    local_offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=offs.device, dtype=offs.dtype)
+    # this device's rows are sorted by expert, so the ones it sends are a prefix (past the last group: none)
     if form == "rows":
-        # rows past the last group belong to no expert (the kernel leaves them unwritten): zeros here
-        sent = a.narrow(0, 0, sum(send))
-        got = ctx.exchange(sent, axis, send, recv)
-        y = grouped(got, b, mine) if got.shape[0] else got.new_zeros(0, b.shape[-1])
+        got = ctx.exchange(a.narrow(0, 0, sum(send)), axis, send, recv)
+        y = grouped(got, b, local_offs) if got.shape[0] else got.new_zeros(0, b.shape[-1])
         back = ctx.exchange(y.contiguous(), axis, recv, send)
-        if back.shape[0] < a.shape[0]:
+        if back.shape[0] < a.shape[0]:  # rows of no expert: zeros (the kernel leaves them unwritten)
             back = torch.cat([back, back.new_zeros(a.shape[0] - back.shape[0], back.shape[1])])
         return back
     got_a = ctx.exchange(a.narrow(1, 0, sum(send)).t().contiguous(), axis, send, recv).t()
     got_b = ctx.exchange(b.narrow(0, 0, sum(send)).contiguous(), axis, send, recv)
-    out = grouped(got_a, got_b, mine) if got_b.shape[0] else None
-    shape = ctx.out_shape(0)
-    if out is None:
-        return torch.zeros(shape, dtype=b.dtype, device=b.device)
-    counts = torch.diff(mine, prepend=mine.new_zeros(1))
-    return torch.where((counts > 0).reshape(-1, 1, 1), out, out.new_zeros(()))
+    if not got_b.shape[0]:
+        return torch.zeros(ctx.out_shape(0), dtype=b.dtype, device=b.device)
+    out = grouped(got_a, got_b, local_offs)
+    empty = torch.tensor([c == 0 for c in counts], device=out.device).reshape(-1, 1, 1)
+    return torch.where(empty, out.new_zeros(()), out)
