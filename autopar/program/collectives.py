@@ -1,9 +1,9 @@
 """The collectives a lowered program calls: the instruction set shared by the lowering and the runtime.
 
 A lowered program calls the rank-level functions below (``all_gather``, ``reduce_scatter``,
-``all_reduce``, ``all_to_all``, ``all_to_all_v``, ``wait``) with mesh-axis numbers and sizes baked in. They pad
-uneven pieces to equal ones (pieces follow DTensor's ``Shard``: ``ceil(size / n)`` each, the last
-ones shorter or empty), run one collective on the axis's group through the *backend* of the
+``all_reduce``, ``all_to_all``, ``wait``; ``all_to_all_v`` from inside local ops) with mesh-axis
+numbers and sizes baked in. They pad uneven pieces to equal ones (pieces follow DTensor's
+``Shard``: ``ceil(size / n)`` each, the last ones shorter or empty), run one collective on the axis's group through the *backend* of the
 calling thread (a ``Backend``: ``runtime.collectives`` has the process-group and the simulated
 ones), and trim the padding. The lowering emits these functions as fx call targets, so the
 collectives that run are the ones the plan priced.
@@ -158,10 +158,10 @@ def wait(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-#: The collective functions of lowered programs (for passes that reorder or recognise them).
-COLLECTIVES = (all_gather, reduce_scatter, all_reduce, all_to_all, all_to_all_v)
+#: The collective functions of lowered programs (for passes that reorder or recognise them);
+#: ``all_to_all_v`` runs inside rank-aware local ops (``LocalCtx.exchange``), never as a program node.
+COLLECTIVES = (all_gather, reduce_scatter, all_reduce, all_to_all)
 
 
 __all__ = ["COLLECTIVES", "Backend", "Executed", "all_gather", "all_reduce", "all_to_all", "all_to_all_v",
-           "reduce_scatter",
-           "use_backend", "wait"]
+           "reduce_scatter", "use_backend", "wait"]

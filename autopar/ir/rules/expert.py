@@ -2,12 +2,12 @@
 mesh axis, and the rows routed to an expert travel to the device that holds it and back.
 
 The rows of a grouped product are sorted by expert (group ``e`` is rows ``offs[e-1]:offs[e]``,
-``offs`` read whole on every device), so the experts a device holds own one contiguous range of
-rows, whose bounds come from ``offs`` when the step runs. With the rows split evenly over the axis
-(``S(0)``, as data parallelism leaves them), what device ``j`` sends to device ``d`` is the overlap
-of its rows with the ranges of ``d``'s experts: every device computes every split size from the same ``offs`` (the
-counts are exchanged by the plan itself, which reduces the ``histc`` counts behind ``offs`` before
-the product reads them whole), the rows arrive in global order, so the received rows of every
+``offs`` read whole on every device), so each expert owns one contiguous range of rows, whose bounds
+come from ``offs`` when the step runs. With the rows split evenly over the axis (``S(0)``, as data
+parallelism leaves them), what device ``j`` sends to device ``d`` is the overlap of its rows with the
+ranges of ``d``'s experts: every device computes every split size from the same ``offs`` (the counts
+are exchanged by the plan itself, which reduces the ``histc`` counts behind ``offs`` before the
+product reads them whole), and the rows arrive in global order, so the received rows of every
 expert are again contiguous and sorted.
 
 - ``rows`` form ``a [T, K] @ b [E, K, N] -> [T, N]``, signature ``(S(0), S(0), B) -> (S(0))``
@@ -99,17 +99,16 @@ def expert_local(ctx: LocalCtx, xs: list, form: str, grouped) -> Optional[torch.
     a, b, offs = xs[0], xs[1], xs[2]
     n, me = ctx.mesh_shape[axis], ctx.coords[axis]
     rows_dim = 0 if form == "rows" else 1
-    experts_of = 1 if form == "rows" else None
     bounds = [int(o) for o in offs.tolist()]
     # every member's experts: the rows form's weight block, the weight gradient's output block
+    if form == "rows":
+        spec, placements = ctx.call.in_specs[1], ctx.in_placements(1)
+    else:
+        spec, placements = ctx.call.out_specs[0], ctx.out_placements(0)
     blocks = []
     for d in range(n):
         coords = list(ctx.coords)
         coords[axis] = d
-        if experts_of is not None:
-            spec, placements = ctx.call.in_specs[1], ctx.in_placements(1)
-        else:
-            spec, placements = ctx.call.out_specs[0], ctx.out_placements(0)
         blocks.append(local_range(spec.shape, placements, ctx.mesh_shape, coords)[0])
     mine = exchange_counts(ctx, bounds, axis, rows_dim, blocks[me])  # [member][my expert]
     send = [sum(exchange_counts(ctx, bounds, axis, rows_dim, blocks[d])[me]) for d in range(n)]

@@ -16,8 +16,8 @@ always read whole. Two forms occur, the forward / input gradient and the weight 
 The op is bilinear, so a partial sum passes through either operand. The expert dim ``E`` splits
 only in dropless expert parallelism (``rules.expert``: the rows travel to their experts' device and
 back), never in place: masking the rows of experts a device does not hold would leave the stock
-kernel running the rows before its first expert (unbalanced work). Dims of equal blocks (``TensorSpec.blocks``) split like any dim except ``T``, whose split
-reads offsets.
+kernel running the rows before its first expert (unbalanced work). Dims of equal blocks
+(``TensorSpec.blocks``) split like any dim except ``T``, whose split reads offsets.
 
 The kernel wants each matrix's leading stride to be a multiple of 16 bytes (on CPU and on GPU), which
 an uneven block of a split dim need not be: the local implementation then pads ``K``, ``N`` (and in
