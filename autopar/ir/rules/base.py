@@ -135,8 +135,9 @@ class OpRule:
     # the ``local`` implementation reads no offset of a dim of equal blocks (its DimMap keeps such
     # dims whole where it would), so the DimMap's block-by-block splits stay valid
     blocks_ok: bool = False
-    # whether a composition of one-axis signatures over the mesh is valid, beyond the DimMap's checks
-    compose: Optional[Callable[[Strategy], bool]] = None
+    # keeps only the composed strategies that hold together on the mesh (a special signature that
+    # may take one axis only, or needs sizes its pieces divide); None: every composition
+    compose: Optional[Callable[[OpCall, list, Sequence[int]], list]] = None
 
 
 RULES: dict[str, OpRule] = {}
@@ -238,11 +239,12 @@ def strategies(call: OpCall, mesh_shape: Sequence[int], min_size: int = 2) -> li
     dm = _build(rule, call) if rule else None
     out = []
     for combo in itertools.product(sigs, repeat=len(mesh_shape)):
-        if (dm is None or compose_ok(dm, combo, mesh_shape)) and (rule is None or rule.compose is None
-                                                                   or rule.compose(tuple(combo))):
+        if dm is None or compose_ok(dm, combo, mesh_shape):
             out.append(tuple(combo))
     if _has_blocks(call):
         out = [st for st in out if _blocks_fit(call, st, mesh_shape)]
+    if rule is not None and rule.compose is not None:
+        out = rule.compose(call, out, mesh_shape)
     return out
 
 

@@ -27,7 +27,7 @@ other axis), the columns or the contraction.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -46,6 +46,11 @@ def expert_signatures(call: OpCall, form: Optional[str]) -> list[Signature]:
     if form == "sum" and call.out_specs[0] is not None and call.out_specs[0].shape[0] >= 2 and a.shape[1] >= 2:
         return [Signature((Split(1), Split(0), B), (Split(0),), TAG)]
     return []
+
+
+def compose(call: OpCall, strats: list, mesh_shape: Sequence[int]) -> list:
+    """The compositions of ``strats`` that hold together (``OpRule.compose``): see ``composes``."""
+    return [s for s in strats if composes(s)]
 
 
 def composes(strategy: Strategy) -> bool:

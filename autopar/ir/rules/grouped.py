@@ -39,7 +39,7 @@ from autopar.ir.graph import Ref
 from autopar.ir.placement import Split
 from autopar.ir.rules.base import LocalCtx, OpCall, register, substitute
 from autopar.ir.rules.dimmap import DimMap, Dims, Signature
-from autopar.ir.rules.expert import composes, expert_local, expert_signatures
+from autopar.ir.rules.expert import compose, expert_local, expert_signatures
 from autopar.ir.rules.generic import float_flags, linear_in
 
 _GROUPED = "aten._grouped_mm.default"
@@ -130,7 +130,7 @@ def _grouped_extra(call: OpCall, dm: DimMap) -> list[Signature]:
     return expert_signatures(call, grouped_form(call))
 
 
-@register(_GROUPED, local=_grouped_local, blocks_ok=True, extra=_grouped_extra, compose=composes)
+@register(_GROUPED, local=_grouped_local, blocks_ok=True, extra=_grouped_extra, compose=compose)
 def _grouped_mm(call: OpCall) -> DimMap:
     a, b = call.in_specs[0], call.in_specs[1]
     out = call.out_specs[0]

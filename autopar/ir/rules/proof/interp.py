@@ -17,7 +17,7 @@ import torch
 from autopar.ir.placement import Partial, Placement, Split, check_blocks, chunk_range, expand_blocks, local_shape
 from autopar.ir.rules.base import LocalCtx, OpCall, Strategy, as_list, run_local, substitute
 from autopar.ir.rules.expert import TAG as EXPERTS
-from autopar.ir.rules.proof.exchange import run_devices
+from autopar.ir.rules.proof.expert_exchange import run_devices
 
 #: Signature tags whose local code exchanges rows between devices (``LocalCtx.exchange``)
 EXCHANGING = frozenset({EXPERTS})
