@@ -59,11 +59,13 @@ def collective_payload(t: torch.Tensor) -> torch.Tensor:
     return t.elem if isinstance(t, AsyncCollectiveTensor) else t
 
 
-def functional_all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Equal-split all-to-all of ``x`` along dim 0 over ``group``."""
+def functional_all_to_all(x: torch.Tensor, group: Any, send: Optional[list[int]] = None,
+                           recv: Optional[list[int]] = None) -> torch.Tensor:
+    """All-to-all of ``x`` along dim 0 over ``group``: equal pieces, or ``send[s]`` rows to rank s
+    and ``recv[r]`` rows from rank r."""
     from torch.distributed import _functional_collectives as fc
 
-    return fc.all_to_all_single(x, None, None, group)
+    return fc.all_to_all_single(x, recv, send, group)
 
 
 def functional_all_to_all_split(x: torch.Tensor, out_splits: list[int], in_splits: list[int],

@@ -1,4 +1,4 @@
-"""A small zoo of configurable test models (MLP, GPT, LLaMA, ResNet, MoE; ``llama_loop``: LLaMA written
+"""A small zoo of configurable test models (MLP, GPT, LLaMA, ResNet, MoE, dropless MoE; ``llama_loop``: LLaMA written
 with its layer code in the parent's ``forward``, as user code often is).
 
 Each family module has a ``@dataclass`` config with ``PRESETS``, ``build(cfg, device)``,
@@ -16,12 +16,13 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from . import cnn, gpt, llama, llama_loop, mlp, moe
+from . import cnn, gpt, llama, llama_loop, mlp, moe, moe_dropless
 from .cnn import CNNConfig, ResNet
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig
 from .mlp import MLP, MLPConfig
 from .moe import MoEConfig, MoEModel
+from .moe_dropless import DroplessConfig, DroplessModel
 
 MODELS: dict[str, Callable[..., tuple[nn.Module, tuple[torch.Tensor, ...]]]] = {
     "mlp": mlp.make,
@@ -30,6 +31,7 @@ MODELS: dict[str, Callable[..., tuple[nn.Module, tuple[torch.Tensor, ...]]]] = {
     "llama_loop": llama_loop.make,
     "cnn": cnn.make,
     "moe": moe.make,
+    "moe_dropless": moe_dropless.make,
 }
 
 PRESETS: dict[str, dict[str, dict]] = {
@@ -39,6 +41,7 @@ PRESETS: dict[str, dict[str, dict]] = {
     "llama_loop": llama_loop.PRESETS,
     "cnn": cnn.PRESETS,
     "moe": moe.PRESETS,
+    "moe_dropless": moe_dropless.PRESETS,
 }
 
 
@@ -68,7 +71,7 @@ def num_params(model: nn.Module) -> int:
 
 __all__ = [
     "MODELS", "PRESETS", "make", "num_params",
-    "mlp", "gpt", "llama", "llama_loop", "cnn", "moe",
+    "mlp", "gpt", "llama", "llama_loop", "cnn", "moe", "moe_dropless",
     "MLP", "MLPConfig", "GPT", "GPTConfig", "Llama", "LlamaConfig",
-    "ResNet", "CNNConfig", "MoEModel", "MoEConfig",
+    "ResNet", "CNNConfig", "MoEModel", "MoEConfig", "DroplessModel", "DroplessConfig",
 ]

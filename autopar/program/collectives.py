@@ -1,9 +1,9 @@
 """The collectives a lowered program calls: the instruction set shared by the lowering and the runtime.
 
 A lowered program calls the rank-level functions below (``all_gather``, ``reduce_scatter``,
-``all_reduce``, ``all_to_all``, ``wait``) with mesh-axis numbers and sizes baked in. They pad
-uneven pieces to equal ones (pieces follow DTensor's ``Shard``: ``ceil(size / n)`` each, the last
-ones shorter or empty), run one collective on the axis's group through the *backend* of the
+``all_reduce``, ``all_to_all``, ``wait``; ``all_to_all_v`` from inside local ops) with mesh-axis
+numbers and sizes baked in. They pad uneven pieces to equal ones (pieces follow DTensor's
+``Shard``: ``ceil(size / n)`` each, the last ones shorter or empty), run one collective on the axis's group through the *backend* of the
 calling thread (a ``Backend``: ``runtime.collectives`` has the process-group and the simulated
 ones), and trim the padding. The lowering emits these functions as fx call targets, so the
 collectives that run are the ones the plan priced.
@@ -57,6 +57,9 @@ class Backend(Protocol):
 
     def permute(self, x: torch.Tensor, axis: int, dest: Sequence[int]) -> torch.Tensor:
         """Point to point: rank r's ``x`` (equal shapes) arrives at rank ``dest[r]``, returned there."""
+    def all_to_all_v(self, x: torch.Tensor, axis: int, send: list[int], recv: list[int]) -> torch.Tensor:
+        """Rows of ``x`` exchanged in uneven pieces: ``send[s]`` consecutive rows go to rank s, and
+        ``recv[r]`` rows arrive from rank r, concatenated in rank order."""
 
 
 def _backend() -> Backend:
@@ -146,6 +149,14 @@ def permute(x: torch.Tensor, axis: int, dest: Sequence[int]) -> torch.Tensor:
     if all(d == r for r, d in enumerate(dest)):
         return x
     return wait(_backend().permute(x.contiguous(), axis, list(dest)))
+def all_to_all_v(x: torch.Tensor, axis: int, send: list[int], recv: list[int]) -> torch.Tensor:
+    """Dim 0 of ``x`` exchanged in uneven, run-time pieces on mesh axis ``axis`` (the dispatch and
+    combine of dropless expert parallelism): ``send[s]`` consecutive rows go to the axis's rank s,
+    ``recv[r]`` rows arrive from rank r, in rank order. Every rank passes sizes that agree with its
+    peers' (``recv`` here is ``send`` there)."""
+    if sum(send) != x.shape[0]:
+        raise CollectiveError(f"all_to_all_v: {x.shape[0]} rows to send, split sizes {send} add up to {sum(send)}")
+    return _backend().all_to_all_v(x.contiguous(), axis, list(send), list(recv))
 
 
 def wait(x: torch.Tensor) -> torch.Tensor:
@@ -155,9 +166,11 @@ def wait(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-#: The collective functions of lowered programs (for passes that reorder or recognise them).
+#: The collective functions of lowered programs (for passes that reorder or recognise them);
+#: ``all_to_all_v`` runs inside rank-aware local ops (``LocalCtx.exchange``), never as a program node.
 COLLECTIVES = (all_gather, reduce_scatter, all_reduce, all_to_all)
 
 
-__all__ = ["COLLECTIVES", "Backend", "Executed", "all_gather", "all_reduce", "all_to_all", "permute",
+__all__ = ["COLLECTIVES", "Backend", "Executed", "all_gather", "all_reduce", "all_to_all", "all_to_all_v",
+           "permute",
            "reduce_scatter", "use_backend", "wait"]

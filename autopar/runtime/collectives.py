@@ -107,6 +107,9 @@ class ProcessGroupComm:
         outs = [flat.numel() if r == src else 0 for r in range(n)]
         return tc.functional_all_to_all_split(flat, outs, ins, self.groups[axis]).view(x.shape)
 
+    def all_to_all_v(self, x, axis, send, recv):
+        return tc.functional_all_to_all(x, self.groups[axis], send, recv)
+
 
 def record_executed(axis_of_group: dict[str, str], out: list):
     """A context manager that appends to ``out`` every functional collective dispatched while it
@@ -239,6 +242,18 @@ class ThreadComm:
         with unobserved():  # views of every member's buffer: not this rank's memory
             got = [g[self.coords[axis]] for g in got]
         return torch.stack(got)
+
+    @torch.compiler.disable  # an exchange between threads: a compiled program calls it as Python
+    def all_to_all_v(self, x, axis, send, recv):
+        me = self.coords[axis]
+        got = self._swap(axis, (x, send), "all_to_all_v", _nbytes(x))
+        with unobserved():  # views of every member's buffer: not this rank's memory
+            pieces = []
+            for r, (peer, sizes) in enumerate(got):
+                if sizes[me] != recv[r]:
+                    raise CollectiveError(f"simulated all_to_all_v: rank {r} sends {sizes[me]} rows, {recv[r]} expected")
+                pieces.append(peer.narrow(0, sum(sizes[:me]), sizes[me]))
+        return torch.cat(pieces)
 
 
     @torch.compiler.disable  # an exchange between threads: a compiled program calls it as Python

@@ -79,6 +79,9 @@ class LocalCtx:
     #: ``permute(x, axis, dest)``: point-to-point exchange on a mesh axis, for strategies that pass
     #: blocks between devices inside the op (ring attention); set by the program and the rule proof
     permute: Optional[Callable[..., torch.Tensor]] = None
+    #: ``exchange(x, axis, send, recv)``: the rows of ``x`` exchanged in run-time pieces on a mesh axis
+    #: (``program.collectives.all_to_all_v``), for local code that moves rows (``rules.expert``)
+    exchange: Optional[Callable] = None
 
     def in_placements(self, i: int) -> tuple[Placement, ...]:
         """This op's input placements on every mesh axis, per input."""
@@ -222,12 +225,14 @@ def signatures(call: OpCall, min_size: int = 2) -> list[Signature]:
         return [replicate_signature(len(call.in_specs), call.out_specs)]
     dm = _build(rule, call)
     sigs = enumerate_signatures(dm, min_size=min_size)
-    if rule.extra is not None:
-        sigs += rule.extra(call, dm)
-    if (rule.local is not None and not rule.blocks_ok or rule.extra is not None) and _has_blocks(call):
-        # special signatures and offset-reading local code know nothing of blocks
-        sigs = [s for s in sigs if not _splits_blocks(call, s)]
-    return sigs
+    extra = rule.extra(call, dm) if rule.extra is not None else []
+    if _has_blocks(call):
+        # special signatures and offset-reading local code know nothing of blocks (``blocks_ok``: the
+        # local code keeps the DimMap's block splits valid; its special signatures still do not)
+        if not rule.blocks_ok and (rule.local is not None or extra):
+            sigs = [s for s in sigs if not _splits_blocks(call, s)]
+        extra = [s for s in extra if not _splits_blocks(call, s)]
+    return sigs + extra
 
 
 def strategies(call: OpCall, mesh_shape: Sequence[int], min_size: int = 2) -> list[Strategy]:

@@ -13,11 +13,11 @@ always read whole. Two forms occur, the forward / input gradient and the weight 
   ``T`` on both operands with shifted offsets: each device sums its rows of every group, so the
   output is a partial sum (a group with no local rows gives zeros, written explicitly).
 
-The op is bilinear, so a partial sum passes through either operand. The expert dim ``E`` stays whole:
-a split of ``E`` is sound only with every device masking the rows of the experts it does not hold,
-and the stock kernel would still run the rows before its first expert (unbalanced work); it is not
-offered. Dims of equal blocks (``TensorSpec.blocks``) split like any dim except ``T``, whose split
-reads offsets.
+The op is bilinear, so a partial sum passes through either operand. The expert dim ``E`` splits
+only in dropless expert parallelism (``rules.expert``: the rows travel to their experts' device and
+back), never in place: masking the rows of experts a device does not hold would leave the stock
+kernel running the rows before its first expert (unbalanced work). Dims of equal blocks
+(``TensorSpec.blocks``) split like any dim except ``T``, whose split reads offsets.
 
 The kernel wants each matrix's leading stride to be a multiple of 16 bytes (on CPU and on GPU), which
 an uneven block of a split dim need not be: the local implementation then pads ``K``, ``N`` (and in
@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from autopar.ir.graph import Ref
 from autopar.ir.placement import Split
 from autopar.ir.rules.base import LocalCtx, OpCall, register, substitute
-from autopar.ir.rules.dimmap import DimMap, Dims
+from autopar.ir.rules.dimmap import DimMap, Dims, Signature
+from autopar.ir.rules.expert import compose, expert_local, expert_signatures
 from autopar.ir.rules.generic import float_flags, linear_in
 
 _GROUPED = "aten._grouped_mm.default"
@@ -107,6 +108,9 @@ def _grouped_local(ctx: LocalCtx, xs: list) -> torch.Tensor:
     if form is None:
         return call.target(*args, **kwargs)
     a, b, offs = xs[0], xs[1], xs[2]
+    experts = expert_local(ctx, xs, form, lambda a_, b_, o_: grouped_mm(call.target, a_, b_, o_, form))
+    if experts is not None:
+        return experts
     split_t = any(isinstance(p, Split) and p.dim == _t_dim(form) for p in ctx.in_placements(0))
     if split_t:
         start, length = ctx.in_range(0, _t_dim(form))
@@ -122,7 +126,11 @@ def _grouped_local(ctx: LocalCtx, xs: list) -> torch.Tensor:
     return out
 
 
-@register(_GROUPED, local=_grouped_local, blocks_ok=True)
+def _grouped_extra(call: OpCall, dm: DimMap) -> list[Signature]:
+    return expert_signatures(call, grouped_form(call))
+
+
+@register(_GROUPED, local=_grouped_local, blocks_ok=True, extra=_grouped_extra, compose=compose)
 def _grouped_mm(call: OpCall) -> DimMap:
     a, b = call.in_specs[0], call.in_specs[1]
     out = call.out_specs[0]

@@ -47,6 +47,7 @@ from autopar.passes.lower.resolve import Resolved, placeholder_key
 from autopar.passes.lower.schedule import mark_recomputation, schedule
 from autopar.passes.lower.simplify import drop_identities
 from autopar.passes.search.strategies import input_placement, output_placement
+from autopar.program.collectives import all_to_all_v
 from autopar.program.program import LocalOp, Program, RandomOp, RandomState, Slot
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
@@ -221,7 +222,8 @@ class Emitter:
         cur = d.placed
         for name, strat in d.replay:
             node = self.g.node(name)
-            ctx = LocalCtx(self.res.calls[name], strat, self.mesh_shape, self.coords, device=self.device)
+            ctx = LocalCtx(self.res.calls[name], strat, self.mesh_shape, self.coords, device=self.device,
+                           exchange=all_to_all_v)
             if has_local(node.op):
                 mod_name = self.fresh_name(f"{name}_kept_local")
                 self.root.add_module(mod_name, LocalOp(ctx))
@@ -244,7 +246,7 @@ class Emitter:
                for k, r in enumerate(node.inputs)]
         if casts is not None:
             call = casts.op_call(self.g, node, call)
-        ctx = LocalCtx(call, strat, self.mesh_shape, self.coords, device=self.device)
+        ctx = LocalCtx(call, strat, self.mesh_shape, self.coords, device=self.device, exchange=all_to_all_v)
         random = is_random_call(node.op, node.args, node.kwargs)
         plain = self._plain_local(node, strat, ctx) if has_local(node.op) and not random else None
         if random:  # this device's block of the whole tensor's draw (``ir.rules.random_ops``)

@@ -24,6 +24,7 @@ from autopar.cost_model.buckets import grad_time
 from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
 from autopar.cost_model.comm import reshard_time
 from autopar.cost_model.compute import compute_time, optimizer_time
+from autopar.cost_model.experts import IMBALANCE, exchange_time, expert_axis
 from autopar.cost_model.fusion import fused_ops
 from autopar.cost_model.gathers import gather_shares, gather_time
 from autopar.cost_model.memory import activation_bytes, param_state_bytes
@@ -93,9 +94,9 @@ def build_problem(
         call = None if n.is_placeholder else op_call(graph, n)
         for s in strats:
             mem = dict.fromkeys(MEMORY_KINDS, 0.0)
+            step = 0.0  # what runs exposed: a parameter's optimizer step, an expert exchange
             if n.is_placeholder:
                 place = output_placement(s, 0)
-                step = 0.0
                 if n.name in param_node:
                     state = param_state_bytes(n.out.shape, place, mesh, precision)
                     for k in ("params", "grads", "optimizer"):
@@ -113,13 +114,18 @@ def build_problem(
                 ring = ring_axis(s)
                 pn.compute.append(compute_time(call, ins, outs, hw, precision, fused.get(n.name)) if ring is None else
                                   ring_time(call, s, ins, outs, mesh.shape[ring[0]], mesh.link(ring[0]), hw, precision))
+                if expert_axis(s) is not None:  # dropless experts: the busiest device's rows, moved and run
+                    pn.compute[-1] *= IMBALANCE
+                    eb = activation_bytes((1,), in_specs[0].dtype, (B,) * mesh.ndim, mesh, precision)
+                    step = exchange_time(s, ins, eb, mesh)
                 for j, spec in enumerate(n.outputs):
                     r = Ref(n.name, j)
                     if spec is not None and r in users_backward and n.name not in views:
                         mem["activations"] += shares[r] * activation_bytes(spec.shape, spec.dtype, output_placement(s, j),
                                                                            mesh, precision)
-            # a parameter's optimizer step: after the backward, under nothing (see the docstring)
-            pn.comm.append(step if n.is_placeholder else 0.0)
+            # a parameter's optimizer step runs after the backward, under nothing (see the docstring);
+            # an expert exchange blocks the grouped product that reads it
+            pn.comm.append(step)
             for k in MEMORY_KINDS:
                 pn.memory[k].append(mem[k])
         index[n.name] = len(nodes)

@@ -17,6 +17,11 @@ import torch
 from autopar.ir.placement import Partial, Placement, Split, check_blocks, chunk_range, expand_blocks, local_shape
 from autopar.ir.rules.base import LocalCtx, OpCall, Strategy, as_list, run_local, substitute
 from autopar.ir.rules.ring import ring_axis
+from autopar.ir.rules.expert import TAG as EXPERTS
+from autopar.ir.rules.proof.expert_exchange import run_devices
+
+#: Signature tags whose local code exchanges rows between devices (``LocalCtx.exchange``)
+EXCHANGING = frozenset({EXPERTS})
 
 Coords = tuple[int, ...]
 
@@ -142,11 +147,18 @@ def run_op(
     local_inputs: dict[Coords, list[torch.Tensor]],
     offset_scale: int = 1,
 ) -> dict[Coords, list]:
-    """Every device's outputs of one op under ``strategy``."""
+    """Every device's outputs of one op under ``strategy`` (on a thread each, exchanging blocks or rows,
+    where the strategy's local code moves them between devices)."""
     if ring_axis(strategy) is not None:  # blocks pass between devices inside the op
         from autopar.ir.rules.proof.exchange import run_exchanging
 
         return run_exchanging(call, strategy, mesh_shape, local_inputs, device_coords(mesh_shape), offset_scale)
+    if any(sig.tag in EXCHANGING for sig in strategy):
+        def device(coords, exchange):
+            ctx = LocalCtx(call, strategy, tuple(mesh_shape), coords, offset_scale, exchange=exchange)
+            return run_local(ctx, local_inputs[coords])
+
+        return run_devices(device, device_coords(mesh_shape), mesh_shape)  # type: ignore[return-value]
     out = {}
     for coords in device_coords(mesh_shape):
         ctx = LocalCtx(call, strategy, tuple(mesh_shape), coords, offset_scale)
