@@ -86,8 +86,9 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
         raise ArgumentError("autopar.plan: pipeline= pins a pipeline on a given mesh; with Mesh.devices the planner "
                             "chooses the pipeline degree: give the axes, e.g. Mesh({'pp': 4, 'dp': 2, 'tp': 8}), "
                             "to pin it")
-    if options.recipe is not None or options.hints is not None:
-        raise ArgumentError("autopar.plan: recipe= and hints= name mesh axes; with Mesh.devices the axes are not known "
+    if options.recipe is not None or options.hints is not None or options.attention:
+        raise ArgumentError("autopar.plan: recipe=, hints= and attention= name mesh axes; with Mesh.devices the axes "
+                            "are not known "
                             "yet: give the axes (autopar.Mesh({...})) to use them")
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
