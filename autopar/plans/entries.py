@@ -281,6 +281,15 @@ class Alternative(Strict):
     delta: Delta = None
 
 
+class AttentionForm(Strict):
+    """The form an attention op of the module runs in on one mesh axis (``ir.attention_forms``), and
+    what each other form would add to the step time (an ``Alternative`` named by the form)."""
+    op: Name = None
+    axis: Name = None
+    form: Text = None
+    alternatives: list[Alternative] = None
+
+
 class ModuleEntry(Strict):
     """Per-module totals and its parameters' placements (FQN -> placement text)."""
     path: Name = None
@@ -290,6 +299,7 @@ class ModuleEntry(Strict):
     memory: Int = None
     placements: dict[Name, PlacementText] = None
     alternatives: list[Alternative] = None
+    attention: list[AttentionForm] = None
 
 
 class Baseline(Strict):
