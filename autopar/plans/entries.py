@@ -17,17 +17,8 @@ import typing
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 from autopar.cost_model.precision import OPTIMIZER_STATES, PRECISIONS
 from autopar.errors import PlacementError
@@ -282,8 +273,8 @@ class Alternative(Strict):
 
 
 class AttentionForm(Strict):
-    """The form an attention op of the module runs in on one mesh axis (``ir.attention_forms``), and
-    what each other form would add to the step time (an ``Alternative`` named by the form)."""
+    """An attention op's form on one mesh axis (``ir.attention_forms``) and what each other form
+    would add to the step time (an ``Alternative`` named by the form)."""
     op: Name = None
     axis: Name = None
     form: Text = None
