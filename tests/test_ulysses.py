@@ -164,3 +164,25 @@ def test_bad_attention_forms_are_refused():
     with pytest.raises(HintError, match="no strategy in that form"):  # 4 heads over 8 devices
         autopar.plan(model, autopar.Mesh({"sp": 8}, device="cpu"), args, attention={"sp": "ulysses"},
                      progress=False)
+
+
+def test_factorization_considers_a_sequence_axis():
+    """One long sequence on 8 devices: dp cannot take them (a batch of 1), so cp does; a 4k-token
+    batch that fills dp gets no cp shapes (the factorization unchanged)."""
+    from autopar.planner.factorize import shape_candidates
+
+    long = shape_candidates(8, 8, batch=1, n_layers=32, seq=131072)
+    assert {"pp": 1, "dp": 1, "cp": 8, "tp": 1} in long and {"pp": 1, "dp": 1, "cp": 2, "tp": 4} in long
+    assert all(s.get("dp", 1) <= 1 for s in long)
+    assert shape_candidates(8, 8, batch=8, n_layers=32, seq=4096) == shape_candidates(8, 8, batch=8, n_layers=32)
+    assert any("cp" in s for s in shape_candidates(8, 8, batch=8, n_layers=32, seq=32768))
+
+
+def test_mesh_devices_plans_a_sequence_axis_for_one_sequence():
+    torch.manual_seed(0)
+    model, args = make("gpt", "tiny", batch=1, seq=32, n_layer=2)
+    plan = autopar.plan(model, autopar.Mesh.devices(2, device="cpu", node_size=1), args, progress=False,
+                        deterministic_time=0.5)
+    # a batch of one cannot use dp=2: the only shape is the sequence axis, and it is planned
+    assert [r["shape"] for r in plan.mesh_search["compared"]] == [{"pp": 1, "dp": 1, "cp": 2, "tp": 1}]
+    assert plan.fits and tuple(plan.axis_names) == ("cp",)
