@@ -172,8 +172,12 @@ def test_factorization_considers_a_sequence_axis():
     from autopar.planner.factorize import shape_candidates
 
     long = shape_candidates(8, 8, batch=1, n_layers=32, seq=131072)
-    assert {"pp": 1, "dp": 1, "cp": 8, "tp": 1} in long and {"pp": 1, "dp": 1, "cp": 2, "tp": 4} in long
+    assert {"pp": 1, "dp": 1, "cp": 2, "tp": 4} in long and {"pp": 1, "dp": 1, "tp": 8} in long
+    assert {"pp": 1, "dp": 1, "cp": 8, "tp": 1} not in long  # the tp8 mesh renamed
     assert all(s.get("dp", 1) <= 1 for s in long)
+    # across nodes a batch of one has no shape without cp (tp stays in a node)
+    nodes = shape_candidates(16, 8, batch=1, n_layers=32, seq=262144)
+    assert nodes and all("cp" in s for s in nodes) and {"pp": 1, "dp": 1, "cp": 2, "tp": 8} in nodes
     assert shape_candidates(8, 8, batch=8, n_layers=32, seq=4096) == shape_candidates(8, 8, batch=8, n_layers=32)
     assert any("cp" in s for s in shape_candidates(8, 8, batch=8, n_layers=32, seq=32768))
 

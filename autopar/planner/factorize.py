@@ -77,9 +77,11 @@ def shape_candidates(count: int, node_size: int, batch: int, n_layers: int, pp: 
             if d <= batch:
                 out.append({PP_AXIS: p, DP_AXIS: d, TP_AXIS: t})
             if p == 1 and seq and (seq >= CP_MIN_SEQ or d > batch):
+                # (cp alone inside a node is the mesh of tp alone of that size, renamed: skipped)
                 out += [{PP_AXIS: 1, DP_AXIS: d // c, CP_AXIS: c, TP_AXIS: t}
                         for c in (2 ** k for k in range(1, d.bit_length()))
-                        if d % c == 0 and d // c <= batch and seq % c == 0]
+                        if d % c == 0 and d // c <= batch and seq % c == 0
+                        and not (c == count and node_size % c == 0)]
     return out
 
 
