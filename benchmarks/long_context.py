@@ -43,7 +43,7 @@ def plan(layers: int, batch: int, seq: int, devices: int):
 def digest(p) -> str:
     """A hash of the plan's decisions: placements, every op's strategy, the step time and the peak."""
     what = {"placements": p.placements, "strategies": [n["strategy"] for n in p.nodes],
-            "step_time": round(p.step_time, 12), "peak": int(p.peak_memory), "mesh": p.mesh.get("shape")}
+            "step_time": round(p.step_time, 12), "peak": int(p.peak_memory), "mesh": list(p.mesh_shape)}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -55,7 +55,7 @@ def report(p, wall: float, cpu: float, seq: int, batch: int, devices: int) -> li
     gib = 2 ** 30
     tps = seq * batch / p.step_time / devices
     ms = p.mesh_search or {}
-    out = [f"chosen: {_shape(ms.get('chosen', {}))} (mesh {p.mesh.get('names')} = {p.mesh.get('shape')})",
+    out = [f"chosen: {_shape(ms.get('chosen', {}))} (mesh {dict(zip(p.axis_names, p.mesh_shape))})",
            f"planning: {wall:.1f} s wall, {cpu:.1f} s CPU",
            f"step {p.step_time:.3f} s (compute {p.compute_time:.3f} s, communication {p.comm_time:.3f} s), "
            f"{tps:,.0f} tokens/s per GPU",
@@ -76,7 +76,7 @@ def report(p, wall: float, cpu: float, seq: int, batch: int, devices: int) -> li
         if r["shape"] == ms.get("chosen"):
             continue
         if "error" in r:
-            out.append(f"  {_shape(r['shape'])}: {r['error'][:160]}")
+            out.append(f"  {_shape(r['shape'])}: {r['error'][:400]}")
         else:
             out.append(f"  {_shape(r['shape'])}: step {r['step_time']:.3f} s, peak {r['peak_memory'] / gib:.1f} GiB"
                        f"{'' if r['fits'] else ' (over the budget)'}")
