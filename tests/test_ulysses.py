@@ -7,6 +7,8 @@ LlamaForCausalLM and a native grouped-query model (``enable_gqa``), causal and n
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -21,7 +23,7 @@ from autopar.models import make
 
 from _parity import simulated_errors
 
-TOL = 1e-5
+TOL = 1e-5  # float64 throughout: only reassociation differs
 
 
 class GroupedAttention(nn.Module):
@@ -63,7 +65,7 @@ def _all_to_alls_into_attention(plan) -> int:
                for s in r["steps"] if s["kind"] == "all_to_all")
 
 
-def _check(model, args, kwargs, plan, loss_of=None):
+def _check(model, args, kwargs, plan):
     loss, grads = autopar.simulate(model, plan, args, kwargs)
     out = model(*args, **kwargs)
     ref = out if isinstance(out, torch.Tensor) else out.loss
@@ -77,18 +79,27 @@ def _check(model, args, kwargs, plan, loss_of=None):
         assert err <= TOL, (name, err)
 
 
+@functools.lru_cache(maxsize=None)
+def _forced(family: str, axes: tuple, seq_axes: tuple):
+    """``(model, args, plan)``: ``family`` in float64 with its inputs split on the sequence over
+    ``seq_axes`` (the batch elsewhere) and its attention forced to Ulysses there; cached."""
+    torch.manual_seed(0)
+    model, args = make(family, "tiny", batch=2, seq=32)
+    model = model.double()
+    axes = dict(axes)
+    hints = _seq_hints(axes, ["input:0", "input:1"], seq_axes)
+    plan = autopar.plan(model, autopar.Mesh(axes, device="cpu"), args, hints=hints, precision="fp64",
+                        attention={a: "ulysses" for a in seq_axes}, deterministic_time=0.5, progress=False)
+    return model, args, plan
+
+
 MESHES = [({"sp": 4}, ("sp",)), ({"dp": 2, "sp": 2}, ("sp",)), ({"a": 2, "b": 2}, ("a", "b"))]
 CASES = [("gpt", *MESHES[0]), ("gpt", *MESHES[2]), ("llama", *MESHES[0]), ("llama", *MESHES[1])]
 
 
 @pytest.mark.parametrize("family,axes,seq_axes", CASES, ids=["gpt-4", "gpt-2x2", "llama-4", "llama-dp2xsp2"])
 def test_ulysses_forced_matches_one_device(family, axes, seq_axes):
-    torch.manual_seed(0)
-    model, args = make(family, "tiny", batch=2, seq=32)
-    model = model.double()
-    hints = _seq_hints(axes, ["input:0", "input:1"], seq_axes)
-    plan = autopar.plan(model, autopar.Mesh(axes, device="cpu"), args, hints=hints, precision="fp64",
-                        attention={a: "ulysses" for a in seq_axes}, deterministic_time=0.5, progress=False)
+    model, args, plan = _forced(family, tuple(axes.items()), seq_axes)
     for _, tags in _attention_reads(plan):  # every attention op splits its heads on the sequence axes
         assert all(tags[list(axes).index(a)] == "S:h" for a in seq_axes), tags
     if len(seq_axes) == 1:  # one axis: q, k and v arrive by one all-to-all each
@@ -140,13 +151,11 @@ def test_all_to_all_moves_what_each_rank_sends():
 
 
 def test_explain_names_the_form_and_prices_the_others():
-    torch.manual_seed(0)
-    model, args = make("gpt", "tiny", batch=2, seq=32)
-    plan = autopar.plan(model, autopar.Mesh({"sp": 4}, device="cpu"), args, hints={"input:0": "S(1)"},
-                        attention={"sp": "ulysses"}, deterministic_time=0.5, progress=False)
+    _, _, plan = _forced("gpt", (("sp", 4),), ("sp",))
     text = plan.explain("blocks.0.attn")
     line = next(x for x in text.splitlines() if x.startswith("attention "))
     assert " on sp: ulysses (all-to-all" in line and "gather +" in line
+    model, args = make("gpt", "tiny", batch=2, seq=32, n_layer=1)
     forced = autopar.plan(model, autopar.Mesh({"sp": 4}, device="cpu"), args, hints={"input:0": "S(1)"},
                           attention={"blocks.*.attn": {"sp": "gather"}}, deterministic_time=0.5, progress=False)
     line = next(x for x in forced.explain("blocks.0.attn").splitlines() if x.startswith("attention "))
