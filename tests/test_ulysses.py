@@ -199,3 +199,17 @@ def test_mesh_devices_plans_a_sequence_axis_for_one_sequence():
     # a batch of one cannot use dp=2: the only shape is the sequence axis, and it is planned
     assert [r["shape"] for r in plan.mesh_search["compared"]] == [{"pp": 1, "dp": 1, "cp": 2, "tp": 1}]
     assert plan.fits and tuple(plan.axis_names) == ("cp",)
+
+
+def test_searched_plan_on_a_sequence_split_mesh():
+    """Unforced, the search picks each attention op's form by price (on this tiny model the keys
+    and values are cheap to gather whole) and the plan still matches one device."""
+    torch.manual_seed(0)
+    model, args = make("gpt", "tiny", batch=1, seq=1024, block_size=1024)
+    model = model.double()
+    plan = autopar.plan(model, autopar.Mesh({"sp": 4}, device="h100"), args, precision="fp64",
+                        hints={"input:0": "S(1)", "input:1": "S(1)"}, deterministic_time=0.5, progress=False)
+    forms = [a for m in plan.modules for a in m.get("attention") or []]
+    assert forms and all(a["axis"] == "sp" and a["form"] in ("gather", "ulysses", "heads") for a in forms)
+    assert all(a["alternatives"] for a in forms)  # each priced against another form
+    _check(model, args, {}, plan)
