@@ -24,7 +24,7 @@ from autopar.errors import ArgumentError
 from autopar.ir.attention import ATTN_BWD, ATTN_FWD
 from autopar.ir.placement import Placement, Split
 
-__all__ = ["FORMS", "Form", "check_forms", "classify", "forms_for", "q_index", "qkv_indices"]
+__all__ = ["FORMS", "Form", "check_forms", "classify", "forms_for", "is_attention", "matches", "q_index", "qkv_indices"]
 
 #: the dims of attention's ``[batch, heads, sequence, head_dim]`` operands
 BATCH, HEADS, SEQ = 0, 1, 2
