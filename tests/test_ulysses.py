@@ -8,6 +8,7 @@ LlamaForCausalLM and a native grouped-query model (``enable_gqa``), causal and n
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -155,6 +156,9 @@ def test_explain_names_the_form_and_prices_the_others():
     text = plan.explain("blocks.0.attn")
     line = next(x for x in text.splitlines() if x.startswith("attention "))
     assert " on sp: ulysses (all-to-all" in line and "gather +" in line
+    # the forms are in the plan file: a loaded plan explains them alike
+    loaded = autopar.Plan.from_dict(json.loads(plan.to_json())).explain("blocks.0.attn")
+    assert [x for x in loaded.splitlines() if x.startswith("attention ")] == [line]
     model, args = make("gpt", "tiny", batch=2, seq=32, n_layer=1)
     forced = autopar.plan(model, autopar.Mesh({"sp": 4}, device="cpu"), args, hints={"input:0": "S(1)"},
                           attention={"blocks.*.attn": {"sp": "gather"}}, deterministic_time=0.5, progress=False)

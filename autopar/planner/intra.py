@@ -31,12 +31,12 @@ from autopar.passes.search.build import build_problem
 from autopar.passes.search.collector import collector_paused
 from autopar.passes.search.complete import complete
 from autopar.passes.search.fold import Folding, fold
+from autopar.passes.search.forms import apply_forms
 from autopar.passes.search.merge import Merged, merge
 from autopar.passes.search.problem import MEMORY_KINDS, Cost, Problem, evaluate
 from autopar.passes.search.propagate import propagate
 from autopar.passes.search.solve import Solution, greedy, solve
 from autopar.passes.search.solve_axis import FULL_ILP_LIMIT, edge_var_count, solve_by_axis
-from autopar.passes.search.forms import apply_forms
 from autopar.passes.search.strategies import Constraint, resolve_hints, search_strategies
 from autopar.planner.options import PlanOptions
 from autopar.plans.format import human_bytes
