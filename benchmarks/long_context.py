@@ -12,6 +12,10 @@ once with the base commit's.
 
     python benchmarks/long_context.py [--seq 131072] [--devices 8] [--layers 32] [--markdown]
     python benchmarks/long_context.py --workload 4k [--batch 8] [--devices 8] [--layers 8]
+    python benchmarks/long_context.py --mesh cp=2,tp=4 [--checkpointing full]
+
+``--mesh`` plans that mesh directly instead of the factorization search (``--checkpointing`` pins the
+recomputation): the price of a shape the search rejected.
 """
 
 from __future__ import annotations
@@ -29,14 +33,16 @@ def _model(layers: int, batch: int, seq: int):
                 max_seq_len=max(seq, 8192))
 
 
-def plan(layers: int, batch: int, seq: int, devices: int):
-    """``(plan, wall seconds, CPU seconds)`` of the model on ``Mesh.devices(devices)`` H100s."""
+def plan(layers: int, batch: int, seq: int, devices: int, axes=None, checkpointing=None):
+    """``(plan, wall seconds, CPU seconds)`` of the model on ``Mesh.devices(devices)`` H100s (on
+    ``Mesh(axes)`` when given)."""
     import autopar
 
     model, args = _model(layers, batch, seq)
-    mesh = autopar.Mesh.devices(devices, device="h100", node_size=8)
+    mesh = (autopar.Mesh(axes, device="h100") if axes else autopar.Mesh.devices(devices, device="h100", node_size=8))
+    kw = {"checkpointing": checkpointing} if checkpointing else {}
     t0, c0 = time.perf_counter(), time.process_time()
-    p = autopar.plan(model, mesh, args, precision="bf16-mixed", progress=False)
+    p = autopar.plan(model, mesh, args, precision="bf16-mixed", progress=False, **kw)
     return p, time.perf_counter() - t0, time.process_time() - c0
 
 
@@ -55,7 +61,7 @@ def report(p, wall: float, cpu: float, seq: int, batch: int, devices: int) -> li
     gib = 2 ** 30
     tps = seq * batch / p.step_time / devices
     ms = p.mesh_search or {}
-    out = [f"chosen: {_shape(ms.get('chosen', {}))} (mesh {dict(zip(p.axis_names, p.mesh_shape))})",
+    out = [f"chosen: {_shape(ms.get('chosen', {}) or dict(zip(p.axis_names, p.mesh_shape)))} (mesh {dict(zip(p.axis_names, p.mesh_shape))})",
            f"planning: {wall:.1f} s wall, {cpu:.1f} s CPU",
            f"step {p.step_time:.3f} s (compute {p.compute_time:.3f} s, communication {p.comm_time:.3f} s), "
            f"{tps:,.0f} tokens/s per GPU",
@@ -97,6 +103,8 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--mesh", default=None, help="axes such as cp=2,tp=4: plan that mesh directly")
+    ap.add_argument("--checkpointing", default=None, help="with --mesh: none, full or selective")
     a = ap.parse_args()
     import autopar
 
@@ -111,7 +119,8 @@ def main() -> None:
         print(f"decisions digest: {digest(p)}")
         return
     layers = a.layers or 32
-    p, wall, cpu = plan(layers, 1, a.seq, a.devices)
+    axes = {k: int(v) for k, v in (x.split("=") for x in a.mesh.split(","))} if a.mesh else None
+    p, wall, cpu = plan(layers, 1, a.seq, a.devices, axes, a.checkpointing)
     print(f"LLaMA-3-8B dims, {layers} layers, one sequence of {a.seq:,} tokens, {a.devices} H100s")
     print("\n".join(report(p, wall, cpu, a.seq, 1, a.devices)))
 
