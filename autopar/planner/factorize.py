@@ -10,6 +10,11 @@ exhaustively:
 - ``pp`` is 1 or a power of two no larger than the model's repeated layer instances (counted on
   the captured graph: a stage holds at least one) nor than the batch (a micro-batch per stage);
 - ``dp`` is the rest and no larger than the batch;
+- a ``cp`` axis (context parallelism, between ``dp`` and ``tp``) takes part of the rest when the
+  inputs are token sequences that are long (``CP_MIN_SEQ``) or too few to give every ``dp`` device
+  one: a power of two dividing the sequence, on unpipelined shapes. What each axis splits is the
+  search's choice; on ``cp`` that is the sequence, with each attention op in a form of its own
+  (all-gathered keys and values, all-to-all, or a head split);
 - ``Mesh.devices(..., pp=[...], tp=[...])`` restricts the degrees further.
 
 Each candidate is planned as the user would plan that shape: ``pp = 1`` by the intra-op planner on
@@ -30,6 +35,8 @@ import time
 from dataclasses import replace
 from typing import Any, Optional
 
+import torch
+
 from autopar.cost_model.mesh import DP_AXIS, PP_AXIS, TP_AXIS, Mesh
 from autopar.errors import ArgumentError, InfeasibleError, RecipeError
 from autopar.ir.capture import as_args, capture
@@ -40,10 +47,19 @@ from autopar.planner.pipelined import batch_size, plan_pipelined
 from autopar.planner.report import build_plan
 
 
+#: the context-parallel axis: the devices that split one sequence (its own axis, between dp and tp)
+CP_AXIS = "cp"
+#: tokens per sequence from which a ``cp`` axis is considered even when the batch could fill ``dp``
+CP_MIN_SEQ = 16384
+
+
 def shape_candidates(count: int, node_size: int, batch: int, n_layers: int, pp: Optional[list] = None,
-                     tp: Optional[list] = None) -> list[dict[str, int]]:
+                     tp: Optional[list] = None, seq: int = 0) -> list[dict[str, int]]:
     """The ``{"pp", "dp", "tp"}`` factorizations of ``count`` the search plans (see the module
-    docstring), in a fixed order: fewer pipeline stages first, then larger tensor-parallel groups."""
+    docstring), in a fixed order: fewer pipeline stages first, then larger tensor-parallel groups.
+    With a token sequence of ``seq`` tokens that is long (``CP_MIN_SEQ``) or whose batch cannot fill
+    the devices ``dp`` would get, unpipelined shapes with a ``cp`` axis (a power of two dividing
+    ``seq``; ``{"pp", "dp", "cp", "tp"}``) follow each ``tp``'s plain shape."""
     out = []
     tps = [t for t in range(node_size, 0, -1) if node_size % t == 0 and count % t == 0]
     if tp is not None:
@@ -56,10 +72,25 @@ def shape_candidates(count: int, node_size: int, batch: int, n_layers: int, pp: 
             if count % (p * t):
                 continue
             d = count // (p * t)
-            if d > batch or (p > 1 and batch % p):
+            if p > 1 and batch % p:
                 continue
-            out.append({PP_AXIS: p, DP_AXIS: d, TP_AXIS: t})
+            if d <= batch:
+                out.append({PP_AXIS: p, DP_AXIS: d, TP_AXIS: t})
+            if p == 1 and seq and (seq >= CP_MIN_SEQ or d > batch):
+                # (cp alone inside a node is the mesh of tp alone of that size, renamed: skipped)
+                out += [{PP_AXIS: 1, DP_AXIS: d // c, CP_AXIS: c, TP_AXIS: t}
+                        for c in (2 ** k for k in range(1, d.bit_length()))
+                        if d % c == 0 and d // c <= batch and seq % c == 0
+                        and not (c == count and node_size % c == 0)]
     return out
+
+
+def sequence_length(args: tuple, kwargs: dict) -> int:
+    """Tokens per sequence: dim 1 of the first integer input of two or more dims (token ids); 0 if none."""
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and not v.is_floating_point() and not v.is_complex():
+            return int(v.shape[1])
+    return 0
 
 
 def candidate_mesh(mesh: Mesh, shape: dict[str, int]) -> Mesh:
@@ -86,8 +117,9 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
         raise ArgumentError("autopar.plan: pipeline= pins a pipeline on a given mesh; with Mesh.devices the planner "
                             "chooses the pipeline degree: give the axes, e.g. Mesh({'pp': 4, 'dp': 2, 'tp': 8}), "
                             "to pin it")
-    if options.recipe is not None or options.hints is not None:
-        raise ArgumentError("autopar.plan: recipe= and hints= name mesh axes; with Mesh.devices the axes are not known "
+    if options.recipe is not None or options.hints is not None or options.attention:
+        raise ArgumentError("autopar.plan: recipe=, hints= and attention= name mesh axes; with Mesh.devices the axes "
+                            "are not known "
                             "yet: give the axes (autopar.Mesh({...})) to use them")
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
@@ -96,7 +128,8 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
     # the unpipelined shapes' capture: the step returns the model's other outputs too
     full = options.graph if options.graph is not None else capture(model, args, kwargs, training=True, outputs=True)
     n_layers = len(chain(full).keys)
-    shapes = shape_candidates(count, node, batch, n_layers, spec.get(PP_AXIS), spec.get(TP_AXIS))
+    shapes = shape_candidates(count, node, batch, n_layers, spec.get(PP_AXIS), spec.get(TP_AXIS),
+                              sequence_length(args, kwargs))
     if not shapes:
         raise ArgumentError(f"autopar.plan: no factorization of {count} devices into pp x dp x tp fits a batch of "
                             f"{batch} with tp dividing the node size {node}"
@@ -137,7 +170,7 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
                      "fits": bool(plan.fits), "pipelined": plan.pipeline is not None})
     fitting = [(p, k) for p, k in plans if p.fits]
     if not fitting:
-        tried = "; ".join(" ".join(f"{a}={r['shape'][a]}" for a in (PP_AXIS, DP_AXIS, TP_AXIS)) + ": "
+        tried = "; ".join(" ".join(f"{a}={n}" for a, n in r["shape"].items()) + ": "
                           + (r["error"][:120] if "error" in r else f"{r['peak_memory'] / 2**30:.1f} GiB")
                           for r in rows)
         raise InfeasibleError(f"no factorization of {count} devices fits the memory budget: {tried}; use more devices, "
@@ -150,4 +183,4 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
     return best
 
 
-__all__ = ["candidate_mesh", "plan_mesh_search", "shape_candidates"]
+__all__ = ["CP_AXIS", "candidate_mesh", "plan_mesh_search", "sequence_length", "shape_candidates"]

@@ -21,6 +21,7 @@ from autopar.cost_model.mesh import Mesh, require_mesh
 from autopar.cost_model.precision import Precision, get_precision
 from autopar.errors import InfeasibleError, RecipeError
 from autopar.ir.annotations import dtensor_hints, merge_hints
+from autopar.ir.attention_forms import check_forms
 from autopar.ir.capture import as_args, capture
 from autopar.ir.graph import Graph
 from autopar.ir.placement import format_placements
@@ -30,6 +31,7 @@ from autopar.passes.search.build import build_problem
 from autopar.passes.search.collector import collector_paused
 from autopar.passes.search.complete import complete
 from autopar.passes.search.fold import Folding, fold
+from autopar.passes.search.forms import apply_forms
 from autopar.passes.search.merge import Merged, merge
 from autopar.passes.search.problem import MEMORY_KINDS, Cost, Problem, evaluate
 from autopar.passes.search.propagate import propagate
@@ -159,6 +161,7 @@ def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
     prec = get_precision(opts.precision, mesh.hardware, opts.optimizer)
     budget = opts.budget(mesh)
     problem = build_problem(graph, mesh, folding, strategies, prec, budget, constraints, compiled=opts.compiled)
+    apply_forms(graph, mesh, folding, problem, check_forms(opts.attention, mesh.names))
     clock.lap("cost")
     ops = {n.name: n.op for n in graph.nodes}
     merged = merge(problem, ops)

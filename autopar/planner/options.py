@@ -14,6 +14,7 @@ from autopar.cost_model.mesh import Mesh
 from autopar.cost_model.precision import get_precision
 from autopar.cost_model.schedules import SCHEDULES
 from autopar.errors import ArgumentError, MeshError
+from autopar.ir.attention_forms import check_forms
 from autopar.ir.graph import Graph
 from autopar.passes.search.checkpoint import Pin as CheckpointPin
 from autopar.passes.search.checkpoint import check_checkpointing
@@ -43,6 +44,8 @@ class PlanOptions:
 
     training: bool = True
     hints: Optional[Mapping] = None
+    #: forms of attention ops per mesh axis (``ir.attention_forms``): ``{"sp": "ulysses"}``
+    attention: Optional[Mapping] = None
     memory_budget: Optional[float] = None
     time_limit: Optional[float] = None
     search: str = "ilp"
@@ -86,6 +89,7 @@ def plan_options(mesh: Mesh, kw: Mapping[str, Any], where: str = "autopar.plan",
     opts = PlanOptions(**kw)
     check_bool(opts.training, f"{where}: training")
     check_hints(opts.hints, f"{where}: hints")
+    check_forms(opts.attention, mesh.names, f"{where}: attention")
     budget = opts.memory_budget
     if budget is not None:
         budget = parse_size(budget, f"{where}: memory_budget", allow_inf=True)

@@ -27,6 +27,7 @@ from autopar.ir.recompute import recomputed_ops
 from autopar.ir.stages import param_stages
 from autopar.ir.views import param_views
 from autopar.passes.search.checkpoint import checkpointed_paths, group_figures
+from autopar.passes.search.forms import form_report
 from autopar.passes.search.kept import kept_figures, kept_reads
 from autopar.passes.search.peak import peak_place
 from autopar.passes.search.problem import MEMORY_KINDS, Repricer, incident_transfers, local_cost
@@ -330,6 +331,8 @@ def _modules(planned: "Planned", strat, reshardings: list[dict]) -> list[dict]:
     for path, items in alts.items():
         items.sort(key=lambda a: (a["delta"], a["name"]))
         rows[path]["alternatives"] = items[:ALTERNATIVES]
+    for path, forms in form_report(g, planned.mesh, folding, prob, choice).items():
+        row(path)["attention"] = forms
     return list(rows.values())
 
 

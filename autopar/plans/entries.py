@@ -17,17 +17,8 @@ import typing
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 from autopar.cost_model.precision import OPTIMIZER_STATES, PRECISIONS
 from autopar.errors import PlacementError
@@ -281,6 +272,15 @@ class Alternative(Strict):
     delta: Delta = None
 
 
+class AttentionForm(Strict):
+    """An attention op's form on one mesh axis (``ir.attention_forms``) and what each other form
+    would add to the step time (an ``Alternative`` named by the form)."""
+    op: Name = None
+    axis: Name = None
+    form: Text = None
+    alternatives: list[Alternative] = None
+
+
 class ModuleEntry(Strict):
     """Per-module totals and its parameters' placements (FQN -> placement text)."""
     path: Name = None
@@ -290,6 +290,7 @@ class ModuleEntry(Strict):
     memory: Int = None
     placements: dict[Name, PlacementText] = None
     alternatives: list[Alternative] = None
+    attention: list[AttentionForm] = None
 
 
 class Baseline(Strict):

@@ -23,7 +23,8 @@ def mesh_search_lines(plan: "Plan") -> list[str]:
         return []
 
     def shape(d: dict) -> str:
-        return " x ".join(f"{k}{d.get(k, 1)}" for k in ("pp", "dp", "tp"))
+        # a sequence axis (cp) only where the shape has one
+        return " x ".join(f"{k}{d.get(k, 1)}" for k in ("pp", "dp", "cp", "tp") if k != "cp" or k in d)
 
     out = ["", f"mesh search: {ms.get('devices')} devices (nodes of {ms.get('node_size')}), chose "
                f"{shape(ms.get('chosen') or {})}; compared:"]

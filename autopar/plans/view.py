@@ -13,6 +13,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Iterable
 
 from autopar.errors import PlanError
+from autopar.ir.attention_forms import FORMS
 from autopar.plans.names import alternative_label, namer, op_label
 from autopar.plans.pipeline_view import diff_lines, explain_lines, summary_lines
 from autopar.plans.format import (
@@ -342,6 +343,7 @@ def explain(plan: "Plan", module_path: str) -> str:
         lines.append("kept gathers: its parameters gathered in the forward are kept for the backward, not gathered again")
     lines += _layer_groups(plan, path)
     lines += explain_lines(plan, path)
+    lines += attention_lines(mods, name)
     for m in mods:
         alts = m.get("alternatives") or []
         if not alts:
@@ -355,6 +357,22 @@ def explain(plan: "Plan", module_path: str) -> str:
             lines.append(f"  {label:<{w}}  {('+' if d >= 0 else '') + human_time(d):>10}  "
                          f"(compute {human_time(a.get('time', 0.0))}, communication {human_time(a.get('comm', 0.0))})")
     return printable("\n".join(lines))
+
+
+def attention_lines(mods: list[dict], name) -> list[str]:
+    """Each attention op's form per mesh axis (``ir.attention_forms.FORMS``) and why: what each other
+    form would add to the step time, everything else held."""
+    lines = []
+    for m in mods:
+        for a in m.get("attention") or []:
+            form = str(a.get("form"))
+            what = FORMS[form].what if form in FORMS else form
+            alts = sorted(a.get("alternatives") or [], key=lambda x: x.get("delta", 0.0))
+            why = ", ".join(f"{x.get('name')} {('+' if x.get('delta', 0.0) >= 0 else '') + human_time(x.get('delta', 0.0))}"
+                            for x in alts) or "no other form splits it there"
+            lines.append(f"attention {name(a.get('op'), None)} on {a.get('axis')}: {form} ({what}); "
+                         f"other forms, change in step time: {why}")
+    return lines
 
 
 # -- diff -------------------------------------------------------------------------------------------

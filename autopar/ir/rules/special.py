@@ -15,6 +15,7 @@ from autopar.ir.placement import B, P, Split
 from autopar.ir.rules.base import LocalCtx, OpCall, register, substitute
 from autopar.ir.rules.dimmap import DimMap, Dims, Signature
 from autopar.ir.rules.generic import all_outputs, float_flags, linear_in, pointwise_map
+from autopar.ir.rules.shared_kv import scatter_kv_grads, select_kv, shared_kv_bwd, shared_kv_fwd
 
 aten = torch.ops.aten
 
@@ -270,6 +271,7 @@ def _attention_local_call(ctx: LocalCtx, xs: list, q_index: int, causal_pos: int
     if q.numel() == 0 or xs[q_index + 1].numel() == 0 or out_shapes_empty:
         # The CPU kernel crashes (SIGFPE) on empty blocks; an empty block contributes zeros.
         return tuple(_zeros(ctx, j) for j in range(len(call.out_specs)))
+    xs, kv_heads = select_kv(ctx, xs, q_index)  # grouped-query heads split with k/v whole
     _check_attention_blocks(xs, q_index, backward)
     args, kwargs = substitute(call, xs)
     if _is_causal(call, causal_pos) and _splits_dim(ctx, q_index, 2):
@@ -282,7 +284,8 @@ def _attention_local_call(ctx: LocalCtx, xs: list, q_index: int, causal_pos: int
             kwargs["is_causal"] = False
         kwargs["attn_mask"] = _causal_mask(start, length, xs[q_index + 1].shape[2], q.dtype, q.device)
         args = tuple(args)
-    return call.target(*args, **kwargs)
+    out = call.target(*args, **kwargs)
+    return scatter_kv_grads(ctx, out, kv_heads) if backward and kv_heads is not None else out
 
 
 def _check_attention_blocks(xs: list, q_index: int, backward: bool) -> None:
@@ -307,7 +310,7 @@ def _attention_bwd_local(ctx: LocalCtx, xs: list):
     return _attention_local_call(ctx, xs, 1, 7, True)
 
 
-@register(ATTN_FWD, local=_attention_fwd_local)
+@register(ATTN_FWD, extra=shared_kv_fwd, local=_attention_fwd_local)
 def _attention(call: OpCall) -> DimMap:
     # (q, k, v, dropout_p, is_causal, *, attn_mask, scale) -> (out [b h s e], logsumexp [b h s])
     ins, qside, _, sizes = _attention_dims(call, 0, 3)
@@ -317,7 +320,7 @@ def _attention(call: OpCall) -> DimMap:
     )
 
 
-@register(ATTN_BWD, local=_attention_bwd_local)
+@register(ATTN_BWD, extra=shared_kv_bwd, local=_attention_bwd_local)
 def _attention_backward(call: OpCall) -> DimMap:
     # (grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask, scale) -> (dq, dk, dv)
     ins, qside, kside, sizes = _attention_dims(call, 1, 6)
