@@ -15,7 +15,7 @@ from autopar.cost_model.calibrate_procs import KINDS, MAX_SLOWDOWN, REFERENCE_KI
 from autopar.cost_model.comm import collective_time, reshard_time, ring_time
 from autopar.cost_model.hardware import PRESETS, Hardware, Link, load_profile, save_profile
 from autopar.ir.placement import B, P, S
-from autopar.plans import Plan
+from autopar.plans import SCHEMA_VERSION, Plan
 
 
 def test_fit_link_recovers_the_link_its_formulas_were_made_with():
@@ -99,7 +99,7 @@ def test_a_mesh_with_a_reduce_scatter_factor_prices_and_records_it(tmp_path):
     ring, gloo = _fsdp(paths["ring"]), _fsdp(paths["gloo"])
     assert gloo.step_time > ring.step_time
     doc = json.loads(gloo.to_json(timing=False))
-    assert doc["schema_version"] == 8
+    assert doc["schema_version"] == SCHEMA_VERSION
     assert doc["mesh"]["links"]["dp"]["factors"] == {"reduce_scatter": 2.0}
     assert doc["mesh"]["hardware"]["intra_node"]["factors"] == {"reduce_scatter": 2.0}
     assert "factors" not in json.loads(ring.to_json(timing=False))["mesh"]["links"]["dp"]

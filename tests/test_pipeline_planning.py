@@ -11,6 +11,7 @@ import math
 import pytest
 
 import autopar
+from autopar.plans import SCHEMA_VERSION
 from autopar import models
 from autopar.cost_model.pipeline_price import Segment, price_pipeline
 from autopar.cost_model.schedules import closed_form_bubble
@@ -52,7 +53,7 @@ def test_pinned_pipeline_plan_says_what_it_chose(pinned):
 
 def test_pipeline_plan_round_trips_and_older_plans_load_without_pipeline(pinned, tmp_path):
     _, _, _, plan = pinned
-    assert plan.schema_version == 8 and plan.pipeline.stage_buckets is True
+    assert plan.schema_version == SCHEMA_VERSION and plan.pipeline.stage_buckets is True
     path = tmp_path / "p.json"
     plan.save(path)
     again = autopar.load_plan(path)

@@ -159,12 +159,35 @@ def test_explain_names_the_form_and_prices_the_others():
     # the forms are in the plan file: a loaded plan explains them alike
     loaded = autopar.Plan.from_dict(json.loads(plan.to_json())).explain("blocks.0.attn")
     assert [x for x in loaded.splitlines() if x.startswith("attention ")] == [line]
+    # a version 8 file (before the forms were recorded) loads without them and explains the rest
+    d = json.loads(plan.to_json())
+    d["schema_version"] = 8
+    for m in d["modules"]:
+        m.pop("attention", None)
+    old = autopar.Plan.from_dict(d).explain("blocks.0.attn")
+    assert not any(x.startswith("attention ") for x in old.splitlines()) and "blocks.0.attn" in old
     model, args = make("gpt", "tiny", batch=2, seq=32, n_layer=1)
     forced = autopar.plan(model, autopar.Mesh({"sp": 4}, device="cpu"), args, hints={"input:0": "S(1)"},
                           attention={"blocks.*.attn": {"sp": "gather"}}, deterministic_time=0.5, progress=False)
     line = next(x for x in forced.explain("blocks.0.attn").splitlines() if x.startswith("attention "))
     # the other forms priced with q, k and v arriving as they do under this plan
     assert " on sp: gather (" in line and ("heads +" in line or "ulysses +" in line)
+
+
+@pytest.mark.parametrize("form", ["ring", "ring:balanced"])
+def test_ring_forms_are_forced_by_the_keyword(form):
+    """Ring attention's strategies (``ir/rules/ring.py``) are forms of the same table: forced by
+    ``attention=``, named by explain, and the forced plan matches one device."""
+    torch.manual_seed(0)
+    model, args = make("llama", "tiny", batch=2, seq=32)
+    model = model.double()
+    plan = autopar.plan(model, autopar.Mesh({"sp": 4}, device="cpu"), args,
+                        hints=_seq_hints({"sp": 4}, ["input:0", "input:1"], ("sp",)), precision="fp64",
+                        attention={"sp": form}, deterministic_time=0.5, progress=False)
+    assert {tags[0] for _, tags in _attention_reads(plan)} == {form}
+    line = next(x for x in plan.explain("layers.0.attention").splitlines() if x.startswith("attention "))
+    assert f" on sp: {form} (" in line, line
+    _check(model, args, {}, plan)
 
 
 def test_bad_attention_forms_are_refused():

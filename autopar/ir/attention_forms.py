@@ -53,6 +53,9 @@ FORMS: dict[str, Form] = {
                     q_dim=HEADS, arrives=SEQ),
     "heads": Form("head split: each device attends its own heads", q_dim=HEADS),
     "gather": Form("query split with the keys and values all-gathered", q_dim=SEQ),
+    "ring": Form("ring: q, k, v sequence-split, the key/value blocks passed around the axis", q_dim=SEQ, tag="ring"),
+    "ring:balanced": Form("load-balanced ring: as ring, each device holding a front block and its mirror so "
+                          "causal work is even", q_dim=SEQ, tag="ring:balanced"),
 }
 
 

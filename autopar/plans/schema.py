@@ -64,8 +64,11 @@ sum of parameter state and saved activations). Version 8 also names fused attent
 ``autopar.attention_backward.default`` (``autopar.ir.attention``), where versions 1-7 wrote the CPU
 kernel's ``aten._scaled_dot_product_flash_attention_for_cpu.default`` (and ``_backward``): the same ops,
 arguments and node names. A version 1-7 file loads with those op names replaced, and the lowering
-accepts its graph fingerprint, which was computed under the old names. Any other version is a PlanError
-naming it.
+accepts its graph fingerprint, which was computed under the old names. Version 9 adds to each module
+entry ``attention``: every attention op's form per mesh axis (``ir.attention_forms``: batch, heads,
+Ulysses, gather, ring) with what each other form would add to the step time, which ``plan.explain``
+prints; a version 1-8 file loads without it (explain then names no form). Any other version is a
+PlanError naming it.
 """
 
 from __future__ import annotations
@@ -99,9 +102,9 @@ from autopar.plans.entries import (
 from autopar.plans.validate import check_fields
 from autopar.validate import check_path
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 #: the versions ``load_plan`` reads (an older one loads with the newer fields defaulted or left out)
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 
 
 # -- entry shapes: the pydantic models of ``autopar.plans.entries``, the one description of the file's

@@ -31,6 +31,7 @@ from autopar.ir.ring_attention import Ring, from_balanced, ring_backward, ring_f
 from autopar.ir.rules.special import _check_attention_blocks  # (and the attention rules this module extends)
 from autopar.ir.rules.base import RULES, LocalCtx, OpCall
 from autopar.ir.rules.dimmap import DimMap, Signature, Strategy
+from autopar.ir.rules.shared_kv import TAG as KV_SHARED
 
 __all__ = ["FORMS", "RING", "RING_BALANCED", "forced_form", "ring_axis"]
 
@@ -95,7 +96,9 @@ def _compose(call: OpCall, strats: list, mesh_shape: Sequence[int]) -> list:
             continue
         (axis, tag), n = rings[0], mesh_shape[rings[0][0]]
         pieces = 2 * n if tag == RING_BALANCED else n
-        others_ok = all(s.tag not in ("S:s", "S:t") for a, s in enumerate(st) if a != axis)
+        # no other axis splits the sequence, nor selects shared kv heads (the ring's blocks are the
+        # op's own k/v; kv-shared picks heads inside the plain local code the ring replaces)
+        others_ok = all(s.tag not in ("S:s", "S:t", KV_SHARED) for a, s in enumerate(st) if a != axis)
         if len(rings) == 1 and n > 1 and seq % pieces == 0 and others_ok:
             out.append(st)
     form = _forced[0]
@@ -125,8 +128,8 @@ def _check_ring_blocks(xs: list, q_index: int, backward: bool, chunks: int) -> N
 def _wrap(op: str) -> None:
     """Add the ring signatures and their local implementation to ``op``'s attention rule."""
     rule = RULES[op]
-    plain = rule.local
-    assert plain is not None and rule.extra is None and rule.compose is None
+    plain, before = rule.local, rule.extra  # the attention rule's own extra signatures (kv-shared) stay
+    assert plain is not None and rule.compose is None
 
     def local(ctx: LocalCtx, xs: list):
         ring = _ring_of(ctx)
@@ -144,7 +147,10 @@ def _wrap(op: str) -> None:
             res = tuple(from_balanced(ring, x, 2) for x in res)
         return res
 
-    RULES[op] = replace(rule, extra=_ring_extra, local=local, compose=_compose)
+    def extra(call: OpCall, dm: DimMap) -> list[Signature]:
+        return (before(call, dm) if before is not None else []) + _ring_extra(call, dm)
+
+    RULES[op] = replace(rule, extra=extra, local=local, compose=_compose)
 
 
 for _op in (ATTN_FWD, ATTN_BWD):
