@@ -32,18 +32,20 @@ import torch
 from torch.fx.node import map_aggregate
 
 from autopar import _torch_compat as tc
+from autopar._torch_compat.graph_module import lazy_graph_module
 from autopar.ir.graph import Graph
 from autopar.ir.layers import layers
 
 __all__ = ["MIN_DEPTH", "PROBE", "Stack", "capture_stacked", "find_stack"]
 
 #: the depth of the shallow capture that is replicated (layer 1 is repeated; 2 checks it agrees)
-PROBE = 4
+PROBE = 3
 #: stacks shallower than this are traced in full (replicating saves too little)
 MIN_DEPTH = 6
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
-_NUMBERED = re.compile(r"^(.*)_(\d+)$")
+_NUMBERED = re.compile(r"^(.*_)(\d+)$")
+_CONSTANT = re.compile(r"^(_tensor_constant)(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -140,13 +142,17 @@ def capture_stacked(model: torch.nn.Module, capture_one: Callable[[torch.nn.Modu
         if why:
             raise _NoStack(why)
         probe, check = capture_one(shallow(model, stack, PROBE)), capture_one(shallow(model, stack, PROBE + 1))
-        rep = _Replicator(probe, stack.path)
+        try:
+            rep = _Replicator(probe, stack.path, PROBE)
+        except _NoStack:  # the last of PROBE layers may differ from the middle ones: one layer more
+            probe, check = check, capture_one(shallow(model, stack, PROBE + 2))
+            rep = _Replicator(probe, stack.path, PROBE + 1)
         steps = rep.measure(check)
         once = finish(rep.build(1, steps), probe, False)
         differs = _difference(once, check)
         if differs:
             raise _NoStack(f"one more layer built from layer 1 is not what tracing it gives ({differs})")
-        return finish(rep.build(stack.depth - PROBE, steps), probe, True)
+        return finish(rep.build(stack.depth - rep.depth, steps), probe, True)
     except _NoStack as e:
         warnings.warn(f"capture: the {stack.depth} layers of {stack.path or 'the model'!r} are traced one by one, "
                       f"not replicated from a few: {e}", stacklevel=3)
@@ -158,13 +164,14 @@ def capture_stacked(model: torch.nn.Module, capture_one: Callable[[torch.nn.Modu
 
 
 def _number(name: str) -> tuple[str, int]:
-    """``"mm_7"`` -> ``("mm", 7)``, ``"mm"`` -> ``("mm", 0)``: fx's name and its per-name counter."""
-    m = _NUMBERED.match(name)
-    return (m.group(1), int(m.group(2))) if m else (name, 0)
+    """``"mm_7"`` -> ``("mm_", 7)``, ``"mm"`` -> ``("mm_", 0)``: fx's name and its per-name counter;
+    ``"_tensor_constant3"`` -> ``("_tensor_constant", 3)`` (tensor constants count without ``_``)."""
+    m = _NUMBERED.match(name) or _CONSTANT.match(name)
+    return (m.group(1), int(m.group(2))) if m else (name + "_", 0)
 
 
 def _named(base: str, num: int) -> str:
-    return f"{base}_{num}" if num else base
+    return f"{base}{num}" if num or not base.endswith("_") else base[:-1]
 
 
 def _phase_of(n: torch.fx.Node) -> bool:
@@ -175,10 +182,10 @@ class _Replicator:
     """Layer 1 of a shallow capture, repeated ``k`` more times (``build``), with the per-layer
     steps of every name and sequence number measured on a capture one layer deeper (``measure``)."""
 
-    def __init__(self, probe: Graph, prefix: str):
-        self.prefix = prefix
+    def __init__(self, probe: Graph, prefix: str, depth: int):
+        self.prefix, self.depth = prefix, depth
         found = layers(probe)
-        keys = [(prefix, i) for i in range(PROBE)]
+        keys = [(prefix, i) for i in range(depth)]
         if any(k not in found.instances for k in keys):
             raise _NoStack("the shallow capture does not show every layer as a layer of the graph")
         if not {1, 2} <= set(found.alike.get(prefix, ())) or (prefix, 1) in found.positions \
@@ -194,8 +201,8 @@ class _Replicator:
             src = n.args[0] if n.op == "call_function" and n.target is operator.getitem else n
             if src.name in owner:
                 self.owner[n] = owner[src.name]
-        if any(n.op == "get_attr" and self.owner.get(n) == 1 for n in self.nodes):
-            raise _NoStack("layer 1 reads a tensor constant made in forward")
+        if any(n.op == "get_attr" and n.target != n.name for n in self.nodes):
+            raise _NoStack("a tensor constant of the trace is not named as its node")
         # instances 1 and 2 agree position by position: each node's counterpart in the other
         by_name = {n.name: n for n in self.nodes}
         getitems = {(n.args[0], n.args[1]): n for n in self.nodes if n.op == "call_function"
@@ -207,6 +214,8 @@ class _Replicator:
             for (src, idx), g in getitems.items():
                 if src is na and (nb, idx) in getitems:
                     self.twin[(g, 2)], self.twin[(getitems[(nb, idx)], 1)] = getitems[(nb, idx)], g
+            if na.op == "get_attr" and not _same_tensor(getattr(self.gm, na.target), getattr(self.gm, nb.target)):
+                raise _NoStack(f"layers 1 and 2 make different tensor constants ({na.name}, {nb.name})")
 
     # -- order ---------------------------------------------------------------------------------
 
@@ -251,7 +260,7 @@ class _Replicator:
         got: dict[tuple[torch.fx.Node, int], tuple[str, int, int]] = {}
         for (n, c), d in zip(order, deeper):
             base, num = _number(d.name)
-            if n.op != d.op or (n.op != "placeholder" and n.target != d.target) or base != _number(n.name)[0]:
+            if n.op != d.op or (n.op not in ("placeholder", "get_attr") and n.target != d.target) or base != _number(n.name)[0]:
                 raise _NoStack(f"the deeper trace has {d.name} ({d.target}) where the built graph has {n.name}")
             got[(n, c)] = (base, num, _seq(d))
         steps = {}
@@ -269,6 +278,7 @@ class _Replicator:
     def build(self, k: int, steps: dict) -> torch.fx.GraphModule:
         """The fx graph with ``k`` more copies of layer 1 (its nodes named as a trace names them)."""
         graph = torch.fx.Graph()
+        constants: dict[str, torch.Tensor] = {}  # tensor constants made in forward, by their new names
         env: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}
         for n, c in self.order(k):
             num0, seq0, dnum, dseq, lnum, lseq = steps[(n, 0)]
@@ -277,7 +287,9 @@ class _Replicator:
             args = map_aggregate(n.args, lambda a: self._input(a, n, c, k, env) if isinstance(a, torch.fx.Node) else a)
             kwargs = map_aggregate(n.kwargs,
                                    lambda a: self._input(a, n, c, k, env) if isinstance(a, torch.fx.Node) else a)
-            target = name if n.op == "placeholder" else n.target
+            target = name if n.op in ("placeholder", "get_attr") else n.target
+            if n.op == "get_attr":
+                constants[name] = getattr(self.gm, n.target)
             new = graph.create_node(n.op, target, args, kwargs, name=name, type_expr=n.type)
             if new.name != name:
                 raise _NoStack(f"the name {name} of a built node is taken twice")
@@ -298,9 +310,9 @@ class _Replicator:
             at = end
         out = graph.output(tuple(outs))
         out.meta = dict(self.out.meta, desc=descs)
-        gm = torch.fx.GraphModule(self.gm, graph)
+        gm = lazy_graph_module(constants, graph)
+        gm.meta.update(self.gm.meta)
         gm.graph.lint()
-        gm.recompile()
         return gm
 
     def _input(self, z: torch.fx.Node, reader: torch.fx.Node, c: int, k: int, env: dict) -> torch.fx.Node:
@@ -407,6 +419,9 @@ def _difference(built: Graph, traced: Graph) -> str:
         if fa != fb:
             what = next(i for i, (x, y) in enumerate(zip(fa, fb)) if x != y)
             return f"node {b.name} ({b.where()}) differs: {fa[what]!r} != {fb[what]!r}"
+    for a, b in zip(built.nodes, traced.nodes):
+        if a.op == "get_attr" and not _same_tensor(getattr(built.gm, a.target), getattr(traced.gm, b.target)):
+            return f"tensor constant {b.name} ({b.module_path}) differs"
     for table in ("params", "buffers", "inputs", "constants", "grads", "loss", "outputs", "extras", "mutations",
                   "hints", "aliases"):
         if getattr(built, table) != getattr(traced, table):
@@ -421,3 +436,7 @@ def _seq_ranks(graph: Graph) -> dict[str, int]:
             if n.fx_node is not None and n.fx_node.meta.get("seq_nr") is not None and int(n.fx_node.meta["seq_nr"]) >= 0}
     rank = {s: i for i, s in enumerate(sorted(set(seqs.values())))}
     return {name: rank[s] for name, s in seqs.items()}
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
