@@ -25,6 +25,7 @@ import dataclasses
 import operator
 import re
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -44,8 +45,9 @@ PROBE = 3
 MIN_DEPTH = 6
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
-_NUMBERED = re.compile(r"^(.*_)(\d+)$")
-_CONSTANT = re.compile(r"^(_tensor_constant)(\d+)$")
+#: fx's names with a counter, and where it is (the last group)
+_NAMES = ((re.compile(r"^_tensor_constant(\d+)$"), "_tensor_constant{}"), (re.compile(r"^arg(\d+)_1$"), "arg{}_1"),
+          (re.compile(r"^(.*)_(\d+)$"), "{}_{}"))
 
 
 @dataclass(frozen=True)
@@ -66,15 +68,20 @@ class _NoStack(Exception):
 
 
 def find_stack(model: torch.nn.Module) -> tuple[Optional[Stack], str]:
-    """The model's deepest layer stack (at least ``MIN_DEPTH`` children numbered 0, 1, ... of one
-    class) and, where it cannot be replicated, why (else ``""``); ``(None, "")`` without one."""
+    """The model's largest layer stack (at least ``MIN_DEPTH`` children numbered 0, 1, ..., most of
+    them blocks of one class) and, where it cannot be replicated, why (else ``""``); ``(None, "")``
+    without one."""
     best: Optional[tuple[int, str, torch.nn.Module]] = None
     for path, mod in model.named_modules():
         if not isinstance(mod, _CONTAINERS) or len(mod) < MIN_DEPTH:
             continue
         children = list(mod.named_children())
-        if [k for k, _ in children] != [str(i) for i in range(len(mod))] or len({type(c) for _, c in children}) != 1:
+        if [k for k, _ in children] != [str(i) for i in range(len(mod))]:
             continue
+        kinds = Counter(type(c) for _, c in children)
+        kind, count = kinds.most_common(1)[0]
+        if 2 * count <= len(children) or not any(True for c in children if type(c[1]) is kind and any(c[1].children())):
+            continue  # not a stack of blocks (a Sequential of linears and activations, say)
         size = sum(p.numel() for p in mod.parameters())
         if size and (best is None or size > best[0]):
             best = (size, path, mod)
@@ -95,10 +102,16 @@ def _structure_differs(model: torch.nn.Module, stack: Stack, mod: torch.nn.Modul
                 tuple((n, type(m).__name__) for n, m in layer.named_modules()))
 
     where = f"{stack.path!r}" if stack.path else "the model's top level"
-    first = structure(mod[0] if not isinstance(mod, torch.nn.ModuleDict) else mod["0"])
+    children = dict(mod.named_children())
+    kind = Counter(type(c) for c in children.values()).most_common(1)[0][0]
+    odd = [k for k in stack.keys if type(children[k]) is not kind]
+    if odd:
+        return (f"layer(s) {', '.join(odd[:4])} of {where} are {type(children[odd[0]]).__name__}, the others "
+                f"{kind.__name__}")
+    first = structure(children["0"])
     seen: set[int] = set()
     for key in stack.keys:
-        layer = mod[int(key)] if not isinstance(mod, torch.nn.ModuleDict) else mod[key]
+        layer = children[key]
         if structure(layer) != first:
             return f"layer {key} of {where} has other parameters, buffers or submodules than layer 0"
         tensors = {id(t) for t in list(layer.parameters()) + list(layer.buffers())}
@@ -164,14 +177,18 @@ def capture_stacked(model: torch.nn.Module, capture_one: Callable[[torch.nn.Modu
 
 
 def _number(name: str) -> tuple[str, int]:
-    """``"mm_7"`` -> ``("mm_", 7)``, ``"mm"`` -> ``("mm_", 0)``: fx's name and its per-name counter;
-    ``"_tensor_constant3"`` -> ``("_tensor_constant", 3)`` (tensor constants count without ``_``)."""
-    m = _NUMBERED.match(name) or _CONSTANT.match(name)
-    return (m.group(1), int(m.group(2))) if m else (name + "_", 0)
+    """fx's name of a node as a pattern and the counter in it: ``"mm_7"`` -> ``("mm_{}", 7)``,
+    ``"mm"`` -> ``("mm_{}", 0)``, ``"_tensor_constant3"`` -> ``("_tensor_constant{}", 3)``, an
+    inference graph's input ``"arg12_1"`` -> ``("arg{}_1", 12)``."""
+    for pattern, template in _NAMES:
+        m = pattern.match(name)
+        if m:
+            return template.format(*m.groups()[:-1], "{}"), int(m.groups()[-1])
+    return name + "_{}", 0
 
 
-def _named(base: str, num: int) -> str:
-    return f"{base}{num}" if num or not base.endswith("_") else base[:-1]
+def _named(template: str, num: int) -> str:
+    return template[:-3] if num == 0 and template.endswith("_{}") else template.format(num)
 
 
 def _phase_of(n: torch.fx.Node) -> bool:

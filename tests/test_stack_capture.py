@@ -1,0 +1,182 @@
+"""Stacked capture (``ir.stack``): a deep stack of alike layers captured at a few layers and
+replicated is the full capture's Graph node for node (names, ops, arguments, shapes, roles, module
+paths: ``graph_fingerprint`` and more) on the built-in models, torchtitan's and Hugging Face's
+(``tests/_corpus.py``) at two depths, with two traces instead of one per layer; plans from it are
+byte-identical; layers that differ by index fall back to the full trace, saying why."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autopar
+from autopar import _torch_compat as tc
+from autopar.ir import stack as stack_mod
+from autopar.ir.capture import capture
+from autopar.ir.fingerprint import graph_fingerprint
+from autopar.models import gpt, llama, llama_loop, moe
+
+transformers = pytest.importorskip("transformers")
+
+from _corpus import build  # noqa: E402
+
+DEPTHS = (6, 7)
+
+
+def _model(name: str, layers: int):
+    """``(model, args, kwargs)`` of a built-in (``autopar.models``) or corpus model with ``layers`` blocks."""
+    torch.manual_seed(0)
+    if name == "llama":
+        return (*llama.make("tiny", n_layers=layers), {})
+    if name == "llama_loop":
+        return (*llama_loop.make("tiny", n_layers=layers), {})
+    if name == "gpt":
+        return (*gpt.make("tiny", n_layer=layers), {})
+    if name == "moe":
+        return (*moe.make("small", n_layers=layers, dim=32, ffn_dim=64, vocab_size=64, seq_len=16), {})
+    return build(name, layers=layers)
+
+
+def _exports() -> int:
+    return sum(tc.JOINT_PATHS.values())
+
+
+def _captured(model, args, kwargs, **kw):
+    """The capture, how many traces it took and its warnings about the stack."""
+    before = _exports()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graph = capture(model, args, kwargs, **kw)
+    return graph, _exports() - before, [str(w.message) for w in caught if str(w.message).startswith("capture: the")]
+
+
+def _same(stacked, full) -> None:
+    """Node for node: what ``graph_fingerprint`` hashes, and module paths and the graph's tables too."""
+    assert graph_fingerprint(stacked) == graph_fingerprint(full)
+    assert [(n.name, n.op, n.module_path, n.phase, n.outputs, n.roles) for n in stacked.nodes] == \
+        [(n.name, n.op, n.module_path, n.phase, n.outputs, n.roles) for n in full.nodes]
+    for table in ("params", "buffers", "inputs", "grads", "loss", "outputs", "extras", "mutations", "aliases"):
+        assert getattr(stacked, table) == getattr(full, table), table
+    assert stack_mod._difference(stacked, full) == ""
+
+
+MODELS = ["llama", "llama_loop", "gpt", "moe", "titan_llama", "hf_llama", "hf_gpt2", "hf_mixtral", "hf_bert",
+          "torch_encoder"]
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+@pytest.mark.parametrize("name", MODELS)
+def test_stacked_capture_is_the_full_capture(name, depth):
+    model, args, kwargs = _model(name, depth)
+    stacked, traces, why = _captured(model, args, kwargs, outputs=True)
+    assert not why and traces == 2, (why, traces)  # the 3- and 4-layer probes, not one trace per layer
+    full, traces, _ = _captured(model, args, kwargs, outputs=True, stack=False)
+    assert traces == 1
+    _same(stacked, full)
+
+
+def test_stacked_inference_and_loss_alone():
+    model, args, _ = _model("llama", 7)
+    for kw in ({"training": False}, {}):
+        stacked, traces, why = _captured(model, args, {}, **kw)
+        assert not why and traces == 2
+        _same(stacked, capture(model, args, **kw, stack=False))
+
+
+def test_the_built_program_computes_what_the_traced_one_does():
+    """The replicated fx graph runs: on the same inputs it returns the traced graph's loss and gradients, bit for bit."""
+    model, args, _ = _model("llama_loop", 6)
+    stacked, full = capture(model, args), capture(model, args, stack=False)
+    torch.manual_seed(1)
+    inputs = []
+    for node in full.nodes:
+        if not node.is_placeholder:
+            continue
+        spec = node.out
+        inputs.append(torch.randint(0, 64, spec.shape) if not spec.is_float else torch.randn(spec.shape, dtype=spec.dtype))
+    want, got = full.gm(*inputs), stacked.gm(*inputs)
+    assert len(want) == len(got)
+    for w, g in zip(want, got):
+        assert (w is None and g is None) or torch.equal(w, g)
+
+
+def test_a_stack_too_shallow_is_traced_in_full():
+    model, args, _ = _model("llama", stack_mod.MIN_DEPTH - 1)
+    _, traces, why = _captured(model, args, {})
+    assert traces == 1 and not why
+
+
+class _Alternating(nn.Module):
+    """Layers of one class and one structure whose parent runs them differently by index: the even
+    ones causal, the odd ones not (alternating attention kinds)."""
+
+    class Block(nn.Module):
+        def __init__(self, dim: int):
+            super().__init__()
+            self.qkv = nn.Linear(dim, 3 * dim)
+            self.out = nn.Linear(dim, dim)
+
+    def __init__(self, layers: int = 6, dim: int = 16):
+        super().__init__()
+        self.blocks = nn.ModuleList(self.Block(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            q, k, v = block.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=i % 2 == 0)
+            x = x + block.out(y.squeeze(1))
+        return self.head(x).pow(2).mean()
+
+
+class _DenseFirst(nn.Module):
+    """A MoE-style stack whose first layer is dense: the same class, other parameters."""
+
+    class Block(nn.Module):
+        def __init__(self, dim: int, experts: int):
+            super().__init__()
+            self.ffn = nn.Linear(dim, dim) if experts == 1 else nn.ModuleList(nn.Linear(dim, dim) for _ in range(experts))
+
+        def forward(self, x):
+            if isinstance(self.ffn, nn.Linear):
+                return x + self.ffn(x)
+            return x + sum(e(x) for e in self.ffn) / len(self.ffn)
+
+    def __init__(self, layers: int = 6, dim: int = 16):
+        super().__init__()
+        self.layers = nn.Sequential(*(self.Block(dim, 1 if i == 0 else 2) for i in range(layers)))
+
+    def forward(self, x):
+        return self.layers(x).pow(2).mean()
+
+
+def test_layers_that_differ_by_index_fall_back_to_the_full_trace():
+    model, args = _Alternating(), (torch.randn(2, 8, 16),)
+    graph, traces, why = _captured(model, args, {})
+    assert traces in (3, 4)  # the probes (3 and 4 layers, or 4 and 5 where the last of 3 differs), then the full trace
+    assert len(why) == 1 and why[0].startswith("capture: the 6 layers of 'blocks' are traced one by one"), why
+    assert "\n" not in why[0] and "one more layer" in why[0], why
+    _same(graph, capture(model, args, stack=False))
+
+
+def test_layers_with_other_parameters_fall_back_before_any_probe():
+    model, args = _DenseFirst(), (torch.randn(4, 16),)
+    graph, traces, why = _captured(model, args, {})
+    assert traces == 1
+    assert len(why) == 1 and "layer 1 of 'layers' has other parameters" in why[0], why
+    assert set(graph.params) == {n for n, _ in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["llama", "titan_llama"])
+def test_plans_from_the_stacked_capture_are_byte_identical(name, monkeypatch):
+    model, args, kwargs = _model(name, 6)
+    mesh = autopar.Mesh({"dp": 2, "tp": 2}, device="h100")
+    before = _exports()
+    stacked = autopar.plan(model, mesh, args, kwargs, progress=False)
+    assert _exports() - before == 2
+    monkeypatch.setenv("AUTOPAR_STACK_CAPTURE", "0")
+    full = autopar.plan(model, mesh, args, kwargs, progress=False)
+    assert stacked.to_json() == full.to_json()
