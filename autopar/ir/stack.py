@@ -93,9 +93,10 @@ def find_stack(model: torch.nn.Module) -> tuple[Optional[Stack], str]:
 
 
 def _structure_differs(model: torch.nn.Module, stack: Stack, mod: torch.nn.Module) -> str:
-    """Why the layers cannot be replicated from one another (``""`` when they can): their
-    parameters and buffers differ in name, shape, dtype or trainability, a tensor is shared between
-    layers, or a layer is also reachable outside the stack."""
+    """Why the layers cannot be replicated from one another (``""`` when they can): the parameters,
+    buffers or submodules of layers 1 to the last differ in name, shape, dtype or trainability (layer
+    0 is traced whatever it holds), a tensor is shared between layers, or a layer is also reachable
+    outside the stack."""
     def structure(layer: torch.nn.Module) -> tuple:
         return (tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.named_parameters()),
                 tuple((n, tuple(b.shape), b.dtype) for n, b in layer.named_buffers()),
@@ -108,12 +109,12 @@ def _structure_differs(model: torch.nn.Module, stack: Stack, mod: torch.nn.Modul
     if odd:
         return (f"layer(s) {', '.join(odd[:4])} of {where} are {type(children[odd[0]]).__name__}, the others "
                 f"{kind.__name__}")
-    first = structure(children["0"])
+    first = structure(children["1"])  # layer 0 may differ (it is traced, as are layers 1 and 2)
     seen: set[int] = set()
     for key in stack.keys:
         layer = children[key]
-        if structure(layer) != first:
-            return f"layer {key} of {where} has other parameters, buffers or submodules than layer 0"
+        if key != "0" and structure(layer) != first:
+            return f"layer {key} of {where} has other parameters, buffers or submodules than layer 1"
         tensors = {id(t) for t in list(layer.parameters()) + list(layer.buffers())}
         if tensors & seen:
             return f"layers of {where} share a parameter or buffer"
