@@ -20,7 +20,6 @@ index (alternating attention kinds, a MoE's first dense layers, per-layer shapes
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import operator
 import re
@@ -34,6 +33,7 @@ from torch.fx.node import map_aggregate
 
 from autopar import _torch_compat as tc
 from autopar._torch_compat.graph_module import lazy_graph_module
+from autopar._torch_compat.nn import submodule_table, with_submodules
 from autopar.ir.graph import Graph
 from autopar.ir.layers import layers
 
@@ -132,13 +132,10 @@ def shallow(model: torch.nn.Module, stack: Stack, count: int) -> torch.nn.Module
     parts = stack.path.split(".") if stack.path else []
 
     def rebuild(mod: torch.nn.Module, depth: int) -> torch.nn.Module:
-        new = copy.copy(mod)
+        table = submodule_table(mod)
         if depth == len(parts):
-            new.__dict__["_modules"] = {k: mod._modules[k] for k in stack.keys[:count]}
-        else:
-            new.__dict__["_modules"] = dict(mod._modules)
-            new._modules[parts[depth]] = rebuild(mod._modules[parts[depth]], depth + 1)
-        return new
+            return with_submodules(mod, {k: table[k] for k in stack.keys[:count]})
+        return with_submodules(mod, {**table, parts[depth]: rebuild(table[parts[depth]], depth + 1)})
 
     return rebuild(model, 0)
 
