@@ -183,3 +183,15 @@ def test_plans_from_the_stacked_capture_are_byte_identical(name, search, monkeyp
     full = autopar.plan(model, mesh, args, kwargs, search=search, progress=False)
     assert _exports() - before == 3
     assert stacked.to_json() == full.to_json()
+
+
+def test_layers_set_otherwise_by_index_fall_back_before_any_probe():
+    """Hugging Face's way to alternate attention kinds: a per-layer setting (Gemma's ``sliding_window``
+    on every other layer), which a trace of a few layers would miss beyond them."""
+    model, args, kwargs = _model("hf_llama", 6)
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.sliding_window = 8 if i % 5 == 4 else None
+    _, traces, why = _captured(model, args, kwargs)
+    assert traces == 1
+    assert len(why) == 1 and "layer 4 of 'model.layers' is set otherwise than layer 1 (self_attn.sliding_window)" \
+        in why[0], why

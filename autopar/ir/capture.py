@@ -114,10 +114,13 @@ def capture(
     if stack and os.environ.get("AUTOPAR_STACK_CAPTURE", "1") != "0":
         def finish(gm: torch.fx.GraphModule, like: Graph, full: bool) -> Graph:
             trainable = [fqn for fqn, p in model.named_parameters() if p.requires_grad] if full else []
-            return _lifted(gm, like.output_tree, training, names, constants, like.aliases, trainable)
+            graph = _lifted(gm, like.output_tree, training, names, constants, like.aliases, trainable)
+            if full:
+                _warn_attention_dropout(graph)
+            return graph
 
         one = functools.partial(_capture_one, args=args, kwargs=kwargs, names=names, constants=constants,
-                                training=training, outputs=outputs, loss_fn=loss_fn)
+                                training=training, outputs=outputs, loss_fn=loss_fn, warn=False)
         graph = capture_stacked(model, one, finish)
         if graph is not None:
             return graph
@@ -125,8 +128,9 @@ def capture(
 
 
 def _capture_one(model: torch.nn.Module, args: tuple, kwargs: dict, names: list[str], constants: dict[str, Any],
-                 training: bool, outputs: bool, loss_fn: Optional[Callable]) -> Graph:
-    """``capture``'s trace of every layer: the steps of the module docstring."""
+                 training: bool, outputs: bool, loss_fn: Optional[Callable], warn: bool = True) -> Graph:
+    """``capture``'s trace of every layer: the steps of the module docstring (``warn``: about the
+    graph's unfused attention dropout, which a stacked capture says of the full graph instead)."""
     fm = tc.FakeTensorMode(allow_non_fake_inputs=True)
     mc = _fake_copy(model, fm, training)
     fargs, fkwargs = _fake_inputs(args, kwargs, fm)
@@ -159,7 +163,8 @@ def _capture_one(model: torch.nn.Module, args: tuple, kwargs: dict, names: list[
     trainable = [fqn for fqn, p in mc.named_parameters() if p.requires_grad]
     graph = _lifted(gm, trees[-1] if trees else None, training, names, constants, aliases, trainable)
     _refuse_random_ops(graph)
-    _warn_attention_dropout(graph)
+    if warn:
+        _warn_attention_dropout(graph)
     return graph
 
 

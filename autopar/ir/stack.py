@@ -34,6 +34,7 @@ from torch.fx.node import map_aggregate
 from autopar import _torch_compat as tc
 from autopar._torch_compat.graph_module import lazy_graph_module
 from autopar._torch_compat.nn import submodule_table, with_submodules
+from autopar.errors import CaptureError
 from autopar.ir.graph import Graph
 from autopar.ir.layers import layers
 
@@ -119,11 +120,33 @@ def _structure_differs(model: torch.nn.Module, stack: Stack, mod: torch.nn.Modul
         if tensors & seen:
             return f"layers of {where} share a parameter or buffer"
         seen |= tensors
+    settings = [_settings(children[k]) for k in stack.keys[1:]]
+    for name in sorted(set().union(*settings)):
+        values = [got.get(name, _NoStack) for got in settings]
+        if all(v == values[0] for v in values):
+            continue
+        if all(type(v) is int for v in values) and len({v - i for i, v in enumerate(values)}) == 1:
+            continue  # the layer's index (``layer_idx``), which only names it
+        key = stack.keys[1 + next(i for i, v in enumerate(values) if v != values[0])]
+        return f"layer {key} of {where} is set otherwise than layer 1 ({name})"
     inside = f"{stack.path}." if stack.path else ""
     for path, m in model.named_modules(remove_duplicate=False):
         if any(m is c for c in mod.children()) and not (path.startswith(inside) and path[len(inside):].isdigit()):
             return f"layer module {path!r} of {where} is also reachable outside the stack"
     return ""
+
+
+def _settings(layer: torch.nn.Module) -> dict[str, object]:
+    """A layer's plain settings by path, on every submodule: bool, int, float, str, None and tuples
+    of them (``self_attn.sliding_window``, ``training``, ``layer_idx``)."""
+    plain = (bool, int, float, str, type(None))
+    out: dict[str, object] = {}
+    for path, mod in layer.named_modules():
+        for name, value in vars(mod).items():
+            if not name.startswith("_") and (isinstance(value, plain) or (
+                    isinstance(value, tuple) and all(isinstance(v, plain) for v in value))):
+                out[f"{path}.{name}" if path else name] = value
+    return out
 
 
 def shallow(model: torch.nn.Module, stack: Stack, count: int) -> torch.nn.Module:
@@ -142,32 +165,50 @@ def shallow(model: torch.nn.Module, stack: Stack, count: int) -> torch.nn.Module
 
 def capture_stacked(model: torch.nn.Module, capture_one: Callable[[torch.nn.Module], Graph],
                     finish: Callable[[torch.fx.GraphModule, Graph, bool], Graph]) -> Optional[Graph]:
-    """The full-depth Graph of ``model`` built from shallow captures (``capture_one`` traces a
-    model, ``finish`` lifts a built fx graph like that capture's, checking the gradients of the full
-    model's parameters when told to), or None where the model has no
-    stack deep enough or the proof fails (with a ``UserWarning`` naming why)."""
+    """The full-depth Graph of ``model`` built from shallow captures, or None where the model has no
+    stack deep enough or the proof fails (with a ``UserWarning`` naming why). ``capture_one`` traces
+    a model; ``finish(gm, like, full)`` lifts a built fx graph as ``like`` was lifted, with the full
+    model's checks (its parameters' gradients, its warnings) when ``full``."""
     stack, why = find_stack(model)
     if stack is None:
         return None
-    try:
-        if why:
-            raise _NoStack(why)
-        probe, check = capture_one(shallow(model, stack, PROBE)), capture_one(shallow(model, stack, PROBE + 1))
+    with warnings.catch_warnings(record=True) as said:  # the probes' own: said again on success only
+        warnings.simplefilter("always")
         try:
-            rep = _Replicator(probe, stack.path, PROBE)
-        except _NoStack:  # the last of PROBE layers may differ from the middle ones: one layer more
-            probe, check = check, capture_one(shallow(model, stack, PROBE + 2))
-            rep = _Replicator(probe, stack.path, PROBE + 1)
-        steps = rep.measure(check)
-        once = finish(rep.build(1, steps), probe, False)
-        differs = _difference(once, check)
-        if differs:
-            raise _NoStack(f"one more layer built from layer 1 is not what tracing it gives ({differs})")
-        return finish(rep.build(stack.depth - rep.depth, steps), probe, True)
-    except _NoStack as e:
+            if why:
+                raise _NoStack(why)
+            graph = _replicated(model, stack, capture_one, finish)
+        except _NoStack as e:
+            graph, why = None, str(e)
+    if graph is None:
         warnings.warn(f"capture: the {stack.depth} layers of {stack.path or 'the model'!r} are traced one by one, "
-                      f"not replicated from a few: {e}", stacklevel=3)
+                      f"not replicated from a few: {why}", stacklevel=3)
         return None
+    for w in said:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return graph
+
+
+def _replicated(model: torch.nn.Module, stack: Stack, capture_one: Callable[[torch.nn.Module], Graph],
+                finish: Callable[[torch.fx.GraphModule, Graph, bool], Graph]) -> Graph:
+    """``capture_stacked``'s proof and build; raises ``_NoStack`` where the proof fails."""
+    def traced(count: int) -> Graph:
+        try:
+            return capture_one(shallow(model, stack, count))
+        except CaptureError as e:  # the full trace says it again if it is not the shallow copy's doing
+            raise _NoStack(f"the {count}-layer trace failed ({str(e).splitlines()[0][:200]})") from e
+
+    probe, check = traced(PROBE), traced(PROBE + 1)
+    try:
+        rep = _Replicator(probe, stack.path, PROBE)
+    except _NoStack:  # the last of PROBE layers may differ from the middle ones: one layer more
+        probe, check = check, traced(PROBE + 2)
+        rep = _Replicator(probe, stack.path, PROBE + 1)
+    steps = rep.measure(check)
+    differs = _difference(finish(rep.build(1, steps), probe, False), check)
+    if differs:
+        raise _NoStack(f"one more layer built from layer 1 is not what tracing it gives ({differs})")
+    return finish(rep.build(stack.depth - rep.depth, steps), probe, True)
 
 
 # ---------------------------------------------------------------------------------------------
