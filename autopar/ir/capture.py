@@ -115,8 +115,8 @@ def capture(
         def finish(gm: torch.fx.GraphModule, like: Graph, full: bool) -> Graph:
             trainable = [fqn for fqn, p in model.named_parameters() if p.requires_grad] if full else []
             graph = _lifted(gm, like.output_tree, training, names, constants, like.aliases, trainable)
-            if full:
-                _warn_attention_dropout(graph)
+            if full:  # (said from capture's caller: finish < _replicated < capture_stacked < capture)
+                _warn_attention_dropout(graph, stacklevel=6)
             return graph
 
         one = functools.partial(_capture_one, args=args, kwargs=kwargs, names=names, constants=constants,
@@ -164,7 +164,7 @@ def _capture_one(model: torch.nn.Module, args: tuple, kwargs: dict, names: list[
     graph = _lifted(gm, trees[-1] if trees else None, training, names, constants, aliases, trainable)
     _refuse_random_ops(graph)
     if warn:
-        _warn_attention_dropout(graph)
+        _warn_attention_dropout(graph, stacklevel=4)
     return graph
 
 
@@ -441,7 +441,7 @@ def _refuse_random_ops(graph: Graph) -> None:
         )
 
 
-def _warn_attention_dropout(graph: Graph) -> None:
+def _warn_attention_dropout(graph: Graph, stacklevel: int) -> None:
     """Attention written as softmax + dropout (not ``F.scaled_dot_product_attention``, which stays
     fused with its dropout) keeps batch*heads*seq^2 scores and masks in memory: say so."""
     drop = {n.module_path for n in graph.ops() if n.op.startswith(_DROPOUT)}
@@ -453,5 +453,5 @@ def _warn_attention_dropout(graph: Graph) -> None:
             "unfused (batch*heads*seq^2 scores and masks in memory); it runs correctly, but "
             "F.scaled_dot_product_attention(..., dropout_p=p) would keep it one fused op, unless its attn_mask "
             "requires grad (a learned position bias, as T5's): the fused op has no gradient for the mask",
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
