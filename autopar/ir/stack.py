@@ -11,11 +11,14 @@ parameter names, autograd sequence numbers and fx node names those a full trace 
 sequence number moves by a fixed step per layer; the second trace measures the step of each.
 
 The proof, before any of it is used (otherwise the full trace runs, and a ``UserWarning`` says
-why): the layers' parameters and buffers have one structure; layers 1 and 2 of the shallow
-capture agree node by node by the fold's agreement rule (``ir.layers``, ``ir.agreement``); and the
+why): layers 1 to the last have one structure (parameters, buffers, submodules, plain settings
+such as ``sliding_window``; layer 0 is traced, so it may differ); layers 1 and 2 of the shallow
+capture agree node by node by the fold's agreement rule (``ir.layers``, ``ir.agreement``; where the
+last of ``PROBE`` layers differs, ``PROBE + 1`` and ``PROBE + 2`` are traced instead); and the
 graph built with one added layer is the deeper trace's, node for node (names, ops, arguments,
-outputs, roles, phases, module paths, sequence numbers, the graph's tables). Layers that differ by
-index (alternating attention kinds, a MoE's first dense layers, per-layer shapes) fail it.
+outputs, roles, phases, module paths, the order of sequence numbers, the graph's tables). Layers
+that differ by index (alternating attention kinds, a MoE's first dense layers, per-layer shapes)
+fail it; a forward that treats layers by index beyond the probes' depth is not seen.
 """
 
 from __future__ import annotations
@@ -204,11 +207,11 @@ def _replicated(model: torch.nn.Module, stack: Stack, capture_one: Callable[[tor
     except _NoStack:  # the last of PROBE layers may differ from the middle ones: one layer more
         probe, check = check, traced(PROBE + 2)
         rep = _Replicator(probe, stack.path, PROBE + 1)
-    steps = rep.measure(check)
-    differs = _difference(finish(rep.build(1, steps), probe, False), check)
+    rep.measure(check)
+    differs = _difference(finish(rep.build(1), probe, False), check)
     if differs:
         raise _NoStack(f"one more layer built from layer 1 is not what tracing it gives ({differs})")
-    return finish(rep.build(stack.depth - rep.depth, steps), probe, True)
+    return finish(rep.build(stack.depth - rep.depth), probe, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +243,8 @@ class _Replicator:
 
     def __init__(self, probe: Graph, prefix: str, depth: int):
         self.prefix, self.depth = prefix, depth
+        #: per node: name counter, sequence number, their steps per added layer and to the copy (``measure``)
+        self.steps: dict[torch.fx.Node, tuple[int, ...]] = {}
         found = layers(probe)
         keys = [(prefix, i) for i in range(depth)]
         if any(k not in found.instances for k in keys):
@@ -304,42 +309,37 @@ class _Replicator:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def measure(self, check: Graph) -> dict[tuple[torch.fx.Node, int], tuple[int, int, int, int]]:
-        """Per node and copy (0 or 1): its name counter's and sequence number's values in the probe
-        (copy 0) and their step per added layer, read off the capture one layer deeper."""
+    def measure(self, check: Graph) -> None:
+        """Per probe node: its name's counter and its sequence number, their steps per added layer
+        and (layer 1's nodes) from it to its copy, read off the trace one layer deeper."""
         assert check.gm is not None
         deeper = [n for n in check.gm.graph.nodes if n.op != "output"]
         order = self.order(1)
         if len(deeper) != len(order):
             raise _NoStack(f"one more layer adds {len(deeper) - len(self.nodes)} nodes to the trace, layer 1 has "
                            f"{sum(1 for n in self.nodes if self.owner.get(n) == 1)}")
-        got: dict[tuple[torch.fx.Node, int], tuple[str, int, int]] = {}
+        got: dict[tuple[torch.fx.Node, int], tuple[int, int]] = {}
         for (n, c), d in zip(order, deeper):
-            base, num = _number(d.name)
-            if n.op != d.op or (n.op not in ("placeholder", "get_attr") and n.target != d.target) or base != _number(n.name)[0]:
+            template, num = _number(d.name)
+            if n.op != d.op or template != _number(n.name)[0] or (
+                    n.op not in ("placeholder", "get_attr") and n.target != d.target):
                 raise _NoStack(f"the deeper trace has {d.name} ({d.target}) where the built graph has {n.name}")
-            got[(n, c)] = (base, num, _seq(d))
-        steps = {}
-        for (n, c), (_, num, seq) in got.items():
-            if c:
-                continue
-            num0, seq0 = _number(n.name)[1], _seq(n)
-            step = (num - num0, seq - seq0)
-            layer = (got[(n, 1)][1] - num, got[(n, 1)][2] - seq) if (n, 1) in got else (0, 0)
-            steps[(n, 0)] = (num0, seq0, *step, *layer)  # type: ignore[assignment]
-        return steps  # type: ignore[return-value]
+            got[(n, c)] = (num, _seq(d))
+        for n in self.nodes:
+            (num0, seq0), (num, seq) = (_number(n.name)[1], _seq(n)), got[(n, 0)]
+            copy = (got[(n, 1)][0] - num, got[(n, 1)][1] - seq) if (n, 1) in got else (0, 0)
+            self.steps[n] = (num0, seq0, num - num0, seq - seq0, *copy)
 
     # -- build ---------------------------------------------------------------------------------
 
-    def build(self, k: int, steps: dict) -> torch.fx.GraphModule:
+    def build(self, k: int) -> torch.fx.GraphModule:
         """The fx graph with ``k`` more copies of layer 1 (its nodes named as a trace names them)."""
         graph = torch.fx.Graph()
         constants: dict[str, torch.Tensor] = {}  # tensor constants made in forward, by their new names
         env: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}
         for n, c in self.order(k):
-            num0, seq0, dnum, dseq, lnum, lseq = steps[(n, 0)]
-            base = _number(n.name)[0]
-            name = _named(base, num0 + k * dnum + c * lnum)
+            num0, seq0, dnum, dseq, lnum, lseq = self.steps[n]
+            name = _named(_number(n.name)[0], num0 + k * dnum + c * lnum)
             args = map_aggregate(n.args, lambda a: self._input(a, n, c, k, env) if isinstance(a, torch.fx.Node) else a)
             kwargs = map_aggregate(n.kwargs,
                                    lambda a: self._input(a, n, c, k, env) if isinstance(a, torch.fx.Node) else a)
@@ -402,26 +402,25 @@ class _Replicator:
 
     # -- renaming ------------------------------------------------------------------------------
 
-    def _moved(self, index: int, c: int, k: int) -> int:
-        return index + c if c else (index + k if index >= 2 else index)
+    def _split(self, path: Optional[str]) -> Optional[tuple[str, int, str]]:
+        """``"layers.3.attn"`` -> ``("layers.", 3, ".attn")``; None outside the stack."""
+        head = f"{self.prefix}." if self.prefix else ""
+        if path is None or not path.startswith(head):
+            return None
+        index, dot, rest = path[len(head):].partition(".")
+        return (head, int(index), dot + rest) if index.isdigit() else None
 
     def _path(self, path: str, c: int, k: int) -> str:
-        """A module path or FQN of the probe as copy ``c`` (``k`` copies in all) has it."""
-        head = f"{self.prefix}." if self.prefix else ""
-        if not path.startswith(head):
+        """A module path or FQN of the probe as copy ``c`` of ``k`` has it (layers after 1 move up by ``k``)."""
+        got = self._split(path)
+        if got is None:
             return path
-        index, dot, rest = path[len(head):].partition(".")
-        if not index.isdigit():
-            return path
-        return f"{head}{self._moved(int(index), c, k)}{dot}{rest}"
+        head, index, rest = got
+        return f"{head}{index + c if c else (index + k if index >= 2 else index)}{rest}"
 
     def _fqn_layer(self, desc) -> Optional[int]:
-        target = _desc_target(desc)
-        head = f"{self.prefix}." if self.prefix else ""
-        if target is None or not target.startswith(head):
-            return None
-        index = target[len(head):].partition(".")[0]
-        return int(index) if index.isdigit() else None
+        got = self._split(_desc_target(desc))
+        return got[1] if got else None
 
     def _desc(self, desc, c: int, k: int):
         if isinstance(desc, (tc.ParamAOTInput, tc.BufferAOTInput)):
