@@ -444,8 +444,9 @@ class _Replicator:
 
 
 def _seq(n: torch.fx.Node) -> int:
+    """The node's autograd sequence number (-1: none)."""
     s = n.meta.get("seq_nr")
-    return int(s) if s is not None else 0
+    return int(s) if s is not None else -1
 
 
 def _desc_target(desc) -> Optional[str]:
@@ -487,8 +488,7 @@ def _difference(built: Graph, traced: Graph) -> str:
 def _seq_ranks(graph: Graph) -> dict[str, int]:
     """Each node's autograd sequence number as its rank among the graph's: the numbers themselves
     count on across captures in a process, the order is what passes read (``ir.layers``)."""
-    seqs = {n.name: int(n.fx_node.meta["seq_nr"]) for n in graph.nodes
-            if n.fx_node is not None and n.fx_node.meta.get("seq_nr") is not None and int(n.fx_node.meta["seq_nr"]) >= 0}
+    seqs = {n.name: _seq(n.fx_node) for n in graph.nodes if n.fx_node is not None and _seq(n.fx_node) >= 0}
     rank = {s: i for i, s in enumerate(sorted(set(seqs.values())))}
     return {name: rank[s] for name, s in seqs.items()}
 
