@@ -109,7 +109,7 @@ def _structure_differs(model: torch.nn.Module, stack: Stack, mod: torch.nn.Modul
     where = f"{stack.path!r}" if stack.path else "the model's top level"
     children = dict(mod.named_children())
     kind = Counter(type(c) for c in children.values()).most_common(1)[0][0]
-    odd = [k for k in stack.keys if type(children[k]) is not kind]
+    odd = [k for k in stack.keys[1:] if type(children[k]) is not kind]
     if odd:
         return (f"layer(s) {', '.join(odd[:4])} of {where} are {type(children[odd[0]]).__name__}, the others "
                 f"{kind.__name__}")
@@ -132,9 +132,9 @@ def _structure_differs(model: torch.nn.Module, stack: Stack, mod: torch.nn.Modul
             continue  # the layer's index (``layer_idx``), which only names it
         key = stack.keys[1 + next(i for i, v in enumerate(values) if v != values[0])]
         return f"layer {key} of {where} is set otherwise than layer 1 ({name})"
-    inside = f"{stack.path}." if stack.path else ""
+    inside, ids = (f"{stack.path}." if stack.path else ""), {id(c) for c in children.values()}
     for path, m in model.named_modules(remove_duplicate=False):
-        if any(m is c for c in mod.children()) and not (path.startswith(inside) and path[len(inside):].isdigit()):
+        if id(m) in ids and not (path.startswith(inside) and path[len(inside):].isdigit()):
             return f"layer module {path!r} of {where} is also reachable outside the stack"
     return ""
 
