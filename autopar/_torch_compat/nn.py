@@ -9,6 +9,7 @@ On a torch upgrade: check that those tables are still plain dicts keyed by attri
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from typing import Callable, Mapping, TypeVar
 
@@ -26,6 +27,19 @@ def parameter_table(module: torch.nn.Module) -> dict:
 def buffer_table(module: torch.nn.Module) -> dict:
     """``module``'s own buffers by attribute name: the live dict (as ``parameter_table``)."""
     return module._buffers
+
+
+def with_submodules(module: torch.nn.Module, submodules: dict) -> torch.nn.Module:
+    """A shallow copy of ``module`` whose own submodule table is ``submodules`` (attribute name ->
+    module; ``module`` and its table are not touched)."""
+    new = copy.copy(module)
+    object.__setattr__(new, "_modules", dict(submodules))
+    return new
+
+
+def submodule_table(module: torch.nn.Module) -> dict:
+    """``module``'s own submodules by attribute name (``None`` for a registered-but-unset one): the live dict."""
+    return module._modules
 
 
 def share_tables(dst: torch.nn.Module, src: torch.nn.Module) -> None:
@@ -62,4 +76,5 @@ def after_conversion(hook: Callable[[torch.nn.Module], None]) -> Callable[[_M], 
     return decorate
 
 
-__all__ = ["after_conversion", "buffer_table", "parameter_table", "share_tables", "with_metadata"]
+__all__ = ["after_conversion", "buffer_table", "parameter_table", "share_tables", "submodule_table", "with_metadata",
+           "with_submodules"]

@@ -24,7 +24,9 @@ Recipe (the reasons are measured, see DESIGN.md "Capture: traps measured on torc
 from __future__ import annotations
 
 import copy
+import functools
 import operator
+import os
 import sys
 import warnings
 from typing import Any, Callable, Optional
@@ -41,6 +43,7 @@ from autopar.ir.graph import Graph
 from autopar.ir.lift import drop_constant_inputs, lift, merge_tied
 from autopar.ir.outputs import OutputTree, check_loss_fn, strip_output_detach, traced_forward
 from autopar.ir.placement import PlacementError
+from autopar.ir.stack import capture_stacked
 from autopar.ir.rules.random_attention import fused_dropout_attention
 
 __all__ = ["capture", "capture_for_plan", "normalize_mean_losses"]
@@ -67,6 +70,7 @@ def capture(
     training: bool = True,
     outputs: bool = False,
     loss_fn: Optional[Callable] = None,
+    stack: bool = True,
 ) -> Graph:
     """Capture ``model(*example_inputs, **example_kwargs)`` as an IR Graph of aten ops.
 
@@ -85,6 +89,10 @@ def capture(
     The model's own mode (``train()``/``eval()``) is used as is. Inputs may live on any device, meta
     included: only their shapes and dtypes are used. Raises :class:`CaptureError` with a reason and
     a remedy.
+
+    A deep stack of alike layers is captured at a few layers and replicated to full depth, the same
+    Graph node for node (``ir.stack``); ``stack=False`` (or ``AUTOPAR_STACK_CAPTURE=0``) always
+    traces every layer.
     """
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
@@ -103,7 +111,26 @@ def capture(
     names, constants = _check_inputs(args, kwargs)
     if loss_fn is not None:
         check_loss_fn(loss_fn)
+    if stack and os.environ.get("AUTOPAR_STACK_CAPTURE", "1") != "0":
+        def finish(gm: torch.fx.GraphModule, like: Graph, full: bool) -> Graph:
+            trainable = [fqn for fqn, p in model.named_parameters() if p.requires_grad] if full else []
+            graph = _lifted(gm, like.output_tree, training, names, constants, like.aliases, trainable)
+            if full:  # (said from capture's caller: finish < _replicated < capture_stacked < capture)
+                _warn_attention_dropout(graph, stacklevel=6)
+            return graph
 
+        one = functools.partial(_capture_one, args=args, kwargs=kwargs, names=names, constants=constants,
+                                training=training, outputs=outputs, loss_fn=loss_fn, warn=False)
+        graph = capture_stacked(model, one, finish)
+        if graph is not None:
+            return graph
+    return _capture_one(model, args, kwargs, names, constants, training, outputs, loss_fn)
+
+
+def _capture_one(model: torch.nn.Module, args: tuple, kwargs: dict, names: list[str], constants: dict[str, Any],
+                 training: bool, outputs: bool, loss_fn: Optional[Callable], warn: bool = True) -> Graph:
+    """``capture``'s trace of every layer: the steps of the module docstring (``warn``: about the
+    graph's unfused attention dropout, which a stacked capture says of the full graph instead)."""
     fm = tc.FakeTensorMode(allow_non_fake_inputs=True)
     mc = _fake_copy(model, fm, training)
     fargs, fkwargs = _fake_inputs(args, kwargs, fm)
@@ -133,13 +160,22 @@ def capture(
     gm.graph.lint()
     gm.recompile()
 
+    trainable = [fqn for fqn, p in mc.named_parameters() if p.requires_grad]
+    graph = _lifted(gm, trees[-1] if trees else None, training, names, constants, aliases, trainable)
+    _refuse_random_ops(graph)
+    if warn:
+        _warn_attention_dropout(graph, stacklevel=4)
+    return graph
+
+
+def _lifted(gm: torch.fx.GraphModule, tree: Optional[OutputTree], training: bool, names: list[str],
+            constants: dict[str, Any], aliases: dict[str, str], trainable: list[str]) -> Graph:
+    """The IR of the rewritten ``gm``, checked: every trainable parameter has a gradient."""
     graph = lift(gm, training=training, input_names=names, constants=constants, aliases=aliases)
-    graph.output_tree = trees[-1] if trees else None
+    graph.output_tree = tree
     mark_blocks(graph)
     if training:
-        _check_grads(graph, mc)
-    _refuse_random_ops(graph)
-    _warn_attention_dropout(graph)
+        _check_grads(graph, trainable)
     return graph
 
 
@@ -375,8 +411,8 @@ def normalize_mean_losses(gm: torch.fx.GraphModule) -> int:
 # Checks on the result
 
 
-def _check_grads(graph: Graph, mc: torch.nn.Module) -> None:
-    missing = [fqn for fqn, p in mc.named_parameters() if p.requires_grad and fqn not in graph.grads]
+def _check_grads(graph: Graph, trainable: list[str]) -> None:
+    missing = [fqn for fqn in trainable if fqn not in graph.grads]
     if missing:
         shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
         raise CaptureError(
@@ -405,7 +441,7 @@ def _refuse_random_ops(graph: Graph) -> None:
         )
 
 
-def _warn_attention_dropout(graph: Graph) -> None:
+def _warn_attention_dropout(graph: Graph, stacklevel: int) -> None:
     """Attention written as softmax + dropout (not ``F.scaled_dot_product_attention``, which stays
     fused with its dropout) keeps batch*heads*seq^2 scores and masks in memory: say so."""
     drop = {n.module_path for n in graph.ops() if n.op.startswith(_DROPOUT)}
@@ -417,5 +453,5 @@ def _warn_attention_dropout(graph: Graph) -> None:
             "unfused (batch*heads*seq^2 scores and masks in memory); it runs correctly, but "
             "F.scaled_dot_product_attention(..., dropout_p=p) would keep it one fused op, unless its attn_mask "
             "requires grad (a learned position bias, as T5's): the fused op has no gradient for the mask",
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
