@@ -247,6 +247,28 @@ def test_ring_price_overlaps_transfers_and_charges_the_imbalance():
     assert ring_inflight_bytes(causal, ins, prec) >= 4 * block  # two k and two v blocks in flight
 
 
+def test_a_causal_query_split_is_priced_at_its_busiest_device():
+    """The gather form (q split on the sequence, keys whole) under a causal mask: the last of N
+    contiguous query blocks sees almost every key, so the op costs (2N - 1) / N of its averaged
+    price; balanced ring then beats it, as it does when run."""
+    from autopar.cost_model.compute import compute_time
+    from autopar.cost_model.ring import causal_split_factor
+
+    mesh = autopar.Mesh({"cp": 8}, device="h100")
+    hw, link = mesh.hardware, mesh.link(0)
+    prec = get_precision("bf16", hw)
+    causal, full = _long_call(True), _long_call(False)
+    gather = lambda call: next(s for s in strategies(call, (8,)) if s[0].tag == "S:s")  # noqa: E731
+    assert causal_split_factor(causal, gather(causal), (8,)) == pytest.approx(15 / 8)
+    assert causal_split_factor(full, gather(full), (8,)) == 1.0
+    ring = next(s for s in strategies(causal, (8,)) if ring_axis(s) == (0, RING_BALANCED))
+    assert causal_split_factor(causal, ring, (8,)) == 1.0  # ring prices its own steps
+    ins, outs = _shapes(causal, 8)
+    q_block = [ins[0]] + [tuple(x.shape) for x in causal.in_specs[1:]]  # the keys and values whole
+    busiest = compute_time(causal, q_block, outs, hw, prec) * 15 / 8
+    assert ring_time(causal, ring, ins, outs, 8, link, hw, prec) < busiest
+
+
 def test_search_weighs_ring_against_the_other_forms():
     """Unforced, the search sees both ring forms among an attention op's candidates, priced."""
     from autopar.ir.capture import capture

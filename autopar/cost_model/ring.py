@@ -32,12 +32,12 @@ from typing import Optional, Sequence
 from autopar.cost_model.compute import compute_time
 from autopar.cost_model.hardware import Hardware, Link
 from autopar.cost_model.precision import Precision, element_bytes
-from autopar.ir.attention import ATTN_BWD
+from autopar.ir.attention import ATTN_BWD, ATTN_FWD
 from autopar.ir.rules.base import OpCall
 from autopar.ir.rules.dimmap import Strategy
 from autopar.ir.rules.ring import RING_BALANCED, ring_axis
 
-__all__ = ["ring_inflight_bytes", "ring_time", "step_works"]
+__all__ = ["causal_split_factor", "ring_inflight_bytes", "ring_time", "step_works"]
 
 Shape = tuple[int, ...]
 
@@ -70,6 +70,22 @@ def _with_causal(call: OpCall, causal: bool) -> OpCall:
 def _chunked(ins: Sequence[Shape], parts: int) -> list[Shape]:
     """Every local input shape with its sequence dim (2) cut into ``parts`` chunks."""
     return [tuple(s[:2]) + (s[2] // parts,) + tuple(s[3:]) if len(s) >= 3 else tuple(s) for s in ins]
+
+
+def causal_split_factor(call: Optional[OpCall], strategy: Strategy, mesh_shape: Sequence[int]) -> float:
+    """The busiest device's work over the priced (average) work of a causal attention whose query
+    sequence is split in ``N`` contiguous blocks against whole keys (the gather form, tag ``S:s``):
+    the last block's queries see ``(2N - 1) / (2N)`` of the keys where the average sees half, so
+    the op runs ``(2N - 1) / N`` times its averaged price; 1 for any other op or strategy."""
+    if call is None or call.op not in (ATTN_FWD, ATTN_BWD) or ring_axis(strategy) is not None:
+        return 1.0
+    if not bool(call.arg(7 if call.op == ATTN_BWD else 4, "is_causal", False)):
+        return 1.0
+    n = 1
+    for axis, sig in enumerate(strategy):
+        if sig.tag == "S:s":
+            n *= mesh_shape[axis]
+    return (2 * n - 1) / n
 
 
 def step_works(n: int, causal: bool, balanced: bool) -> list[tuple[int, int]]:

@@ -30,7 +30,7 @@ from autopar.cost_model.gathers import gather_shares, gather_time
 from autopar.cost_model.memory import activation_bytes, param_state_bytes
 from autopar.cost_model.mesh import Mesh
 from autopar.cost_model.precision import Precision
-from autopar.cost_model.ring import ring_time
+from autopar.cost_model.ring import causal_split_factor, ring_time
 from autopar.ir.graph import Graph, Phase, Ref, Role
 from autopar.ir.layers import layers
 from autopar.ir.placement import B, Placements, format_placements, local_shape
@@ -112,7 +112,8 @@ def build_problem(
                 outs = _local_shapes(n.outputs, [output_placement(s, j) if n.outputs[j] is not None else None
                                                  for j in range(len(n.outputs))], mesh)
                 ring = ring_axis(s)
-                pn.compute.append(compute_time(call, ins, outs, hw, precision, fused.get(n.name)) if ring is None else
+                pn.compute.append(compute_time(call, ins, outs, hw, precision, fused.get(n.name))
+                                  * causal_split_factor(call, s, mesh.shape) if ring is None else
                                   ring_time(call, s, ins, outs, mesh.shape[ring[0]], mesh.link(ring[0]), hw, precision))
                 if expert_axis(s) is not None:  # dropless experts: the busiest device's rows, moved and run
                     pn.compute[-1] *= IMBALANCE
