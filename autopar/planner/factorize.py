@@ -32,8 +32,9 @@ from typing import Any, Optional
 
 from autopar.cost_model.mesh import DP_AXIS, PP_AXIS, TP_AXIS, Mesh
 from autopar.errors import ArgumentError, InfeasibleError, RecipeError
-from autopar.ir.capture import as_args, capture
+from autopar.ir.capture import as_args
 from autopar.ir.stages import chain
+from autopar.planner.captures import capture
 from autopar.planner.intra import run_passes
 from autopar.planner.options import PlanOptions
 from autopar.planner.pipelined import batch_size, plan_pipelined

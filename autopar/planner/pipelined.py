@@ -45,6 +45,7 @@ from autopar.ir.capture import as_args
 from autopar.passes.search.peak import with_temporaries
 from autopar.passes.search.batch_coupled import batch_coupled
 from autopar.passes.search.pipeline_split import ModelSegments, best_pipelines, candidates, scaled, segments
+from autopar.planner.captures import at_rows
 from autopar.planner.intra import Planned, run_passes
 from autopar.planner.options import PlanOptions, check_pipeline
 from autopar.planner.report import PipelineDecision, build_plan
@@ -142,10 +143,13 @@ class _Solver:
         t = time.perf_counter()
         margs, mkwargs = micro_inputs(self.args, self.kwargs, self.batch, m)
         rows = self.batch // m
+        if rows not in self.graphs:  # one capture for every size: re-shaped from a probe batch (``captures``)
+            self.graphs[rows] = at_rows(self.model, self.args, self.kwargs, self.batch, rows,
+                                        training=self.options.training, outputs=self.options.capture_outputs)
+        t = self.lap("capture", t)
         planned = run_passes(self.model, self.sub, margs, mkwargs,
                              replace(self.options, memory_budget=self.budget if bounded else math.inf,
-                                     graph=self.graphs.get(rows), recipe=recipe))
-        self.graphs.setdefault(rows, planned.graph)
+                                     graph=self.graphs[rows], recipe=recipe))
         for k, v in planned.phases.items():
             if k != "total":
                 self.phases[k] = round(self.phases.get(k, 0.0) + v, 4)

@@ -1,0 +1,317 @@
+"""Captures reused within a process: planning the same model again (another mesh, budget or recipe,
+the factorization search's shapes, the pipeline search's micro-batch sizes, ``simulate`` or
+``compile`` after ``plan``) traces it once.
+
+``capture`` is ``ir.capture.capture`` behind a cache keyed by what determines the captured graph
+(``capture_key``):
+
+- the model's structure: every module's path and class (its qualified name and the code objects of
+  its ``forward`` and ``__call__``, so edited code misses), its ``training`` flag and its other
+  plain attributes (sizes, flags, configs: ``n_heads``, ``eps``, a ``config`` object's fields),
+  every hook's code, and every parameter's and buffer's name, shape, strides, dtype and
+  ``requires_grad``;
+- the example inputs: each tensor's position, shape, strides and dtype (not its values or device:
+  capture reads neither), and each other input's value;
+- the capture options: ``training``, ``outputs`` and ``loss_fn`` (its code, defaults and closure
+  values, or a loss module's class and attributes).
+
+Not in the key: parameter and buffer values (capture never reads them), object identity (two equal
+models share a capture; a model changed in place misses), and global state the forward reads
+(module-level variables, environment variables, torch's global flags): a model whose forward reads
+such state must be planned with ``graph=`` or after ``clear()``. A value the key cannot describe
+(an attribute of an unknown type, a tensor attribute on another device) makes the capture uncached,
+never wrongly shared.
+
+A hit hands out a copy of the cached graph's node and table lists (sharing the fx graph and tensor
+specs, which are immutable or read-only to every pass), so a caller that edits its graph leaves the
+cache as it was. ``at_rows`` serves a capture at another batch: the model is captured once at a
+probe batch and re-shaped (``ir.rebatch``), or captured at that batch when the re-shape cannot be
+proven (``STATS.fallbacks`` says why). ``STATS`` counts captures, hits and re-shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Hashable, Optional
+
+import torch
+
+from autopar._torch_compat import pytree
+from autopar.ir import capture as _capture
+from autopar.ir.fingerprint import graph_fingerprint
+from autopar.ir.graph import Graph
+from autopar.ir.rebatch import Unproven, probe_rows, rebatch
+
+#: graphs kept (most recently used last): a large model's graph is large
+LIMIT = 6
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+_MAX_DEPTH = 8
+_MODULE_SKIP = frozenset({"_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks",
+                          "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
+                          "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_forward_hooks_with_kwargs",
+                          "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called", "_non_persistent_buffers_set",
+                          "_is_full_backward_hook"})
+
+
+@dataclass
+class Stats:
+    """What the cache did in this process: fresh captures, hits, re-shapes to another batch, and why
+    a re-shape was not made (one line each)."""
+
+    captured: int = 0
+    reused: int = 0
+    rebatched: int = 0
+    fallbacks: list[str] = field(default_factory=list)
+
+
+STATS = Stats()
+_CACHE: "OrderedDict[Hashable, Graph]" = OrderedDict()
+#: batch-free key -> (probe rows, probe graph) or the reason no probe graph can be made
+_PROBES: "OrderedDict[Hashable, Any]" = OrderedDict()
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+def _code(fn, depth: int = 1, seen: frozenset = frozenset()) -> tuple:
+    """A function's identity by content: qualified name, code, defaults and closure values (a
+    function met again inside its own closure, as decorators' wrappers are, by its name alone)."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        raise _Unkeyable(repr(fn))
+    if id(fn) in seen:
+        return ("fn-again", fn.__qualname__, code)
+    seen = seen | {id(fn)}
+    try:
+        cells = tuple(_value(c.cell_contents, depth + 1, seen) for c in (fn.__closure__ or ()))
+    except ValueError as e:  # an empty cell
+        raise _Unkeyable("cell") from e
+    return ("fn", fn.__qualname__, code, _value(fn.__defaults__, depth + 1, seen),
+            _value(fn.__kwdefaults__, depth + 1, seen), cells)
+
+
+def _value(v, depth: int, seen: frozenset = frozenset()) -> Hashable:
+    """A hashable description of a plain attribute's value (``_Unkeyable`` when there is none)."""
+    if depth > _MAX_DEPTH:
+        raise _Unkeyable("too deep")
+    if isinstance(v, _PLAIN):
+        return (type(v).__name__, v)
+    if isinstance(v, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return ("torch", str(v))
+    if isinstance(v, torch.Tensor):  # a plain tensor attribute: a constant whose values capture reads
+        if v.device.type != "cpu" or v.is_sparse:
+            raise _Unkeyable("tensor")
+        try:
+            data = v.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        except (RuntimeError, TypeError) as e:
+            raise _Unkeyable("tensor") from e
+        return ("tensor", tuple(v.shape), tuple(v.stride()), str(v.dtype), data)
+    if isinstance(v, (tuple, list, frozenset, set)):
+        items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
+        return (type(v).__name__, tuple(_value(x, depth + 1, seen) for x in items))
+    if isinstance(v, dict):
+        return ("dict", tuple((_value(k, depth + 1, seen), _value(x, depth + 1, seen)) for k, x in v.items()))
+    if isinstance(v, (types.FunctionType, types.MethodType)):
+        return _code(v, depth, seen)
+    if isinstance(v, types.BuiltinFunctionType) or hasattr(v, "_schema") or hasattr(v, "_qualified_op_name"):
+        return ("builtin", getattr(v, "__module__", None), getattr(v, "__qualname__", None) or str(v))
+    if isinstance(v, type):
+        return ("type", v.__module__, v.__qualname__)
+    if id(v) in seen:  # an object met again inside itself: described where it was first met
+        return ("again", type(v).__qualname__)
+    seen = seen | {id(v)}
+    if isinstance(v, torch.nn.Module):  # (a submodule held outside ``_modules``: its class and attributes)
+        return ("module", type(v).__qualname__, _attributes(v, depth + 1, seen))
+    if dataclasses.is_dataclass(v) or hasattr(v, "__dict__"):  # configs (dataclasses, Hugging Face's)
+        return ("obj", type(v).__module__, type(v).__qualname__, _attributes(v, depth + 1, seen))
+    raise _Unkeyable(type(v).__qualname__)
+
+
+def _attributes(obj, depth: int, seen: frozenset = frozenset()) -> tuple:
+    return tuple((k, _value(x, depth, seen)) for k, x in sorted(vars(obj).items()) if k not in _MODULE_SKIP)
+
+
+def _hooks(m: torch.nn.Module) -> tuple:
+    return tuple(tuple(_code(h) for h in getattr(m, name).values())
+                 for name in ("_forward_hooks", "_forward_pre_hooks") if getattr(m, name, None))
+
+
+def _structure(model: torch.nn.Module) -> tuple:
+    """Every module's path, class, code, hooks and plain attributes; every parameter and buffer."""
+    mods = []
+    for path, m in model.named_modules(remove_duplicate=False):
+        cls = type(m)
+        mods.append((path, cls.__module__, cls.__qualname__, _code(cls.forward), _code(cls.__call__)
+                     if cls.__call__ is not torch.nn.Module.__call__ else None, _hooks(m), _attributes(m, 1)))
+    tensors = [(k, tuple(t.shape), tuple(t.stride()), str(t.dtype), bool(t.requires_grad), id(t))
+               for k, t in list(model.named_parameters(remove_duplicate=False))
+               + list(model.named_buffers(remove_duplicate=False))]
+    # which names share one tensor (tied weights) matters, the tensors' identities do not
+    first: dict[int, str] = {}
+    tied = tuple((k, first.setdefault(i, k)) for k, *_, i in tensors)
+    return tuple(mods), tuple(t[:5] for t in tensors), tied
+
+
+def _inputs(args: tuple, kwargs: dict, rows: Optional[int] = None) -> tuple:
+    """The inputs' shapes, strides and dtypes and the other values' (with ``rows``: a tensor's batch
+    dimension, its first of size ``rows``, written ``"B"``)."""
+    out = []
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor):
+            shape = tuple(leaf.shape)
+            if rows is not None and shape and shape[0] == rows:
+                shape = ("B",) + shape[1:]
+            out.append((pytree.keystr(path), "tensor", shape, leaf.is_contiguous(), str(leaf.dtype)))
+        else:
+            out.append((pytree.keystr(path), _value(leaf, 1)))
+    return tuple(out)
+
+
+def capture_key(model: torch.nn.Module, args: tuple, kwargs: dict, *, training: bool, outputs: bool,
+                loss_fn: Optional[Callable], rows: Optional[int] = None) -> Optional[tuple]:
+    """The cache key of ``capture(model, args, kwargs, ...)`` (see the module docstring), or None
+    when some part of the model or inputs has no description (the capture is then not cached).
+    ``rows``: the key of every batch at once (the batch dimension left out)."""
+    try:
+        fn = None if loss_fn is None else (_value(loss_fn, 1) if isinstance(loss_fn, torch.nn.Module)
+                                           else _code(loss_fn))
+        return (_structure(model), _inputs(args, kwargs, rows), bool(training), bool(outputs), fn)
+    except _Unkeyable:
+        return None
+
+
+def _copy(graph: Graph) -> Graph:
+    """``graph`` with its own node objects and tables (the specs, fx graph and Refs shared: immutable)."""
+    nodes = [replace(n, args=n.args, kwargs=dict(n.kwargs), inputs=list(n.inputs), outputs=list(n.outputs),
+                     roles=list(n.roles)) for n in graph.nodes]
+    return replace(graph, nodes=nodes, params=dict(graph.params), buffers=dict(graph.buffers),
+                   inputs=dict(graph.inputs), constants=dict(graph.constants), grads=dict(graph.grads),
+                   outputs=list(graph.outputs), hints=list(graph.hints), aliases=dict(graph.aliases),
+                   mutations=dict(graph.mutations), extras=list(graph.extras), _by_name={})
+
+
+def _remember(table: OrderedDict, key, value) -> None:
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > LIMIT:
+        table.popitem(last=False)
+
+
+def capture(model: torch.nn.Module, example_inputs: Any, example_kwargs: Optional[dict] = None, *,
+            training: bool = True, outputs: bool = False, loss_fn: Optional[Callable] = None) -> Graph:
+    """``ir.capture.capture``, reusing an earlier capture of the same key in this process (a copy)."""
+    args, kwargs = _capture.as_args(example_inputs), dict(example_kwargs or {})
+    key = capture_key(model, args, kwargs, training=training, outputs=outputs, loss_fn=loss_fn)
+    if key is not None and key in _CACHE:
+        _CACHE.move_to_end(key)
+        STATS.reused += 1
+        return _copy(_CACHE[key])
+    graph = _capture.capture(model, args, kwargs, training=training, outputs=outputs, loss_fn=loss_fn)
+    STATS.captured += 1
+    if key is not None:
+        _remember(_CACHE, key, graph)
+        return _copy(graph)
+    return graph
+
+
+def capture_for_plan(model: torch.nn.Module, example_inputs: Any, example_kwargs: Optional[dict], *, training: bool,
+                     fingerprint: Optional[str], loss_fn: Optional[Callable] = None) -> Graph:
+    """``ir.capture.capture_for_plan`` through the cache: the capture a plan of graph fingerprint
+    ``fingerprint`` was made from (with the model's other outputs, else the loss alone)."""
+    graph = capture(model, example_inputs, example_kwargs, training=training, outputs=True, loss_fn=loss_fn)
+    if training and graph.extras and graph_fingerprint(graph) != fingerprint:
+        alone = capture(model, example_inputs, example_kwargs, training=training, loss_fn=loss_fn)
+        if graph_fingerprint(alone) == fingerprint:
+            return alone
+    return graph
+
+
+def _sizes(model: torch.nn.Module, args: tuple, kwargs: dict, batch: int) -> list[int]:
+    """The model's sizes other than the batch: its tensors' dimensions, the inputs' other dimensions
+    and integer inputs (what ``probe_rows`` must stay clear of)."""
+    out = [d for t in list(model.parameters()) + list(model.buffers()) for d in t.shape]
+    for leaf in pytree.tree_flatten((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor):
+            out += list(leaf.shape[1:] if leaf.dim() and leaf.shape[0] == batch else leaf.shape)
+        elif isinstance(leaf, int) and not isinstance(leaf, bool):
+            out.append(leaf)
+    return out
+
+
+def _with_rows(args: tuple, kwargs: dict, batch: int, rows: int) -> tuple[tuple, dict]:
+    """Every tensor input of ``batch`` rows as an empty meta tensor of ``rows`` rows (capture reads
+    shapes and dtypes only), as ``planner.pipelined.micro_inputs`` cuts them."""
+    def one(v):
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch:
+            return torch.empty((rows,) + tuple(v.shape[1:]), dtype=v.dtype, device="meta")
+        return v
+
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    return pytree.tree_unflatten([one(v) for v in leaves], spec)
+
+
+def _probe(model, args: tuple, kwargs: dict, batch: int, training: bool, outputs: bool):
+    """``(probe rows, probe graph)`` for this model and inputs at any batch, or the reason there is none."""
+    key = capture_key(model, args, kwargs, training=training, outputs=outputs, loss_fn=None, rows=batch)
+    if key is None:
+        return "the model or its inputs hold a value the capture cache cannot key"
+    if key in _PROBES:
+        _PROBES.move_to_end(key)
+        return _PROBES[key]
+    bad = [pytree.keystr(p) for p, v in pytree.tree_flatten_with_path((args, kwargs))[0]
+           if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch and not v.is_contiguous()]
+    if bad:
+        got: Any = f"input(s) {', '.join(bad)} are not contiguous"
+    else:
+        rows = probe_rows(_sizes(model, args, kwargs, batch))
+        pargs, pkwargs = _with_rows(args, kwargs, batch, rows)
+        try:
+            got = (rows, _capture.capture(model, pargs, pkwargs, training=training, outputs=outputs))
+            STATS.captured += 1
+        except Exception as e:  # noqa: BLE001 - the capture at the batch itself says what is wrong, if anything
+            got = f"the capture at the probe batch of {rows} failed ({type(e).__name__}: {str(e)[:200]})"
+    _remember(_PROBES, key, got)
+    return got
+
+
+def at_rows(model: torch.nn.Module, args: tuple, kwargs: dict, batch: int, rows: int, *, training: bool = True,
+            outputs: bool = False) -> Graph:
+    """The capture of ``model`` with every input of ``batch`` rows cut to ``rows`` rows (a micro-batch):
+    a cache hit, else the probe capture re-shaped to ``rows`` (``ir.rebatch``), else, where that
+    cannot be proven, a capture at ``rows`` (the reason appended to ``STATS.fallbacks``)."""
+    margs, mkwargs = _with_rows(args, kwargs, batch, rows)
+    key = capture_key(model, margs, mkwargs, training=training, outputs=outputs, loss_fn=None)
+    if key is not None and key in _CACHE:
+        _CACHE.move_to_end(key)
+        STATS.reused += 1
+        return _copy(_CACHE[key])
+    probe = _probe(model, args, kwargs, batch, training, outputs)
+    why = probe if isinstance(probe, str) else None
+    if why is None:
+        try:
+            graph = rebatch(probe[1], probe[0], rows)
+            STATS.rebatched += 1
+        except Unproven as e:
+            why = str(e)
+    if why is not None:
+        STATS.fallbacks.append(f"{type(model).__qualname__} at {rows} rows: {why}")
+        graph = capture(model, margs, mkwargs, training=training, outputs=outputs)
+    if key is not None:
+        _remember(_CACHE, key, graph)
+        return _copy(graph)
+    return graph
+
+
+def clear() -> None:
+    """Forget every cached capture and reset ``STATS``."""
+    _CACHE.clear()
+    _PROBES.clear()
+    STATS.__init__()
+
+
+__all__ = ["LIMIT", "STATS", "Stats", "at_rows", "capture", "capture_for_plan", "capture_key", "clear"]
