@@ -31,8 +31,10 @@ proven (``STATS.fallbacks`` says why). ``STATS`` counts captures, hits and re-sh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Hashable, Optional
@@ -68,9 +70,11 @@ class Stats:
 
 
 STATS = Stats()
-_CACHE: "OrderedDict[Hashable, Graph]" = OrderedDict()
-#: batch-free key -> (probe rows, probe graph) or the reason no probe graph can be made
+#: key -> (graph, the warnings its capture gave, shown again on every hit)
+_CACHE: "OrderedDict[Hashable, tuple]" = OrderedDict()
+#: batch-free key -> (probe rows, probe graph, warnings) or the reason no probe graph can be made
 _PROBES: "OrderedDict[Hashable, Any]" = OrderedDict()
+_REUSE = [True]
 
 
 class _Unkeyable(Exception):
@@ -164,9 +168,9 @@ def _inputs(args: tuple, kwargs: dict, rows: Optional[int] = None) -> tuple:
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
         if isinstance(leaf, torch.Tensor):
             shape = tuple(leaf.shape)
-            if rows is not None and shape and shape[0] == rows:
+            if rows is not None and shape and shape[0] == rows and len(path) == 2:  # (as ``_with_rows`` cuts)
                 shape = ("B",) + shape[1:]
-            out.append((pytree.keystr(path), "tensor", shape, leaf.is_contiguous(), str(leaf.dtype)))
+            out.append((pytree.keystr(path), "tensor", shape, tuple(leaf.stride()), str(leaf.dtype)))
         else:
             out.append((pytree.keystr(path), _value(leaf, 1)))
     return tuple(out)
@@ -187,8 +191,8 @@ def capture_key(model: torch.nn.Module, args: tuple, kwargs: dict, *, training: 
 
 def _copy(graph: Graph) -> Graph:
     """``graph`` with its own node objects and tables (the specs, fx graph and Refs shared: immutable)."""
-    nodes = [replace(n, args=n.args, kwargs=dict(n.kwargs), inputs=list(n.inputs), outputs=list(n.outputs),
-                     roles=list(n.roles)) for n in graph.nodes]
+    nodes = [replace(n, kwargs=dict(n.kwargs), inputs=list(n.inputs), outputs=list(n.outputs), roles=list(n.roles))
+             for n in graph.nodes]
     return replace(graph, nodes=nodes, params=dict(graph.params), buffers=dict(graph.buffers),
                    inputs=dict(graph.inputs), constants=dict(graph.constants), grads=dict(graph.grads),
                    outputs=list(graph.outputs), hints=list(graph.hints), aliases=dict(graph.aliases),
@@ -202,21 +206,80 @@ def _remember(table: OrderedDict, key, value) -> None:
         table.popitem(last=False)
 
 
+def _traced(model, args: tuple, kwargs: dict, **kw) -> tuple[Graph, tuple]:
+    """``ir.capture.capture`` and the warnings it gave (shown now, and kept to show on every reuse)."""
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        graph = _capture.capture(model, args, kwargs, **kw)
+    STATS.captured += 1
+    said = tuple((w.message, w.category, w.filename, w.lineno) for w in got)
+    _say(said)
+    return graph, said
+
+
+def _say(said: tuple) -> None:
+    for message, category, filename, lineno in said:
+        warnings.warn_explicit(message, category, filename, lineno)
+
+
+def _hit(key) -> Optional[Graph]:
+    if not _REUSE[0] or key is None or key not in _CACHE:
+        return None
+    _CACHE.move_to_end(key)
+    STATS.reused += 1
+    graph, said = _CACHE[key]
+    _say(said)
+    return _copy(graph)
+
+
+def _keep(key, graph: Graph, said: tuple) -> Graph:
+    if not _REUSE[0] or key is None:
+        return graph
+    _remember(_CACHE, key, (graph, said))
+    return _copy(graph)
+
+
+def _batch(args: tuple, kwargs: dict) -> Optional[int]:
+    """The first top-level tensor input's dimension 0 (the batch, as ``planner.pipelined.batch_size`` reads it)."""
+    return next((int(v.shape[0]) for v in list(args) + list(kwargs.values())
+                 if isinstance(v, torch.Tensor) and v.dim() >= 1), None)
+
+
+def _reshaped(key):
+    """The cache key of a re-shaped graph (planning only: it has no fx graph to lower)."""
+    return None if key is None else ("reshaped", key)
+
+
 def capture(model: torch.nn.Module, example_inputs: Any, example_kwargs: Optional[dict] = None, *,
-            training: bool = True, outputs: bool = False, loss_fn: Optional[Callable] = None) -> Graph:
-    """``ir.capture.capture``, reusing an earlier capture of the same key in this process (a copy)."""
+            training: bool = True, outputs: bool = False, loss_fn: Optional[Callable] = None,
+            planning: bool = False) -> Graph:
+    """``ir.capture.capture``, reusing an earlier capture of the same key in this process (a copy).
+    ``planning``: the graph is only planned, never lowered, so a probe capture of this model made
+    for another batch may serve it re-shaped (a re-plan at another batch)."""
     args, kwargs = _capture.as_args(example_inputs), dict(example_kwargs or {})
     key = capture_key(model, args, kwargs, training=training, outputs=outputs, loss_fn=loss_fn)
-    if key is not None and key in _CACHE:
-        _CACHE.move_to_end(key)
-        STATS.reused += 1
-        return _copy(_CACHE[key])
-    graph = _capture.capture(model, args, kwargs, training=training, outputs=outputs, loss_fn=loss_fn)
-    STATS.captured += 1
-    if key is not None:
-        _remember(_CACHE, key, graph)
-        return _copy(graph)
-    return graph
+    graph = _hit(key)
+    if graph is not None or not planning:
+        return graph if graph is not None else _keep(key, *_traced(model, args, kwargs, training=training,
+                                                                    outputs=outputs, loss_fn=loss_fn))
+    graph = _hit(_reshaped(key))
+    if graph is not None:
+        return graph
+    batch = _batch(args, kwargs)
+    if _REUSE[0] and loss_fn is None and batch is not None:
+        probe = _PROBES.get(capture_key(model, args, kwargs, training=training, outputs=outputs, loss_fn=None,
+                                        rows=batch))
+        if isinstance(probe, tuple):
+            try:
+                graph = rebatch(probe[1], probe[0], batch)
+            except Unproven:
+                graph = None
+            if graph is not None:
+                STATS.rebatched += 1
+                _say(probe[2])
+                return _keep(_reshaped(key), graph, probe[2])
+    graph, said = _traced(model, args, kwargs, training=training, outputs=outputs, loss_fn=loss_fn)
+    return _keep(key, graph, said)
 
 
 def capture_for_plan(model: torch.nn.Module, example_inputs: Any, example_kwargs: Optional[dict], *, training: bool,
@@ -235,35 +298,38 @@ def _sizes(model: torch.nn.Module, args: tuple, kwargs: dict, batch: int) -> lis
     """The model's sizes other than the batch: its tensors' dimensions, the inputs' other dimensions
     and integer inputs (what ``probe_rows`` must stay clear of)."""
     out = [d for t in list(model.parameters()) + list(model.buffers()) for d in t.shape]
-    for leaf in pytree.tree_flatten((args, kwargs))[0]:
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
         if isinstance(leaf, torch.Tensor):
-            out += list(leaf.shape[1:] if leaf.dim() and leaf.shape[0] == batch else leaf.shape)
+            out += list(leaf.shape[1:] if leaf.dim() and leaf.shape[0] == batch and len(path) == 2 else leaf.shape)
         elif isinstance(leaf, int) and not isinstance(leaf, bool):
             out.append(leaf)
     return out
 
 
 def _with_rows(args: tuple, kwargs: dict, batch: int, rows: int) -> tuple[tuple, dict]:
-    """Every tensor input of ``batch`` rows as an empty meta tensor of ``rows`` rows (capture reads
-    shapes and dtypes only), as ``planner.pipelined.micro_inputs`` cuts them."""
+    """Every top-level tensor input of ``batch`` rows cut to its first ``rows`` rows, as
+    ``planner.pipelined.micro_inputs`` cuts them; with more rows than ``batch`` (the probe), an
+    empty meta tensor of that shape (capture reads shapes and dtypes only)."""
     def one(v):
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch:
-            return torch.empty((rows,) + tuple(v.shape[1:]), dtype=v.dtype, device="meta")
-        return v
+        if not (isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch):
+            return v
+        if rows <= batch:
+            return v[:rows]
+        return torch.empty((rows,) + tuple(v.shape[1:]), dtype=v.dtype, device="meta")
 
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    return pytree.tree_unflatten([one(v) for v in leaves], spec)
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
 def _probe(model, args: tuple, kwargs: dict, batch: int, training: bool, outputs: bool):
-    """``(probe rows, probe graph)`` for this model and inputs at any batch, or the reason there is none."""
+    """``(probe rows, probe graph, warnings)`` for this model and inputs at any batch, or the reason
+    there is none (both remembered)."""
     key = capture_key(model, args, kwargs, training=training, outputs=outputs, loss_fn=None, rows=batch)
     if key is None:
         return "the model or its inputs hold a value the capture cache cannot key"
     if key in _PROBES:
         _PROBES.move_to_end(key)
         return _PROBES[key]
-    bad = [pytree.keystr(p) for p, v in pytree.tree_flatten_with_path((args, kwargs))[0]
+    bad = [k for k, v in [(f"input:{i}", a) for i, a in enumerate(args)] + list(kwargs.items())
            if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch and not v.is_contiguous()]
     if bad:
         got: Any = f"input(s) {', '.join(bad)} are not contiguous"
@@ -271,8 +337,7 @@ def _probe(model, args: tuple, kwargs: dict, batch: int, training: bool, outputs
         rows = probe_rows(_sizes(model, args, kwargs, batch))
         pargs, pkwargs = _with_rows(args, kwargs, batch, rows)
         try:
-            got = (rows, _capture.capture(model, pargs, pkwargs, training=training, outputs=outputs))
-            STATS.captured += 1
+            got = (rows, *_traced(model, pargs, pkwargs, training=training, outputs=outputs))
         except Exception as e:  # noqa: BLE001 - the capture at the batch itself says what is wrong, if anything
             got = f"the capture at the probe batch of {rows} failed ({type(e).__name__}: {str(e)[:200]})"
     _remember(_PROBES, key, got)
@@ -281,30 +346,41 @@ def _probe(model, args: tuple, kwargs: dict, batch: int, training: bool, outputs
 
 def at_rows(model: torch.nn.Module, args: tuple, kwargs: dict, batch: int, rows: int, *, training: bool = True,
             outputs: bool = False) -> Graph:
-    """The capture of ``model`` with every input of ``batch`` rows cut to ``rows`` rows (a micro-batch):
-    a cache hit, else the probe capture re-shaped to ``rows`` (``ir.rebatch``), else, where that
-    cannot be proven, a capture at ``rows`` (the reason appended to ``STATS.fallbacks``)."""
+    """The capture of ``model`` with every input of ``batch`` rows cut to ``rows`` rows (a micro-batch),
+    for planning: a cache hit, else the probe capture re-shaped to ``rows`` (``ir.rebatch``; no fx
+    graph to lower), else, where that cannot be proven, a capture at ``rows`` (the reason appended
+    to ``STATS.fallbacks``)."""
     margs, mkwargs = _with_rows(args, kwargs, batch, rows)
+    if not _REUSE[0]:
+        return _traced(model, margs, mkwargs, training=training, outputs=outputs)[0]
     key = capture_key(model, margs, mkwargs, training=training, outputs=outputs, loss_fn=None)
-    if key is not None and key in _CACHE:
-        _CACHE.move_to_end(key)
-        STATS.reused += 1
-        return _copy(_CACHE[key])
+    graph = _hit(key) or _hit(_reshaped(key))
+    if graph is not None:
+        return graph
     probe = _probe(model, args, kwargs, batch, training, outputs)
     why = probe if isinstance(probe, str) else None
     if why is None:
         try:
             graph = rebatch(probe[1], probe[0], rows)
             STATS.rebatched += 1
+            _say(probe[2])
+            return _keep(_reshaped(key), graph, probe[2])
         except Unproven as e:
             why = str(e)
-    if why is not None:
-        STATS.fallbacks.append(f"{type(model).__qualname__} at {rows} rows: {why}")
-        graph = capture(model, margs, mkwargs, training=training, outputs=outputs)
-    if key is not None:
-        _remember(_CACHE, key, graph)
-        return _copy(graph)
-    return graph
+    STATS.fallbacks.append(f"{type(model).__qualname__} at {rows} rows: {why}")
+    return _keep(key, *_traced(model, margs, mkwargs, training=training, outputs=outputs))
+
+
+@contextlib.contextmanager
+def reuse(on: bool):
+    """Within the block, captures are (``on``) or are not reused: without, every call captures
+    afresh, at its own batch, and nothing is cached (for comparisons and benchmarks)."""
+    before = _REUSE[0]
+    _REUSE[0] = on
+    try:
+        yield
+    finally:
+        _REUSE[0] = before
 
 
 def clear() -> None:
@@ -314,4 +390,4 @@ def clear() -> None:
     STATS.__init__()
 
 
-__all__ = ["LIMIT", "STATS", "Stats", "at_rows", "capture", "capture_for_plan", "capture_key", "clear"]
+__all__ = ["LIMIT", "STATS", "Stats", "at_rows", "capture", "capture_for_plan", "capture_key", "clear", "reuse"]

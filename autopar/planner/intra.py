@@ -149,7 +149,7 @@ def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
     graph = opts.graph
     if graph is None:
         graph = capture(model, tuple(example_inputs), example_kwargs, training=opts.training,
-                        outputs=opts.capture_outputs, loss_fn=opts.loss_fn)
+                        outputs=opts.capture_outputs, loss_fn=opts.loss_fn, planning=True)
     clock.lap("capture")
     folding = fold(graph)
     clock.lap("fold")
