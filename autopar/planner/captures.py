@@ -5,20 +5,22 @@ the factorization search's shapes, the pipeline search's micro-batch sizes, ``si
 ``capture`` is ``ir.capture.capture`` behind a cache keyed by what determines the captured graph
 (``capture_key``):
 
-- the model's structure: every module's path and class (its qualified name and the code objects of
-  its ``forward`` and ``__call__``, so edited code misses), its ``training`` flag and its other
-  plain attributes (sizes, flags, configs: ``n_heads``, ``eps``, a ``config`` object's fields),
-  every hook's code, and every parameter's and buffer's name, shape, strides, dtype and
-  ``requires_grad``;
+- the model's structure: every module's path and class (its qualified name, and the code objects of
+  its ``forward`` and of every method of it and its bases below ``nn.Module``, so edited code
+  misses; its plain class attributes), its ``training`` flag and its other plain attributes (sizes,
+  flags, configs: ``n_heads``, ``eps``, a ``config`` object's fields, functions by their code and
+  closure), every hook's code, and every parameter's and buffer's name, shape, strides, dtype and
+  ``requires_grad`` (and which names share one tensor);
 - the example inputs: each tensor's position, shape, strides and dtype (not its values or device:
   capture reads neither), and each other input's value;
 - the capture options: ``training``, ``outputs`` and ``loss_fn`` (its code, defaults and closure
   values, or a loss module's class and attributes).
 
 Not in the key: parameter and buffer values (capture never reads them), object identity (two equal
-models share a capture; a model changed in place misses), and global state the forward reads
-(module-level variables, environment variables, torch's global flags): a model whose forward reads
-such state must be planned with ``graph=`` or after ``clear()``. A value the key cannot describe
+models share a capture; a model changed in place misses), and what the forward reads outside its
+modules (module-level functions and variables, environment variables, torch's global flags): a
+model whose forward depends on such state that changed within the process must be planned with
+``graph=`` or after ``clear()``. A value the key cannot describe
 (an attribute of an unknown type, a tensor attribute on another device) makes the capture uncached,
 never wrongly shared.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import types
 import warnings
 from collections import OrderedDict
@@ -122,7 +125,7 @@ def _value(v, depth: int, seen: frozenset = frozenset()) -> Hashable:
         return ("dict", tuple((_value(k, depth + 1, seen), _value(x, depth + 1, seen)) for k, x in v.items()))
     if isinstance(v, (types.FunctionType, types.MethodType)):
         return _code(v, depth, seen)
-    if isinstance(v, types.BuiltinFunctionType) or hasattr(v, "_schema") or hasattr(v, "_qualified_op_name"):
+    if isinstance(v, types.BuiltinFunctionType) or type(v).__name__ in ("OpOverload", "OpOverloadPacket"):
         return ("builtin", getattr(v, "__module__", None), getattr(v, "__qualname__", None) or str(v))
     if isinstance(v, type):
         return ("type", v.__module__, v.__qualname__)
@@ -145,13 +148,33 @@ def _hooks(m: torch.nn.Module) -> tuple:
                  for name in ("_forward_hooks", "_forward_pre_hooks") if getattr(m, name, None))
 
 
+def _class(cls: type) -> tuple:
+    """A module class by content: for it and its bases below ``nn.Module``, every method's code (the
+    innermost of a decorated one), property's getter code and plain class attribute's value (other
+    class attributes by their type)."""
+    out = []
+    for klass in cls.__mro__:
+        if klass is torch.nn.Module or klass is object:
+            break
+        for name, v in sorted(vars(klass).items()):
+            fn = getattr(v, "__func__", None) or getattr(v, "fget", None) or v
+            if callable(fn) and hasattr(inspect.unwrap(fn), "__code__"):
+                out.append((klass.__qualname__, name, inspect.unwrap(fn).__code__))
+            elif isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v)):
+                out.append((klass.__qualname__, name, type(v).__name__, v))
+            elif not name.startswith("__"):
+                out.append((klass.__qualname__, name, type(v).__qualname__))
+    return tuple(out)
+
+
 def _structure(model: torch.nn.Module) -> tuple:
-    """Every module's path, class, code, hooks and plain attributes; every parameter and buffer."""
-    mods = []
+    """Every module's path, class (its code), hooks and plain attributes; every parameter and buffer."""
+    mods, classes = [], {}
     for path, m in model.named_modules(remove_duplicate=False):
         cls = type(m)
-        mods.append((path, cls.__module__, cls.__qualname__, _code(cls.forward), _code(cls.__call__)
-                     if cls.__call__ is not torch.nn.Module.__call__ else None, _hooks(m), _attributes(m, 1)))
+        if cls not in classes:
+            classes[cls] = (cls.__module__, cls.__qualname__, _class(cls), _code(cls.forward))
+        mods.append((path, classes[cls], _hooks(m), _attributes(m, 1)))
     tensors = [(k, tuple(t.shape), tuple(t.stride()), str(t.dtype), bool(t.requires_grad), id(t))
                for k, t in list(model.named_parameters(remove_duplicate=False))
                + list(model.named_buffers(remove_duplicate=False))]
