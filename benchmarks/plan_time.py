@@ -261,8 +261,14 @@ def run_workload(name: str) -> None:
     pl = plan.pipeline
     chosen = f"; {pl.schedule} m={pl.microbatches}" if pl is not None else ""
     print(f"workload {name}: wall {wall:.2f} cpu {cpu:.2f} capture {plan.phases.get('capture', 0.0):.2f} "
-          f"traces {traces[0]} | step {plan.step_time * 1e3:.1f} ms{chosen}; load {os.getloadavg()[0]:.1f}",
-          flush=True)
+          f"traces {traces[0]} | step {plan.step_time * 1e3:.1f} ms{chosen}; load {os.getloadavg()[0]:.1f}; "
+          f"phases {plan.phases}", flush=True)
+    try:  # (trees without the capture cache have no such record)
+        from autopar.planner.captures import STATS
+
+        print(f"captures: {STATS}", flush=True)
+    except ImportError:
+        pass
 
 
 WORKLOAD_LINE = re.compile(r"^workload (\w+): wall ([0-9.]+) cpu ([0-9.]+) capture ([0-9.]+) traces (\d+)", re.M)
@@ -288,7 +294,8 @@ def table(names: list[str], against: Optional[str]) -> int:
             if proc.returncode or m is None:
                 raise SystemExit(f"{side}: workload {name} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
             got[(name, side)] = m.groups()[1:]
-            print(f"{side:>8} {proc.stdout.strip().splitlines()[-1]}", flush=True)
+            print("\n".join(f"{side:>8} {line}" for line in proc.stdout.strip().splitlines()
+                            if line.startswith(("workload", "captures"))), flush=True)
     print("\n| workload | tree | planning s (wall) | CPU s | capture s | traces |\n|---|---|---|---|---|---|")
     for name in names:
         for side, _ in trees:

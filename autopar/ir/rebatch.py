@@ -56,8 +56,9 @@ def _is_prime(n: int) -> bool:
 
 def probe_rows(sizes: Iterable[int]) -> int:
     """The probe batch for a model whose other sizes (parameters' and inputs' dimensions, integer
-    inputs) are ``sizes``: the first prime at least ``SPREAD`` times the largest and ``MIN_PROBE``."""
-    n = max([MIN_PROBE] + [SPREAD * abs(int(s)) + 1 for s in sizes])
+    inputs) are ``sizes``: the first prime at least ``SPREAD`` times one more than the largest, and
+    at least ``MIN_PROBE``."""
+    n = max([MIN_PROBE] + [SPREAD * (abs(int(s)) + 1) for s in sizes])  # (so ``n // SPREAD`` exceeds every size)
     while not _is_prime(n):
         n += 1
     return n
