@@ -130,14 +130,15 @@ def test_replanning_reuses_the_capture_and_factorization_captures_twice():
     """Another mesh, another budget, a re-plan at another batch: no new capture. The factorization
     search: the full batch's capture and one probe for every micro-batch size."""
     model, inputs = models.make("gpt", "tiny", batch=8, n_layer=4)
-    a = autopar.plan(model, autopar.Mesh({"dp": 4}, device="cpu"), inputs, progress=False)
+    a = autopar.plan(model, autopar.Mesh({"dp": 4}, device="cpu"), inputs, progress=False, deterministic_time=1.0)
     autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu"), inputs, progress=False,
                  memory_budget="1GiB")
-    again = autopar.plan(model, autopar.Mesh({"dp": 4}, device="cpu"), inputs, progress=False)
+    again = autopar.plan(model, autopar.Mesh({"dp": 4}, device="cpu"), inputs, progress=False, deterministic_time=1.0)
     assert again.to_json() == a.to_json()
     assert (captures.STATS.captured, captures.STATS.reused) == (1, 2)
     captures.clear()
-    autopar.plan(model, autopar.Mesh.devices(4, device="cpu", pp=[1, 2], tp=[1]), inputs, progress=False)
+    autopar.plan(model, autopar.Mesh.devices(4, device="cpu", pp=[1, 2], tp=[1]), inputs, progress=False,
+                 deterministic_time=1.0)
     assert captures.STATS.captured == 2 and captures.STATS.rebatched >= 1
     # a re-plan at another batch is re-shaped from the probe of the same kind (the loss alone, as pipelines run)
     double = tuple(torch.cat([t, t]) for t in inputs)
@@ -227,7 +228,7 @@ def test_planning_and_simulating_leave_the_cached_graph_as_it_was():
     first.nodes.pop()
     first.params.clear()
     first.nodes[0].outputs[0] = None
-    plan = autopar.plan(model, mesh, inputs, progress=False)
+    plan = autopar.plan(model, mesh, inputs, progress=False, deterministic_time=1.0)
     autopar.plan(model, autopar.Mesh({"pp": 2}, device="cpu"), inputs, progress=False, deterministic_time=1.0)
     loss, grads = autopar.simulate(model, plan, inputs)
     assert torch.allclose(loss, model(*inputs), atol=1e-5) and grads

@@ -5,23 +5,23 @@ whole batch and at those; capturing each size costs a full trace of the model. I
 captured once with its batch dimension at ``P`` rows, ``P`` a prime far larger than any other
 dimension (``probe_rows``), and ``rebatch`` re-shapes that graph to ``rows``: every integer of the
 graph (a tensor's dimension, an op's argument: a ``view`` shape, an ``expand`` size, an ``arange``
-end, a mean's divisor) that is a multiple ``k * P`` becomes ``k * rows`` (and one within ``SPREAD`` of it, ``k * P + c``, becomes
-``k * rows + c``: a last index ``B * S - 1``), and a float that is such a multiple, or one over it
-(a mean loss's ``1 / numel``), is scaled alike.
+end, a mean's divisor) that is a multiple ``k * P`` becomes ``k * rows`` (and one within ``SPREAD``
+of it, ``k * P + c``, becomes ``k * rows + c``: a last index ``B * S - 1``), and a float that is
+such a multiple, or one over it (a mean loss's ``1 / numel``), is scaled alike.
 
 Why that is exact: a value that does not depend on the batch is made of the model's other sizes,
 whose prime factors are all below ``P``, so it is never a multiple of ``P``; a value the model
 computes linearly from the batch (``B``, ``B * S``, ``B * S * D``) is one, with the same cofactor at
-every batch (an affine one, ``k * B + c`` with a small ``c``, keeps its ``c``). What is not linear is refused, and the caller captures that batch afresh: an integer
-that is no multiple of ``P`` but at least ``P / SPREAD`` (far above every size of the model: ``B //
-2``, ``B - 1``, an MoE capacity ``ceil(1.25 * B * S * k / E)``), an integral float at least ``P``
-that is no multiple, and a target of one row (torch treats size-1 dimensions apart: broadcasting,
-contiguity). Not seen: a batch-derived integer below ``P / SPREAD`` (``min(B, 4)``, ``B // 128``),
-one within ``SPREAD`` of a multiple that is not affine in the batch (``ceil(a * B)`` for an ``a``
-within ``SPREAD / P`` of an integer), and a float from the batch that is neither a multiple nor one
-over it. The tests compare re-shaped
-graphs with fresh captures (``graph_fingerprint``) on built-in, torchtitan-style and Hugging Face
-models.
+every batch (an affine one, ``k * B + c`` with a small ``c``, keeps its ``c``). What is not linear
+is refused, and the caller captures that batch afresh: an integer that is no multiple of ``P`` but
+at least ``P / SPREAD`` (above every size of the model: ``B // 2``, an MoE capacity
+``ceil(1.3 * B * S * k / E)``), an integral float at least ``P`` that is no multiple, and a target
+of one row (torch treats size-1 dimensions apart: broadcasting, contiguity). Not seen: a
+batch-derived integer below ``P / SPREAD`` (``min(B, 4)``, ``B // 128``), one within ``SPREAD`` of
+a multiple that is not affine in the batch (``ceil(a * B)`` for an ``a`` within ``SPREAD / P`` of an
+integer), and a float from the batch that is neither a multiple nor one over it. The tests compare
+re-shaped graphs with fresh captures (``graph_fingerprint``) on built-in, torchtitan-style and
+Hugging Face models.
 
 The re-shaped ``Graph`` is for planning: its nodes keep the probe's fx nodes (planning reads only
 their batch-free metadata) and it has no ``gm``, so nothing lowers it by mistake (lowering captures
@@ -131,10 +131,15 @@ def rebatch(graph: Graph, probe: int, rows: int) -> Graph:
                           kwargs=sc.value(n.kwargs, where), inputs=list(n.inputs),
                           outputs=[sc.spec(s, where) for s in n.outputs], roles=list(n.roles), phase=n.phase,
                           module_path=n.module_path, fx_node=n.fx_node))
+    return with_nodes(graph, nodes, gm=None)
+
+
+def with_nodes(graph: Graph, nodes: list[Node], **changes) -> Graph:
+    """``graph`` with ``nodes`` and its own copy of every table (``changes`` replace fields too)."""
     return replace(graph, nodes=nodes, params=dict(graph.params), buffers=dict(graph.buffers),
                    inputs=dict(graph.inputs), constants=dict(graph.constants), grads=dict(graph.grads),
                    outputs=list(graph.outputs), hints=list(graph.hints), aliases=dict(graph.aliases),
-                   mutations=dict(graph.mutations), extras=list(graph.extras), gm=None, _by_name={})
+                   mutations=dict(graph.mutations), extras=list(graph.extras), _by_name={}, **changes)
 
 
-__all__ = ["MIN_PROBE", "SENTINELS", "SPREAD", "Unproven", "probe_rows", "rebatch"]
+__all__ = ["MIN_PROBE", "SENTINELS", "SPREAD", "Unproven", "probe_rows", "rebatch", "with_nodes"]

@@ -48,7 +48,7 @@ from autopar._torch_compat import pytree
 from autopar.ir import capture as _capture
 from autopar.ir.fingerprint import graph_fingerprint
 from autopar.ir.graph import Graph
-from autopar.ir.rebatch import Unproven, probe_rows, rebatch
+from autopar.ir.rebatch import Unproven, probe_rows, rebatch, with_nodes
 
 #: graphs kept (most recently used last): a large model's graph is large
 LIMIT = 6
@@ -57,8 +57,8 @@ _MAX_DEPTH = 8
 _MODULE_SKIP = frozenset({"_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks",
                           "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
                           "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_forward_hooks_with_kwargs",
-                          "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called", "_non_persistent_buffers_set",
-                          "_is_full_backward_hook"})
+                          "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
+                          "_non_persistent_buffers_set", "_is_full_backward_hook"})
 
 
 @dataclass
@@ -214,12 +214,8 @@ def capture_key(model: torch.nn.Module, args: tuple, kwargs: dict, *, training: 
 
 def _copy(graph: Graph) -> Graph:
     """``graph`` with its own node objects and tables (the specs, fx graph and Refs shared: immutable)."""
-    nodes = [replace(n, kwargs=dict(n.kwargs), inputs=list(n.inputs), outputs=list(n.outputs), roles=list(n.roles))
-             for n in graph.nodes]
-    return replace(graph, nodes=nodes, params=dict(graph.params), buffers=dict(graph.buffers),
-                   inputs=dict(graph.inputs), constants=dict(graph.constants), grads=dict(graph.grads),
-                   outputs=list(graph.outputs), hints=list(graph.hints), aliases=dict(graph.aliases),
-                   mutations=dict(graph.mutations), extras=list(graph.extras), _by_name={})
+    return with_nodes(graph, [replace(n, kwargs=dict(n.kwargs), inputs=list(n.inputs), outputs=list(n.outputs),
+                                      roles=list(n.roles)) for n in graph.nodes])
 
 
 def _remember(table: OrderedDict, key, value) -> None:
