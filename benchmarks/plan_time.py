@@ -33,10 +33,12 @@ schedule and micro-batch count searched (bf16-mixed, as ``benchmarks/pipeline_pl
 Hugging Face's ``MixtralForCausalLM`` at Qwen3-30B-A3B's dims (48 layers, 128 experts of width 768,
 top 8, hidden 2048, 32 heads, 4 kv heads, vocab 151936: 30B parameters), bf16, batch 8 x 2048 on
 (8, 8) H100s. Each row: the planning wall and CPU seconds, the capture phase's seconds
-(``plan.phases``) and how many times the model was traced (calls of the joint export). With
-``--against REF`` the same workloads are planned with commit REF's ``autopar`` too, in turns.
+(``plan.phases``) and how many times the model was traced (calls of the joint export); a workload
+with no plan that fits says so, with the time that answer took. ``--batch`` changes the LLaMAs'
+batch (LLaMA-3.1-405B on (8, 8, 8) fits at 256 x 8192, not at 64). With ``--against REF`` the same
+workloads are planned with commit REF's ``autopar`` too, in turns.
 
-    python benchmarks/plan_time.py --table [llama8b llama405b moe48] [--against REF]
+    python benchmarks/plan_time.py --table [llama8b llama405b moe48] [--batch 64] [--against REF]
 
 With ``--repeat`` each depth is planned K times and the run with the smallest total is kept.
 ``--against REF`` (a commit) also plans with that commit, side by side: a git worktree of REF
@@ -204,19 +206,20 @@ def plan_once(layers: int, batch: int, seq: int, model: str = "llama", size: str
 WORKLOADS = ("llama8b", "llama405b", "moe48")
 
 
-def workload(name: str):
-    """``(module, args, kwargs, mesh, plan keywords)`` of table workload ``name``, on meta."""
+def workload(name: str, batch: int = 64):
+    """``(module, args, kwargs, mesh, plan keywords)`` of table workload ``name`` (the LLaMAs at
+    ``batch`` rows), on meta."""
     import torch
 
     import autopar
 
     if name == "llama8b":
-        module, args, kwargs = build("llama", 32, 64, 2048)
+        module, args, kwargs = build("llama", 32, batch, 2048)
         return module, args, kwargs, autopar.Mesh({"dp": 8, "tp": 8}, device="h100"), {}
     if name == "llama405b":
         from autopar.models import make
 
-        module, args = make("llama", "llama3-70b", batch=64, seq=8192, device="meta", dim=16384, n_layers=126,
+        module, args = make("llama", "llama3-70b", batch=batch, seq=8192, device="meta", dim=16384, n_layers=126,
                             n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256)
         return module, args, None, autopar.Mesh({"pp": 8, "dp": 8, "tp": 8}, device="h100"), \
             {"precision": "bf16-mixed"}
@@ -238,13 +241,14 @@ def workload(name: str):
     raise SystemExit(f"unknown workload {name!r}; choose from {WORKLOADS}")
 
 
-def run_workload(name: str) -> None:
+def run_workload(name: str, batch: int = 64) -> None:
     """Plan table workload ``name`` with the ``autopar`` on the path (this tree's or another's) and
     print one ``workload`` line: wall and CPU seconds, the capture phase, the traces made."""
     torch = __import__("torch")
     torch.set_num_threads(1)
     import autopar
     from autopar import _torch_compat as tc
+    from autopar.errors import InfeasibleError
 
     traces = [0]
     export = tc.export_joint
@@ -254,9 +258,15 @@ def run_workload(name: str) -> None:
         return export(*a, **k)
 
     tc.export_joint = counted  # every capture traces through it
-    module, args, kwargs, mesh, kw = workload(name)
+    module, args, kwargs, mesh, kw = workload(name, batch)
     t, c = time.perf_counter(), time.process_time()
-    plan = autopar.plan(module, mesh, args, kwargs, progress=False, **kw)
+    try:
+        plan = autopar.plan(module, mesh, args, kwargs, progress=False, **kw)
+    except InfeasibleError as e:  # the time to that answer is planning time too
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        print(f"workload {name}: wall {wall:.2f} cpu {cpu:.2f} capture nan traces {traces[0]} | infeasible: "
+              f"{str(e)[:160]}; load {os.getloadavg()[0]:.1f}", flush=True)
+        return
     wall, cpu = time.perf_counter() - t, time.process_time() - c
     pl = plan.pipeline
     chosen = f"; {pl.schedule} m={pl.microbatches}" if pl is not None else ""
@@ -271,10 +281,10 @@ def run_workload(name: str) -> None:
         pass
 
 
-WORKLOAD_LINE = re.compile(r"^workload (\w+): wall ([0-9.]+) cpu ([0-9.]+) capture ([0-9.]+) traces (\d+)", re.M)
+WORKLOAD_LINE = re.compile(r"^workload (\w+): wall ([0-9.]+) cpu ([0-9.]+) capture ([0-9.]+|nan) traces (\d+)", re.M)
 
 
-def table(names: list[str], against: Optional[str]) -> int:
+def table(names: list[str], against: Optional[str], batch: int = 64) -> int:
     """The planning-time table: every workload in a fresh process, with commit ``against`` too."""
     import pathlib
     import subprocess
@@ -283,11 +293,12 @@ def table(names: list[str], against: Optional[str]) -> int:
     trees = [("this", here)]
     if against:
         trees.insert(0, (against, _worktree(here, against)))
-    print(f"planning time per workload; load {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"planning time per workload (the LLaMAs at batch {batch}); load {os.getloadavg()[0]:.1f}", flush=True)
     got: dict[tuple[str, str], tuple] = {}
     for name in names:
         for side, tree in trees:
-            proc = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve()), "--workload", name],
+            proc = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve()), "--workload", name,
+                                   "--batch", str(batch)],
                                   cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True,
                                   text=True, timeout=7200)
             m = WORKLOAD_LINE.search(proc.stdout)
@@ -337,10 +348,10 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", help=argparse.SUPPRESS)  # one table workload, in this process
     args = ap.parse_args(argv)
     if args.workload:
-        run_workload(args.workload)
+        run_workload(args.workload, args.batch)
         return 0
     if args.table is not None:
-        return table(args.table or list(WORKLOADS), args.against)
+        return table(args.table or list(WORKLOADS), args.against, args.batch)
     if args.against:
         return against(args)
 
