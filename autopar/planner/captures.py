@@ -158,8 +158,12 @@ def _class(cls: type) -> tuple:
             break
         for name, v in sorted(vars(klass).items()):
             fn = getattr(v, "__func__", None) or getattr(v, "fget", None) or v
-            if callable(fn) and hasattr(inspect.unwrap(fn), "__code__"):
-                out.append((klass.__qualname__, name, inspect.unwrap(fn).__code__))
+            try:
+                code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+            except ValueError:  # a cycle of wrappers
+                code = getattr(fn, "__code__", None)
+            if code is not None:
+                out.append((klass.__qualname__, name, code))
             elif isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v)):
                 out.append((klass.__qualname__, name, type(v).__name__, v))
             elif not name.startswith("__"):
