@@ -32,7 +32,10 @@ whole ``autopar.plan``): ``llama8b``, the built-in LLaMA at LLaMA-3-8B's dims, 3
 schedule and micro-batch count searched (bf16-mixed, as ``benchmarks/pipeline_plan.py``); ``moe48``,
 Hugging Face's ``MixtralForCausalLM`` at Qwen3-30B-A3B's dims (48 layers, 128 experts of width 768,
 top 8, hidden 2048, 32 heads, 4 kv heads, vocab 151936: 30B parameters), bf16, batch 8 x 2048 on
-(8, 8) H100s. Each row: the planning wall and CPU seconds, the capture phase's seconds
+(8, 8) H100s; ``llama8b_pp``, the 8B shape on (pp 4, dp 2, tp 8) with the schedule and micro-batch
+count searched (bf16-mixed); ``llama8b_again``, the 8B workload planned after a plan of the same
+model on (16, 4) H100s within 60 GiB in the same process (that second plan timed, the traces of
+both counted). Each row: the planning wall and CPU seconds, the capture phase's seconds
 (``plan.phases``) and how many times the model was traced (calls of the joint export); a workload
 with no plan that fits says so, with the time that answer took. ``--batch`` changes the LLaMAs'
 batch (LLaMA-3.1-405B on (8, 8, 8) fits at 256 x 8192, not at 64). With ``--against REF`` the same
@@ -203,7 +206,7 @@ def plan_once(layers: int, batch: int, seq: int, model: str = "llama", size: str
 
 
 #: the planning-time table's workloads (see the module docstring)
-WORKLOADS = ("llama8b", "llama405b", "moe48")
+WORKLOADS = ("llama8b", "llama405b", "moe48", "llama8b_pp", "llama8b_again")
 
 
 def workload(name: str, batch: int = 64):
@@ -213,9 +216,13 @@ def workload(name: str, batch: int = 64):
 
     import autopar
 
-    if name == "llama8b":
+    if name in ("llama8b", "llama8b_again"):
         module, args, kwargs = build("llama", 32, batch, 2048)
         return module, args, kwargs, autopar.Mesh({"dp": 8, "tp": 8}, device="h100"), {}
+    if name == "llama8b_pp":
+        module, args, kwargs = build("llama", 32, batch, 2048)
+        return module, args, kwargs, autopar.Mesh({"pp": 4, "dp": 2, "tp": 8}, device="h100"), \
+            {"precision": "bf16-mixed"}
     if name == "llama405b":
         from autopar.models import make
 
@@ -259,6 +266,9 @@ def run_workload(name: str, batch: int = 64) -> None:
 
     tc.export_joint = counted  # every capture traces through it
     module, args, kwargs, mesh, kw = workload(name, batch)
+    if name.endswith("_again"):  # planned once before, on another mesh and budget; the second plan is timed
+        autopar.plan(module, autopar.Mesh({"dp": 16, "tp": 4}, device="h100"), args, kwargs, progress=False,
+                     memory_budget="60GiB", **kw)
     t, c = time.perf_counter(), time.process_time()
     try:
         plan = autopar.plan(module, mesh, args, kwargs, progress=False, **kw)
