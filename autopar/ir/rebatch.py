@@ -5,21 +5,19 @@ whole batch and at those; capturing each size costs a full trace of the model. I
 captured once with its batch dimension at ``P`` rows, ``P`` a prime far larger than any other
 dimension (``probe_rows``), and ``rebatch`` re-shapes that graph to ``rows``: every integer of the
 graph (a tensor's dimension, an op's argument: a ``view`` shape, an ``expand`` size, an ``arange``
-end, a mean's divisor) that is a multiple ``k * P`` becomes ``k * rows`` (and one within ``SPREAD``
-of it, ``k * P + c``, becomes ``k * rows + c``: a last index ``B * S - 1``), and a float that is
-such a multiple, or one over it (a mean loss's ``1 / numel``), is scaled alike.
+end, a mean's divisor) that is a multiple ``k * P`` becomes ``k * rows``, and a float that is such
+a multiple, or one over it (a mean loss's ``1 / numel``), is scaled alike.
 
 Why that is exact: a value that does not depend on the batch is made of the model's other sizes,
 whose prime factors are all below ``P``, so it is never a multiple of ``P``; a value the model
 computes linearly from the batch (``B``, ``B * S``, ``B * S * D``) is one, with the same cofactor at
-every batch (an affine one, ``k * B + c`` with a small ``c``, keeps its ``c``). What is not linear
-is refused, and the caller captures that batch afresh: an integer that is no multiple of ``P`` but
-at least ``P / SPREAD`` (above every size of the model: ``B // 2``, an MoE capacity
-``ceil(1.3 * B * S * k / E)``), an integral float at least ``P`` that is no multiple, and a target
-of one row (torch treats size-1 dimensions apart: broadcasting, contiguity). Not seen: a
-batch-derived integer below ``P / SPREAD`` (``min(B, 4)``, ``B // 128``), one within ``SPREAD`` of
-a multiple that is not affine in the batch (``ceil(a * B)`` for an ``a`` within ``SPREAD / P`` of an
-integer), and a float from the batch that is neither a multiple nor one over it. The tests compare
+every batch. What is not linear is refused, and the caller captures that batch afresh: an integer
+that is no multiple of ``P`` but at least ``P / SPREAD`` (above every size of the model: ``B // 2``,
+``B * S - 1``, an MoE capacity ``ceil(1.3 * B * S * k / E)``), an integral float at least ``P``
+that is no multiple, and a target of one row (torch treats size-1 dimensions apart: broadcasting,
+contiguity). Not seen: a batch-derived integer below ``P / SPREAD`` (``min(B, 4)``, ``B // 128``),
+a float from the batch that is neither a multiple nor one over it, and a sum of the model's sizes
+that happens to be a multiple of ``P`` (one chance in ``P``, ``P`` above a million). The tests compare
 re-shaped graphs with fresh captures (``graph_fingerprint``) on built-in, torchtitan-style and
 Hugging Face models.
 
@@ -73,9 +71,6 @@ class _Scale:
     def int(self, v: int, where: str) -> int:
         if v % self.probe == 0:
             return v // self.probe * self.rows
-        k = round(v / self.probe)
-        if k and abs(v - k * self.probe) <= SPREAD and v not in SENTINELS:  # k * B + c: a last index, B * S - 1
-            return k * self.rows + (v - k * self.probe)
         if abs(v) >= self.floor and v not in SENTINELS:
             raise Unproven(f"{where} holds {v}, which is no multiple of the probe batch {self.probe}: a size "
                            f"computed from the batch other than by multiplying it")

@@ -390,6 +390,9 @@ def at_rows(model: torch.nn.Module, args: tuple, kwargs: dict, batch: int, rows:
             return _keep(_reshaped(key), graph, probe[2])
         except Unproven as e:
             why = str(e)
+            if rows > 1:  # (a value not linear in the batch: no other size will be proven either)
+                _PROBES[capture_key(model, args, kwargs, training=training, outputs=outputs, loss_fn=None,
+                                    rows=batch)] = why
     STATS.fallbacks.append(f"{type(model).__qualname__} at {rows} rows: {why}")
     return _keep(key, *_traced(model, margs, mkwargs, training=training, outputs=outputs))
 
