@@ -19,7 +19,7 @@ import torch
 
 from autopar.cost_model.mesh import Mesh, require_mesh
 from autopar.errors import ArgumentError
-from autopar.ir.capture import as_args, capture, capture_for_plan
+from autopar.ir.capture import as_args
 from autopar.ir.graph import Graph
 from autopar.ir.placement import local_block
 from autopar.ir.rules.proof.interp import device_coords
@@ -28,6 +28,7 @@ from autopar.ir.stages import stage_rule
 from autopar.passes.lower import lower, resolve
 from autopar.passes.lower.stages import cut, dry_run
 from autopar.passes.lower.tagged import keeping_gathers, lower_tagged
+from autopar.planner.captures import capture, capture_for_plan
 from autopar.planner.factorize import plan_mesh_search
 from autopar.planner.intra import run_passes
 from autopar.planner.options import PlanOptions, plan_options

@@ -325,7 +325,8 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.api import check_plan_args, plan_with
-    from autopar.ir.capture import as_args, capture_for_plan
+    from autopar.ir.capture import as_args
+    from autopar.planner.captures import capture_for_plan
     from autopar.runtime.launch import ensure_process_group
     from autopar.runtime.nodes import start_from_environment
     from autopar.runtime.materialize import check_materializable

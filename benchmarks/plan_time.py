@@ -25,6 +25,24 @@ the 32-layer case under 15 s in total; its post-capture phases under 1.5× the 2
 shared machine under load, wall-clock phases inflate with the load and ratios between runs drift,
 while CPU seconds stay near what an idle machine's wall clock shows (the planner runs one thread).
 
+``--table`` plans the workloads of the planning-time table instead (each in a fresh process, the
+whole ``autopar.plan``): ``llama8b``, the built-in LLaMA at LLaMA-3-8B's dims, 32 layers, batch 64 x
+2048 on (8, 8) H100s; ``llama405b``, the built-in LLaMA at LLaMA-3.1-405B's dims (126 layers, dim
+16384, 128 heads, 8 kv heads, ffn 53248, vocab 128256), batch 64 x 8192 on (8, 8, 8) H100s with the
+schedule and micro-batch count searched (bf16-mixed, as ``benchmarks/pipeline_plan.py``); ``moe48``,
+Hugging Face's ``MixtralForCausalLM`` at Qwen3-30B-A3B's dims (48 layers, 128 experts of width 768,
+top 8, hidden 2048, 32 heads, 4 kv heads, vocab 151936: 30B parameters), bf16, batch 8 x 2048 on
+(8, 8) H100s; ``llama8b_pp``, the 8B shape on (pp 4, dp 2, tp 8) with the schedule and micro-batch
+count searched (bf16-mixed); ``llama8b_again``, the 8B workload planned after a plan of the same
+model on (16, 4) H100s within 60 GiB in the same process (that second plan timed, the traces of
+both counted). Each row: the planning wall and CPU seconds, the capture phase's seconds
+(``plan.phases``) and how many times the model was traced (calls of the joint export); a workload
+with no plan that fits says so, with the time that answer took. ``--batch`` changes the LLaMAs'
+batch (LLaMA-3.1-405B on (8, 8, 8) fits at 256 x 8192, not at 64). With ``--against REF`` the same
+workloads are planned with commit REF's ``autopar`` too, in turns.
+
+    python benchmarks/plan_time.py --table [llama8b llama405b moe48] [--batch 64] [--against REF]
+
 With ``--repeat`` each depth is planned K times and the run with the smallest total is kept.
 ``--against REF`` (a commit) also plans with that commit, side by side: a git worktree of REF
 (made once under the temp dir) and this tree run in turns, one fresh process per depth and side,
@@ -41,6 +59,7 @@ import os
 import re
 import sys
 import time
+from typing import Optional
 
 PHASES = ("capture", "fold", "strategies", "cost", "merge", "recipes", "solve", "total")
 TOTAL_TARGET_S = 15.0
@@ -186,6 +205,141 @@ def plan_once(layers: int, batch: int, seq: int, model: str = "llama", size: str
     return out
 
 
+#: the planning-time table's workloads (see the module docstring)
+WORKLOADS = ("llama8b", "llama405b", "moe48", "llama8b_pp", "llama8b_again")
+
+
+def workload(name: str, batch: int = 64):
+    """``(module, args, kwargs, mesh, plan keywords)`` of table workload ``name`` (the LLaMAs at
+    ``batch`` rows), on meta."""
+    import torch
+
+    import autopar
+
+    if name in ("llama8b", "llama8b_again"):
+        module, args, kwargs = build("llama", 32, batch, 2048)
+        return module, args, kwargs, autopar.Mesh({"dp": 8, "tp": 8}, device="h100"), {}
+    if name == "llama8b_pp":
+        module, args, kwargs = build("llama", 32, batch, 2048)
+        return module, args, kwargs, autopar.Mesh({"pp": 4, "dp": 2, "tp": 8}, device="h100"), \
+            {"precision": "bf16-mixed"}
+    if name == "llama405b":
+        from autopar.models import make
+
+        module, args = make("llama", "llama3-70b", batch=batch, seq=8192, device="meta", dim=16384, n_layers=126,
+                            n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256)
+        return module, args, None, autopar.Mesh({"pp": 8, "dp": 8, "tp": 8}, device="h100"), \
+            {"precision": "bf16-mixed"}
+    if name == "moe48":
+        import transformers
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        transformers.logging.set_verbosity_error()
+        cfg = MixtralConfig(vocab_size=151936, hidden_size=2048, intermediate_size=768, num_hidden_layers=48,
+                            num_attention_heads=32, num_key_value_heads=4, num_local_experts=128,
+                            num_experts_per_tok=8, max_position_embeddings=4096, attention_dropout=0.0,
+                            bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        with torch.device("meta"):
+            module = MixtralForCausalLM(cfg)
+        module.config._attn_implementation = "sdpa"
+        module = module.to(torch.bfloat16)  # the grouped_mm experts' fake kernel takes bf16 only
+        ids = torch.randint(0, 151936, (8, 2048), generator=torch.Generator().manual_seed(0))
+        return module, (), {"input_ids": ids, "labels": ids}, autopar.Mesh({"dp": 8, "tp": 8}, device="h100"), {}
+    raise SystemExit(f"unknown workload {name!r}; choose from {WORKLOADS}")
+
+
+def run_workload(name: str, batch: int = 64) -> None:
+    """Plan table workload ``name`` with the ``autopar`` on the path (this tree's or another's) and
+    print one ``workload`` line: wall and CPU seconds, the capture phase, the traces made."""
+    torch = __import__("torch")
+    torch.set_num_threads(1)
+    import autopar
+    from autopar import _torch_compat as tc
+    from autopar.errors import InfeasibleError
+
+    traces = [0]
+    export = tc.export_joint
+
+    def counted(*a, **k):
+        traces[0] += 1
+        return export(*a, **k)
+
+    tc.export_joint = counted  # every capture traces through it
+    module, args, kwargs, mesh, kw = workload(name, batch)
+    if name.endswith("_again"):  # planned once before, on another mesh and budget; the second plan is timed
+        autopar.plan(module, autopar.Mesh({"dp": 16, "tp": 4}, device="h100"), args, kwargs, progress=False,
+                     memory_budget="60GiB", **kw)
+    t, c = time.perf_counter(), time.process_time()
+    try:
+        plan = autopar.plan(module, mesh, args, kwargs, progress=False, **kw)
+    except InfeasibleError as e:  # the time to that answer is planning time too
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        print(f"workload {name}: wall {wall:.2f} cpu {cpu:.2f} capture nan traces {traces[0]} | infeasible: "
+              f"{str(e)[:160]}; load {os.getloadavg()[0]:.1f}", flush=True)
+        return
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
+    pl = plan.pipeline
+    chosen = f"; {pl.schedule} m={pl.microbatches}" if pl is not None else ""
+    print(f"workload {name}: wall {wall:.2f} cpu {cpu:.2f} capture {plan.phases.get('capture', 0.0):.2f} "
+          f"traces {traces[0]} | step {plan.step_time * 1e3:.1f} ms{chosen}; load {os.getloadavg()[0]:.1f}; "
+          f"phases {plan.phases}", flush=True)
+    try:  # (trees without the capture cache have no such record)
+        from autopar.planner.captures import STATS
+
+        print(f"captures: {STATS}", flush=True)
+    except ImportError:
+        pass
+
+
+WORKLOAD_LINE = re.compile(r"^workload (\w+): wall ([0-9.]+) cpu ([0-9.]+) capture ([0-9.]+|nan) traces (\d+)", re.M)
+
+
+def table(names: list[str], against: Optional[str], batch: int = 64) -> int:
+    """The planning-time table: every workload in a fresh process, with commit ``against`` too."""
+    import pathlib
+    import subprocess
+
+    here = pathlib.Path(__file__).resolve().parent.parent
+    trees = [("this", here)]
+    if against:
+        trees.insert(0, (against, _worktree(here, against)))
+    print(f"planning time per workload (the LLaMAs at batch {batch}); load {os.getloadavg()[0]:.1f}", flush=True)
+    got: dict[tuple[str, str], tuple] = {}
+    for name in names:
+        for side, tree in trees:
+            proc = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve()), "--workload", name,
+                                   "--batch", str(batch)],
+                                  cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True,
+                                  text=True, timeout=7200)
+            m = WORKLOAD_LINE.search(proc.stdout)
+            if proc.returncode or m is None:
+                raise SystemExit(f"{side}: workload {name} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+            got[(name, side)] = m.groups()[1:]
+            print("\n".join(f"{side:>8} {line}" for line in proc.stdout.strip().splitlines()
+                            if line.startswith(("workload", "captures"))), flush=True)
+    print("\n| workload | tree | planning s (wall) | CPU s | capture s | traces |\n|---|---|---|---|---|---|")
+    for name in names:
+        for side, _ in trees:
+            wall, cpu, cap, traces = got[(name, side)]
+            print(f"| {name} | {side} | {wall} | {cpu} | {cap} | {traces} |")
+    return 0
+
+
+def _worktree(here, ref: str):
+    """A detached git worktree of ``ref`` under the temp dir (made once)."""
+    import pathlib
+    import subprocess
+    import tempfile
+
+    sha = subprocess.run(["git", "rev-parse", "--short", ref], cwd=here, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    base = pathlib.Path(tempfile.gettempdir()) / f"autopar-plan-time-{sha}"
+    if not base.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(base), sha], cwd=here, check=True,
+                       capture_output=True)
+    return base
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=MODELS + tuple(f"corpus:{n}" for n in CORPUS), default="llama",
@@ -199,7 +353,15 @@ def main(argv=None) -> int:
     ap.add_argument("--against", metavar="REF", help="a commit to plan with side by side (see above)")
     ap.add_argument("--cpu", action="store_true",
                     help="every phase in this process's CPU seconds instead of wall-clock ones (see above)")
+    ap.add_argument("--table", nargs="*", metavar="WORKLOAD", default=None,
+                    help=f"plan the table's workloads ({', '.join(WORKLOADS)}; default: all) instead")
+    ap.add_argument("--workload", help=argparse.SUPPRESS)  # one table workload, in this process
     args = ap.parse_args(argv)
+    if args.workload:
+        run_workload(args.workload, args.batch)
+        return 0
+    if args.table is not None:
+        return table(args.table or list(WORKLOADS), args.against, args.batch)
     if args.against:
         return against(args)
 
@@ -254,17 +416,12 @@ def against(args) -> int:
     """Plan each depth with commit ``args.against`` and with this tree, in turns (see the docstring)."""
     import pathlib
     import subprocess
-    import tempfile
 
     from ab import run_once
 
     here = pathlib.Path(__file__).resolve().parent.parent
-    sha = subprocess.run(["git", "rev-parse", "--short", args.against], cwd=here, capture_output=True, text=True,
-                         check=True).stdout.strip()
-    base = pathlib.Path(tempfile.gettempdir()) / f"autopar-plan-time-{sha}"
-    if not base.exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(base), sha], cwd=here, check=True,
-                       capture_output=True)
+    base = _worktree(here, args.against)
+    sha = base.name.rsplit("-", 1)[1]
     this = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True).stdout.strip()
     dirty = " (with uncommitted changes)" if subprocess.run(["git", "status", "--porcelain", "--", "autopar"], cwd=here,
                                                              capture_output=True, text=True).stdout.strip() else ""

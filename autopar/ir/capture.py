@@ -38,7 +38,6 @@ from autopar._torch_compat import pytree
 from autopar.errors import CaptureError
 from autopar.ir.attention import device_neutral
 from autopar.ir.blocks import mark_blocks
-from autopar.ir.fingerprint import graph_fingerprint
 from autopar.ir.graph import Graph
 from autopar.ir.lift import drop_constant_inputs, lift, merge_tied
 from autopar.ir.outputs import OutputTree, check_loss_fn, strip_output_detach, traced_forward
@@ -46,7 +45,7 @@ from autopar.ir.placement import PlacementError
 from autopar.ir.stack import capture_stacked
 from autopar.ir.rules.random_attention import fused_dropout_attention
 
-__all__ = ["capture", "capture_for_plan", "normalize_mean_losses"]
+__all__ = ["capture", "normalize_mean_losses"]
 
 aten = torch.ops.aten
 
@@ -176,19 +175,6 @@ def _lifted(gm: torch.fx.GraphModule, tree: Optional[OutputTree], training: bool
     mark_blocks(graph)
     if training:
         _check_grads(graph, trainable)
-    return graph
-
-
-def capture_for_plan(model: torch.nn.Module, example_inputs: Any, example_kwargs: Optional[dict], *, training: bool,
-                     fingerprint: Optional[str], loss_fn: Optional[Callable] = None) -> Graph:
-    """The capture a plan whose graph fingerprint is ``fingerprint`` was made from: with the model's
-    other outputs (as ``autopar.plan`` captures), or the loss alone where the plan was made from
-    such a graph (``plan(..., graph=capture(...))``); the step then returns the loss alone."""
-    graph = capture(model, example_inputs, example_kwargs, training=training, outputs=True, loss_fn=loss_fn)
-    if training and graph.extras and graph_fingerprint(graph) != fingerprint:
-        alone = capture(model, example_inputs, example_kwargs, training=training, loss_fn=loss_fn)
-        if graph_fingerprint(alone) == fingerprint:
-            return alone
     return graph
 
 

@@ -19,8 +19,9 @@ exhaustively:
 
 Each candidate is planned as the user would plan that shape: ``pp = 1`` by the intra-op planner on
 ``{"dp", "tp"}``, ``pp > 1`` by the pipeline planner (``planner/pipelined.py``) without its own
-comparison against the plain plan (the ``pp = 1`` candidates are that comparison). Captures are
-shared across candidates (one per input shape: the full batch and each micro-batch size). The
+comparison against the plain plan (the ``pp = 1`` candidates are that comparison). Two captures
+serve every candidate (``planner/captures``): the full batch's, and one at a probe batch that is
+re-shaped to each micro-batch size (``ir/rebatch.py``). The
 pipelined shapes are planned first; an unpipelined shape is first solved without a memory budget,
 and when that plan (the fastest it can have: recomputation only adds time) does not fit and is
 already slower than a fitting shape found, its budgeted search is skipped (listed with the reason).
@@ -39,8 +40,9 @@ import torch
 
 from autopar.cost_model.mesh import DP_AXIS, PP_AXIS, TP_AXIS, Mesh
 from autopar.errors import ArgumentError, InfeasibleError, RecipeError
-from autopar.ir.capture import as_args, capture
+from autopar.ir.capture import as_args
 from autopar.ir.stages import chain
+from autopar.planner.captures import capture
 from autopar.planner.intra import run_passes
 from autopar.planner.options import PlanOptions
 from autopar.planner.pipelined import batch_size, plan_pipelined
@@ -126,7 +128,8 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
     batch = batch_size(args, kwargs)
     graphs: dict[int, Any] = {}  # the pipelined shapes' captures (the loss alone, as pipelines run)
     # the unpipelined shapes' capture: the step returns the model's other outputs too
-    full = options.graph if options.graph is not None else capture(model, args, kwargs, training=True, outputs=True)
+    full = options.graph if options.graph is not None else capture(model, args, kwargs, training=True, outputs=True,
+                                                                        planning=True)
     n_layers = len(chain(full).keys)
     shapes = shape_candidates(count, node, batch, n_layers, spec.get(PP_AXIS), spec.get(TP_AXIS),
                               sequence_length(args, kwargs))

@@ -22,7 +22,7 @@ from autopar.cost_model.precision import Precision, get_precision
 from autopar.errors import InfeasibleError, RecipeError
 from autopar.ir.annotations import dtensor_hints, merge_hints
 from autopar.ir.attention_forms import check_forms
-from autopar.ir.capture import as_args, capture
+from autopar.ir.capture import as_args
 from autopar.ir.graph import Graph
 from autopar.ir.placement import format_placements
 from autopar.ir.recompute import recomputed_ops
@@ -38,6 +38,7 @@ from autopar.passes.search.propagate import propagate
 from autopar.passes.search.solve import Solution, greedy, solve
 from autopar.passes.search.solve_axis import FULL_ILP_LIMIT, edge_var_count, solve_by_axis
 from autopar.passes.search.strategies import Constraint, resolve_hints, search_strategies
+from autopar.planner.captures import capture
 from autopar.planner.options import PlanOptions
 from autopar.plans.format import human_bytes
 
@@ -150,7 +151,7 @@ def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
     graph = opts.graph
     if graph is None:
         graph = capture(model, tuple(example_inputs), example_kwargs, training=opts.training,
-                        outputs=opts.capture_outputs, loss_fn=opts.loss_fn)
+                        outputs=opts.capture_outputs, loss_fn=opts.loss_fn, planning=True)
     clock.lap("capture")
     folding = fold(graph)
     clock.lap("fold")

@@ -6,13 +6,15 @@ shape (the batch dimension of every input cut to ``B / m``): one folded solve, w
 alike layers shares. That plan is read back per segment (``search/pipeline_split.py``), the layer
 instances are split into stages, and every schedule torch 2.13 runs at that shape is priced by
 replay (``cost_model/pipeline_price.py``). Only one micro-batch count is solved first (the pipelined
-recipe's, whose shape is captured for the recipe anyway, when it is a candidate; else the middle one);
+recipe's, whose shape is solved for the recipe anyway, when it is a candidate; else the middle one);
 the others are priced from its segments with the per-micro-batch figures estimated so as to lean
 optimistic (``search/pipeline_split.scaled``), and the count that estimate ranks best is then solved
-exactly, until the best candidate is an exact one (one or two solves, not one per count). Each shape is
-captured once (the recipe's solve reuses the capture of its shape). The intra-op
-solve is first made without a memory budget (the fastest layer plan; a stage holds only its share
-of the model); when no pipeline fits so, again within the budget (the leaner layer plan).
+exactly, until the best candidate is an exact one (one or two solves, not one per count). The model
+is captured once, at a probe batch, and that graph is re-shaped to each micro-batch size solved
+(``planner/captures.at_rows``, ``ir/rebatch.py``); a size whose re-shape cannot be proven is
+captured itself. The intra-op solve is first made without a memory budget (the fastest layer plan;
+a stage holds only its share of the model); when no pipeline fits so, again within the budget (the
+leaner layer plan).
 
 A mesh that names a ``pp`` axis asks for a pipeline: the plan pipelines on it, and the plain
 (intra-op) plan of the same devices, where ``pp`` would be one more data or sharding axis, is not
@@ -45,6 +47,7 @@ from autopar.ir.capture import as_args
 from autopar.passes.search.peak import with_temporaries
 from autopar.passes.search.batch_coupled import batch_coupled
 from autopar.passes.search.pipeline_split import ModelSegments, best_pipelines, candidates, scaled, segments
+from autopar.planner.captures import at_rows
 from autopar.planner.intra import Planned, run_passes
 from autopar.planner.options import PlanOptions, check_pipeline
 from autopar.planner.report import PipelineDecision, build_plan
@@ -142,10 +145,13 @@ class _Solver:
         t = time.perf_counter()
         margs, mkwargs = micro_inputs(self.args, self.kwargs, self.batch, m)
         rows = self.batch // m
+        if rows not in self.graphs:  # one capture for every size: re-shaped from a probe batch (``captures``)
+            self.graphs[rows] = at_rows(self.model, self.args, self.kwargs, self.batch, rows,
+                                        training=self.options.training, outputs=self.options.capture_outputs)
+        t = self.lap("capture", t)
         planned = run_passes(self.model, self.sub, margs, mkwargs,
                              replace(self.options, memory_budget=self.budget if bounded else math.inf,
-                                     graph=self.graphs.get(rows), recipe=recipe))
-        self.graphs.setdefault(rows, planned.graph)
+                                     graph=self.graphs[rows], recipe=recipe))
         for k, v in planned.phases.items():
             if k != "total":
                 self.phases[k] = round(self.phases.get(k, 0.0) + v, 4)
@@ -188,10 +194,10 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, op
                      options.budget(mesh), options, {} if graphs is None else graphs)
     budget = solver.budget
     counts = _microbatch_counts(pin, batch, pp)
-    # The pipelined recipe's count first when it is one of them: its shape is captured for the recipe
-    # anyway, so a second capture is paid only if another count might win (a capture of LLaMA-3.1-405B
-    # is about half its plan's time). Else the middle count. The estimates lean optimistic both ways
-    # (``scaled``), so a count they rank worse than an exact candidate would not have won.
+    # The pipelined recipe's count first when it is one of them: its shape is solved for the recipe
+    # anyway, so a second solve is paid only if another count might win. Else the middle count. The
+    # estimates lean optimistic both ways (``scaled``), so a count they rank worse than an exact
+    # candidate would not have won.
     recipe_m = _recipe_count(sub, batch, pp, counts) if not pin and pp > 1 else None
     first = recipe_m if recipe_m in counts else counts[len(counts) // 2]
     found, estimated = _solve_counts(solver, counts, first, pin)
