@@ -1,7 +1,9 @@
 """The ``dtensor`` export: a Python module whose ``parallelize(model, device_mesh)`` applies a plan's
 projection (``export.project.Styles``) with torch's public APIs only: ``parallelize_module`` with
 ``ColwiseParallel``/``RowwiseParallel`` on the tensor axis (the split attention modules' head-count
-attributes set to this rank's counts), ``torch.utils.checkpoint`` around each recomputed layer (the
+attributes set to this rank's counts; with sequence parallelism the norms under ``SequenceParallel``,
+the split Linears gathering and reduce-scattering along the sequence, ``PrepareModuleOutput`` and
+``PrepareModuleInput`` at the embedding and the output head: ``export.sequence``), ``torch.utils.checkpoint`` around each recomputed layer (the
 selective mode's policy through ``create_selective_checkpoint_contexts``), ``fully_shard`` (FSDP2)
 per layer and on the root over the data axes (a 2-D data mesh is HSDP: replicated over the first,
 sharded over the second), and the pipeline's split points as data for ``torch.distributed.pipelining``."""
@@ -23,7 +25,9 @@ the batch (``local_batch``). No autopar code runs here.
 
 import torch
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 #: the mesh the plan was made for, axis name -> size, in order
@@ -35,6 +39,12 @@ DATA_AXES = {data_axes}
 #: module path -> its style on TENSOR_AXIS (the other Linear modules are replicated there)
 TP_PLAN = {{
 {tp_plan}}}
+#: sequence parallelism on TENSOR_AXIS (empty: none): the residual stream between the split Linears
+#: runs on this rank's positions (dim 1); module path -> "norm" or "final" (SequenceParallel, its output
+#: gathered for the layer's Linears or for the head), "entry" (its output cut to this rank's positions)
+#: or "exit" (the head, replicated)
+SEQUENCE = {{
+{sequence}}}
 #: attention modules split on TENSOR_AXIS: module path -> {{head-count attribute: its local value}}
 LOCAL_HEADS = {{
 {local_heads}}}
@@ -51,8 +61,28 @@ PIPELINE = {pipeline}
 
 
 def _styles() -> dict:
-    return {{path: ColwiseParallel() if style == "colwise" else RowwiseParallel() for path, style in TP_PLAN.items()}}
+    """The module styles: Megatron's pairs, and with SEQUENCE the norms on the positions, the
+    row-parallel Linears reduce-scattering their output to the positions and the embedding's output
+    cut to them."""
+    seq = (Shard(1),) if SEQUENCE else (Replicate(),)
+    out = {{path: ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=seq[0])
+           for path, style in TP_PLAN.items()}}
+    for path, role in SEQUENCE.items():
+        if role in ("norm", "final"):
+            out[path] = SequenceParallel()
+        elif role == "entry":
+            out[path] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                            use_local_output=True)
+    return out
 
+
+def _gathers() -> dict:
+    """With SEQUENCE, each norm's output gathered whole: as a DTensor for the column-parallel Linears
+    of its layer (their input gradients' partial sums then reduce-scattered once), as a tensor for
+    the replicated output head."""
+    return {{path: PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                      use_local_output=role == "final")
+            for path, role in SEQUENCE.items() if role in ("norm", "final")}}
 
 def _selective():
     """The selective mode's policy: keep the outputs of attention and of every other matmul (the
@@ -97,6 +127,8 @@ def parallelize(model: torch.nn.Module, device_mesh) -> torch.nn.Module:
     stage's module, its paths as in the whole model) and return it."""
     if TP_PLAN:
         parallelize_module(model, device_mesh[TENSOR_AXIS], _styles())
+        if SEQUENCE:  # a second style on the norms, after SequenceParallel's
+            parallelize_module(model, device_mesh[TENSOR_AXIS], _gathers())
         for path, counts in LOCAL_HEADS.items():  # the module's views see this rank's heads
             for name, value in counts.items():
                 setattr(model.get_submodule(path), name, value)
@@ -141,6 +173,7 @@ def render(plan: Plan, st: Styles, projected: Optional[Plan]) -> str:
     return _TEMPLATE.format(axes=axes, times=times, shape=tuple(axes.values()), names=tuple(axes),
                             mesh_axes=axes, tensor_axis=repr(st.tensor_axis), data_axes=st.data_axes,
                             tp_plan=_rows(dict(sorted(st.linear.items()))), local_heads=_rows(st.local_heads),
+                            sequence=_rows(st.sequence),
                             units=_rows(units),
                             checkpointed=st.checkpointed,
                             split_points=split_points, pipeline=pipeline)
