@@ -25,8 +25,8 @@ AXES = (("dp", 2), ("tp", 2))
 def _plan(case: str, recipe: str | None = None) -> autopar.Plan:
     """The plan of a case on AXES (searched, or a recipe; ``"checkpointing"``: searched with layers
     recomputed), made once per session."""
-    if case != "titan" and recipe != "checkpointing":
-        return autopar.Plan.from_dict(json.loads(plan_json(case, AXES, recipe)))
+    if case != "titan" and recipe != "checkpointing":  # ("megatron_sp+loss": the recipe, exported otherwise)
+        return autopar.Plan.from_dict(json.loads(plan_json(case, AXES, recipe and recipe.split("+")[0])))
     model, args = build(case)
     # (every GPT block recomputed in full; LLaMA's first layer selectively)
     kw = {"checkpointing": "full" if case == "gpt" else {"layers.0": "selective"}} if recipe == "checkpointing" else {}
@@ -37,7 +37,8 @@ def _plan(case: str, recipe: str | None = None) -> autopar.Plan:
 #: the cases whose tensor parallelism the export keeps (default: the faster projection), with or
 #: without sequence parallelism (default: where the plan splits the residual stream's tokens)
 OPTIONS = {("llama", "fsdp_tp"): {"tensor_parallel": True, "sequence_parallel": False},
-           ("llama", "megatron_sp"): {"tensor_parallel": True}}
+           ("llama", "megatron_sp"): {"tensor_parallel": True, "loss_parallel": False},
+           ("llama", "megatron_sp+loss"): {"tensor_parallel": True, "loss_parallel": True}}
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,6 +118,11 @@ def test_sequence_parallel_projection_says_it_op_by_op():
     kinds = {(r["module"], s["kind"]) for r in proj.plan.reshardings for s in r.get("steps", []) if s["axis"] == "tp"}
     assert ("layers.0.feed_forward.w1", "all_gather") in kinds and ("layers.0", "reduce_scatter") in kinds
     assert ("layers.0.ffn_norm", "all_reduce") in kinds  # the norm's scale: its gradient's partial sums
+    e = _exported("llama", "megatron_sp+loss")
+    ns = {}
+    exec(compile(e.text, "<export>", "exec"), ns)
+    assert ns["SEQUENCE"]["output"] == "vocab" and ns["TP_PLAN"]["output"] == "colwise"
+    assert any(n.startswith("tok_embeddings: replicated") for n in e.report["notes"])
     without = project(_plan("llama", "megatron_sp"), model, args, tensor_parallel=True, sequence_parallel=False)
     assert without.styles.sequence == {} and without.plan.peak_memory > proj.plan.peak_memory
 
@@ -177,14 +183,15 @@ def test_cli_export(tmp_path, capsys):
     assert "def parallelize(model" in out.read_text()
 
 
-CASES = (("gpt", None), ("llama", None), ("llama", "fsdp_tp"), ("llama", "megatron_sp"), ("gpt", "checkpointing"),
-         ("llama", "checkpointing"), ("titan", None))
+CASES = (("gpt", None), ("llama", None), ("llama", "fsdp_tp"), ("llama", "megatron_sp"), ("llama", "megatron_sp+loss"),
+         ("gpt", "checkpointing"), ("llama", "checkpointing"), ("titan", None))
 
 
 @pytest.mark.gloo
 def test_exported_module_trains_as_one_device_with_predicted_collectives(gloo_pool4):
     """Searched plans of GPT, LLaMA and the torchtitan-style Llama 3, LLaMA's fsdp_tp, its megatron_sp
-    (sequence parallelism) and a plan that
+    (sequence parallelism; and with the head split on the vocabulary, the model's own loss under
+    loss_parallel) and a plan that
     recomputes its layers (full, selective), exported and run on 4 gloo ranks in float64 with plain DTensor + FSDP2:
     loss and gradients equal one device's, the collectives of the step, by kind, are the
     projection's, and the recomputed layers run twice."""
@@ -199,5 +206,7 @@ def test_exported_module_trains_as_one_device_with_predicted_collectives(gloo_po
             assert r["runs"] == {path: 2 for path in _plan(*c).checkpointing}, c
     assert exported[("llama", "fsdp_tp")].report["collectives"]["all_reduce"] > 0  # tensor parallelism ran
     assert exported[("llama", "megatron_sp")].report["collectives"]["reduce_scatter"] > 3  # and sequence parallelism
+    sp, vocab = (exported[("llama", r)].report["collectives"]["all_reduce"] for r in ("megatron_sp", "megatron_sp+loss"))
+    assert vocab == sp + 3  # loss_parallel's maximum, sum and picked logits
     assert _plan("gpt", "checkpointing").checkpointing == {"blocks.0": "full", "blocks.1": "full"}
     assert _plan("llama", "checkpointing").checkpointing == {"layers.0": "selective"}

@@ -61,13 +61,17 @@ def step_collectives(projected: Plan, st: Styles) -> dict[str, int]:
     ``fully_shard`` unit and phase its parameters are gathered in, one reduce-scatter (and, over a
     replicated data axis, one all-reduce) per unit its gradients are reduced in, each activation
     all-reduce, all-gather and reduce-scatter on the tensor axis (sequence parallelism's at the
-    split Linears' boundaries), and each gradient all-reduce there. The root unit is not resharded after forward (FSDP2 keeps it
+    split Linears' boundaries), and each gradient all-reduce there. With the head split on the
+    vocabulary, the loss's forward all-reduces on the tensor axis count too (``loss_parallel``'s
+    maximum, sum and picked logits), its backward's not: ``loss_parallel`` differentiates the
+    log-softmax and the nll loss together on each rank's classes, with no collective. The root unit is not resharded after forward (FSDP2 keeps it
     gathered), where the projection's price gathers what the backward uses again. The loss's own
     all-reduce (the program averages the step's loss over the batch; the exported model returns
     each rank's) is not counted."""
     phase = {n["name"]: n.get("phase", "") for n in projected.nodes}
     data, shard = set(st.data_axes), st.data_axes[-1] if st.data_axes else None
     gathers, reduced, tensor = set(), Counter(), Counter()
+    vocab = "vocab" in st.sequence.values()
     for r in projected.reshardings:
         unit, kinds = unit_of(st.units, r.get("module", "")), [(s["kind"], s["axis"]) for s in r.get("steps", [])]
         if r.get("kind") == "param":
@@ -82,7 +86,7 @@ def step_collectives(projected: Plan, st: Styles) -> dict[str, int]:
             # a replicated parameter used on sequence-split activations (a norm's scale) has its
             # gradient's partial sums all-reduced over the tensor axis, one each
             tensor["all_reduce"] += sum(1 for k, a in kinds if k == "all_reduce" and a == st.tensor_axis)
-        elif r.get("module", "") != "":
+        elif r.get("module", "") != "" or (vocab and phase.get(r.get("consumer", "")) == "forward"):
             for k, a in kinds:
                 if a == st.tensor_axis and k in ("all_reduce", "all_gather", "reduce_scatter"):
                     tensor[k] += 1
@@ -93,19 +97,22 @@ def step_collectives(projected: Plan, st: Styles) -> dict[str, int]:
 
 
 def export(plan: Plan, format: str, model=None, example_inputs=(), example_kwargs=None, *,
-           tensor_parallel: Optional[bool] = None, sequence_parallel: Optional[bool] = None) -> Export:
+           tensor_parallel: Optional[bool] = None, sequence_parallel: Optional[bool] = None,
+           loss_parallel: Optional[bool] = None) -> Export:
     """``plan`` as the layout ``format`` names (``"dtensor"`` or ``"torchtitan"``). ``model`` and its
     example inputs (those the plan was made with) let the projection be priced; the ``dtensor``
     format needs them (its tensor-parallel styles are read off the model's graph). ``tensor_parallel``:
     None projects with and without the plan's tensor axis and keeps the faster that fits; True or
     False keeps or drops it; ``sequence_parallel`` None splits the tensor-parallel layers' residual
     stream along the sequence where the plan does, True wherever the model allows, False never
-    (``export.project.project``, ``export.sequence``)."""
+    (``export.project.project``, ``export.sequence``); ``loss_parallel`` likewise splits the output
+    head on the vocabulary, its loss computed on the split logits under torch's ``loss_parallel``."""
     if format not in FORMATS:
         raise ArgumentError(f"export: unknown format {format!r}; formats are {', '.join(FORMATS)}")
     proj: Optional[Projection] = None
     if model is not None and plan.pipeline is None:
-        proj = project(plan, model, example_inputs, example_kwargs, tensor_parallel, sequence_parallel)
+        proj = project(plan, model, example_inputs, example_kwargs, tensor_parallel, sequence_parallel,
+                       loss_parallel)
     elif format == "dtensor" and plan.pipeline is None:
         raise ArgumentError("export: the dtensor format needs the plan's model and example inputs "
                             "(plan.export('dtensor', model, example_inputs))")

@@ -25,9 +25,9 @@ the batch (``local_batch``). No autopar code runs here.
 
 import torch
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                               RowwiseParallel, SequenceParallel, parallelize_module)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 #: the mesh the plan was made for, axis name -> size, in order
@@ -42,7 +42,8 @@ TP_PLAN = {{
 #: sequence parallelism on TENSOR_AXIS (empty: none): the residual stream between the split Linears
 #: runs on this rank's positions (dim 1); module path -> "norm" or "final" (SequenceParallel, its output
 #: gathered for the layer's Linears or for the head), "entry" (its output cut to this rank's positions)
-#: or "exit" (the head, replicated)
+#: or "exit" (the head, replicated) or "vocab" (the head split on the vocabulary, the model's
+#: cross-entropy computed on the split logits under loss_parallel)
 SEQUENCE = {{
 {sequence}}}
 #: attention modules split on TENSOR_AXIS: module path -> {{head-count attribute: its local value}}
@@ -68,6 +69,9 @@ def _styles() -> dict:
     out = {{path: ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=seq[0])
            for path, style in TP_PLAN.items()}}
     for path, role in SEQUENCE.items():
+        if role == "vocab":  # the logits stay split on the vocabulary, for loss_parallel
+            out[path] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    for path, role in SEQUENCE.items():
         if role in ("norm", "final"):
             out[path] = SequenceParallel()
         elif role == "entry":
@@ -81,7 +85,7 @@ def _gathers() -> dict:
     of its layer (their input gradients' partial sums then reduce-scattered once), as a tensor for
     the replicated output head."""
     return {{path: PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
-                                      use_local_output=role == "final")
+                                      use_local_output=role == "final" and "vocab" not in SEQUENCE.values())
             for path, role in SEQUENCE.items() if role in ("norm", "final")}}
 
 def _selective():
@@ -114,6 +118,41 @@ def _recompute(module: torch.nn.Module, mode: str) -> None:
     module.forward = run
 
 
+def _loss_parallel(model: torch.nn.Module, head: str) -> None:
+    """Run ``model``'s forward, and the backward of its loss, under ``loss_parallel``: the model's
+    own cross-entropy then reads the head's vocabulary-split logits where they lie. The backward
+    enters the context when the loss's gradient is made and leaves it when the logits' is (the
+    cross-entropy's backward lies between); the loss is returned as a plain tensor."""
+    forward, held = model.forward, []
+
+    def enter(grad):
+        held.append(loss_parallel())
+        held[-1].__enter__()
+        return grad
+
+    def leave(grad):
+        while held:
+            held.pop().__exit__(None, None, None)
+        return grad
+
+    def logits_hook(module, inputs, out):
+        if out.requires_grad:
+            out.register_hook(leave)
+
+    model.get_submodule(head).register_forward_hook(logits_hook)
+
+    def run(*args, **kwargs):
+        with loss_parallel():
+            out = forward(*args, **kwargs)
+        if isinstance(out, DTensor):
+            out = out.to_local()
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(enter)
+        return out
+
+    model.forward = run
+
+
 def _holds(model: torch.nn.Module, path: str) -> bool:
     try:
         model.get_submodule(path)
@@ -129,6 +168,9 @@ def parallelize(model: torch.nn.Module, device_mesh) -> torch.nn.Module:
         parallelize_module(model, device_mesh[TENSOR_AXIS], _styles())
         if SEQUENCE:  # a second style on the norms, after SequenceParallel's
             parallelize_module(model, device_mesh[TENSOR_AXIS], _gathers())
+        for path, role in SEQUENCE.items():
+            if role == "vocab":
+                _loss_parallel(model, path)
         for path, counts in LOCAL_HEADS.items():  # the module's views see this rank's heads
             for name, value in counts.items():
                 setattr(model.get_submodule(path), name, value)

@@ -114,7 +114,7 @@ _FOUND = object()  # ``styles``'s default: the tensor axis read off the plan
 
 
 def styles(plan: Plan, graph: Optional[Graph], model=None, tensor_axis=_FOUND,
-           sequence_parallel: Optional[bool] = None) -> Styles:
+           sequence_parallel: Optional[bool] = None, loss_parallel: Optional[bool] = None) -> Styles:
     """The module-level choices closest to ``plan`` on ``graph`` (the plan's model, captured).
 
     On the tensor axis a pair of weights Megatron would split together (``recipes.tensor_layout``:
@@ -127,7 +127,8 @@ def styles(plan: Plan, graph: Optional[Graph], model=None, tensor_axis=_FOUND,
     Without the graph (``None``) the axes are found, not the styles. ``tensor_axis`` (an index, or
     None for none) overrides the axis read off the plan. ``sequence_parallel``: None adds sequence
     parallelism (``export.sequence``) where the plan splits the norms' activations along the tokens
-    on the tensor axis, True wherever the model's shape lets the styles say it, False never."""
+    on the tensor axis, True wherever the model's shape lets the styles say it, False never;
+    ``loss_parallel`` likewise for the output head's vocabulary split (``_vocabulary``)."""
     t = _tensor_axis(plan) if tensor_axis is _FOUND else tensor_axis
     names = plan.axis_names
     out = Styles(names[t] if t is not None else None, tuple(a for i, a in enumerate(names) if i != t))
@@ -186,12 +187,30 @@ def styles(plan: Plan, graph: Optional[Graph], model=None, tensor_axis=_FOUND,
         found, reason = seq.sequence_modules(model, out.units, out.linear)
         if found and (sequence_parallel or seq.token_split(plan.nodes, found, t)):
             out.sequence = found
+            _vocabulary(plan, graph, model, out, t, loss_parallel)
         elif sequence_parallel and reason:
             out.notes.append(seq.why_not(reason, names[t]))
+    alone = [m for m in alone if m not in out.linear]
     if alone:  # the output head, the token embedding
-        out.notes.append(f"{', '.join(alone)}: replicated on {names[t]!r} (a vocabulary split needs the loss "
-                         "computed on split logits, torch's loss_parallel, which a model's own loss is not told)")
+        out.notes.append(f"{', '.join(alone)}: replicated on {names[t]!r} (the output head is split on the "
+                         "vocabulary with sequence parallelism and one cross-entropy computed under loss_parallel; "
+                         "the token embedding's table is not split)")
     return out
+
+
+def _vocabulary(plan: Plan, graph: Graph, model, st: Styles, t: int, loss_parallel: Optional[bool]) -> None:
+    """With sequence parallelism, the output head split on the vocabulary (column-parallel, the
+    loss computed on the split logits under ``loss_parallel``) where the plan splits its weight's
+    rows on the tensor axis (``loss_parallel`` None) or always (True) and the model's loss allows
+    it (``sequence.loss_head``); a note says why not when asked for."""
+    if loss_parallel is False:
+        return
+    head = next(p for p, role in st.sequence.items() if role == seq.EXIT)
+    why = seq.loss_head(graph, model, head)
+    if not why and (loss_parallel or _split_dim(plan.placements.get(head + ".weight", "B"), t) == 0):
+        st.sequence[head], st.linear[head] = seq.VOCAB, "colwise"
+    elif loss_parallel:
+        st.notes.append(f"{head}: replicated on {plan.axis_names[t]!r} ({why})")
 
 
 def _placements(graph: Graph, mesh: Mesh, st: Styles) -> dict[str, list[tuple]]:
@@ -264,12 +283,13 @@ class Projection:
 
 
 def project(plan: Plan, model, example_inputs=(), example_kwargs=None,
-            tensor_parallel: Optional[bool] = None, sequence_parallel: Optional[bool] = None) -> Projection:
+            tensor_parallel: Optional[bool] = None, sequence_parallel: Optional[bool] = None,
+            loss_parallel: Optional[bool] = None) -> Projection:
     """Project ``plan`` (made for ``model`` with these inputs) onto module-level styles and price it:
     the styles with the tensor axis read off the plan and those without tensor parallelism are
     both priced, and the faster that fits the plan's budget is the projection (its ``styles.notes``
     give the other's price). ``tensor_parallel`` True keeps the plan's tensor axis, False drops it;
-    ``sequence_parallel`` as ``styles`` takes it."""
+    ``sequence_parallel`` and ``loss_parallel`` as ``styles`` takes them."""
     if plan.pipeline is not None:
         raise PlanError("export: pricing the projection of a pipelined plan is not supported; export its "
                         "stages' layout from a plan of one stage (autopar.plan without a pp axis)")
@@ -284,7 +304,8 @@ def project(plan: Plan, model, example_inputs=(), example_kwargs=None,
     found = _tensor_axis(plan)
     # the styles with the plan's tensor axis, and without tensor parallelism: the faster that fits
     axes = {None: [found, None], True: [found], False: [None]}[tensor_parallel]
-    tried = [_priced(plan, planned, styles(plan, planned.graph, model, t, sequence_parallel), mesh) for t in dict.fromkeys(axes)]
+    tried = [_priced(plan, planned, styles(plan, planned.graph, model, t, sequence_parallel, loss_parallel),
+                     mesh) for t in dict.fromkeys(axes)]
     fits = [p for p in tried if p.plan.fits] or tried
     best = min(fits, key=lambda p: p.plan.step_time)
     best.tried = {p.styles.tensor_axis: p.plan.step_time for p in tried}
@@ -316,13 +337,17 @@ def _priced(plan: Plan, planned: Planned, st: Styles, mesh: Mesh) -> Projection:
     if t:
         allowed.update(_no_partial_outside(planned, plan, st, t[0]))
     if t and st.sequence:  # in the layers, DTensor carries partial sums to the sequence's reduce-scatters
+        vocab = seq.VOCAB in st.sequence.values()  # the loss's ops then take the split logits' partial sums
         inside = {n["name"] for n in plan.nodes if unit_of(st.units, n.get("module", ""))
-                  or n.get("module", "") in st.sequence}
+                  or n.get("module", "") in st.sequence or (vocab and not n.get("module", ""))}
         allowed = {k: v for k, v in allowed.items() if k not in inside or k in graph.params.values()}
     if t and st.sequence:
         residual = seq.residual_placements(planned.merged.problem, graph, plan.nodes, st.sequence, st.units,
                                            st.linear, t[0])
         allowed.update(residual)
+        for head, role in st.sequence.items():
+            if role == seq.VOCAB:
+                allowed.update(seq.loss_placements(planned.merged.problem, graph, plan.nodes, head, t[0]))
         regions = seq.SequenceRegions(regions, set(residual))
     choice = complete(planned.merged, planned.problem, allowed, t, exact=True, regions=regions,
                       label=graph.user_name)

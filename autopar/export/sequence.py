@@ -23,8 +23,9 @@ from autopar.passes.search.strategies import output_placement
 
 #: the roles of ``Styles.sequence``'s modules: a norm in a layer (its output gathered for the
 #: column-parallel Linears after it), the last norm (its output gathered for the head), the token
-#: embedding (its output cut to the positions), the output head (replicated)
-NORM, FINAL, ENTRY, EXIT = "norm", "final", "entry", "exit"
+#: embedding (its output cut to the positions), the output head replicated (``EXIT``) or split on
+#: the vocabulary with the loss computed on the split logits (``VOCAB``: torch's ``loss_parallel``)
+NORM, FINAL, ENTRY, EXIT, VOCAB = "norm", "final", "entry", "exit", "vocab"
 
 
 def _leaf_params(module: torch.nn.Module) -> list:
@@ -115,10 +116,80 @@ def residual_placements(problem, graph: Graph, nodes: list[dict], sequence: dict
             # features: no token split and no partial sum there
             ok = [p for p in places if not isinstance(p[t], Partial)
                   and not (isinstance(p[t], Split) and spec.shape[p[t].dim] in tokens)]
+        elif role == VOCAB and m == "":
+            continue
         elif role in (ENTRY, EXIT):
             ok = [p for p in places if not isinstance(p[t], (Split, Partial))]
         else:
             continue
+        if ok and len(ok) < len(places):
+            out[n.name] = ok
+    return out
+
+
+def loss_head(graph: Graph, model: torch.nn.Module, head: str) -> str:
+    """Why the output head at ``head`` cannot be split on the vocabulary with the loss computed on
+    the split logits, or "" when it can: the model's forward computes one cross-entropy (a
+    log-softmax then an nll loss, unweighted, of 2-D logits) whose classes the head's output
+    features are. ``loss_parallel`` handles exactly that op pair on DTensor logits."""
+    nll = [n for n in graph.ops() if n.op == "aten.nll_loss_forward.default"]
+    if len(nll) != 1:
+        return f"the model's forward computes {len(nll)} nll losses (one cross-entropy is exported split)"
+    call = nll[0]
+    if len(call.inputs) > 2 or graph.node(call.inputs[0].node).outputs[call.inputs[0].index].ndim != 2:
+        return "its cross-entropy is weighted or not over 2-D logits"
+    module = model.get_submodule(head)
+    if head + ".weight" not in graph.params or not isinstance(module, torch.nn.Linear):
+        return f"{head} is not an nn.Linear"
+    if graph.node(call.inputs[0].node).outputs[call.inputs[0].index].shape[1] != module.out_features:
+        return f"the cross-entropy's classes are not {head}'s output features"
+    return ""
+
+
+def loss_placements(problem, graph: Graph, nodes: list[dict], head: str, t: int) -> dict[str, list[tuple]]:
+    """The completion's constraints that say ``loss_parallel`` op by op: between the vocabulary-split
+    head and the nll loss, each reduction over the classes (the log-softmax's maximum and sum, the
+    picked logits) leaves partial results on mesh axis ``t``, all-reduced, where the logits are never
+    gathered; in the backward the loss's gradient stays split on the classes."""
+    module = _module_of(nodes)
+    after, todo = set(), [n["name"] for n in nodes if n.get("module") == head and n.get("phase") == "forward"]
+    users: dict[str, list[str]] = {}
+    for n in graph.ops():
+        for r in n.inputs:
+            users.setdefault(r.node, []).append(n.name)
+    while todo:
+        name = todo.pop()
+        if name not in after:
+            after.add(name)
+            todo.extend(users.get(name, []))
+    nll = [n for n in graph.ops() if n.op == "aten.nll_loss_forward.default"]
+    before, todo = set(), [n.name for n in nll]
+    while todo:
+        name = todo.pop()
+        if name not in before and name in after:
+            before.add(name)
+            todo.extend(r.node for r in graph.node(name).inputs)
+    classes = graph.node(nll[0].inputs[0].node).outputs[nll[0].inputs[0].index].shape[1] if nll else None
+    phase = {n["name"]: n.get("phase", "") for n in nodes}
+    out = {}
+    for n in problem.nodes:
+        spec = graph.node(n.name).out if n.name in before or module.get(n.name) == "" else None
+        if phase.get(n.name) == "backward" and spec is not None and spec.ndim == 2 and spec.shape[1] == classes:
+            # the loss's gradient stays on this rank's classes (loss_parallel's backward is local)
+            ok = [p for p in dict.fromkeys(output_placement(s, 0) for s in n.strategies)
+                  if p is not None and p[t] == Split(1)]
+            if ok:
+                out[n.name] = ok
+            continue
+        if n.name not in before or module.get(n.name) == head:
+            continue
+        node = graph.node(n.name)
+        ins = [graph.node(r.node).outputs[r.index] for r in node.inputs]
+        if node.out is None or tuple(node.out.shape[1:]) not in ((), (1,)) or not any(
+                i is not None and i.ndim == 2 and i.shape[1] == classes for i in ins):
+            continue  # not a reduction over the classes
+        places = [p for p in dict.fromkeys(output_placement(s, 0) for s in n.strategies) if p is not None]
+        ok = [p for p in places if isinstance(p[t], Partial)]
         if ok and len(ok) < len(places):
             out[n.name] = ok
     return out
@@ -144,5 +215,5 @@ def why_not(reason: str, axis: str) -> Optional[str]:
     return f"no sequence parallelism on {axis!r}: {reason}" if reason else None
 
 
-__all__ = ["ENTRY", "EXIT", "FINAL", "NORM", "SequenceRegions", "residual_placements", "sequence_modules", "token_split",
+__all__ = ["ENTRY", "EXIT", "FINAL", "NORM", "VOCAB", "loss_head", "loss_placements", "SequenceRegions", "residual_placements", "sequence_modules", "token_split",
            "why_not"]
