@@ -206,7 +206,8 @@ def test_exported_module_trains_as_one_device_with_predicted_collectives(gloo_po
             assert r["runs"] == {path: 2 for path in _plan(*c).checkpointing}, c
     assert exported[("llama", "fsdp_tp")].report["collectives"]["all_reduce"] > 0  # tensor parallelism ran
     assert exported[("llama", "megatron_sp")].report["collectives"]["reduce_scatter"] > 3  # and sequence parallelism
-    sp, vocab = (exported[("llama", r)].report["collectives"]["all_reduce"] for r in ("megatron_sp", "megatron_sp+loss"))
+    sp, vocab = (exported[("llama", r)].report["collectives"]["all_reduce"]
+                 for r in ("megatron_sp", "megatron_sp+loss"))
     assert vocab == sp + 3  # loss_parallel's maximum, sum and picked logits
     assert _plan("gpt", "checkpointing").checkpointing == {"blocks.0": "full", "blocks.1": "full"}
     assert _plan("llama", "checkpointing").checkpointing == {"layers.0": "selective"}

@@ -64,10 +64,10 @@ def step_collectives(projected: Plan, st: Styles) -> dict[str, int]:
     split Linears' boundaries), and each gradient all-reduce there. With the head split on the
     vocabulary, the loss's forward all-reduces on the tensor axis count too (``loss_parallel``'s
     maximum, sum and picked logits), its backward's not: ``loss_parallel`` differentiates the
-    log-softmax and the nll loss together on each rank's classes, with no collective. The root unit is not resharded after forward (FSDP2 keeps it
-    gathered), where the projection's price gathers what the backward uses again. The loss's own
-    all-reduce (the program averages the step's loss over the batch; the exported model returns
-    each rank's) is not counted."""
+    log-softmax and the nll loss together on each rank's classes, with no collective. The root unit
+    is not resharded after forward (FSDP2 keeps it gathered), where the projection's price gathers
+    what the backward uses again. The loss's own all-reduce (the program averages the step's loss
+    over the batch; the exported model returns each rank's) is not counted."""
     phase = {n["name"]: n.get("phase", "") for n in projected.nodes}
     data, shard = set(st.data_axes), st.data_axes[-1] if st.data_axes else None
     gathers, reduced, tensor = set(), Counter(), Counter()

@@ -1,10 +1,11 @@
 """The ``dtensor`` export: a Python module whose ``parallelize(model, device_mesh)`` applies a plan's
 projection (``export.project.Styles``) with torch's public APIs only: ``parallelize_module`` with
 ``ColwiseParallel``/``RowwiseParallel`` on the tensor axis (the split attention modules' head-count
-attributes set to this rank's counts; with sequence parallelism the norms under ``SequenceParallel``,
-the split Linears gathering and reduce-scattering along the sequence, ``PrepareModuleOutput`` and
-``PrepareModuleInput`` at the embedding and the output head: ``export.sequence``), ``torch.utils.checkpoint`` around each recomputed layer (the
-selective mode's policy through ``create_selective_checkpoint_contexts``), ``fully_shard`` (FSDP2)
+attributes set to this rank's counts; with sequence parallelism the norms under ``SequenceParallel``
+and their outputs gathered by ``PrepareModuleOutput``, the row-parallel Linears reduce-scattering to
+the positions, the embedding's output cut to them, and the output head split on the vocabulary
+under ``loss_parallel``: ``export.sequence``), ``torch.utils.checkpoint`` around each recomputed
+layer (the selective mode's policy through ``create_selective_checkpoint_contexts``), ``fully_shard`` (FSDP2)
 per layer and on the root over the data axes (a 2-D data mesh is HSDP: replicated over the first,
 sharded over the second), and the pipeline's split points as data for ``torch.distributed.pipelining``."""
 

@@ -229,12 +229,17 @@ def _placements(graph: Graph, mesh: Mesh, st: Styles) -> dict[str, list[tuple]]:
             base[t] = Split(0)
         elif t is not None and style == "rowwise" and leaf == "weight":
             base[t] = Split(1)
-        if shard is not None and spec.ndim:
+        # FSDP2 shards dim 0 of each rank's tensor-parallel shard (a strided shard when the tensor
+        # axis splits dim 0 too): a column-parallel weight is priced with the data axis on dim 1,
+        # which gathers and reduces the same bytes over the data axis alone
+        dims = (1, 0) if t is not None and base[t] == Split(0) and spec.ndim == 2 else (0,)
+        for d in dims if shard is not None and spec.ndim else ():
             trial = list(base)
-            trial[shard] = Split(0)
-            if spec.shape[0] >= math.prod(mesh.shape[a] for a, p in enumerate(trial) if p == Split(0)) \
+            trial[shard] = Split(d)
+            if spec.shape[d] >= math.prod(mesh.shape[a] for a, p in enumerate(trial) if p == Split(d)) \
                     and blocks_fit(spec.shape, trial, mesh.shape, spec.blocks):
                 base = trial
+                break
         allowed[node] = [tuple(base)]
     pieces = math.prod(mesh.shape[a] for a in data)
     for key, node in graph.inputs.items():

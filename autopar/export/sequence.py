@@ -2,13 +2,16 @@
 (the norms, the residual adds) runs split along the sequence on the tensor axis, as Megatron's
 sequence parallelism and torchtitan's Llama layout run it.
 
-The module styles that say it: each norm under ``SequenceParallel``, each column-parallel Linear
-gathering its sequence-split input (``ColwiseParallel(input_layouts=Shard(1))``), each row-parallel
-Linear reduce-scattering its output to the sequence split (``RowwiseParallel(output_layouts=Shard(1))``),
-the token embedding's output cut to this rank's positions (``PrepareModuleOutput``, Replicate ->
-Shard(1), no communication) and the output head's input gathered (``PrepareModuleInput``, Shard(1)
--> Replicate). ``sequence_modules`` finds those modules; ``residual_placements`` says the same op by
-op for the planner's evaluator: the residual stream's ops split along dim 1 on the tensor axis.
+The module styles that say it: each norm under ``SequenceParallel`` with its output gathered once
+(``PrepareModuleOutput``, Shard(1) -> Replicate: one all-gather for the layer's column-parallel
+Linears, one reduce-scatter of their input gradients' partial sums in the backward), each
+row-parallel Linear reduce-scattering its output to the positions (``RowwiseParallel(output_layouts=
+Shard(1))``), the token embedding's output cut to this rank's positions (``PrepareModuleOutput``,
+Replicate -> Shard(1), no communication). The output head stays replicated (``EXIT``) or is split on
+the vocabulary (``VOCAB``), the model's own cross-entropy then computed on the split logits under
+``loss_parallel``. ``sequence_modules`` finds those modules; ``residual_placements`` and
+``loss_placements`` say the same op by op for the planner's evaluator: the residual stream's ops
+split along dim 1 on the tensor axis, the loss's reductions over the classes partial there.
 """
 
 from __future__ import annotations
@@ -129,9 +132,12 @@ def residual_placements(problem, graph: Graph, nodes: list[dict], sequence: dict
 
 def loss_head(graph: Graph, model: torch.nn.Module, head: str) -> str:
     """Why the output head at ``head`` cannot be split on the vocabulary with the loss computed on
-    the split logits, or "" when it can: the model's forward computes one cross-entropy (a
-    log-softmax then an nll loss, unweighted, of 2-D logits) whose classes the head's output
-    features are. ``loss_parallel`` handles exactly that op pair on DTensor logits."""
+    the split logits, or "" when it can: the model's forward returns its loss tensor alone, computed
+    by one cross-entropy (a log-softmax then an nll loss, unweighted, of 2-D logits) whose classes
+    the head's output features are. ``loss_parallel`` handles exactly that op pair on DTensor logits."""
+    tree = graph.output_tree
+    if tree is not None and tree.kind != "loss":
+        return "the model's forward returns more than its loss tensor (the export returns the loss alone)"
     nll = [n for n in graph.ops() if n.op == "aten.nll_loss_forward.default"]
     if len(nll) != 1:
         return f"the model's forward computes {len(nll)} nll losses (one cross-entropy is exported split)"
@@ -215,5 +221,5 @@ def why_not(reason: str, axis: str) -> Optional[str]:
     return f"no sequence parallelism on {axis!r}: {reason}" if reason else None
 
 
-__all__ = ["ENTRY", "EXIT", "FINAL", "NORM", "VOCAB", "loss_head", "loss_placements", "SequenceRegions", "residual_placements", "sequence_modules", "token_split",
-           "why_not"]
+__all__ = ["ENTRY", "EXIT", "FINAL", "NORM", "VOCAB", "SequenceRegions", "loss_head", "loss_placements",
+           "residual_placements", "sequence_modules", "token_split", "why_not"]
