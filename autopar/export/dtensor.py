@@ -5,9 +5,10 @@ attributes set to this rank's counts; with sequence parallelism the norms under 
 and their outputs gathered by ``PrepareModuleOutput``, the row-parallel Linears reduce-scattering to
 the positions, the embedding's output cut to them, and the output head split on the vocabulary
 under ``loss_parallel``: ``export.sequence``), ``torch.utils.checkpoint`` around each recomputed
-layer (the selective mode's policy through ``create_selective_checkpoint_contexts``), ``fully_shard`` (FSDP2)
-per layer and on the root over the data axes (a 2-D data mesh is HSDP: replicated over the first,
-sharded over the second), and the pipeline's split points as data for ``torch.distributed.pipelining``."""
+layer (the selective mode's policy through ``create_selective_checkpoint_contexts``), ``fully_shard``
+(FSDP2) per layer and on the root over the data axes (a 2-D data mesh is HSDP: replicated over the
+first, sharded over the second), and the pipeline's split points as data for
+``torch.distributed.pipelining``."""
 
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ def _styles() -> dict:
     """The module styles: Megatron's pairs, and with SEQUENCE the norms on the positions, the
     row-parallel Linears reduce-scattering their output to the positions and the embedding's output
     cut to them."""
-    seq = (Shard(1),) if SEQUENCE else (Replicate(),)
-    out = {{path: ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=seq[0])
+    rowwise_out = Shard(1) if SEQUENCE else Replicate()
+    out = {{path: ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=rowwise_out)
            for path, style in TP_PLAN.items()}}
     for path, role in SEQUENCE.items():
         if role == "vocab":  # the logits stay split on the vocabulary, for loss_parallel
@@ -88,6 +89,7 @@ def _gathers() -> dict:
     return {{path: PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
                                       use_local_output=role == "final" and "vocab" not in SEQUENCE.values())
             for path, role in SEQUENCE.items() if role in ("norm", "final")}}
+
 
 def _selective():
     """The selective mode's policy: keep the outputs of attention and of every other matmul (the

@@ -345,8 +345,8 @@ def _priced(plan: Plan, planned: Planned, st: Styles, mesh: Mesh) -> Projection:
         vocab = seq.VOCAB in st.sequence.values()  # the loss's ops then take the split logits' partial sums
         inside = {n["name"] for n in plan.nodes if unit_of(st.units, n.get("module", ""))
                   or n.get("module", "") in st.sequence or (vocab and not n.get("module", ""))}
-        allowed = {k: v for k, v in allowed.items() if k not in inside or k in graph.params.values()}
-    if t and st.sequence:
+        fixed = set(graph.params.values()) | set(graph.inputs.values())  # the styles' own placements
+        allowed = {k: v for k, v in allowed.items() if k not in inside or k in fixed}
         residual = seq.residual_placements(planned.merged.problem, graph, plan.nodes, st.sequence, st.units,
                                            st.linear, t[0])
         allowed.update(residual)

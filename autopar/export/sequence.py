@@ -83,8 +83,8 @@ def token_split(nodes: list[dict], sequence: dict[str, str], t: int) -> bool:
     for n in nodes:
         if sequence.get(n.get("module", "")) in (NORM, FINAL) and n.get("phase") == "forward":
             for text in n.get("outputs", []):
-                p = parse(text)[t] if text else None
-                if isinstance(p, Split) and p.dim in (0, 1) and len(parse(text)) > t:
+                places = parse(text) if text else ()
+                if len(places) > t and isinstance(places[t], Split) and places[t].dim in (0, 1):
                     return True
     return False
 
