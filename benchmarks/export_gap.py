@@ -33,7 +33,15 @@ def main() -> None:
     print("recipes:", ", ".join(f"{k} {v['step_time'] * 1e3:.1f} ms" for k, v in sorted(plan.baselines.items())
                                 if "step_time" in v))
     print("TP_PLAN modules:", e.text.count("'colwise'"), "colwise,", e.text.count("'rowwise'"), "rowwise")
-
+    # the tensor-parallel projections: Megatron's pairs alone, with sequence parallelism, and with
+    # the output head split on the vocabulary (loss_parallel) too
+    for label, sp, loss in (("tp", False, False), ("tp + sp", True, False), ("tp + sp + loss_parallel", True, True)):
+        t = time.perf_counter()
+        r = export(plan, "dtensor", model, args, tensor_parallel=True, sequence_parallel=sp, loss_parallel=loss).report
+        print(f"projection {label}: {r['projected']['step_time'] * 1e3:.1f} ms, peak "
+              f"{r['projected']['peak_memory'] / 2**30:.1f} GiB, fits {r['projected']['fits']}; "
+              f"{len(r['changed'])} placements changed ({time.perf_counter() - t:.0f} s)")
+        print("\n".join(f"  note: {n}" for n in r["notes"] if "price at" not in n))
 
 if __name__ == "__main__":
     main()

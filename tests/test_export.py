@@ -25,8 +25,8 @@ AXES = (("dp", 2), ("tp", 2))
 def _plan(case: str, recipe: str | None = None) -> autopar.Plan:
     """The plan of a case on AXES (searched, or a recipe; ``"checkpointing"``: searched with layers
     recomputed), made once per session."""
-    if case != "titan" and recipe != "checkpointing":
-        return autopar.Plan.from_dict(json.loads(plan_json(case, AXES, recipe)))
+    if case != "titan" and recipe != "checkpointing":  # ("megatron_sp+loss": the recipe, exported otherwise)
+        return autopar.Plan.from_dict(json.loads(plan_json(case, AXES, recipe and recipe.split("+")[0])))
     model, args = build(case)
     # (every GPT block recomputed in full; LLaMA's first layer selectively)
     kw = {"checkpointing": "full" if case == "gpt" else {"layers.0": "selective"}} if recipe == "checkpointing" else {}
@@ -34,14 +34,17 @@ def _plan(case: str, recipe: str | None = None) -> autopar.Plan:
                         **kw)
 
 
-#: the cases whose tensor parallelism the export keeps (default: the faster projection)
-TENSOR_PARALLEL = {("llama", "fsdp_tp"): True}
+#: the cases whose tensor parallelism the export keeps (default: the faster projection), with or
+#: without sequence parallelism (default: where the plan splits the residual stream's tokens)
+OPTIONS = {("llama", "fsdp_tp"): {"tensor_parallel": True, "sequence_parallel": False},
+           ("llama", "megatron_sp"): {"tensor_parallel": True, "loss_parallel": False},
+           ("llama", "megatron_sp+loss"): {"tensor_parallel": True, "loss_parallel": True}}
 
 
 @functools.lru_cache(maxsize=None)
 def _exported(case: str, recipe: str | None = None):
     model, args = build(case)
-    return _plan(case, recipe).export("dtensor", model, args, tensor_parallel=TENSOR_PARALLEL.get((case, recipe)))
+    return _plan(case, recipe).export("dtensor", model, args, **OPTIONS.get((case, recipe), {}))
 
 
 def test_dtensor_module_uses_torch_alone_and_reports_both_prices():
@@ -90,8 +93,38 @@ def test_default_projection_is_the_faster_of_with_and_without_tensor_parallelism
     assert set(both.tried) == {"tp", None}
     assert both.plan.step_time == min(both.tried.values())
     assert any("price at" in n for n in both.styles.notes)
-    forced = _exported("llama", "fsdp_tp").report["projected"]["step_time"]  # tensor_parallel=True
-    assert forced == pytest.approx(both.tried["tp"], rel=1e-9)
+    forced = _plan("llama", "fsdp_tp").export("dtensor", model, args, tensor_parallel=True)
+    assert forced.report["projected"]["step_time"] == pytest.approx(both.tried["tp"], rel=1e-9)
+    assert both.styles.sequence == {} or forced.text.count("SequenceParallel()") == 1
+
+
+def test_sequence_parallel_projection_says_it_op_by_op():
+    """LLaMA's megatron_sp plan splits the residual stream's tokens on ``tp``: the export puts its
+    norms under SequenceParallel, cuts the embedding's output to the positions, and the projected
+    plan runs the norms and residual adds on ``S(1)``, all-gathers before the column-parallel
+    Linears and reduce-scatters after the row-parallel ones."""
+    e = _exported("llama", "megatron_sp")
+    ns: dict = {}
+    exec(compile(e.text, "<export>", "exec"), ns)
+    assert ns["SEQUENCE"] == {"layers.0.attention_norm": "norm", "layers.0.ffn_norm": "norm",
+                              "layers.1.attention_norm": "norm", "layers.1.ffn_norm": "norm", "norm": "final",
+                              "output": "exit", "tok_embeddings": "entry"}
+    model, args = build("llama")
+    proj = project(_plan("llama", "megatron_sp"), model, args, tensor_parallel=True)
+    tp = proj.plan.axis_names.index("tp")
+    for n in proj.plan.nodes:
+        if n["phase"] == "forward" and n.get("module") in ("layers.0", "layers.0.ffn_norm"):
+            assert [o.split(", ")[tp] for o in n["outputs"]] == ["S(1)"], n
+    kinds = {(r["module"], s["kind"]) for r in proj.plan.reshardings for s in r.get("steps", []) if s["axis"] == "tp"}
+    assert ("layers.0.feed_forward.w1", "all_gather") in kinds and ("layers.0", "reduce_scatter") in kinds
+    assert ("layers.0.ffn_norm", "all_reduce") in kinds  # the norm's scale: its gradient's partial sums
+    e = _exported("llama", "megatron_sp+loss")
+    ns = {}
+    exec(compile(e.text, "<export>", "exec"), ns)
+    assert ns["SEQUENCE"]["output"] == "vocab" and ns["TP_PLAN"]["output"] == "colwise"
+    assert any(n.startswith("tok_embeddings: replicated") for n in e.report["notes"])
+    without = project(_plan("llama", "megatron_sp"), model, args, tensor_parallel=True, sequence_parallel=False)
+    assert without.styles.sequence == {} and without.plan.peak_memory > proj.plan.peak_memory
 
 
 def test_a_model_other_than_the_plans_is_refused():
@@ -150,13 +183,15 @@ def test_cli_export(tmp_path, capsys):
     assert "def parallelize(model" in out.read_text()
 
 
-CASES = (("gpt", None), ("llama", None), ("llama", "fsdp_tp"), ("gpt", "checkpointing"), ("llama", "checkpointing"),
-         ("titan", None))
+CASES = (("gpt", None), ("llama", None), ("llama", "fsdp_tp"), ("llama", "megatron_sp"), ("llama", "megatron_sp+loss"),
+         ("gpt", "checkpointing"), ("llama", "checkpointing"), ("titan", None))
 
 
 @pytest.mark.gloo
 def test_exported_module_trains_as_one_device_with_predicted_collectives(gloo_pool4):
-    """Searched plans of GPT, LLaMA and the torchtitan-style Llama 3, LLaMA's fsdp_tp and a plan that
+    """Searched plans of GPT, LLaMA and the torchtitan-style Llama 3, LLaMA's fsdp_tp, its megatron_sp
+    (sequence parallelism; and with the head split on the vocabulary, the model's own loss under
+    loss_parallel) and a plan that
     recomputes its layers (full, selective), exported and run on 4 gloo ranks in float64 with plain DTensor + FSDP2:
     loss and gradients equal one device's, the collectives of the step, by kind, are the
     projection's, and the recomputed layers run twice."""
@@ -170,5 +205,9 @@ def test_exported_module_trains_as_one_device_with_predicted_collectives(gloo_po
             assert r["collectives"] == exported[c].report["collectives"], c
             assert r["runs"] == {path: 2 for path in _plan(*c).checkpointing}, c
     assert exported[("llama", "fsdp_tp")].report["collectives"]["all_reduce"] > 0  # tensor parallelism ran
+    assert exported[("llama", "megatron_sp")].report["collectives"]["reduce_scatter"] > 3  # and sequence parallelism
+    sp, vocab = (exported[("llama", r)].report["collectives"]["all_reduce"]
+                 for r in ("megatron_sp", "megatron_sp+loss"))
+    assert vocab == sp + 3  # loss_parallel's maximum, sum and picked logits
     assert _plan("gpt", "checkpointing").checkpointing == {"blocks.0": "full", "blocks.1": "full"}
     assert _plan("llama", "checkpointing").checkpointing == {"layers.0": "selective"}

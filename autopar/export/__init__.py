@@ -16,7 +16,7 @@ from typing import Optional
 
 from autopar.errors import ArgumentError
 from autopar.export import dtensor, torchtitan
-from autopar.export.project import Projection, Styles, project, styles
+from autopar.export.project import Projection, Styles, project, styles, unit_of
 from autopar.plans.format import human_time
 from autopar.plans.schema import Plan
 
@@ -55,26 +55,25 @@ def _figures(plan: Plan) -> dict:
             "fits": plan.fits}
 
 
-def _unit(units: list[str], module: str) -> str:
-    """The fully_shard unit holding ``module``'s parameters (the root ``""`` when no layer does)."""
-    return max((u for u in units if u and (module == u or module.startswith(u + "."))), key=len, default="")
-
-
 def step_collectives(projected: Plan, st: Styles) -> dict[str, int]:
     """The collectives one training step of the exported layout runs, by kind, from the projected
     plan's reshardings grouped as FSDP2 and DTensor's styles issue them: one all-gather per
     ``fully_shard`` unit and phase its parameters are gathered in, one reduce-scatter (and, over a
-    replicated data axis, one all-reduce) per unit its gradients are reduced in, and each activation
-    all-reduce on the tensor axis. The root unit is not resharded after forward (FSDP2 keeps it
-    gathered), where the projection's price gathers what the backward uses again. The loss's own
-    all-reduce (the program averages the step's loss over the batch; the exported model returns
-    each rank's) is not counted."""
+    replicated data axis, one all-reduce) per unit its gradients are reduced in, each activation
+    all-reduce, all-gather and reduce-scatter on the tensor axis (sequence parallelism's at the
+    split Linears' boundaries), and each gradient all-reduce there. With the head split on the
+    vocabulary, the loss's forward all-reduces on the tensor axis count too (``loss_parallel``'s
+    maximum, sum and picked logits), its backward's not: ``loss_parallel`` differentiates the
+    log-softmax and the nll loss together on each rank's classes, with no collective. The root unit
+    is not resharded after forward (FSDP2 keeps it gathered), where the projection's price gathers
+    what the backward uses again. The loss's own all-reduce (the program averages the step's loss
+    over the batch; the exported model returns each rank's) is not counted."""
     phase = {n["name"]: n.get("phase", "") for n in projected.nodes}
     data, shard = set(st.data_axes), st.data_axes[-1] if st.data_axes else None
-    gathers, reduced = set(), Counter()
-    tensor = 0
+    gathers, reduced, tensor = set(), Counter(), Counter()
+    vocab = "vocab" in st.sequence.values()
     for r in projected.reshardings:
-        unit, kinds = _unit(st.units, r.get("module", "")), [(s["kind"], s["axis"]) for s in r.get("steps", [])]
+        unit, kinds = unit_of(st.units, r.get("module", "")), [(s["kind"], s["axis"]) for s in r.get("steps", [])]
         if r.get("kind") == "param":
             when = "backward" if phase.get(r.get("consumer", "")) == "backward" else "forward"
             # a unit not resharded after forward (FSDP2's root) keeps its gathered parameters for the backward
@@ -84,26 +83,36 @@ def step_collectives(projected: Plan, st: Styles) -> dict[str, int]:
             for k, a in set(kinds):
                 if a in data:
                     reduced[(unit, "reduce_scatter" if a == shard else "all_reduce")] = 1
-        elif r.get("module", "") != "":
-            tensor += sum(1 for k, a in kinds if k == "all_reduce" and a == st.tensor_axis)
-    out = Counter({"all_gather": len(gathers), "all_reduce": tensor})
+            # a replicated parameter used on sequence-split activations (a norm's scale) has its
+            # gradient's partial sums all-reduced over the tensor axis, one each
+            tensor["all_reduce"] += sum(1 for k, a in kinds if k == "all_reduce" and a == st.tensor_axis)
+        elif r.get("module", "") != "" or (vocab and phase.get(r.get("consumer", "")) == "forward"):
+            for k, a in kinds:
+                if a == st.tensor_axis and k in ("all_reduce", "all_gather", "reduce_scatter"):
+                    tensor[k] += 1
+    out = Counter({"all_gather": len(gathers)}) + tensor
     for (_, kind), n in reduced.items():
         out[kind] += n
     return {k: v for k, v in sorted(out.items()) if v}
 
 
 def export(plan: Plan, format: str, model=None, example_inputs=(), example_kwargs=None, *,
-           tensor_parallel: Optional[bool] = None) -> Export:
+           tensor_parallel: Optional[bool] = None, sequence_parallel: Optional[bool] = None,
+           loss_parallel: Optional[bool] = None) -> Export:
     """``plan`` as the layout ``format`` names (``"dtensor"`` or ``"torchtitan"``). ``model`` and its
     example inputs (those the plan was made with) let the projection be priced; the ``dtensor``
     format needs them (its tensor-parallel styles are read off the model's graph). ``tensor_parallel``:
     None projects with and without the plan's tensor axis and keeps the faster that fits; True or
-    False keeps or drops it (``export.project.project``)."""
+    False keeps or drops it; ``sequence_parallel`` None splits the tensor-parallel layers' residual
+    stream along the sequence where the plan does, True wherever the model allows, False never
+    (``export.project.project``, ``export.sequence``); ``loss_parallel`` likewise splits the output
+    head on the vocabulary, its loss computed on the split logits under torch's ``loss_parallel``."""
     if format not in FORMATS:
         raise ArgumentError(f"export: unknown format {format!r}; formats are {', '.join(FORMATS)}")
     proj: Optional[Projection] = None
     if model is not None and plan.pipeline is None:
-        proj = project(plan, model, example_inputs, example_kwargs, tensor_parallel)
+        proj = project(plan, model, example_inputs, example_kwargs, tensor_parallel, sequence_parallel,
+                       loss_parallel)
     elif format == "dtensor" and plan.pipeline is None:
         raise ArgumentError("export: the dtensor format needs the plan's model and example inputs "
                             "(plan.export('dtensor', model, example_inputs))")

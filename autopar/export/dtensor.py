@@ -1,10 +1,14 @@
 """The ``dtensor`` export: a Python module whose ``parallelize(model, device_mesh)`` applies a plan's
 projection (``export.project.Styles``) with torch's public APIs only: ``parallelize_module`` with
 ``ColwiseParallel``/``RowwiseParallel`` on the tensor axis (the split attention modules' head-count
-attributes set to this rank's counts), ``torch.utils.checkpoint`` around each recomputed layer (the
-selective mode's policy through ``create_selective_checkpoint_contexts``), ``fully_shard`` (FSDP2)
-per layer and on the root over the data axes (a 2-D data mesh is HSDP: replicated over the first,
-sharded over the second), and the pipeline's split points as data for ``torch.distributed.pipelining``."""
+attributes set to this rank's counts; with sequence parallelism the norms under ``SequenceParallel``
+and their outputs gathered by ``PrepareModuleOutput``, the row-parallel Linears reduce-scattering to
+the positions, the embedding's output cut to them, and the output head split on the vocabulary
+under ``loss_parallel``: ``export.sequence``), ``torch.utils.checkpoint`` around each recomputed
+layer (the selective mode's policy through ``create_selective_checkpoint_contexts``), ``fully_shard``
+(FSDP2) per layer and on the root over the data axes (a 2-D data mesh is HSDP: replicated over the
+first, sharded over the second), and the pipeline's split points as data for
+``torch.distributed.pipelining``."""
 
 from __future__ import annotations
 
@@ -23,7 +27,9 @@ the batch (``local_batch``). No autopar code runs here.
 
 import torch
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 #: the mesh the plan was made for, axis name -> size, in order
@@ -35,6 +41,13 @@ DATA_AXES = {data_axes}
 #: module path -> its style on TENSOR_AXIS (the other Linear modules are replicated there)
 TP_PLAN = {{
 {tp_plan}}}
+#: sequence parallelism on TENSOR_AXIS (empty: none): the residual stream between the split Linears
+#: runs on this rank's positions (dim 1); module path -> "norm" or "final" (SequenceParallel, its output
+#: gathered for the layer's Linears or for the head), "entry" (its output cut to this rank's positions)
+#: or "exit" (the head, replicated) or "vocab" (the head split on the vocabulary, the model's
+#: cross-entropy computed on the split logits under loss_parallel)
+SEQUENCE = {{
+{sequence}}}
 #: attention modules split on TENSOR_AXIS: module path -> {{head-count attribute: its local value}}
 LOCAL_HEADS = {{
 {local_heads}}}
@@ -51,7 +64,31 @@ PIPELINE = {pipeline}
 
 
 def _styles() -> dict:
-    return {{path: ColwiseParallel() if style == "colwise" else RowwiseParallel() for path, style in TP_PLAN.items()}}
+    """The module styles: Megatron's pairs, and with SEQUENCE the norms on the positions, the
+    row-parallel Linears reduce-scattering their output to the positions and the embedding's output
+    cut to them."""
+    rowwise_out = Shard(1) if SEQUENCE else Replicate()
+    out = {{path: ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=rowwise_out)
+           for path, style in TP_PLAN.items()}}
+    for path, role in SEQUENCE.items():
+        if role == "vocab":  # the logits stay split on the vocabulary, for loss_parallel
+            out[path] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    for path, role in SEQUENCE.items():
+        if role in ("norm", "final"):
+            out[path] = SequenceParallel()
+        elif role == "entry":
+            out[path] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                            use_local_output=True)
+    return out
+
+
+def _gathers() -> dict:
+    """With SEQUENCE, each norm's output gathered whole: as a DTensor for the column-parallel Linears
+    of its layer (their input gradients' partial sums then reduce-scattered once), as a tensor for
+    the replicated output head."""
+    return {{path: PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                      use_local_output=role == "final" and "vocab" not in SEQUENCE.values())
+            for path, role in SEQUENCE.items() if role in ("norm", "final")}}
 
 
 def _selective():
@@ -84,6 +121,41 @@ def _recompute(module: torch.nn.Module, mode: str) -> None:
     module.forward = run
 
 
+def _loss_parallel(model: torch.nn.Module, head: str) -> None:
+    """Run ``model``'s forward, and the backward of its loss, under ``loss_parallel``: the model's
+    own cross-entropy then reads the head's vocabulary-split logits where they lie. The backward
+    enters the context when the loss's gradient is made and leaves it when the logits' is (the
+    cross-entropy's backward lies between); the loss is returned as a plain tensor."""
+    forward, held = model.forward, []
+
+    def enter(grad):
+        held.append(loss_parallel())
+        held[-1].__enter__()
+        return grad
+
+    def leave(grad):
+        while held:
+            held.pop().__exit__(None, None, None)
+        return grad
+
+    def logits_hook(module, inputs, out):
+        if out.requires_grad:
+            out.register_hook(leave)
+
+    model.get_submodule(head).register_forward_hook(logits_hook)
+
+    def run(*args, **kwargs):
+        with loss_parallel():
+            out = forward(*args, **kwargs)
+        if isinstance(out, DTensor):
+            out = out.to_local()
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(enter)
+        return out
+
+    model.forward = run
+
+
 def _holds(model: torch.nn.Module, path: str) -> bool:
     try:
         model.get_submodule(path)
@@ -97,6 +169,11 @@ def parallelize(model: torch.nn.Module, device_mesh) -> torch.nn.Module:
     stage's module, its paths as in the whole model) and return it."""
     if TP_PLAN:
         parallelize_module(model, device_mesh[TENSOR_AXIS], _styles())
+        if SEQUENCE:  # a second style on the norms, after SequenceParallel's
+            parallelize_module(model, device_mesh[TENSOR_AXIS], _gathers())
+        for path, role in SEQUENCE.items():
+            if role == "vocab":
+                _loss_parallel(model, path)
         for path, counts in LOCAL_HEADS.items():  # the module's views see this rank's heads
             for name, value in counts.items():
                 setattr(model.get_submodule(path), name, value)
@@ -141,6 +218,7 @@ def render(plan: Plan, st: Styles, projected: Optional[Plan]) -> str:
     return _TEMPLATE.format(axes=axes, times=times, shape=tuple(axes.values()), names=tuple(axes),
                             mesh_axes=axes, tensor_axis=repr(st.tensor_axis), data_axes=st.data_axes,
                             tp_plan=_rows(dict(sorted(st.linear.items()))), local_heads=_rows(st.local_heads),
+                            sequence=_rows(st.sequence),
                             units=_rows(units),
                             checkpointed=st.checkpointed,
                             split_points=split_points, pipeline=pipeline)

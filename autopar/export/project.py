@@ -19,6 +19,7 @@ import torch
 
 from autopar.cost_model.mesh import Mesh
 from autopar.errors import PlanError
+from autopar.export import sequence as seq
 from autopar.ir.attention import ATTN_FWD
 from autopar.ir.fingerprint import graph_fingerprint, graph_info
 from autopar.ir.graph import Graph
@@ -50,6 +51,8 @@ class Styles:
     checkpointed: dict[str, str] = field(default_factory=dict)
     #: attention modules split on the tensor axis: module path -> {head-count attribute: its local value}
     local_heads: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: sequence parallelism on the tensor axis: module path -> its role (``export.sequence``; empty: none)
+    sequence: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -110,7 +113,8 @@ def _is_linear(model, path: str) -> bool:
 _FOUND = object()  # ``styles``'s default: the tensor axis read off the plan
 
 
-def styles(plan: Plan, graph: Optional[Graph], model=None, tensor_axis=_FOUND) -> Styles:
+def styles(plan: Plan, graph: Optional[Graph], model=None, tensor_axis=_FOUND,
+           sequence_parallel: Optional[bool] = None, loss_parallel: Optional[bool] = None) -> Styles:
     """The module-level choices closest to ``plan`` on ``graph`` (the plan's model, captured).
 
     On the tensor axis a pair of weights Megatron would split together (``recipes.tensor_layout``:
@@ -121,7 +125,10 @@ def styles(plan: Plan, graph: Optional[Graph], model=None, tensor_axis=_FOUND) -
     (a module style hands the attention its local heads), and no weight of the pair is fused
     (``qkv`` as blocks: a contiguous column split would mix them); else it stays replicated.
     Without the graph (``None``) the axes are found, not the styles. ``tensor_axis`` (an index, or
-    None for none) overrides the axis read off the plan."""
+    None for none) overrides the axis read off the plan. ``sequence_parallel``: None adds sequence
+    parallelism (``export.sequence``) where the plan splits the norms' activations along the tokens
+    on the tensor axis, True wherever the model's shape lets the styles say it, False never;
+    ``loss_parallel`` likewise for the output head's vocabulary split (``_vocabulary``)."""
     t = _tensor_axis(plan) if tensor_axis is _FOUND else tensor_axis
     names = plan.axis_names
     out = Styles(names[t] if t is not None else None, tuple(a for i, a in enumerate(names) if i != t))
@@ -176,10 +183,34 @@ def styles(plan: Plan, graph: Optional[Graph], model=None, tensor_axis=_FOUND) -
                 out.linear[fqn_of[m].rpartition(".")[0]] = "colwise" if layout.get(m, pairs[m]) == 0 else "rowwise"
     alone = sorted(fqn_of[p].rpartition(".")[0] for p in layout if p not in pairs and p in fqn_of
                    and graph.node(p).out.ndim == 2 and _split_dim(plan.placements.get(fqn_of[p], "B"), t) is not None)
+    if sequence_parallel is not False and model is not None:
+        found, reason = seq.sequence_modules(model, out.units, out.linear)
+        if found and (sequence_parallel or seq.token_split(plan.nodes, found, t)):
+            out.sequence = found
+            _vocabulary(plan, graph, model, out, t, loss_parallel)
+        elif sequence_parallel and reason:
+            out.notes.append(seq.why_not(reason, names[t]))
+    alone = [m for m in alone if m not in out.linear]
     if alone:  # the output head, the token embedding
-        out.notes.append(f"{', '.join(alone)}: replicated on {names[t]!r} (a vocabulary split needs the loss "
-                         "computed on split logits, torch's loss_parallel, which a model's own loss is not told)")
+        out.notes.append(f"{', '.join(alone)}: replicated on {names[t]!r} (the output head is split on the "
+                         "vocabulary with sequence parallelism and one cross-entropy computed under loss_parallel; "
+                         "the token embedding's table is not split)")
     return out
+
+
+def _vocabulary(plan: Plan, graph: Graph, model, st: Styles, t: int, loss_parallel: Optional[bool]) -> None:
+    """With sequence parallelism, the output head split on the vocabulary (column-parallel, the
+    loss computed on the split logits under ``loss_parallel``) where the plan splits its weight's
+    rows on the tensor axis (``loss_parallel`` None) or always (True) and the model's loss allows
+    it (``sequence.loss_head``); a note says why not when asked for."""
+    if loss_parallel is False:
+        return
+    head = next(p for p, role in st.sequence.items() if role == seq.EXIT)
+    why = seq.loss_head(graph, model, head)
+    if not why and (loss_parallel or _split_dim(plan.placements.get(head + ".weight", "B"), t) == 0):
+        st.sequence[head], st.linear[head] = seq.VOCAB, "colwise"
+    elif loss_parallel:
+        st.notes.append(f"{head}: replicated on {plan.axis_names[t]!r} ({why})")
 
 
 def _placements(graph: Graph, mesh: Mesh, st: Styles) -> dict[str, list[tuple]]:
@@ -198,12 +229,17 @@ def _placements(graph: Graph, mesh: Mesh, st: Styles) -> dict[str, list[tuple]]:
             base[t] = Split(0)
         elif t is not None and style == "rowwise" and leaf == "weight":
             base[t] = Split(1)
-        if shard is not None and spec.ndim:
+        # FSDP2 shards dim 0 of each rank's tensor-parallel shard (a strided shard when the tensor
+        # axis splits dim 0 too): a column-parallel weight is priced with the data axis on dim 1,
+        # which gathers and reduces the same bytes over the data axis alone
+        dims = (1, 0) if t is not None and base[t] == Split(0) and spec.ndim == 2 else (0,)
+        for d in dims if shard is not None and spec.ndim else ():
             trial = list(base)
-            trial[shard] = Split(0)
-            if spec.shape[0] >= math.prod(mesh.shape[a] for a, p in enumerate(trial) if p == Split(0)) \
+            trial[shard] = Split(d)
+            if spec.shape[d] >= math.prod(mesh.shape[a] for a, p in enumerate(trial) if p == Split(d)) \
                     and blocks_fit(spec.shape, trial, mesh.shape, spec.blocks):
                 base = trial
+                break
         allowed[node] = [tuple(base)]
     pieces = math.prod(mesh.shape[a] for a in data)
     for key, node in graph.inputs.items():
@@ -215,6 +251,11 @@ def _placements(graph: Graph, mesh: Mesh, st: Styles) -> dict[str, list[tuple]]:
                             f"devices of the data axes {list(st.data_axes)}")
         allowed[node] = [tuple(Split(0) if a in data else B for a in range(mesh.ndim))]
     return allowed
+
+
+def unit_of(units: list[str], module: str) -> str:
+    """The ``fully_shard`` unit holding ``module``'s parameters (the root ``""`` when no layer does)."""
+    return max((u for u in units if u and (module == u or module.startswith(u + "."))), key=len, default="")
 
 
 def _no_partial_outside(planned: Planned, plan: Plan, st: Styles, t: int) -> dict[str, list[tuple]]:
@@ -247,11 +288,13 @@ class Projection:
 
 
 def project(plan: Plan, model, example_inputs=(), example_kwargs=None,
-            tensor_parallel: Optional[bool] = None) -> Projection:
+            tensor_parallel: Optional[bool] = None, sequence_parallel: Optional[bool] = None,
+            loss_parallel: Optional[bool] = None) -> Projection:
     """Project ``plan`` (made for ``model`` with these inputs) onto module-level styles and price it:
     the styles with the tensor axis read off the plan and those without tensor parallelism are
     both priced, and the faster that fits the plan's budget is the projection (its ``styles.notes``
-    give the other's price). ``tensor_parallel`` True keeps the plan's tensor axis, False drops it."""
+    give the other's price). ``tensor_parallel`` True keeps the plan's tensor axis, False drops it;
+    ``sequence_parallel`` and ``loss_parallel`` as ``styles`` takes them."""
     if plan.pipeline is not None:
         raise PlanError("export: pricing the projection of a pipelined plan is not supported; export its "
                         "stages' layout from a plan of one stage (autopar.plan without a pp axis)")
@@ -266,7 +309,8 @@ def project(plan: Plan, model, example_inputs=(), example_kwargs=None,
     found = _tensor_axis(plan)
     # the styles with the plan's tensor axis, and without tensor parallelism: the faster that fits
     axes = {None: [found, None], True: [found], False: [None]}[tensor_parallel]
-    tried = [_priced(plan, planned, styles(plan, planned.graph, model, t), mesh) for t in dict.fromkeys(axes)]
+    tried = [_priced(plan, planned, styles(plan, planned.graph, model, t, sequence_parallel, loss_parallel),
+                     mesh) for t in dict.fromkeys(axes)]
     fits = [p for p in tried if p.plan.fits] or tried
     best = min(fits, key=lambda p: p.plan.step_time)
     best.tried = {p.styles.tensor_axis: p.plan.step_time for p in tried}
@@ -294,10 +338,24 @@ def _priced(plan: Plan, planned: Planned, st: Styles, mesh: Mesh) -> Projection:
     graph = planned.graph
     t = [list(mesh.names).index(st.tensor_axis)] if st.tensor_axis else []
     allowed = _placements(graph, mesh, st)
+    regions = recipes.regions_of(graph) if t else None
     if t:
         allowed.update(_no_partial_outside(planned, plan, st, t[0]))
-    choice = complete(planned.merged, planned.problem, allowed, t, exact=True,
-                      regions=recipes.regions_of(graph) if t else None, label=graph.user_name)
+    if t and st.sequence:  # in the layers, DTensor carries partial sums to the sequence's reduce-scatters
+        vocab = seq.VOCAB in st.sequence.values()  # the loss's ops then take the split logits' partial sums
+        inside = {n["name"] for n in plan.nodes if unit_of(st.units, n.get("module", ""))
+                  or n.get("module", "") in st.sequence or (vocab and not n.get("module", ""))}
+        fixed = set(graph.params.values()) | set(graph.inputs.values())  # the styles' own placements
+        allowed = {k: v for k, v in allowed.items() if k not in inside or k in fixed}
+        residual = seq.residual_placements(planned.merged.problem, graph, plan.nodes, st.sequence, st.units,
+                                           st.linear, t[0])
+        allowed.update(residual)
+        for head, role in st.sequence.items():
+            if role == seq.VOCAB:
+                allowed.update(seq.loss_placements(planned.merged.problem, graph, plan.nodes, head, t[0]))
+        regions = seq.SequenceRegions(regions, set(residual))
+    choice = complete(planned.merged, planned.problem, allowed, t, exact=True, regions=regions,
+                      label=graph.user_name)
     # priced as ``run_passes`` prices its chosen plan: the evaluator's figures with the walked peak
     rc = planned.recompute
     redo = checkpoint.checkpointed_paths(planned.terms, rc) if rc is not None and rc.any else None
@@ -321,4 +379,4 @@ def changed_ops(a: Plan, b: Plan) -> list[tuple[str, str, str, str]]:
     return out
 
 
-__all__ = ["Projection", "Styles", "changed_ops", "project", "styles"]
+__all__ = ["Projection", "Styles", "changed_ops", "project", "styles", "unit_of"]
