@@ -242,7 +242,7 @@ def _check_options(options: PlanOptions) -> None:
     if not options.training:
         raise ArgumentError("autopar.plan: a pipeline (a 'pp' mesh axis or pipeline=) is planned for training only; "
                             "plan inference without the pp axis")
-    for k in ("hints", "recipe", "graph", "attention"):
+    for k in ("recipe", "graph"):
         if getattr(options, k) is not None:
             raise ArgumentError(f"autopar.plan: {k}= is not supported with a pipeline yet (a 'pp' axis or pipeline=); "
                                 f"plan without it")
