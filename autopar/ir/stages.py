@@ -224,7 +224,8 @@ def boundary_carriers(graph: Graph, stage_of: Callable[[str], int], placed: Call
             here = stage_of(n.name)
             for r in n.inputs:
                 src = graph.node(r.node)
-                sends = upstream.get(r.node, False) if forward else src.phase == Phase.BACKWARD and not src.is_placeholder
+                sends = (upstream.get(r.node, False) if forward
+                         else src.phase == Phase.BACKWARD and not src.is_placeholder)
                 if not sends:
                     continue
                 made = stage_of(r.node)
@@ -260,5 +261,5 @@ def boundary_carriers(graph: Graph, stage_of: Callable[[str], int], placed: Call
     return out
 
 
-__all__ = ["Chain", "GraphCut", "POST", "PRE", "boundary_carriers", "chain", "cut_graph", "forward_readers", "param_stages", "region_paths",
-           "stage_rule"]
+__all__ = ["Chain", "GraphCut", "POST", "PRE", "boundary_carriers", "chain", "cut_graph", "forward_readers",
+           "param_stages", "region_paths", "stage_rule"]

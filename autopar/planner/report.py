@@ -162,7 +162,7 @@ def build_plan(planned: "Planned", pipeline: Optional[PipelineDecision] = None):
             "outputs": [None if o is None else format_placements(output_placement(st, j)) for j, o in enumerate(n.outputs)],
             "compute": prob.nodes[i].compute[choice[i]],
         })
-    carried, stage_of = {}, None  # a pipeline's boundary gradients sent back as their activations are placed
+    carried, stage_of = {}, None  # a pipeline's boundary gradients, sent back as their activations are placed
     if pipeline is not None:
         stage_of = stage_rule(g, pipeline.stages)
         carried = boundary_carriers(g, stage_of, lambda r: output_placement(strat(r.node), r.index))
@@ -219,8 +219,9 @@ def _reshardings(planned: "Planned", strat, checkpointing: Optional[dict[str, st
     them in graph order; ``consumer`` is the first (``module`` is its module). The loss handed
     back replicated is an entry of its own, as the evaluator prices it (a sink cost of its node).
     ``carried`` (a pipeline's ``ir.stages.boundary_carriers``, ``stage_of`` its stage rule): a
-    backward value read by an earlier stage is resharded to its carrier's placement by its maker (an entry whose consumer is the
-    maker), then from there by each reader (entries of their own), as the lowering runs it."""
+    backward value read by an earlier stage is resharded to its carrier's placement by its maker (an
+    entry whose consumer is the maker), then from there by each reader (entries of their own), as
+    the lowering runs it."""
     g, mesh, prec = planned.graph, planned.mesh, planned.precision
     policy = cast_policy(g, prec)  # activations move in the dtype the lowering gives them
     out = []
