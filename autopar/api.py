@@ -311,7 +311,8 @@ def stage_program(model, plan, graph: Graph, batch: int, args: tuple, kwargs: di
 
     pl = plan.pipeline
     resolved = resolved if resolved is not None else keeping_gathers(resolve(graph, plan))
-    program = lower_tagged(resolved, coords, device, precision)
+    stage_of = stage_rule(graph, pl.stages)
+    program = lower_tagged(resolved, coords, device, precision, stage_of)
     micro = micro_slices(args, kwargs, batch, pl.microbatches)[0]
     margs, mkwargs = tuple(micro[f"input:{i}"] for i in range(len(args))), {k: micro[k] for k in kwargs}
     if checked:
@@ -327,7 +328,6 @@ def stage_program(model, plan, graph: Graph, batch: int, args: tuple, kwargs: di
     if device is not None:  # (a meta tensor stays one: it has no values to move)
         blocks = [b if b.is_meta else b.to(device) for b in blocks]
     dry_run(program, blocks)
-    stage_of = stage_rule(graph, pl.stages)
     cutting = cut(program, stage_of, len(pl.stage_ranks), local, split=pl.schedule == "ZBVZeroBubble", device=device)
     return StagedProgram(graph=graph, stage_of=stage_of, program=program, cut=cutting, batch=batch, local=list(local))
 

@@ -202,5 +202,64 @@ def cut_graph(graph: Graph, stage_of: Callable[[str], int], n_stages: int, train
     return GraphCut(home, boundaries[:n_stages - 1], runs)
 
 
-__all__ = ["Chain", "GraphCut", "POST", "PRE", "chain", "cut_graph", "forward_readers", "param_stages", "region_paths",
-           "stage_rule"]
+def boundary_carriers(graph: Graph, stage_of: Callable[[str], int], placed: Callable[[Ref], tuple]) -> dict[Ref, tuple]:
+    """Backward values handed to an earlier stage whose own placement (``placed``: a value's
+    placements where it is made) gives a local shape no activation crossing that boundary has ->
+    the placements they cross in instead: those of a forward value that crosses each boundary they
+    cross, of the same shape and dtype. Torch's stages send a stage's input gradients back in the
+    slots (the local shapes) of its inputs, so a gradient crosses as its activation is placed
+    (the lowering reshards it there before the boundary, ``passes.lower.tagged``)."""
+    fwd = [n for n in graph.ops() if n.phase == Phase.FORWARD]
+    bwd = [n for n in graph.ops() if n.phase == Phase.BACKWARD]
+    param = set(graph.params.values())
+    upstream: dict[str, bool] = {}  # forward ops with a parameter upstream (the values stages send)
+    for n in fwd:
+        upstream[n.name] = any(r.node in param or upstream.get(r.node, False) for r in n.inputs)
+
+    def crossing(nodes, forward: bool) -> dict[Ref, range]:
+        """Value -> the boundaries it crosses: (forward) made earlier and read later, the values a stage
+        sends (those without a parameter upstream are made again where read); (backward) the reverse."""
+        out: dict[Ref, range] = {}
+        for n in nodes:
+            here = stage_of(n.name)
+            for r in n.inputs:
+                src = graph.node(r.node)
+                sends = (upstream.get(r.node, False) if forward
+                         else src.phase == Phase.BACKWARD and not src.is_placeholder)
+                if not sends:
+                    continue
+                made = stage_of(r.node)
+                lo, hi = (made, here) if forward else (here, made)
+                if lo < hi:
+                    span = out.get(r)
+                    out[r] = range(lo, hi) if span is None else range(min(span.start, lo), max(span.stop, hi))
+        return out
+
+    sent, back = crossing(fwd, True), crossing(bwd, False)
+    if not back:
+        return {}
+    slots: dict[int, list[Ref]] = {}  # boundary b (stage b -> b + 1) -> the forward values crossing it
+    for r, span in sent.items():
+        for b in span:
+            slots.setdefault(b, []).append(r)
+    free = {b: list(refs) for b, refs in slots.items()}
+    kind = {r: (graph.spec(r).shape, graph.spec(r).dtype) for r in list(sent) + list(back)}
+    out: dict[Ref, tuple] = {}
+    # a value whose own placement already fits a slot takes it first; the others are carried
+    for r in sorted(back, key=lambda r: not all(any(kind[f] == kind[r] and placed(f) == placed(r) for f in
+                                                    free.get(b, [])) for b in back[r])):
+        options = [placed(f) for f in free.get(back[r].start, []) if kind[f] == kind[r]]
+        options = [p for p in dict.fromkeys(options) if all(
+            any(kind[f] == kind[r] and placed(f) == p for f in free.get(b, [])) for b in back[r])]
+        if not options:
+            continue  # nothing to pair with: the stage cut refuses it by name
+        want = placed(r) if placed(r) in options else options[0]
+        for b in back[r]:
+            free[b].remove(next(f for f in free[b] if kind[f] == kind[r] and placed(f) == want))
+        if want != placed(r):
+            out[r] = want
+    return out
+
+
+__all__ = ["Chain", "GraphCut", "POST", "PRE", "boundary_carriers", "chain", "cut_graph", "forward_readers",
+           "param_stages", "region_paths", "stage_rule"]

@@ -43,6 +43,7 @@ import torch
 from autopar.cost_model.mesh import DP_AXIS, PP_AXIS, Mesh
 from autopar.cost_model.pipeline_price import PipelinePrice, p2p_time
 from autopar.errors import ArgumentError, InfeasibleError, RecipeError
+from autopar.ir.attention_forms import check_forms
 from autopar.ir.capture import as_args
 from autopar.passes.search.peak import with_temporaries
 from autopar.passes.search.batch_coupled import batch_coupled
@@ -184,7 +185,7 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, op
     start = time.perf_counter()
     options = options if options is not None else PlanOptions()
     pin = dict(options.pipeline or {})  # (checked by ``planner.options.plan_options``)
-    _check_options(options)
+    _check_options(options, mesh)
     pp = mesh.axis_size(PP_AXIS) if PP_AXIS in mesh.names else 1
     sub = stage_mesh(mesh)
     args = as_args(example_inputs)
@@ -243,15 +244,25 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, op
     return build_plan(planned, pipeline=choice)
 
 
-def _check_options(options: PlanOptions) -> None:
-    """What a pipeline is not planned with yet."""
+def _check_options(options: PlanOptions, mesh: Mesh) -> None:
+    """What a pipeline is not planned with (yet)."""
     if not options.training:
         raise ArgumentError("autopar.plan: a pipeline (a 'pp' mesh axis or pipeline=) is planned for training only; "
                             "plan inference without the pp axis")
-    for k in ("hints", "recipe", "graph", "attention"):
+    for k in ("recipe", "graph"):
         if getattr(options, k) is not None:
             raise ArgumentError(f"autopar.plan: {k}= is not supported with a pipeline yet (a 'pp' axis or pipeline=); "
                                 f"plan without it")
+    # hints and attention forms apply to every stage's plan, on the stage mesh (the axes but pp)
+    for key, value in (options.hints or {}).items():
+        named = [part.split("=")[0].strip() for part in value.split(",")] if isinstance(value, str) else []
+        if not named or any("=" not in part for part in value.split(",")) or PP_AXIS in named:
+            raise ArgumentError(f"autopar.plan: hints[{key!r}]={value!r}: with a pipeline, hints place tensors on the "
+                                f"stage mesh (the axes but '{PP_AXIS}'); name those axes, e.g. 'cp=S(1)'")
+    for glob, per_axis in check_forms(options.attention, tuple(mesh.names)).items():
+        if PP_AXIS in per_axis:
+            raise ArgumentError(f"autopar.plan: attention[{glob!r}] names the pipeline axis '{PP_AXIS}'; attention "
+                                "forms apply to the stage mesh's axes (the axes but pp)")
     if options.search != "ilp":
         raise ArgumentError("autopar.plan: a pipeline is planned with search='ilp' only")
 

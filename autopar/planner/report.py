@@ -24,7 +24,7 @@ from autopar.ir.fingerprint import graph_fingerprint, graph_info
 from autopar.ir.graph import Ref
 from autopar.ir.placement import B, format_placements
 from autopar.ir.recompute import recomputed_ops
-from autopar.ir.stages import param_stages
+from autopar.ir.stages import boundary_carriers, param_stages, stage_rule
 from autopar.ir.views import param_views
 from autopar.passes.search.checkpoint import checkpointed_paths, group_figures
 from autopar.passes.search.forms import form_report
@@ -162,7 +162,11 @@ def build_plan(planned: "Planned", pipeline: Optional[PipelineDecision] = None):
             "outputs": [None if o is None else format_placements(output_placement(st, j)) for j, o in enumerate(n.outputs)],
             "compute": prob.nodes[i].compute[choice[i]],
         })
-    reshardings = _reshardings(planned, strat, checkpointing)
+    carried, stage_of = {}, None  # a pipeline's boundary gradients, sent back as their activations are placed
+    if pipeline is not None:
+        stage_of = stage_rule(g, pipeline.stages)
+        carried = boundary_carriers(g, stage_of, lambda r: output_placement(strat(r.node), r.index))
+    reshardings = _reshardings(planned, strat, checkpointing, carried, stage_of)
     mark_grad_buckets(g, reshardings, mesh, planned.precision, grad_stages)  # as the lowering groups them
     mark_param_groups(g, reshardings, mesh, planned.precision)
     mesh_dict = mesh.to_dict()
@@ -207,12 +211,17 @@ def build_plan(planned: "Planned", pipeline: Optional[PipelineDecision] = None):
     )
 
 
-def _reshardings(planned: "Planned", strat, checkpointing: Optional[dict[str, str]] = None) -> list[dict]:
+def _reshardings(planned: "Planned", strat, checkpointing: Optional[dict[str, str]] = None,
+                 carried: Optional[dict] = None, stage_of=None) -> list[dict]:
     """One entry per resharding the plan does: per tensor and target placement (and phase, for
     parameter gathers, which run again in the backward), shared by every consumer that needs that
     placement — as ``problem.evaluate`` prices it and the lowering runs it. ``consumers`` lists
     them in graph order; ``consumer`` is the first (``module`` is its module). The loss handed
-    back replicated is an entry of its own, as the evaluator prices it (a sink cost of its node)."""
+    back replicated is an entry of its own, as the evaluator prices it (a sink cost of its node).
+    ``carried`` (a pipeline's ``ir.stages.boundary_carriers``, ``stage_of`` its stage rule): a
+    backward value read by an earlier stage is resharded to its carrier's placement by its maker (an
+    entry whose consumer is the maker), then from there by each reader (entries of their own), as
+    the lowering runs it."""
     g, mesh, prec = planned.graph, planned.mesh, planned.precision
     policy = cast_policy(g, prec)  # activations move in the dtype the lowering gives them
     out = []
@@ -242,6 +251,7 @@ def _reshardings(planned: "Planned", strat, checkpointing: Optional[dict[str, st
 
 
     views = param_views(g)
+    carried, sent_back = carried or {}, set()
     if checkpointing is not None:  # a pipeline's stages recompute; every gathered copy is kept for the step
         redo, regather = recomputed_ops(g, checkpointing), False
     else:
@@ -260,6 +270,13 @@ def _reshardings(planned: "Planned", strat, checkpointing: Optional[dict[str, st
             src = output_placement(strat(r.node), r.index)
             kind = "param" if r.node in views else "activation"
             dst = input_placement(st, slot)
+            if r in carried and stage_of(n.name) < stage_of(r.node):  # sent back past a stage boundary
+                maker = g.node(r.node)
+                if (r, tuple(carried[r])) not in sent_back:
+                    sent_back.add((r, tuple(carried[r])))
+                    add(r, maker.name, kind, src, carried[r], maker.module_path)
+                add(r, n.name, kind, carried[r], dst, n.module_path, "carried")
+                continue
             if not (kind == "param" and n.phase.value == "backward" and (r, tuple(dst)) in served):
                 add(r, n.name, kind, src, dst, n.module_path, n.phase.value if kind == "param" else None)
             if kind == "param" and regather and n.name in redo and (r, tuple(dst)) not in served:

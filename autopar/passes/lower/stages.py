@@ -47,7 +47,11 @@ _aten = torch.ops.aten
 _LINEAR = {_aten.add.Tensor, _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default,
            _aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.clone.default,
            _aten._to_copy.default, _aten.sum.dim_IntList, operator.getitem, C.wait, C.all_reduce, C.all_gather,
-           C.reduce_scatter, C.all_to_all}
+           C.reduce_scatter, C.all_to_all,
+           # a resharding's local steps (``passes.lower.reshard``): a slice, and a block padded with a sum's
+           # zeros (to a partial sum), the zeros made in its shape
+           _aten.slice.Tensor, "contiguous", "reshape", _aten.slice_scatter.default, _aten.new_full.default,
+           _aten.full_like.default}
 
 
 def dry_run(program, inputs: list) -> None:

@@ -14,6 +14,7 @@ from autopar.ir.attention import ATTN_BWD, ATTN_FWD
 from autopar.ir.attention_forms import FORMS, classify, forms_for, is_attention, matches, q_index, qkv_indices
 from autopar.ir.graph import Graph, Ref
 from autopar.ir.placement import Split
+from autopar.ir.rules.random_attention import attention_dropout
 from autopar.passes.search.fold import Folding
 from autopar.passes.search.problem import Problem, evaluate
 from autopar.passes.search.strategies import input_placement, output_placement
@@ -40,7 +41,7 @@ def apply_forms(graph: Graph, mesh: Mesh, folding: Folding, problem: Problem,
             form = FORMS[name]
             _keep(pn, lambda s: matches(form, s[a].tag, input_placement(s, qi)[a], None),
                   f"attention={{{axis!r}: {name!r}}}: {graph.user_name(node)} has no strategy in that form on a mesh "
-                  f"axis of {mesh.shape[a]} devices (too few heads, sequence or batch to split?)")
+                  f"axis of {mesh.shape[a]} devices " + _why_not(node, form))
             if form.arrives is None or qi != 0:  # the forward's operands (the backward follows)
                 continue
             for slot in qkv_indices(node.op):
@@ -49,6 +50,15 @@ def apply_forms(graph: Graph, mesh: Mesh, folding: Folding, problem: Problem,
                 _keep(src, lambda s, r=ref: _split_on(output_placement(s, r.index)[a], form.arrives),
                       f"attention={{{axis!r}: {name!r}}}: {graph.user_name(ref)}, an operand of "
                       f"{graph.user_name(node)}, cannot be produced split on dim {form.arrives} over {axis!r}")
+
+
+def _why_not(node, form) -> str:
+    """Why an attention op has no strategy in ``form``, as far as its call says."""
+    p = attention_dropout(node.op, node.args, node.kwargs)
+    if form.tag is not None and p > 0:  # ring's blocks are not the dropout mask's (``ir.rules.ring``)
+        return (f"(it draws dropout, p={p}, which ring attention does not run; force 'ulysses' or 'gather' there, "
+                "which keep the dropout mask the one-device program draws, or set the dropout to 0)")
+    return "(too few heads, sequence or batch to split?)"
 
 
 def _split_on(p, dim: int) -> bool:
