@@ -139,6 +139,26 @@ def test_grouped_query_heads_fewer_than_the_axis(causal, axes, seq_axes):
     _check(model, args, {}, plan)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_grouped_query_strategy_on_two_axes_holds(causal):
+    """Every composed strategy of a grouped-query attention (4 query heads, 2 kv heads) on (2, 2),
+    kv-shared ones among them, reassembles to the op on whole tensors: no composition leaves a query
+    head's kv head on another device."""
+    from autopar.ir.rules import strategies
+    from autopar.ir.rules.proof.interp import check_strategy
+    from autopar.ir.rules.shared_kv import TAG
+
+    from test_ring_attention import _calls
+
+    kv_shared = 0
+    for call, ins in _calls(causal, 2):
+        for st in strategies(call, (2, 2)):
+            res = check_strategy(call, st, (2, 2), ins)
+            assert res.ok, f"{call.op} {[s.tag for s in st]}: {res.error}"
+            kv_shared += any(s.tag == TAG for s in st)
+    assert kv_shared
+
+
 def test_all_to_all_moves_what_each_rank_sends():
     """S(seq) -> S(heads) is one all-to-all whose time is each rank sending (n-1)/n of its shard."""
     mesh = autopar.Mesh({"sp": 4}, device="h100")

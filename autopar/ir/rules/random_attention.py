@@ -21,6 +21,7 @@ from autopar.ir.attention import ATTN_BWD, ATTN_FWD
 from autopar.ir.graph import Graph, Node, Ref
 from autopar.ir.rules.base import LocalCtx
 from autopar.ir.rules.random_ops import draw_local, global_index, is_random, uniform53
+from autopar.ir.rules.shared_kv import scatter_kv_grads, select_kv
 from autopar.ir.rules.special import _causal_mask
 
 #: op -> (position of dropout_p, of is_causal, index of q among the tensor inputs)
@@ -102,6 +103,7 @@ def attention_local(ctx: LocalCtx, xs: list, key: int) -> list:
     causal = bool(_arg(call.args, call.kwargs, c_pos, "is_causal", False))
     n_fixed = 3 if call.op == ATTN_FWD else 6
     mask = xs[n_fixed] if len(xs) > n_fixed else None
+    xs, kv_heads = select_kv(ctx, xs, qi)  # grouped-query heads split with k/v whole (kv-shared)
     q, k, v = xs[qi:qi + 3]
     scale = call.kwargs.get("scale")
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
@@ -129,7 +131,7 @@ def attention_local(ctx: LocalCtx, xs: list, key: int) -> list:
     if g > 1:  # the query heads sharing a key head add up
         dk = dk.unflatten(1, (k.shape[1], g)).sum(2)
         dv = dv.unflatten(1, (v.shape[1], g)).sum(2)
-    return [dq, dk, dv]
+    return list(scatter_kv_grads(ctx, (dq, dk, dv), kv_heads)) if kv_heads is not None else [dq, dk, dv]
 
 
 # -- capture ------------------------------------------------------------------------------------

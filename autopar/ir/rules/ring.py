@@ -32,6 +32,7 @@ from autopar.ir.rules.special import _check_attention_blocks  # (and the attenti
 from autopar.ir.rules.base import RULES, LocalCtx, OpCall
 from autopar.ir.rules.dimmap import DimMap, Signature, Strategy
 from autopar.ir.rules.shared_kv import TAG as KV_SHARED
+from autopar.ir.rules.shared_kv import composes as kv_shared_composes
 
 __all__ = ["FORMS", "RING", "RING_BALANCED", "forced_form", "ring_axis"]
 
@@ -150,7 +151,10 @@ def _wrap(op: str) -> None:
     def extra(call: OpCall, dm: DimMap) -> list[Signature]:
         return (before(call, dm) if before is not None else []) + _ring_extra(call, dm)
 
-    RULES[op] = replace(rule, extra=extra, local=local, compose=_compose)
+    def compose(call: OpCall, strats: list, mesh_shape: Sequence[int]) -> list:
+        return _compose(call, [st for st in strats if kv_shared_composes(st, 1 if op == ATTN_BWD else 0)], mesh_shape)
+
+    RULES[op] = replace(rule, extra=extra, local=local, compose=compose)
 
 
 for _op in (ATTN_FWD, ATTN_BWD):

@@ -21,7 +21,7 @@ from autopar.ir.rules.dimmap import DimMap, Signature
 
 TAG = "kv-shared"
 
-__all__ = ["TAG", "select_kv", "shared_kv_fwd", "shared_kv_bwd", "scatter_kv_grads"]
+__all__ = ["TAG", "composes", "select_kv", "shared_kv_fwd", "shared_kv_bwd", "scatter_kv_grads"]
 
 
 def _grouped(call: OpCall, q_index: int) -> bool:
@@ -43,6 +43,15 @@ def shared_kv_bwd(call: OpCall, dm: DimMap) -> list[Signature]:
         return []
     h = Split(1)
     return [Signature((h, h, B, B, h, h), (h, P, P), TAG)]
+
+
+def composes(strategy, q_index: int) -> bool:
+    """Whether a composed strategy's kv-shared axes hold: where one axis keeps k and v whole for
+    split query heads, no other axis may split the kv heads (the kv head a query head block needs
+    would then sit on another device; ``select_kv`` only picks heads among its own)."""
+    if not any(sig.tag == TAG for sig in strategy):
+        return True
+    return not any(sig.tag != TAG and sig.inputs[q_index + 1] == Split(1) for sig in strategy)
 
 
 def select_kv(ctx: LocalCtx, xs: list, q_index: int) -> tuple[list, Optional[torch.Tensor]]:
