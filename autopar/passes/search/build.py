@@ -12,7 +12,9 @@ forward and backward; not the parameters' layout views, which the backward deriv
 storage once and whole (a saved view keeps its base alive: ``ir.views.storage_shares``), in the
 precision's bytes. Edges are grouped into transfers (``_edges``):
 one resharding of a tensor to a placement serves all its consumers that need that placement.
-(Not counted: the memory of a resharded copy kept for the backward.)
+(Not counted: the memory of a resharded copy kept for the backward.) Beside it, per strategy, each
+op's transient bytes (``PNode.transient``: what it makes or reads that nothing saves), which the
+memory-fitting search adds once a walked plan is over the budget (``passes.search.peak``).
 """
 
 from __future__ import annotations
@@ -141,10 +143,10 @@ def build_problem(
                         mem["activations"] += shares[r] * activation_bytes(spec.shape, spec.dtype, output_placement(s, j),
                                                                            mesh, precision)
                 pn.transient.append(_transient(graph, n, s, in_specs, users_backward, views, mesh, precision))
-            # a parameter's optimizer step runs after the backward, under nothing (see the docstring);
-            # an expert exchange blocks the grouped product that reads it
             if n.is_placeholder:
                 pn.transient.append(0.0)
+            # a parameter's optimizer step runs after the backward, under nothing (see the docstring);
+            # an expert exchange blocks the grouped product that reads it
             pn.comm.append(step)
             for k in MEMORY_KINDS:
                 pn.memory[k].append(mem[k])
