@@ -5,6 +5,10 @@ default ``grouped_mm`` experts, as a user brings them, on H100 meshes.
   32 query / 4 KV heads of 128, vocabulary 151936), batch 256 x 4096 on (8, 8) H100s.
 - ``mixtral_8x7b``: Mixtral-8x7B's shape (32 layers, hidden 4096, 8 experts of 14336, top-2,
   32 / 8 heads, vocabulary 32000), batch 256 x 4096 on (8, 8) H100s.
+- ``deepseek_v3_gqa``: DeepSeek-V3's MoE shape (61 layers, hidden 7168, 256 routed experts of 2048,
+  top-8, one shared expert of 2048, vocabulary 129280) with grouped-query attention (128 query / 8 KV
+  heads) in place of multi-head latent attention, as Hugging Face's Qwen2-MoE writes it, batch
+  256 x 4096 on (16, 16) H100s.
 
 Each row prints the planned step time, tokens/s/GPU, MFU, peak memory, planning wall time, and
 which grouped products run expert-parallel (tag ``experts``). ``--layers`` plans fewer layers (the
@@ -37,6 +41,14 @@ MODELS = {
                           intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
                           max_position_embeddings=4096),
                      {"dp": 8, "tp": 8}, 256, 4096),
+    # DeepSeek-V3's MoE shape with grouped-query attention in place of multi-head latent attention
+    # (Qwen2-MoE's code: routed experts plus one gated shared expert; every layer sparse, where
+    # DeepSeek-V3's first three are dense)
+    "deepseek_v3_gqa": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                        dict(hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=8,
+                             intermediate_size=18432, moe_intermediate_size=2048, shared_expert_intermediate_size=2048,
+                             num_experts=256, num_experts_per_tok=8, vocab_size=129280, max_position_embeddings=4096),
+                        {"dp": 16, "tp": 16}, 256, 4096),
 }
 
 

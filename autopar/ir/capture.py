@@ -50,6 +50,15 @@ __all__ = ["capture", "normalize_mean_losses"]
 aten = torch.ops.aten
 
 _DECOMPOSE = [aten._log_softmax.default, aten._log_softmax_backward_data.default]
+
+
+def _new_zeros(self, size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """``new_zeros`` as ``zeros``: its input only supplies the dtype and device, so the captured op
+    reads nothing (a template, such as the gradient an indexing's backward scatters into zeros of
+    its input's shape, is then never gathered to make it)."""
+    return aten.zeros.default(size, dtype=self.dtype if dtype is None else dtype,
+                              layout=self.layout if layout is None else layout,
+                              device=self.device if device is None else device, pin_memory=pin_memory)
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
 _SUPPORTED = (
     "tensors, (nested) lists/tuples/dicts of tensors (and None), or top-level int/float/bool/str/None constants"
@@ -136,7 +145,7 @@ def _capture_one(model: torch.nn.Module, args: tuple, kwargs: dict, names: list[
     tracker = _ModuleTracker(mc)
     trees: list[OutputTree] = []  # the model's output structure, as the trace saw it
     mc.forward = traced_forward(mc.forward, training, outputs, loss_fn, trees)  # instance attribute: hooks still run
-    decomps = tc.decompositions(_DECOMPOSE)
+    decomps = {**tc.decompositions(_DECOMPOSE), aten.new_zeros.default: _new_zeros}
     grad_mode = torch.enable_grad() if training else torch.no_grad()
     # attention with dropout is recorded fused, with its dropout_p (ir.rules.random_attention)
     with grad_mode, tc.preserve_node_meta(), fused_dropout_attention():  # the tracker closes inside

@@ -317,23 +317,26 @@ def _solve_fitting(merged: Merged, problem: Problem, choices: dict[str, list[int
                    budget: float, peak_of):
     """``_solve`` with the budget, its linear memory budget lowered until the walked peak
     (``peak_of``) of its plan fits (``passes.search.peak.solve_fitting``)."""
-    return peak.solve_fitting(lambda lower: _solve(merged, problem, choices, *search_args, budget=True, lower=lower),
+    return peak.solve_fitting(lambda lower, transients: _solve(merged, problem, choices, *search_args, budget=True,
+                                                               lower=lower, transients=transients),
                               peak_of, problem, budget)
 
 
 def _solve(merged: Merged, problem: Problem, choices: dict[str, list[int]], mesh: Mesh,
-           deterministic_time: float, time_limit: Optional[float], budget: bool, lower: float = 0.0):
+           deterministic_time: float, time_limit: Optional[float], budget: bool, lower: float = 0.0,
+           transients: bool = False):
     """The search's plan of ``problem`` (``(solution, choice)``; ``(None, None)`` when the solver finds
     none), warm-started from the best recipe (the best that fits, with the budget), without the
     memory budget unless ``budget`` (lowered by ``lower`` bytes: the transient memory the linear
-    form does not see)."""
+    form does not see; ``transients``: the largest op's transient bytes beside the persistent memory)."""
     fitting = [n for n in choices if evaluate(problem, choices[n]).peak_memory <= problem.memory_budget]
     pool = fitting if budget and fitting else list(choices)
     starts = sorted(pool, key=lambda n: (evaluate(problem, choices[n]).step_time, n))
     start = choices[starts[0]] if starts else greedy(problem)
     limit = merged.problem.memory_budget - lower if budget else math.inf
-    target = merged.problem if budget and not lower else Problem(
-        merged.problem.nodes, merged.problem.edges, merged.problem.groups, limit, merged.problem.overlap_slowdown)
+    target = merged.problem if budget and not lower and not transients else Problem(
+        merged.problem.nodes, merged.problem.edges, merged.problem.groups, limit, merged.problem.overlap_slowdown,
+        transients=budget and transients)
     warm_start = [start[i] for i in merged.keep]
     try:
         if edge_var_count(target) <= FULL_ILP_LIMIT or mesh.ndim == 1:

@@ -13,7 +13,7 @@ from autopar.ir.attention import ATTN_BWD, ATTN_FWD
 from autopar.ir.graph import Ref
 from autopar.ir.placement import B, P, Split
 from autopar.ir.rules.base import LocalCtx, OpCall, register, substitute
-from autopar.ir.rules.dimmap import DimMap, Dims, Signature
+from autopar.ir.rules.dimmap import DimMap, Dims, Linear, Signature
 from autopar.ir.rules.generic import all_outputs, float_flags, linear_in, pointwise_map
 from autopar.ir.rules.shared_kv import scatter_kv_grads, select_kv, shared_kv_bwd, shared_kv_fwd
 
@@ -403,7 +403,9 @@ def _factory_map(call: OpCall) -> DimMap:
     out = call.out_specs[0]
     names = [f"d{i}" for i in range(out.ndim)]
     _, fo = float_flags(call)
-    return DimMap([], [[(n,) for n in names]], dict(zip(names, out.shape)), float_outputs=fo)
+    zeros = call.op == "aten.zeros.default" and fo[0]  # zeros are a valid partial sum (every addend zero)
+    return DimMap([], [[(n,) for n in names]], dict(zip(names, out.shape)), float_outputs=fo,
+                  linear=[Linear(frozenset(), frozenset({0}))] if zeros else [])
 
 
 register("aten.arange.default", "aten.arange.start", "aten.arange.start_step", local=_arange_local)(_factory_map)

@@ -12,7 +12,9 @@ forward and backward; not the parameters' layout views, which the backward deriv
 storage once and whole (a saved view keeps its base alive: ``ir.views.storage_shares``), in the
 precision's bytes. Edges are grouped into transfers (``_edges``):
 one resharding of a tensor to a placement serves all its consumers that need that placement.
-(Not counted: the memory of a resharded copy kept for the backward.)
+(Not counted: the memory of a resharded copy kept for the backward.) Beside it, per strategy, each
+op's transient bytes (``PNode.transient``: what it makes or reads that nothing saves), which the
+memory-fitting search adds once a walked plan is over the budget (``passes.search.peak``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from autopar.ir.layers import layers
 from autopar.ir.placement import B, Placements, format_placements, local_shape
 from autopar.ir.rules import op_call
 from autopar.ir.rules.ring import ring_axis
-from autopar.ir.views import param_views, storage_shares
+from autopar.ir.views import ALIASES, param_views, storage_shares
 from autopar.passes.search.fold import Folding
 from autopar.passes.search.problem import MEMORY_KINDS, Group, PEdge, PNode, Problem
 from autopar.passes.search.strategies import Constraint, HintError, input_placement, output_placement
@@ -45,6 +47,21 @@ from autopar.passes.search.strategies import Constraint, HintError, input_placem
 def _local_shapes(specs, placements_per_tensor, mesh: Mesh):
     zero = (0,) * mesh.ndim
     return [None if s is None else local_shape(s.shape, p, mesh.shape, zero) for s, p in zip(specs, placements_per_tensor)]
+
+
+def _transient(graph: Graph, n, s, in_specs, saved: set, views: set, mesh: Mesh, precision: Precision) -> float:
+    """Bytes op ``n`` holds at strategy ``s`` beside the persistent memory while it runs
+    (``PNode.transient``): its outputs nothing saves for the backward (a view's share its base) and
+    the values it reads that are neither saved, parameters nor inputs, at the placements it reads them."""
+    total = 0.0
+    if n.op not in ALIASES:
+        for j, spec in enumerate(n.outputs):
+            if spec is not None and Ref(n.name, j) not in saved:
+                total += activation_bytes(spec.shape, spec.dtype, output_placement(s, j), mesh, precision)
+    for k, (r, spec) in enumerate(zip(n.inputs, in_specs)):
+        if r not in saved and r.node not in views and not graph.node(r.node).is_placeholder:
+            total += activation_bytes(spec.shape, spec.dtype, input_placement(s, k), mesh, precision)
+    return total
 
 
 def build_problem(
@@ -89,7 +106,8 @@ def build_problem(
         strats = strategies[n.name]
         loc = folding.where.get(n.name)
         group = 2 * (0 if loc is None else loc[0] + 1) + (n.phase == Phase.BACKWARD)
-        pn = PNode(n.name, strats, folding.multiplicity(n.name), group, [], [], {k: [] for k in MEMORY_KINDS})
+        pn = PNode(n.name, strats, folding.multiplicity(n.name), group, [], [], {k: [] for k in MEMORY_KINDS},
+                   transient=[])
         in_specs = [graph.spec(r) for r in n.inputs]
         call = None if n.is_placeholder else op_call(graph, n)
         for s in strats:
@@ -124,6 +142,9 @@ def build_problem(
                     if spec is not None and r in users_backward and n.name not in views:
                         mem["activations"] += shares[r] * activation_bytes(spec.shape, spec.dtype, output_placement(s, j),
                                                                            mesh, precision)
+                pn.transient.append(_transient(graph, n, s, in_specs, users_backward, views, mesh, precision))
+            if n.is_placeholder:
+                pn.transient.append(0.0)
             # a parameter's optimizer step runs after the backward, under nothing (see the docstring);
             # an expert exchange blocks the grouped product that reads it
             pn.comm.append(step)

@@ -96,7 +96,8 @@ def merge(problem: Problem, ops: dict[str, str]) -> Merged:
 
 def _copy(n: PNode) -> PNode:
     return PNode(n.name, list(n.strategies), n.mult, n.group, list(n.compute), list(n.comm),
-                 {k: list(v) for k, v in n.memory.items()}, None if n.allowed is None else list(n.allowed))
+                 {k: list(v) for k, v in n.memory.items()}, None if n.allowed is None else list(n.allowed),
+                 None if n.transient is None else list(n.transient))
 
 
 def _follow_map(u: PNode, v: PNode, e: PEdge) -> list[int] | None:
@@ -117,6 +118,9 @@ def _absorb(u: PNode, v: PNode, f: list[int]) -> None:
         u.comm[s] += v.comm[f[s]]
         for k in MEMORY_KINDS:
             u.memory[k][s] += v.memory[k][f[s]]
+        if v.transient:  # the two run one after the other: the larger is what is held at once
+            u.transient = u.transient or [0.0] * len(u.strategies)
+            u.transient[s] = max(u.transient[s], v.transient[f[s]])
 
 
 def _resource(e: PEdge, v: int, u: int, f: list[int], nodes: list[PNode]) -> PEdge:

@@ -6,9 +6,11 @@ the loss, gathered weights in flight, collective and bucket buffers, unreduced g
 the backward, the optimizer's scratch. ``walked`` prices one choice by walking its program; every
 place that decides whether a plan fits, and every memory figure a plan reports, uses it.
 
-The ILP keeps the linear form with the budget lowered by the walk's excess over it:
-``solve_fitting`` solves, walks the result, and solves again with the budget
-lowered by the excess it found while the walked plan does not fit.
+The ILP keeps the linear form: ``solve_fitting`` solves, walks the result, and while the walked
+plan does not fit solves again, first with each op's transient bytes (its unsaved outputs and
+reads at its strategy, ``PNode.transient``) beside the persistent memory, so a temporary that alone
+breaks the budget is split rather than the persistent state squeezed, then with the budget lowered
+by the excess the walk found.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from autopar.ir.recompute import recomputed_ops
 from autopar.passes.search.checkpoint import Choice, checkpointed_paths
 from autopar.passes.search.fold import Folding
 from autopar.passes.search.kept import kept_reads
-from autopar.passes.search.problem import Cost, Problem, evaluate
+from autopar.passes.search.problem import Cost, Problem, evaluate, largest_transient
 
 
 def strategy_lookup(problem: Problem, folding: Folding, choice: Sequence[int]):
@@ -82,21 +84,34 @@ def with_temporaries(segments, peak: Optional[Peak]):
     return segments if peak is None else replace(segments, temporaries=float(peak.parts.get("temporaries", 0)))
 
 
-def solve_fitting(solve, peak_of, problem: Problem, budget: float, tries: int = 3):
-    """``solve(lower)`` (the ILP with its memory budget lowered by ``lower`` bytes: ``(solution,
-    choice)``, choice None when none is found) until the walked peak of its choice (``peak_of``)
-    fits ``budget``: each time lowered by what the walk found over the linear memory, or over the
-    budget, whichever is more. Returns the last ``(solution, choice)``."""
-    solution, choice = solve(0.0)
-    lower = 0.0
+def solve_fitting(solve, peak_of, problem: Problem, budget: float, tries: int = 4):
+    """``solve(lower, transients)`` (the ILP with its memory budget lowered by ``lower`` bytes, and
+    with ``transients`` the largest op's transient bytes added to its memory row,
+    ``Problem.transients``: ``(solution, choice)``, choice None when none is found) until the walked
+    peak of its choice (``peak_of``) fits ``budget``. The first solve over it turns the transients
+    on (a temporary the linear memory does not see may alone break the budget: lowering the budget
+    would only squeeze the persistent state), then each lowers the budget by what the walk found
+    over the linear memory, or over the budget, whichever is more. Where the solve with transients
+    finds nothing, the budget is lowered without them. Returns the last ``(solution, choice)``."""
+    solution, choice = solve(0.0, False)
+    lower, seen, tried = 0.0, False, False
     for _ in range(tries):
         if choice is None:
             break
         need = peak_of(choice)
         if need <= budget:
             break
-        lower = max(lower + need - budget, need - evaluate(problem, choice).peak_memory)
-        solution, choice = solve(lower)
+        linear = evaluate(problem, choice).peak_memory
+        top = largest_transient(problem, choice) if seen or not tried else 0.0
+        if not tried and top > 0:
+            tried = True
+            found = solve(max(0.0, need - linear - top), True)
+            if found[1] is not None:
+                (solution, choice), seen, lower = found, True, max(0.0, need - linear - top)
+                continue
+            top = 0.0
+        lower = max(lower + need - budget, need - linear - top)
+        solution, choice = solve(lower, seen)
     return solution, choice
 
 

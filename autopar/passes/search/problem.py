@@ -61,6 +61,9 @@ class PNode:
     comm: list[float]  # seconds per instance, per strategy (resharding at graph outputs: the loss)
     memory: dict[str, list[float]]  # bytes per instance, per strategy, by kind
     allowed: Optional[list[int]] = None  # strategy indices the hints allow (None: all)
+    #: bytes per strategy alive only while the op runs: its outputs nothing saves for the backward
+    #: and the unsaved values it reads, at their placements (``build``; None: none)
+    transient: Optional[list[float]] = None
 
     def mem_total(self, s: int) -> float:
         """Bytes per instance of strategy ``s``, all memory kinds together."""
@@ -126,6 +129,9 @@ class Problem:
     memory_budget: float
     #: fraction of compute throughput lost while a hidden collective runs beside it (``Hardware.overlap_slowdown``)
     overlap_slowdown: float = 0.0
+    #: whether the solver's memory row adds the largest ``PNode.transient`` of the choice to the
+    #: persistent memory (``solve._memory``; ``passes.search.peak.solve_fitting`` turns it on)
+    transients: bool = False
     index: dict[str, int] = field(default_factory=dict)
     #: edge indices per transfer (edges of one ``share``, in edge order), in order of first edge
     transfers: list[list[int]] = field(default_factory=list)
@@ -222,6 +228,11 @@ def local_cost(problem: Problem, incident: dict[int, list[list[PEdge]]], choice:
     for edges in incident.get(i, ()):
         c += edges[0].mult * transfer_cost(edges, choice, i, s)
     return c
+
+
+def largest_transient(problem: Problem, choice: Sequence[int]) -> float:
+    """The largest ``PNode.transient`` bytes of ``choice``: what one op holds beside the persistent memory."""
+    return max((n.transient[choice[i]] for i, n in enumerate(problem.nodes) if n.transient), default=0.0)
 
 
 def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:

@@ -17,6 +17,8 @@ Variables and constraints, each family built in its own function below (``formul
                                                            exposed[g] >= (1 - s) (sum_{t in g} cost_t - sum_{n in g} compute_n(x))
                                                            -> ``_exposed``
 - memory (bytes per device):                               sum_n mult_n * mem_n(x) <= budget   -> ``_memory``
+  and, where ``Problem.transients`` asks, ``top`` (>= 0) the largest op's transient bytes
+  (``PNode.transient``) added to the sum:                 top >= transient_n(x) for every n
 
 where a transfer's cost is sum_{p, q} cost_e[p, q] y[e, p, q] for a lone edge and
 sum_{p, Q} cost_t[p, Q] z[t, p, Q] for a shared one (minimising pushes each z down to the OR of
@@ -412,8 +414,26 @@ def _memory(m, problem: Problem, x) -> None:
             b = m.mem(n.mult * n.mem_total(s))
             if b:
                 terms.append((b, v))
+    if problem.transients and problem.memory_budget < float("inf"):
+        _transients(m, problem, x, terms)
     if terms and problem.memory_budget < float("inf"):
         m.linear(terms, hi=m.mem_limit(problem.memory_budget))
+
+
+def _transients(m, problem: Problem, x, terms: list) -> None:
+    """Adds to the memory ``terms`` the largest transient of the choice (``PNode.transient``): one
+    variable at least every chosen strategy's transient bytes."""
+    rows = []
+    for i, n in enumerate(problem.nodes):
+        row = [(m.mem(n.transient[s]), v) for s, v in x[i].items() if n.transient and m.mem(n.transient[s])]
+        if row:
+            rows.append(row)
+    if not rows:
+        return
+    top = m.num(max(c for row in rows for c, _ in row) + 1, "transient")
+    for row in rows:
+        m.linear([(1, top)] + [(-c, v) for c, v in row], lo=0)
+    terms.append((1, top))
 
 
 def greedy(problem: Problem) -> list[int]:
