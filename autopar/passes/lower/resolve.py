@@ -112,9 +112,8 @@ def resolve(graph: Graph, plan) -> Resolved:
 
 
 def _legacy_text(node: Node, strategy: Strategy) -> Optional[list[str]]:
-    """A strategy's text as plans of schema version 9 and earlier may record it, where that differs:
-    an unweighted ``nll_loss_backward`` was written with one more input, a ``B`` after its target (its
-    rule read the forward's weight position), so such a plan names the same choice in that form."""
+    """A strategy's text in the other form plans of schema version 9 may record, where there is one: an
+    unweighted ``nll_loss_backward`` with a fifth input, a ``B`` after its target, names the same choice."""
     if node.op != "aten.nll_loss_backward.default" or len(node.inputs) != 4:
         return None
     return [str(Signature(sig.inputs[:3] + (B,) + sig.inputs[3:], sig.outputs, sig.tag)) for sig in strategy]
