@@ -237,13 +237,15 @@ def test_the_same_plan_runs_on_cpu(planned, name):
 def test_a_plan_saved_naming_the_cpu_attention_op_loads_and_lowers():
     """``tests/data/plan_v7_gpt_dropout_dp2_tp2.json`` was made by autopar at plan schema version 7,
     which named attention by the CPU kernel captured: it loads as version 8 with the device-neutral
-    ops, lowers, and draws and computes what a plan made now does."""
+    ops, lowers, and draws and computes what a plan made now does. It also records the loss's
+    backward with an extra ``B`` input, as plans of version 9 and earlier do (``resolve._legacy_text``)."""
     from autopar.models import make
     from autopar.plans import load_plan
 
     path = pathlib.Path(__file__).parent / "data" / "plan_v7_gpt_dropout_dp2_tp2.json"
     text = path.read_text()
     assert '"schema_version": 7' in text and "_scaled_dot_product_flash_attention_for_cpu" in text
+    assert '"(B, S(0), S(0), B, B) -> (S(0))"' in text  # nll_loss_backward's five inputs
     old = load_plan(path)
     assert old.schema_version == SCHEMA_VERSION and not any("_for_cpu" in n["op"] for n in old.nodes)
     assert sorted(n["op"] for n in old.nodes if "attention" in n["op"]) == [

@@ -131,3 +131,49 @@ def test_vocab_parallel_embedding_is_offered_and_correct(mesh):
         assert check_strategy(c, st, mesh, [w, ids]).ok
         # without the offsets every device but the first would gather the wrong rows
         assert not check_strategy(c, st, mesh, [w, ids], offset_scale=0).ok
+
+
+def _nll_backward_call(weighted: bool, reduction: int = 1) -> tuple[OpCall, list[torch.Tensor]]:
+    """``nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight)``
+    on 5 rows of 6 classes, with the tensors to run it on (target 2 is ignored)."""
+    f64 = torch.float64
+    logp = torch.randn(5, 6, dtype=f64).log_softmax(1)
+    target = torch.tensor([0, 5, -100, 3, 2])
+    weight = torch.rand(6, dtype=f64) + 0.5
+    grad = torch.randn(5, dtype=f64) if reduction == 0 else torch.tensor(1.3, dtype=f64)
+    total = (weight[target.clamp(min=0)] * (target != -100)).sum() if weighted else torch.tensor(4.0, dtype=f64)
+    tensors = [grad, logp, target] + ([weight] if weighted else []) + [total]
+    names = iter(("g", "x", "t", "w", "tw"))
+    args = (Ref(next(names)), Ref(next(names)), Ref(next(names)), Ref(next(names)) if weighted else None, reduction,
+            -100, Ref("tw"))
+    c = OpCall(
+        "aten.nll_loss_backward.default", torch.ops.aten.nll_loss_backward.default, args, {},
+        [TensorSpec(tuple(t.shape), t.dtype) for t in tensors], [TensorSpec((5, 6), f64)],
+    )
+    return c, tensors
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_nll_backward_reads_its_weight_argument(weighted):
+    # the backward's weight is its 4th argument (the forward's 3rd is the backward's target): every
+    # signature places exactly the op's tensor inputs, and the class split runs only unweighted
+    c, tensors = _nll_backward_call(weighted)
+    sigs = signatures(c)
+    assert {len(s.inputs) for s in sigs} == {len(tensors)}
+    classes = [s for s in sigs if s.tag == "classes"]
+    assert bool(classes) is not weighted
+    assert all(s.inputs[3] == B for s in sigs)  # total_weight (or the weight) never splits
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("mesh", [(2,), (3,), (2, 2)])
+def test_nll_backward_class_split_is_correct(mesh, reduction):
+    from autopar.ir.rules.proof.interp import check_strategy
+
+    c, tensors = _nll_backward_call(False, reduction)
+    split = [st for st in strategies(c, mesh) if any(s.tag == "classes" for s in st)]
+    assert split, "the class split of the loss's backward is missing"
+    for st in split:
+        assert check_strategy(c, st, mesh, tensors).ok, st
+        # without each block's class offset every device but the first would score the wrong classes
+        assert not check_strategy(c, st, mesh, tensors, offset_scale=0).ok, st

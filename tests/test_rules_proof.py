@@ -85,6 +85,9 @@ def test_rules_proven_by_execution(family_cases):
     assert not report.failures, "\n".join(report.failures[:20])
     assert len(report.ops) >= 50
     assert len(report.pairs) >= 1000
+    # the loss-parallel class split of both halves of the loss (the only nll signatures splitting classes)
+    for op in ("aten.nll_loss_forward.default", "aten.nll_loss_backward.default"):
+        assert any(o == op and "S(1)" in text for o, text in report.pairs), f"{op}: class split not proven"
 
 
 def test_proof_catches_mutated_rules(family_cases):

@@ -120,7 +120,13 @@ def _nll_reduction(call: OpCall) -> int:
 
 
 def _has_weight(call: OpCall) -> bool:
+    """Whether the forward ``nll_loss_forward(self, target, weight, ...)`` weighs the classes."""
     return isinstance(call.arg(2, "weight"), Ref)
+
+
+def _has_weight_bw(call: OpCall) -> bool:
+    """Whether ``nll_loss_backward(grad_output, self, target, weight, ...)`` weighs the classes."""
+    return isinstance(call.arg(3, "weight"), Ref)
 
 
 def _nll_extra(call: OpCall, dm: DimMap) -> list[Signature]:
@@ -172,7 +178,7 @@ def _nll_forward(call: OpCall) -> DimMap:
 
 
 def _nll_backward_extra(call: OpCall, dm: DimMap) -> list[Signature]:
-    if _has_weight(call) or call.in_specs[1].ndim != 2 or call.in_specs[1].shape[1] < 2:
+    if _has_weight_bw(call) or call.in_specs[1].ndim != 2 or call.in_specs[1].shape[1] < 2:
         return []
     ins = [B] * len(call.in_specs)
     ins[1] = Split(1)
@@ -210,7 +216,7 @@ def _nll_backward(call: OpCall) -> DimMap:
     two = x.ndim == 2
     batch = ("n",) if two else ()
     ins: list[Optional[Dims]] = [[batch] if red == 0 and two else [], [batch, ("c",)] if two else [("c",)], [batch] if two else []]
-    if _has_weight(call):
+    if _has_weight_bw(call):
         ins.append([("c",)])
     ins.append([])  # total_weight
     sizes = {"c": x.shape[-1], "n": x.shape[0] if two else 1}

@@ -17,11 +17,11 @@ from autopar.cost_model.precision import Precision
 from autopar.errors import LoweringError
 from autopar.ir.fingerprint import graph_fingerprint, graph_info
 from autopar.ir.graph import Graph, Node, Role
-from autopar.ir.placement import format_placements
+from autopar.ir.placement import B, format_placements
 from autopar.ir.recompute import recomputed_ops
 from autopar.ir.rules import op_call
 from autopar.ir.rules.base import OpCall
-from autopar.ir.rules.dimmap import Strategy
+from autopar.ir.rules.dimmap import Signature, Strategy
 from autopar.ir.rules.random_ops import RANDOM_BASES, unsupported_random
 from autopar.ir.stages import param_stages
 from autopar.passes.search.kept import instance_path, kept_reads
@@ -78,7 +78,9 @@ def resolve(graph: Graph, plan) -> Resolved:
         if entry is None:
             raise LoweringError(f"the plan has no strategy for {graph.user_name(node)}: plan again for this model")
         want = (list(entry["strategy"]), list(entry["tags"]))
-        found = [s for s in node_strategies(graph, node, mesh) if ([str(x) for x in s], [x.tag for x in s]) == want]
+        offered = node_strategies(graph, node, mesh)
+        found = [s for s in offered if ([str(x) for x in s], [x.tag for x in s]) == want] or [
+            s for s in offered if (_legacy_text(node, s), [x.tag for x in s]) == want]
         if not found:
             raise LoweringError(
                 f"the plan's strategy {' | '.join(want[0])} for {graph.user_name(node)} is not one autopar's rules "
@@ -107,6 +109,14 @@ def resolve(graph: Graph, plan) -> Resolved:
     # a pipelined plan's buckets stay within a stage (schema version 7; an older one's as it lists them)
     stages = param_stages(graph, pipeline.stages) if pipeline is not None and pipeline.stage_buckets else None
     return Resolved(graph, mesh, precision, strategies, calls, redo, derived, stages)
+
+
+def _legacy_text(node: Node, strategy: Strategy) -> Optional[list[str]]:
+    """A strategy's text in the other form plans of schema version 9 may record, where there is one: an
+    unweighted ``nll_loss_backward`` with a fifth input, a ``B`` after its target, names the same choice."""
+    if node.op != "aten.nll_loss_backward.default" or len(node.inputs) != 4:
+        return None
+    return [str(Signature(sig.inputs[:3] + (B,) + sig.inputs[3:], sig.outputs, sig.tag)) for sig in strategy]
 
 
 def _placeholder_strategy(graph: Graph, node: Node, plan, mesh: Mesh) -> Strategy:
