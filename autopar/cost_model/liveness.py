@@ -88,7 +88,7 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
     mapping to the ``(ref, placements)`` of the forward gather that serves each).
 
     Refs and placements are int codes in the walk (placements interned by value, so equal codes are
-    equal placements), moments ints (``_at``), and the sweep over the moments runs in numpy."""
+    equal placements), moments ints (``liveness_program.at``), the sweep over the moments in numpy."""
     prog = program(graph)
     redo = frozenset(recomputed)
     nodes, order, code, refs = graph.nodes, prog.order, prog.code, prog.refs
