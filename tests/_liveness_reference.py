@@ -9,11 +9,11 @@ from typing import Callable, Iterable, Mapping, Optional
 
 from autopar.cost_model.buckets import grad_buckets, grad_steps
 from autopar.cost_model.liveness import PEAK_KINDS, Peak, _block_bytes, _moves, optimizer_scratch
+from autopar.cost_model.liveness_program import issue_times
 from autopar.cost_model.memory import local_numel
 from autopar.cost_model.precision import Precision, element_bytes
 from autopar.cost_model.ring import ring_inflight_bytes
 from autopar.ir.graph import Graph, Phase, Ref, Role
-from autopar.ir.layers import layer_key
 from autopar.ir.placement import local_shape
 from autopar.ir.rules import op_call
 from autopar.ir.rules.ring import ring_axis
@@ -79,7 +79,7 @@ def reference_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, prec
     execs = [((order[n.name], 0), n, False) for n in nodes if not n.is_placeholder]
     execs += [((t, -1), graph.node(name), True) for name, t in reruns.items()]
     execs.sort(key=lambda e: (e[0], order[e[1].name]))
-    issue = _issue_times(nodes, order, first_back)
+    issue = issue_times(nodes, order, first_back)
 
     static = {"params": 0, "optimizer": 0}
     float_numel = 0
@@ -238,30 +238,6 @@ def _rerun_times(graph: Graph, redo: frozenset, order: dict) -> dict:
         ts += [out[m] for m in readers.get(name, ()) if m in out]
         if ts:
             out[name] = min(ts)
-    return out
-
-
-def _issue_times(nodes, order: dict, first_back: int) -> dict:
-    """(node, "f"|"b") -> the moment a parameter gather for that node is issued: the start of the
-    layer before the node's layer in its phase, or the phase's start for a node outside the layers
-    (``passes/lower/schedule``)."""
-    out = {}
-    for phase, lo, hi in (("f", 0, first_back), ("b", first_back, len(nodes))):
-        starts: list[int] = []
-        seen = set()
-        current = -1
-        for n in nodes[lo:hi]:
-            if n.is_placeholder:
-                continue
-            lay = layer_key(n.module_path or "")
-            if lay is not None and lay not in seen:
-                seen.add(lay)
-                starts.append(order[n.name])
-            current = len(starts) - 1 if lay is not None else None
-            if current is None:
-                out[(n.name, phase)] = (lo, -2)
-            else:
-                out[(n.name, phase)] = (starts[max(current - 1, 0)], -2)
     return out
 
 
