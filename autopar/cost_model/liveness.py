@@ -35,16 +35,17 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Optional
 
+import numpy as np
+
 from autopar.cost_model.buckets import grad_buckets, grad_steps
+from autopar.cost_model.liveness_program import LAST, W, at, program, rerun_times
 from autopar.cost_model.memory import local_numel
 from autopar.cost_model.precision import Precision, element_bytes
 from autopar.cost_model.ring import ring_inflight_bytes
-from autopar.ir.graph import Graph, Phase, Ref, Role
-from autopar.ir.layers import layer_key
+from autopar.ir.graph import Graph, Ref, Role
 from autopar.ir.placement import B, local_shape
 from autopar.ir.rules import op_call
 from autopar.ir.rules.ring import ring_axis
-from autopar.ir.views import ALIASES, param_views
 
 #: What a step's peak is split into (``plan.memory``'s keys besides ``peak`` figures).
 PEAK_KINDS = ("params", "grads", "optimizer", "activations", "temporaries")
@@ -78,201 +79,234 @@ def optimizer_scratch(numel: int, precision: Precision) -> int:
     return numel * (precision.optimizer_bytes // 2)
 
 
-class _Walk:
-    """Storages with their first and last moment and kind; moments are (time, order) pairs."""
-
-    def __init__(self) -> None:
-        self.start: dict = {}
-        self.end: dict = {}
-        self.size: dict = {}
-        self.kind: dict = {}
-
-    def make(self, key, t, nbytes: int, kind: Optional[str] = None) -> None:
-        if key in self.start or nbytes <= 0:
-            return
-        self.start[key], self.end[key], self.size[key] = t, t, nbytes
-        if kind is not None:
-            self.kind[key] = kind
-
-    def use(self, key, t) -> None:
-        if key in self.end and t > self.end[key]:
-            self.end[key] = t
-
-
 def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision: Precision, *,
               recomputed: Iterable[str] = (), served: Iterable[tuple] = (),
               grad_stages: Optional[Mapping[str, frozenset]] = None) -> Peak:
     """The peak of one step of ``graph`` with every node running ``strategy_of(name)`` (see the
     module's docstring). ``recomputed``: the forward ops the backward runs again; ``served``: the
     ``(parameter view ref, placements)`` the backward reads from the forward's kept gathers (a
-    mapping to the ``(ref, placements)`` of the forward gather that serves each)."""
+    mapping to the ``(ref, placements)`` of the forward gather that serves each).
+
+    Refs and placements are int codes in the walk (placements interned by value, so equal codes are
+    equal placements), moments ints (``liveness_program.at``), the sweep over the moments in numpy."""
+    prog = program(graph)
     redo = frozenset(recomputed)
-    kept = dict(served) if isinstance(served, Mapping) else {k: k for k in served}
-    nodes = graph.nodes
-    order = {n.name: i for i, n in enumerate(nodes)}
-    views = param_views(graph)
+    nodes, order, code, refs = graph.nodes, prog.order, prog.code, prog.refs
     shape = tuple(mesh.shape)
     training = graph.training
-    ws = _Walk()
+    first_back = prog.first_back
+    end = at(len(nodes), LAST)  # the backward's return (its buckets reduce before, ``_grads``)
+    saved_from = at(first_back, -1)
+
+    strats: dict = {}  # node name -> its strategy (held: ids below stay theirs during the walk)
+    places: list = []  # placement code -> placements
+    interned: dict = {}
+    by_id: dict = {}  # (id(strategy), "i"|"o", position) -> placement code
+
+    def strat(name: str):
+        got = strats.get(name)
+        if got is None:
+            got = strats[name] = strategy_of(name)
+        return got
+
+    def intern(place: tuple) -> int:
+        got = interned.get(place)
+        if got is None:
+            got = interned[place] = len(places)
+            places.append(place)
+        return got
+
+    def in_code(st, k: int) -> int:
+        key = (id(st), "i", k)
+        got = by_id.get(key)
+        if got is None:
+            got = by_id[key] = intern(tuple(s.inputs[k] for s in st))
+        return got
+
+    out_codes: dict = {}  # ref code -> placement code of its producer's output
+
+    def out_code(rc: int) -> int:
+        got = out_codes.get(rc)
+        if got is None:
+            r = refs[rc]
+            st = strat(r.node)
+            key = (id(st), "o", r.index)
+            got = by_id.get(key)
+            if got is None:
+                got = by_id[key] = intern(tuple(s.outputs[r.index] for s in st))
+            out_codes[rc] = got
+        return got
+
     sizes: dict = {}
 
-    def out_place(r: Ref):
-        return tuple(s.outputs[r.index] for s in strategy_of(r.node))
+    def nbytes(rc: int, pc: int, role: str = "activation") -> int:
+        key = (rc, pc, role)
+        got = sizes.get(key)
+        if got is None:
+            spec = graph.spec(refs[rc])
+            got = sizes[key] = _block_bytes(tuple(spec.shape), spec.dtype, places[pc], shape, role, precision)
+        return got
 
-    def in_place(name: str, k: int):
-        return tuple(s.inputs[k] for s in strategy_of(name))
+    moves: dict = {}
+    rings: dict = {}
+    start: dict = {}  # storage key -> its first moment
+    last: dict = {}  # storage key -> its last moment
+    size: dict = {}
+    kinds: dict = {}
 
-    def nbytes(r: Ref, place, role: str = "activation") -> int:
-        key = (r, place, role)
-        if key not in sizes:
-            spec = graph.spec(r)
-            sizes[key] = _block_bytes(tuple(spec.shape), spec.dtype, place, shape, role, precision)
-        return sizes[key]
+    def make(key, t: int, nb: int, kind: Optional[str] = None) -> None:
+        if key in start or nb <= 0:
+            return
+        start[key] = last[key] = t
+        size[key] = nb
+        if kind is not None:
+            kinds[key] = kind
 
-    # the moments: every graph node at its index; a re-run op just before its first backward reader
-    back = [n for n in nodes if n.phase == Phase.BACKWARD and not n.is_placeholder] if training else []
-    first_back = order[back[0].name] if back else len(nodes)
-    end = (len(nodes), 1 << 30)  # the backward's return (its buckets reduce before, ``_grads``)
-    reruns = _rerun_times(graph, redo, order) if training else {}
-    execs = [((order[n.name], 0), n, False) for n in nodes if not n.is_placeholder]
-    execs += [((t, -1), graph.node(name), True) for name, t in reruns.items()]
-    execs.sort(key=lambda e: (e[0], order[e[1].name]))
-    issue = _issue_times(nodes, order, first_back)
+    kept = {}
+    for k, v in (served.items() if isinstance(served, Mapping) else ((k, k) for k in served)):
+        (r, want), (src, placed) = k, v
+        kept[(_code(code, refs, r), intern(tuple(want)))] = (_code(code, refs, src), intern(tuple(placed)))
+
+    # the moments: every op at its index; a re-run op just before its first backward reader
+    execs = [(at(i), op, False) for op in prog.ops for i in (op[0],)]
+    if training and redo:
+        reruns = rerun_times(graph, redo, order, prog.readers)
+        if reruns:
+            byname = {op[1].name: op for op in prog.ops}
+            execs += [(at(t, -1), byname[name], True) for name, t in reruns.items()]
+            execs.sort(key=lambda e: (e[0], e[1][0]))
 
     static = {"params": 0, "optimizer": 0}
     float_numel = 0
-    storage: dict = {}  # ref -> its storage key (forward values; and the inputs)
-    again: dict = {}  # ref -> its storage key, made again in the backward (recomputed)
+    storage: dict = {}  # ref code -> its storage key (forward values; and the inputs)
+    again: dict = {}  # ref code -> its storage key, made again in the backward (recomputed)
+    param_nodes = set(graph.params.values())
     for n in nodes:
         if not n.is_placeholder or n.outputs[0] is None:
             continue
         r = Ref(n.name, 0)
-        place = out_place(r)
-        if n.name in graph.params.values() or n.roles[0] == Role.BUFFER:
+        rc = code[r]
+        pc = out_code(rc)
+        if n.name in param_nodes or n.roles[0] == Role.BUFFER:
             spec = graph.spec(r)
-            numel = local_numel(spec.shape, place, shape)
+            numel = local_numel(spec.shape, places[pc], shape)
             role = "param" if n.roles[0] != Role.BUFFER else "activation"
             static["params"] += numel * element_bytes(spec.dtype, role, precision)
             if training and n.roles[0] != Role.BUFFER and spec.dtype.is_floating_point:
                 static["optimizer"] += numel * precision.optimizer_bytes
                 float_numel += numel
-            storage[r] = None  # always alive
+            storage[rc] = None  # always alive
         elif n.roles[0] == Role.TANGENT:
-            storage[r] = None
+            storage[rc] = None
         else:  # an input: the caller holds it through the step
-            storage[r] = ("v", r)
-            ws.make(("v", r), (0, 0), nbytes(r, place), None)
-            ws.use(("v", r), end)
+            storage[rc] = ("v", rc)
+            make(("v", rc), at(0), nbytes(rc, pc), None)
+            if ("v", rc) in last and end > last[("v", rc)]:
+                last[("v", rc)] = end
 
     reshards: dict = {}  # (ref, placements, "f"|"b") -> key of the resharded copy
-    for t, n, rerun in execs:
-        backward = rerun or n.phase == Phase.BACKWARD
+    issue = prog.issue
+    for t, (_, n, in_back, ins, outs, alias), rerun in execs:
+        name = n.name
+        backward = rerun or in_back
         table = again if rerun else storage
+        st = strat(name)
         read_keys = []
-        for k, r in enumerate(n.inputs):
-            want = in_place(n.name, k)
-            have = out_place(r)
-            src = again.get(r, storage.get(r)) if backward and r in again else storage.get(r)
-            if r.node in views and want != have:  # a parameter gather
+        for k, rc, is_view in ins:
+            want = in_code(st, k)
+            have = out_code(rc)
+            src = again[rc] if backward and rc in again else storage.get(rc)
+            if is_view and want != have:  # a parameter gather
                 phase = "b" if backward else "f"
-                key = ("g", r, want, phase)
-                if backward and (r, want) in kept:  # the forward's kept gathered block serves it
-                    key = ("g",) + tuple(kept[(r, want)]) + ("f",)
-                if key not in ws.start:
-                    at = min(issue.get((n.name, phase), t), t) if not rerun else t
-                    size = nbytes(r, want)
-                    ws.make(key, t, size, None)  # cut out of the flat buffer at its first reader
-                    ws.make(("gf",) + key[1:], at, size, "temporaries")  # the flat buffer, in flight until then
-                    ws.use(("gf",) + key[1:], t)
-                ws.use(key, t)
-                read_keys.append(key)
-                continue
-            if want == have:
-                if src is not None:
-                    ws.use(src, t)
+                key = ("g", rc, want, phase)
+                if backward and (rc, want) in kept:  # the forward's kept gathered block serves it
+                    key = ("g",) + kept[(rc, want)] + ("f",)
+                if key not in start:
+                    issued = min(issue.get((name, phase), t), t) if not rerun else t
+                    nb = nbytes(rc, want)
+                    make(key, t, nb, None)  # cut out of the flat buffer at its first reader
+                    flat = ("gf",) + key[1:]
+                    make(flat, issued, nb, "temporaries")  # the flat buffer, in flight until then
+                    if flat in last and t > last[flat]:
+                        last[flat] = t
+            elif want == have:
+                if src is not None and src in last and t > last[src]:
+                    last[src] = t
                 read_keys.append(src)
                 continue
-            # an activation resharded: once per placement and phase; the forward's copy is saved
-            fkey = (r, want, "f")
-            if backward and fkey in reshards and r not in again and not rerun:
-                key = reshards[fkey]
-            else:
-                key = ("r", r, want, "b" if backward else "f", rerun)
-                reshards.setdefault((r, want, "b" if backward else "f"), key)
-                if key not in ws.start:
-                    size = nbytes(r, want)
-                    ws.make(key, t, size, None)
-                    if _moves(have, want):  # the collective's own output, copied out for the readers
-                        ws.make(("c",) + key, t, size, "temporaries")
-                if src is not None:
-                    ws.use(src, t)
-            ws.use(key, t)
+            else:  # an activation resharded: once per placement and phase; the forward's copy is saved
+                fkey = (rc, want, "f")
+                if backward and fkey in reshards and rc not in again and not rerun:
+                    key = reshards[fkey]
+                else:
+                    ph = "b" if backward else "f"
+                    key = ("r", rc, want, ph, rerun)
+                    reshards.setdefault((rc, want, ph), key)
+                    if key not in start:
+                        nb = nbytes(rc, want)
+                        make(key, t, nb, None)
+                        mv = moves.get((have, want))
+                        if mv is None:
+                            mv = moves[(have, want)] = _moves(places[have], places[want])
+                        if mv:  # the collective's own output, copied out for the readers
+                            make(("c",) + key, t, nb, "temporaries")
+                    if src is not None and src in last and t > last[src]:
+                        last[src] = t
+            if key in last and t > last[key]:
+                last[key] = t
             read_keys.append(key)
-        if ring_axis(strategy_of(n.name)) is not None:  # the blocks in flight while the op runs
+        ring = rings.get(id(st))
+        if ring is None:
+            ring = rings[id(st)] = ring_axis(st) is not None
+        if ring:  # the blocks in flight while the op runs
             zero = (0,) * len(shape)
-            ws.make(("ring", n.name, rerun), t, ring_inflight_bytes(
-                op_call(graph, n), [local_shape(graph.spec(r).shape, in_place(n.name, k), shape, zero)
+            make(("ring", name, rerun), t, ring_inflight_bytes(
+                op_call(graph, n), [local_shape(graph.spec(r).shape, places[in_code(st, k)], shape, zero)
                                     for k, r in enumerate(n.inputs)], precision), "temporaries")
-            ws.use(("ring", n.name, rerun), t)
-        for j, spec in enumerate(n.outputs):
-            if spec is None:
+        for j, rc in outs:
+            if alias:
+                table[rc] = read_keys[0]  # a view: its base's storage
                 continue
-            r = Ref(n.name, j)
-            if n.op in ALIASES and n.inputs:
-                table[r] = read_keys[0]  # a view: its base's storage
-                continue
-            key = ("rc" if rerun else "v", r)
-            table[r] = key
-            ws.make(key, t, nbytes(r, out_place(r)), "activations" if rerun else None)
-            ws.use(key, t)
+            key = ("rc" if rerun else "v", rc)
+            table[rc] = key
+            make(key, t, nbytes(rc, out_code(rc)), "activations" if rerun else None)
+
+    def use(key, t: int) -> None:
+        if key in last and t > last[key]:
+            last[key] = t
 
     if training:
         # the runtime holds what the forward saved until the backward returns (the autograd
         # function's context and the simulator's list keep it): saved values live to the end
-        for key, t0 in list(ws.start.items()):
-            if t0 < (first_back, -1) <= ws.end[key] and ws.kind.get(key) is None:
-                ws.use(key, end)
+        for key, t0 in start.items():
+            if t0 < saved_from <= last[key] and key not in kinds:
+                last[key] = end
     if training and graph.loss is not None:
-        ws.use(storage.get(graph.loss), end)
+        use(storage.get(code.get(graph.loss)), end)
     if training:  # the model's other outputs (``Graph.extras``) live until the step returns them
         for r in graph.extras:
-            ws.use(storage.get(r), end)
+            use(storage.get(code.get(r)), end)
     if not training:
         for r in graph.outputs:
             if r is not None:
-                ws.use(storage.get(r), end)
-    grads_total = _grads(graph, ws, storage, out_place, nbytes, mesh, precision, grad_stages, end) if training else 0
+                use(storage.get(code.get(r)), end)
+    walk = (start, last, size, kinds, make, use)
+    grads_total = _grads(graph, walk, storage, code, places, out_code, nbytes, mesh, precision, grad_stages,
+                         end) if training else 0
 
-    # the sweep: bytes by kind at every moment
-    times = sorted(set(ws.start.values()) | set(ws.end.values()))
-    index = {t: i for i, t in enumerate(times)}
-    delta = defaultdict(lambda: [0] * (len(times) + 1))
-    for key, t0 in ws.start.items():
-        kind = ws.kind.get(key) or ("activations" if t0 < (first_back, -1) <= ws.end[key] else "temporaries")
-        d = delta[kind]
-        d[index[t0]] += ws.size[key]
-        d[index[ws.end[key]] + 1] -= ws.size[key]
     base = static["params"] + static["optimizer"]
-    best, best_at, running = -1, 0, {k: 0 for k in delta}
-    totals = []
-    for i in range(len(times)):
-        for k, d in delta.items():
-            running[k] += d[i]
-        total = base + sum(running.values())
-        totals.append(dict(running))
-        if total > best:
-            best, best_at = total, i
     parts = {k: 0 for k in PEAK_KINDS}
     parts["params"], parts["optimizer"] = static["params"], static["optimizer"]
-    if times:
-        for k, v in totals[best_at].items():
+    if start:
+        best, best_at, found = _sweep(start, last, size, kinds, saved_from, base)
+        for k, v in found.items():
             parts[k] += v
     else:
-        best = base
-    t = times[best_at] if times else end
-    at = nodes[t[0]].name if t[0] < len(nodes) else ""
-    phase = "backward" if training and t[0] >= first_back else "forward"
-    peak = Peak(int(best), parts, phase, at)
+        best, best_at = base, end
+    time = best_at // W
+    where = nodes[time].name if time < len(nodes) else ""
+    phase = "backward" if training and time >= first_back else "forward"
+    peak = Peak(int(best), parts, phase, where)
     if training:  # the optimizer step: the state, the reduced gradients, and its scratch
         scratch = optimizer_scratch(float_numel, precision)
         after = static["params"] + static["optimizer"] + grads_total + scratch
@@ -280,6 +314,40 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
             peak = Peak(after, {"params": static["params"], "grads": grads_total, "optimizer": static["optimizer"],
                                 "activations": 0, "temporaries": scratch}, "optimizer step", "")
     return peak
+
+
+def _code(code: dict, refs: list, r: Ref) -> int:
+    got = code.get(r)
+    if got is None:
+        got = code[r] = len(refs)
+        refs.append(r)
+    return got
+
+
+def _sweep(start: dict, last: dict, size: dict, kinds: dict, saved_from: int, base: int):
+    """The bytes by kind alive at every moment: ``(the largest total, its moment, its bytes by kind)``; the
+    first moment of the largest. A storage with no kind is an activation when it lives from the forward into
+    the backward, else a temporary."""
+    keys = list(start)
+    s = np.fromiter(start.values(), dtype=np.int64, count=len(keys))
+    e = np.fromiter((last[k] for k in keys), dtype=np.int64, count=len(keys))
+    nb = np.fromiter((size[k] for k in keys), dtype=np.int64, count=len(keys))
+    names = ["activations", "temporaries"] + sorted({v for v in kinds.values()} - {"activations", "temporaries"})
+    ids = {k: i for i, k in enumerate(names)}
+    kind = np.where((s < saved_from) & (saved_from <= e), 0, 1)
+    for i, k in enumerate(keys):
+        got = kinds.get(k)
+        if got is not None:
+            kind[i] = ids[got]
+    times = np.unique(np.concatenate([s, e]))
+    delta = np.zeros((len(names), len(times) + 1), dtype=np.int64)
+    np.add.at(delta, (kind, np.searchsorted(times, s)), nb)
+    np.add.at(delta, (kind, np.searchsorted(times, e) + 1), -nb)
+    running = np.cumsum(delta[:, :-1], axis=1)
+    best_at = int(np.argmax(running.sum(axis=0)))
+    present = set(kind.tolist())
+    found = {names[i]: int(running[i, best_at]) for i in range(len(names)) if i in present}
+    return base + int(running[:, best_at].sum()), int(times[best_at]), found
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -293,95 +361,57 @@ def _moves(have, want) -> bool:
     return any(a != b and not (a == B) for a, b in zip(have, want))
 
 
-def _rerun_times(graph: Graph, redo: frozenset, order: dict) -> dict:
-    """The moment each recomputed op runs again: just before the first backward op (or re-run op)
-    that reads what it makes; ops nothing in the backward reads are not run again."""
-    readers: dict[str, list[str]] = defaultdict(list)
-    for n in graph.nodes:
-        for r in n.inputs:
-            if r.node in redo:
-                readers[r.node].append(n.name)
-    out: dict[str, int] = {}
-    for name in sorted(redo, key=lambda x: -order[x]):
-        ts = [order[m] for m in readers.get(name, ()) if graph.node(m).phase == Phase.BACKWARD]
-        ts += [out[m] for m in readers.get(name, ()) if m in out]
-        if ts:
-            out[name] = min(ts)
-    return out
-
-
-def _issue_times(nodes, order: dict, first_back: int) -> dict:
-    """(node, "f"|"b") -> the moment a parameter gather for that node is issued: the start of the
-    layer before the node's layer in its phase, or the phase's start for a node outside the layers
-    (``passes/lower/schedule``)."""
-    out = {}
-    for phase, lo, hi in (("f", 0, first_back), ("b", first_back, len(nodes))):
-        starts: list[int] = []
-        seen = set()
-        current = -1
-        for n in nodes[lo:hi]:
-            if n.is_placeholder:
-                continue
-            lay = layer_key(n.module_path or "")
-            if lay is not None and lay not in seen:
-                seen.add(lay)
-                starts.append(order[n.name])
-            current = len(starts) - 1 if lay is not None else None
-            if current is None:
-                out[(n.name, phase)] = (lo, -2)
-            else:
-                out[(n.name, phase)] = (starts[max(current - 1, 0)], -2)
-    return out
-
-
-def _grads(graph: Graph, ws: _Walk, storage: dict, out_place, nbytes, mesh, precision, stages, end) -> int:
-    """Every gradient's reduction (see the module's docstring); the reduced gradients' bytes."""
-    steps, src_of, dst_of = {}, {}, {}
+def _grads(graph: Graph, walk: tuple, storage: dict, code: dict, places: list, out_code, nbytes, mesh,
+           precision, stages, end: int) -> int:
+    """Every gradient's reduction (see the module's docstring); the reduced gradients' bytes. ``walk``:
+    the walk's ``(start, last, size, kinds, make, use)``; refs and placements by their codes."""
+    start, _, _, kinds, make, use = walk
+    steps, src_of, dst_of, refs = {}, {}, {}, {}
     for fqn, r in graph.grads.items():
-        src, dst = out_place(r), out_place(Ref(graph.params[fqn], 0))
+        rc = refs[fqn] = code[r]
+        src, dst = out_code(rc), out_code(code[Ref(graph.params[fqn], 0)])
         src_of[fqn], dst_of[fqn] = src, dst
         if src != dst:
-            steps[fqn] = grad_steps(graph, fqn, src, dst, mesh, precision)
+            steps[fqn] = grad_steps(graph, fqn, places[src], places[dst], mesh, precision)
     buckets: dict[int, list[str]] = defaultdict(list)
     for fqn, b in grad_buckets(graph, steps, stages).items():
         buckets[b].append(fqn)
     alone = [f for f in steps if not any(f in m and len(m) > 1 for m in buckets.values())]
     total = 0
-    for fqn, r in graph.grads.items():
-        key = storage.get(r)
+    for fqn, rc in refs.items():
+        key = storage.get(rc)
         if fqn not in steps:  # no reduction: the backward's own value is the gradient
             if key is not None:
-                ws.kind[key] = "grads"
-                ws.use(key, end)
-            total += nbytes(r, dst_of[fqn], "grad")
+                kinds[key] = "grads"
+                use(key, end)
+            total += nbytes(rc, dst_of[fqn], "grad")
     for fqn in alone:  # held by its collective to the end of the backward
-        r = graph.grads[fqn]
-        ws.use(storage.get(r), end)
-        size = nbytes(r, dst_of[fqn], "grad")
-        ws.make(("grad", fqn), ws.start.get(storage.get(r), end), size, "grads")
-        ws.use(("grad", fqn), end)
+        rc = refs[fqn]
+        use(storage.get(rc), end)
+        size = nbytes(rc, dst_of[fqn], "grad")
+        make(("grad", fqn), start.get(storage.get(rc), end), size, "grads")
+        use(("grad", fqn), end)
         total += size
     for b, fqns in buckets.items():
         if len(fqns) < 2:
             continue
-        keys = [storage.get(graph.grads[f]) for f in fqns]
-        made = [ws.start.get(k, end) for k in keys]
-        last = max(made)
-        packed = sum(nbytes(graph.grads[f], src_of[f], "grad") for f in fqns)
-        size = sum(nbytes(graph.grads[f], dst_of[f], "grad") for f in fqns)
+        keys = [storage.get(refs[f]) for f in fqns]
+        made = [start.get(k, end) for k in keys]
+        packed = sum(nbytes(refs[f], src_of[f], "grad") for f in fqns)
+        size = sum(nbytes(refs[f], dst_of[f], "grad") for f in fqns)
         if all(st.kind == "all_reduce" for st in steps[fqns[0]]):
             # packed as each is made into a buffer reduced in place: the gradients are its views
-            ws.make(("grad", b), min(made), packed, "grads")
-            ws.use(("grad", b), end)
+            make(("grad", b), min(made), packed, "grads")
+            use(("grad", b), end)
             total += packed
             continue
-        else:  # concatenated and reduced after the backward's ops, one bucket after another
-            last = (end[0], 1 + b)
-            for k in keys:
-                ws.use(k, last)
-            ws.make(("cat", b), last, packed, "temporaries")
-        ws.make(("grad", b), last, size, "grads")
-        ws.use(("grad", b), end)
+        # concatenated and reduced after the backward's ops, one bucket after another
+        last = end - LAST + 1 + b  # (the end's time, 1 + b)
+        for k in keys:
+            use(k, last)
+        make(("cat", b), last, packed, "temporaries")
+        make(("grad", b), last, size, "grads")
+        use(("grad", b), end)
         total += size
     return total
 

@@ -96,9 +96,10 @@ def linked_dims(graph: Graph) -> dict[Key, tuple[Key, ...]]:
     many single-seed ``spread`` calls would each recompute. Keys linked to nothing are absent."""
     from autopar.ir.rules.base import dimmap, op_call
 
-    parent: dict[Key, Key] = {}
+    # keys as (node name, output, dim) while the sets are joined: plain tuples hash and compare in C
+    parent: dict[tuple, tuple] = {}
 
-    def find(k: Key) -> Key:
+    def find(k: tuple) -> tuple:
         root = k
         while parent.setdefault(root, root) != root:
             root = parent[root]
@@ -113,19 +114,21 @@ def linked_dims(graph: Graph) -> dict[Key, tuple[Key, ...]]:
         holders: dict = {}  # factor -> first key holding it
         for r, dims in _tensor_dims(node, dm):
             for d in range(len(dims)):
+                key = (r.node, r.index, d)
                 for f in _factors(dims, d, dm.sizes, False):
-                    first = holders.setdefault(f, (r, d))
-                    if first != (r, d):
-                        a, b = find(first), find((r, d))
+                    first = holders.setdefault(f, key)
+                    if first != key:
+                        a, b = find(first), find(key)
                         if a != b:
                             parent[b] = a
     order = {n.name: i for i, n in enumerate(graph.nodes)}
-    groups: dict[Key, list[Key]] = {}
+    groups: dict[tuple, list[tuple]] = {}
     for k in parent:
         groups.setdefault(find(k), []).append(k)
     out: dict[Key, tuple[Key, ...]] = {}
     for members in groups.values():
-        ordered = tuple(sorted(members, key=lambda k: (order[k[0].node], k[0].index, k[1])))
+        members.sort(key=lambda k: (order[k[0]], k[1], k[2]))
+        ordered = tuple((Ref(k[0], k[1]), k[2]) for k in members)
         for k in ordered:
             out[k] = ordered
     return out

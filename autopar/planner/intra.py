@@ -198,10 +198,9 @@ def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
         searched_cost = next((c.cost for c in candidates if c.source == "search" and c.solved is solved), None)
     kept_paths, kept_terms, problem = _keep(graph, folding, problem, choice, mesh, prec, terms, recompute,
                                             [[] for _ in terms] if keep is None and opts.recipe else keep)
-    paths = checkpoint.checkpointed_paths(terms, recompute) if recompute.any else None
-    top = peak.choice_peak(graph, mesh, prec, folding, problem, choice, paths, [p for ps in kept_paths for p in ps])
+    top = walk.peak(problem, choice, recompute, [p for ps in kept_paths for p in ps])
     if any(kept_paths) and top.peak > budget:  # the kept gathers do not fit (the walked peak)
-        plain_peak = peak.choice_peak(graph, mesh, prec, folding, problem, choice, paths)
+        plain_peak = walk.peak(problem, choice, recompute)
         if keep is not None and plain_peak.peak <= budget:  # pinned: say so
             raise _kept_over(kept_paths, top.peak, budget)
         kept_paths, kept_terms, problem = _keep(graph, folding, problem, choice, mesh, prec, terms, recompute,

@@ -124,15 +124,25 @@ class Walker:
         self.graph, self.mesh, self.prec, self.folding = graph, mesh, prec, folding
         self.terms: list = []  # the layer groups' ``checkpoint.GroupTerms``
         self._walks: dict[tuple, tuple[Problem, Cost]] = {}  # (the problem held: its id stays its own)
+        self._peaks: dict[tuple, tuple[Problem, Peak]] = {}
 
     def __call__(self, prob: Problem, choice: list[int], rc: Optional[Choice] = None,
                  keep_paths: Sequence[str] = ()) -> Cost:
         key = (id(prob), tuple(choice), rc if rc is not None and rc.any else None, tuple(keep_paths))
         if key not in self._walks:
-            paths = checkpointed_paths(self.terms, rc) if rc is not None and rc.any else None
-            self._walks[key] = (prob, walked(self.graph, self.mesh, self.prec, self.folding, prob, choice, paths,
-                                             keep_paths))
+            self._walks[key] = (prob, with_peak(evaluate(prob, choice), self.peak(prob, choice, rc, keep_paths)))
         return self._walks[key][1]
+
+    def peak(self, prob: Problem, choice: list[int], rc: Optional[Choice] = None,
+             keep_paths: Sequence[str] = ()) -> Peak:
+        """The walked peak behind ``self(prob, choice, rc, keep_paths)``, walked once (the chosen plan's
+        final figures reuse its candidate's walk)."""
+        key = (id(prob), tuple(choice), rc if rc is not None and rc.any else None, tuple(keep_paths))
+        if key not in self._peaks:
+            paths = checkpointed_paths(self.terms, rc) if rc is not None and rc.any else None
+            self._peaks[key] = (prob, choice_peak(self.graph, self.mesh, self.prec, self.folding, prob, choice, paths,
+                                                  keep_paths))
+        return self._peaks[key][1]
 
 
 __all__ = ["Walker", "choice_peak", "peak_place", "solve_fitting", "strategy_lookup", "walked", "with_peak",

@@ -1,0 +1,120 @@
+"""What the liveness walk (``cost_model.liveness.step_peak``) needs of the graph alone, made once per
+graph and shared by every walk of a plan's search: the ops in order with their refs as int codes, the
+moments as ints, and when each parameter gather is issued and each recomputed op runs again."""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Mapping
+
+from autopar.ir.graph import Graph, Phase, Ref
+from autopar.ir.layers import layer_key
+from autopar.ir.views import ALIASES, param_views
+
+#: a moment of the walk, one int: ``time * W + sub + 2``, ordered as ``(time, sub)`` pairs (``sub``: -2 a
+#: gather's issue, -1 a re-run, 0 the node itself, 1 + b bucket b's reduction after the ops, ``LAST`` the end)
+W = 1 << 32
+LAST = 1 << 30
+
+
+def at(time: int, sub: int = 0) -> int:
+    """The moment ``(time, sub)`` as one int."""
+    return time * W + sub + 2
+
+
+@dataclass
+class Program:
+    """What a walk needs of the graph alone, once per graph (every walk of a plan's search shares it):
+    node order, the ops in order with their inputs and outputs as int codes, gather issue moments."""
+
+    order: dict
+    first_back: int
+    views: set
+    #: per op (not placeholders): (index, node, backward, ((input position, ref code, a parameter view's), ...),
+    #: ((output index, ref code), ...), a view op's)
+    ops: list
+    issue: dict
+    readers: dict  # node name -> the names of the nodes reading it
+    code: dict  # Ref -> int
+    refs: list  # int -> Ref
+
+
+#: per graph: (its node count when made, its ``Program``)
+_PROGRAMS: "weakref.WeakKeyDictionary[Graph, tuple[int, Program]]" = weakref.WeakKeyDictionary()
+
+
+def program(graph: Graph) -> Program:
+    """``graph``'s ``Program``, made once per graph (held while the graph lives)."""
+    got = _PROGRAMS.get(graph)
+    if got is not None and got[0] == len(graph.nodes):
+        return got[1]
+    nodes = graph.nodes
+    order = {n.name: i for i, n in enumerate(nodes)}
+    views = param_views(graph)
+    back = [n for n in nodes if n.phase == Phase.BACKWARD and not n.is_placeholder] if graph.training else []
+    first_back = order[back[0].name] if back else len(nodes)
+    code: dict = {}
+    refs: list = []
+
+    def c(r: Ref) -> int:
+        got = code.get(r)
+        if got is None:
+            got = code[r] = len(refs)
+            refs.append(r)
+        return got
+
+    ops, readers = [], defaultdict(list)
+    for i, n in enumerate(nodes):
+        for r in n.inputs:
+            readers[r.node].append(n.name)
+        outs = tuple((j, c(Ref(n.name, j))) for j, spec in enumerate(n.outputs) if spec is not None)
+        if n.is_placeholder:
+            continue
+        ins = tuple((k, c(r), r.node in views) for k, r in enumerate(n.inputs))
+        ops.append((i, n, n.phase == Phase.BACKWARD, ins, outs, bool(n.op in ALIASES and n.inputs)))
+    issue = {k: at(*v) for k, v in issue_times(nodes, order, first_back).items()}
+    prog = Program(order, first_back, views, ops, issue, dict(readers), code, refs)
+    _PROGRAMS[graph] = (len(nodes), prog)
+    return prog
+
+
+def rerun_times(graph: Graph, redo: frozenset, order: dict, readers: Mapping[str, list]) -> dict:
+    """The moment each recomputed op runs again: just before the first backward op (or re-run op)
+    that reads what it makes (``readers``: node name -> the nodes reading it); ops nothing in the
+    backward reads are not run again."""
+    out: dict[str, int] = {}
+    for name in sorted(redo, key=lambda x: -order[x]):
+        ts = [order[m] for m in readers.get(name, ()) if graph.node(m).phase == Phase.BACKWARD]
+        ts += [out[m] for m in readers.get(name, ()) if m in out]
+        if ts:
+            out[name] = min(ts)
+    return out
+
+
+def issue_times(nodes, order: dict, first_back: int) -> dict:
+    """(node, "f"|"b") -> the moment a parameter gather for that node is issued: the start of the
+    layer before the node's layer in its phase, or the phase's start for a node outside the layers
+    (``passes/lower/schedule``)."""
+    out = {}
+    for phase, lo, hi in (("f", 0, first_back), ("b", first_back, len(nodes))):
+        starts: list[int] = []
+        seen = set()
+        current = -1
+        for n in nodes[lo:hi]:
+            if n.is_placeholder:
+                continue
+            lay = layer_key(n.module_path or "")
+            if lay is not None and lay not in seen:
+                seen.add(lay)
+                starts.append(order[n.name])
+            current = len(starts) - 1 if lay is not None else None
+            if current is None:
+                out[(n.name, phase)] = (lo, -2)
+            else:
+                out[(n.name, phase)] = (starts[max(current - 1, 0)], -2)
+    return out
+
+
+__all__ = ["LAST", "W", "Program", "at", "issue_times", "program", "rerun_times"]
