@@ -142,3 +142,19 @@ def test_a_plan_saved_with_checkpointing_loads_and_shows_it(tmp_path):
     page = render_html(plan)
     assert '<section id="layer-groups">' in page and ">1 of 4</td><td>selective</td><td><code>blocks.0</code>" in page
     assert 'id="layer-groups"' not in render_html(autopar.Plan.from_dict({**plan.to_dict(), "layer_groups": []}))
+
+
+def test_a_two_axis_sequence_mesh_that_needs_recomputation_gets_it_from_the_search():
+    """LLaMA (16 layers, one sequence of 2,048 tokens) on a cp x tp mesh with a budget that only
+    plans recomputing most layers fit: the search's own recomputation finds one. The walked peak
+    (temporaries between ops) puts the first levels the linear memory admits over the budget, so
+    the search climbs past them instead of stopping where recomputing more stops being faster."""
+    model, inputs = models.make("llama", "tiny", batch=1, seq=2048, n_layers=16, max_seq_len=2048)
+    graph = capture(model, inputs)
+    mesh = autopar.Mesh({"cp": 2, "tp": 2}, device="h100")
+    full = autopar.plan(model, mesh, inputs, checkpointing="full", progress=False, graph=graph)
+    budget = int(full.peak_memory * 0.7)
+    plan = autopar.plan(model, mesh, inputs, memory_budget=budget, progress=False, graph=graph)
+    assert plan.fits and plan.peak_memory <= budget
+    assert 0 < len(plan.checkpointing) < 16
+    assert plan.step_time < full.step_time

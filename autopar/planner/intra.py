@@ -352,7 +352,11 @@ def _recompute_candidates(problem: Problem, terms: list[checkpoint.GroupTerms], 
                           time_limit: Optional[float], walk: Optional[peak.Walker] = None) -> list[Solved]:
     """Plans that recompute, for a problem whose best plan does not fit: per mode, from the fewest
     recomputed instances with which any plan fits (the leanest memory is exact and cheap: it is a
-    sum over nodes), then more while the plan gets faster. Every candidate is a full solve."""
+    sum over nodes), then more until a plan's walked peak fits (the linear memory misses what lives
+    between ops, so the first levels may not), then more while the fitting plan gets faster. Every
+    candidate is a full solve; after one over the budget, the levels whose leanest memory plus that
+    plan's walked excess over its linear memory is still over are skipped (what lives between ops,
+    the temporaries and gathers in flight, hardly depends on how many instances recompute)."""
     top = max(t.count for t in terms)
     out = []
     for mode in checkpoint.MODES:
@@ -367,9 +371,11 @@ def _recompute_candidates(problem: Problem, terms: list[checkpoint.GroupTerms], 
         ladder = [lv for lv in range(1, top) if leanest(at(lv)) <= problem.memory_budget]
         if not ladder:
             continue
-        best_time = math.inf
+        best_time, excess = math.inf, 0.0
         trials = _trials(ladder[0], top - 1)
         for level in trials:
+            if excess and level != trials[-1] and leanest(at(level)) + excess > problem.memory_budget:
+                continue
             prob, rc = at(level), checkpoint.levels(terms, mode, level)
             merged = merge(prob, ops)
             search_args = (mesh, deterministic_time, time_limit)
@@ -378,10 +384,15 @@ def _recompute_candidates(problem: Problem, terms: list[checkpoint.GroupTerms], 
                                 _solve(merged, prob, choices, *search_args, budget=True))
             if chosen is None:
                 continue
-            cost = evaluate(prob, chosen)
+            cost = walk(prob, chosen, rc) if walk is not None else evaluate(prob, chosen)
+            fits = cost.peak_memory <= problem.memory_budget
             out.append(Solved(rc, prob, merged, solution, chosen))
             if clock.progress:
-                print(f"autopar: recompute {mode} {level}/{top}: {cost.step_time * 1e3:.1f} ms", file=sys.stderr)
+                print(f"autopar: recompute {mode} {level}/{top}: {cost.step_time * 1e3:.1f} ms"
+                      f"{'' if fits else ' (over the budget)'}", file=sys.stderr)
+            if not fits:  # recomputing more lowers the peak: a later level may fit
+                excess = max(excess, cost.peak_memory - evaluate(prob, chosen).peak_memory)
+                continue
             if cost.step_time >= best_time and len(trials) < len(ladder):
                 break  # a sample of many levels: stop where recomputing more stops paying
             best_time = cost.step_time
