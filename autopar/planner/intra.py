@@ -351,12 +351,11 @@ def _recompute_candidates(problem: Problem, terms: list[checkpoint.GroupTerms], 
                           ops: dict[str, str], clock: "_Clock", mesh: Mesh, deterministic_time: float,
                           time_limit: Optional[float], walk: Optional[peak.Walker] = None) -> list[Solved]:
     """Plans that recompute, for a problem whose best plan does not fit: per mode, from the fewest
-    recomputed instances with which any plan fits (the leanest memory is exact and cheap: it is a
-    sum over nodes), then more until a plan's walked peak fits (the linear memory misses what lives
-    between ops, so the first levels may not), then more while the fitting plan gets faster. Every
-    candidate is a full solve; after one over the budget, the levels whose leanest memory plus that
-    plan's walked excess over its linear memory is still over are skipped (what lives between ops,
-    the temporaries and gathers in flight, hardly depends on how many instances recompute)."""
+    recomputed instances with which any plan fits (the leanest memory: a cheap sum over nodes), then
+    more until a plan's walked peak fits (the sum misses what lives between ops), then more while
+    the fitting plan gets faster. Every candidate is a full solve; after one over the budget, levels
+    whose leanest memory plus that plan's walked excess is still over are skipped (what lives between
+    ops, temporaries and gathers in flight, hardly depends on how many instances recompute)."""
     top = max(t.count for t in terms)
     out = []
     for mode in checkpoint.MODES:
