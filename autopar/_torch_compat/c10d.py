@@ -62,19 +62,11 @@ def collective_payload(t: torch.Tensor) -> torch.Tensor:
 def functional_all_to_all(x: torch.Tensor, group: Any, send: Optional[list[int]] = None,
                            recv: Optional[list[int]] = None) -> torch.Tensor:
     """All-to-all of ``x`` along dim 0 over ``group``: equal pieces, or ``send[s]`` rows to rank s
-    and ``recv[r]`` rows from rank r."""
+    and ``recv[r]`` rows from rank r (a zero size sends or receives nothing: a point-to-point
+    permutation is one such call)."""
     from torch.distributed import _functional_collectives as fc
 
     return fc.all_to_all_single(x, recv, send, group)
-
-
-def functional_all_to_all_split(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                                group: Any) -> torch.Tensor:
-    """All-to-all of ``x`` along dim 0 over ``group`` with per-rank split sizes (a zero size sends or
-    receives nothing: a point-to-point permutation is one such call)."""
-    from torch.distributed import _functional_collectives as fc
-
-    return fc.all_to_all_single(x, out_splits, in_splits, group)
 
 
 def functional_collective_name(func: Any) -> Optional[str]:

@@ -105,7 +105,7 @@ class ProcessGroupComm:
         flat = x.reshape(-1)
         ins = [flat.numel() if r == dest[me] else 0 for r in range(n)]
         outs = [flat.numel() if r == src else 0 for r in range(n)]
-        return tc.functional_all_to_all_split(flat, outs, ins, self.groups[axis]).view(x.shape)
+        return tc.functional_all_to_all(flat, self.groups[axis], ins, outs).view(x.shape)
 
     def all_to_all_v(self, x, axis, send, recv):
         return tc.functional_all_to_all(x, self.groups[axis], send, recv)

@@ -18,7 +18,7 @@ from autopar.ir.placement import Partial, Placement, Split, check_blocks, chunk_
 from autopar.ir.rules.base import LocalCtx, OpCall, Strategy, as_list, run_local, substitute
 from autopar.ir.rules.ring import ring_axis
 from autopar.ir.rules.expert import TAG as EXPERTS
-from autopar.ir.rules.proof.expert_exchange import run_devices
+from autopar.ir.rules.proof.exchange import run_exchanging
 
 #: Signature tags whose local code exchanges rows between devices (``LocalCtx.exchange``)
 EXCHANGING = frozenset({EXPERTS})
@@ -149,16 +149,9 @@ def run_op(
 ) -> dict[Coords, list]:
     """Every device's outputs of one op under ``strategy`` (on a thread each, exchanging blocks or rows,
     where the strategy's local code moves them between devices)."""
-    if ring_axis(strategy) is not None:  # blocks pass between devices inside the op
-        from autopar.ir.rules.proof.exchange import run_exchanging
-
+    if ring_axis(strategy) is not None or any(sig.tag in EXCHANGING for sig in strategy):
+        # blocks or rows pass between devices inside the op
         return run_exchanging(call, strategy, mesh_shape, local_inputs, device_coords(mesh_shape), offset_scale)
-    if any(sig.tag in EXCHANGING for sig in strategy):
-        def device(coords, exchange):
-            ctx = LocalCtx(call, strategy, tuple(mesh_shape), coords, offset_scale, exchange=exchange)
-            return run_local(ctx, local_inputs[coords])
-
-        return run_devices(device, device_coords(mesh_shape), mesh_shape)  # type: ignore[return-value]
     out = {}
     for coords in device_coords(mesh_shape):
         ctx = LocalCtx(call, strategy, tuple(mesh_shape), coords, offset_scale)
