@@ -92,6 +92,9 @@ def joint_groups(mesh_ranks: torch.Tensor, rank: int, pairs: Sequence[tuple[int,
         rest = [d for d in range(mesh_ranks.dim()) if d not in axes]
         rows = mesh_ranks.permute(*rest, *axes).reshape(-1, group_size(mesh_ranks.shape, axes))
         rank_lists = [[int(r) for r in row] for row in rows]
+        if any(ranks != sorted(ranks) for ranks in rank_lists):  # new_group numbers a group's ranks ascending
+            raise CollectiveError(f"the device mesh's ranks along axes {axes} do not ascend first axis major, "
+                                  "so a group over them would not number its ranks as nested splits need")
         made = tc.new_one_worker_gloo_groups(rank_lists, tc.group_timeout()) if gloo else \
             [dist.new_group(ranks) for ranks in rank_lists]
         out[tuple(axes)] = next(g for g, ranks in zip(made, rank_lists) if rank in ranks)
