@@ -115,3 +115,25 @@ def test_grouped_query_ulysses_on_two_axes(causal):
                         attention={"a": "ulysses", "b": "ulysses"}, deterministic_time=0.5, progress=False)
     assert _all_to_alls_into_attention(plan, "a+b") >= 1
     _check(model, args, {}, plan)
+
+
+@pytest.fixture(scope="module")
+def pool(gloo_pool4):
+    return gloo_pool4()
+
+
+def test_ulysses_on_two_axes_trains_on_gloo(pool):
+    """LLaMA with Ulysses over both axes of (cp 2, tp 2) on 4 gloo ranks: AdamW steps next to the
+    single-device model; the joint all-to-alls run on process groups over both axes, and every
+    collective the plan predicts (those among them) is the one that ran."""
+    from _parity import build, train_on_rank
+
+    model, args = build("llama")
+    axes = (("cp", 2), ("tp", 2))
+    plan = autopar.plan(model, autopar.Mesh(dict(axes), device="cpu"), args,
+                        hints=_seq_hints(dict(axes), ["input:0", "input:1"], ("cp", "tp")),
+                        attention={"cp": "ulysses", "tp": "ulysses"}, deterministic_time=0.5, progress=False)
+    assert _all_to_alls_into_attention(plan, "cp+tp") >= 3
+    for out in pool.run(train_on_rank, "llama", axes, plan.to_json()):
+        assert out["loss"] <= 1e-5 and out["grad"] <= 1e-4 and out["param"] <= 1e-4, out
+        assert out["differences"] == [], out
