@@ -137,3 +137,17 @@ def test_ulysses_on_two_axes_trains_on_gloo(pool):
     for out in pool.run(train_on_rank, "llama", axes, plan.to_json()):
         assert out["loss"] <= 1e-5 and out["grad"] <= 1e-4 and out["param"] <= 1e-4, out
         assert out["differences"] == [], out
+
+
+def test_search_picks_ulysses_over_both_axes_at_long_context():
+    """LLaMA-3-8B dims (2 layers), one sequence of 131,072 tokens on (cp 2, tp 4) H100s: unforced,
+    the search runs every attention op as Ulysses on both axes, its q, k and v (and the output and
+    gradients back) moved by all-to-alls over all 8 devices, the other forms priced dearer."""
+    model, args = make("llama", size="llama3-8b", batch=1, seq=131072, device="meta", n_layers=2,
+                       max_seq_len=131072)
+    plan = autopar.plan(model, autopar.Mesh({"cp": 2, "tp": 4}, device="h100"), args, precision="bf16-mixed",
+                        progress=False)
+    forms = [a for m in plan.modules for a in m.get("attention") or []]
+    assert forms and {(a["axis"], a["form"]) for a in forms} == {("cp", "ulysses"), ("tp", "ulysses")}
+    assert all(a["alternatives"] and min(x["delta"] for x in a["alternatives"]) > 0 for a in forms)
+    assert _all_to_alls_into_attention(plan, "cp+tp") >= 3 * 2
