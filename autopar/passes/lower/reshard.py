@@ -108,6 +108,12 @@ def _joint_step(em, x, shape, cur, axes: tuple[int, ...], dst, where: fx.Graph) 
     group_block = local_shape(shape, seen, m, c)  # the tensor as the combined group sees it
     mine = local_shape(shape, after, m, c)
     i, j = cur[axes[0]].dim, dst[axes[0]].dim
+    n = math.prod(m[a] for a in axes)
+    if group_block[i] % n or group_block[j] % n:  # a dim of equal blocks, cut unevenly once expanded
+        from autopar.errors import LoweringError
+
+        raise LoweringError(f"an all-to-all over mesh axes {axes} would cut dims {i} and {j} of a {list(group_block)} "
+                            f"block unevenly over {n} devices, where nested splits and the group's pieces differ")
     for a in axes:
         cur[a] = dst[a]
     return wait_for(where.call_function(C.all_to_all, (x, tuple(axes), i, j, group_block[i], mine[j])), where)
