@@ -7,12 +7,15 @@ against the single-device model."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import autopar
 from autopar.cost_model.comm import joint_time, reshard_steps, ring_time, step_axes
 from autopar.cost_model.hardware import Link
+from autopar.errors import PlanError
 from autopar.ir.placement import B, Split, local_block
 from autopar.models import make
 from autopar.program import collectives as C
@@ -151,3 +154,10 @@ def test_search_picks_ulysses_over_both_axes_at_long_context():
     assert forms and {(a["axis"], a["form"]) for a in forms} == {("cp", "ulysses"), ("tp", "ulysses")}
     assert all(a["alternatives"] and min(x["delta"] for x in a["alternatives"]) > 0 for a in forms)
     assert _all_to_alls_into_attention(plan, "cp+tp") >= 3 * 2
+    # the plan file names the combined group "cp+tp"; a group over an axis the mesh lacks is refused
+    d = json.loads(plan.to_json())
+    assert autopar.Plan.from_dict(d).to_json() == plan.to_json()
+    step = next(s for r in d["reshardings"] for s in r["steps"] if s["axis"] == "cp+tp")
+    step["axis"] = "cp+sp"
+    with pytest.raises(PlanError, match="'cp\\+sp' is not one of the mesh's axes"):
+        autopar.Plan.from_dict(d)
