@@ -30,7 +30,8 @@ from autopar.program import collectives as C
 from autopar.program.program import Program, Slot, compile_backend
 from autopar.program.staged import compile_cut
 from autopar.runtime import faults
-from autopar.runtime.collectives import ProcessGroupComm, record_executed, single_worker_gloo_groups
+from autopar.runtime.collectives import (ProcessGroupComm, axis_label, joint_groups, joint_pairs, record_executed,
+                                        single_worker_gloo_groups)
 from autopar.runtime.memory import MemoryTracker, optimizer_state
 from autopar.runtime.consensus import check_plan_mesh, check_same_capture, chosen_mesh, share_plan, warn_node_layout
 from autopar.runtime.outputs import OUTPUT_MODES, placed_output, step_result
@@ -69,7 +70,7 @@ class ParallelModule(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, plan: Plan, graph: Graph, dmesh, program: Program,
                  precision: str, groups: Optional[Sequence] = None, outputs: str = "dtensor",
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, joint: Optional[dict] = None):
         super().__init__()
         # the model's own tables become this module's (tc.share_tables, at the end): state_dict,
         # named_parameters and load_state_dict use the single-device model's names, no "module." prefix.
@@ -88,8 +89,10 @@ class ParallelModule(torch.nn.Module):
         faults.note_step(None)  # a new program: no step of an earlier one is reported for it
         # the program's own groups (``compile``: one gloo worker each), else the device mesh's
         groups = list(groups) if groups is not None else [dmesh.get_group(i) for i in range(dmesh.ndim)]
-        self._comm = ProcessGroupComm(groups, plan.axis_names)
+        # ``joint``: the groups over several axes the program's joint all-to-alls run on (``compile``)
+        self._comm = ProcessGroupComm(groups, plan.axis_names, joint)
         self._axis_of_group = {g.group_name: name for g, name in zip(groups, plan.axis_names)}
+        self._axis_of_group.update({g.group_name: axis_label(plan.axis_names, a) for a, g in (joint or {}).items()})
         self._recording: Optional[list] = None
         self._outputs = outputs  # how the model's other outputs come back (``runtime.outputs.OUTPUT_MODES``)
         self._memory: Optional[MemoryTracker] = None
@@ -385,7 +388,8 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs=(), example_kwarg
     # gloo: the program's collectives get groups of their own with one worker thread each, since
     # torch 2.13's two workers corrupt the heap when two collectives finish together (see there)
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank()) if backend == "gloo" else None
-    return ParallelModule(model, shared, graph, dmesh, program, prec, groups, outputs, device=device)
+    joint = joint_groups(dmesh.mesh, dist.get_rank(), joint_pairs(program), gloo=backend == "gloo")
+    return ParallelModule(model, shared, graph, dmesh, program, prec, groups, outputs, device=device, joint=joint)
 
 
 def _group_device_type() -> tuple[str, str]:
@@ -440,8 +444,12 @@ def _compile_pipelined(model, mesh: Mesh, plan: Plan, args, kwargs, precision, m
     # gloo: groups of one worker thread each (see ``compile``); otherwise the device mesh's
     groups = single_worker_gloo_groups(dmesh.mesh, dist.get_rank()) if backend == "gloo" else \
         [dmesh.get_group(n) for n in names]
+    # the stage program's joint all-to-alls: groups over those axes of every pipeline rank (made by all)
+    pairs = joint_pairs(staged.program)
+    whole = [tuple(names.index(others[a]) for a in p) for p in pairs]
+    made = joint_groups(dmesh.mesh, dist.get_rank(), whole, gloo=backend == "gloo")
     return MeshPipelinedModule(model, plan, staged, dmesh, [g for n, g in zip(names, groups) if n != pl.axis],
-                               device=device)
+                               device=device, joint={p: made[w] for p, w in zip(pairs, whole)})
 
 
 __all__ = ["RANDOM_KEY", "CompileError", "ParallelModule", "compile"]

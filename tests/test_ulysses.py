@@ -60,10 +60,11 @@ def _attention_reads(plan) -> list[tuple[str, list]]:
     return [(n["op"], n["tags"]) for n in plan.nodes if n["op"] in (ATTN_FWD, ATTN_BWD)]
 
 
-def _all_to_alls_into_attention(plan) -> int:
+def _all_to_alls_into_attention(plan, axis=None) -> int:
+    """All-to-alls (over ``axis``, any when None) of the reshardings into the attention ops."""
     names = {n["name"] for n in plan.nodes if n["op"] == ATTN_FWD}
     return sum(1 for r in plan.reshardings if r["consumer"] in names
-               for s in r["steps"] if s["kind"] == "all_to_all")
+               for s in r["steps"] if s["kind"] == "all_to_all" and axis in (None, s["axis"]))
 
 
 def _check(model, args, kwargs, plan):
@@ -95,16 +96,19 @@ def _forced(family: str, axes: tuple, seq_axes: tuple):
 
 
 MESHES = [({"sp": 4}, ("sp",)), ({"dp": 2, "sp": 2}, ("sp",)), ({"a": 2, "b": 2}, ("a", "b"))]
-CASES = [("gpt", *MESHES[0]), ("gpt", *MESHES[2]), ("llama", *MESHES[0]), ("llama", *MESHES[1])]
+CASES = [("gpt", *MESHES[0]), ("gpt", *MESHES[2]), ("llama", *MESHES[0]), ("llama", *MESHES[1]),
+         ("llama", *MESHES[2])]
 
 
-@pytest.mark.parametrize("family,axes,seq_axes", CASES, ids=["gpt-4", "gpt-2x2", "llama-4", "llama-dp2xsp2"])
+@pytest.mark.parametrize("family,axes,seq_axes", CASES,
+                         ids=["gpt-4", "gpt-2x2", "llama-4", "llama-dp2xsp2", "llama-2x2"])
 def test_ulysses_forced_matches_one_device(family, axes, seq_axes):
     model, args, plan = _forced(family, tuple(axes.items()), seq_axes)
     for _, tags in _attention_reads(plan):  # every attention op splits its heads on the sequence axes
         assert all(tags[list(axes).index(a)] == "S:h" for a in seq_axes), tags
-    if len(seq_axes) == 1:  # one axis: q, k and v arrive by one all-to-all each
-        assert _all_to_alls_into_attention(plan) >= 3
+    # q, k and v arrive by one all-to-all each: over the axis, or over both axes' combined group
+    # (sequence split on both -> heads split on both: ``cost_model.comm.joint_step``)
+    assert _all_to_alls_into_attention(plan, "+".join(seq_axes)) >= 3
     _check(model, args, {}, plan)
 
 

@@ -21,6 +21,12 @@ A change on several axes is a sequence of one-axis steps; the bytes a step moves
 other axes' placements at that moment, so every valid order is tried and the cheapest kept (an
 order is valid when each step acts on contiguous blocks: see ``step_valid``). The lowering runs
 exactly these steps, so predicted and executed collectives agree.
+
+Two axes that both split dim i and both turn to splitting dim j (Ulysses over two axes: sequence
+split on both, heads split on both) have no valid order of one-axis steps: whichever axis goes
+second finds the other one's pieces interleaved. Their change is one all-to-all over the group of
+both axes (``joint_step``): its ranks, numbered axis-a-major, hold dim i's blocks in the order the
+nested splits give them, so the exchange is exact; priced on the two links (``joint_time``).
 """
 
 from __future__ import annotations
@@ -50,6 +56,12 @@ class Step:
     bytes: int  # the tensor as this axis's group sees it (local block w.r.t. the other axes)
     time: float
     reduce: str = "sum"  # for all_reduce / reduce_scatter: the partial's reduction
+    axes: tuple[int, ...] = ()  # a collective over the group of several axes (``joint_step``): them, axis first
+
+
+def step_axes(step: Step) -> tuple[int, ...]:
+    """The mesh axes whose combined group runs ``step`` (one, except for a joint all-to-all)."""
+    return step.axes or (step.axis,)
 
 
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
@@ -142,6 +154,15 @@ def _steps_in_order(shape, src, dst, mesh_shape, links, elem_bytes, order) -> tu
     steps: list[Step] = []
     total = 0.0
     for a in order:
+        if isinstance(a, tuple):  # two axes changed by one collective over their combined group
+            step = joint_step(shape, cur, dst, a, mesh_shape, links, elem_bytes)
+            if step is None:
+                return None
+            steps.append(step)
+            total += step.time
+            for b in a:
+                cur[b] = dst[b]
+            continue
         kind = axis_step(cur[a], dst[a])
         assert kind is not None
         if not step_valid(cur, dst[a], a):
@@ -170,6 +191,8 @@ def _best_steps(shape, src, dst, mesh_shape, links, elem_bytes) -> tuple[tuple[S
         if found is not None and (best is None or found[1] < best[1]):
             best = (tuple(found[0]), found[1])
     if best is None and changing:
+        best = _best_joint(shape, src, dst, mesh_shape, links, elem_bytes, changing)
+    if best is None and changing:
         # No direct order is valid (e.g. S(0),S(0) -> S(1),S(0)): gather every split from the
         # innermost axis out, then reshard from the outermost axis in; both halves are always valid.
         mid = _via_unsplit(src)
@@ -181,6 +204,74 @@ def _best_steps(shape, src, dst, mesh_shape, links, elem_bytes) -> tuple[tuple[S
         assert first is not None and second is not None, (src, dst)
         best = (tuple(first[0]) + tuple(second[0]), first[1] + second[1])
     return best if best is not None else ((), 0.0)
+
+
+# -- one all-to-all over two axes -----------------------------------------------------------------
+
+def _joint_pairs(src, dst, changing) -> list[tuple[int, int]]:
+    """The pairs of axes that both turn the same ``S(i)`` into the same ``S(j)``."""
+    return [(a, b) for a, b in itertools.combinations(changing, 2)
+            if isinstance(src[a], Split) and isinstance(dst[a], Split) and src[a] != dst[a]
+            and src[a] == src[b] and dst[a] == dst[b]]
+
+
+def _best_joint(shape, src, dst, mesh_shape, links, elem_bytes, changing):
+    """The cheapest route where one pair of axes changes by a joint all-to-all and every other
+    changing axis by its own step, in the best valid order; None when there is none."""
+    best = None
+    for pair in _joint_pairs(src, dst, changing):
+        units = [pair] + [a for a in changing if a not in pair]
+        for order in itertools.permutations(units):
+            found = _steps_in_order(shape, src, dst, mesh_shape, links, elem_bytes, order)
+            if found is not None and (best is None or found[1] < best[1]):
+                best = (tuple(found[0]), found[1])
+    return best
+
+
+def joint_step(shape, cur, dst, axes: tuple[int, int], mesh_shape, links, elem_bytes) -> Step | None:
+    """``S(i) -> S(j)`` on both ``axes`` as one all-to-all over their combined group; None when
+    it would not be exact.
+
+    The group's rank ``c_a * n_b + c_b`` holds block ``c_a * n_b + c_b`` of dim i (the nested
+    splits' order) and must end with that block of dim j, which is an all-to-all over the group in
+    that numbering, provided no other axis splits dim i or j inside ``a`` (after it in mesh order:
+    its pieces would interleave) and both dims cut evenly (nested splits of an uneven dim are not
+    the flat split's pieces)."""
+    a, b = axes
+    i, j = cur[a].dim, dst[a].dim
+    n = mesh_shape[a] * mesh_shape[b]
+    others = [c for c in range(len(cur)) if c not in axes]
+    if any(_splits_dim(cur[c], d) for c in others if c > a for d in (i, j)):
+        return None
+    for d in (i, j):
+        outer = math.prod(mesh_shape[c] for c in others if _splits_dim(cur[c], d))
+        if shape[d] % (outer * n):
+            return None
+    block = list(shape)
+    for c in others:  # the largest block (coordinates 0), as ``step_bytes``
+        if isinstance(cur[c], Split):
+            block[cur[c].dim] = -(-block[cur[c].dim] // mesh_shape[c])
+    nbytes = math.prod(block) * elem_bytes
+    return Step("all_to_all", a, nbytes, joint_time(nbytes, (mesh_shape[a], mesh_shape[b]), (links[a], links[b])),
+                axes=tuple(axes))
+
+
+def joint_time(nbytes: float, sizes: Sequence[int], links: Sequence[Link]) -> float:
+    """An all-to-all of ``nbytes`` (the buffer as the group sees it) over the combined group of
+    two axes of ``sizes`` devices with ``links``.
+
+    Each rank sends ``(n-1)/n`` of its block, one piece per peer. A piece to a peer that differs
+    on the slower axis crosses that axis's link (``(n_s - 1)/n_s`` of the block); the rest, to
+    peers that differ on the faster axis only, cross the faster one (``(n_f - 1)/(n_f n_s)``). On
+    equal links this is one axis's formula for ``n_a n_b`` devices. The group's ``n`` latencies
+    are the slower start-up's, the factor for the kind the slower link's."""
+    n = math.prod(sizes)
+    s, f = sorted(range(2), key=lambda k: (links[k].bandwidth, k))
+    block = nbytes / n
+    ns, nf = sizes[s], sizes[f]
+    time = (n * max(link.latency for link in links) + (ns - 1) / ns * block / links[s].bandwidth
+            + (nf - 1) / (nf * ns) * block / links[f].bandwidth)
+    return time * links[s].factor("all_to_all")
 
 
 def _key(shape, src, dst, mesh: "Mesh", elem_bytes):
@@ -218,5 +309,5 @@ def cache_clear() -> None:
     _best_steps.cache_clear()
 
 
-__all__ = ["KINDS", "Step", "axis_step", "step_bytes", "step_valid", "cache_clear", "cache_info", "collective_time", "reshard_steps", "reshard_time",
+__all__ = ["KINDS", "Step", "axis_step", "joint_step", "joint_time", "step_axes", "step_bytes", "step_valid", "cache_clear", "cache_info", "collective_time", "reshard_steps", "reshard_time",
            "ring_time"]

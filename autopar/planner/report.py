@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 from autopar._torch_compat.trace import trace_artifact
 from autopar.cost_model.buckets import BUCKET_SIZE, collective_calls, mark_grad_buckets
 from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
-from autopar.cost_model.comm import reshard_steps
+from autopar.cost_model.comm import reshard_steps, step_axes
 from autopar.cost_model.compute import model_flops, tokens_per_step
 from autopar.cost_model.gathers import mark_param_groups
 from autopar.cost_model.mesh import PP_AXIS, Mesh
@@ -242,7 +242,7 @@ def _reshardings(planned: "Planned", strat, checkpointing: Optional[dict[str, st
             "tensor": str(ref), "consumer": consumer, "consumers": [consumer], "kind": label or kind,
             "from": format_placements(src), "to": format_placements(dst), "bytes": spec.numel * eb,
             "time": sum(s.time for s in steps),
-            "steps": [{"kind": s.kind, "axis": mesh.names[s.axis], "bytes": int(s.bytes), "time": s.time} for s in steps],
+            "steps": [{"kind": s.kind, "axis": "+".join(mesh.names[a] for a in step_axes(s)), "bytes": int(s.bytes), "time": s.time} for s in steps],
             "module": module,
         }
         if phase == "backward" and g.node(consumer).phase.value != phase:  # a re-run forward op's gather

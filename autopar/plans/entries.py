@@ -85,7 +85,8 @@ def _signature(text: str) -> str:
 
 def _axis(name: str, info: ValidationInfo) -> str:
     axes = (info.context or {}).get("axes", ())
-    if axes and name not in axes:
+    # "a+b": a collective over the combined group of axes a and b (a joint all-to-all)
+    if axes and not all(part in axes for part in name.split("+")):
         raise ValueError(f"axis {name!r} is not one of the mesh's axes {list(axes)}")
     return name
 

@@ -7,6 +7,10 @@ numbers and sizes baked in. They pad uneven pieces to equal ones (pieces follow 
 calling thread (a ``Backend``: ``runtime.collectives`` has the process-group and the simulated
 ones), and trim the padding. The lowering emits these functions as fx call targets, so the
 collectives that run are the ones the plan priced.
+
+An ``axis`` is one mesh axis's number, or a tuple of them for a collective over their combined
+group (``cost_model.comm.joint_step``: Ulysses over two axes), whose ranks are numbered first axis
+major, the order nested splits of one dim give its blocks in.
 """
 
 
@@ -29,16 +33,17 @@ class Executed:
     """One collective that ran on this rank."""
 
     kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | permute
-    axis: str  # mesh axis name
+    axis: str  # mesh axis name ("a+b": the combined group of axes a and b)
     bytes: int
 
 
 class Backend(Protocol):
-    """What runs a program's collectives on one rank: one group per mesh axis. Results may be
-    asynchronous (waited by ``wait``). ``runtime.collectives`` has the two implementations."""
+    """What runs a program's collectives on one rank: one group per mesh axis, and one per tuple of
+    axes the program joins (``axis`` a tuple). Results may be asynchronous (waited by ``wait``).
+    ``runtime.collectives`` has the two implementations."""
 
-    def axis_size(self, axis: int) -> int:
-        """How many ranks the group of mesh axis ``axis`` has."""
+    def axis_size(self, axis: int | tuple[int, ...]) -> int:
+        """How many ranks the group of mesh axis ``axis`` (or of the axes, combined) has."""
 
     def all_gather(self, x: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
         """Every rank's ``x`` (equal pieces) concatenated along ``dim``."""
@@ -52,7 +57,7 @@ class Backend(Protocol):
     def all_reduce_(self, x: torch.Tensor, axis: int, reduce: str) -> torch.Tensor:
         """Every rank's ``x`` reduced into ``x`` itself (the caller owns it and never reads it again)."""
 
-    def all_to_all(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+    def all_to_all(self, x: torch.Tensor, axis: int | tuple[int, ...]) -> torch.Tensor:
         """The leading dim exchanged: rank r's ``x[s]`` arrives at rank s as ``out[r]``."""
 
     def permute(self, x: torch.Tensor, axis: int, dest: Sequence[int]) -> torch.Tensor:
@@ -124,8 +129,9 @@ def all_reduce(x: torch.Tensor, axis: int, reduce: str, inplace: bool = False) -
     return b.all_reduce_(x, axis, reduce) if inplace else b.all_reduce(x, axis, reduce)
 
 
-def all_to_all(x: torch.Tensor, axis: int, src_dim: int, dst_dim: int, src_size: int, dst_length: int) -> torch.Tensor:
-    """S(src_dim) -> S(dst_dim) on mesh axis ``axis``.
+def all_to_all(x: torch.Tensor, axis: int | tuple[int, ...], src_dim: int, dst_dim: int, src_size: int,
+               dst_length: int) -> torch.Tensor:
+    """S(src_dim) -> S(dst_dim) on mesh axis ``axis`` (a tuple: on both axes, over their combined group).
 
     ``src_size`` is the gathered length of ``src_dim``; this rank keeps ``dst_length`` of
     ``dst_dim``. Pieces are padded to equal sizes, stacked on a new leading dim and exchanged with

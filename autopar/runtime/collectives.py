@@ -15,6 +15,7 @@ mode, so it sees the collectives the program really issued.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from typing import Iterator, Optional, Sequence
 
@@ -67,48 +68,91 @@ def single_worker_gloo_groups(mesh_ranks: torch.Tensor, rank: int) -> list:
     return mine
 
 
+def joint_pairs(program) -> list[tuple[int, ...]]:
+    """The tuples of mesh axes a lowered program runs a collective over together, sorted."""
+    from autopar.program import collectives as C
+
+    found = set()
+    for gm in (program.forward, program.backward):
+        for n in () if gm is None else gm.graph.nodes:
+            if n.op == "call_function" and n.target in C.COLLECTIVES and isinstance(n.args[1], tuple):
+                found.add(n.args[1])
+    return sorted(found)
+
+
+def joint_groups(mesh_ranks: torch.Tensor, rank: int, pairs: Sequence[tuple[int, ...]], gloo: bool) -> dict:
+    """This rank's process group over each tuple of mesh axes in ``pairs`` (its ranks numbered
+    first axis major, as ``group_rank``): gloo groups of one worker thread (``single_worker_gloo_groups``
+    says why), else the default backend's. Every rank must call it with the same ``pairs``, in the
+    same order (``new_group`` is collective over the world)."""
+    import torch.distributed as dist
+
+    out = {}
+    for axes in pairs:
+        rest = [d for d in range(mesh_ranks.dim()) if d not in axes]
+        rows = mesh_ranks.permute(*rest, *axes).reshape(-1, group_size(mesh_ranks.shape, axes))
+        rank_lists = [[int(r) for r in row] for row in rows]
+        if any(ranks != sorted(ranks) for ranks in rank_lists):  # new_group numbers a group's ranks ascending
+            raise CollectiveError(f"the device mesh's ranks along axes {axes} do not ascend first axis major, "
+                                  "so a group over them would not number its ranks as nested splits need")
+        made = tc.new_one_worker_gloo_groups(rank_lists, tc.group_timeout()) if gloo else \
+            [dist.new_group(ranks) for ranks in rank_lists]
+        out[tuple(axes)] = next(g for g, ranks in zip(made, rank_lists) if rank in ranks)
+    return out
+
+
 class ProcessGroupComm:
     """Collectives over one torch process group per mesh axis (this rank's groups): a
     ``program.collectives.Backend``, whose methods it implements with functional collectives."""
 
-    def __init__(self, groups: Sequence, axis_names: Sequence[str]):
+    def __init__(self, groups: Sequence, axis_names: Sequence[str], joint: Optional[dict] = None):
         self.groups = list(groups)
         self.axis_names = list(axis_names)
         self.sizes = [g.size() for g in self.groups]
+        #: (axis, axis) -> this rank's group over both axes (``joint_groups``), for joint all-to-alls
+        self.joint = dict(joint or {})
 
-    def axis_size(self, axis: int) -> int:
-        return self.sizes[axis]
+    def _group(self, axis):
+        if not isinstance(axis, tuple):
+            return self.groups[axis]
+        if axis not in self.joint:
+            raise CollectiveError(f"the program runs a collective over mesh axes {axis_label(self.axis_names, axis)} "
+                                  "together, but no process group over them was made (runtime.collectives.joint_groups)")
+        return self.joint[axis]
+
+    def axis_size(self, axis) -> int:
+        return self._group(axis).size() if isinstance(axis, tuple) else self.sizes[axis]
 
     def all_gather(self, x, axis, dim):
-        return tc.functional_all_gather(x.contiguous(), dim, self.groups[axis])
+        return tc.functional_all_gather(x.contiguous(), dim, self._group(axis))
 
     def reduce_scatter(self, x, axis, dim, reduce):
-        return tc.functional_reduce_scatter(x.contiguous(), reduce, dim, self.groups[axis])
+        return tc.functional_reduce_scatter(x.contiguous(), reduce, dim, self._group(axis))
 
     def all_reduce(self, x, axis, reduce):
-        return tc.functional_all_reduce(x.contiguous(), reduce, self.groups[axis])
+        return tc.functional_all_reduce(x.contiguous(), reduce, self._group(axis))
 
     def all_reduce_(self, x, axis, reduce):
         # a dense buffer is reduced in place; a compiled program reduces functionally (an in-place
         # collective has an aliased output, which AOTAutograd cannot functionalize)
         if not x.is_contiguous() or torch.compiler.is_compiling():
             return self.all_reduce(x, axis, reduce)
-        return tc.functional_all_reduce_(x, reduce, self.groups[axis])  # waited like the others' results
+        return tc.functional_all_reduce_(x, reduce, self._group(axis))  # waited like the others' results
 
     def all_to_all(self, x, axis):
-        return tc.functional_all_to_all(x, self.groups[axis])
+        return tc.functional_all_to_all(x, self._group(axis))
 
     def permute(self, x, axis, dest):
         # one all-to-all whose only non-empty pieces are the block to dest[me] and the one from its source
-        me, n = self.groups[axis].rank(), self.sizes[axis]
+        me, n = self._group(axis).rank(), self.sizes[axis]
         src = dest.index(me)
         flat = x.reshape(-1)
         ins = [flat.numel() if r == dest[me] else 0 for r in range(n)]
         outs = [flat.numel() if r == src else 0 for r in range(n)]
-        return tc.functional_all_to_all(flat, self.groups[axis], ins, outs).view(x.shape)
+        return tc.functional_all_to_all(flat, self._group(axis), ins, outs).view(x.shape)
 
     def all_to_all_v(self, x, axis, send, recv):
-        return tc.functional_all_to_all(x, self.groups[axis], send, recv)
+        return tc.functional_all_to_all(x, self._group(axis), send, recv)
 
 
 def record_executed(axis_of_group: dict[str, str], out: list):
@@ -184,11 +228,25 @@ class ThreadMesh:
             for key in itertools.product(*others):
                 self.exchanges[(axis, key)] = _Exchange(n, timeout)
         self.executed: dict[tuple, list[Executed]] = {}
+        self._timeout = timeout
+        self._lock = threading.Lock()
+
+    def exchange(self, axis, coords: Sequence[int]) -> _Exchange:
+        """The exchange of the group along ``axis`` (one mesh axis, or a tuple of them: their
+        combined group, made at first use) that the device at ``coords`` belongs to."""
+        axes = axis if isinstance(axis, tuple) else (axis,)
+        key = (axis, tuple(c for i, c in enumerate(coords) if i not in axes))
+        found = self.exchanges.get(key)
+        if found is None:
+            with self._lock:  # every member of the group gets the same exchange
+                found = self.exchanges.setdefault(key, _Exchange(group_size(self.mesh_shape, axes), self._timeout))
+        return found
 
     def abort(self) -> None:
         """Break every exchange's barrier, so the other simulated ranks stop instead of waiting."""
-        for ex in self.exchanges.values():
-            ex.barrier.abort()
+        with self._lock:
+            for ex in self.exchanges.values():
+                ex.barrier.abort()
 
 
 class ThreadComm:
@@ -200,15 +258,19 @@ class ThreadComm:
         self.coords = tuple(coords)
         self.executed = mesh.executed.setdefault(self.coords, [])
 
-    def axis_size(self, axis: int) -> int:
-        return self.mesh.mesh_shape[axis]
+    def axis_size(self, axis) -> int:
+        return group_size(self.mesh.mesh_shape, axis if isinstance(axis, tuple) else (axis,))
 
-    def _exchange(self, axis: int) -> _Exchange:
-        return self.mesh.exchanges[(axis, tuple(c for i, c in enumerate(self.coords) if i != axis))]
+    def _exchange(self, axis) -> _Exchange:
+        return self.mesh.exchange(axis, self.coords)
 
-    def _swap(self, axis: int, x: torch.Tensor, what: str, group_bytes: int) -> list[torch.Tensor]:
-        self.executed.append(Executed(what, self.mesh.axis_names[axis], group_bytes))
-        return self._exchange(axis).swap(self.coords[axis], x, what)
+    def _swap(self, axis, x: torch.Tensor, what: str, group_bytes: int) -> list[torch.Tensor]:
+        self.executed.append(Executed(what, axis_label(self.mesh.axis_names, axis), group_bytes))
+        return self._exchange(axis).swap(self._index(axis), x, what)
+
+    def _index(self, axis) -> int:
+        """This rank's place in the group along ``axis`` (a tuple: numbered first axis major)."""
+        return group_rank(self.mesh.mesh_shape, axis if isinstance(axis, tuple) else (axis,), self.coords)
 
     @torch.compiler.disable  # an exchange between threads: a compiled program calls it as Python
     def all_gather(self, x, axis, dim):
@@ -217,7 +279,7 @@ class ThreadComm:
 
     @torch.compiler.disable  # an exchange between threads: a compiled program calls it as Python
     def reduce_scatter(self, x, axis, dim, reduce):
-        n, i = self.axis_size(axis), self.coords[axis]
+        n, i = self.axis_size(axis), self._index(axis)
         parts = self._swap(axis, x, "reduce_scatter", _nbytes(x))
         with unobserved():  # views of every member's buffer: not this rank's memory
             parts = [p.chunk(n, dim=dim)[i] for p in parts]
@@ -240,12 +302,12 @@ class ThreadComm:
         n = self.axis_size(axis)
         got = self._swap(axis, x, "all_to_all", _nbytes(x) * n)
         with unobserved():  # views of every member's buffer: not this rank's memory
-            got = [g[self.coords[axis]] for g in got]
+            got = [g[self._index(axis)] for g in got]
         return torch.stack(got)
 
     @torch.compiler.disable  # an exchange between threads: a compiled program calls it as Python
     def all_to_all_v(self, x, axis, send, recv):
-        me = self.coords[axis]
+        me = self._index(axis)
         got = self._swap(axis, (x, send), "all_to_all_v", _nbytes(x))
         with unobserved():  # views of every member's buffer: not this rank's memory
             pieces = []
@@ -259,10 +321,29 @@ class ThreadComm:
     @torch.compiler.disable  # an exchange between threads: a compiled program calls it as Python
     def permute(self, x, axis, dest):
         got = self._swap(axis, x, "permute", _nbytes(x))
-        src = list(dest).index(self.coords[axis])
+        src = list(dest).index(self._index(axis))
         with unobserved():  # the sender's buffer: this rank's copy below is its memory
             block = got[src]
         return block.clone()
+
+
+def group_size(mesh_shape: Sequence[int], axes: Sequence[int]) -> int:
+    """How many ranks the combined group of mesh ``axes`` has."""
+    return math.prod(mesh_shape[a] for a in axes)
+
+
+def group_rank(mesh_shape: Sequence[int], axes: Sequence[int], coords: Sequence[int]) -> int:
+    """The place of the device at ``coords`` in the combined group of ``axes``, first axis major
+    (the order nested splits of one dim give its blocks in)."""
+    r = 0
+    for a in axes:
+        r = r * mesh_shape[a] + coords[a]
+    return r
+
+
+def axis_label(axis_names: Sequence[str], axis) -> str:
+    """The name a collective's group goes by: its mesh axis's, or ``"a+b"`` for a combined group."""
+    return "+".join(axis_names[a] for a in axis) if isinstance(axis, tuple) else axis_names[axis]
 
 
 def _nbytes(x: torch.Tensor) -> int:
@@ -295,5 +376,6 @@ def record_collectives(axis_of_group: Optional[dict[str, str]] = None) -> Iterat
         yield out
 
 
-__all__ = ["CollectiveError", "Executed", "ProcessGroupComm", "ThreadComm", "ThreadMesh", "axis_groups",
+__all__ = ["CollectiveError", "Executed", "ProcessGroupComm", "ThreadComm", "ThreadMesh", "axis_groups", "axis_label",
+           "group_rank", "group_size", "joint_groups", "joint_pairs",
            "record_collectives", "single_worker_gloo_groups"]

@@ -43,6 +43,9 @@ def reshard(em, x: fx.Node, ref: Ref, src: Placements, dst: Placements, where: f
         src, dst = src_x, expand_blocks(spec.shape, dst, spec.blocks)[1]
     cur = list(src)
     for step in steps:
+        if step.axes:  # one all-to-all over several axes' combined group
+            x = _joint_step(em, x, shape, cur, step.axes, dst, where)
+            continue
         a = step.axis
         new = B if step.kind == "all_gather" else dst[a]
         x = _step(em, x, shape, cur, a, new, step.kind, step.reduce, where)
@@ -94,6 +97,27 @@ def _step(em, x, shape, cur, a, new, kind, reduce, where: fx.Graph) -> fx.Node:
     from autopar.errors import LoweringError
 
     raise LoweringError(f"no lowering for reshard step {kind!r}")
+
+def _joint_step(em, x, shape, cur, axes: tuple[int, ...], dst, where: fx.Graph) -> fx.Node:
+    """``cur[a] = S(i)`` on every axis of ``axes`` becomes ``dst[a] = S(j)`` by one all-to-all over
+    their combined group (``cost_model.comm.joint_step`` checked it is exact); updates ``cur``."""
+    m, c = em.mesh_shape, em.coords
+    seen, after = list(cur), list(cur)
+    for a in axes:
+        seen[a], after[a] = B, dst[a]
+    group_block = local_shape(shape, seen, m, c)  # the tensor as the combined group sees it
+    mine = local_shape(shape, after, m, c)
+    i, j = cur[axes[0]].dim, dst[axes[0]].dim
+    n = math.prod(m[a] for a in axes)
+    if group_block[i] % n or group_block[j] % n:  # a dim of equal blocks, cut unevenly once expanded
+        from autopar.errors import LoweringError
+
+        raise LoweringError(f"an all-to-all over mesh axes {axes} would cut dims {i} and {j} of a {list(group_block)} "
+                            f"block unevenly over {n} devices, where nested splits and the group's pieces differ")
+    for a in axes:
+        cur[a] = dst[a]
+    return wait_for(where.call_function(C.all_to_all, (x, tuple(axes), i, j, group_block[i], mine[j])), where)
+
 
 def fill_like(x: fx.Node, p: Partial, where: fx.Graph) -> fx.Node:
     """A program node holding a tensor shaped like ``x`` filled with ``value`` (a reduction's identity)."""

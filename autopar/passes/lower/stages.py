@@ -29,6 +29,7 @@ stages), and the programs are cut in four kinds of part:
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -82,7 +83,7 @@ class _ShapeOnly:
         self.sizes = list(mesh_shape)
 
     def axis_size(self, axis):
-        return self.sizes[axis]
+        return math.prod(self.sizes[a] for a in axis) if isinstance(axis, tuple) else self.sizes[axis]
 
     def all_gather(self, x, axis, dim):
         return torch.cat([x] * self.sizes[axis], dim)

@@ -51,7 +51,7 @@ from autopar.program import collectives as C
 from autopar.program.collectives import Executed
 from autopar.program.staged import SHAPE, StageCut, StagedProgram, boundary_pairs
 from autopar.runtime.accounting import compare, pipelined_predicted, static_values
-from autopar.runtime.collectives import ProcessGroupComm, record_executed
+from autopar.runtime.collectives import ProcessGroupComm, axis_label, record_executed
 from autopar.runtime.pipeline.loss import loss_weights
 from autopar.runtime.pipeline.schedule import SCHEDULES, ScheduleStep, micro_slices, run_schedule, take_loss
 from autopar.runtime.pipeline.state import local_state, without_dropped
@@ -174,7 +174,7 @@ class MeshPipelinedModule(torch.nn.Module):
     where the stages' examples, carriers, inputs and losses are made."""
 
     def __init__(self, model: torch.nn.Module, plan, staged: StagedProgram, device_mesh, groups: list,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, joint: Optional[dict] = None):
         super().__init__()
         self.device = device
         graph, stage_of, program, cut = staged.graph, staged.stage_of, staged.program, staged.cut
@@ -201,8 +201,10 @@ class MeshPipelinedModule(torch.nn.Module):
         self.pp_group = dmesh.get_group(pl.axis)
         self.pp_rank = dist.get_rank(self.pp_group)
         self.coords = tuple(int(c) for c in stage_mesh.get_coordinate())
-        self._comm = ProcessGroupComm(groups, plan.axis_names)
+        self._comm = ProcessGroupComm(groups, plan.axis_names, joint)  # joint: groups over stage-mesh axis tuples
         self._axis_of_group = {g.group_name: n for g, n in zip(groups, plan.axis_names)}
+        stage_names = [n for n in pl.mesh_names if n != pl.axis]
+        self._axis_of_group.update({g.group_name: axis_label(stage_names, a) for a, g in (joint or {}).items()})
         self._recording: Optional[list] = None
         ranks = list(pl.stage_ranks)
         n_stages = len(ranks)
