@@ -103,7 +103,8 @@ def test_rule_proof_covers_the_experts_strategy_on_a_captured_model():
     """The rule proof (``ir.rules.proof``) runs the experts strategy like any other, each device on
     its own thread exchanging rows, on the grouped products captured from the zoo's model with its
     routing forced uneven (an expert with every token, one with none): every signature and
-    composition holds on (2,), (3,) and (2, 3), and every mutant of them is caught."""
+    composition holds on (2,), (3,), (2, 2) (the experts over both axes too) and (2, 3), and every
+    mutant of them is caught."""
     from _dropless_helpers import build
 
     model, args = build()
@@ -115,32 +116,68 @@ def test_rule_proof_covers_the_experts_strategy_on_a_captured_model():
             ins = [t.float() if t.dtype == torch.bfloat16 else t for t in c.inputs]
             found.append(Case(c.call, ins, reference(c.call, ins), c.node))
     report = Report()
-    for mesh in [(2,), (3,), (2, 3)]:
+    for mesh in [(2,), (3,), (2, 2), (2, 3)]:
         verify(found, mesh, report)
     assert not report.failures, report.failures[:5]
     proven = {sig for _, sig in report.pairs}
     for want in ["(S(0), S(0), B) -> (S(0))", "(S(1), S(0), B) -> (S(0))",
-                 "(B, S(2), B) -> (S(1)) | (S(0), S(0), B) -> (S(0))", "(S(1), S(0), B) -> (S(0)) | (S(0), B, B) -> (S(1))"]:
+                 "(B, S(2), B) -> (S(1)) | (S(0), S(0), B) -> (S(0))", "(S(1), S(0), B) -> (S(0)) | (S(0), B, B) -> (S(1))",
+                 "(S(0), S(0), B) -> (S(0)) | (S(0), S(0), B) -> (S(0))",
+                 "(S(1), S(0), B) -> (S(0)) | (S(1), S(0), B) -> (S(0))"]:
         assert want in proven, want
     rep = mutation_test(found, (3,))
     assert rep.total > 20 and rep.caught == rep.total, rep.survivors[:5]
 
 
-def test_experts_strategy_is_offered_on_one_axis_at_a_time():
-    """The rule offers the experts strategy on either mesh axis, never on both, and never with the
-    expert dim split on the other axis (the exchange runs inside one axis group); the rows may split
-    on the other axis too."""
+def test_experts_strategy_is_offered_on_either_axis_and_on_both():
+    """The rule offers the experts strategy on either mesh axis and on both together (the expert
+    layers' own factorization), never with the expert dim split on an untagged axis; the rows may
+    split on the other axis too. Both axes together need an expert per device."""
     for form in ("rows", "sum"):
         strats = strategies(_call(form, 24, 8, 4, 4), (2, 2))
         tagged = [[s.tag for s in st] for st in strats if any(s.tag == "experts" for s in st)]
         assert any(t[0] == "experts" for t in tagged) and any(t[1] == "experts" for t in tagged)
-        assert not any(t == ["experts", "experts"] for t in tagged)
+        assert ["experts", "experts"] in tagged
         for st in strats:
-            for s in st:  # the expert dim is split by the experts axis alone
+            for s in st:  # the expert dim is split by the experts axes alone
                 if any(x.tag == "experts" for x in st) and s.tag != "experts":
                     assert (s.inputs[1] if form == "rows" else s.outputs[0]) != Split(0), st
         rows_dim = 0 if form == "rows" else 1  # rows split on both axes: each group exchanges its own
         assert any(all(s.inputs[0] == Split(rows_dim) for s in st) for st in strats if st[1].tag == "experts")
+        # 4 experts over (2, 4): not on both axes (two devices would hold none); each alone, yes
+        wide = [[s.tag for s in st] for st in strategies(_call(form, 24, 8, 4, 4), (2, 4))]
+        assert ["experts", "experts"] not in wide and any(t[1] == "experts" for t in wide)
+
+
+#: rows per expert of eight experts over (2, 2): device (0, 1) holds experts 2 and 3, whose rows come
+#: from the second and third row blocks, so after the exchange on the first axis its pieces arrive
+#: out of expert order (expert 3's from member 0, expert 2's from member 1) and are regrouped
+ROUTINGS_8 = [[3, 3, 6, 6, 1, 1, 1, 3], [0, 0, 0, 0, 0, 0, 0, 24], [24, 0, 0, 0, 0, 0, 0, 0],
+              [3, 0, 5, 0, 7, 0, 1, 8], [1, 9, 9, 1, 1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("form", ["rows", "sum"])
+def test_experts_over_two_axes_proven_by_execution(form):
+    """Experts split over two and three axes together (a hierarchical exchange: one all-to-all per
+    axis, outer axis first, the received rows regrouped by expert between them), beside an axis
+    that splits the columns within an expert or the rows: uneven routings with empty experts, one
+    expert with every row, and pieces that arrive out of expert order give the whole product."""
+    from autopar.ir.rules.expert import _regroup
+
+    e = _experts(form)
+    other = Signature((B, Split(2 if form == "rows" else 1), B), (Split(1 if form == "rows" else 2),), "S:n")
+    rows = (Signature((Split(0), B, B), (Split(0),), "S:t") if form == "rows"
+            else Signature((Split(1), Split(0), B), (P,), "S:t"))
+    cases = [((2, 2), (e, e)), ((2, 4), (e, e)), ((4, 2), (e, e)), ((2, 2, 2), (e, e, e)),
+             ((2, 2, 2), (e, other, e)), ((2, 2, 2), (rows, e, e)), ((2, 3, 2), (e, rows, e))]
+    for counts in ROUTINGS_8:
+        for mesh, strategy in cases:
+            got, want = _run(form, counts, mesh, strategy)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{form} {counts} {mesh} {strategy}")
+    # the first routing's pieces do arrive out of order (the regrouping is exercised, and right)
+    pieces = torch.tensor([[0, 0, 0, 6, 0, 0, 0, 0], [0, 0, 2, 0, 0, 0, 0, 0]])
+    assert _regroup(pieces).tolist() == [6, 7, 0, 1, 2, 3, 4, 5]
+    assert _regroup(pieces.flip(0)) is None
 
 
 def test_exchange_priced_at_the_imbalanced_load():
