@@ -62,6 +62,18 @@ def expert_count(call: OpCall) -> int:
     return int(spec.shape[0]) if spec is not None else 0
 
 
+def graph_experts(graph) -> int:
+    """The most experts of a grouped product of ``graph`` that can run expert-parallel (0: none;
+    the graph is no mixture of experts the experts strategy serves)."""
+    most = 0
+    for n in graph.ops():
+        if n.op == "aten._grouped_mm.default" and len(n.inputs) >= 3:
+            a, b = graph.spec(n.inputs[0]), graph.spec(n.inputs[1])
+            if a.ndim == 2 and b.ndim == 3:
+                most = max(most, int(b.shape[0]))
+    return most
+
+
 def compose(call: OpCall, strats: list, mesh_shape: Sequence[int]) -> list:
     """The compositions of ``strats`` that hold together (``OpRule.compose``): see ``composes``;
     several tagged axes together give every device at least one expert."""
