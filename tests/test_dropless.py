@@ -223,14 +223,18 @@ def _expert_forms(plan, graph) -> set:
 
 
 def _plans(model, args, kwargs, hints, graph, search="propagate"):
-    """Plans on (4,) and (2, 2) with the ``hints`` parameters split on their expert dim."""
+    """Plans on (4,) and (2, 2) with the ``hints`` parameters split on their expert dim: on (2, 2)
+    over one axis, and over both (the experts' own factorization: every expert-parallel product then
+    runs its experts over both axes)."""
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for axes, hint in [({"ep": 4}, "S(0)"), ({"dp": 2, "ep": 2}, "ep=S(0)")]:
-            out[tuple(axes)] = autopar.plan(model, autopar.Mesh(axes, device="cpu"), args, kwargs, graph=graph,
-                                            search=search, progress=False,
-                                            hints={h: hint for h in hints})
+        for axes, hint in [({"ep": 4}, "S(0)"), ({"dp": 2, "ep": 2}, "ep=S(0)"), ({"dp": 2, "ep": 2}, "S(0), S(0)")]:
+            out[(tuple(axes), hint)] = plan = autopar.plan(
+                model, autopar.Mesh(axes, device="cpu"), args, kwargs, graph=graph, search=search, progress=False,
+                hints={h: hint for h in hints})
+            if hint == "S(0), S(0)":
+                assert all(n["tags"] == ["experts", "experts"] for n in plan.nodes if "experts" in n.get("tags", []))
     return out
 
 
@@ -350,6 +354,63 @@ def test_hf_moe_with_aux_loss_simulates_with_experts_split(name, routing):
     for axes, plan in _plans(model, args, kwargs, hints, graph).items():
         assert _expert_forms(plan, graph) == {(2, 3), (2, 2)}, axes
         _close(autopar.simulate(model, plan, args, kwargs, graph=graph), want, 2e-2, (name, axes))
+
+
+@pytest.mark.parametrize("name", ["zoo", "mixtral"])
+def test_searched_plans_on_two_axes_simulate_the_one_device_program(name):
+    """The zoo's dropless MoE and Hugging Face Mixtral, routing forced (expert 0 takes every token,
+    the last none), planned on (2, 2) by the search, whose options include the experts over either
+    axis and over both: loss and every gradient match the 1-device program's. The plan with the
+    experts forced over both axes says so in ``plan.explain``."""
+    torch.manual_seed(0)
+    if name == "zoo":
+        model, args = make("moe_dropless", "tiny", batch=4, experts="grouped_mm", n_shared=1, n_layers=2,
+                           dtype=torch.bfloat16)
+        _force_routing(model, model.layers[0].norm, model.layers[0].moe.router, 4)
+        kwargs, hints = {}, ["layers.*.moe.experts.w*"]
+    else:
+        pytest.importorskip("transformers")
+        model, args, kwargs = _hf("mixtral", "grouped_mm")
+        _force_hf_routing(model)
+        hints = ["model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj"]
+    graph = capture(model, args, kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = autopar.plan(model, autopar.Mesh({"a": 1}, device="cpu"), args, kwargs, graph=graph,
+                           search="propagate", progress=False)
+        want = autopar.simulate(model, one, args, kwargs, graph=graph)
+        searched = autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu"), args, kwargs, graph=graph,
+                                progress=False)
+        forced = autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu"), args, kwargs, graph=graph,
+                              search="propagate", progress=False, hints={h: "S(0), S(0)" for h in hints})
+    _close(autopar.simulate(model, searched, args, kwargs, graph=graph), want, 2e-2, (name, "searched"))
+    product = next(n for n in forced.nodes if n.get("tags") == ["experts", "experts"])
+    assert "experts over dp x tp (4 ways)" in forced.explain(product["module"])
+
+
+def test_mesh_devices_considers_an_expert_axis_for_a_mixture_of_experts():
+    """``Mesh.devices`` factorizations: a mixture of experts gets shapes with an ``ep`` axis between
+    dp and tp (``e x tp`` within a node, ``tp >= 2``, ``dp >= 2``, ``e`` no more than the experts), a
+    dense model none; planned, the ``ep`` shape is priced beside the others."""
+    from autopar.planner.factorize import shape_candidates
+
+    plain = shape_candidates(64, 8, batch=64, n_layers=4)
+    moe = shape_candidates(64, 8, batch=64, n_layers=4, experts=128)
+    assert [s for s in moe if "ep" not in s] == plain
+    assert [s for s in moe if "ep" in s] == [{"pp": 1, "dp": 8, "ep": 2, "tp": 4}, {"pp": 1, "dp": 16, "ep": 2, "tp": 2},
+                                             {"pp": 1, "dp": 8, "ep": 4, "tp": 2}]
+    assert {s["ep"] for s in shape_candidates(64, 8, batch=64, n_layers=4, experts=2) if "ep" in s} == {2}
+    torch.manual_seed(0)
+    model, args = make("moe_dropless", "tiny", batch=4, experts="grouped_mm", n_shared=1, n_layers=2,
+                       dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, autopar.Mesh.devices(8, device="cpu", node_size=4, pp=[1], tp=[2]), args,
+                            progress=False)
+    shapes = {tuple(sorted(r["shape"].items())): r for r in plan.mesh_search["compared"]}
+    ep = shapes[(("dp", 2), ("ep", 2), ("pp", 1), ("tp", 2))]
+    assert "error" not in ep and ep["step_time"] > 0
+    assert (("dp", 4), ("pp", 1), ("tp", 2)) in shapes
 
 
 # ---------------------------------------------------------------------------------------------
