@@ -422,22 +422,26 @@ def pool(gloo_pool4):
     return gloo_pool4()
 
 
-def test_expert_parallel_step_on_gloo(pool):
-    """Four gloo ranks run the zoo's dropless MoE with its experts split (the first layer's routing
-    sends every token to expert 0 and none to the last): the all-to-alls with run-time split sizes
-    run on real process groups, and the loss and every gradient match the 1-device program's."""
+@pytest.mark.parametrize("axes, hint", [((("ep", 4),), "S(0)"), ((("dp", 2), ("ep", 2)), "S(0), S(0)")])
+def test_expert_parallel_step_on_gloo(pool, axes, hint):
+    """Four gloo ranks run the zoo's dropless MoE with its experts split on (4,) and over both axes
+    of (2, 2) (the first layer's routing sends every token to expert 0 and none to the last): the
+    all-to-alls with run-time split sizes run on real process groups, one axis group after the
+    other, and the loss and every gradient match the 1-device program's."""
     from _dropless_helpers import build, step_on_rank
 
     model, args = build()
     graph = capture(model, args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = autopar.plan(model, autopar.Mesh({"ep": 4}, device="cpu"), args, graph=graph, search="propagate",
-                            hints={"layers.*.moe.experts.w*": "S(0)"}, progress=False)
+        plan = autopar.plan(model, autopar.Mesh(dict(axes), device="cpu"), args, graph=graph, search="propagate",
+                            hints={"layers.*.moe.experts.w*": hint}, progress=False)
         one = autopar.plan(model, autopar.Mesh({"a": 1}, device="cpu"), args, graph=graph, search="propagate",
                            progress=False)
         want = autopar.simulate(model, one, args, graph=graph)
     assert _expert_forms(plan, graph) == {(2, 3), (2, 2)}
-    for got in pool.run(step_on_rank, (("ep", 4),), plan.to_json()):
+    if len(axes) == 2:
+        assert all(n["tags"] == ["experts", "experts"] for n in plan.nodes if "experts" in n.get("tags", []))
+    for got in pool.run(step_on_rank, axes, plan.to_json()):
         assert "all_to_all" in got["kinds"], got["kinds"]
         _close((got["loss"], got["grads"]), want, 2e-2, "gloo")
