@@ -191,6 +191,26 @@ def test_exchange_priced_at_the_imbalanced_load():
     assert pricing.exchange_time((Signature((B, B, B), (B,)),), [(4096, 2048), (2, 2048, 1024)], 2, mesh) == 0.0
 
 
+def test_experts_over_two_axes_priced_per_axis_and_per_expert_rows():
+    """Experts over two axes pay one exchange per axis, each on its own link (dp crosses nodes on
+    (8, 8) H100s, tp does not); a grouped product's GEMM is priced at one expert's rows, so the
+    same local rows over fewer local experts (expert parallelism) run at a higher efficiency."""
+    from autopar.cost_model.compute import efficiency_of
+
+    mesh = autopar.Mesh({"dp": 8, "tp": 8}, device="h100")
+    whole = Signature((B, B, B), (B,))
+    shapes = [(4096, 2048), (2, 2048, 1024)]
+    dp = pricing.exchange_time((_experts("rows"), whole), shapes, 2, mesh)
+    tp = pricing.exchange_time((whole, _experts("rows")), shapes, 2, mesh)
+    both = pricing.exchange_time((_experts("rows"), _experts("rows")), shapes, 2, mesh)
+    assert dp > tp > 0 and both == pytest.approx(dp + tp)
+    call = _call("rows", 4096, 2048, 1024, 128)
+    hw = mesh.hardware
+    few = efficiency_of(call, [(4096, 2048), (2, 2048, 1024)], [(4096, 1024)], hw)
+    many = efficiency_of(call, [(4096, 2048), (128, 2048, 1024)], [(4096, 1024)], hw)
+    assert few > many
+
+
 # ---------------------------------------------------------------------------------------------
 # Whole models in the simulator
 
