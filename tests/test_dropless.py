@@ -310,7 +310,7 @@ def test_zoo_dropless_layer_drops_no_token():
     assert aux.item() > 1.0  # the balance loss sees the imbalance
 
 
-def _hf(name: str, experts: str):
+def _hf(name: str, experts: str, **extra):
     import transformers
     from _corpus import _config, _ids
 
@@ -318,7 +318,7 @@ def _hf(name: str, experts: str):
     dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                 max_position_embeddings=64, output_router_logits=True)
     if name == "mixtral":
-        cfg = _config(transformers.MixtralConfig, False, intermediate_size=128, **dims)
+        cfg = _config(transformers.MixtralConfig, False, **({"intermediate_size": 128} | extra | dims))
         model = transformers.MixtralForCausalLM(cfg)
     else:
         cfg = _config(transformers.Qwen2MoeConfig, False, intermediate_size=128, moe_intermediate_size=64,
@@ -376,12 +376,14 @@ def test_hf_moe_with_aux_loss_simulates_with_experts_split(name, routing):
         _close(autopar.simulate(model, plan, args, kwargs, graph=graph), want, 2e-2, (name, axes))
 
 
-@pytest.mark.parametrize("name", ["zoo", "mixtral"])
+@pytest.mark.parametrize("name", ["zoo", "mixtral", "mixtral_wide"])
 def test_searched_plans_on_two_axes_simulate_the_one_device_program(name):
     """The zoo's dropless MoE and Hugging Face Mixtral, routing forced (expert 0 takes every token,
     the last none), planned on (2, 2) by the search, whose options include the experts over either
     axis and over both: loss and every gradient match the 1-device program's. The plan with the
-    experts forced over both axes says so in ``plan.explain``."""
+    experts forced over both axes says so in ``plan.explain``. A Mixtral of wide experts (16 of
+    4096, its own routing) priced on H100s: the search runs some weight gradients' experts on one axis and splits
+    within each expert on the other (expert x expert-tensor), a layout of their own."""
     torch.manual_seed(0)
     if name == "zoo":
         model, args = make("moe_dropless", "tiny", batch=4, experts="grouped_mm", n_shared=1, n_layers=2,
@@ -390,8 +392,10 @@ def test_searched_plans_on_two_axes_simulate_the_one_device_program(name):
         kwargs, hints = {}, ["layers.*.moe.experts.w*"]
     else:
         pytest.importorskip("transformers")
-        model, args, kwargs = _hf("mixtral", "grouped_mm")
-        _force_hf_routing(model)
+        wide = {"intermediate_size": 4096, "num_local_experts": 16} if name == "mixtral_wide" else {}
+        model, args, kwargs = _hf("mixtral", "grouped_mm", **wide)
+        if not wide:  # (forced, the wide model's attention gradients are bf16 roundoff: near zero)
+            _force_hf_routing(model)
         hints = ["model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj"]
     graph = capture(model, args, kwargs)
     with warnings.catch_warnings():
@@ -399,11 +403,15 @@ def test_searched_plans_on_two_axes_simulate_the_one_device_program(name):
         one = autopar.plan(model, autopar.Mesh({"a": 1}, device="cpu"), args, kwargs, graph=graph,
                            search="propagate", progress=False)
         want = autopar.simulate(model, one, args, kwargs, graph=graph)
-        searched = autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu"), args, kwargs, graph=graph,
+        device = "h100" if name == "mixtral_wide" else "cpu"
+        searched = autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, device=device), args, kwargs, graph=graph,
                                 progress=False)
         forced = autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu"), args, kwargs, graph=graph,
                               search="propagate", progress=False, hints={h: "S(0), S(0)" for h in hints})
     _close(autopar.simulate(model, searched, args, kwargs, graph=graph), want, 2e-2, (name, "searched"))
+    if name == "mixtral_wide":
+        folded = [n["tags"] for n in searched.nodes if n.get("op") == GROUPED and "experts" in n.get("tags", [])]
+        assert any(set(t) & {"S:k", "S:n"} for t in folded), folded
     product = next(n for n in forced.nodes if n.get("tags") == ["experts", "experts"])
     assert "experts over dp x tp (4 ways)" in forced.explain(product["module"])
 
