@@ -103,7 +103,8 @@ def test_rule_proof_covers_the_experts_strategy_on_a_captured_model():
     """The rule proof (``ir.rules.proof``) runs the experts strategy like any other, each device on
     its own thread exchanging rows, on the grouped products captured from the zoo's model with its
     routing forced uneven (an expert with every token, one with none): every signature and
-    composition holds on (2,), (3,) and (2, 3), and every mutant of them is caught."""
+    composition holds on (2,), (3,), (2, 2) (the experts over both axes too) and (2, 3), and every
+    mutant of them is caught."""
     from _dropless_helpers import build
 
     model, args = build()
@@ -115,32 +116,68 @@ def test_rule_proof_covers_the_experts_strategy_on_a_captured_model():
             ins = [t.float() if t.dtype == torch.bfloat16 else t for t in c.inputs]
             found.append(Case(c.call, ins, reference(c.call, ins), c.node))
     report = Report()
-    for mesh in [(2,), (3,), (2, 3)]:
+    for mesh in [(2,), (3,), (2, 2), (2, 3)]:
         verify(found, mesh, report)
     assert not report.failures, report.failures[:5]
     proven = {sig for _, sig in report.pairs}
     for want in ["(S(0), S(0), B) -> (S(0))", "(S(1), S(0), B) -> (S(0))",
-                 "(B, S(2), B) -> (S(1)) | (S(0), S(0), B) -> (S(0))", "(S(1), S(0), B) -> (S(0)) | (S(0), B, B) -> (S(1))"]:
+                 "(B, S(2), B) -> (S(1)) | (S(0), S(0), B) -> (S(0))", "(S(1), S(0), B) -> (S(0)) | (S(0), B, B) -> (S(1))",
+                 "(S(0), S(0), B) -> (S(0)) | (S(0), S(0), B) -> (S(0))",
+                 "(S(1), S(0), B) -> (S(0)) | (S(1), S(0), B) -> (S(0))"]:
         assert want in proven, want
     rep = mutation_test(found, (3,))
     assert rep.total > 20 and rep.caught == rep.total, rep.survivors[:5]
 
 
-def test_experts_strategy_is_offered_on_one_axis_at_a_time():
-    """The rule offers the experts strategy on either mesh axis, never on both, and never with the
-    expert dim split on the other axis (the exchange runs inside one axis group); the rows may split
-    on the other axis too."""
+def test_experts_strategy_is_offered_on_either_axis_and_on_both():
+    """The rule offers the experts strategy on either mesh axis and on both together (the expert
+    layers' own factorization), never with the expert dim split on an untagged axis; the rows may
+    split on the other axis too. Both axes together need an expert per device."""
     for form in ("rows", "sum"):
         strats = strategies(_call(form, 24, 8, 4, 4), (2, 2))
         tagged = [[s.tag for s in st] for st in strats if any(s.tag == "experts" for s in st)]
         assert any(t[0] == "experts" for t in tagged) and any(t[1] == "experts" for t in tagged)
-        assert not any(t == ["experts", "experts"] for t in tagged)
+        assert ["experts", "experts"] in tagged
         for st in strats:
-            for s in st:  # the expert dim is split by the experts axis alone
+            for s in st:  # the expert dim is split by the experts axes alone
                 if any(x.tag == "experts" for x in st) and s.tag != "experts":
                     assert (s.inputs[1] if form == "rows" else s.outputs[0]) != Split(0), st
         rows_dim = 0 if form == "rows" else 1  # rows split on both axes: each group exchanges its own
         assert any(all(s.inputs[0] == Split(rows_dim) for s in st) for st in strats if st[1].tag == "experts")
+        # 4 experts over (2, 4): not on both axes (two devices would hold none); each alone, yes
+        wide = [[s.tag for s in st] for st in strategies(_call(form, 24, 8, 4, 4), (2, 4))]
+        assert ["experts", "experts"] not in wide and any(t[1] == "experts" for t in wide)
+
+
+#: rows per expert of eight experts over (2, 2): device (0, 1) holds experts 2 and 3, whose rows come
+#: from the second and third row blocks, so after the exchange on the first axis its pieces arrive
+#: out of expert order (expert 3's from member 0, expert 2's from member 1) and are regrouped
+ROUTINGS_8 = [[3, 3, 6, 6, 1, 1, 1, 3], [0, 0, 0, 0, 0, 0, 0, 24], [24, 0, 0, 0, 0, 0, 0, 0],
+              [3, 0, 5, 0, 7, 0, 1, 8], [1, 9, 9, 1, 1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("form", ["rows", "sum"])
+def test_experts_over_two_axes_proven_by_execution(form):
+    """Experts split over two and three axes together (a hierarchical exchange: one all-to-all per
+    axis, outer axis first, the received rows regrouped by expert between them), beside an axis
+    that splits the columns within an expert or the rows: uneven routings with empty experts, one
+    expert with every row, and pieces that arrive out of expert order give the whole product."""
+    from autopar.ir.rules.expert import _regroup
+
+    e = _experts(form)
+    other = Signature((B, Split(2 if form == "rows" else 1), B), (Split(1 if form == "rows" else 2),), "S:n")
+    rows = (Signature((Split(0), B, B), (Split(0),), "S:t") if form == "rows"
+            else Signature((Split(1), Split(0), B), (P,), "S:t"))
+    cases = [((2, 2), (e, e)), ((2, 4), (e, e)), ((4, 2), (e, e)), ((2, 2, 2), (e, e, e)),
+             ((2, 2, 2), (e, other, e)), ((2, 2, 2), (rows, e, e)), ((2, 3, 2), (e, rows, e))]
+    for counts in ROUTINGS_8:
+        for mesh, strategy in cases:
+            got, want = _run(form, counts, mesh, strategy)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{form} {counts} {mesh} {strategy}")
+    # the first routing's pieces do arrive out of order (the regrouping is exercised, and right)
+    pieces = torch.tensor([[0, 0, 0, 6, 0, 0, 0, 0], [0, 0, 2, 0, 0, 0, 0, 0]])
+    assert _regroup(pieces).tolist() == [6, 7, 0, 1, 2, 3, 4, 5]
+    assert _regroup(pieces.flip(0)) is None
 
 
 def test_exchange_priced_at_the_imbalanced_load():
@@ -152,6 +189,26 @@ def test_exchange_priced_at_the_imbalanced_load():
     assert pricing.exchange_time(strat, [(4096, 2048), (2, 2048, 1024)], 2, mesh, imbalance=2.0) > t
     assert pricing.exchange_time(strat, [(8192, 2048), (2, 2048, 1024)], 2, mesh) > t
     assert pricing.exchange_time((Signature((B, B, B), (B,)),), [(4096, 2048), (2, 2048, 1024)], 2, mesh) == 0.0
+
+
+def test_experts_over_two_axes_priced_per_axis_and_per_expert_rows():
+    """Experts over two axes pay one exchange per axis, each on its own link (dp crosses nodes on
+    (8, 8) H100s, tp does not); a grouped product's GEMM is priced at one expert's rows, so the
+    same local rows over fewer local experts (expert parallelism) run at a higher efficiency."""
+    from autopar.cost_model.compute import efficiency_of
+
+    mesh = autopar.Mesh({"dp": 8, "tp": 8}, device="h100")
+    whole = Signature((B, B, B), (B,))
+    shapes = [(4096, 2048), (2, 2048, 1024)]
+    dp = pricing.exchange_time((_experts("rows"), whole), shapes, 2, mesh)
+    tp = pricing.exchange_time((whole, _experts("rows")), shapes, 2, mesh)
+    both = pricing.exchange_time((_experts("rows"), _experts("rows")), shapes, 2, mesh)
+    assert dp > tp > 0 and both == pytest.approx(dp + tp)
+    call = _call("rows", 4096, 2048, 1024, 128)
+    hw = mesh.hardware
+    few = efficiency_of(call, [(4096, 2048), (2, 2048, 1024)], [(4096, 1024)], hw)
+    many = efficiency_of(call, [(4096, 2048), (128, 2048, 1024)], [(4096, 1024)], hw)
+    assert few > many
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,14 +243,18 @@ def _expert_forms(plan, graph) -> set:
 
 
 def _plans(model, args, kwargs, hints, graph, search="propagate"):
-    """Plans on (4,) and (2, 2) with the ``hints`` parameters split on their expert dim."""
+    """Plans on (4,) and (2, 2) with the ``hints`` parameters split on their expert dim: on (2, 2)
+    over one axis, and over both (the experts' own factorization: every expert-parallel product then
+    runs its experts over both axes)."""
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for axes, hint in [({"ep": 4}, "S(0)"), ({"dp": 2, "ep": 2}, "ep=S(0)")]:
-            out[tuple(axes)] = autopar.plan(model, autopar.Mesh(axes, device="cpu"), args, kwargs, graph=graph,
-                                            search=search, progress=False,
-                                            hints={h: hint for h in hints})
+        for axes, hint in [({"ep": 4}, "S(0)"), ({"dp": 2, "ep": 2}, "ep=S(0)"), ({"dp": 2, "ep": 2}, "S(0), S(0)")]:
+            out[(tuple(axes), hint)] = plan = autopar.plan(
+                model, autopar.Mesh(axes, device="cpu"), args, kwargs, graph=graph, search=search, progress=False,
+                hints={h: hint for h in hints})
+            if hint == "S(0), S(0)":
+                assert all(n["tags"] == ["experts", "experts"] for n in plan.nodes if "experts" in n.get("tags", []))
     return out
 
 
@@ -249,7 +310,7 @@ def test_zoo_dropless_layer_drops_no_token():
     assert aux.item() > 1.0  # the balance loss sees the imbalance
 
 
-def _hf(name: str, experts: str):
+def _hf(name: str, experts: str, **extra):
     import transformers
     from _corpus import _config, _ids
 
@@ -257,7 +318,7 @@ def _hf(name: str, experts: str):
     dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                 max_position_embeddings=64, output_router_logits=True)
     if name == "mixtral":
-        cfg = _config(transformers.MixtralConfig, False, intermediate_size=128, **dims)
+        cfg = _config(transformers.MixtralConfig, False, **({"intermediate_size": 128} | extra | dims))
         model = transformers.MixtralForCausalLM(cfg)
     else:
         cfg = _config(transformers.Qwen2MoeConfig, False, intermediate_size=128, moe_intermediate_size=64,
@@ -315,6 +376,71 @@ def test_hf_moe_with_aux_loss_simulates_with_experts_split(name, routing):
         _close(autopar.simulate(model, plan, args, kwargs, graph=graph), want, 2e-2, (name, axes))
 
 
+@pytest.mark.parametrize("name", ["zoo", "mixtral", "mixtral_wide"])
+def test_searched_plans_on_two_axes_simulate_the_one_device_program(name):
+    """The zoo's dropless MoE and Hugging Face Mixtral, routing forced (expert 0 takes every token,
+    the last none), planned on (2, 2) by the search, whose options include the experts over either
+    axis and over both: loss and every gradient match the 1-device program's. The plan with the
+    experts forced over both axes says so in ``plan.explain``. A Mixtral of wide experts (16 of
+    4096, its own routing) priced on H100s: the search runs some weight gradients' experts on one axis and splits
+    within each expert on the other (expert x expert-tensor), a layout of their own."""
+    torch.manual_seed(0)
+    if name == "zoo":
+        model, args = make("moe_dropless", "tiny", batch=4, experts="grouped_mm", n_shared=1, n_layers=2,
+                           dtype=torch.bfloat16)
+        _force_routing(model, model.layers[0].norm, model.layers[0].moe.router, 4)
+        kwargs, hints = {}, ["layers.*.moe.experts.w*"]
+    else:
+        pytest.importorskip("transformers")
+        wide = {"intermediate_size": 4096, "num_local_experts": 16} if name == "mixtral_wide" else {}
+        model, args, kwargs = _hf("mixtral", "grouped_mm", **wide)
+        if not wide:  # (forced, the wide model's attention gradients are bf16 roundoff: near zero)
+            _force_hf_routing(model)
+        hints = ["model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj"]
+    graph = capture(model, args, kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = autopar.plan(model, autopar.Mesh({"a": 1}, device="cpu"), args, kwargs, graph=graph,
+                           search="propagate", progress=False)
+        want = autopar.simulate(model, one, args, kwargs, graph=graph)
+        device = "h100" if name == "mixtral_wide" else "cpu"
+        searched = autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, device=device), args, kwargs, graph=graph,
+                                progress=False)
+        forced = autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, device="cpu"), args, kwargs, graph=graph,
+                              search="propagate", progress=False, hints={h: "S(0), S(0)" for h in hints})
+    _close(autopar.simulate(model, searched, args, kwargs, graph=graph), want, 2e-2, (name, "searched"))
+    if name == "mixtral_wide":
+        folded = [n["tags"] for n in searched.nodes if n.get("op") == GROUPED and "experts" in n.get("tags", [])]
+        assert any(set(t) & {"S:k", "S:n"} for t in folded), folded
+    product = next(n for n in forced.nodes if n.get("tags") == ["experts", "experts"])
+    assert "experts over dp x tp (4 ways)" in forced.explain(product["module"])
+
+
+def test_mesh_devices_considers_an_expert_axis_for_a_mixture_of_experts():
+    """``Mesh.devices`` factorizations: a mixture of experts gets shapes with an ``ep`` axis between
+    dp and tp (``e x tp`` within a node, ``tp >= 2``, ``dp >= 2``, ``e`` no more than the experts), a
+    dense model none; planned, the ``ep`` shape is priced beside the others."""
+    from autopar.planner.factorize import shape_candidates
+
+    plain = shape_candidates(64, 8, batch=64, n_layers=4)
+    moe = shape_candidates(64, 8, batch=64, n_layers=4, experts=128)
+    assert [s for s in moe if "ep" not in s] == plain
+    assert [s for s in moe if "ep" in s] == [{"pp": 1, "dp": 8, "ep": 2, "tp": 4}, {"pp": 1, "dp": 16, "ep": 2, "tp": 2},
+                                             {"pp": 1, "dp": 8, "ep": 4, "tp": 2}]
+    assert {s["ep"] for s in shape_candidates(64, 8, batch=64, n_layers=4, experts=2) if "ep" in s} == {2}
+    torch.manual_seed(0)
+    model, args = make("moe_dropless", "tiny", batch=4, experts="grouped_mm", n_shared=1, n_layers=2,
+                       dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, autopar.Mesh.devices(8, device="cpu", node_size=4, pp=[1], tp=[2]), args,
+                            progress=False)
+    shapes = {tuple(sorted(r["shape"].items())): r for r in plan.mesh_search["compared"]}
+    ep = shapes[(("dp", 2), ("ep", 2), ("pp", 1), ("tp", 2))]
+    assert "error" not in ep and ep["step_time"] > 0
+    assert (("dp", 4), ("pp", 1), ("tp", 2)) in shapes
+
+
 # ---------------------------------------------------------------------------------------------
 # Real process groups
 
@@ -324,22 +450,26 @@ def pool(gloo_pool4):
     return gloo_pool4()
 
 
-def test_expert_parallel_step_on_gloo(pool):
-    """Four gloo ranks run the zoo's dropless MoE with its experts split (the first layer's routing
-    sends every token to expert 0 and none to the last): the all-to-alls with run-time split sizes
-    run on real process groups, and the loss and every gradient match the 1-device program's."""
+@pytest.mark.parametrize("axes, hint", [((("ep", 4),), "S(0)"), ((("dp", 2), ("ep", 2)), "S(0), S(0)")])
+def test_expert_parallel_step_on_gloo(pool, axes, hint):
+    """Four gloo ranks run the zoo's dropless MoE with its experts split on (4,) and over both axes
+    of (2, 2) (the first layer's routing sends every token to expert 0 and none to the last): the
+    all-to-alls with run-time split sizes run on real process groups, one axis group after the
+    other, and the loss and every gradient match the 1-device program's."""
     from _dropless_helpers import build, step_on_rank
 
     model, args = build()
     graph = capture(model, args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = autopar.plan(model, autopar.Mesh({"ep": 4}, device="cpu"), args, graph=graph, search="propagate",
-                            hints={"layers.*.moe.experts.w*": "S(0)"}, progress=False)
+        plan = autopar.plan(model, autopar.Mesh(dict(axes), device="cpu"), args, graph=graph, search="propagate",
+                            hints={"layers.*.moe.experts.w*": hint}, progress=False)
         one = autopar.plan(model, autopar.Mesh({"a": 1}, device="cpu"), args, graph=graph, search="propagate",
                            progress=False)
         want = autopar.simulate(model, one, args, graph=graph)
     assert _expert_forms(plan, graph) == {(2, 3), (2, 2)}
-    for got in pool.run(step_on_rank, (("ep", 4),), plan.to_json()):
+    if len(axes) == 2:
+        assert all(n["tags"] == ["experts", "experts"] for n in plan.nodes if "experts" in n.get("tags", []))
+    for got in pool.run(step_on_rank, axes, plan.to_json()):
         assert "all_to_all" in got["kinds"], got["kinds"]
         _close((got["loss"], got["grads"]), want, 2e-2, "gloo")

@@ -198,6 +198,14 @@ def efficiency_of(call: OpCall, ins: Sequence[Shape], outs: Sequence[Optional[Sh
         q, k = ins[at], ins[at + 1]
         causal = bool(call.arg(7, "is_causal", False) if at else call.arg(4, "is_causal", False))
         return eff.attention(e, "bwd" if at else "fwd", k[2], q[3], causal)
+    if _op_key(call.op) == "aten._grouped_mm" and len(ins) > 1 and len(ins[0]) == 2:
+        # one expert's GEMM: its rows are the local rows over the local experts (expert parallelism
+        # gathers an expert's rows from the group, so its GEMMs are larger than a row split's)
+        a, b = ins[0], ins[1]
+        if len(b) == 3:  # [T, K] x [E, K, N]
+            return eff.matmul(e, a[0] / max(1, b[0]) * b[2], a[1])
+        if len(b) == 2 and outs and outs[0]:  # [K, T] x [T, N] -> [E, K, N]
+            return eff.matmul(e, a[0] * b[1], a[1] / max(1, outs[0][0]))
     shape = matmul_shape(call, ins, outs)
     if shape is not None:
         return eff.matmul(e, *shape)

@@ -34,18 +34,18 @@ def exchange_time(strategy, in_shapes: Sequence, elem_bytes: int, mesh: Mesh,
                   imbalance: Optional[float] = None) -> float:
     """Seconds of the all-to-alls one expert-parallel grouped product runs on one device:
     the rows form sends its rows ``[T, K]`` and takes back ``[T, N]``; the weight gradient
-    (``[K, T] x [T, N]``) sends both operands' rows one way. ``in_shapes``: the local blocks."""
-    axis = expert_axis(strategy)
-    if axis is None:
-        return 0.0
+    (``[K, T] x [T, N]``) sends both operands' rows one way. ``in_shapes``: the local blocks.
+    Experts over several axes exchange once per axis (a hierarchical all-to-all), each at the
+    local rows' size (every stage leaves each device about as many rows as it had)."""
+    axes = [i for i, s in enumerate(strategy) if s.tag == TAG]
     f = IMBALANCE if imbalance is None else imbalance
-    n, link = mesh.shape[axis], mesh.links[axis]
     a, b = in_shapes[0], in_shapes[1]
     if len(b) == 3:  # rows: a [T, K], out [T, N]
         moved = [a[0] * a[1], a[0] * b[2]]
     else:  # sum: a [K, T], b [T, N]
         moved = [a[0] * a[1] + b[0] * b[1]]
-    return sum(collective_time("all_to_all", n * m * elem_bytes * f, n, link) for m in moved)
+    return sum(collective_time("all_to_all", mesh.shape[x] * m * elem_bytes * f, mesh.shape[x], mesh.links[x])
+               for x in axes for m in moved)
 
 
 __all__ = ["IMBALANCE", "exchange_time", "expert_axis"]

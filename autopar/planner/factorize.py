@@ -15,6 +15,12 @@ exhaustively:
   one: a power of two dividing the sequence, on unpipelined shapes. What each axis splits is the
   search's choice; on ``cp`` that is the sequence, with each attention op in a form of its own
   (all-gathered keys and values, all-to-all, or a head split);
+- an ``ep`` axis (between ``dp`` and ``tp``) takes part of the rest for a mixture of experts (a
+  graph with grouped expert products): a power of two ``e`` with ``e x tp`` within a node, ``tp >= 2``
+  and ``e`` no more than the experts, on unpipelined shapes. Attention splits the batch on it like
+  ``dp``; the expert layers may run their experts over it alone or over ``ep x tp`` (their own
+  factorization of the devices: ``ir/rules/expert.py``), an expert-parallel degree that neither
+  ``dp`` nor ``tp`` alone gives;
 - ``Mesh.devices(..., pp=[...], tp=[...])`` restricts the degrees further.
 
 Each candidate is planned as the user would plan that shape: ``pp = 1`` by the intra-op planner on
@@ -41,6 +47,7 @@ import torch
 from autopar.cost_model.mesh import DP_AXIS, PP_AXIS, TP_AXIS, Mesh
 from autopar.errors import ArgumentError, InfeasibleError, RecipeError
 from autopar.ir.capture import as_args
+from autopar.ir.rules.expert import graph_experts
 from autopar.ir.stages import chain
 from autopar.planner.captures import capture
 from autopar.planner.intra import run_passes
@@ -53,15 +60,18 @@ from autopar.planner.report import build_plan
 CP_AXIS = "cp"
 #: tokens per sequence from which a ``cp`` axis is considered even when the batch could fill ``dp``
 CP_MIN_SEQ = 16384
+#: the expert axis of a mixture of experts: devices that split the batch for attention and the experts
+EP_AXIS = "ep"
 
 
 def shape_candidates(count: int, node_size: int, batch: int, n_layers: int, pp: Optional[list] = None,
-                     tp: Optional[list] = None, seq: int = 0) -> list[dict[str, int]]:
+                     tp: Optional[list] = None, seq: int = 0, experts: int = 0) -> list[dict[str, int]]:
     """The ``{"pp", "dp", "tp"}`` factorizations of ``count`` the search plans (see the module
     docstring), in a fixed order: fewer pipeline stages first, then larger tensor-parallel groups.
     With a token sequence of ``seq`` tokens that is long (``CP_MIN_SEQ``) or whose batch cannot fill
     the devices ``dp`` would get, unpipelined shapes with a ``cp`` axis (a power of two dividing
-    ``seq``; ``{"pp", "dp", "cp", "tp"}``) follow each ``tp``'s plain shape."""
+    ``seq``; ``{"pp", "dp", "cp", "tp"}``) follow each ``tp``'s plain shape; for a mixture of
+    ``experts`` experts, so do shapes with an ``ep`` axis (``{"pp", "dp", "ep", "tp"}``)."""
     out = []
     tps = [t for t in range(node_size, 0, -1) if node_size % t == 0 and count % t == 0]
     if tp is not None:
@@ -78,6 +88,8 @@ def shape_candidates(count: int, node_size: int, batch: int, n_layers: int, pp: 
                 continue
             if d <= batch:
                 out.append({PP_AXIS: p, DP_AXIS: d, TP_AXIS: t})
+            if p == 1 and experts:
+                out += expert_shapes(d, t, node_size, batch, experts)
             if p == 1 and seq and (seq >= CP_MIN_SEQ or d > batch):
                 # (cp alone inside a node is the mesh of tp alone of that size, renamed: skipped)
                 out += [{PP_AXIS: 1, DP_AXIS: d // c, CP_AXIS: c, TP_AXIS: t}
@@ -85,6 +97,19 @@ def shape_candidates(count: int, node_size: int, batch: int, n_layers: int, pp: 
                         if d % c == 0 and d // c <= batch and seq % c == 0
                         and not (c == count and node_size % c == 0)]
     return out
+
+
+def expert_shapes(d: int, t: int, node_size: int, batch: int, experts: int) -> list[dict[str, int]]:
+    """The unpipelined shapes that carve an ``ep`` axis of ``e`` devices out of ``d`` data-parallel
+    ones beside ``t``: ``e x t`` within a node (the experts' exchange over ``ep x tp`` stays on the
+    node's links), ``t >= 2`` (with ``t = 1``, ``dp x ep`` is a ``dp x tp`` shape renamed), ``e`` no
+    more than the ``experts``, and ``dp`` at least 2 (``ep x tp`` alone is a ``dp x tp`` shape
+    renamed)."""
+    if t < 2:
+        return []
+    return [{PP_AXIS: 1, DP_AXIS: d // e, EP_AXIS: e, TP_AXIS: t}
+            for e in (2 ** k for k in range(1, d.bit_length()))
+            if d % e == 0 and e < d and e * t <= node_size and node_size % (e * t) == 0 and e <= experts and d <= batch]
 
 
 def sequence_length(args: tuple, kwargs: dict) -> int:
@@ -132,7 +157,7 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
                                                                         planning=True)
     n_layers = len(chain(full).keys)
     shapes = shape_candidates(count, node, batch, n_layers, spec.get(PP_AXIS), spec.get(TP_AXIS),
-                              sequence_length(args, kwargs))
+                              sequence_length(args, kwargs), graph_experts(full))
     if not shapes:
         raise ArgumentError(f"autopar.plan: no factorization of {count} devices into pp x dp x tp fits a batch of "
                             f"{batch} with tp dividing the node size {node}"
@@ -186,4 +211,4 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
     return best
 
 
-__all__ = ["CP_AXIS", "candidate_mesh", "plan_mesh_search", "sequence_length", "shape_candidates"]
+__all__ = ["CP_AXIS", "EP_AXIS", "candidate_mesh", "expert_shapes", "plan_mesh_search", "sequence_length", "shape_candidates"]

@@ -8,6 +8,7 @@ text returned goes through ``printable``: names from a model or a file cannot dr
 from __future__ import annotations
 
 import difflib
+import math
 import textwrap
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Iterable
@@ -321,6 +322,7 @@ def explain(plan: "Plan", module_path: str) -> str:
             ax = plan.axis_names[i] if i < len(plan.axis_names) else f"axis{i}"
             tag = f"  [{tags[i]}]" if i < len(tags) and tags[i] else ""
             lines.append(f"      {ax}: {sig}{tag}")
+        lines += _experts_line(plan, n)
         ins = " | ".join(str(x) for x in n.get("inputs") or []) or "-"
         outs = " | ".join("-" if x is None else str(x) for x in n.get("outputs") or []) or "-"
         lines.append(clip(f"      in: {ins}   out: {outs}", WIDTH))
@@ -357,6 +359,20 @@ def explain(plan: "Plan", module_path: str) -> str:
             lines.append(f"  {label:<{w}}  {('+' if d >= 0 else '') + human_time(d):>10}  "
                          f"(compute {human_time(a.get('time', 0.0))}, communication {human_time(a.get('comm', 0.0))})")
     return printable("\n".join(lines))
+
+
+def _experts_line(plan: "Plan", node: dict) -> list[str]:
+    """Which mesh axes an expert-parallel grouped product splits its experts over (its own
+    factorization of the devices: it need not match what the ops around it split)."""
+    tags = node.get("tags") or []
+    on = [i for i, t in enumerate(tags) if t == "experts"]
+    if not on:
+        return []
+    names, shape = plan.axis_names, plan.mesh_shape
+    ways = math.prod(shape[i] for i in on if i < len(shape))
+    how = "one all-to-all per axis, outer axis first" if len(on) > 1 else "one all-to-all"
+    return [f"      experts over {' x '.join(names[i] if i < len(names) else f'axis{i}' for i in on)} "
+            f"({ways} ways): each row travels to its expert's device and back ({how})"]
 
 
 def attention_lines(mods: list[dict], name) -> list[str]:

@@ -1,5 +1,5 @@
-"""Dropless expert parallelism as a strategy of ``aten._grouped_mm``: the experts' weights split on a
-mesh axis, and the rows routed to an expert travel to the device that holds it and back.
+"""Dropless expert parallelism as a strategy of ``aten._grouped_mm``: the experts' weights split on
+one mesh axis or several, and the rows routed to an expert travel to the device that holds it and back.
 
 The rows of a grouped product are sorted by expert (group ``e`` is rows ``offs[e-1]:offs[e]``,
 ``offs`` read whole on every device), so each expert owns one contiguous range of rows, whose bounds
@@ -7,11 +7,10 @@ come from ``offs`` when the step runs. With the rows split evenly over the axis 
 parallelism leaves them), what device ``j`` sends to device ``d`` is the overlap of its rows with the
 ranges of ``d``'s experts: every device computes every split size from the same ``offs`` (the counts
 are exchanged by the plan itself, which reduces the ``histc`` counts behind ``offs`` before the
-product reads them whole), and the rows arrive in global order, so the received rows of every
-expert are again contiguous and sorted.
+product reads them whole).
 
 - ``rows`` form ``a [T, K] @ b [E, K, N] -> [T, N]``, signature ``(S(0), S(0), B) -> (S(0))``
-  tagged ``experts``: dispatch ``a``'s rows (an all-to-all with run-time split sizes), the grouped
+  tagged ``experts``: dispatch ``a``'s rows (all-to-alls with run-time split sizes), the grouped
   product on the received rows with this device's experts, the combine in reverse.
 - ``sum`` form ``a [K, T] @ b [T, N] -> [E, K, N]`` (the weight gradient), signature
   ``(S(1), S(0), B) -> (S(0))``: both operands' rows travel to their experts' device, which sums
@@ -20,14 +19,23 @@ expert are again contiguous and sorted.
 The forward's product and its input gradient are the rows form, the weight gradient the sum form, so
 the backward is the mirror of the forward. The exchange is the lowered program's
 ``all_to_all_v`` (``LocalCtx.exchange``, set by the lowering: rules sit below the collectives).
-A strategy may tag one mesh axis ``experts``; the others keep ``E`` whole and may split the rows
-too (each axis group then exchanges its own rows: the weight gradient is a partial sum over the
-other axis), the columns or the contraction.
+
+Several axes may be tagged ``experts`` at once (the expert layers' own factorization of the mesh:
+experts over dp x tp where attention splits the batch on dp and heads on tp). The experts then split
+over those axes together, nested in mesh order, and the rows travel in one exchange per axis, outer
+axis first (a hierarchical all-to-all): after the exchange on an axis every row sits at the member
+whose coordinate on that axis is its expert's owner's, and each device regroups what it received by
+expert (``_regroup``) so that the next axis's pieces are again consecutive. The combine runs the
+stages backwards. Untagged axes keep ``E`` whole and may split the rows too (each group of the
+tagged axes then exchanges its own rows: the weight gradient is a partial sum over the other axis),
+the columns within an expert (expert-tensor parallelism) or the contraction.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import itertools
+import math
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -48,19 +56,38 @@ def expert_signatures(call: OpCall, form: Optional[str]) -> list[Signature]:
     return []
 
 
+def expert_count(call: OpCall) -> int:
+    """The number of experts ``E`` of a grouped product (its 3-D weight's or output's dim 0)."""
+    spec = call.in_specs[1] if call.in_specs[1].ndim == 3 else call.out_specs[0]
+    return int(spec.shape[0]) if spec is not None else 0
+
+
+def graph_experts(graph) -> int:
+    """The most experts of a grouped product of ``graph`` that can run expert-parallel (0: none;
+    the graph is no mixture of experts the experts strategy serves)."""
+    most = 0
+    for n in graph.ops():
+        if n.op == "aten._grouped_mm.default" and len(n.inputs) >= 3:
+            a, b = graph.spec(n.inputs[0]), graph.spec(n.inputs[1])
+            if a.ndim == 2 and b.ndim == 3:
+                most = max(most, int(b.shape[0]))
+    return most
+
+
 def compose(call: OpCall, strats: list, mesh_shape: Sequence[int]) -> list:
-    """The compositions of ``strats`` that hold together (``OpRule.compose``): see ``composes``."""
-    return [s for s in strats if composes(s)]
+    """The compositions of ``strats`` that hold together (``OpRule.compose``): see ``composes``;
+    several tagged axes together give every device at least one expert."""
+    e = expert_count(call)
+    return [s for s in strats if composes(s) and (len(expert_axes(s)) < 2 or math.prod(
+        n for sig, n in zip(s, mesh_shape) if sig.tag == TAG) <= e)]
 
 
 def composes(strategy: Strategy) -> bool:
-    """At most one axis runs the experts, and no other axis splits the expert dim (the exchange runs
-    inside one axis group; other axes may split the rows, the columns or the contraction)."""
+    """No untagged axis splits the expert dim (the experts split over the tagged axes alone; the
+    others may split the rows, the columns or the contraction)."""
     tagged = [s for s in strategy if s.tag == TAG]
     if not tagged:
         return True
-    if len(tagged) > 1:
-        return False
     rows_form = tagged[0].inputs[0] == Split(0)
     for s in strategy:
         if s.tag != TAG and (s.inputs[1] == Split(0) if rows_form else s.outputs[0] == Split(0)):
@@ -68,70 +95,114 @@ def composes(strategy: Strategy) -> bool:
     return True
 
 
-def _axis(ctx: LocalCtx) -> Optional[int]:
-    return next((i for i, s in enumerate(ctx.strategy) if s.tag == TAG), None)
+def expert_axes(strategy: Strategy) -> list[int]:
+    """The mesh axes a strategy runs its experts over, in mesh order (empty: not expert-parallel)."""
+    return [i for i, s in enumerate(strategy) if s.tag == TAG]
 
 
-def _member_range(ctx: LocalCtx, i: int, dim: int, axis: int, j: int) -> tuple[int, int]:
-    """``(start, length)`` along ``dim`` of input ``i``'s block on member ``j`` of this device's group on ``axis``."""
-    coords = list(ctx.coords)
-    coords[axis] = j
-    return local_range(ctx.call.in_specs[i].shape, ctx.in_placements(i), ctx.mesh_shape, coords)[dim]
+class _Route:
+    """The hierarchical exchange's sizes on this device, computed alike on every device from ``offs``.
+
+    ``stages[k]`` for the ``k``-th tagged axis: ``(axis, send, recv, index)``, the split sizes of its
+    all-to-all and the index that regroups the received rows by expert (None: already in order).
+    ``counts``: rows of each of this device's experts once every stage has run."""
+
+    def __init__(self, ctx: LocalCtx, offs: list[int], form: str):
+        axes = expert_axes(ctx.strategy)
+        rows_dim = 0 if form == "rows" else 1
+        if form == "rows":
+            spec, placements = ctx.call.in_specs[1], ctx.in_placements(1)
+        else:
+            spec, placements = ctx.call.out_specs[0], ctx.out_placements(0)
+        n_e = len(offs)
+        ends = torch.tensor([0] + list(offs), dtype=torch.int64)
+        sizes = [ctx.mesh_shape[a] for a in axes]
+        # per member of this device's group (row-major over the tagged axes): rows held of each
+        # expert, and the owner's coordinate on each tagged axis of every expert
+        owner = torch.zeros(len(axes), n_e, dtype=torch.int64)
+        starts, lengths = [], []
+        mine: tuple[int, int] = (0, 0)
+        for member in itertools.product(*[range(n) for n in sizes]):
+            coords = list(ctx.coords)
+            for a, c in zip(axes, member):
+                coords[a] = c
+            s, k = local_range(ctx.call.in_specs[0].shape, ctx.in_placements(0), ctx.mesh_shape, coords)[rows_dim]
+            starts.append(s)
+            lengths.append(k)
+            e0, ek = local_range(spec.shape, placements, ctx.mesh_shape, coords)[0]
+            owner[:, e0:e0 + ek] = torch.tensor(member, dtype=torch.int64).reshape(-1, 1)
+            if tuple(coords) == tuple(ctx.coords):
+                mine = (e0, ek)
+        st = torch.tensor(starts).reshape(-1, 1)
+        hi = st + torch.tensor(lengths).reshape(-1, 1)
+        held = (torch.minimum(hi, ends[1:]) - torch.maximum(st, ends[:-1])).clamp(min=0)
+        held = held.reshape(*sizes, n_e)  # rows past the last group belong to no expert: never sent
+        me = tuple(ctx.coords[a] for a in axes)
+        self.stages: list[tuple[int, list[int], list[int], Optional[torch.Tensor]]] = []
+        for k, (axis, n) in enumerate(zip(axes, sizes)):
+            to = torch.nn.functional.one_hot(owner[k], n).T  # [n, E]: expert e goes to coordinate owner[k][e]
+            line = held[me[:k] + (slice(None),) + me[k + 1:]]  # [n, E]: this device's axis group
+            send = (line[me[k]] * to).sum(-1).tolist()
+            pieces = line * to[me[k]]  # [source, E]: what each member sends here
+            self.stages.append((axis, send, pieces.sum(-1).tolist(), _regroup(pieces)))
+            shape = [1] * (len(sizes) + 1)
+            shape[k], shape[-1] = n, n_e
+            held = held.sum(k, keepdim=True) * to.reshape(shape)
+        self.counts = held[me].narrow(0, mine[0], mine[1]).tolist()
+
+    def dispatch(self, xs: list[torch.Tensor], exchange: Callable) -> list[torch.Tensor]:
+        """The rows of ``xs`` (dim 0, sorted by expert) at their experts' device, sorted by expert."""
+        for axis, send, recv, index in self.stages:
+            xs = [exchange(x.narrow(0, 0, sum(send)).contiguous(), axis, send, recv) for x in xs]
+            if index is not None:
+                xs = [x.index_select(0, index.to(x.device)) for x in xs]
+        return xs
+
+    def combine(self, y: torch.Tensor, exchange: Callable) -> torch.Tensor:
+        """The rows of ``y`` (as ``dispatch`` left them) back at the device they came from, in its order."""
+        for axis, send, recv, index in reversed(self.stages):
+            if index is not None:
+                y = torch.empty_like(y).index_copy(0, index.to(y.device), y)
+            y = exchange(y.contiguous(), axis, recv, send)
+        return y
 
 
-def exchange_counts(ctx: LocalCtx, offs: list[int], axis: int, rows_dim: int,
-                    experts: tuple[int, int]) -> list[list[int]]:
-    """``counts[j][e]``: rows of member ``j`` of the axis group routed to expert ``experts[0] + e``
-    (the block of experts member ``experts``' owner holds). Rows past the last group belong to none."""
-    ends = [0] + list(offs)
-    e0, ek = experts
-    out = []
-    for j in range(ctx.mesh_shape[axis]):
-        s, k = _member_range(ctx, 0, rows_dim, axis, j)
-        out.append([max(0, min(s + k, ends[e + 1]) - max(s, ends[e])) for e in range(e0, e0 + ek)])
-    return out
+def _regroup(pieces: torch.Tensor) -> Optional[torch.Tensor]:
+    """The index that orders rows received as consecutive pieces (``pieces[s][e]`` rows of expert
+    ``e`` from source ``s``, each piece sorted by expert) by expert, keeping the pieces' order within
+    an expert; None when they already are."""
+    nz = [e for row in (pieces > 0).tolist() for e, x in enumerate(row) if x]
+    if all(a <= b for a, b in zip(nz, nz[1:])):
+        return None
+    flat = pieces.reshape(-1)
+    start = (flat.cumsum(0) - flat).reshape(pieces.shape)  # where each (source, expert) piece begins
+    lengths = pieces.T.reshape(-1)  # expert-major
+    begins = start.T.reshape(-1)
+    out_start = lengths.cumsum(0) - lengths
+    return torch.repeat_interleave(begins - out_start, lengths) + torch.arange(int(lengths.sum()))
 
 
 def expert_local(ctx: LocalCtx, xs: list, form: str, grouped) -> Optional[torch.Tensor]:
     """This device's output under the experts strategy (None: the strategy does not run the experts).
     ``grouped(a, b, offs)`` runs the product on local operands."""
-    axis = _axis(ctx)
-    if axis is None:
+    if not expert_axes(ctx.strategy):
         return None
     if ctx.exchange is None:
         raise RuntimeError("the experts strategy of aten._grouped_mm needs the program's all_to_all_v "
                            "(LocalCtx.exchange), which the lowering provides")
     a, b, offs = xs[0], xs[1], xs[2]
-    n, me = ctx.mesh_shape[axis], ctx.coords[axis]
-    rows_dim = 0 if form == "rows" else 1
-    bounds = [int(o) for o in offs.tolist()]
-    # every member's experts: the rows form's weight block, the weight gradient's output block
+    route = _Route(ctx, [int(o) for o in offs.tolist()], form)
+    local_offs = torch.tensor(route.counts, dtype=torch.int64).cumsum(0).to(device=offs.device, dtype=offs.dtype)
     if form == "rows":
-        spec, placements = ctx.call.in_specs[1], ctx.in_placements(1)
-    else:
-        spec, placements = ctx.call.out_specs[0], ctx.out_placements(0)
-    blocks = []
-    for d in range(n):
-        coords = list(ctx.coords)
-        coords[axis] = d
-        blocks.append(local_range(spec.shape, placements, ctx.mesh_shape, coords)[0])
-    mine = exchange_counts(ctx, bounds, axis, rows_dim, blocks[me])  # [member][my expert]
-    send = [sum(exchange_counts(ctx, bounds, axis, rows_dim, blocks[d])[me]) for d in range(n)]
-    recv = [sum(row) for row in mine]
-    counts = [sum(col) for col in zip(*mine)] if mine and mine[0] else []
-    local_offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=offs.device, dtype=offs.dtype)
-    # this device's rows are sorted by expert, so the ones it sends are a prefix (past the last group: none)
-    if form == "rows":
-        got = ctx.exchange(a.narrow(0, 0, sum(send)), axis, send, recv)
+        got = route.dispatch([a], ctx.exchange)[0]
         y = grouped(got, b, local_offs) if got.shape[0] else got.new_zeros(0, b.shape[-1])
-        back = ctx.exchange(y.contiguous(), axis, recv, send)
+        back = route.combine(y, ctx.exchange)
         if back.shape[0] < a.shape[0]:  # rows of no expert: zeros (the kernel leaves them unwritten)
             back = torch.cat([back, back.new_zeros(a.shape[0] - back.shape[0], back.shape[1])])
         return back
-    got_a = ctx.exchange(a.narrow(1, 0, sum(send)).t().contiguous(), axis, send, recv).t()
-    got_b = ctx.exchange(b.narrow(0, 0, sum(send)).contiguous(), axis, send, recv)
+    got_a, got_b = route.dispatch([a.t(), b], ctx.exchange)
     if not got_b.shape[0]:
         return torch.zeros(ctx.out_shape(0), dtype=b.dtype, device=b.device)
-    out = grouped(got_a, got_b, local_offs)
-    empty = torch.tensor([c == 0 for c in counts], device=out.device).reshape(-1, 1, 1)
+    out = grouped(got_a.t(), got_b, local_offs)
+    empty = torch.tensor([c == 0 for c in route.counts], device=out.device).reshape(-1, 1, 1)
     return torch.where(empty, out.new_zeros(()), out)
