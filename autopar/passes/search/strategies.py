@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from autopar.cost_model.mesh import Mesh
 from autopar.errors import HintError
 from autopar.ir.graph import Graph, Node, Ref, Role, TensorSpec
-from autopar.ir.placement import B, Placement, PlacementError, Placements, Split, blocks_fit, format_placements, parse
+from autopar.ir.attention import ATTN_FWD
+from autopar.ir.placement import (B, Balanced, Placement, PlacementError, Placements, Split, balanced_fits, blocks_fit,
+                                  format_placements, parse)
 from autopar.ir.rules import op_call
 from autopar.ir.rules import strategies as rule_strategies
 from autopar.ir.rules.dimmap import Signature, Strategy
+from autopar.ir.rules.ring import balanced_lengths
 
 
 def fits(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> bool:
@@ -40,11 +44,26 @@ def fits(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequ
     return all(shape[d] >= k for d, k in pieces.items())
 
 
-def input_placements(spec: TensorSpec, mesh_shape: Sequence[int]) -> list[Placements]:
-    """Every placement a graph input may take: per axis B or a split of a dim that is large enough."""
-    per_axis = [[B] + [Split(d) for d in range(spec.ndim) if spec.shape[d] >= n] for n in mesh_shape]
+def input_placements(spec: TensorSpec, mesh_shape: Sequence[int], balanced: Sequence[int] = ()) -> list[Placements]:
+    """Every placement a graph input may take: per axis B or a split of a dim that is large enough
+    (and the balanced split ``Z`` of a dim as long as one of ``balanced``)."""
+    per_axis = [[B] + [Split(d) for d in range(spec.ndim) if spec.shape[d] >= n]
+                + [Balanced(d) for d in range(spec.ndim) if spec.shape[d] in balanced] for n in mesh_shape]
     return [p for p in itertools.product(*per_axis) if fits(spec.shape, p, mesh_shape)
-            and blocks_fit(spec.shape, p, mesh_shape, spec.blocks)]
+            and blocks_fit(spec.shape, p, mesh_shape, spec.blocks) and balanced_fits(spec.shape, p, mesh_shape)]
+
+
+def graph_balanced_lengths(graph: Graph) -> tuple[int, ...]:
+    """The sequence lengths on which the graph's ops offer the balanced split (``ring.balanced_lengths``),
+    computed once per graph."""
+    memo = _LENGTHS.get(graph)
+    if memo is None or memo[0] != len(graph.nodes):
+        memo = (len(graph.nodes), balanced_lengths(op_call(graph, n) for n in graph.nodes if n.op == ATTN_FWD))
+        _LENGTHS[graph] = memo
+    return memo[1]
+
+
+_LENGTHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _as_strategy(placements: Placements) -> Strategy:
@@ -66,8 +85,9 @@ def node_strategies(graph: Graph, node: Node, mesh: Mesh) -> list[Strategy]:
     if node.is_placeholder:
         if node.roles[0] == Role.TANGENT or node.outputs[0] is None:
             return [_as_strategy(tuple(B for _ in mesh.shape))]
-        return [_as_strategy(p) for p in input_placements(node.outputs[0], mesh.shape)]
-    strats = rule_strategies(op_call(graph, node), mesh.shape)
+        balanced = graph_balanced_lengths(graph) if node.roles[0] != Role.PARAMETER else ()
+        return [_as_strategy(p) for p in input_placements(node.outputs[0], mesh.shape, balanced)]
+    strats = rule_strategies(op_call(graph, node), mesh.shape, balanced=graph_balanced_lengths(graph))
     kept = [s for s in strats if _strategy_fits(graph, node, s, mesh.shape)]
     return kept or [s for s in strats if all(sig.tag == "B" for sig in s)]
 
