@@ -315,7 +315,7 @@ def expand_blocks(shape: Sequence[int], placements: Sequence[Placement],
     out, pl = list(shape), list(placements)
     for d, c in sorted(blocks, reverse=True):
         out[d:d + 1] = [c, out[d] // c]
-        pl = [Split(p.dim + 1) if isinstance(p, Split) and p.dim >= d else p for p in pl]
+        pl = [type(p)(p.dim + 1) if isinstance(p, Split) and p.dim >= d else p for p in pl]  # S or Z
     return tuple(out), tuple(pl)
 
 

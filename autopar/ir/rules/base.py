@@ -152,6 +152,9 @@ class OpRule:
     # keeps only the composed strategies that hold together on the mesh (a special signature that
     # may take one axis only, or needs sizes its pieces divide); None: every composition
     compose: Optional[Callable[[OpCall, list, Sequence[int]], list]] = None
+    # the ``local`` implementation reads offsets only of dims no balanced split (``Z``) reaches (the
+    # embedding's vocabulary), so the op takes ``Z`` as an op without ``local`` does
+    balanced_ok: bool = False
 
 
 RULES: dict[str, OpRule] = {}
@@ -254,7 +257,7 @@ def strategies(call: OpCall, mesh_shape: Sequence[int], min_size: int = 2,
     sigs = signatures(call, min_size=min_size)
     rule = RULES.get(call.op)
     dm = _build(rule, call) if rule else None
-    if balanced and dm is not None and rule.local is None and rule.arg_fix is None:
+    if balanced and dm is not None and (rule.local is None or rule.balanced_ok) and rule.arg_fix is None:
         sigs = sigs + balanced_signatures(dm, sigs, balanced)
     out = []
     for combo in itertools.product(sigs, repeat=len(mesh_shape)):

@@ -110,19 +110,20 @@ def fill_like(x: fx.Node, p: Partial, where: fx.Graph) -> fx.Node:
 def reshard_balanced(em, x: fx.Node, spec, src: Placements, dst: Placements, eb: int, where: fx.Graph) -> fx.Node:
     """``x`` resharded where either side lays an axis out balanced (``Z``): the ordinary steps on the
     tensor as ``S`` sees it, and the balanced conversions (permutes, local reorders and slices)."""
-    if spec.blocks:
-        from autopar.errors import LoweringError
-
-        raise LoweringError(f"no balanced layout for a tensor with dims of equal blocks {list(spec.blocks)}")
     plain = lambda ps: [Split(p.dim) if type(p) is Balanced else p for p in ps]  # noqa: E731
+    shape, final = spec.shape, dst
+    if spec.blocks:  # dims of equal blocks (never the balanced one): the expanded tensor, where they are plain
+        shape, src = expand_blocks(spec.shape, src, spec.blocks)
+        x = where.call_method("reshape", (x, list(local_shape(shape, plain(src), em.mesh_shape, em.coords))))
+        dst = expand_blocks(spec.shape, dst, spec.blocks)[1]
     cur = tuple(src)
-    for step, after in lowering_steps(spec.shape, src, dst, em.res.mesh, eb):
+    for step, after in lowering_steps(shape, src, dst, em.res.mesh, eb):
         a, n, r = step.axis, em.mesh_shape[step.axis], em.coords[step.axis]
         if step.kind == "permute":
             if after[a] != cur[a]:  # a conversion's last step: its permutes run here, together
                 x = _convert(where, x, cur[a].dim, a, n, r, type(after[a]) is Balanced)
         elif step.kind == "zigzag_slice":
-            d, size = after[a].dim, local_shape(spec.shape, plain(cur), em.mesh_shape, em.coords)[after[a].dim]
+            d, size = after[a].dim, local_shape(shape, plain(cur), em.mesh_shape, em.coords)[after[a].dim]
             c = size // (2 * n)
             front = where.call_function(torch.ops.aten.slice.Tensor, (x, d, r * c, (r + 1) * c))
             back = where.call_function(torch.ops.aten.slice.Tensor, (x, d, (2 * n - 1 - r) * c, (2 * n - r) * c))
@@ -133,8 +134,10 @@ def reshard_balanced(em, x: fx.Node, spec, src: Placements, dst: Placements, eb:
             x = where.call_function(zigzag, (x, dst[a].dim, n))
         else:
             new = B if step.kind == "all_gather" else plain(after)[a]
-            x = _step(em, x, spec.shape, plain(cur), a, new, step.kind, step.reduce, where)
+            x = _step(em, x, shape, plain(cur), a, new, step.kind, step.reduce, where)
         cur = after
+    if spec.blocks:
+        x = where.call_method("reshape", (x, list(local_shape(spec.shape, plain(final), em.mesh_shape, em.coords))))
     return x
 
 

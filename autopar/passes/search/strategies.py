@@ -48,7 +48,8 @@ def input_placements(spec: TensorSpec, mesh_shape: Sequence[int], balanced: Sequ
     """Every placement a graph input may take: per axis B or a split of a dim that is large enough
     (and the balanced split ``Z`` of a dim as long as one of ``balanced``)."""
     per_axis = [[B] + [Split(d) for d in range(spec.ndim) if spec.shape[d] >= n]
-                + [Balanced(d) for d in range(spec.ndim) if spec.shape[d] in balanced] for n in mesh_shape]
+                + [Balanced(d) for d in range(spec.ndim) if spec.shape[d] in balanced and spec.block_count(d) == 1]
+                for n in mesh_shape]
     return [p for p in itertools.product(*per_axis) if fits(spec.shape, p, mesh_shape)
             and blocks_fit(spec.shape, p, mesh_shape, spec.blocks) and balanced_fits(spec.shape, p, mesh_shape)]
 

@@ -1,0 +1,193 @@
+"""The load-balanced split ``Z(d)`` (``ir.placement.Balanced``): its geometry, the ops that take it
+(proven by execution on real graphs) and those that refuse it, its conversions to and from every
+other placement as lowered and run on simulated devices (against their priced steps), the causal
+search choosing it, and plan files that name it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import types
+import warnings
+
+import pytest
+import torch
+import torch.fx as fx
+
+import autopar
+from autopar.cost_model.balanced import balanced_steps, lowering_steps
+from autopar.cost_model.comm import LOCAL_KINDS, reshard_time
+from autopar.errors import PlacementError, PlanError
+from autopar.ir.placement import (B, Balanced, P, S, balanced_fits, format_placements, local_block, parse, parse_one,
+                                  to_dtensor, zigzag)
+from autopar.ir.rules import strategies
+from autopar.ir.rules.base import OpCall
+from autopar.ir.graph import Ref, TensorSpec
+from autopar.passes.lower.reshard import reshard_balanced
+from autopar.runtime.threads import run_threads
+
+Z = Balanced
+
+
+def test_each_device_holds_a_front_chunk_and_its_mirror():
+    t = torch.arange(16).reshape(1, 16)
+    blocks = [local_block(t, (Z(1),), (4,), (r,)).tolist()[0] for r in range(4)]
+    assert blocks == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    # causal work (keys at or before each query) is equal on every device
+    assert len({sum(q + 1 for q in b) for b in blocks}) == 1
+    assert torch.equal(zigzag(zigzag(t, 1, 4), 1, 4, inverse=True), t)
+    # on (2, 2): nested under the other axis's split of another dim
+    u = torch.arange(32).reshape(2, 16)
+    assert local_block(u, (S(0), Z(1)), (2, 2), (1, 1)).tolist() == [[20, 21, 22, 23, 24, 25, 26, 27]]
+
+
+def test_z_is_a_placement_of_its_own():
+    assert str(Z(2)) == "Z(2)" and parse_one("Z(2)") == Z(2) and parse("cp=Z(1)", axis_names=["dp", "cp"]) == (B, Z(1))
+    assert Z(1) != S(1) and isinstance(Z(1), S)  # a split as shapes and volumes see it, not the same split
+    assert parse(format_placements((S(0), Z(1)))) == (S(0), Z(1))
+    assert balanced_fits((2, 16), (Z(1),), (4,)) and not balanced_fits((2, 12), (Z(1),), (4,))
+    assert not balanced_fits((2, 16), (S(1), Z(1)), (2, 2))  # one axis only
+    with pytest.raises(PlacementError, match="no DTensor placement"):
+        to_dtensor((Z(1),))
+    with pytest.raises(PlacementError, match="2n equal chunks"):
+        local_block(torch.zeros(2, 12), (Z(1),), (4,), (0,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Which ops take it: proven on real graphs
+
+
+def _graph_cases(name: str):
+    from autopar.ir.capture import capture
+    from autopar.ir.rules.proof.check import cases, dedupe, record_values
+
+    torch.manual_seed(0)
+    if name == "hf-llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(hidden_size=24, intermediate_size=20, num_hidden_layers=1, num_attention_heads=3,
+                          num_key_value_heads=1, vocab_size=29, attention_dropout=0.0)
+        model, args = LlamaForCausalLM(cfg).double(), ()
+        ids = torch.randint(0, 29, (6, 12))
+        kwargs = {"input_ids": ids, "labels": ids}
+    else:
+        from autopar.models import make
+
+        model, args = make(name, "tiny", batch=6, seq=12, dtype=torch.float64)
+        kwargs = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(model, args, kwargs)
+        values = record_values(graph, model, args, kwargs)
+    return dedupe(cases(graph, values))
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt", "hf-llama"])
+def test_ops_that_take_the_balanced_layout_are_proven_by_execution(name):
+    """Every strategy with a ``Z`` of every op of the graph (12 tokens: balanced on 2 and 3
+    devices, and beside a batch or head split on another axis) reassembles to the op on whole tensors."""
+    from autopar.ir.rules.proof.interp import check_strategy
+    from autopar.ir.rules.ring import balanced_lengths
+
+    cs = _graph_cases(name)
+    lengths = balanced_lengths(c.call for c in cs)
+    assert lengths == (12,)
+    ops = set()
+    for mesh in [(2,), (3,), (2, 2)]:
+        for case in cs:
+            for st in strategies(case.call, mesh, balanced=lengths):
+                if any(isinstance(p, Z) for sig in st for p in sig.inputs + sig.outputs) and _fits(case.call, st, mesh):
+                    res = check_strategy(case.call, st, mesh, case.inputs, case.expected)
+                    assert res.ok, f"{case.call.op} {[str(s) for s in st]}: {res.error}"
+                    ops.add(case.call.op)
+    # the layout runs through the embedding, norms, views, elementwise ops and the attention (the
+    # matmuls here see batch and sequence merged into one dim: neither S nor Z of the sequence alone)
+    assert {"aten.embedding.default", "aten.embedding_dense_backward.default", "aten.add.Tensor",
+            "aten.view.default"} <= ops, ops
+    assert any("attention" in op for op in ops)
+
+
+def _fits(call: OpCall, st, mesh) -> bool:
+    """No device's block is empty (as the search keeps strategies: ``passes.search.strategies.fits``)."""
+    from autopar.passes.search.strategies import fits
+
+    return (all(fits(s.shape, [sig.inputs[i] for sig in st], mesh) for i, s in enumerate(call.in_specs))
+            and all(s is None or fits(s.shape, [sig.outputs[j] for sig in st], mesh) for j, s in enumerate(call.out_specs)))
+
+
+def _call(op, target, args, in_shapes, out_shapes, kwargs=None):
+    return OpCall(op, target, args, kwargs or {}, [TensorSpec(s, torch.float32) for s in in_shapes],
+                  [TensorSpec(s, torch.float32) for s in out_shapes])
+
+
+def test_ops_that_read_positions_refuse_it():
+    """Slicing, concatenation, shifts, scans and index ops along the sequence never take ``Z``."""
+    aten = torch.ops.aten
+    x = Ref("x")
+    calls = [
+        _call("aten.slice.Tensor", aten.slice.Tensor, (x, 1, 0, 8), [(2, 16, 4)], [(2, 8, 4)]),
+        _call("aten.slice.Tensor", aten.slice.Tensor, (x, 1, 4, 16), [(2, 16, 4)], [(2, 12, 4)]),
+        _call("aten.index_select.default", aten.index_select.default, (x, 1, Ref("i")), [(2, 16, 4), (16,)],
+              [(2, 16, 4)]),
+        _call("aten.cat.default", aten.cat.default, ([x, Ref("y")], 1), [(2, 16, 4), (2, 16, 4)], [(2, 32, 4)]),
+        _call("aten.cumsum.default", aten.cumsum.default, (x, 1), [(2, 16, 4)], [(2, 16, 4)]),
+        _call("aten.roll.default", aten.roll.default, (x, [1], [1]), [(2, 16, 4)], [(2, 16, 4)]),
+        _call("aten.arange.start", aten.arange.start, (0, 16), [], [(16,)]),
+    ]
+    for call in calls:
+        for st in strategies(call, (4,), balanced=(16,)):
+            assert not any(isinstance(p, Z) for sig in st for p in sig.inputs + sig.outputs), (call.op, st)
+    add = _call("aten.add.Tensor", aten.add.Tensor, (x, Ref("y")), [(2, 16, 4), (2, 16, 4)], [(2, 16, 4)])
+    whole = _call("aten.slice.Tensor", aten.slice.Tensor, (x, 1, 0, 16), [(2, 16, 4)], [(2, 16, 4)])  # the identity
+    for call in (add, whole):
+        assert any(isinstance(st[0].inputs[0], Z) and st[0].tag.startswith("Z:")
+                   for st in strategies(call, (4,), balanced=(16,)))
+    assert not any(isinstance(st[0].inputs[0], Z) for st in strategies(add, (4,)))  # only where offered
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversions, lowered and run
+
+
+def _run_reshard(shape, src, dst, axes):
+    """Every device's block of a random tensor placed ``src``, resharded to ``dst`` by the lowering
+    on simulated devices; returns (per-device results, executed collectives, whole tensor)."""
+    mesh = autopar.Mesh(dict(axes), device="cpu")
+    whole = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    spec = TensorSpec(tuple(shape), torch.float64)
+
+    def fn(coords):
+        em = types.SimpleNamespace(mesh_shape=mesh.shape, coords=coords, res=types.SimpleNamespace(mesh=mesh))
+        g = fx.Graph()
+        x = g.placeholder("x")
+        g.output(reshard_balanced(em, x, spec, src, dst, 8, g))
+        return fx.GraphModule(torch.nn.Module(), g)(local_block(whole, src, mesh.shape, coords))
+
+    results, executed = run_threads(fn, mesh.shape, mesh.names)
+    return results, executed, whole, mesh
+
+
+PAIRS = [((S(1),), (Z(1),)), ((Z(1),), (S(1),)), ((B,), (Z(1),)), ((Z(1),), (B,)), ((P,), (Z(1),)),
+         ((Z(1),), (S(0),)), ((S(0),), (Z(1),)), ((Z(1),), (P,))]
+PAIRS_2D = [((S(0), S(1)), (S(0), Z(1))), ((S(0), Z(1)), (B, B)), ((B, Z(1)), (S(1), B)), ((P, Z(1)), (B, Z(1))),
+            ((S(1), B), (B, Z(1))), ((B, P), (S(0), Z(1)))]
+
+
+@pytest.mark.parametrize("src, dst, axes", [(s, d, (("cp", 4),)) for s, d in PAIRS]
+                         + [(s, d, (("dp", 2), ("cp", 2))) for s, d in PAIRS_2D])
+def test_conversions_run_as_priced(src, dst, axes):
+    """Each device ends with its block of ``dst``; the collectives that ran are the priced steps
+    (local steps run none), and a conversion to ``Z`` from a split costs no more than a gather."""
+    shape = (4, 16, 3)
+    results, executed, whole, mesh = _run_reshard(shape, src, dst, axes)
+    if dst == (P,):  # partial: the addends sum to the whole
+        assert torch.allclose(sum(results.values()), whole)
+    else:
+        for coords, got in results.items():
+            assert torch.allclose(got, local_block(whole, dst, mesh.shape, coords)), (coords, src, dst)
+    steps = [st for st, _ in lowering_steps(shape, src, dst, mesh, 8)]
+    want = sorted((st.kind, mesh.names[st.axis], st.bytes) for st in steps if st.kind not in LOCAL_KINDS)
+    for coords, records in executed.items():
+        assert sorted((r.kind, r.axis, int(r.bytes)) for r in records) == want, (coords, records)
+    assert balanced_steps(shape, src, dst, mesh, 8)[1] == pytest.approx(sum(st.time for st in steps))
+    assert reshard_time(shape, src, dst, mesh, 8) == pytest.approx(sum(st.time for st in steps))
