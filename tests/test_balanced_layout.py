@@ -5,7 +5,6 @@ search choosing it, and plan files that name it."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import types
 import warnings
@@ -191,3 +190,90 @@ def test_conversions_run_as_priced(src, dst, axes):
         assert sorted((r.kind, r.axis, int(r.bytes)) for r in records) == want, (coords, records)
     assert balanced_steps(shape, src, dst, mesh, 8)[1] == pytest.approx(sum(st.time for st in steps))
     assert reshard_time(shape, src, dst, mesh, 8) == pytest.approx(sum(st.time for st in steps))
+
+
+# ---------------------------------------------------------------------------------------------
+# Chosen by the search; plan files
+
+
+class CausalLM(torch.nn.Module):
+    """A one-layer causal LM with 4 heads (too few to cover an 8-device axis): embedding, norm,
+    causal attention, MLP, token loss."""
+
+    def __init__(self, vocab: int = 1024, dim: int = 1024, heads: int = 4):
+        super().__init__()
+        self.emb, self.heads = torch.nn.Embedding(vocab, dim), heads
+        self.norm = torch.nn.LayerNorm(dim)
+        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.norm(x)).split(c, -1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        x = x + self.mlp(x)
+        return torch.nn.functional.cross_entropy(self.head(x).reshape(-1, self.head.out_features), targets.reshape(-1))
+
+
+def test_search_lays_a_long_causal_sequence_out_balanced():
+    """64k causal tokens on 8 H100s, the sequence split: the search runs ring attention balanced,
+    and the ops around it (norm, MLP, loss) hold the balanced layout too, where converting at
+    every attention would cost more."""
+    from autopar.ir.attention import ATTN_BWD, ATTN_FWD
+    from autopar.ir.rules.ring import RING_BALANCED
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = CausalLM()
+    idx = torch.zeros(1, 65536, dtype=torch.long, device="meta")
+    plan = autopar.plan(model, autopar.Mesh({"cp": 8}, device="h100"), (idx, idx),
+                        hints={"input:0": "cp=S(1)", "input:1": "cp=S(1)"}, deterministic_time=0.5, progress=False)
+    tags = [n["tags"][0] for n in plan.nodes if n["op"] in (ATTN_FWD, ATTN_BWD)]
+    assert tags == [RING_BALANCED, RING_BALANCED], tags
+    balanced = [n["name"] for n in plan.nodes if any("Z(" in s for s in n["strategy"])]
+    assert len(balanced) > 10, balanced
+
+
+def _balanced_plan():
+    from autopar.ir.rules.ring import RING_BALANCED, forced_form
+    from autopar.models import make
+
+    model, args = make("llama", "tiny", batch=2, seq=16, dtype=torch.float64)
+    with forced_form(RING_BALANCED), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, autopar.Mesh({"cp": 4}, device="cpu"), args, deterministic_time=0.5,
+                            hints={"input:0": "cp=Z(1)", "input:1": "cp=Z(1)"}, progress=False)
+    return model, args, plan
+
+
+def test_plan_files_name_z_and_older_versions_load(tmp_path):
+    """A plan with ``Z`` is schema version 10 and loads back to the same program (the inputs hinted
+    ``Z`` arrive balanced, converted on the way in); a version 9 file without the balanced ring
+    loads as before, and one with it (run then on plain splits) is refused naming its version."""
+    from autopar.plans.schema import SCHEMA_VERSION, Plan, load_plan
+
+    model, args, plan = _balanced_plan()
+    text = plan.to_json()
+    d = json.loads(text)
+    assert d["schema_version"] == SCHEMA_VERSION == 10 and '"Z(1)"' in text
+    assert d["placements"]["input:0"] == "Z(1)"
+    again = Plan.from_dict(json.loads(text))
+    assert again.to_json() == text
+    loss, grads = autopar.simulate(model, again, args)
+    ref = model(*args)
+    ref.backward()
+    assert torch.allclose(loss, ref, rtol=1e-10)
+    assert all(torch.allclose(grads[n], p.grad, rtol=1e-8, atol=1e-12) for n, p in model.named_parameters())
+    old = dict(d, schema_version=9)
+    with pytest.raises(PlanError, match="plan schema version 9 runs .* as ring:balanced attention on plain"):
+        Plan.from_dict(old)
+    plain = json.loads(text.replace("ring:balanced", "ring"))
+    assert Plan.from_dict(dict(plain, schema_version=9)).schema_version in (9, 10)
+    import pathlib
+
+    for name in ("plan_v2_mlp_h100_dp4_tp4.json", "plan_v7_gpt_dropout_dp2_tp2.json"):
+        assert load_plan(pathlib.Path(__file__).parent / "data" / name).nodes
