@@ -69,7 +69,7 @@ def test_deep_nesting_is_refused(tmp_path, good):
 
 def test_a_placement_that_does_not_parse_names_the_parameter(tmp_path, good):
     d = _mutated(good, lambda d: d["placements"].update({"head.bias": "lol"}))
-    assert _load_error(tmp_path, d) == ("placements['head.bias']: cannot parse placement 'lol': expected S(<dim>), B "
+    assert _load_error(tmp_path, d) == ("placements['head.bias']: cannot parse placement 'lol': expected S(<dim>), Z(<dim>), B "
                                         "or P (or P(max), P(min)), got 'lol'")
     d = _mutated(good, lambda d: d["modules"][0]["placements"].update(weight="S(0)"))
     assert _load_error(tmp_path, d).startswith("modules[0].placements.weight: placement 'S(0)' has 1 entries but "

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from autopar.cost_model.comm import Step, collective_time, step_bytes
+from autopar.cost_model import comm
+from autopar.cost_model.comm import Step, collective_time, reshard_steps, step_bytes
 from autopar.ir.placement import Balanced, Broadcast, Partial, Placement, Split
 
 if TYPE_CHECKING:
@@ -76,8 +77,6 @@ def lowering_steps(shape: Sequence[int], src: Sequence[Placement], dst: Sequence
                    elem_bytes: int) -> list[tuple[Step, Placements]]:
     """The steps from ``src`` to ``dst`` with the placements after each (``Z`` where an axis holds
     the balanced layout; the ordinary steps in between see it as ``S``, their geometry)."""
-    from autopar.cost_model.comm import reshard_steps
-
     ms, eb = mesh.shape, int(elem_bytes)
     out: list[tuple[Step, Placements]] = []
     cur = list(src)
@@ -137,3 +136,6 @@ def balanced_steps(shape: Sequence[int], src: Sequence[Placement], dst: Sequence
         steps = tuple(st for st, _ in lowering_steps(shape, src, dst, mesh, elem_bytes))
         _MEMO[key] = (steps, sum(st.time for st in steps))
     return _MEMO[key]
+
+
+comm.BALANCED.update(steps=balanced_steps, memo=_MEMO)

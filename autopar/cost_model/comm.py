@@ -202,9 +202,7 @@ def reshard_steps(
     at that moment with the changing axis taken as ``B`` (the largest block, coordinates 0). The
     balanced split ``Z`` has its own steps (``cost_model.balanced``)."""
     if _balanced(src, dst):
-        from autopar.cost_model.balanced import balanced_steps
-
-        return list(balanced_steps(shape, src, dst, mesh, elem_bytes)[0])
+        return list(_balanced_steps()(shape, src, dst, mesh, elem_bytes)[0])
     return list(_best_steps(*_key(shape, src, dst, mesh, elem_bytes))[0])
 
 
@@ -215,10 +213,18 @@ def reshard_time(
     if tuple(src) == tuple(dst):
         return 0.0
     if _balanced(src, dst):
-        from autopar.cost_model.balanced import balanced_steps
-
-        return balanced_steps(shape, src, dst, mesh, elem_bytes)[1]
+        return _balanced_steps()(shape, src, dst, mesh, elem_bytes)[1]
     return _best_steps(*_key(shape, src, dst, mesh, elem_bytes))[1]
+
+
+#: ``cost_model.balanced``'s steps and memo, which it registers here on import (it builds on this module)
+BALANCED: dict = {}
+
+
+def _balanced_steps():
+    if "steps" not in BALANCED:
+        raise ValueError("a resharding with the balanced split Z is priced by autopar.cost_model.balanced: import it")
+    return BALANCED["steps"]
 
 
 def _balanced(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
@@ -234,9 +240,8 @@ def cache_info():
 def cache_clear() -> None:
     """Forget the memoised resharding costs (after the hardware figures change)."""
     _best_steps.cache_clear()
-    from autopar.cost_model.balanced import _MEMO
-
-    _MEMO.clear()
+    if "memo" in BALANCED:
+        BALANCED["memo"].clear()
 
 
 __all__ = ["KINDS", "Step", "axis_step", "step_bytes", "step_valid", "cache_clear", "cache_info", "collective_time", "reshard_steps", "reshard_time",

@@ -92,7 +92,7 @@ def parse_one(text: str) -> Placement:
     m = _ONE.match(text)
     if not m:
         raise PlacementError(
-            f"cannot parse placement {text.strip()!r}: expected S(<dim>), B or P (or P(max), P(min), Z(<dim>))"
+            f"cannot parse placement {text.strip()!r}: expected S(<dim>), Z(<dim>), B or P (or P(max), P(min))"
         )
     if m.group(5) is not None:
         return Balanced(int(m.group(5)))

@@ -21,6 +21,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import autopar.cost_model.balanced  # noqa: F401  (prices the reshardings of the balanced split Z it offers)
 from autopar.cost_model.mesh import Mesh
 from autopar.errors import HintError
 from autopar.ir.graph import Graph, Node, Ref, Role, TensorSpec
