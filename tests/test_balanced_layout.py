@@ -238,6 +238,57 @@ def test_search_lays_a_long_causal_sequence_out_balanced():
     assert len(balanced) > 10, balanced
 
 
+MESHES = {"cp4": (("cp", 4),), "dp2xcp2": (("dp", 2), ("cp", 2))}
+
+
+def _family(name: str):
+    """``(model, args, kwargs, tolerance)`` in float64 (Hugging Face's LLaMA keeps parts in fp32)."""
+    if name.startswith("hf_"):
+        from _corpus import FP32_INSIDE, build
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, args, kwargs = build(name, dtype=torch.float64)
+        return model, tuple(args), kwargs, 1e-5 if name in FP32_INSIDE else 1e-10
+    from autopar.models import make
+
+    torch.manual_seed(0)
+    model, args = make(name, "tiny", batch=2, seq=16, dtype=torch.float64)
+    return model, args, {}, 1e-10
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt", "hf_llama"])
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+def test_balanced_ring_matches_one_device_in_float64(name, mesh):
+    """Balanced ring attention forced, the inputs placed ``Z`` (``hints``): the loss and every
+    gradient equal the one-device model's in float64; the layout reaches the ops around the
+    attention, and the collectives that ran are the plan's (the ring's own shifts besides)."""
+    from autopar.ir.attention import ATTN_BWD, ATTN_FWD
+    from autopar.ir.rules.ring import RING_BALANCED, forced_form
+    from autopar.runtime.accounting import differences
+
+    model, args, kwargs, tol = _family(name)
+    hints = {k: "cp=Z(1)" for k in kwargs} if kwargs else {"input:0": "cp=Z(1)", "input:1": "cp=Z(1)"}
+    with forced_form(RING_BALANCED), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, autopar.Mesh(dict(MESHES[mesh]), device="cpu"), args, kwargs or None,
+                            hints=hints, deterministic_time=0.5, progress=False)
+    assert all(RING_BALANCED in n["tags"] for n in plan.nodes if n["op"] in (ATTN_FWD, ATTN_BWD))
+    assert sum(any("Z(" in s for s in n["strategy"]) for n in plan.nodes) > 8
+    trace: dict = {}
+    loss, grads = autopar.simulate(model, plan, args, kwargs or None, trace=trace)
+    out = model(*args, **kwargs)
+    ref = out if isinstance(out, torch.Tensor) else out.loss
+    ref.backward()
+    loss = loss if isinstance(loss, torch.Tensor) else loss.loss
+    assert abs(loss.item() - ref.item()) <= tol * abs(ref.item())
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            assert (grads[n] - p.grad).norm() <= tol * max(p.grad.norm(), 1e-30), n
+    for records in trace.values():
+        assert [d for d in differences(plan, records) if not d.startswith("permute on cp")] == []
+
+
 def _balanced_plan():
     from autopar.ir.rules.ring import RING_BALANCED, forced_form
     from autopar.models import make
