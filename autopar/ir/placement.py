@@ -66,6 +66,7 @@ Placement = Union[Split, Broadcast, Partial]
 #: A placement over every axis of a mesh, in mesh-axis order.
 Placements = tuple[Placement, ...]
 
+
 @dataclass(frozen=True, order=True)
 class Balanced(Split):
     """``Z(dim)``: ``dim`` cut into ``2n`` chunks; rank ``r`` holds chunks ``r`` and ``2n-1-r``."""

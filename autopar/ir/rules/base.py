@@ -119,6 +119,7 @@ class LocalCtx:
         assert spec is not None
         return local_shape(spec.shape, self.out_placements(j), self.mesh_shape, self.coords)
 
+
 def _no_balanced(ctx: LocalCtx, placements: Sequence[Placement], dim: int) -> None:
     """A device's block of a balanced split (``Z``) is two pieces: it has no one offset."""
     if any(isinstance(p, Balanced) and p.dim == dim for p in placements):

@@ -110,7 +110,6 @@ def fill_like(x: fx.Node, p: Partial, where: fx.Graph) -> fx.Node:
 def reshard_balanced(em, x: fx.Node, spec, src: Placements, dst: Placements, eb: int, where: fx.Graph) -> fx.Node:
     """``x`` resharded where either side lays an axis out balanced (``Z``): the ordinary steps on the
     tensor as ``S`` sees it, and the balanced conversions (permutes, local reorders and slices)."""
-    plain = lambda ps: [Split(p.dim) if type(p) is Balanced else p for p in ps]  # noqa: E731
     shape, final = spec.shape, dst
     if spec.blocks:  # dims of equal blocks (never the balanced one): the expanded tensor, where they are plain
         shape, src = expand_blocks(spec.shape, src, spec.blocks)
@@ -139,6 +138,11 @@ def reshard_balanced(em, x: fx.Node, spec, src: Placements, dst: Placements, eb:
     if spec.blocks:
         x = where.call_method("reshape", (x, list(local_shape(spec.shape, plain(final), em.mesh_shape, em.coords))))
     return x
+
+
+def plain(placements) -> list:
+    """``placements`` with ``S`` for ``Z``: the geometry of the reordered tensor the ordinary steps see."""
+    return [Split(p.dim) if type(p) is Balanced else p for p in placements]
 
 
 def _convert(where: fx.Graph, x: fx.Node, d: int, a: int, n: int, r: int, to_balanced: bool) -> fx.Node:
