@@ -35,7 +35,8 @@ from autopar.ir.rules.dimmap import DimMap, Signature, Strategy
 from autopar.ir.rules.shared_kv import TAG as KV_SHARED
 from autopar.ir.rules.shared_kv import composes as kv_shared_composes
 
-__all__ = ["FORMS", "RING", "RING_BALANCED", "balanced_lengths", "forced_form", "ring_axis"]
+__all__ = ["FORMS", "RING", "RING_BALANCED", "asks_balanced", "balanced_lengths", "balanced_offered", "forced_form",
+           "offer_balanced", "ring_axis"]
 
 RING = "ring"
 RING_BALANCED = "ring:balanced"
@@ -64,6 +65,41 @@ def ring_axis(strategy: Strategy) -> Optional[tuple[int, str]]:
         if sig.tag in FORMS:
             return axis, sig.tag
     return None
+
+
+_offered: list[bool] = [False]
+
+
+@contextlib.contextmanager
+def offer_balanced(on: bool) -> Iterator[None]:
+    """While the block runs, the search weighs the balanced split ``Z`` (``balanced_offered``); the
+    lowering finds a plan's ``Z`` strategies either way."""
+    prev = _offered[0]
+    _offered[0] = on
+    try:
+        yield
+    finally:
+        _offered[0] = prev
+
+
+def balanced_offered() -> bool:
+    """Whether the search weighs ``Z`` now (``offer_balanced``)."""
+    return _offered[0]
+
+
+def asks_balanced(hints: object, attention: object) -> bool:
+    """Whether the user asks for the balanced layout: a hint placing something ``Z``, ``attention=``
+    naming ``ring:balanced``, or ``forced_form(ring:balanced)``."""
+    def names(value: object, what: str) -> bool:
+        if isinstance(value, str):
+            return what in value
+        if isinstance(value, dict):
+            return any(names(v, what) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return any(names(v, what) for v in value)
+        return what in str(value)
+
+    return _forced[0] == RING_BALANCED or names(hints or {}, "Z(") or names(attention or {}, RING_BALANCED)
 
 
 def balanced_lengths(calls: Iterable[OpCall]) -> tuple[int, ...]:
