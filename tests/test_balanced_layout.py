@@ -260,19 +260,19 @@ def _family(name: str):
 @pytest.mark.parametrize("name", ["llama", "gpt", "hf_llama"])
 @pytest.mark.parametrize("mesh", sorted(MESHES))
 def test_balanced_ring_matches_one_device_in_float64(name, mesh):
-    """Balanced ring attention forced, the inputs placed ``Z`` (``hints``): the loss and every
-    gradient equal the one-device model's in float64; the layout reaches the ops around the
-    attention, and the collectives that ran are the plan's (the ring's own shifts besides)."""
+    """Balanced ring attention forced by ``attention=``, the inputs placed ``Z`` (``hints``): the
+    loss and every gradient equal the one-device model's in float64; the layout reaches the ops
+    around the attention, and the collectives that ran are the plan's (the ring's own shifts besides)."""
     from autopar.ir.attention import ATTN_BWD, ATTN_FWD
-    from autopar.ir.rules.ring import RING_BALANCED, forced_form
+    from autopar.ir.rules.ring import RING_BALANCED
     from autopar.runtime.accounting import differences
 
     model, args, kwargs, tol = _family(name)
     hints = {k: "cp=Z(1)" for k in kwargs} if kwargs else {"input:0": "cp=Z(1)", "input:1": "cp=Z(1)"}
-    with forced_form(RING_BALANCED), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = autopar.plan(model, autopar.Mesh(dict(MESHES[mesh]), device="cpu"), args, kwargs or None,
-                            hints=hints, deterministic_time=0.5, progress=False)
+                            hints=hints, attention={"cp": RING_BALANCED}, deterministic_time=0.5, progress=False)
     assert all(RING_BALANCED in n["tags"] for n in plan.nodes if n["op"] in (ATTN_FWD, ATTN_BWD))
     assert sum(any("Z(" in s for s in n["strategy"]) for n in plan.nodes) > 8
     trace: dict = {}
@@ -328,3 +328,34 @@ def test_plan_files_name_z_and_older_versions_load(tmp_path):
 
     for name in ("plan_v2_mlp_h100_dp4_tp4.json", "plan_v7_gpt_dropout_dp2_tp2.json"):
         assert load_plan(pathlib.Path(__file__).parent / "data" / name).nodes
+
+
+def test_the_search_weighs_z_only_where_it_may_pay():
+    """Outside ``offer_balanced`` the search's strategies hold ``Z`` only on the balanced ring
+    attention itself (whose edges then convert); inside it, the ops around the attention take it
+    too; the lowering (``node_strategies``) finds them either way. Non-causal graphs never have it."""
+    from autopar.ir.capture import capture
+    from autopar.ir.rules.ring import asks_balanced, offer_balanced
+    from autopar.models import make
+    from autopar.passes.search.strategies import node_strategies, search_strategies
+
+    def holding_z(strats):
+        return sum(any(isinstance(p, Z) for sig in st for p in sig.inputs + sig.outputs) for st in strats)
+
+    model, args = make("llama", "tiny", batch=2, seq=16)
+    graph = capture(model, args)
+    mesh = autopar.Mesh({"cp": 4}, device="cpu")
+    ops = [n for n in graph.nodes if not n.is_placeholder and "attention" not in n.op]
+    attn = [n for n in graph.nodes if "attention" in n.op]
+    assert sum(holding_z(search_strategies(graph, n, mesh)) for n in ops) == 0
+    assert all(holding_z(search_strategies(graph, n, mesh)) for n in attn)
+    with offer_balanced(True):
+        assert sum(holding_z(search_strategies(graph, n, mesh)) for n in ops) > 20
+    assert sum(holding_z(node_strategies(graph, n, mesh)) for n in ops) > 20
+    assert asks_balanced({"input:0": "cp=Z(1)"}, None) and asks_balanced(None, {"cp": "ring:balanced"})
+    assert not asks_balanced({"input:0": "cp=S(1)"}, {"cp": "ring"})
+    from test_ring_attention import Bidirectional
+
+    enc = capture(Bidirectional(), (torch.zeros(2, 16, dtype=torch.long),) * 2)
+    with offer_balanced(True):
+        assert sum(holding_z(search_strategies(enc, n, mesh)) for n in enc.nodes if "attention" not in n.op) == 0
