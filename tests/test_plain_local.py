@@ -8,7 +8,7 @@ import torch
 
 import autopar
 from autopar.ir.capture import capture
-from autopar.ir.placement import local_shape
+from autopar.ir.placement import Split, local_shape
 from autopar.ir.rules import op_call
 from autopar.ir.rules.base import LocalCtx, run_local
 from autopar.models import make
@@ -52,7 +52,7 @@ def test_embedding_is_plain_unless_its_vocabulary_is_split():
 def test_causal_attention_split_on_queries_keeps_its_mask():
     seen = set()
     for strat, coords, ctx, shapes in _cases("autopar.attention.default"):
-        q_seq_split = input_placement(strat, 0)[0].__class__.__name__ == "Split" and input_placement(strat, 0)[0].dim == 2
+        q_seq_split = isinstance(input_placement(strat, 0)[0], Split) and input_placement(strat, 0)[0].dim == 2  # S or Z
         got = plain_call(ctx, shapes)
         seen.add(q_seq_split)
         if q_seq_split:

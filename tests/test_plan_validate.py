@@ -69,7 +69,7 @@ def test_deep_nesting_is_refused(tmp_path, good):
 
 def test_a_placement_that_does_not_parse_names_the_parameter(tmp_path, good):
     d = _mutated(good, lambda d: d["placements"].update({"head.bias": "lol"}))
-    assert _load_error(tmp_path, d) == ("placements['head.bias']: cannot parse placement 'lol': expected S(<dim>), B "
+    assert _load_error(tmp_path, d) == ("placements['head.bias']: cannot parse placement 'lol': expected S(<dim>), Z(<dim>), B "
                                         "or P (or P(max), P(min)), got 'lol'")
     d = _mutated(good, lambda d: d["modules"][0]["placements"].update(weight="S(0)"))
     assert _load_error(tmp_path, d).startswith("modules[0].placements.weight: placement 'S(0)' has 1 entries but "
@@ -169,7 +169,7 @@ def test_a_saved_plan_loads_and_saves_to_the_same_bytes(tmp_path):
     plan = load_plan(path)
     plan.save(tmp_path / "again.json")
     assert (tmp_path / "again.json").read_text(encoding="utf-8") == text
-    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 9
+    assert json.loads(text)["schema_version"] == SCHEMA_VERSION == 10
 
 
 def test_later_versions_only_add_fields(good):
@@ -290,11 +290,11 @@ def test_a_version_5_file_loads_with_overlap_free_and_a_slowdown_out_of_range_is
         assert _load_error(tmp_path, d).startswith("mesh.hardware.overlap_slowdown")
 
 
-@pytest.mark.parametrize("version", [0, 10, "2", True, None])
+@pytest.mark.parametrize("version", [0, 11, "2", True, None])
 def test_other_versions_are_refused_naming_the_version(tmp_path, good, version):
     d = _mutated(good, lambda d: d.update(schema_version=version))
-    assert _load_error(tmp_path, d) == (f"plan schema version {version!r} found, this autopar reads version 9 (and "
-                                        f"the earlier 1, 2, 3, 4, 5, 6, 7, 8): make the plan again with autopar.plan(...) (or use the "
+    assert _load_error(tmp_path, d) == (f"plan schema version {version!r} found, this autopar reads version 10 (and "
+                                        f"the earlier 1, 2, 3, 4, 5, 6, 7, 8, 9): make the plan again with autopar.plan(...) (or use the "
                                         f"autopar version that wrote it)")
 
 

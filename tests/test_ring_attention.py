@@ -22,7 +22,7 @@ from autopar.ir.rules import signatures, strategies
 from autopar.ir.rules.base import OpCall
 from autopar.ir.rules.proof.interp import check_strategy
 from autopar.ir.rules.ring import FORMS, RING, RING_BALANCED, forced_form, ring_axis
-from autopar.runtime.accounting import differences
+from autopar.runtime.accounting import differences, predicted
 
 from _parity import rel, simulated_errors, train_on_rank
 
@@ -147,14 +147,27 @@ def test_forced_ring_matches_the_single_device_model(family, mesh, form):
     plan, trace = _forced_plan(model, args, MESHES[mesh], form), {}
     loss_err, grad_errs = simulated_errors(model, plan, args, trace=trace)
     assert loss_err <= 1e-5
+    n = dict(MESHES[mesh])["cp"]
+    attn = [node["op"] for node in plan.nodes if node["op"] in (ATTN_FWD, ATTN_BWD)]
+    own = sum(n - 1 if op == ATTN_FWD else 2 * n - 1 for op in attn)  # the ring's shifts (backward: and home)
+    planned = sum(c for (kind, _, _), c in predicted(plan).items() if kind == "permute")  # to and from Z
     for records in trace.values():  # every reshard as the plan predicted; the ring's own exchanges besides
         assert [d for d in differences(plan, records) if not d.startswith("permute on cp")] == []
-        assert sum(r.kind == "permute" for r in records) >= (8 if form == RING else 16)
+        assert sum(r.kind == "permute" for r in records) == own + planned >= len(attn) * (n - 1) > 0
+    if form == RING_BALANCED and family != "bidirectional":  # the layout reaches the ops around the attention
+        assert _balanced_nodes(plan) > len(attn), _balanced_nodes(plan)
     assert grad_errs.keys() == dict(model.named_parameters()).keys()
     assert max(grad_errs.values()) <= 1e-4, grad_errs
 
 
-@pytest.mark.parametrize("name, mesh, form", [("titan_llama", "cp4", RING_BALANCED), ("hf_llama", "dp2xcp2", RING)])
+def _balanced_nodes(plan) -> int:
+    """How many of the plan's ops read or write the balanced layout ``Z``."""
+    return sum(any("Z(" in s for s in n["strategy"]) for n in plan.nodes)
+
+
+@pytest.mark.parametrize("name, mesh, form", [("titan_llama", "cp4", RING_BALANCED), ("hf_llama", "dp2xcp2", RING),
+                                              ("hf_llama", "cp4", RING_BALANCED),
+                                              ("hf_llama", "dp2xcp2", RING_BALANCED)])
 def test_forced_ring_on_model_code_autopar_did_not_write(name, mesh, form):
     """A torchtitan-style LLaMA (complex RoPE from a ``freqs_cis`` buffer, GQA) and Hugging Face's
     LLaMA (keyword inputs, an output object with the loss)."""
@@ -170,6 +183,8 @@ def test_forced_ring_on_model_code_autopar_did_not_write(name, mesh, form):
         plan = autopar.plan(model, mesh_, tuple(args), kwargs or None, hints=hints, deterministic_time=0.5,
                             progress=False)
     assert all(form in n["tags"] for n in plan.nodes if n["op"] in (ATTN_FWD, ATTN_BWD))
+    if form == RING_BALANCED:
+        assert _balanced_nodes(plan) > 4
     loss, grads = autopar.simulate(model, plan, tuple(args), kwargs or None)
     out = model(*args, **(kwargs or {}))
     ref = out if isinstance(out, torch.Tensor) else out.loss

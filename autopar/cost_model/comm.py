@@ -38,13 +38,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from autopar.cost_model.hardware import Link
-from autopar.ir.placement import Broadcast, Partial, Placement, Split
+from autopar.ir.placement import Balanced, Broadcast, Partial, Placement, Split
 
 if TYPE_CHECKING:
     from autopar.cost_model.mesh import Mesh
 
-KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "slice", "pad", "zero")
-LOCAL_KINDS = frozenset({"slice", "pad", "zero"})
+KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "slice", "pad", "zero",
+         # the balanced split's (``cost_model.balanced``): a point-to-point exchange, local reorders
+         "permute", "zigzag_slice", "unorder", "reorder")
+LOCAL_KINDS = frozenset({"slice", "pad", "zero", "zigzag_slice", "unorder", "reorder"})
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ def ring_time(kind: str, nbytes: float, n: int, link: Link) -> float:
         return n * a + (n - 1) / n * nbytes / b
     if kind == "all_reduce":
         return (2 * (n - 1) + 1) * a + 2 * (n - 1) / n * nbytes / b
+    if kind == "permute":  # point to point: ``nbytes`` sent by each device
+        return a + nbytes / b
     return n * a + (n - 1) / (n * n) * nbytes / b  # all_to_all
 
 
@@ -286,7 +290,10 @@ def reshard_steps(
 ) -> list[Step]:
     """The cheapest order of one-axis steps from ``src`` to ``dst`` (ties: the lexicographically
     first order of axes). Each step's ``bytes`` is the local block of the tensor under the placements
-    at that moment with the changing axis taken as ``B`` (the largest block, coordinates 0)."""
+    at that moment with the changing axis taken as ``B`` (the largest block, coordinates 0). The
+    balanced split ``Z`` has its own steps (``cost_model.balanced``)."""
+    if _balanced(src, dst):
+        return list(_balanced_steps()(shape, src, dst, mesh, elem_bytes)[0])
     return list(_best_steps(*_key(shape, src, dst, mesh, elem_bytes))[0])
 
 
@@ -296,7 +303,24 @@ def reshard_time(
     """Seconds to reshard (the sum of ``reshard_steps``' times); memoized."""
     if tuple(src) == tuple(dst):
         return 0.0
+    if _balanced(src, dst):
+        return _balanced_steps()(shape, src, dst, mesh, elem_bytes)[1]
     return _best_steps(*_key(shape, src, dst, mesh, elem_bytes))[1]
+
+
+#: ``cost_model.balanced``'s steps and memo, which it registers here on import (it builds on this module)
+BALANCED: dict = {}
+
+
+def _balanced_steps():
+    if "steps" not in BALANCED:
+        raise ValueError("a resharding with the balanced split Z is priced by autopar.cost_model.balanced: import it")
+    return BALANCED["steps"]
+
+
+def _balanced(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
+    """Whether either side has the balanced split ``Z`` (``ir.placement.Balanced``)."""
+    return any(type(p) is Balanced for p in src) or any(type(p) is Balanced for p in dst)
 
 
 def cache_info():
@@ -307,6 +331,8 @@ def cache_info():
 def cache_clear() -> None:
     """Forget the memoised resharding costs (after the hardware figures change)."""
     _best_steps.cache_clear()
+    if "memo" in BALANCED:
+        BALANCED["memo"].clear()
 
 
 __all__ = ["KINDS", "Step", "axis_step", "joint_step", "joint_time", "step_axes", "step_bytes", "step_valid", "cache_clear", "cache_info", "collective_time", "reshard_steps", "reshard_time",

@@ -18,8 +18,8 @@ Causal work per step, in units of ``c`` (one query chunk against one key chunk, 
   block: ``(n - 1) + 1/2`` blocks, while the first device idles for most of them;
 - balanced (``ring:balanced``, chunks ``r`` and ``2n-1-r``, a chunk = half a block): every device
   does the same work at every step, two chunk pairs = half a block (step 0: two diagonal chunks and
-  one whole pair), ``n / 2`` blocks in all; the layout costs two half-block permutations of each
-  input and output at the op's edges (not overlapped).
+  one whole pair), ``n / 2`` blocks in all. Its tensors are laid out balanced (``Z``); converting
+  to and from that layout is a resharding, priced where it happens (``cost_model.balanced``).
 
 Without a mask every device attends a whole block at every step in either layout.
 """
@@ -121,11 +121,6 @@ def ring_time(call: OpCall, strategy: Strategy, ins: Sequence[Shape], outs: Sequ
     total = sum(max(c, kv) for c in steps[:-1]) + steps[-1]
     if backward:
         total += _hop(kv_numel * 4, link)  # the accumulators' last pass, home
-    if balanced:  # inputs in and outputs out, each as two half-block permutations
-        moved = [(shape, spec.dtype) for shape, spec in zip(ins, call.in_specs)]
-        moved += [(shape, spec.dtype) for shape, spec in zip(outs, call.out_specs) if shape is not None and spec]
-        total += sum(2 * _hop(_numel(shape) * element_bytes(dt, "activation", precision) / 2, link)
-                     for shape, dt in moved)
     return total
 
 

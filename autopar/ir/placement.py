@@ -7,6 +7,14 @@ reductions). These are one-to-one with DTensor's ``Shard``, ``Replicate`` and ``
 Uneven sizes follow DTensor's ``Shard``: every piece is ``ceil(size / n)`` long except at the end,
 which holds the remainder and then empty pieces (5 over 4 devices: 2, 2, 1, 0). ``S(0), S(0)`` on two
 axes is nested in mesh-axis order: split over axis 0, then each piece over axis 1.
+
+``Z(d)`` (``Balanced``) is the load-balanced split of a causal sequence: dim ``d`` is cut into
+``2n`` equal chunks and the device of rank ``r`` holds chunks ``r`` and ``2n-1-r``, in that order
+(one from the front, its mirror from the back), so every device holds the same causal attention
+work. It is ``S(d)`` of the tensor with its chunks reordered (``zigzag``), which is how every
+shape and volume computation treats it (``Balanced`` is a ``Split``); the offsets differ, so code
+that reads a device's offset along ``d`` refuses it. It splits a dim over one mesh axis only, into
+equal chunks.
 """
 
 from __future__ import annotations
@@ -58,6 +66,15 @@ Placement = Union[Split, Broadcast, Partial]
 #: A placement over every axis of a mesh, in mesh-axis order.
 Placements = tuple[Placement, ...]
 
+
+@dataclass(frozen=True, order=True)
+class Balanced(Split):
+    """``Z(dim)``: ``dim`` cut into ``2n`` chunks; rank ``r`` holds chunks ``r`` and ``2n-1-r``."""
+
+    def __str__(self) -> str:
+        return f"Z({self.dim})"
+
+
 B = Broadcast()
 P = Partial()
 S = Split
@@ -67,16 +84,19 @@ S = Split
 # Text form
 
 
-_ONE = re.compile(r"^\s*(?:S\s*\(\s*(-?\d+)\s*\)|(B)|(R)|P\s*(?:\(\s*(sum|max|min)\s*\))?)\s*$")
+_ONE = re.compile(r"^\s*(?:S\s*\(\s*(-?\d+)\s*\)|(B)|(R)|P\s*(?:\(\s*(sum|max|min)\s*\))?|Z\s*\(\s*(-?\d+)\s*\))\s*$")
 
 
 def parse_one(text: str) -> Placement:
-    """Parse one axis's placement: ``S(1)``, ``B`` (``R`` is accepted as DTensor's name), ``P``, ``P(max)``."""
+    """Parse one axis's placement: ``S(1)``, ``B`` (``R`` is accepted as DTensor's name), ``P``,
+    ``P(max)``, ``Z(1)`` (the load-balanced split)."""
     m = _ONE.match(text)
     if not m:
         raise PlacementError(
-            f"cannot parse placement {text.strip()!r}: expected S(<dim>), B or P (or P(max), P(min))"
+            f"cannot parse placement {text.strip()!r}: expected S(<dim>), Z(<dim>), B or P (or P(max), P(min))"
         )
+    if m.group(5) is not None:
+        return Balanced(int(m.group(5)))
     if m.group(1) is not None:
         return Split(int(m.group(1)))
     if m.group(2) or m.group(3):
@@ -167,6 +187,9 @@ def to_dtensor(placements: Sequence[Placement], blocks: Sequence[tuple[int, int]
     count = dict(blocks)
     out = []
     for p in placements:
+        if isinstance(p, Balanced):
+            raise PlacementError(f"{p} (the load-balanced split) has no DTensor placement; reshard it to "
+                                 f"S({p.dim}) or B first")
         if isinstance(p, Split) and count.get(p.dim, 1) > 1:
             out.append(strided_shard(p.dim, count[p.dim]))
         elif isinstance(p, Split):
@@ -208,7 +231,7 @@ def normalize(value, ndim: int | None = None) -> Placements:
     items = tuple(value)
     out: list[Placement] = []
     for p in items:
-        if isinstance(p, (Split, Broadcast, Partial)):
+        if isinstance(p, (Split, Broadcast, Partial)):  # Balanced is a Split
             out.append(p)
         elif isinstance(p, str):
             out.append(parse_one(p))
@@ -265,6 +288,8 @@ def local_block(t, placements: Sequence[Placement], mesh_shape: Sequence[int], c
     (``TensorSpec.blocks``): dims whose splits cut every block alike."""
     import torch
 
+    if any(isinstance(p, Balanced) for p in placements):
+        t, placements = balanced_as_split(t, placements, mesh_shape)
     if blocks:
         check_blocks(t.shape, placements, mesh_shape, blocks)
         shape, inner = expand_blocks(t.shape, placements, blocks)
@@ -291,7 +316,7 @@ def expand_blocks(shape: Sequence[int], placements: Sequence[Placement],
     out, pl = list(shape), list(placements)
     for d, c in sorted(blocks, reverse=True):
         out[d:d + 1] = [c, out[d] // c]
-        pl = [Split(p.dim + 1) if isinstance(p, Split) and p.dim >= d else p for p in pl]
+        pl = [type(p)(p.dim + 1) if isinstance(p, Split) and p.dim >= d else p for p in pl]  # S or Z
     return tuple(out), tuple(pl)
 
 
@@ -313,3 +338,49 @@ def check_blocks(shape, placements, mesh_shape, blocks) -> None:
         raise PlacementError(
             f"placement {format_placements(placements)} cuts the blocks {list(blocks)} of a tensor of shape "
             f"{tuple(shape)} into unequal pieces")
+
+
+# ---------------------------------------------------------------------------------------------
+# The load-balanced split (``Balanced``, ``Z(d)``)
+
+
+def zigzag_order(n: int) -> list[int]:
+    """The ``2n`` chunks in the order ``Z`` lays them on ``n`` devices: ``0, 2n-1, 1, 2n-2, ...``."""
+    return [c for r in range(n) for c in (r, 2 * n - 1 - r)]
+
+
+def zigzag(t, dim: int, n: int, inverse: bool = False):
+    """``t`` with dim ``dim``'s ``2n`` chunks reordered as ``Z`` lays them (``inverse``: back)."""
+    import torch
+
+    order = zigzag_order(n)
+    if inverse:
+        order = sorted(range(2 * n), key=order.__getitem__)
+    chunks = t.chunk(2 * n, dim=dim)
+    return torch.cat([chunks[c] for c in order], dim=dim)
+
+
+def balanced_fits(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> bool:
+    """Every ``Z(d)`` cuts ``d`` into ``2n`` equal chunks on its axis alone."""
+    for a, p in enumerate(placements):
+        if isinstance(p, Balanced):
+            if p.dim >= len(shape) or shape[p.dim] % (2 * mesh_shape[a]):
+                return False
+            if any(isinstance(q, Split) and q.dim == p.dim for b, q in enumerate(placements) if b != a):
+                return False
+    return True
+
+
+def balanced_as_split(t, placements: Sequence[Placement], mesh_shape: Sequence[int]):
+    """``(t', placements')``: the whole tensor with each ``Z`` dim's chunks reordered, and ``S``
+    for ``Z`` (a device's ``Z`` block of ``t`` is its ``S`` block of ``t'``)."""
+    if not balanced_fits(t.shape, placements, mesh_shape):
+        raise PlacementError(f"placement {format_placements(placements)} cannot lay a tensor of shape "
+                             f"{tuple(t.shape)} out balanced: Z(d) needs 2n equal chunks on one mesh axis")
+    out = []
+    for a, p in enumerate(placements):
+        if isinstance(p, Balanced):
+            t = zigzag(t, p.dim, mesh_shape[a])
+            p = Split(p.dim)
+        out.append(p)
+    return t, tuple(out)

@@ -37,7 +37,7 @@ from autopar.passes.search.problem import MEMORY_KINDS, Cost, Problem, evaluate
 from autopar.passes.search.propagate import propagate
 from autopar.passes.search.solve import Solution, greedy, solve
 from autopar.passes.search.solve_axis import FULL_ILP_LIMIT, edge_var_count, solve_by_axis
-from autopar.passes.search.strategies import Constraint, resolve_hints, search_strategies
+from autopar.passes.search.strategies import Constraint, balanced_search, resolve_hints, search_strategies
 from autopar.planner.captures import capture
 from autopar.planner.options import PlanOptions
 from autopar.plans.format import human_bytes
@@ -130,8 +130,8 @@ class Candidate:
 # layers are added (tiny BART: 32 layers over 2, 1.49x with the collector on, 1.38x paused), for 3%
 # more peak memory.
 @collector_paused()
-def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
-               options: Optional[PlanOptions] = None) -> Planned:
+@balanced_search  # the balanced split Z weighed where it may pay (``passes.search.strategies``)
+def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None, options: Optional[PlanOptions] = None) -> Planned:
     """The planning passes with ``options`` (``planner.options.PlanOptions``; default: every default):
     its ``recipe`` fixes that recipe's placements instead of searching; ``checkpointing`` pins the
     recomputation (``passes.search.checkpoint.pinned_checkpointing``) instead of searching it;

@@ -67,8 +67,12 @@ arguments and node names. A version 1-7 file loads with those op names replaced,
 accepts its graph fingerprint, which was computed under the old names. Version 9 adds to each module
 entry ``attention``: every attention op's form per mesh axis (``ir.attention_forms``: batch, heads,
 Ulysses, gather, ring) with what each other form would add to the step time, which ``plan.explain``
-prints; a version 1-8 file loads without it (explain then names no form). Any other version is a
-PlanError naming it.
+prints; a version 1-8 file loads without it (explain then names no form). Version 10 adds the
+load-balanced split ``Z(d)`` (``autopar.ir.placement.Balanced``) to the placements a plan writes, in
+strategies, placements and reshardings (with their ``permute`` and local reorder steps), and
+``ring:balanced`` attention reads and writes it; a version 1-9 file has no ``Z`` and loads as it
+was, except one that runs ``ring:balanced`` attention on plain sequence splits, which is a PlanError
+naming its version (plan again). Any other version is a PlanError naming it.
 """
 
 from __future__ import annotations
@@ -102,9 +106,9 @@ from autopar.plans.entries import (
 from autopar.plans.validate import check_fields
 from autopar.validate import check_path
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 #: the versions ``load_plan`` reads (an older one loads with the newer fields defaulted or left out)
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 
 
 # -- entry shapes: the pydantic models of ``autopar.plans.entries``, the one description of the file's
@@ -223,6 +227,8 @@ class Plan:
             raise PlanError(f"plan schema version {shown(version)} found, this autopar reads version {SCHEMA_VERSION} "
                             f"(and the earlier {', '.join(map(str, READABLE_VERSIONS[:-1]))}): make the plan again "
                             f"with autopar.plan(...) (or use the autopar version that wrote it)")
+        if version < 10:
+            _no_old_balanced_ring(d, version)
         d = legacy.upgrade_hardware(d, version)
         plain = check_values(d)
         names = [f.name for f in fields(Plan) if f.name not in ("phases", "schema_version")]
@@ -409,6 +415,17 @@ def load_plan(path: Union[str, os.PathLike]) -> Plan:
         return Plan.from_dict(d)
     except PlanError as e:
         raise PlanError(f"{p!r}: {e}") from None
+
+
+def _no_old_balanced_ring(d: Mapping, version: int) -> None:
+    """Versions 1-9 ran ``ring:balanced`` attention on plain sequence splits, permuting at the op's
+    edges; version 10 lays its tensors out balanced (``Z``), so such a plan has no strategy to run."""
+    nodes = d.get("nodes")
+    for n in nodes if isinstance(nodes, list) else []:
+        if isinstance(n, Mapping) and "ring:balanced" in (n.get("tags") or []):
+            raise PlanError(f"plan schema version {version} runs {n.get('name')!r} as ring:balanced attention on "
+                            f"plain sequence splits; version {SCHEMA_VERSION} lays ring:balanced out balanced (Z): "
+                            "make the plan again with autopar.plan(...)")
 
 
 __all__ = ["READABLE_VERSIONS", "SCHEMA_VERSION", "SOLVER_TIMING_KEYS", "Alternative", "Baseline", "Collective",

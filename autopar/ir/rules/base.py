@@ -17,11 +17,13 @@ import torch
 from torch.fx.node import map_aggregate
 
 from autopar.ir.graph import Graph, Node, Ref, TensorSpec
-from autopar.ir.placement import Placement, Split, blocks_fit, local_range, local_shape
+from autopar.ir.placement import Balanced, Placement, Split, blocks_fit, local_range, local_shape
 from autopar.ir.rules.dimmap import (
     DimMap,
     Signature,
     Strategy,
+    balanced_compose_ok,
+    balanced_signatures,
     compose_ok,
     enumerate_signatures,
     replicate_signature,
@@ -94,6 +96,7 @@ class LocalCtx:
     def in_range(self, i: int, dim: int) -> tuple[int, int]:
         """``(start, length)`` of this device's block of input ``i`` along ``dim``."""
         spec = self.call.in_specs[i]
+        _no_balanced(self, self.in_placements(i), dim)
         start, length = local_range(spec.shape, self.in_placements(i), self.mesh_shape, self.coords)[dim]
         return self._offset(start), length
 
@@ -101,6 +104,7 @@ class LocalCtx:
         """The ``[start, stop)`` of output ``j``'s dim ``dim`` that this device holds."""
         spec = self.call.out_specs[j]
         assert spec is not None
+        _no_balanced(self, self.out_placements(j), dim)
         start, length = local_range(spec.shape, self.out_placements(j), self.mesh_shape, self.coords)[dim]
         return self._offset(start), length
 
@@ -114,6 +118,14 @@ class LocalCtx:
         spec = self.call.out_specs[j]
         assert spec is not None
         return local_shape(spec.shape, self.out_placements(j), self.mesh_shape, self.coords)
+
+
+def _no_balanced(ctx: LocalCtx, placements: Sequence[Placement], dim: int) -> None:
+    """A device's block of a balanced split (``Z``) is two pieces: it has no one offset."""
+    if any(isinstance(p, Balanced) and p.dim == dim for p in placements):
+        raise RuntimeError(f"{ctx.call.where()}: local code read an offset along dim {dim}, which is laid out "
+                           "balanced (Z); this op must not take the balanced layout")
+
 
 #: How many non-zero offsets local implementations have read (lets the mutation test know which
 #: signatures depend on offsets at all).
@@ -141,6 +153,9 @@ class OpRule:
     # keeps only the composed strategies that hold together on the mesh (a special signature that
     # may take one axis only, or needs sizes its pieces divide); None: every composition
     compose: Optional[Callable[[OpCall, list, Sequence[int]], list]] = None
+    # the ``local`` implementation reads offsets only of dims no balanced split (``Z``) reaches (the
+    # embedding's vocabulary), so the op takes ``Z`` as an op without ``local`` does
+    balanced_ok: bool = False
 
 
 RULES: dict[str, OpRule] = {}
@@ -235,14 +250,19 @@ def signatures(call: OpCall, min_size: int = 2) -> list[Signature]:
     return sigs + extra
 
 
-def strategies(call: OpCall, mesh_shape: Sequence[int], min_size: int = 2) -> list[Strategy]:
-    """Every valid composition of one-axis signatures over the mesh's axes (axis order = mesh order)."""
+def strategies(call: OpCall, mesh_shape: Sequence[int], min_size: int = 2,
+               balanced: Sequence[int] = ()) -> list[Strategy]:
+    """Every valid composition of one-axis signatures over the mesh's axes (axis order = mesh order).
+    ``balanced``: sequence lengths whose splits also come load-balanced (``Z``; ``ir.rules.dimmap.
+    balanced_signatures``), where the op runs as itself on its blocks."""
     sigs = signatures(call, min_size=min_size)
     rule = RULES.get(call.op)
     dm = _build(rule, call) if rule else None
+    if balanced and dm is not None and (rule.local is None or rule.balanced_ok) and rule.arg_fix is None:
+        sigs = sigs + balanced_signatures(dm, sigs, balanced)
     out = []
     for combo in itertools.product(sigs, repeat=len(mesh_shape)):
-        if dm is None or compose_ok(dm, combo, mesh_shape):
+        if dm is None or (compose_ok(dm, combo, mesh_shape) and balanced_compose_ok(dm, combo, mesh_shape)):
             out.append(tuple(combo))
     if _has_blocks(call):
         out = [st for st in out if _blocks_fit(call, st, mesh_shape)]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from autopar.ir.placement import B, Partial, Placement, Split
+from autopar.ir.placement import B, Balanced, Partial, Placement, Split
 
 Dims = list[tuple[str, ...]]  # per tensor dim, the factors it is made of ( () for a broadcast size-1 dim)
 
@@ -203,6 +203,44 @@ def enumerate_signatures(dm: DimMap, min_size: int = 2) -> list[Signature]:
         if sig is not None:
             out.append(sig)
     return _dedup(out)
+
+
+BALANCED_TAG = "Z:"
+
+
+def balanced_signatures(dm: DimMap, sigs: Sequence[Signature], lengths: Sequence[int]) -> list[Signature]:
+    """The load-balanced variant (``Z`` for ``S``, tag ``Z:<factor>``) of each split signature whose
+    factor is as long as one of ``lengths`` (the causal sequences that a balanced ring attention
+    of the graph splits), on a plain dim of every tensor that has it. Only for ops whose local code
+    is the op itself on its blocks, which then sees positions along the factor only through its
+    inputs: a split valid on contiguous blocks of any size is valid on any reordering of them."""
+    out = []
+    for sig in sigs:
+        if not sig.tag.startswith("S:") or dm.sizes.get(sig.tag[2:]) not in lengths:
+            continue
+        f = sig.tag[2:]
+        if dm.merged(f) or factor_blocks(dm, f) != 1:
+            continue
+        out.append(Signature(tuple(_balanced(p) for p in sig.inputs), tuple(_balanced(p) for p in sig.outputs),
+                             BALANCED_TAG + f))
+    return out
+
+
+def _balanced(p: Optional[Placement]) -> Optional[Placement]:
+    return Balanced(p.dim) if isinstance(p, Split) else p
+
+
+def balanced_compose_ok(dm: DimMap, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
+    """A balanced split of a factor holds only on its axis alone (no other axis splits the factor)
+    and where the factor divides into ``2n`` equal chunks."""
+    for a, sig in enumerate(strategy):
+        if sig.tag.startswith(BALANCED_TAG):
+            f = sig.tag[len(BALANCED_TAG):]
+            if dm.sizes[f] % (2 * mesh_shape[a]):
+                return False
+            if any(s.tag[2:] == f for b, s in enumerate(strategy) if b != a and s.tag[:2] in ("S:", BALANCED_TAG)):
+                return False
+    return True
 
 
 def _dedup(sigs: list[Signature]) -> list[Signature]:

@@ -6,10 +6,11 @@ log-sum-exp (and, backward, the gradients) on the sequence, dim 2, over one mesh
 
 - ``ring``: device ``r`` holds the ``r``-th contiguous block; key/value blocks pass around the
   ring (``ir.ring_attention``). Under a causal mask the last device has the most work.
-- ``ring:balanced``: the same placements (plain sequence splits, so everything around the op is
-  untouched), but the op permutes its blocks at its edges to the balanced layout (device ``r``
-  holds chunks ``r`` and ``2n-1-r`` of ``2n``), where every ring step costs every device the same
-  causal work, and back. The permutations are priced with the op (``cost_model.ring``).
+- ``ring:balanced``: every tensor of the op in the balanced layout ``Z(2)`` (``ir.placement.
+  Balanced``: device ``r`` holds chunks ``r`` and ``2n-1-r`` of ``2n``), where every ring step costs
+  every device the same causal work. The layout is a placement like any other: the ops around the
+  attention take it as they take a split (``ir.rules.dimmap.balanced_signatures``), and the
+  conversions from and to other placements are reshardings, priced and lowered as such.
 
 A strategy may ring on one axis only, with no other axis splitting the sequence; the sequence must
 divide into equal blocks (``2n`` chunks for the balanced layout). Ring runs without a mask tensor
@@ -23,18 +24,19 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from typing import Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 from autopar.ir.attention import ATTN_BWD, ATTN_FWD
-from autopar.ir.placement import Split
-from autopar.ir.ring_attention import Ring, from_balanced, ring_backward, ring_forward, to_balanced
+from autopar.ir.placement import Balanced, Split
+from autopar.ir.ring_attention import Ring, ring_backward, ring_forward
 from autopar.ir.rules.special import _check_attention_blocks  # (and the attention rules this module extends)
 from autopar.ir.rules.base import RULES, LocalCtx, OpCall
 from autopar.ir.rules.dimmap import DimMap, Signature, Strategy
 from autopar.ir.rules.shared_kv import TAG as KV_SHARED
 from autopar.ir.rules.shared_kv import composes as kv_shared_composes
 
-__all__ = ["FORMS", "RING", "RING_BALANCED", "forced_form", "ring_axis"]
+__all__ = ["FORMS", "RING", "RING_BALANCED", "asks_balanced", "balanced_lengths", "balanced_offered", "forced_form",
+           "offer_balanced", "ring_axis"]
 
 RING = "ring"
 RING_BALANCED = "ring:balanced"
@@ -65,6 +67,55 @@ def ring_axis(strategy: Strategy) -> Optional[tuple[int, str]]:
     return None
 
 
+_offered: list[bool] = [False]
+
+
+@contextlib.contextmanager
+def offer_balanced(on: bool) -> Iterator[None]:
+    """While the block runs, the search weighs the balanced split ``Z`` (``balanced_offered``); the
+    lowering finds a plan's ``Z`` strategies either way."""
+    prev = _offered[0]
+    _offered[0] = on
+    try:
+        yield
+    finally:
+        _offered[0] = prev
+
+
+def balanced_offered() -> bool:
+    """Whether the search weighs ``Z`` now (``offer_balanced``)."""
+    return _offered[0]
+
+
+def asks_balanced(hints: object, attention: object) -> bool:
+    """Whether the user asks for the balanced layout: a hint placing something ``Z``, ``attention=``
+    naming ``ring:balanced``, or ``forced_form(ring:balanced)``."""
+    def names(value: object, what: str) -> bool:
+        if isinstance(value, str):
+            return what in value
+        if isinstance(value, dict):
+            return any(names(v, what) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return any(names(v, what) for v in value)
+        return what in str(value)
+
+    return _forced[0] == RING_BALANCED or names(hints or {}, "Z(") or names(attention or {}, RING_BALANCED)
+
+
+def balanced_lengths(calls: Iterable[OpCall]) -> tuple[int, ...]:
+    """The sequence lengths of the causal attentions among ``calls`` that a balanced ring can split:
+    the ops of the graph offer the balanced split ``Z`` only on dims of these lengths (the dims that
+    can carry the attention's sequence), which keeps the strategy count of every other graph, and
+    of every other dim, as it is."""
+    out = set()
+    for call in calls:
+        if call.op == ATTN_FWD and _admits(call) and bool(call.arg(4, "is_causal", False)):
+            seq = call.in_specs[0].shape[2]
+            if seq % 4 == 0:  # 2n equal chunks on some axis of n >= 2
+                out.add(seq)
+    return tuple(sorted(out))
+
+
 def _layout(call: OpCall) -> tuple[int, int, int]:
     """(index of q among the tensor inputs, position of is_causal, position of dropout_p)."""
     return (1, 7, 6) if call.op == ATTN_BWD else (0, 4, 3)
@@ -83,8 +134,10 @@ def _ring_extra(call: OpCall, dm: DimMap) -> list[Signature]:
     if not _admits(call):
         return []
     n_out = len(call.out_specs)
-    ins = tuple(Split(2) for _ in call.in_specs)
-    return [Signature(ins, tuple(Split(2) for _ in range(n_out)), tag) for tag in FORMS]
+    out = []
+    for tag, place in ((RING, Split(2)), (RING_BALANCED, Balanced(2))):
+        out.append(Signature(tuple(place for _ in call.in_specs), tuple(place for _ in range(n_out)), tag))
+    return out
 
 
 def _compose(call: OpCall, strats: list, mesh_shape: Sequence[int]) -> list:
@@ -140,13 +193,8 @@ def _wrap(op: str) -> None:
         q_index, causal_pos, _ = _layout(call)
         _check_ring_blocks(xs, q_index, op == ATTN_BWD, 2 if ring.balanced else 1)
         causal, scale = bool(call.arg(causal_pos, "is_causal", False)), call.kwargs.get("scale")
-        if ring.balanced:
-            xs = [to_balanced(ring, x, 2) for x in xs]
-        res = (ring_backward(ring, *xs, causal, scale) if op == ATTN_BWD
-               else ring_forward(ring, *xs, causal, scale))
-        if ring.balanced:
-            res = tuple(from_balanced(ring, x, 2) for x in res)
-        return res
+        return (ring_backward(ring, *xs, causal, scale) if op == ATTN_BWD
+                else ring_forward(ring, *xs, causal, scale))
 
     def extra(call: OpCall, dm: DimMap) -> list[Signature]:
         return (before(call, dm) if before is not None else []) + _ring_extra(call, dm)

@@ -70,7 +70,7 @@ def _embedding_local(ctx: LocalCtx, xs: list) -> torch.Tensor:
     return aten.embedding.default(w, local) * valid.unsqueeze(-1).to(w.dtype)
 
 
-@register("aten.embedding.default", extra=_embedding_extra, local=_embedding_local)
+@register("aten.embedding.default", extra=_embedding_extra, local=_embedding_local, balanced_ok=True)
 def _embedding(call: OpCall) -> DimMap:
     w, ids = call.in_specs
     idn = [f"i{k}" for k in range(ids.ndim)]
@@ -96,7 +96,7 @@ def _embedding_backward_local(ctx: LocalCtx, xs: list) -> torch.Tensor:
     return aten.embedding_dense_backward.default(grad, local, length, pad, scale)
 
 
-@register("aten.embedding_dense_backward.default", local=_embedding_backward_local)
+@register("aten.embedding_dense_backward.default", local=_embedding_backward_local, balanced_ok=True)
 def _embedding_backward(call: OpCall) -> DimMap:
     # Token dims are summed into the weight gradient (P); a vocabulary split keeps local rows.
     grad, ids = call.in_specs

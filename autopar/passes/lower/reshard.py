@@ -6,6 +6,7 @@ kept apart so ``emitter.py`` holds the op-by-op emission. A tensor with dims of 
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -13,7 +14,8 @@ import torch.fx as fx
 from autopar.cost_model.casting import transfer_bytes
 from autopar.cost_model.comm import reshard_steps
 from autopar.ir.graph import Ref, Role
-from autopar.ir.placement import B, Partial, Placements, chunk_range, expand_blocks, local_shape
+from autopar.cost_model.balanced import has_balanced, lowering_steps, permute_dest
+from autopar.ir.placement import B, Balanced, Partial, Placements, Split, chunk_range, expand_blocks, local_shape, zigzag
 from autopar.program import collectives as C
 
 
@@ -35,6 +37,8 @@ def reshard(em, x: fx.Node, ref: Ref, src: Placements, dst: Placements, where: f
     spec = em.g.spec(ref)
     role = "gather" if ref.node in em.params else ("grad" if em.g.role(ref) == Role.GRADIENT else "activation")
     eb = transfer_bytes(em.g, ref, role, em.res.precision, em.priced)
+    if has_balanced(src, dst):
+        return reshard_balanced(em, x, spec, src, dst, eb, where)
     steps = reshard_steps(spec.shape, src, dst, em.res.mesh, eb)
     shape, final = spec.shape, dst
     if spec.blocks:  # dims of equal blocks: reshard the expanded tensor, where they are plain dims
@@ -122,3 +126,63 @@ def _joint_step(em, x, shape, cur, axes: tuple[int, ...], dst, where: fx.Graph) 
 def fill_like(x: fx.Node, p: Partial, where: fx.Graph) -> fx.Node:
     """A program node holding a tensor shaped like ``x`` filled with ``value`` (a reduction's identity)."""
     return where.call_function(torch.ops.aten.full_like.default, (x, identity(p.reduce)))
+
+
+# -- the balanced split ``Z`` (``cost_model.balanced`` chose the steps) ------------------------
+
+
+def reshard_balanced(em, x: fx.Node, spec, src: Placements, dst: Placements, eb: int, where: fx.Graph) -> fx.Node:
+    """``x`` resharded where either side lays an axis out balanced (``Z``): the ordinary steps on the
+    tensor as ``S`` sees it, and the balanced conversions (permutes, local reorders and slices)."""
+    shape, final = spec.shape, dst
+    if spec.blocks:  # dims of equal blocks (never the balanced one): the expanded tensor, where they are plain
+        shape, src = expand_blocks(spec.shape, src, spec.blocks)
+        x = where.call_method("reshape", (x, list(local_shape(shape, plain(src), em.mesh_shape, em.coords))))
+        dst = expand_blocks(spec.shape, dst, spec.blocks)[1]
+    cur = tuple(src)
+    for step, after in lowering_steps(shape, src, dst, em.res.mesh, eb):
+        a, n, r = step.axis, em.mesh_shape[step.axis], em.coords[step.axis]
+        if step.kind == "permute":
+            if after[a] != cur[a]:  # a conversion's last step: its permutes run here, together
+                x = _convert(where, x, cur[a].dim, a, n, r, type(after[a]) is Balanced)
+        elif step.kind == "zigzag_slice":
+            d, size = after[a].dim, local_shape(shape, plain(cur), em.mesh_shape, em.coords)[after[a].dim]
+            c = size // (2 * n)
+            front = where.call_function(torch.ops.aten.slice.Tensor, (x, d, r * c, (r + 1) * c))
+            back = where.call_function(torch.ops.aten.slice.Tensor, (x, d, (2 * n - 1 - r) * c, (2 * n - r) * c))
+            x = where.call_function(torch.cat, ([front, back], d))
+        elif step.kind == "unorder":  # gathered in the balanced order: back to the tensor's
+            x = where.call_function(zigzag, (x, cur[a].dim, n, True))
+        elif step.kind == "reorder":  # addends reordered, so that the reduce-scatter after lands balanced
+            x = where.call_function(zigzag, (x, dst[a].dim, n))
+        else:
+            new = B if step.kind == "all_gather" else plain(after)[a]
+            x = _step(em, x, shape, plain(cur), a, new, step.kind, step.reduce, where)
+        cur = after
+    if spec.blocks:
+        x = where.call_method("reshape", (x, list(local_shape(spec.shape, plain(final), em.mesh_shape, em.coords))))
+    return x
+
+
+def plain(placements) -> list:
+    """``placements`` with ``S`` for ``Z``: the geometry of the reordered tensor the ordinary steps see."""
+    return [Split(p.dim) if type(p) is Balanced else p for p in placements]
+
+
+def _convert(where: fx.Graph, x: fx.Node, d: int, a: int, n: int, r: int, to_balanced: bool) -> fx.Node:
+    """This device's block along ``d`` from ``S`` to ``Z`` (``to_balanced``) or back on axis ``a``:
+    its two chunks sent by parity, each to the rank that holds it in the other layout."""
+    pieces = where.call_method("chunk", (x, 2, d))
+    front = where.call_function(operator.getitem, (pieces, 0))
+    back = where.call_function(operator.getitem, (pieces, 1))
+    if to_balanced:  # rank r holds chunks 2r (even) and 2r+1 (odd); it gets r and 2n-1-r
+        even, odd = front, back
+    else:  # rank r holds chunks r and 2n-1-r: one even, one odd
+        even, odd = (front, back) if r % 2 == 0 else (back, front)
+    got = [where.call_function(C.permute, (where.call_method("contiguous", (part,)), a, permute_dest(to_balanced, n, p)))
+           for p, part in ((0, even), (1, odd))]
+    if to_balanced:
+        parts = got if r % 2 == 0 else got[::-1]
+    else:
+        parts = got  # chunks 2r, 2r+1
+    return where.call_function(torch.cat, (parts, d))

@@ -16,17 +16,23 @@ before this rule still lowers.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import itertools
-from dataclasses import dataclass
-from typing import Optional, Sequence
+import weakref
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Sequence
 
+import autopar.cost_model.balanced  # noqa: F401  (prices the reshardings of the balanced split Z it offers)
 from autopar.cost_model.mesh import Mesh
 from autopar.errors import HintError
 from autopar.ir.graph import Graph, Node, Ref, Role, TensorSpec
-from autopar.ir.placement import B, Placement, PlacementError, Placements, Split, blocks_fit, format_placements, parse
+from autopar.ir.attention import ATTN_FWD
+from autopar.ir.placement import (B, Balanced, Placement, PlacementError, Placements, Split, balanced_fits, blocks_fit,
+                                  format_placements, parse)
 from autopar.ir.rules import op_call
 from autopar.ir.rules import strategies as rule_strategies
 from autopar.ir.rules.dimmap import Signature, Strategy
+from autopar.ir.rules.ring import RING_BALANCED, asks_balanced, balanced_lengths, balanced_offered, offer_balanced, ring_axis
 
 
 def fits(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> bool:
@@ -40,11 +46,57 @@ def fits(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequ
     return all(shape[d] >= k for d, k in pieces.items())
 
 
-def input_placements(spec: TensorSpec, mesh_shape: Sequence[int]) -> list[Placements]:
-    """Every placement a graph input may take: per axis B or a split of a dim that is large enough."""
-    per_axis = [[B] + [Split(d) for d in range(spec.ndim) if spec.shape[d] >= n] for n in mesh_shape]
+def input_placements(spec: TensorSpec, mesh_shape: Sequence[int], balanced: Sequence[int] = ()) -> list[Placements]:
+    """Every placement a graph input may take: per axis B or a split of a dim that is large enough
+    (and the balanced split ``Z`` of a dim as long as one of ``balanced``)."""
+    per_axis = [[B] + [Split(d) for d in range(spec.ndim) if spec.shape[d] >= n]
+                + [Balanced(d) for d in range(spec.ndim) if spec.shape[d] in balanced and spec.block_count(d) == 1]
+                for n in mesh_shape]
     return [p for p in itertools.product(*per_axis) if fits(spec.shape, p, mesh_shape)
-            and blocks_fit(spec.shape, p, mesh_shape, spec.blocks)]
+            and blocks_fit(spec.shape, p, mesh_shape, spec.blocks) and balanced_fits(spec.shape, p, mesh_shape)]
+
+
+def graph_balanced_lengths(graph: Graph) -> tuple[int, ...]:
+    """The sequence lengths on which the graph's ops offer the balanced split (``ring.balanced_lengths``),
+    computed once per graph."""
+    memo = _LENGTHS.get(graph)
+    if memo is None or memo[0] != len(graph.nodes):
+        memo = (len(graph.nodes), balanced_lengths(op_call(graph, n) for n in graph.nodes if n.op == ATTN_FWD))
+        _LENGTHS[graph] = memo
+    return memo[1]
+
+
+_LENGTHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def balanced_search(passes: Callable[..., Any]) -> Callable[..., Any]:
+    """The planning passes (``planner.intra.run_passes``) weighing the balanced split ``Z`` of a
+    causal sequence around the attention where the options ask for it (a hint placing something
+    ``Z``, ``attention=`` naming ``ring:balanced``), and otherwise in a second search only when the
+    first runs some attention as balanced ring (converting to ``Z`` at its edges): the faster plan
+    that fits wins. Plans whose attention runs another form search once, with the strategies they
+    always had, so their plans and planning times stay as they were."""
+
+    @functools.wraps(passes)
+    def run(model, mesh: Mesh, example_inputs=(), example_kwargs=None, options=None):
+        hints, attention = (options.hints, options.attention) if options is not None else (None, None)
+        asked = asks_balanced(hints, attention)
+        with offer_balanced(asked):
+            first = passes(model, mesh, example_inputs, example_kwargs, options)
+        if asked or options is None or options.recipe or not _runs_balanced(first):
+            return first
+        with offer_balanced(True):
+            second = passes(model, mesh, example_inputs, example_kwargs, replace(options, graph=first.graph))
+        fits = second.peak is None or second.peak.peak <= options.budget(mesh)
+        return second if fits and second.cost.step_time < first.cost.step_time else first
+
+    return run
+
+
+def _runs_balanced(planned: Any) -> bool:
+    """Whether a planned problem's choice runs some attention as balanced ring."""
+    return any((ring_axis(n.strategies[c]) or (0, ""))[1] == RING_BALANCED
+               for n, c in zip(planned.problem.nodes, planned.choice))
 
 
 def _as_strategy(placements: Placements) -> Strategy:
@@ -61,13 +113,17 @@ def _strategy_fits(graph: Graph, node: Node, strat: Strategy, mesh_shape: Sequen
     return True
 
 
-def node_strategies(graph: Graph, node: Node, mesh: Mesh) -> list[Strategy]:
-    """The candidate strategies of one node (placeholders: one output placement each)."""
+def node_strategies(graph: Graph, node: Node, mesh: Mesh, balanced: bool = True) -> list[Strategy]:
+    """The candidate strategies of one node (placeholders: one output placement each); ``balanced``:
+    with the balanced split ``Z`` on the dims of a causal ring sequence's length (the balanced ring
+    attention's own ``Z`` either way)."""
+    lengths = graph_balanced_lengths(graph) if balanced else ()
     if node.is_placeholder:
         if node.roles[0] == Role.TANGENT or node.outputs[0] is None:
             return [_as_strategy(tuple(B for _ in mesh.shape))]
-        return [_as_strategy(p) for p in input_placements(node.outputs[0], mesh.shape)]
-    strats = rule_strategies(op_call(graph, node), mesh.shape)
+        lengths = lengths if node.roles[0] != Role.PARAMETER else ()
+        return [_as_strategy(p) for p in input_placements(node.outputs[0], mesh.shape, lengths)]
+    strats = rule_strategies(op_call(graph, node), mesh.shape, balanced=lengths)
     kept = [s for s in strats if _strategy_fits(graph, node, s, mesh.shape)]
     return kept or [s for s in strats if all(sig.tag == "B" for sig in s)]
 
@@ -77,11 +133,12 @@ def _replicated_on(strat: Strategy, axes: Sequence[int]) -> bool:
 
 
 def search_strategies(graph: Graph, node: Node, mesh: Mesh) -> list[Strategy]:
-    """The strategies the search weighs: ``node_strategies`` less those that split or leave partial
-    any tensor on an axis of size 1 (a split there is the whole tensor, and a collective over one
+    """The strategies the search weighs: ``node_strategies`` (the balanced split ``Z`` around the
+    attention only where it is offered, ``ir.rules.ring.offer_balanced``) less those that split or
+    leave partial any tensor on an axis of size 1 (a split there is the whole tensor, and a collective over one
     device moves nothing, so such choices only list pointless collectives in the plan). Every
     strategy, as before, where a node has none replicated on those axes."""
-    strats = node_strategies(graph, node, mesh)
+    strats = node_strategies(graph, node, mesh, balanced=balanced_offered())
     unit = [a for a, n in enumerate(mesh.shape) if n == 1]
     if not unit:
         return strats

@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from autopar.ir.placement import Partial, Placement, Split, check_blocks, chunk_range, expand_blocks, local_shape
+from autopar.ir.placement import (Balanced, Partial, Placement, Split, balanced_as_split, check_blocks, chunk_range,
+                                  expand_blocks, local_shape, zigzag)
 from autopar.ir.rules.base import LocalCtx, OpCall, Strategy, as_list, run_local, substitute
 from autopar.ir.rules.ring import ring_axis
 from autopar.ir.rules.expert import TAG as EXPERTS
@@ -62,7 +63,10 @@ def distribute(
     blocks_of: Sequence[tuple[int, int]] = (),
 ) -> dict[Coords, torch.Tensor]:
     """One local block per device; nested in mesh-axis order (axis 0 first). ``blocks_of``
-    (``TensorSpec.blocks``): dims split block by block."""
+    (``TensorSpec.blocks``): dims split block by block; a balanced split (``Z``) is the split of the
+    tensor with its chunks reordered."""
+    if any(isinstance(p, Balanced) for p in placements):
+        t, placements = balanced_as_split(t, placements, mesh_shape)
     if blocks_of:
         check_blocks(t.shape, placements, mesh_shape, blocks_of)
         shape, inner = expand_blocks(t.shape, placements, blocks_of)
@@ -107,6 +111,13 @@ def collect(
     last bits when each is a sum of different random addends). ``blocks_of`` (with the whole
     tensor's ``shape``): dims split block by block.
     """
+    zs = [(p.dim, n) for p, n in zip(placements, mesh_shape) if isinstance(p, Balanced)]
+    if zs:  # the split of the reordered tensor, reordered back
+        plain = [Split(p.dim) if isinstance(p, Balanced) else p for p in placements]
+        t = collect(blocks, plain, mesh_shape, rtol, blocks_of, shape)
+        for d, n in zs:
+            t = zigzag(t, d, n, inverse=True)
+        return t
     if blocks_of:
         if shape is None:
             raise ValueError("collect: the whole shape is needed to undo a split by blocks")
