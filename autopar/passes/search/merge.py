@@ -118,6 +118,9 @@ def _absorb(u: PNode, v: PNode, f: list[int]) -> None:
         u.comm[s] += v.comm[f[s]]
         for k in MEMORY_KINDS:
             u.memory[k][s] += v.memory[k][f[s]]
+        if v.pending:  # unreduced gradients: both are held
+            u.pending = u.pending or [0.0] * len(u.strategies)
+            u.pending[s] += v.pending[f[s]]
         if v.transient:  # the two run one after the other: the larger is what is held at once
             u.transient = u.transient or [0.0] * len(u.strategies)
             u.transient[s] = max(u.transient[s], v.transient[f[s]])
