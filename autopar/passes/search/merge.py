@@ -97,7 +97,8 @@ def merge(problem: Problem, ops: dict[str, str]) -> Merged:
 def _copy(n: PNode) -> PNode:
     return PNode(n.name, list(n.strategies), n.mult, n.group, list(n.compute), list(n.comm),
                  {k: list(v) for k, v in n.memory.items()}, None if n.allowed is None else list(n.allowed),
-                 None if n.transient is None else list(n.transient))
+                 None if n.transient is None else list(n.transient),
+                 None if n.pending is None else list(n.pending))
 
 
 def _follow_map(u: PNode, v: PNode, e: PEdge) -> list[int] | None:
