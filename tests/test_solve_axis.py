@@ -6,6 +6,7 @@ restrictions as it found them."""
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -14,9 +15,10 @@ import autopar
 import autopar.models
 from autopar.planner.intra import run_passes
 from autopar.planner.options import PlanOptions
-from autopar.passes.search.problem import evaluate
+from autopar.errors import InfeasibleError
+from autopar.passes.search.problem import Problem, evaluate
 from autopar.passes.search.solve import greedy
-from autopar.passes.search.solve_axis import solve_by_axis
+from autopar.passes.search.solve_axis import leanest_choice, solve_by_axis, within_budget
 
 STARTS = ("ddp", "fsdp", "megatron_tp", "greedy")
 
@@ -82,3 +84,33 @@ def test_is_deterministic():
     assert a.choice == b.choice and a.objective == b.objective
     assert {k: v for k, v in a.stats.items() if k != "wall_time"} == \
         {k: v for k, v in b.stats.items() if k != "wall_time"}
+
+
+def _budgeted(budget: float):
+    """The tiny MLP's merged problem with its memory budget set to ``budget`` bytes."""
+    p = _planned().merged.problem
+    return Problem(p.nodes, p.edges, p.groups, budget, p.overlap_slowdown)
+
+
+def test_a_start_over_the_budget_is_not_returned():
+    """Data parallelism keeps every weight whole on every device: with the budget just above the
+    leanest choice it is over, and no round restricted to one axis from it fits (both axes must
+    shard). The search descends from the leanest choice instead, and its plan fits."""
+    lean = _budgeted(math.inf)
+    floor = evaluate(lean, leanest_choice(lean)).peak_memory
+    problem = _budgeted(floor * 1.0001)
+    start = _start("ddp")
+    assert not within_budget(problem, start)
+    sol = solve_by_axis(problem, start, 2)
+    assert within_budget(problem, sol.choice), evaluate(problem, sol.choice).peak_memory
+    assert sol.choice != start
+    assert sol.objective == evaluate(problem, sol.choice).step_time
+
+
+def test_no_plan_within_the_budget_is_infeasible():
+    """Below the least memory any choice needs nothing fits: the search says so rather than return
+    its start."""
+    lean = _budgeted(math.inf)
+    floor = sum(n.mult * min(n.mem_total(s) for s in n.alive()) for n in lean.nodes)  # a lower bound
+    with pytest.raises(InfeasibleError, match="no plan fits the memory budget"):
+        solve_by_axis(_budgeted(floor * 0.99), _start("fsdp"), 2)

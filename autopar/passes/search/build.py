@@ -12,7 +12,11 @@ forward and backward; not the parameters' layout views, which the backward deriv
 storage once and whole (a saved view keeps its base alive: ``ir.views.storage_shares``), in the
 precision's bytes. Edges are grouped into transfers (``_edges``):
 one resharding of a tensor to a placement serves all its consumers that need that placement.
-(Not counted: the memory of a resharded copy kept for the backward.) Beside it, per strategy, each
+A parameter's gradient made as a partial sum (data-parallel weight gradients) counts at its
+producer's placement too: its reduction waits for the end of the backward (``cost_model.liveness``),
+so every layer's unreduced gradient is alive there at once, beside the saved activations.
+A forward value the backward reads and a forward consumer reads resharded is kept resharded too
+(the lowering saves the forward's copy): the edge's ``saved`` bytes, per target placement. Beside it, per strategy, each
 op's transient bytes (``PNode.transient``: what it makes or reads that nothing saves), which the
 memory-fitting search adds once a walked plan is over the budget (``passes.search.peak``).
 """
@@ -35,7 +39,7 @@ from autopar.cost_model.precision import Precision
 from autopar.cost_model.ring import causal_split_factor, ring_time
 from autopar.ir.graph import Graph, Phase, Ref, Role
 from autopar.ir.layers import layers
-from autopar.ir.placement import B, Placements, format_placements, local_shape
+from autopar.ir.placement import B, Partial, Placements, format_placements, local_shape
 from autopar.ir.rules import op_call
 from autopar.ir.rules.ring import ring_axis
 from autopar.ir.views import ALIASES, param_views, storage_shares
@@ -90,6 +94,9 @@ def build_problem(
     users_backward.update(r for r in graph.extras if graph.node(r.node).phase == Phase.FORWARD)
     # what a saved value's storage adds (a view keeps its whole base; two views of one base, one storage)
     shares = storage_shares(graph, [r for r in users_backward if r.node not in views])
+    # parameters' gradients as the backward makes them: a partial one is reduced after the backward's
+    # ops (or held by its collective to their end), so every layer's unreduced block is alive at once
+    unreduced = set(graph.grads.values())
 
     # Overlap groups: (layer group or outside, phase). Parameter gathers for forward use run under
     # that phase's forward compute (issued a layer ahead); gradient reductions under the backward.
@@ -110,8 +117,12 @@ def build_problem(
                    transient=[])
         in_specs = [graph.spec(r) for r in n.inputs]
         call = None if n.is_placeholder else op_call(graph, n)
+        unreduced_here = any(Ref(n.name, j) in unreduced for j in range(len(n.outputs)))
+        if unreduced_here:
+            pn.pending = []
         for s in strats:
             mem = dict.fromkeys(MEMORY_KINDS, 0.0)
+            pending = 0.0
             step = 0.0  # what runs exposed: a parameter's optimizer step, an expert exchange
             if n.is_placeholder:
                 place = output_placement(s, 0)
@@ -142,9 +153,14 @@ def build_problem(
                     if spec is not None and r in users_backward and n.name not in views:
                         mem["activations"] += shares[r] * activation_bytes(spec.shape, spec.dtype, output_placement(s, j),
                                                                            mesh, precision)
+                    elif spec is not None and r in unreduced and any(isinstance(p, Partial) for p in output_placement(s, j)):
+                        # a partial gradient awaits its reduction to the backward's end (``cost_model.liveness``)
+                        pending += activation_bytes(spec.shape, spec.dtype, output_placement(s, j), mesh, precision)
                 pn.transient.append(_transient(graph, n, s, in_specs, users_backward, views, mesh, precision))
             if n.is_placeholder:
                 pn.transient.append(0.0)
+            if unreduced_here:
+                pn.pending.append(float(pending))
             # a parameter's optimizer step runs after the backward, under nothing (see the docstring);
             # an expert exchange blocks the grouped product that reads it
             pn.comm.append(step)
@@ -154,7 +170,7 @@ def build_problem(
         nodes.append(pn)
 
     _apply_constraints(graph, nodes, index, folding, constraints or [])
-    edges = _edges(graph, mesh, folding, nodes, index, precision)
+    edges = _edges(graph, mesh, folding, nodes, index, precision, users_backward)
     _loss_sink(graph, mesh, folding, nodes, index, precision)
     return Problem(nodes, edges, groups, memory_budget, hw.overlap_slowdown)
 
@@ -174,7 +190,8 @@ def _apply_constraints(graph, nodes, index, folding, constraints: list[Constrain
         pn.allowed = ok
 
 
-def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) -> list[PEdge]:
+def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision,
+           saved: frozenset = frozenset()) -> list[PEdge]:
     """Every (producer output -> consumer input) of the graph, aggregated onto representatives and
     grouped into *transfers* (``PEdge.share``): the edges along which one resharding of one tensor
     to one placement is done once and shared by every consumer that needs that placement.
@@ -259,18 +276,26 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision) 
                     matrices[mkey] = [[_price(kind, spec.shape, p, q, mesh, eb, part) for q in places_in]
                                       for p in places_out]
                 cost = matrices[mkey]
+                # a forward value the backward reads, resharded for a forward consumer: the lowering
+                # keeps the copy for the backward (``cost_model.liveness``)
+                kept = None
+                if kind == "activation" and ref in saved and graph.node(dst_name).phase == Phase.FORWARD:
+                    kept = [[float(activation_bytes(spec.shape, spec.dtype, q, mesh, precision)) if c else 0.0
+                             for q, c in zip(places_in, row)] for row in cost]
                 built[key] = ([places_out.index(p) for p in src_p], [places_in.index(q) for q in dst_p],
-                              places_out, places_in, cost, eb)
-            src_place, dst_place, places_out, places_in, cost, eb = built[key]
+                              places_out, places_in, cost, eb, kept)
+            src_place, dst_place, places_out, places_in, cost, eb, kept = built[key]
             if group is None:  # a gather runs in its (first) consumer's layer and phase; a reduction in its producer's
                 group = nodes[src].group if kind == "grad" else nodes[dst].group
             members.append(PEdge(src, out, dst, slot, src_place, dst_place, places_out, places_in, cost, mult,
-                                 kind, group, ref, eb, share))
+                                 kind, group, ref, eb, share, saved=kept))
         if len(members) == 1 and members[0].src == members[0].dst:
             # a layer feeding the same position of the next instance, alone: a per-strategy cost
             e, pn = members[0], nodes[members[0].src]
             for s in range(len(pn.strategies)):
                 pn.comm[s] += e.cost[e.src_place[s]][e.dst_place[s]] * e.mult / pn.mult
+                if e.saved is not None and e.cost[e.src_place[s]][e.dst_place[s]]:
+                    pn.memory["activations"][s] += e.saved[e.src_place[s]][e.dst_place[s]] * e.mult / pn.mult
             continue
         edges.extend(members)
     edges.sort(key=lambda e: (e.src, e.src_out, e.dst, e.dst_slot, e.share))

@@ -113,6 +113,7 @@ def with_checkpointing(problem: Problem, terms: list[GroupTerms], choice: Choice
         return problem
     nodes = list(problem.nodes)
     time_scale: dict[int, float] = {}
+    kept_scale: dict[int, float] = {}  # a recomputed op's resharded inputs are not kept (only the others')
     for t, mode, k in zip(terms, choice.modes, choice.counts):
         if not k:
             continue
@@ -127,6 +128,7 @@ def with_checkpointing(problem: Problem, terms: list[GroupTerms], choice: Choice
             scale = (c + k) / c if i in t.recomputed[mode] else 1.0
             if scale != 1.0:
                 time_scale[i] = scale
+                kept_scale[i] = s_coef
             nodes[i] = replace(pn, memory={**pn.memory, "activations": new_act},
                                compute=[x * scale for x in pn.compute], comm=[x * scale for x in pn.comm])
     # a resharding feeding a recomputed op runs again with it (from the saved value: the lowering
@@ -141,7 +143,10 @@ def with_checkpointing(problem: Problem, terms: list[GroupTerms], choice: Choice
         if scale != 1.0:
             for k in ks:
                 e = problem.edges[k]
-                edges[k] = replace(e, cost=[[x * scale for x in row] for row in e.cost], targets=None)
+                saved = e.saved
+                if saved is not None and e.dst in kept_scale:
+                    saved = [[b * kept_scale[e.dst] for b in row] for row in saved]
+                edges[k] = replace(e, cost=[[x * scale for x in row] for row in e.cost], targets=None, saved=saved)
     return Problem(nodes, edges, problem.groups, problem.memory_budget, problem.overlap_slowdown)
 
 

@@ -97,7 +97,8 @@ def merge(problem: Problem, ops: dict[str, str]) -> Merged:
 def _copy(n: PNode) -> PNode:
     return PNode(n.name, list(n.strategies), n.mult, n.group, list(n.compute), list(n.comm),
                  {k: list(v) for k, v in n.memory.items()}, None if n.allowed is None else list(n.allowed),
-                 None if n.transient is None else list(n.transient))
+                 None if n.transient is None else list(n.transient),
+                 None if n.pending is None else list(n.pending))
 
 
 def _follow_map(u: PNode, v: PNode, e: PEdge) -> list[int] | None:
@@ -118,6 +119,9 @@ def _absorb(u: PNode, v: PNode, f: list[int]) -> None:
         u.comm[s] += v.comm[f[s]]
         for k in MEMORY_KINDS:
             u.memory[k][s] += v.memory[k][f[s]]
+        if v.pending:  # unreduced gradients: both are held
+            u.pending = u.pending or [0.0] * len(u.strategies)
+            u.pending[s] += v.pending[f[s]]
         if v.transient:  # the two run one after the other: the larger is what is held at once
             u.transient = u.transient or [0.0] * len(u.strategies)
             u.transient[s] = max(u.transient[s], v.transient[f[s]])

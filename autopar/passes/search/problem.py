@@ -64,10 +64,14 @@ class PNode:
     #: bytes per strategy alive only while the op runs: its outputs nothing saves for the backward
     #: and the unsaved values it reads, at their placements (``build``; None: none)
     transient: Optional[list[float]] = None
+    #: bytes per strategy of a parameter's gradient made as a partial sum, alive unreduced until the
+    #: backward's end (its reduction comes after the backward's ops; ``build``); counted as "grads"
+    #: by ``evaluate`` and the solver's memory row (None: none)
+    pending: Optional[list[float]] = None
 
     def mem_total(self, s: int) -> float:
-        """Bytes per instance of strategy ``s``, all memory kinds together."""
-        return sum(v[s] for v in self.memory.values())
+        """Bytes per instance of strategy ``s``, all memory kinds together (and ``pending``)."""
+        return sum(v[s] for v in self.memory.values()) + (self.pending[s] if self.pending else 0.0)
 
     def alive(self) -> list[int]:
         """The strategy indices still allowed (by hints or a recipe's restriction): all by default."""
@@ -99,6 +103,10 @@ class PEdge:
     ref: Ref
     elem_bytes: int
     share: int = -1  # transfer id; -1: a transfer of its own
+    #: per (row, column) of ``cost``: bytes per instance of the resharded copy the forward keeps for
+    #: the backward (a forward value the backward reads; ``build``), paid once per target like the
+    #: resharding (None: nothing kept)
+    saved: Optional[list[list[float]]] = field(default=None, compare=False, repr=False)
     #: per column of ``cost``: its placement's index among the transfer's targets (set by ``Problem``)
     targets: Optional[list[int]] = field(default=None, compare=False, repr=False)
 
@@ -230,6 +238,21 @@ def local_cost(problem: Problem, incident: dict[int, list[list[PEdge]]], choice:
     return c
 
 
+def saved_copies(edges: Sequence[PEdge], choice: Sequence[int]) -> float:
+    """Bytes per instance of the resharded copies one transfer keeps for the backward: each
+    distinct target placement its consumers take, once (as ``transfer_cost`` pays them)."""
+    kept: dict[int, float] = {}
+    for e in edges:
+        if e.saved is None:
+            continue
+        p, q = e.src_place[choice[e.src]], e.dst_place[choice[e.dst]]
+        b = e.saved[p][q]
+        if b and e.cost[p][q]:
+            t = q if e.targets is None else e.targets[q]
+            kept[t] = max(kept.get(t, 0.0), b)
+    return sum(kept.values())
+
+
 def largest_transient(problem: Problem, choice: Sequence[int]) -> float:
     """The largest ``PNode.transient`` bytes of ``choice``: what one op holds beside the persistent memory."""
     return max((n.transient[choice[i]] for i, n in enumerate(problem.nodes) if n.transient), default=0.0)
@@ -248,10 +271,14 @@ def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:
         group_compute[n.group] += n.compute[s]
         for k in MEMORY_KINDS:
             memory[k] += n.mult * n.memory[k][s]
+        if n.pending:
+            memory["grads"] += n.mult * n.pending[s]
     edges = problem.edges
     for ks in problem.transfers:
         e = edges[ks[0]]
         c = edge_cost(e, choice) if len(ks) == 1 else transfer_cost([edges[k] for k in ks], choice)
+        if e.saved is not None:
+            memory["activations"] += e.mult * saved_copies([edges[k] for k in ks], choice)
         if e.overlappable():
             group_comm[e.group] += c * e.mult / problem.groups[e.group].mult
         else:

@@ -273,9 +273,10 @@ def formulate(problem: Problem, warm_start: Optional[Sequence[int]], shared: boo
             mem = int(n.mult * n.mem_total(s) / 1e6)  # MB
             if mem:
                 secondary.append((mem, v))
-    comm = _edge_vars(m, problem, x, primary, secondary, shared)
+    kept: list = []  # the resharded copies kept for the backward: (bytes, var) for the memory row
+    comm = _edge_vars(m, problem, x, primary, secondary, shared, kept)
     _exposed(m, problem, x, comm, primary)
-    _memory(m, problem, x)
+    _memory(m, problem, x, kept)
     if warm_start is not None:
         for i, vars_ in x.items():
             for s, v in vars_.items():
@@ -319,7 +320,8 @@ def _marginals(x, node: int, place: list[int]) -> dict[int, list]:
     return out
 
 
-def _edge_vars(m, problem: Problem, x, objective: list, secondary: list, shared: bool = True) -> dict[int, list]:
+def _edge_vars(m, problem: Problem, x, objective: list, secondary: list, shared: bool = True,
+               kept: Optional[list] = None) -> dict[int, list]:
     """Transport variables per edge (only for edges that can cost something), and per transfer
     whose consumers could share a resharding one indicator ``z`` per paid (source, target)
     placement pair, implied by every edge's transport on that pair. Costs go on the transports of
@@ -355,6 +357,9 @@ def _edge_vars(m, problem: Problem, x, objective: list, secondary: list, shared:
         e0 = problem.edges[k0]
         if len(ys) == 1:  # nothing to share: the edge's transports carry its cost
             paid = [(e0.cost[p][q], v) for (p, q), vs in ys[k0].items() if e0.cost[p][q] for v in vs]
+            if kept is not None and e0.saved is not None:  # a resharded copy kept for the backward
+                kept.extend((e0.mult * e0.saved[p][q], v) for (p, q), vs in ys[k0].items()
+                            if e0.cost[p][q] and e0.saved[p][q] for v in vs)
         else:  # z[p, Q] >= y[e, p, q] for every edge e whose column q is placement Q
             z: dict[tuple, list] = {}
             for k, y in ys.items():
@@ -365,13 +370,17 @@ def _edge_vars(m, problem: Problem, x, objective: list, secondary: list, shared:
                         continue
                     key = (e.places_out[p], e.places_in[q])
                     if key not in z:
-                        z[key] = [m.frac(f"z{t}_{len(z)}"), c]
+                        z[key] = [m.frac(f"z{t}_{len(z)}"), c, 0.0]
                     z[key][1] = max(z[key][1], c)
+                    if e.saved is not None:
+                        z[key][2] = max(z[key][2], e.saved[p][q])
                     if len(vs) == 1:
                         m.implies(vs[0], z[key][0])
                     else:
                         m.linear([(1, z[key][0])] + [(-1, v) for v in vs], lo=0)
-            paid = [(c, v) for v, c in z.values()]
+            paid = [(c, v) for v, c, _ in z.values()]
+            if kept is not None:
+                kept.extend((e0.mult * b, v) for v, _, b in z.values() if b)
         if not e0.overlappable():
             objective.extend((m.time(e0.mult * c), v) for c, v in paid)
         else:  # tie-break: hidden traffic, in microseconds; one instance's share in the group's row
@@ -406,14 +415,16 @@ def _exposed(m, problem: Problem, x, comm: dict[int, list], objective: list) -> 
             objective.extend((m.time(mult * (1.0 - keep) * c), v) for c, v in terms if m.time(mult * (1.0 - keep) * c))
 
 
-def _memory(m, problem: Problem, x) -> None:
-    """Per-device memory of the choice within the budget."""
+def _memory(m, problem: Problem, x, kept: Sequence = ()) -> None:
+    """Per-device memory of the choice within the budget (``kept``: the resharded copies kept for
+    the backward, ``PEdge.saved``, as (bytes, transport or indicator variable))."""
     terms = []
     for i, n in enumerate(problem.nodes):
         for s, v in x[i].items():
             b = m.mem(n.mult * n.mem_total(s))
             if b:
                 terms.append((b, v))
+    terms.extend((m.mem(b), v) for b, v in kept if m.mem(b))
     if problem.transients and problem.memory_budget < float("inf"):
         _transients(m, problem, x, terms)
     if terms and problem.memory_budget < float("inf"):

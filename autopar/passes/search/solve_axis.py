@@ -33,7 +33,8 @@ import time
 from typing import Optional, Sequence
 
 from autopar.passes.search.collector import collector_paused
-from autopar.passes.search.problem import Problem, evaluate
+from autopar.errors import InfeasibleError
+from autopar.passes.search.problem import Problem, evaluate, largest_transient
 from autopar.passes.search.solve import Solution, formulate, improve
 
 #: Above this many transport variables a multi-axis mesh's ILP is solved one mesh axis at a time
@@ -214,6 +215,10 @@ def solve_by_axis(
     parallel one) first, then the others, ``rounds`` times. A round whose restricted space (the
     strategies each node may take) was already solved is skipped: it cannot gain.
 
+    The plan returned fits the problem's memory row (``within_budget``): where no round fits and
+    the start is over the budget too, the rounds run again from the leanest choice
+    (``leanest_choice``); where even that is over, ``InfeasibleError``, as ``solve.solve`` raises.
+
     Python's cyclic garbage collector is paused meanwhile: the rounds allocate tens of thousands of
     small objects (the models' rows, freed by reference counting), and each collection they
     triggered walked the whole planning heap (graph, priced problem): measured at 32 layers, one
@@ -224,25 +229,68 @@ def solve_by_axis(
 
 def _solve_by_axis(problem: Problem, start: Sequence[int], ndim: int, rounds: int,
                    time_limit: Optional[float]) -> Solution:
-    choice = list(start)
-    saved = [n.allowed for n in problem.nodes]
+    t0 = time.perf_counter()
     stats: dict = {"solver": "HiGHS by mesh axis", "rounds": 0, "variables": 0, "constraints": 0,
                    "relative_gap_per_round": AXIS_GAP, "status": "FEASIBLE"}
+    deadline = None if time_limit is None else t0 + time_limit
+    choice, best, fits = _descend(problem, start, ndim, rounds, deadline, stats, polish=True)
+    if not fits and within_budget(problem, start):  # no round fitted the polished start's space
+        choice, best, fits = list(start), evaluate(problem, start).step_time, True
+    if not fits:
+        # the start itself is over the budget: descend again from the leanest choice, which fits
+        # whenever any choice does (memory is a sum over nodes), so a fitting plan is not missed
+        # because the start's restricted spaces held none
+        lean = leanest_choice(problem)
+        if not within_budget(problem, lean):
+            raise InfeasibleError(f"no plan fits the memory budget of {problem.memory_budget / 2**30:.1f} GiB: "
+                                  f"the leanest choice needs {_need(problem, lean) / 2**30:.1f} GiB")
+        stats["start"] = "the leanest choice (the start is over the memory budget)"
+        choice, best, _ = _descend(problem, lean, ndim, rounds, deadline, stats, polish=False)
+    stats["wall_time"] = round(time.perf_counter() - t0, 3)
+    stats["gap"] = None  # a bound over the whole space is not known
+    return Solution(choice, best, 0.0, "FEASIBLE", stats)
+
+
+def _need(problem: Problem, choice: Sequence[int]) -> float:
+    """The bytes the solver's memory row counts for ``choice``: the nodes' memory, and the largest
+    transient where ``Problem.transients`` asks for it."""
+    return evaluate(problem, choice).peak_memory + (largest_transient(problem, choice) if problem.transients else 0.0)
+
+
+def within_budget(problem: Problem, choice: Sequence[int]) -> bool:
+    """Whether ``choice`` satisfies the memory row of ``problem``'s solve (``solve._memory``)."""
+    return _need(problem, choice) <= problem.memory_budget
+
+
+def leanest_choice(problem: Problem) -> list[int]:
+    """Per node the allowed strategy with the least memory (ties: the least compute, then the
+    first): the choice that fits whenever any does, up to the transient term."""
+    return [min(n.alive(), key=lambda s: (n.mem_total(s), n.transient[s] if n.transient else 0.0, n.compute[s], s))
+            for n in problem.nodes]
+
+
+def _descend(problem: Problem, start: Sequence[int], ndim: int, rounds: int, deadline: Optional[float],
+             stats: dict, polish: bool) -> tuple[list[int], float, bool]:
+    """The rounds of ``solve_by_axis`` from ``start``: ``(choice, its step time, whether it fits)``.
+    A round's plan fits (its model has the memory row); the start may not, and then any round's
+    plan replaces it."""
+    choice = list(start)
+    saved = [n.allowed for n in problem.nodes]
     order = [a for r in range(rounds) for a in reversed(range(ndim))]
     best = evaluate(problem, choice).step_time
+    fits = within_budget(problem, choice)
     # Local search first (cheap): measured, a start nearer the optimum makes the rounds both
     # faster and better (LLaMA-3-8B shape, 32 layers, (8, 8): 4.6 s of CPU instead of 8.9 s, a
     # plan 1% faster). It ignores memory: a polished start over the budget is only a starting
-    # point (every round's plan fits, and replaces it); if no round finds one, the start stands.
-    original, fits = list(choice), True
-    polished = improve(problem, choice)
-    cost = evaluate(problem, polished)
-    if cost.step_time < best * (1 - 1e-9):
-        choice, best, fits = polished, cost.step_time, cost.peak_memory <= problem.memory_budget
-        stats["start"] = "local search from the hint" + ("" if fits else " (over the memory budget)")
+    # point (every round's plan fits, and replaces it).
+    if polish:
+        polished = improve(problem, choice)
+        cost = evaluate(problem, polished)
+        if cost.step_time < best * (1 - 1e-9):
+            choice, best, fits = polished, cost.step_time, within_budget(problem, polished)
+            stats["start"] = "local search from the hint" + ("" if fits else " (over the memory budget)")
     since_gain = 0
     solved: set = set()  # restricted spaces (allowed strategies per node) already solved
-    t0 = time.perf_counter()
     try:
         for axis in order:
             if since_gain >= ndim:  # a full cycle over the axes without a gain: a fixed point
@@ -258,7 +306,7 @@ def _solve_by_axis(problem: Problem, start: Sequence[int], ndim: int, rounds: in
             if space in solved:
                 since_gain += 1
                 continue
-            left = None if time_limit is None else max(1.0, time_limit - (time.perf_counter() - t0))
+            left = None if deadline is None else max(1.0, deadline - time.perf_counter())
             found, round_stats = solve_round(problem, left)
             for k in ("variables", "constraints"):
                 stats[k] = max(stats[k], round_stats[k])
@@ -275,11 +323,8 @@ def _solve_by_axis(problem: Problem, start: Sequence[int], ndim: int, rounds: in
     finally:
         for n, a in zip(problem.nodes, saved):
             n.allowed = a
-    if not fits:  # no round turned the polished start into a plan that fits
-        choice, best = original, evaluate(problem, original).step_time
-    stats["wall_time"] = round(time.perf_counter() - t0, 3)
-    stats["gap"] = None  # a bound over the whole space is not known
-    return Solution(choice, best, 0.0, "FEASIBLE", stats)
+    return choice, best, fits
 
 
-__all__ = ["AXIS_GAP", "HighsModel", "edge_var_count", "solve_by_axis", "solve_round"]
+__all__ = ["AXIS_GAP", "HighsModel", "edge_var_count", "leanest_choice", "solve_by_axis", "solve_round",
+           "within_budget"]
