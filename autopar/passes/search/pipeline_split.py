@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
+from autopar.cost_model.buckets import grad_steps
 from autopar.cost_model.comm import reshard_time
 from autopar.cost_model.compute import matmul_shape, row_growth
 from autopar.cost_model.mesh import Mesh
@@ -39,7 +40,7 @@ from autopar.cost_model.memory import activation_bytes
 from autopar.cost_model.pipeline_price import PipelinePrice, Recompute, Segment, combine, price_pipeline
 from autopar.cost_model.precision import Precision
 from autopar.cost_model.schedules import SCHEDULES, check_schedule
-from autopar.ir.graph import Graph, Phase, Role
+from autopar.ir.graph import Graph, Phase, Ref, Role
 from autopar.ir.layers import layers
 from autopar.ir.placement import local_shape
 from autopar.ir.recompute import MODES
@@ -64,9 +65,12 @@ class ModelSegments:
     post: Segment
     boundary_bytes: float
     overlap_slowdown: float = 0.0
-    #: bytes alive between ops at a micro-batch's peak besides saved activations and state (the
-    #: walked peak's ``temporaries``, ``cost_model.liveness``): one micro-batch computes at a time
+    #: bytes alive between ops at a micro-batch's peak besides saved activations, state and the
+    #: unreduced gradients (``between_ops``): one micro-batch computes at a time
     temporaries: float = 0.0
+    #: the whole model's unreduced gradient blocks (each parameter once) that a walk of the whole
+    #: micro-batch holds among its temporaries (``segments``'s ``_accumulators``)
+    accumulated: float = 0.0
 
     @property
     def pre_paths(self) -> list[str]:
@@ -131,6 +135,7 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
            for r in [PRE, POST] + list(range(n_units))}
     data = _per_row(graph)
     mem = {r: dict.fromkeys(MEMORY_KINDS, 0.0) for r in fig}
+    transient = dict.fromkeys(fig, 0.0)
 
     def rep(name: str) -> int:
         return problem.index[folding.representative(name)]
@@ -196,13 +201,17 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
             f["optimizer"] += per_node[i]["optimizer"]
             for k in MEMORY_KINDS:
                 mem[r][k] += pn.memory[k][choice[i]]
+            if pn.transient:
+                transient[r] = max(transient[r], pn.transient[choice[i]])
+    accumulated = _accumulators(graph, problem, folding, choice, mesh, precision, regions_of, mem)
 
     def seg(r: int, paths: tuple[str, ...]) -> Segment:
         f, m = fig[r], mem[r]
         return Segment(f["forward"], f["input_grad"], f["weight_grad"], m["params"] + m["grads"] + m["optimizer"],
                        m["activations"], f["gathers"], f["reductions"], f["kept"], memory=dict(m), paths=paths,
                        optimizer=f["optimizer"],
-                       growth=(f["forward_growth"], f["input_grad_growth"], f["weight_grad_growth"]))
+                       growth=(f["forward_growth"], f["input_grad_growth"], f["weight_grad_growth"]),
+                       transient=transient[r])
 
     unit_paths = list(ch.paths)
     pre_paths, post_paths = region_paths(graph, ch, PRE), region_paths(graph, ch, POST)
@@ -227,7 +236,54 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
                     place = output_placement(problem.nodes[i].strategies[choice[i]], j)
                     boundary += activation_bytes(spec.shape, spec.dtype, place, mesh, precision)
     return ModelSegments(seg(PRE, tuple(pre_paths)), units, seg(POST, tuple(post_paths)), boundary,
-                         mesh.hardware.overlap_slowdown)
+                         mesh.hardware.overlap_slowdown, accumulated=accumulated)
+
+
+def _accumulators(graph: Graph, problem: Problem, folding: Folding, choice: Sequence[int], mesh: Mesh,
+                  precision: Precision, regions_of, mem: dict) -> float:
+    """Each parameter's unreduced gradient block (at the placement its backward makes it, in the
+    compute dtype, as ``cost_model.liveness`` holds it) in the ``grads`` of the segments that hold
+    the parameter, in place of its reduced gradient: a pipeline stage adds every micro-batch's
+    gradient into it and reduces once per step (``runtime/pipeline``), so it is held through the
+    step's micro-batches, and the reduced gradient is made only at the step's end, when they are
+    done. A gradient made at its parameter's placement is the reduced gradient itself. Returns the whole
+    model's, each parameter once, of those a walk of the whole micro-batch holds among its
+    temporaries (all but the all-reduced, which it packs into buckets counted as gradients)."""
+
+    def placed(ref) -> tuple:
+        i = problem.index[folding.representative(ref.node)]
+        return output_placement(problem.nodes[i].strategies[choice[i]], ref.index)
+
+    def reduced(name: str) -> float:
+        i = problem.index[folding.representative(name)]
+        return problem.nodes[i].memory["grads"][choice[i]]
+
+    total = 0.0
+    for fqn, ref in graph.grads.items():
+        name = graph.params.get(fqn)
+        if ref is None or name is None:
+            continue
+        place = placed(ref)
+        if place == placed(Ref(name, 0)):
+            continue
+        spec = graph.spec(ref)
+        nbytes = activation_bytes(spec.shape, spec.dtype, place, mesh, precision)
+        if any(st.kind != "all_reduce" for st in grad_steps(graph, fqn, place, placed(Ref(name, 0)), mesh, precision)):
+            total += nbytes
+        for r in regions_of(name):
+            mem[r]["grads"] += nbytes - reduced(name)
+    return total
+
+
+def between_ops(model: ModelSegments, peak) -> ModelSegments:
+    """``model`` charged what its micro-batch plan's walked ``peak`` (``cost_model.liveness.Peak``)
+    holds between ops besides saved values, state and gradients: the walk's temporaries less the
+    whole model's unreduced gradients, which a walk of one whole micro-batch holds among them to the
+    end of its backward (its buckets reduce after it), where a pipeline rank holds only its own
+    stages' (their accumulators, counted in their ``grads``)."""
+    if peak is None:
+        return model
+    return replace(model, temporaries=max(0.0, float(peak.parts.get("temporaries", 0)) - model.accumulated))
 
 
 def _per_row(graph: Graph) -> set[str]:
@@ -311,10 +367,11 @@ def scaled(model: ModelSegments, factor: float) -> ModelSegments:
         return Segment(grown(s.forward, s.growth[0]), grown(s.input_grad, s.growth[1]),
                        grown(s.weight_grad, s.growth[2]), s.state,
                        s.activations * factor, s.gathers, s.reductions, s.kept, memory=mem, paths=s.paths,
-                       optimizer=s.optimizer, recompute=redo, growth=s.growth)
+                       optimizer=s.optimizer, recompute=redo, growth=s.growth, transient=s.transient * factor)
 
     return ModelSegments(one(model.pre), tuple(one(u) for u in model.units), one(model.post),
-                         model.boundary_bytes * factor, model.overlap_slowdown, model.temporaries * factor)
+                         model.boundary_bytes * factor, model.overlap_slowdown, model.temporaries * factor,
+                         model.accumulated)
 
 
 def split(model: ModelSegments, n_stages: int) -> Optional[list[tuple[int, int]]]:
@@ -427,7 +484,7 @@ def best_pipelines(model: ModelSegments, pp: int, microbatches: int, p2p: float,
             again = split(with_reruns(model, price.recomputed), pp * v)
             if again is not None and again != ranges:
                 other = price_pipeline(stages_of(model, again), name, pp, microbatches, v, p2p, model.boundary_bytes,
-                                       budget, model.overlap_slowdown)
+                                       budget, model.overlap_slowdown, model.temporaries)
                 fits = budget is None or other.peak_memory <= budget
                 if (not fits, other.step_time) < (budget is not None and price.peak_memory > budget, price.step_time):
                     price, ranges = other, again
@@ -436,4 +493,4 @@ def best_pipelines(model: ModelSegments, pp: int, microbatches: int, p2p: float,
     return [(p, r) for _, p, r in out]
 
 
-__all__ = ["ModelSegments", "best_pipelines", "candidates", "scaled", "segments", "split", "stages_of", "with_reruns"]
+__all__ = ["ModelSegments", "best_pipelines", "between_ops", "candidates", "scaled", "segments", "split", "stages_of", "with_reruns"]
