@@ -16,10 +16,11 @@ the one after); its costs are the sums of its segments'. ``price_pipeline`` then
   under its last backward, and what does not hide is exposed; the step time is the makespan plus
   the largest rank's exposed synchronisation plus its optimizer step (once per step, under nothing,
   as the unpipelined plans price it);
-- memory per rank: the state (parameters, gradients, optimizer) of its stages, the gathered copy it
-  keeps, each stage's saved activations per micro-batch times its micro-batches in flight, and two
-  boundary buffers per stage (one received activation, one received gradient). The peak memory is
-  the largest rank's.
+- memory per rank: the state (parameters, gradients, optimizer) of its stages, their gradients as
+  the unreduced accumulators every micro-batch adds into (reduced once per step), the gathered copy
+  it keeps, each stage's saved activations per micro-batch times its micro-batches in flight, two
+  boundary buffers per stage (one received activation, one received gradient), and what the one
+  micro-batch it computes at a time holds between ops. The peak memory is the largest rank's.
 - recomputation per stage: given a memory budget, a rank over it recomputes layer instances of its
   stages (``choose_recompute``): under 1F1B the first stages hold more micro-batches in flight, so
   they recompute more (an instance recomputed there saves ``in_flight`` times its bytes); each

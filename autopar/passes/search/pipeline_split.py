@@ -13,7 +13,9 @@ figures, so stages of alike layers share the one folded solve), and what runs af
 - the backward split into *input* gradients (ops whose results reach the previous segment's
   backward) and *weight* gradients (ops that only feed parameter gradients), for ZBV's ``I``/``W``;
 - memory by kind (a parameter read both before and after the layers, a tied embedding and head,
-  is held by both ends: each holds a copy, as torch's pipelines and Megatron keep it);
+  is held by both ends: each holds a copy, as torch's pipelines and Megatron keep it), a reduced
+  parameter's gradient as the unreduced accumulator the stage holds through the step, and the
+  largest op's transient bytes;
 - per step: its parameter gathers (the forward's; the backward's regathers are dropped since the
   gathered copy is kept for the step, whose bytes are ``kept``) and its gradient reductions.
 
