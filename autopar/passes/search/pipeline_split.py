@@ -97,19 +97,18 @@ class ModelSegments:
                 for s, (a, b) in enumerate(ranges)]
 
 
-def _weight_only(graph: Graph, region: dict[str, int]) -> set[str]:
+def _weight_only(graph: Graph, region: dict[str, int], users: dict[str, list[str]]) -> set[str]:
     """Backward ops whose results reach no other segment's op (only parameter gradients and the
-    graph's outputs): the weight-gradient part of their segment's backward."""
-    users = graph.users()
+    graph's outputs): the weight-gradient part of their segment's backward (``users``: the graph's)."""
+    outputs = {n.name for n in graph.nodes if n.op == "output"}
     crosses: dict[str, bool] = {}
     for n in reversed(graph.nodes):
-        if n.phase != Phase.BACKWARD or n.is_placeholder or n.op == "output":
+        if n.phase != Phase.BACKWARD or n.is_placeholder or n.name in outputs:
             continue
         r = region.get(n.name)
         hit = False
         for u in users[n.name]:
-            un = graph.node(u)
-            if un.op == "output":
+            if u in outputs:
                 continue
             if region.get(u) != r or crosses.get(u, False):
                 hit = True
@@ -129,8 +128,8 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
     ch = chain(graph)
     keys = list(ch.keys)
     region = ch.region
-    weight = _weight_only(graph, region)
     users = graph.users()
+    weight = _weight_only(graph, region, users)
     n_units = len(keys)
     fig = {r: dict.fromkeys(("forward", "input_grad", "weight_grad", "gathers", "reductions", "kept", "optimizer",
                              "forward_growth", "input_grad_growth", "weight_grad_growth"), 0.0)
