@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 
 import autopar
+from autopar.cost_model.pipeline_price import AFTER_STEP, Segment, price_pipeline
 from autopar.models import make
 
 #: predicted over measured peak: the band ``tests/test_memory.py`` holds the walk to
@@ -35,3 +36,20 @@ def test_each_pipeline_rank_holds_its_stages_gradients_not_the_whole_models():
     for rank, predicted in enumerate(ranks):
         got = memory[(rank, 0)]["peak"]
         assert BAND[0] <= predicted / got <= BAND[1], (rank, ranks, memory[(rank, 0)])
+
+
+def test_a_rank_holds_the_larger_of_its_step_and_its_step_end():
+    """Through the step a rank holds its gradient accumulators beside its micro-batches' saved values;
+    at the step's end the reduced gradients instead (``AFTER_STEP``), with nothing in flight: a
+    reduced gradient larger than the accumulator (an all-reduce to a wider dtype) can be its peak."""
+    gib = 2.0 ** 30
+
+    def rank(activations: float) -> dict:
+        stage = Segment(forward=1.0, input_grad=1.0, weight_grad=1.0, activations=activations * gib,
+                        memory={"params": gib, "grads": gib, "optimizer": 2 * gib, AFTER_STEP: 4 * gib})
+        return price_pipeline([stage], "1F1B", 1, 2, 1, 0.0, 0.0).rank_memory_kinds[0]
+
+    end = rank(1.0)
+    assert end["grads"] == 4 * gib and end["activations"] == 0.0
+    busy = rank(8.0)
+    assert busy["grads"] == gib and busy["activations"] == 8 * gib

@@ -36,6 +36,11 @@ from autopar.cost_model.hardware import Link
 from autopar.cost_model.schedules import Replay, StageTimes, price_schedule, stage_ranks
 
 
+#: ``Segment.memory``'s key for the gradients held once the step's reductions are done (the reduced
+#: gradients in place of the accumulators its ``grads`` count: ``pipeline_split.segments``)
+AFTER_STEP = "grads_reduced"
+
+
 @dataclass(frozen=True)
 class Segment:
     """One piece of the model priced per micro-batch (seconds, bytes per device): ``forward``,
@@ -54,7 +59,8 @@ class Segment:
     gathers: float = 0.0
     reductions: float = 0.0
     kept: float = 0.0
-    memory: dict = field(default_factory=dict, compare=False)  # bytes by kind (params, grads, optimizer, activations)
+    #: bytes by kind (params, grads, optimizer, activations; ``AFTER_STEP``)
+    memory: dict = field(default_factory=dict, compare=False)
     paths: tuple[str, ...] = ()
     optimizer: float = 0.0
     #: per layer instance it holds that may recompute: ``(path, {mode: Recompute})``
@@ -184,10 +190,12 @@ def _memory(stages: Sequence[Segment], in_flight: Sequence[int], ranks: Sequence
     buffers per stage, and the temporaries of the one micro-batch it computes at a time: the larger of
     ``temporaries`` (what the layer plan's walked peak holds between ops besides its saved values,
     state and gradients: ``pipeline_split.between_ops``; every rank is charged it, an upper bound: the
-    loss's buffers are the last stage's alone) and its stages' largest op (``Segment.transient``)."""
+    loss's buffers are the last stage's alone) and its stages' largest op (``Segment.transient``). Or,
+    when more, what it holds at the step's end: its state with the reduced gradients (``AFTER_STEP``)."""
     out = []
     for r in range(pp):
         kind = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "temporaries": temporaries}
+        after = 0.0
         transient = 0.0
         for s, rr in enumerate(ranks):
             if rr != r:
@@ -197,10 +205,13 @@ def _memory(stages: Sequence[Segment], in_flight: Sequence[int], ranks: Sequence
             for k in ("params", "grads", "optimizer"):
                 kind[k] += st.memory.get(k, 0.0)
             kind["params"] += st.kept
+            after += st.memory.get(AFTER_STEP, st.memory.get("grads", 0.0))
             saving, _, trans = _recompute_of(st, chosen[s])
             transient = max(transient, trans)
             kind["activations"] += in_flight[s] * (st.activations - saving) + 2 * boundary_bytes
         kind["activations"] += transient
+        if after > kind["grads"] + kind["activations"] + kind["temporaries"]:
+            kind = dict(kind, grads=after, activations=0.0, temporaries=0.0)
         out.append(kind)
     return out
 
@@ -253,4 +264,5 @@ def choose_recompute(stages: Sequence[Segment], in_flight: Sequence[int], ranks:
     return tuple(chosen)
 
 
-__all__ = ["PipelinePrice", "Recompute", "Segment", "choose_recompute", "combine", "p2p_time", "price_pipeline"]
+__all__ = ["AFTER_STEP", "PipelinePrice", "Recompute", "Segment", "choose_recompute", "combine", "p2p_time",
+           "price_pipeline"]

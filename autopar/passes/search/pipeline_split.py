@@ -39,7 +39,7 @@ from autopar.cost_model.comm import reshard_time
 from autopar.cost_model.compute import matmul_shape, row_growth
 from autopar.cost_model.mesh import Mesh
 from autopar.cost_model.memory import activation_bytes
-from autopar.cost_model.pipeline_price import PipelinePrice, Recompute, Segment, combine, price_pipeline
+from autopar.cost_model.pipeline_price import AFTER_STEP, PipelinePrice, Recompute, Segment, combine, price_pipeline
 from autopar.cost_model.precision import Precision
 from autopar.cost_model.schedules import SCHEDULES, check_schedule
 from autopar.ir.graph import Graph, Phase, Ref, Role
@@ -204,6 +204,8 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
                 mem[r][k] += pn.memory[k][choice[i]]
             if pn.transient:
                 transient[r] = max(transient[r], pn.transient[choice[i]])
+    for m in mem.values():  # the gradients held once the step's reductions are done
+        m[AFTER_STEP] = m["grads"]
     accumulated = _accumulators(graph, problem, folding, choice, mesh, precision, regions_of, mem)
 
     def seg(r: int, paths: tuple[str, ...]) -> Segment:
@@ -494,4 +496,5 @@ def best_pipelines(model: ModelSegments, pp: int, microbatches: int, p2p: float,
     return [(p, r) for _, p, r in out]
 
 
-__all__ = ["ModelSegments", "best_pipelines", "between_ops", "candidates", "scaled", "segments", "split", "stages_of", "with_reruns"]
+__all__ = ["ModelSegments", "best_pipelines", "between_ops", "candidates", "scaled", "segments", "split", "stages_of",
+           "with_reruns"]
