@@ -34,7 +34,6 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
-from autopar.cost_model.buckets import grad_steps
 from autopar.cost_model.comm import reshard_time
 from autopar.cost_model.compute import matmul_shape, row_growth
 from autopar.cost_model.mesh import Mesh
@@ -67,12 +66,9 @@ class ModelSegments:
     post: Segment
     boundary_bytes: float
     overlap_slowdown: float = 0.0
-    #: bytes alive between ops at a micro-batch's peak besides saved activations, state and the
-    #: unreduced gradients (``between_ops``): one micro-batch computes at a time
+    #: bytes alive between ops besides saved activations, state and the gradients waiting for their
+    #: reduction, the most at any moment of a micro-batch (``between_ops``): one computes at a time
     temporaries: float = 0.0
-    #: the whole model's unreduced gradient blocks (each parameter once) that a walk of the whole
-    #: micro-batch holds among its temporaries (``segments``'s ``_accumulators``)
-    accumulated: float = 0.0
 
     @property
     def pre_paths(self) -> list[str]:
@@ -206,7 +202,7 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
                 transient[r] = max(transient[r], pn.transient[choice[i]])
     for m in mem.values():  # the gradients held once the step's reductions are done
         m[AFTER_STEP] = m["grads"]
-    accumulated = _accumulators(graph, problem, folding, choice, mesh, precision, regions_of, mem)
+    _accumulators(graph, problem, folding, choice, mesh, precision, regions_of, mem)
 
     def seg(r: int, paths: tuple[str, ...]) -> Segment:
         f, m = fig[r], mem[r]
@@ -239,19 +235,17 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
                     place = output_placement(problem.nodes[i].strategies[choice[i]], j)
                     boundary += activation_bytes(spec.shape, spec.dtype, place, mesh, precision)
     return ModelSegments(seg(PRE, tuple(pre_paths)), units, seg(POST, tuple(post_paths)), boundary,
-                         mesh.hardware.overlap_slowdown, accumulated=accumulated)
+                         mesh.hardware.overlap_slowdown)
 
 
 def _accumulators(graph: Graph, problem: Problem, folding: Folding, choice: Sequence[int], mesh: Mesh,
-                  precision: Precision, regions_of, mem: dict) -> float:
+                  precision: Precision, regions_of, mem: dict) -> None:
     """Each parameter's unreduced gradient block (at the placement its backward makes it, in the
     compute dtype, as ``cost_model.liveness`` holds it) in the ``grads`` of the segments that hold
     the parameter, in place of its reduced gradient: a pipeline stage adds every micro-batch's
     gradient into it and reduces once per step (``runtime/pipeline``), so it is held through the
     step's micro-batches, and the reduced gradient is made only at the step's end, when they are
-    done. A gradient made at its parameter's placement is the reduced gradient itself. Returns the whole
-    model's, each parameter once, of those a walk of the whole micro-batch holds among its
-    temporaries (all but the all-reduced, which it packs into buckets counted as gradients)."""
+    done. A gradient made at its parameter's placement is the reduced gradient itself."""
 
     def placed(ref) -> tuple:
         i = problem.index[folding.representative(ref.node)]
@@ -261,7 +255,6 @@ def _accumulators(graph: Graph, problem: Problem, folding: Folding, choice: Sequ
         i = problem.index[folding.representative(name)]
         return problem.nodes[i].memory["grads"][choice[i]]
 
-    total = 0.0
     for fqn, ref in graph.grads.items():
         name = graph.params.get(fqn)
         if ref is None or name is None:
@@ -271,22 +264,20 @@ def _accumulators(graph: Graph, problem: Problem, folding: Folding, choice: Sequ
             continue
         spec = graph.spec(ref)
         nbytes = activation_bytes(spec.shape, spec.dtype, place, mesh, precision)
-        if any(st.kind != "all_reduce" for st in grad_steps(graph, fqn, place, placed(Ref(name, 0)), mesh, precision)):
-            total += nbytes
         for r in regions_of(name):
             mem[r]["grads"] += nbytes - reduced(name)
-    return total
 
 
 def between_ops(model: ModelSegments, peak) -> ModelSegments:
-    """``model`` charged what its micro-batch plan's walked ``peak`` (``cost_model.liveness.Peak``)
-    holds between ops besides saved values, state and gradients: the walk's temporaries less the
-    whole model's unreduced gradients, which a walk of one whole micro-batch holds among them to the
-    end of its backward (its buckets reduce after it), where a pipeline rank holds only its own
-    stages' (their accumulators, counted in their ``grads``)."""
+    """``model`` charged what its micro-batch plan's walk (``cost_model.liveness.Peak.between``) holds
+    between ops at the most, besides saved values, state and the gradients waiting for their
+    reduction: a walk of one whole micro-batch holds every parameter's to the end of its backward
+    (its buckets reduce after it), where a pipeline rank holds only its own stages' (their
+    accumulators, counted in their ``grads``). Not the temporaries at the walk's own peak: that
+    is at the backward's end, with every saved value alive, where a stage's peak is mid-step."""
     if peak is None:
         return model
-    return replace(model, temporaries=max(0.0, float(peak.parts.get("temporaries", 0)) - model.accumulated))
+    return replace(model, temporaries=float(peak.between))
 
 
 def _per_row(graph: Graph) -> set[str]:
@@ -373,8 +364,7 @@ def scaled(model: ModelSegments, factor: float) -> ModelSegments:
                        optimizer=s.optimizer, recompute=redo, growth=s.growth, transient=s.transient * factor)
 
     return ModelSegments(one(model.pre), tuple(one(u) for u in model.units), one(model.post),
-                         model.boundary_bytes * factor, model.overlap_slowdown, model.temporaries * factor,
-                         model.accumulated)
+                         model.boundary_bytes * factor, model.overlap_slowdown, model.temporaries * factor)
 
 
 def split(model: ModelSegments, n_stages: int) -> Optional[list[tuple[int, int]]]:
