@@ -31,8 +31,9 @@ def test_each_pipeline_rank_holds_its_stages_gradients_not_the_whole_models():
     top = max(range(4), key=lambda r: (ranks[r], -r))
     measured = memory[(top, 0)]
     assert abs(plan.memory["grads"] - measured["grads"]) <= 0.02 * measured["grads"], (plan.memory, measured)
-    # one micro-batch's values between ops, not the whole model's unreduced gradients on top
-    assert plan.memory["temporaries"] <= BAND[1] * measured["temporaries"], (plan.memory, measured)
+    # one micro-batch's values between ops (at the most, mid-step), not the whole model's unreduced
+    # gradients at the end of its backward
+    assert BAND[0] <= plan.memory["temporaries"] / measured["temporaries"] <= BAND[1], (plan.memory, measured)
     for rank, predicted in enumerate(ranks):
         got = memory[(rank, 0)]["peak"]
         assert BAND[0] <= predicted / got <= BAND[1], (rank, ranks, memory[(rank, 0)])
