@@ -188,9 +188,9 @@ def _memory(stages: Sequence[Segment], in_flight: Sequence[int], ranks: Sequence
     step's micro-batches add into), the kept gathered copy, saved activations times the micro-batches
     in flight (less what recomputation saves, plus its transient re-run values once), two boundary
     buffers per stage, and the temporaries of the one micro-batch it computes at a time: the larger of
-    ``temporaries`` (what the layer plan's walked peak holds between ops besides its saved values,
-    state and gradients: ``pipeline_split.between_ops``; every rank is charged it, an upper bound: the
-    loss's buffers are the last stage's alone) and its stages' largest op (``Segment.transient``). Or,
+    ``temporaries`` (the most the layer plan's walk holds between ops at any moment besides saved
+    values, state and gradients: ``pipeline_split.between_ops``; every rank is charged it, an upper
+    bound: the loss's buffers are the last stage's alone) and its stages' largest op (``Segment.transient``). Or,
     when more, what it holds at the step's end: its state with the reduced gradients (``AFTER_STEP``)."""
     out = []
     for r in range(pp):
