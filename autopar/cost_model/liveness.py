@@ -49,6 +49,9 @@ from autopar.ir.rules.ring import ring_axis
 
 #: What a step's peak is split into (``plan.memory``'s keys besides ``peak`` figures).
 PEAK_KINDS = ("params", "grads", "optimizer", "activations", "temporaries")
+#: the walk's own kind for gradients waiting for their reduction: temporaries in ``Peak.parts``, not
+#: in ``Peak.between``
+UNREDUCED = "unreduced"
 
 
 @dataclass
@@ -62,6 +65,10 @@ class Peak:
     phase: str = "forward"
     #: the graph node running at the peak ("" in the optimizer step)
     at: str = ""
+    #: the most bytes of temporaries alive at any moment of the step, besides the gradients that wait
+    #: for their reduction after the backward (what a pipeline stage holds as its accumulators); not
+    #: the peak's own (``tests/_liveness_reference.py`` walks the peak alone)
+    between: int = field(default=0, compare=False)
 
 
 def optimizer_scratch(numel: int, precision: Precision) -> int:
@@ -297,22 +304,23 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
     base = static["params"] + static["optimizer"]
     parts = {k: 0 for k in PEAK_KINDS}
     parts["params"], parts["optimizer"] = static["params"], static["optimizer"]
+    between = 0
     if start:
-        best, best_at, found = _sweep(start, last, size, kinds, saved_from, base)
+        best, best_at, found, between = _sweep(start, last, size, kinds, saved_from, base)
         for k, v in found.items():
-            parts[k] += v
+            parts["temporaries" if k == UNREDUCED else k] += v
     else:
         best, best_at = base, end
     time = best_at // W
     where = nodes[time].name if time < len(nodes) else ""
     phase = "backward" if training and time >= first_back else "forward"
-    peak = Peak(int(best), parts, phase, where)
+    peak = Peak(int(best), parts, phase, where, between)
     if training:  # the optimizer step: the state, the reduced gradients, and its scratch
         scratch = optimizer_scratch(float_numel, precision)
         after = static["params"] + static["optimizer"] + grads_total + scratch
         if after > peak.peak:
             peak = Peak(after, {"params": static["params"], "grads": grads_total, "optimizer": static["optimizer"],
-                                "activations": 0, "temporaries": scratch}, "optimizer step", "")
+                                "activations": 0, "temporaries": scratch}, "optimizer step", "", between)
     return peak
 
 
@@ -325,9 +333,9 @@ def _code(code: dict, refs: list, r: Ref) -> int:
 
 
 def _sweep(start: dict, last: dict, size: dict, kinds: dict, saved_from: int, base: int):
-    """The bytes by kind alive at every moment: ``(the largest total, its moment, its bytes by kind)``; the
-    first moment of the largest. A storage with no kind is an activation when it lives from the forward into
-    the backward, else a temporary."""
+    """The bytes by kind alive at every moment: ``(the largest total, its moment, its bytes by kind, the
+    most temporaries at any moment)``; the first moment of the largest. A storage with no kind is an
+    activation when it lives from the forward into the backward, else a temporary."""
     keys = list(start)
     s = np.fromiter(start.values(), dtype=np.int64, count=len(keys))
     e = np.fromiter((last[k] for k in keys), dtype=np.int64, count=len(keys))
@@ -347,7 +355,7 @@ def _sweep(start: dict, last: dict, size: dict, kinds: dict, saved_from: int, ba
     best_at = int(np.argmax(running.sum(axis=0)))
     present = set(kind.tolist())
     found = {names[i]: int(running[i, best_at]) for i in range(len(names)) if i in present}
-    return base + int(running[:, best_at].sum()), int(times[best_at]), found
+    return base + int(running[:, best_at].sum()), int(times[best_at]), found, int(running[1].max())
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -388,6 +396,8 @@ def _grads(graph: Graph, walk: tuple, storage: dict, code: dict, places: list, o
     for fqn in alone:  # held by its collective to the end of the backward
         rc = refs[fqn]
         use(storage.get(rc), end)
+        if storage.get(rc) is not None:
+            kinds.setdefault(storage[rc], UNREDUCED)
         size = nbytes(rc, dst_of[fqn], "grad")
         make(("grad", fqn), start.get(storage.get(rc), end), size, "grads")
         use(("grad", fqn), end)
@@ -409,6 +419,8 @@ def _grads(graph: Graph, walk: tuple, storage: dict, code: dict, places: list, o
         last = end - LAST + 1 + b  # (the end's time, 1 + b)
         for k in keys:
             use(k, last)
+            if k is not None:
+                kinds.setdefault(k, UNREDUCED)
         make(("cat", b), last, packed, "temporaries")
         make(("grad", b), last, size, "grads")
         use(("grad", b), end)

@@ -16,10 +16,11 @@ the one after); its costs are the sums of its segments'. ``price_pipeline`` then
   under its last backward, and what does not hide is exposed; the step time is the makespan plus
   the largest rank's exposed synchronisation plus its optimizer step (once per step, under nothing,
   as the unpipelined plans price it);
-- memory per rank: the state (parameters, gradients, optimizer) of its stages, the gathered copy it
-  keeps, each stage's saved activations per micro-batch times its micro-batches in flight, and two
-  boundary buffers per stage (one received activation, one received gradient). The peak memory is
-  the largest rank's.
+- memory per rank: the state (parameters, gradients, optimizer) of its stages, their gradients as
+  the unreduced accumulators every micro-batch adds into (reduced once per step), the gathered copy
+  it keeps, each stage's saved activations per micro-batch times its micro-batches in flight, two
+  boundary buffers per stage (one received activation, one received gradient), and what the one
+  micro-batch it computes at a time holds between ops. The peak memory is the largest rank's.
 - recomputation per stage: given a memory budget, a rank over it recomputes layer instances of its
   stages (``choose_recompute``): under 1F1B the first stages hold more micro-batches in flight, so
   they recompute more (an instance recomputed there saves ``in_flight`` times its bytes); each
@@ -33,6 +34,11 @@ from typing import Optional, Sequence
 
 from autopar.cost_model.hardware import Link
 from autopar.cost_model.schedules import Replay, StageTimes, price_schedule, stage_ranks
+
+
+#: ``Segment.memory``'s key for the gradients held once the step's reductions are done (the reduced
+#: gradients in place of the accumulators its ``grads`` count: ``pipeline_split.segments``)
+AFTER_STEP = "grads_reduced"
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,8 @@ class Segment:
     gathers: float = 0.0
     reductions: float = 0.0
     kept: float = 0.0
-    memory: dict = field(default_factory=dict, compare=False)  # bytes by kind (params, grads, optimizer, activations)
+    #: bytes by kind (params, grads, optimizer, activations; ``AFTER_STEP``)
+    memory: dict = field(default_factory=dict, compare=False)
     paths: tuple[str, ...] = ()
     optimizer: float = 0.0
     #: per layer instance it holds that may recompute: ``(path, {mode: Recompute})``
@@ -61,6 +68,9 @@ class Segment:
     #: how fast (forward, input_grad, weight_grad) at least grow with a micro-batch ``f >= 1`` times
     #: as large: seconds per unit of ``f`` (``compute.row_growth``; ``pipeline_split.scaled`` reads it)
     growth: tuple = field(default=(0.0, 0.0, 0.0), compare=False)
+    #: bytes the largest of its ops holds beside the persistent memory while it runs, per micro-batch
+    #: (``PNode.transient``: its unsaved outputs and reads); a stage's is its segments' largest
+    transient: float = 0.0
 
     @property
     def backward(self) -> float:
@@ -89,7 +99,8 @@ def combine(parts: Sequence[Segment]) -> Segment:
     return Segment(*(sum(getattr(p, f) for p in parts) for f in ("forward", "input_grad", "weight_grad", "state",
                                                                "activations", "gathers", "reductions", "kept")),
                    memory=mem, paths=tuple(x for p in parts for x in p.paths),
-                   optimizer=sum(p.optimizer for p in parts), recompute=tuple(x for p in parts for x in p.recompute))
+                   optimizer=sum(p.optimizer for p in parts), recompute=tuple(x for p in parts for x in p.recompute),
+                   transient=max((p.transient for p in parts), default=0.0))
 
 
 def p2p_time(nbytes: float, link: Link) -> float:
@@ -133,7 +144,7 @@ def price_pipeline(stages: Sequence[Segment], schedule: str, pp: int, microbatch
     if budget is not None:
         over = _memory(stages, rep.in_flight, ranks, pp, boundary_bytes, chosen, temporaries)
         if max(sum(k.values()) for k in over) > budget:
-            chosen = choose_recompute(stages, rep.in_flight, ranks, pp, boundary_bytes, budget - temporaries)
+            chosen = choose_recompute(stages, rep.in_flight, ranks, pp, boundary_bytes, budget, temporaries)
             if any(c[1] for c in chosen):
                 rep = _replay(stages, schedule, pp, microbatches, virtual, p2p, chosen)
     kinds = _memory(stages, rep.in_flight, ranks, pp, boundary_bytes, chosen, temporaries)
@@ -173,39 +184,47 @@ def _replay(stages: Sequence[Segment], schedule: str, pp: int, microbatches: int
 
 def _memory(stages: Sequence[Segment], in_flight: Sequence[int], ranks: Sequence[int], pp: int, boundary_bytes: float,
             chosen: tuple, temporaries: float = 0.0) -> list[dict]:
-    """Bytes per rank by kind: its stages' state, the kept gathered copy, saved activations times the
-    micro-batches in flight (less what recomputation saves, plus its transient re-run values once),
-    two boundary buffers per stage, and ``temporaries``: what one micro-batch's program holds between
-    its ops at its peak (the walked peak of the layer plan, ``cost_model.liveness``; every rank is
-    charged the whole model's, an upper bound: the loss's buffers are the last stage's alone)."""
+    """Bytes per rank by kind: its stages' state (their gradients with the unreduced accumulators the
+    step's micro-batches add into), the kept gathered copy, saved activations times the micro-batches
+    in flight (less what recomputation saves, plus its transient re-run values once), two boundary
+    buffers per stage, and the temporaries of the one micro-batch it computes at a time: the larger of
+    ``temporaries`` (the most the layer plan's walk holds between ops at any moment besides saved
+    values, state and gradients: ``pipeline_split.between_ops``; every rank is charged it, an upper
+    bound: the loss's buffers are the last stage's alone) and its stages' largest op (``Segment.transient``). Or,
+    when more, what it holds at the step's end: its state with the reduced gradients (``AFTER_STEP``)."""
     out = []
     for r in range(pp):
         kind = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "temporaries": temporaries}
+        after = 0.0
         transient = 0.0
         for s, rr in enumerate(ranks):
             if rr != r:
                 continue
             st = stages[s]
+            kind["temporaries"] = max(kind["temporaries"], st.transient)
             for k in ("params", "grads", "optimizer"):
                 kind[k] += st.memory.get(k, 0.0)
             kind["params"] += st.kept
+            after += st.memory.get(AFTER_STEP, st.memory.get("grads", 0.0))
             saving, _, trans = _recompute_of(st, chosen[s])
             transient = max(transient, trans)
             kind["activations"] += in_flight[s] * (st.activations - saving) + 2 * boundary_bytes
         kind["activations"] += transient
+        if after > kind["grads"] + kind["activations"] + kind["temporaries"]:
+            kind = dict(kind, grads=after, activations=0.0, temporaries=0.0)
         out.append(kind)
     return out
 
 
 def choose_recompute(stages: Sequence[Segment], in_flight: Sequence[int], ranks: Sequence[int], pp: int,
-                     boundary_bytes: float, budget: float) -> tuple:
+                     boundary_bytes: float, budget: float, temporaries: float = 0.0) -> tuple:
     """Per virtual stage, which of its layer instances recompute, so that every rank fits ``budget``
     at the least added time: per rank, in one mode (the cheaper of those that fit), its stages'
     instances in the order of seconds per byte saved (a stage with more micro-batches in flight saves
     that many times more per instance), the first instances of each stage first among equals
     (Megatron's block order), until the rank fits. A rank that cannot fit recomputes everything in
-    the mode that saves most (the price then says it does not fit)."""
-    base = _memory(stages, in_flight, ranks, pp, boundary_bytes, tuple(("none", ()) for _ in stages))
+    the mode that saves most (the price then says it does not fit). ``temporaries``: as ``_memory``'s."""
+    base = _memory(stages, in_flight, ranks, pp, boundary_bytes, tuple(("none", ()) for _ in stages), temporaries)
     chosen: list = [("none", ()) for _ in stages]
     for r in range(pp):
         excess = sum(base[r].values()) - budget
@@ -245,4 +264,5 @@ def choose_recompute(stages: Sequence[Segment], in_flight: Sequence[int], ranks:
     return tuple(chosen)
 
 
-__all__ = ["PipelinePrice", "Recompute", "Segment", "choose_recompute", "combine", "p2p_time", "price_pipeline"]
+__all__ = ["AFTER_STEP", "PipelinePrice", "Recompute", "Segment", "choose_recompute", "combine", "p2p_time",
+           "price_pipeline"]

@@ -45,9 +45,9 @@ from autopar.cost_model.pipeline_price import PipelinePrice, p2p_time
 from autopar.errors import ArgumentError, InfeasibleError, RecipeError
 from autopar.ir.attention_forms import check_forms
 from autopar.ir.capture import as_args
-from autopar.passes.search.peak import with_temporaries
 from autopar.passes.search.batch_coupled import batch_coupled
-from autopar.passes.search.pipeline_split import ModelSegments, best_pipelines, candidates, scaled, segments
+from autopar.passes.search.pipeline_split import (ModelSegments, best_pipelines, between_ops, candidates, scaled,
+                                                  segments)
 from autopar.planner.captures import at_rows
 from autopar.planner.intra import Planned, run_passes
 from autopar.planner.options import PlanOptions, check_pipeline
@@ -161,7 +161,7 @@ class _Solver:
         plain_layers = planned.recompute is None or not planned.recompute.any
         segs = segments(planned.graph, planned.folding, planned.problem, planned.choice, self.sub,
                         planned.precision, planned.terms if plain_layers and recipe is None else ())
-        segs = with_temporaries(segs, planned.peak)  # what a micro-batch holds between its ops
+        segs = between_ops(segs, planned.peak)  # what a micro-batch holds between its ops
         self.lap("split", t)
         if not segs.units:
             raise ArgumentError("autopar.plan: a pipeline splits the model's repeated layers (numbered modules such "

@@ -78,12 +78,6 @@ def peak_place(graph: Graph, peak: Optional[Peak]) -> str:
     return f"{peak.phase}, at {node.module_path or 'the model'} ({node.op.replace('aten.', '')})"
 
 
-def with_temporaries(segments, peak: Optional[Peak]):
-    """A pipeline's ``ModelSegments`` charged the temporaries of its micro-batch plan's walked peak
-    (``cost_model.pipeline_price``: every rank holds them once, beside its micro-batches' saved values)."""
-    return segments if peak is None else replace(segments, temporaries=float(peak.parts.get("temporaries", 0)))
-
-
 def solve_fitting(solve, peak_of, problem: Problem, budget: float, tries: int = 4):
     """``solve(lower, transients)`` (the ILP with its memory budget lowered by ``lower`` bytes, and
     with ``transients`` the largest op's transient bytes added to its memory row,
@@ -145,5 +139,4 @@ class Walker:
         return self._peaks[key][1]
 
 
-__all__ = ["Walker", "choice_peak", "peak_place", "solve_fitting", "strategy_lookup", "walked", "with_peak",
-           "with_temporaries"]
+__all__ = ["Walker", "choice_peak", "peak_place", "solve_fitting", "strategy_lookup", "walked", "with_peak"]

@@ -13,7 +13,9 @@ figures, so stages of alike layers share the one folded solve), and what runs af
 - the backward split into *input* gradients (ops whose results reach the previous segment's
   backward) and *weight* gradients (ops that only feed parameter gradients), for ZBV's ``I``/``W``;
 - memory by kind (a parameter read both before and after the layers, a tied embedding and head,
-  is held by both ends: each holds a copy, as torch's pipelines and Megatron keep it);
+  is held by both ends: each holds a copy, as torch's pipelines and Megatron keep it), a reduced
+  parameter's gradient as the unreduced accumulator the stage holds through the step, and the
+  largest op's transient bytes;
 - per step: its parameter gathers (the forward's; the backward's regathers are dropped since the
   gathered copy is kept for the step, whose bytes are ``kept``) and its gradient reductions.
 
@@ -36,10 +38,10 @@ from autopar.cost_model.comm import reshard_time
 from autopar.cost_model.compute import matmul_shape, row_growth
 from autopar.cost_model.mesh import Mesh
 from autopar.cost_model.memory import activation_bytes
-from autopar.cost_model.pipeline_price import PipelinePrice, Recompute, Segment, combine, price_pipeline
+from autopar.cost_model.pipeline_price import AFTER_STEP, PipelinePrice, Recompute, Segment, combine, price_pipeline
 from autopar.cost_model.precision import Precision
 from autopar.cost_model.schedules import SCHEDULES, check_schedule
-from autopar.ir.graph import Graph, Phase, Role
+from autopar.ir.graph import Graph, Phase, Ref, Role
 from autopar.ir.layers import layers
 from autopar.ir.placement import local_shape
 from autopar.ir.recompute import MODES
@@ -64,8 +66,8 @@ class ModelSegments:
     post: Segment
     boundary_bytes: float
     overlap_slowdown: float = 0.0
-    #: bytes alive between ops at a micro-batch's peak besides saved activations and state (the
-    #: walked peak's ``temporaries``, ``cost_model.liveness``): one micro-batch computes at a time
+    #: bytes alive between ops besides saved activations, state and the gradients waiting for their
+    #: reduction, the most at any moment of a micro-batch (``between_ops``): one computes at a time
     temporaries: float = 0.0
 
     @property
@@ -91,19 +93,18 @@ class ModelSegments:
                 for s, (a, b) in enumerate(ranges)]
 
 
-def _weight_only(graph: Graph, region: dict[str, int]) -> set[str]:
+def _weight_only(graph: Graph, region: dict[str, int], users: dict[str, list[str]]) -> set[str]:
     """Backward ops whose results reach no other segment's op (only parameter gradients and the
-    graph's outputs): the weight-gradient part of their segment's backward."""
-    users = graph.users()
+    graph's outputs): the weight-gradient part of their segment's backward (``users``: the graph's)."""
+    outputs = {n.name for n in graph.nodes if n.op == "output"}
     crosses: dict[str, bool] = {}
     for n in reversed(graph.nodes):
-        if n.phase != Phase.BACKWARD or n.is_placeholder or n.op == "output":
+        if n.phase != Phase.BACKWARD or n.is_placeholder or n.name in outputs:
             continue
         r = region.get(n.name)
         hit = False
         for u in users[n.name]:
-            un = graph.node(u)
-            if un.op == "output":
+            if u in outputs:
                 continue
             if region.get(u) != r or crosses.get(u, False):
                 hit = True
@@ -123,14 +124,15 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
     ch = chain(graph)
     keys = list(ch.keys)
     region = ch.region
-    weight = _weight_only(graph, region)
     users = graph.users()
+    weight = _weight_only(graph, region, users)
     n_units = len(keys)
     fig = {r: dict.fromkeys(("forward", "input_grad", "weight_grad", "gathers", "reductions", "kept", "optimizer",
                              "forward_growth", "input_grad_growth", "weight_grad_growth"), 0.0)
            for r in [PRE, POST] + list(range(n_units))}
     data = _per_row(graph)
     mem = {r: dict.fromkeys(MEMORY_KINDS, 0.0) for r in fig}
+    transient = dict.fromkeys(fig, 0.0)
 
     def rep(name: str) -> int:
         return problem.index[folding.representative(name)]
@@ -196,13 +198,19 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
             f["optimizer"] += per_node[i]["optimizer"]
             for k in MEMORY_KINDS:
                 mem[r][k] += pn.memory[k][choice[i]]
+            if pn.transient:
+                transient[r] = max(transient[r], pn.transient[choice[i]])
+    for m in mem.values():  # the gradients held once the step's reductions are done
+        m[AFTER_STEP] = m["grads"]
+    _accumulators(graph, problem, folding, choice, mesh, precision, regions_of, mem)
 
     def seg(r: int, paths: tuple[str, ...]) -> Segment:
         f, m = fig[r], mem[r]
         return Segment(f["forward"], f["input_grad"], f["weight_grad"], m["params"] + m["grads"] + m["optimizer"],
                        m["activations"], f["gathers"], f["reductions"], f["kept"], memory=dict(m), paths=paths,
                        optimizer=f["optimizer"],
-                       growth=(f["forward_growth"], f["input_grad_growth"], f["weight_grad_growth"]))
+                       growth=(f["forward_growth"], f["input_grad_growth"], f["weight_grad_growth"]),
+                       transient=transient[r])
 
     unit_paths = list(ch.paths)
     pre_paths, post_paths = region_paths(graph, ch, PRE), region_paths(graph, ch, POST)
@@ -228,6 +236,48 @@ def segments(graph: Graph, folding: Folding, problem: Problem, choice: Sequence[
                     boundary += activation_bytes(spec.shape, spec.dtype, place, mesh, precision)
     return ModelSegments(seg(PRE, tuple(pre_paths)), units, seg(POST, tuple(post_paths)), boundary,
                          mesh.hardware.overlap_slowdown)
+
+
+def _accumulators(graph: Graph, problem: Problem, folding: Folding, choice: Sequence[int], mesh: Mesh,
+                  precision: Precision, regions_of, mem: dict) -> None:
+    """Each parameter's unreduced gradient block (at the placement its backward makes it, in the
+    compute dtype, as ``cost_model.liveness`` holds it) in the ``grads`` of the segments that hold
+    the parameter, in place of its reduced gradient: a pipeline stage adds every micro-batch's
+    gradient into it and reduces once per step (``runtime/pipeline``), so it is held through the
+    step's micro-batches, and the reduced gradient is made only at the step's end, when they are
+    done. A gradient made at its parameter's placement is the reduced gradient itself."""
+
+    def placed(ref) -> tuple:
+        i = problem.index[folding.representative(ref.node)]
+        return output_placement(problem.nodes[i].strategies[choice[i]], ref.index)
+
+    def reduced(name: str) -> float:
+        i = problem.index[folding.representative(name)]
+        return problem.nodes[i].memory["grads"][choice[i]]
+
+    for fqn, ref in graph.grads.items():
+        name = graph.params.get(fqn)
+        if ref is None or name is None:
+            continue
+        place = placed(ref)
+        if place == placed(Ref(name, 0)):
+            continue
+        spec = graph.spec(ref)
+        nbytes = activation_bytes(spec.shape, spec.dtype, place, mesh, precision)
+        for r in regions_of(name):
+            mem[r]["grads"] += nbytes - reduced(name)
+
+
+def between_ops(model: ModelSegments, peak) -> ModelSegments:
+    """``model`` charged what its micro-batch plan's walk (``cost_model.liveness.Peak.between``) holds
+    between ops at the most, besides saved values, state and the gradients waiting for their
+    reduction: a walk of one whole micro-batch holds every parameter's to the end of its backward
+    (its buckets reduce after it), where a pipeline rank holds only its own stages' (their
+    accumulators, counted in their ``grads``). Not the temporaries at the walk's own peak: that
+    is at the backward's end, with every saved value alive, where a stage's peak is mid-step."""
+    if peak is None:
+        return model
+    return replace(model, temporaries=float(peak.between))
 
 
 def _per_row(graph: Graph) -> set[str]:
@@ -311,7 +361,7 @@ def scaled(model: ModelSegments, factor: float) -> ModelSegments:
         return Segment(grown(s.forward, s.growth[0]), grown(s.input_grad, s.growth[1]),
                        grown(s.weight_grad, s.growth[2]), s.state,
                        s.activations * factor, s.gathers, s.reductions, s.kept, memory=mem, paths=s.paths,
-                       optimizer=s.optimizer, recompute=redo, growth=s.growth)
+                       optimizer=s.optimizer, recompute=redo, growth=s.growth, transient=s.transient * factor)
 
     return ModelSegments(one(model.pre), tuple(one(u) for u in model.units), one(model.post),
                          model.boundary_bytes * factor, model.overlap_slowdown, model.temporaries * factor)
@@ -427,7 +477,7 @@ def best_pipelines(model: ModelSegments, pp: int, microbatches: int, p2p: float,
             again = split(with_reruns(model, price.recomputed), pp * v)
             if again is not None and again != ranges:
                 other = price_pipeline(stages_of(model, again), name, pp, microbatches, v, p2p, model.boundary_bytes,
-                                       budget, model.overlap_slowdown)
+                                       budget, model.overlap_slowdown, model.temporaries)
                 fits = budget is None or other.peak_memory <= budget
                 if (not fits, other.step_time) < (budget is not None and price.peak_memory > budget, price.step_time):
                     price, ranges = other, again
@@ -436,4 +486,5 @@ def best_pipelines(model: ModelSegments, pp: int, microbatches: int, p2p: float,
     return [(p, r) for _, p, r in out]
 
 
-__all__ = ["ModelSegments", "best_pipelines", "candidates", "scaled", "segments", "split", "stages_of", "with_reruns"]
+__all__ = ["ModelSegments", "best_pipelines", "between_ops", "candidates", "scaled", "segments", "split", "stages_of",
+           "with_reruns"]
