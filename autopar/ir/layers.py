@@ -353,7 +353,6 @@ def _find(graph: Graph) -> Layers:
     owner: dict[str, Key] = {}
     for prefix in sorted({p for p, _ in fallback}):
         best, best_score, classes, where = fallback, None, [], {}
-        compared: list[dict] = []  # the prefix's instances of each candidate compared so far
         for by_key in grouped:
             lengths = [len(names) for (p, _), names in by_key.items() if p == prefix]
             if not lengths:
@@ -362,10 +361,6 @@ def _find(graph: Graph) -> Layers:
             # a candidate that cannot beat the best so far is not compared node by node
             if best_score is not None and (max(lengths), (len(lengths) - 1) * max(lengths)) <= best_score:
                 continue
-            view = {k: v for k, v in by_key.items() if k[0] == prefix}
-            if view in compared:  # the same instances as a candidate compared before: the same score
-                continue
-            compared.append(view)
             got_classes, got_where = agreeing(graph, by_key, prefix)
             got = score(by_key, prefix, got_classes)
             if best_score is None or got > best_score:
