@@ -153,7 +153,7 @@ def _local_signature(graph: Graph, node: Node) -> tuple:
             return (type(a).__name__,) + tuple(plain(x) for x in a)
         if isinstance(a, dict):
             return ("<dict>",) + tuple((k, plain(v)) for k, v in a.items())
-        return a if isinstance(a, (int, float, bool, str, type(None))) else repr(a)
+        return (type(a).__name__, a) if isinstance(a, (int, float, bool, str, type(None))) else repr(a)
 
     return (node.op, plain(node.args), plain(node.kwargs), tuple(graph.spec(r) for r in node.inputs),
             tuple(node.outputs))
