@@ -36,6 +36,7 @@ backward with a scaled loss (``torch.amp.GradScaler``) if gradients underflow.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -162,6 +163,19 @@ def cast_policy(graph: Graph, precision) -> Optional[CastPolicy]:
     name = precision.name if isinstance(precision, Precision) else str(precision)
     if name not in CASTING:
         return None
+    # the cost model, the kept gathers and the lowering ask for it alike: made once per graph and precision
+    made = _POLICIES.setdefault(graph, {})
+    key = (name, len(graph.nodes))
+    if key not in made:
+        made[key] = _policy(graph, name)
+    return made[key]
+
+
+#: per graph: (precision name, its node count when made) -> its ``CastPolicy``
+_POLICIES: "weakref.WeakKeyDictionary[Graph, dict]" = weakref.WeakKeyDictionary()
+
+
+def _policy(graph: Graph, name: str) -> CastPolicy:
     compute, grad = CASTING[name]
     layers = layer_members(graph)
     region = loss_region(graph, layers)

@@ -93,9 +93,11 @@ def linked_dims(graph: Graph) -> dict[Key, tuple[Key, ...]]:
     """For every ``(tensor, dim)`` that shares a factor with another, every key its property would
     reach (``spread`` from it alone with ``whole=False`` and one value: its connected component,
     since sharing a factor is symmetric), sorted in graph order. One pass over the graph: what
-    many single-seed ``spread`` calls would each recompute. Keys linked to nothing are absent."""
-    from autopar.ir.rules.base import dimmap, op_call
+    many single-seed ``spread`` calls would each recompute. Keys linked to nothing are absent.
 
+    Which dims of a node's tensors its op links depends only on what the op's ``DimMap`` sees (op,
+    non-tensor arguments, tensor specs, which inputs are the same tensor): worked out once per such
+    signature (``_links``), so the alike ops of a deep stack's layers cost a lookup each."""
     # keys as (node name, output, dim) while the sets are joined: plain tuples hash and compare in C
     parent: dict[tuple, tuple] = {}
 
@@ -107,20 +109,22 @@ def linked_dims(graph: Graph) -> dict[Key, tuple[Key, ...]]:
             parent[k], k = root, parent[k]
         return root
 
+    patterns: dict[tuple, tuple] = {}
     for node in graph.nodes:
-        dm = None if node.is_placeholder else dimmap(op_call(graph, node))
-        if dm is None:  # placeholders, constants
+        if node.is_placeholder:
             continue
-        holders: dict = {}  # factor -> first key holding it
-        for r, dims in _tensor_dims(node, dm):
-            for d in range(len(dims)):
-                key = (r.node, r.index, d)
-                for f in _factors(dims, d, dm.sizes, False):
-                    first = holders.setdefault(f, key)
-                    if first != key:
-                        a, b = find(first), find(key)
-                        if a != b:
-                            parent[b] = a
+        sig = _local_signature(graph, node)
+        links = patterns.get(sig)
+        if links is None:
+            links = patterns[sig] = _links(graph, node)
+        if not links:
+            continue
+        tensors = list(node.inputs) + [Ref(node.name, j) for j in range(len(node.outputs))]
+        for (sa, da), (sb, db) in links:
+            ra, rb = tensors[sa], tensors[sb]
+            a, b = find((ra.node, ra.index, da)), find((rb.node, rb.index, db))
+            if a != b:
+                parent[b] = a
     order = {n.name: i for i, n in enumerate(graph.nodes)}
     groups: dict[tuple, list[tuple]] = {}
     for k in parent:
@@ -133,3 +137,45 @@ def linked_dims(graph: Graph) -> dict[Key, tuple[Key, ...]]:
             out[k] = ordered
     return out
 
+
+def _local_signature(graph: Graph, node: Node) -> tuple:
+    """What an op's ``DimMap`` is made of, without the names of the tensors it reads: the op, its
+    non-tensor arguments (tensors as their input slot: repeats show), the specs of its inputs and
+    outputs."""
+    slot: dict[Ref, int] = {}
+    for r in node.inputs:
+        slot.setdefault(r, len(slot))
+
+    def plain(a):
+        if isinstance(a, Ref):
+            return ("<ref>", slot[a])
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__,) + tuple(plain(x) for x in a)
+        if isinstance(a, dict):
+            return ("<dict>",) + tuple((k, plain(v)) for k, v in a.items())
+        return (type(a).__name__, a) if isinstance(a, (int, float, bool, str, type(None))) else repr(a)
+
+    return (node.op, plain(node.args), plain(node.kwargs), tuple(graph.spec(r) for r in node.inputs),
+            tuple(node.outputs))
+
+
+def _links(graph: Graph, node: Node) -> tuple:
+    """The unions ``linked_dims`` makes for ``node``: ``((slot, dim), (slot, dim))`` pairs, a slot an
+    index into the node's inputs followed by its outputs; each factor's holders joined to its first."""
+    from autopar.ir.rules.base import dimmap, op_call
+
+    dm = dimmap(op_call(graph, node))
+    if dm is None:  # constants and ops without a rule
+        return ()
+    slots = {r: k for k, r in enumerate(node.inputs)}
+    out = []
+    holders: dict = {}  # factor -> first (tensor, dim) holding it
+    for r, dims in _tensor_dims(node, dm):
+        s = len(node.inputs) + r.index if r.node == node.name else slots[r]
+        for d in range(len(dims)):
+            key = (r.node, r.index, d)
+            for f in _factors(dims, d, dm.sizes, False):
+                first = holders.setdefault(f, (key, (s, d)))
+                if first[0] != key:
+                    out.append((first[1], (s, d)))
+    return tuple(out)

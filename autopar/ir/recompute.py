@@ -17,6 +17,7 @@ are kept by their producers.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 from autopar.ir.attention import ATTN_FWD
@@ -40,6 +41,20 @@ ATTENTION = frozenset({
 })
 
 
+#: per graph: (its node count when made, (node order, ``graph.users()``, ``param_views(graph)``))
+_SCANS: "weakref.WeakKeyDictionary[Graph, tuple[int, tuple]]" = weakref.WeakKeyDictionary()
+
+
+def _scan(graph: Graph) -> tuple[dict, dict, set]:
+    """The graph's node order, readers and parameter views, made once per graph (every instance and
+    mode the checkpointing search prices reads them; read only here)."""
+    got = _SCANS.get(graph)
+    if got is None or got[0] != len(graph.nodes):
+        got = _SCANS[graph] = (len(graph.nodes), ({n.name: i for i, n in enumerate(graph.nodes)}, graph.users(),
+                                                   param_views(graph)))
+    return got[1]
+
+
 def instance_plan(graph: Graph, membership: Layers, key: Key, mode: str, *, users: Optional[dict] = None,
                   views: Optional[set[str]] = None) -> tuple[frozenset[Ref], frozenset[str]]:
     """``(kept, recomputed)`` for instance ``key`` checkpointed in ``mode``: the instance's forward
@@ -51,9 +66,9 @@ def instance_plan(graph: Graph, membership: Layers, key: Key, mode: str, *, user
     names = membership.instances[key]
     inside = set(names)
     if views is None:
-        views = param_views(graph)  # the backward derives parameters' views again in any case
+        views = _scan(graph)[2]  # the backward derives parameters' views again in any case
     if users is None:
-        users = graph.users()
+        users = _scan(graph)[1]
     forward = [graph.node(n) for n in names if graph.node(n).phase == Phase.FORWARD
                and not graph.node(n).is_placeholder and n not in views]
     made = {n.name for n in forward}
@@ -102,7 +117,7 @@ def recomputed_ops(graph: Graph, checkpointing: dict[str, str]) -> frozenset[str
     membership = layers(graph)
     paths = {(f"{prefix}.{i}" if prefix else str(i)): (prefix, i) for prefix, i in membership.instances}
     out: set[str] = set()
-    users, views = graph.users(), param_views(graph)
+    _, users, views = _scan(graph)
     for path, mode in sorted(checkpointing.items()):
         if path not in paths:
             known = ", ".join(sorted(paths)[:4]) or "none"
@@ -123,8 +138,7 @@ def recompute_peak_share(graph: Graph, membership: Layers, key: Key, mode: str) 
     all of its recomputed values at once: its backward walks through them. Views allocate nothing
     and count for nothing, here and in the saved bytes (``views.storage_shares``)."""
     _, redo = instance_plan(graph, membership, key, mode)
-    order = {n.name: i for i, n in enumerate(graph.nodes)}
-    users = graph.users()
+    order, users, _ = _scan(graph)
     born: dict[str, int] = {}
 
     def readers(name: str) -> list[str]:

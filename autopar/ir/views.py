@@ -7,6 +7,8 @@ overlap with earlier compute, and the lowering issues a layer ahead).
 
 from __future__ import annotations
 
+import weakref
+
 from autopar.ir.graph import Graph, Ref
 
 #: Ops that only relabel or copy their single input: resharding commutes with them.
@@ -24,12 +26,20 @@ FOLLOWERS = frozenset(
 def param_views(graph: Graph) -> set[str]:
     """Parameters and layout views of them (``t``, ``view``, casts): resharding one of these is a
     parameter gather, which may run ahead under the previous compute, wherever along the chain of
-    views it happens."""
-    out = set(graph.params.values())
-    for n in graph.nodes:
-        if n.op in FOLLOWERS and len(n.inputs) == 1 and n.inputs[0].node in out:
-            out.add(n.name)
-    return out
+    views it happens. Found once per graph (the cost model, the walk and the checkpointing and
+    kept-gather searches all ask); each caller gets its own set."""
+    got = _VIEWS.get(graph)
+    if got is None or got[0] != len(graph.nodes):
+        out = set(graph.params.values())
+        for n in graph.nodes:
+            if n.op in FOLLOWERS and len(n.inputs) == 1 and n.inputs[0].node in out:
+                out.add(n.name)
+        got = _VIEWS[graph] = (len(graph.nodes), frozenset(out))
+    return set(got[1])
+
+
+#: per graph: (its node count when made, its ``param_views``)
+_VIEWS: "weakref.WeakKeyDictionary[Graph, tuple[int, frozenset[str]]]" = weakref.WeakKeyDictionary()
 
 
 #: Ops whose output is a view of their input's storage (the program allocates nothing for them).

@@ -252,31 +252,22 @@ class TensorRegions:
         g = self.graph
         tables = _embedding_tables(g)
         mats = sorted(v for v in g.params.values() if g.node(v).out.ndim == 2 and v not in tables)
-        order = {n.name: i for i, n in enumerate(g.nodes)}
-        first = {}
-        for n in g.ops():
-            for r in n.inputs:
-                first.setdefault(r.node, order[n.name])
         # the residual stream's model dim reaches every weight: a chain that touches an input or
-        # an embedding table is not a pair
+        # an embedding table is not a pair. A weight's dim pairs where its component holds another
+        # weight's dim: one look per component, not one per pair of its weights.
         outside = tables | set(g.inputs.values())
-        found: dict[str, set[int]] = {}
         mat_set = set(mats)
-        members: dict[int, Optional[list]] = {}  # id(component) -> its matrix dims (None: touches outside)
+        found: dict[str, set[int]] = {}
+        paired: dict[int, bool] = {}  # id(component) -> it holds two weights' dims and touches no outside
         for p in mats:
             for d in range(2):
                 comp = self.component(p, d)
-                if id(comp) not in members:
+                if id(comp) not in paired:
                     touches = any(ref.node in outside for ref, _ in comp)
-                    members[id(comp)] = None if touches else [(r, e) for r, e in comp if r.node in mat_set]
-                if members[id(comp)] is None:
-                    continue
-                for ref, e in members[id(comp)]:
-                    if ref.node == p or ref.index:
-                        continue
-                    (a, da), (b, db) = sorted([(p, d), (ref.node, e)], key=lambda x: first.get(x[0], 0))
-                    found.setdefault(a, set()).add(da)
-                    found.setdefault(b, set()).add(db)
+                    weights = {ref.node for ref, _ in comp if ref.node in mat_set and not ref.index}
+                    paired[id(comp)] = not touches and len(weights) > 1
+                if paired[id(comp)]:
+                    found.setdefault(p, set()).add(d)
         return {p: ds.pop() for p, ds in sorted(found.items()) if len(ds) == 1}
 
 
