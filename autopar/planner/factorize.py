@@ -43,7 +43,7 @@ from autopar.errors import ArgumentError, InfeasibleError, RecipeError
 from autopar.ir.capture import as_args
 from autopar.ir.stages import chain
 from autopar.planner.captures import capture
-from autopar.planner.intra import run_passes
+from autopar.planner.intra import prepare, search_prepared, within
 from autopar.planner.options import PlanOptions
 from autopar.planner.pipelined import batch_size, plan_pipelined
 from autopar.planner.report import build_plan
@@ -154,9 +154,11 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
             if shape[PP_AXIS] > 1:
                 plan = plan_pipelined(model, sub, args, kwargs, fixed, mesh_search=True, graphs=graphs)
             else:
-                fast = run_passes(model, sub, args, kwargs, replace(at_batch, memory_budget=math.inf))
+                # (the passes before the search, and its solve without the budget, serve both searches)
+                prep = prepare(model, sub, args, kwargs, replace(at_batch, memory_budget=math.inf))
+                fast = search_prepared(prep)
                 if fast.cost.peak_memory <= budget:
-                    plan = build_plan(run_passes(model, sub, args, kwargs, at_batch)) if budget != math.inf \
+                    plan = build_plan(search_prepared(within(prep, budget))) if budget != math.inf \
                         else build_plan(fast)
                 elif fast.cost.step_time >= best:
                     rows.append({"shape": dict(shape), "error": f"not planned within the budget: its fastest plan "
@@ -164,7 +166,7 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
                                  f"shape"})
                     continue
                 else:
-                    plan = build_plan(run_passes(model, sub, args, kwargs, at_batch))
+                    plan = build_plan(search_prepared(within(prep, budget)))
         except (InfeasibleError, ArgumentError, RecipeError, ValueError) as e:
             rows.append({"shape": dict(shape), "error": str(e).splitlines()[0][:400]})
             continue
