@@ -14,7 +14,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Optional
 
 from autopar.cost_model.liveness import Peak
 from autopar.cost_model.mesh import Mesh, require_mesh
@@ -243,8 +243,9 @@ def search_prepared(prep: Prepared) -> Planned:
         choice, source = propagate(problem), "propagate"
     else:
         plain = Solved(recompute, problem, merged, None, None)
+        # (the solve without the budget is ``prep``'s own unless a pinned recomputation re-priced it)
         candidates = _search(plain, choices, ops, clock, mesh, opts, terms if pin is None else [], walk,
-                             lambda: _unbudgeted(prep))
+                             (lambda: _unbudgeted(prep)) if problem is prep.problem else None)
         best = _choose(candidates, budget, graph, problem, unscaled, terms, pin is None)
         source, choice, solved = best.source, best.choice, best.solved
         recompute, problem, merged = solved.recompute, solved.problem, solved.merged
@@ -302,16 +303,18 @@ def _price_recipes(graph: Graph, mesh: Mesh, problem: Problem, merged: Merged, c
 
 
 def _search(plain: Solved, choices: dict[str, list[int]], ops: dict[str, str], clock: "_Clock", mesh: Mesh,
-            opts: PlanOptions, terms: list[checkpoint.GroupTerms], walk: peak.Walker, unbudgeted) -> list[Candidate]:
+            opts: PlanOptions, terms: list[checkpoint.GroupTerms], walk: peak.Walker,
+            unbudgeted: Optional[Callable[[], tuple]] = None) -> list[Candidate]:
     """The search's solves of ``plain.problem`` and the recipes priced on each, as candidates. First
     without the budget: a plan that fits so is the best of every choice (recomputing only adds time),
     and the budgeted solve and the recomputation are skipped. Else within the budget (no solve when
     even the leanest plan is over it), then, with ``terms`` (recomputation not pinned), plans that
     recompute (``passes.search.ladder.recompute_candidates``). ``unbudgeted()``: the solve without the
-    budget (``_unbudgeted``)."""
+    budget when already made or shared (``_unbudgeted``)."""
     problem, merged = plain.problem, plain.merged
     args = (mesh, opts.deterministic_time, opts.time_limit)
-    solution, searched = unbudgeted()
+    solution, searched = (unbudgeted() if unbudgeted is not None else
+                          solve_choice(merged, problem, choices, *args, budget=False))
     found = [replace(plain, solution=solution, choice=searched)]
     over = searched is None or walk(problem, searched, plain.recompute).peak_memory > problem.memory_budget
     if over:  # the budgeted solve's linear budget lowered until its walked peak fits
