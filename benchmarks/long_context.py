@@ -8,7 +8,8 @@ factorizations and the hand-written recipes.
 ``--workload 4k`` plans the 4k-token workload instead (batch ``--batch``, sequence 4096, ``--layers``
 layers) and prints a digest of the plan's decisions (placements, op strategies, step time, peak) so
 that two trees can be compared side by side: run it once with this tree first on ``PYTHONPATH`` and
-once with the base commit's.
+once with the base commit's. Both workloads also print a hash of the whole plan file
+(``Plan.to_json()``, without its timings): equal hashes, byte-identical plans.
 
     python benchmarks/long_context.py [--seq 131072] [--devices 8] [--layers 32] [--markdown]
     python benchmarks/long_context.py --workload 4k [--batch 8] [--devices 8] [--layers 8]
@@ -51,6 +52,11 @@ def digest(p) -> str:
     what = {"placements": p.placements, "strategies": [n["strategy"] for n in p.nodes],
             "step_time": round(p.step_time, 12), "peak": int(p.peak_memory), "mesh": list(p.mesh_shape)}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def plan_hash(p) -> str:
+    """A hash of the plan file (``Plan.to_json()``: no timings)."""
+    return hashlib.sha256(p.to_json().encode()).hexdigest()[:16]
 
 
 def _shape(d: dict) -> str:
@@ -117,12 +123,14 @@ def main() -> None:
               f"peak {p.peak_memory / 2 ** 30:.2f} GiB")
         print(f"planning: {wall:.1f} s wall, {cpu:.1f} s CPU")
         print(f"decisions digest: {digest(p)}")
+        print(f"plan file hash: {plan_hash(p)}")
         return
     layers = a.layers or 32
     axes = {k: int(v) for k, v in (x.split("=") for x in a.mesh.split(","))} if a.mesh else None
     p, wall, cpu = plan(layers, 1, a.seq, a.devices, axes, a.checkpointing)
     print(f"LLaMA-3-8B dims, {layers} layers, one sequence of {a.seq:,} tokens, {a.devices} H100s")
     print("\n".join(report(p, wall, cpu, a.seq, 1, a.devices)))
+    print(f"plan file hash: {plan_hash(p)}")
 
 
 if __name__ == "__main__":

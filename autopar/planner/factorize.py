@@ -48,9 +48,11 @@ from autopar.cost_model.mesh import DP_AXIS, PP_AXIS, TP_AXIS, Mesh
 from autopar.errors import ArgumentError, InfeasibleError, RecipeError
 from autopar.ir.capture import as_args
 from autopar.ir.rules.expert import graph_experts
+from autopar.ir.rules.ring import asks_balanced, offer_balanced
 from autopar.ir.stages import chain
+from autopar.passes.search.strategies import runs_balanced
 from autopar.planner.captures import capture
-from autopar.planner.intra import run_passes
+from autopar.planner.intra import prepare, run_passes, search_prepared, within
 from autopar.planner.options import PlanOptions
 from autopar.planner.pipelined import batch_size, plan_pipelined
 from autopar.planner.report import build_plan
@@ -166,6 +168,7 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
     budget = options.budget(mesh)  # every factorization is on this hardware: one budget for all
     fixed = replace(options, graph=None, memory_budget=budget)
     at_batch = replace(fixed, graph=full)
+    asked = asks_balanced(fixed.hints, fixed.attention)  # the balanced split Z weighed from the start
     rows: list[dict] = []
     plans = []
     # the pipelined shapes first (their per-stage solves are small), then the unpipelined ones, each
@@ -179,17 +182,19 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
             if shape[PP_AXIS] > 1:
                 plan = plan_pipelined(model, sub, args, kwargs, fixed, mesh_search=True, graphs=graphs)
             else:
-                fast = run_passes(model, sub, args, kwargs, replace(at_batch, memory_budget=math.inf))
-                if fast.cost.peak_memory <= budget:
-                    plan = build_plan(run_passes(model, sub, args, kwargs, at_batch)) if budget != math.inf \
-                        else build_plan(fast)
-                elif fast.cost.step_time >= best:
-                    rows.append({"shape": dict(shape), "error": f"not planned within the budget: its fastest plan "
-                                 f"without one ({fast.cost.step_time * 1e3:.1f} ms) is already slower than a fitting "
-                                 f"shape"})
-                    continue
-                else:
-                    plan = build_plan(run_passes(model, sub, args, kwargs, at_batch))
+                # (the passes before the search, and its solve without the budget, serve both searches)
+                with offer_balanced(asked):
+                    prep = prepare(model, sub, args, kwargs, replace(at_batch, memory_budget=math.inf))
+                    fast = search_prepared(prep)
+                    if fast.cost.step_time >= best and fast.cost.peak_memory > budget:
+                        rows.append({"shape": dict(shape), "error": f"not planned within the budget: its fastest "
+                                     f"plan without one ({fast.cost.step_time * 1e3:.1f} ms) is already slower than "
+                                     f"a fitting shape"})
+                        continue
+                    planned = fast if budget == math.inf else search_prepared(within(prep, budget))
+                if not asked and runs_balanced(planned):  # the balanced split weighed in a second search
+                    planned = run_passes(model, sub, args, kwargs, replace(at_batch, memory_budget=budget))
+                plan = build_plan(planned)
         except (InfeasibleError, ArgumentError, RecipeError, ValueError) as e:
             rows.append({"shape": dict(shape), "error": str(e).splitlines()[0][:400]})
             continue

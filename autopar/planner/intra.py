@@ -14,7 +14,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Optional
 
 from autopar.cost_model.liveness import Peak
 from autopar.cost_model.mesh import Mesh, require_mesh
@@ -32,11 +32,11 @@ from autopar.passes.search.collector import collector_paused
 from autopar.passes.search.complete import complete
 from autopar.passes.search.fold import Folding, fold
 from autopar.passes.search.forms import apply_forms
+from autopar.passes.search.ladder import Solved, leanest, recompute_candidates, solve_choice, solve_walked
 from autopar.passes.search.merge import Merged, merge
 from autopar.passes.search.problem import MEMORY_KINDS, Cost, Problem, evaluate
 from autopar.passes.search.propagate import propagate
-from autopar.passes.search.solve import Solution, greedy, solve
-from autopar.passes.search.solve_axis import FULL_ILP_LIMIT, edge_var_count, solve_by_axis
+from autopar.passes.search.solve import Solution
 from autopar.passes.search.strategies import Constraint, balanced_search, resolve_hints, search_strategies
 from autopar.planner.captures import capture
 from autopar.planner.options import PlanOptions
@@ -93,18 +93,6 @@ class _Clock:
 
 
 @dataclass
-class Solved:
-    """One solve of the search: the recomputation its ``problem`` is priced with, the problem's merged
-    form, the solver's ``solution`` and its ``choice`` per problem node (None: the solver found none)."""
-
-    recompute: checkpoint.Choice
-    problem: Problem
-    merged: Merged
-    solution: Optional[Solution]
-    choice: Optional[list[int]]
-
-
-@dataclass
 class Candidate:
     """A plan the planner may choose: a solve's choice (``source`` "search") or a recipe's
     (``source`` "recipe:NAME") priced on that solve's problem (``cost``). Ties on the step time go
@@ -141,6 +129,36 @@ def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None, option
     as Inductor compiles it (``cost_model.fusion``: pointwise chains fused); ``capture_outputs`` and
     ``loss_fn`` are ``ir.capture.capture``'s ``outputs`` and ``loss_fn`` (the model's other outputs in
     the step; the loss of a model that returns logits)."""
+    return search_prepared(prepare(model, mesh, example_inputs, example_kwargs, options))
+
+
+@dataclass
+class Prepared:
+    """The passes before the search (capture to recipes) on one mesh with ``opts``: the priced
+    ``problem`` (and ``merged``), the recipes' ``baselines`` and ``choices``, the walker of their
+    peaks, and the seconds per phase so far. ``search_prepared`` finishes it; ``within`` re-budgets it."""
+
+    graph: Graph
+    mesh: Mesh
+    opts: PlanOptions
+    folding: Folding
+    problem: Problem
+    merged: Merged
+    precision: Precision
+    ops: dict[str, str]
+    walk: peak.Walker
+    baselines: dict[str, dict]
+    choices: dict[str, list[int]]
+    phases: dict[str, float]
+    progress: bool
+    #: the search's solve without the budget, once made: ``(solution, choice)`` (see ``within``)
+    unbudgeted: Optional[tuple] = None
+
+
+@collector_paused()
+def prepare(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
+            options: Optional[PlanOptions] = None) -> Prepared:
+    """``run_passes``' passes up to the search (capture, fold, strategies, cost, merge, recipes)."""
     require_mesh(mesh)
     opts = options if options is not None else PlanOptions()
     clock = _Clock(sys.stderr.isatty() if opts.progress is None else opts.progress)
@@ -171,7 +189,43 @@ def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None, option
     walk = peak.Walker(graph, mesh, prec, folding)
     baselines, choices = _price_recipes(graph, mesh, problem, merged, constraints, placed, opts, walk)
     clock.lap("recipes")
+    return Prepared(graph, mesh, opts, folding, problem, merged, prec, ops, walk, baselines, choices,
+                    dict(clock.phases), clock.progress)
 
+
+def within(prep: Prepared, memory_budget: float) -> Prepared:
+    """``prep`` as ``prepare`` makes it with ``memory_budget`` instead: nothing before the search
+    depends on the budget but the problem's budget row and whether each recipe fits, and the
+    search's solve without the budget is made once for both (the factorization search plans each
+    shape without the budget first: ``search_prepared`` of ``prep`` first, then of this, shares it)."""
+    opts = replace(prep.opts, memory_budget=memory_budget)
+    budget = opts.budget(prep.mesh)
+    problem = replace(prep.problem, memory_budget=budget)
+    merged = replace(prep.merged, problem=replace(prep.merged.problem, memory_budget=budget))
+    baselines = {name: b if "error" in b else
+                 {**b, "fits": prep.walk(prep.problem, prep.choices[name]).peak_memory <= budget}
+                 for name, b in prep.baselines.items()}
+    return replace(prep, opts=opts, problem=problem, merged=merged, baselines=baselines)
+
+
+def _unbudgeted(prep: Prepared) -> tuple:
+    """The search's solve of ``prep``'s problem without the memory budget (made once)."""
+    if prep.unbudgeted is None:
+        prep.unbudgeted = solve_choice(prep.merged, prep.problem, prep.choices, prep.mesh, prep.opts.deterministic_time,
+                                       prep.opts.time_limit, budget=False)
+    return prep.unbudgeted
+
+
+@collector_paused()
+def search_prepared(prep: Prepared) -> Planned:
+    """``run_passes``' search of ``prep`` (or the recipe or propagation asked for), the chosen plan's
+    kept gathers and walked peak: the ``Planned``."""
+    graph, mesh, opts, folding, prec, ops = prep.graph, prep.mesh, prep.opts, prep.folding, prep.precision, prep.ops
+    problem, merged, walk, baselines, choices = prep.problem, prep.merged, prep.walk, prep.baselines, prep.choices
+    budget = problem.memory_budget
+    clock = _Clock(prep.progress)
+    clock.phases = dict(prep.phases)
+    clock.start -= sum(prep.phases.values())  # (``total``: the preparation's seconds too)
     solution, searched_cost = None, None
     unscaled = problem
     terms = checkpoint.group_terms(graph, folding, problem, mesh, prec) if folding.groups else []
@@ -189,7 +243,9 @@ def run_passes(model, mesh: Mesh, example_inputs=(), example_kwargs=None, option
         choice, source = propagate(problem), "propagate"
     else:
         plain = Solved(recompute, problem, merged, None, None)
-        candidates = _search(plain, choices, ops, clock, mesh, opts, terms if pin is None else [], walk)
+        # (the solve without the budget is ``prep``'s own unless a pinned recomputation re-priced it)
+        candidates = _search(plain, choices, ops, clock, mesh, opts, terms if pin is None else [], walk,
+                             (lambda: _unbudgeted(prep)) if problem is prep.problem else None)
         best = _choose(candidates, budget, graph, problem, unscaled, terms, pin is None)
         source, choice, solved = best.source, best.choice, best.solved
         recompute, problem, merged = solved.recompute, solved.problem, solved.merged
@@ -247,24 +303,32 @@ def _price_recipes(graph: Graph, mesh: Mesh, problem: Problem, merged: Merged, c
 
 
 def _search(plain: Solved, choices: dict[str, list[int]], ops: dict[str, str], clock: "_Clock", mesh: Mesh,
-            opts: PlanOptions, terms: list[checkpoint.GroupTerms], walk: peak.Walker) -> list[Candidate]:
+            opts: PlanOptions, terms: list[checkpoint.GroupTerms], walk: peak.Walker,
+            unbudgeted: Optional[Callable[[], tuple]] = None) -> list[Candidate]:
     """The search's solves of ``plain.problem`` and the recipes priced on each, as candidates. First
     without the budget: a plan that fits so is the best of every choice (recomputing only adds time),
     and the budgeted solve and the recomputation are skipped. Else within the budget (no solve when
     even the leanest plan is over it), then, with ``terms`` (recomputation not pinned), plans that
-    recompute (``_recompute_candidates``)."""
+    recompute (``passes.search.ladder.recompute_candidates``). ``unbudgeted()``: the solve without the
+    budget when already made or shared (``_unbudgeted``)."""
     problem, merged = plain.problem, plain.merged
     args = (mesh, opts.deterministic_time, opts.time_limit)
-    solution, searched = _solve(merged, problem, choices, *args, budget=False)
+    solution, searched = (unbudgeted() if unbudgeted is not None else
+                          solve_choice(merged, problem, choices, *args, budget=False))
     found = [replace(plain, solution=solution, choice=searched)]
     over = searched is None or walk(problem, searched, plain.recompute).peak_memory > problem.memory_budget
     if over:  # the budgeted solve's linear budget lowered until its walked peak fits
-        solution, searched = (_solve_fitting(merged, problem, choices, args, problem.memory_budget,
-                                             lambda c: walk(problem, c, plain.recompute).peak_memory)
+        solution, searched = (solve_walked(merged, problem, choices, args, problem.memory_budget,
+                                           lambda c: walk(problem, c, plain.recompute).peak_memory)
                               if leanest(problem) <= problem.memory_budget else (None, None))
         found = [replace(plain, solution=solution, choice=searched)]
     if over and terms:
-        found += _recompute_candidates(problem, terms, choices, ops, clock, *args, walk=walk)
+        # the fastest fitting plan so far (its walks are the candidates' below): what recomputing must beat
+        plain_costs = [walk(problem, c, plain.recompute) for c in [searched, *choices.values()] if c is not None]
+        incumbent = min((c.step_time for c in plain_costs if c.peak_memory <= problem.memory_budget),
+                        default=math.inf)
+        found += recompute_candidates(problem, terms, choices, ops, clock.progress, *args, walk=walk,
+                                      incumbent=incumbent)
     candidates = []
     for order, solved in enumerate(found):
         if solved.choice is not None:
@@ -310,108 +374,6 @@ def _kept_over(keep: list[list[str]], need: float, budget: float) -> InfeasibleE
     return InfeasibleError(f"kept_gathers: keeping the gathered parameters of {', '.join(p for g in keep for p in g)} "
                            f"needs {human_bytes(need)} per device, over the memory budget of {human_bytes(budget)}: "
                            f"keep fewer layers or raise memory_budget")
-
-
-def _solve_fitting(merged: Merged, problem: Problem, choices: dict[str, list[int]], search_args: tuple,
-                   budget: float, peak_of):
-    """``_solve`` with the budget, its linear memory budget lowered until the walked peak
-    (``peak_of``) of its plan fits (``passes.search.peak.solve_fitting``)."""
-    return peak.solve_fitting(lambda lower, transients: _solve(merged, problem, choices, *search_args, budget=True,
-                                                               lower=lower, transients=transients),
-                              peak_of, problem, budget)
-
-
-def _solve(merged: Merged, problem: Problem, choices: dict[str, list[int]], mesh: Mesh,
-           deterministic_time: float, time_limit: Optional[float], budget: bool, lower: float = 0.0,
-           transients: bool = False):
-    """The search's plan of ``problem`` (``(solution, choice)``; ``(None, None)`` when the solver finds
-    none), warm-started from the best recipe (the best that fits, with the budget), without the
-    memory budget unless ``budget`` (lowered by ``lower`` bytes: the transient memory the linear
-    form does not see; ``transients``: the largest op's transient bytes beside the persistent memory)."""
-    fitting = [n for n in choices if evaluate(problem, choices[n]).peak_memory <= problem.memory_budget]
-    pool = fitting if budget and fitting else list(choices)
-    starts = sorted(pool, key=lambda n: (evaluate(problem, choices[n]).step_time, n))
-    start = choices[starts[0]] if starts else greedy(problem)
-    limit = merged.problem.memory_budget - lower if budget else math.inf
-    target = merged.problem if budget and not lower and not transients else Problem(
-        merged.problem.nodes, merged.problem.edges, merged.problem.groups, limit, merged.problem.overlap_slowdown,
-        transients=budget and transients)
-    warm_start = [start[i] for i in merged.keep]
-    try:
-        if edge_var_count(target) <= FULL_ILP_LIMIT or mesh.ndim == 1:
-            solution = solve(target, warm_start, deterministic_time, time_limit)
-        else:
-            solution = solve_by_axis(target, warm_start, mesh.ndim, 2, time_limit)
-    except InfeasibleError:
-        return None, None
-    return solution, merged.expand(solution.choice, len(problem.nodes))
-
-
-def _recompute_candidates(problem: Problem, terms: list[checkpoint.GroupTerms], choices: dict[str, list[int]],
-                          ops: dict[str, str], clock: "_Clock", mesh: Mesh, deterministic_time: float,
-                          time_limit: Optional[float], walk: Optional[peak.Walker] = None) -> list[Solved]:
-    """Plans that recompute, for a problem whose best plan does not fit: per mode, from the fewest
-    recomputed instances with which any plan fits (the leanest memory: a cheap sum over nodes), then
-    more until a plan's walked peak fits (the sum misses what lives between ops), then more while
-    the fitting plan gets faster. Every candidate is a full solve; after one over the budget, levels
-    whose leanest memory plus that plan's walked excess is still over are skipped (what lives between
-    ops, temporaries and gathers in flight, hardly depends on how many instances recompute)."""
-    top = max(t.count for t in terms)
-    out = []
-    for mode in checkpoint.MODES:
-        priced: dict[int, Problem] = {}
-
-        def at(level: int) -> Problem:
-            if level not in priced:
-                priced[level] = checkpoint.with_checkpointing(problem, terms, checkpoint.levels(terms, mode, level))
-            return priced[level]
-
-        # recomputing the last instance saves nothing (its backward follows at once), so at most top - 1
-        ladder = [lv for lv in range(1, top) if leanest(at(lv)) <= problem.memory_budget]
-        if not ladder:
-            continue
-        best_time, excess = math.inf, 0.0
-        trials = _trials(ladder[0], top - 1)
-        for level in trials:
-            if excess and level != trials[-1] and leanest(at(level)) + excess > problem.memory_budget:
-                continue
-            prob, rc = at(level), checkpoint.levels(terms, mode, level)
-            merged = merge(prob, ops)
-            search_args = (mesh, deterministic_time, time_limit)
-            solution, chosen = (_solve_fitting(merged, prob, choices, search_args, problem.memory_budget,
-                                               lambda c: walk(prob, c, rc).peak_memory) if walk is not None else
-                                _solve(merged, prob, choices, *search_args, budget=True))
-            if chosen is None:
-                continue
-            cost = walk(prob, chosen, rc) if walk is not None else evaluate(prob, chosen)
-            fits = cost.peak_memory <= problem.memory_budget
-            out.append(Solved(rc, prob, merged, solution, chosen))
-            if clock.progress:
-                print(f"autopar: recompute {mode} {level}/{top}: {cost.step_time * 1e3:.1f} ms"
-                      f"{'' if fits else ' (over the budget)'}", file=sys.stderr)
-            if not fits:  # recomputing more lowers the peak: a later level may fit
-                excess = max(excess, cost.peak_memory - evaluate(prob, chosen).peak_memory)
-                continue
-            if cost.step_time >= best_time and len(trials) < len(ladder):
-                break  # a sample of many levels: stop where recomputing more stops paying
-            best_time = cost.step_time
-    return out
-
-
-def _trials(first: int, last: int) -> list[int]:
-    """The recomputation levels tried from the fewest that fits: every one when few, else doubling steps."""
-    if last - first <= 3:
-        return list(range(first, last + 1))
-    out, step = [first], 1
-    while first + step < last:
-        out.append(first + step)
-        step *= 2
-    return out + [last]
-
-
-def leanest(problem: Problem) -> float:
-    """The least memory per device any plan of ``problem`` needs (memory is a sum over nodes)."""
-    return sum(n.mult * min(n.mem_total(s) for s in n.alive()) for n in problem.nodes)
 
 
 def _check_recipe_hints(graph: Graph, name: str, allowed: recipes.Allowed, constraints: list[Constraint],
@@ -497,4 +459,4 @@ def _infeasible(graph: Graph, problem: Problem, budget: float, terms: Optional[l
     )
 
 
-__all__ = ["Candidate", "Planned", "Solved", "run_passes"]
+__all__ = ["Candidate", "Planned", "Prepared", "Solved", "prepare", "run_passes", "search_prepared", "within"]

@@ -83,7 +83,7 @@ def balanced_search(passes: Callable[..., Any]) -> Callable[..., Any]:
         asked = asks_balanced(hints, attention)
         with offer_balanced(asked):
             first = passes(model, mesh, example_inputs, example_kwargs, options)
-        if asked or options is None or options.recipe or not _runs_balanced(first):
+        if asked or options is None or options.recipe or not runs_balanced(first):
             return first
         with offer_balanced(True):
             second = passes(model, mesh, example_inputs, example_kwargs, replace(options, graph=first.graph))
@@ -93,7 +93,7 @@ def balanced_search(passes: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _runs_balanced(planned: Any) -> bool:
+def runs_balanced(planned: Any) -> bool:
     """Whether a planned problem's choice runs some attention as balanced ring."""
     return any((ring_axis(n.strategies[c]) or (0, ""))[1] == RING_BALANCED
                for n, c in zip(planned.problem.nodes, planned.choice))

@@ -1,0 +1,164 @@
+"""The search's solves of one priced problem: the ILP within or without the memory budget
+(``solve_choice``), within it until the walked peak fits (``solve_walked``), and the plans that
+recompute layer instances, level by level (``recompute_candidates``), with the two bounds that
+decide what is worth solving: the least memory (``leanest``) and the least step time
+(``time_floor``) any plan of a problem can have.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from autopar.cost_model.mesh import Mesh
+from autopar.errors import InfeasibleError
+from autopar.passes.search import checkpoint, peak
+from autopar.passes.search.merge import Merged, merge
+from autopar.passes.search.problem import Problem, evaluate
+from autopar.passes.search.solve import Solution, greedy, solve
+from autopar.passes.search.solve_axis import FULL_ILP_LIMIT, edge_var_count, solve_by_axis
+
+
+@dataclass
+class Solved:
+    """One solve of the search: the recomputation its ``problem`` is priced with, the problem's merged
+    form, the solver's ``solution`` and its ``choice`` per problem node (None: the solver found none)."""
+
+    recompute: checkpoint.Choice
+    problem: Problem
+    merged: Merged
+    solution: Optional[Solution]
+    choice: Optional[list[int]]
+
+
+def solve_walked(merged: Merged, problem: Problem, choices: dict[str, list[int]], search_args: tuple,
+                 budget: float, peak_of):
+    """``solve_choice`` with the budget, its linear memory budget lowered until the walked peak
+    (``peak_of``) of its plan fits (``passes.search.peak.solve_fitting``)."""
+    return peak.solve_fitting(lambda lower, transients: solve_choice(merged, problem, choices, *search_args,
+                                                                     budget=True, lower=lower, transients=transients),
+                              peak_of, problem, budget)
+
+
+def solve_choice(merged: Merged, problem: Problem, choices: dict[str, list[int]], mesh: Mesh,
+                 deterministic_time: float, time_limit: Optional[float], budget: bool, lower: float = 0.0,
+                 transients: bool = False):
+    """The search's plan of ``problem`` (``(solution, choice)``; ``(None, None)`` when the solver finds
+    none), warm-started from the best recipe (the best that fits, with the budget), without the
+    memory budget unless ``budget`` (lowered by ``lower`` bytes: the transient memory the linear
+    form does not see; ``transients``: the largest op's transient bytes beside the persistent memory)."""
+    fitting = [n for n in choices if evaluate(problem, choices[n]).peak_memory <= problem.memory_budget]
+    pool = fitting if budget and fitting else list(choices)
+    starts = sorted(pool, key=lambda n: (evaluate(problem, choices[n]).step_time, n))
+    start = choices[starts[0]] if starts else greedy(problem)
+    limit = merged.problem.memory_budget - lower if budget else math.inf
+    target = merged.problem if budget and not lower and not transients else Problem(
+        merged.problem.nodes, merged.problem.edges, merged.problem.groups, limit, merged.problem.overlap_slowdown,
+        transients=budget and transients)
+    warm_start = [start[i] for i in merged.keep]
+    try:
+        if edge_var_count(target) <= FULL_ILP_LIMIT or mesh.ndim == 1:
+            solution = solve(target, warm_start, deterministic_time, time_limit)
+        else:
+            solution = solve_by_axis(target, warm_start, mesh.ndim, 2, time_limit)
+    except InfeasibleError:
+        return None, None
+    return solution, merged.expand(solution.choice, len(problem.nodes))
+
+
+def recompute_candidates(problem: Problem, terms: list[checkpoint.GroupTerms], choices: dict[str, list[int]],
+                         ops: dict[str, str], progress: bool, mesh: Mesh, deterministic_time: float,
+                         time_limit: Optional[float], walk: Optional[peak.Walker] = None,
+                         incumbent: float = math.inf) -> list[Solved]:
+    """Plans that recompute, for a problem whose best plan does not fit: per mode, from the fewest
+    recomputed instances with which any plan fits (the leanest memory: a cheap sum over nodes), then
+    more until a plan's walked peak fits (the sum misses what lives between ops), then more while
+    the fitting plan gets faster. Every candidate is a full solve; after one over the budget, levels
+    whose leanest memory plus that plan's walked excess is still over are skipped (what lives between
+    ops, temporaries and gathers in flight, hardly depends on how many instances recompute).
+
+    Returned in ``checkpoint.MODES`` order, levels ascending. The modes are walked most promising
+    first (the lowest ``time_floor`` of their first level), and a mode's remaining levels are not
+    solved once no plan of any of them can be as fast as the fastest fitting plan found
+    (``incumbent``: the caller's, then each fitting solve's): every plan they could add would lose
+    to that one, so the choice among the returned plans is the same as with every level solved."""
+    top = max(t.count for t in terms)
+    priced: dict[tuple[str, int], Problem] = {}
+    floors: dict[tuple[str, int], float] = {}
+
+    def at(mode: str, level: int) -> Problem:
+        if (mode, level) not in priced:
+            priced[mode, level] = checkpoint.with_checkpointing(problem, terms, checkpoint.levels(terms, mode, level))
+        return priced[mode, level]
+
+    def floor(mode: str, level: int) -> float:
+        if (mode, level) not in floors:
+            floors[mode, level] = time_floor(at(mode, level))
+        return floors[mode, level]
+
+    # recomputing the last instance saves nothing (its backward follows at once), so at most top - 1
+    ladders = {mode: [lv for lv in range(1, top) if leanest(at(mode, lv)) <= problem.memory_budget]
+               for mode in checkpoint.MODES}
+    walked = sorted((m for m in checkpoint.MODES if ladders[m]),
+                    key=lambda m: (floor(m, ladders[m][0]), checkpoint.MODES.index(m)))
+    out: dict[str, list[Solved]] = {}
+    for mode in walked:
+        ladder = ladders[mode]
+        found = out.setdefault(mode, [])
+        best_time, excess = math.inf, 0.0
+        tried = trials(ladder[0], top - 1)
+        for n, level in enumerate(tried):
+            if min(floor(mode, lv) for lv in tried[n:]) * (1 - 1e-9) > incumbent:
+                break  # no plan of this or a later level can win (ties go to an earlier mode: strictly slower)
+            if excess and level != tried[-1] and leanest(at(mode, level)) + excess > problem.memory_budget:
+                continue
+            prob, rc = at(mode, level), checkpoint.levels(terms, mode, level)
+            merged = merge(prob, ops)
+            search_args = (mesh, deterministic_time, time_limit)
+            solution, chosen = (solve_walked(merged, prob, choices, search_args, problem.memory_budget,
+                                             lambda c: walk(prob, c, rc).peak_memory) if walk is not None else
+                                solve_choice(merged, prob, choices, *search_args, budget=True))
+            if chosen is None:
+                continue
+            cost = walk(prob, chosen, rc) if walk is not None else evaluate(prob, chosen)
+            fits = cost.peak_memory <= problem.memory_budget
+            found.append(Solved(rc, prob, merged, solution, chosen))
+            if progress:
+                print(f"autopar: recompute {mode} {level}/{top}: {cost.step_time * 1e3:.1f} ms"
+                      f"{'' if fits else ' (over the budget)'}", file=sys.stderr)
+            if not fits:  # recomputing more lowers the peak: a later level may fit
+                excess = max(excess, cost.peak_memory - evaluate(prob, chosen).peak_memory)
+                continue
+            incumbent = min(incumbent, cost.step_time)
+            if cost.step_time >= best_time and len(tried) < len(ladder):
+                break  # a sample of many levels: stop where recomputing more stops paying
+            best_time = cost.step_time
+    return [s for mode in checkpoint.MODES for s in out.get(mode, [])]
+
+
+def trials(first: int, last: int) -> list[int]:
+    """The recomputation levels tried from the fewest that fits: every one when few, else doubling steps."""
+    if last - first <= 3:
+        return list(range(first, last + 1))
+    out, step = [first], 1
+    while first + step < last:
+        out.append(first + step)
+        step *= 2
+    return out + [last]
+
+
+def leanest(problem: Problem) -> float:
+    """The least memory per device any plan of ``problem`` needs (memory is a sum over nodes)."""
+    return sum(n.mult * min(n.mem_total(s) for s in n.alive()) for n in problem.nodes)
+
+
+def time_floor(problem: Problem) -> float:
+    """A lower bound of every choice's step time on ``problem`` (any strategy, allowed or not):
+    each node's cheapest compute and own communication. ``evaluate`` adds only what is never
+    negative to that sum: reshardings, exposed parameter traffic, the compute it slows."""
+    return sum(n.mult * min(c + m for c, m in zip(n.compute, n.comm)) for n in problem.nodes)
+
+
+__all__ = ["Solved", "leanest", "recompute_candidates", "solve_choice", "solve_walked", "time_floor", "trials"]
