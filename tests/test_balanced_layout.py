@@ -366,7 +366,7 @@ def test_the_search_weighs_z_only_where_it_may_pay():
         assert sum(holding_z(search_strategies(enc, n, mesh)) for n in enc.nodes if "attention" not in n.op) == 0
 
 
-def test_a_search_offered_no_z_weighs_what_it_weighed_before_z():
+def test_a_search_offered_no_z_weighs_no_z_on_a_2_axis_mesh():
     """Outside ``offer_balanced`` (every plan whose attention does not run balanced ring), no
     strategy on a 2-axis mesh holds ``Z``, so such plans are those of the strategies without it;
     the balanced ring attention is weighed on contiguous blocks on each axis, its edge
