@@ -331,11 +331,12 @@ def test_plan_files_name_z_and_older_versions_load(tmp_path):
 
 
 def test_the_search_weighs_z_only_where_it_may_pay():
-    """Outside ``offer_balanced`` the search's strategies hold ``Z`` only on the balanced ring
-    attention itself (whose edges then convert); inside it, the ops around the attention take it
-    too; the lowering (``node_strategies``) finds them either way. Non-causal graphs never have it."""
+    """Outside ``offer_balanced`` no strategy the search weighs holds ``Z``, the balanced ring
+    attention's included (it runs on contiguous blocks, permuting at its edges); inside it, the
+    attention and the ops around it take ``Z`` and the edge form is gone; the lowering
+    (``node_strategies``) finds every form either way. Non-causal graphs never have it."""
     from autopar.ir.capture import capture
-    from autopar.ir.rules.ring import asks_balanced, offer_balanced
+    from autopar.ir.rules.ring import asks_balanced, edge_balanced, offer_balanced
     from autopar.models import make
     from autopar.passes.search.strategies import node_strategies, search_strategies
 
@@ -348,9 +349,13 @@ def test_the_search_weighs_z_only_where_it_may_pay():
     ops = [n for n in graph.nodes if not n.is_placeholder and "attention" not in n.op]
     attn = [n for n in graph.nodes if "attention" in n.op]
     assert sum(holding_z(search_strategies(graph, n, mesh)) for n in ops) == 0
-    assert all(holding_z(search_strategies(graph, n, mesh)) for n in attn)
+    assert sum(holding_z(search_strategies(graph, n, mesh)) for n in attn) == 0
+    assert all(any(edge_balanced(st) for st in search_strategies(graph, n, mesh)) for n in attn)
     with offer_balanced(True):
         assert sum(holding_z(search_strategies(graph, n, mesh)) for n in ops) > 20
+        assert all(holding_z(search_strategies(graph, n, mesh)) for n in attn)
+        assert not any(edge_balanced(st) for n in attn for st in search_strategies(graph, n, mesh))
+    assert all(any(edge_balanced(st) for st in node_strategies(graph, n, mesh)) for n in attn)
     assert sum(holding_z(node_strategies(graph, n, mesh)) for n in ops) > 20
     assert asks_balanced({"input:0": "cp=Z(1)"}, None) and asks_balanced(None, {"cp": "ring:balanced"})
     assert not asks_balanced({"input:0": "cp=S(1)"}, {"cp": "ring"})
@@ -359,3 +364,63 @@ def test_the_search_weighs_z_only_where_it_may_pay():
     enc = capture(Bidirectional(), (torch.zeros(2, 16, dtype=torch.long),) * 2)
     with offer_balanced(True):
         assert sum(holding_z(search_strategies(enc, n, mesh)) for n in enc.nodes if "attention" not in n.op) == 0
+
+
+def test_a_search_offered_no_z_weighs_no_z_on_a_2_axis_mesh():
+    """Outside ``offer_balanced`` (every plan whose attention does not run balanced ring), no
+    strategy on a 2-axis mesh holds ``Z``, so such plans are those of the strategies without it;
+    the balanced ring attention is weighed on contiguous blocks on each axis, its edge
+    permutations priced with it above the same op laid out balanced."""
+    from autopar.cost_model.precision import get_precision
+    from autopar.cost_model.ring import ring_time
+    from autopar.ir.attention import ATTN_FWD
+    from autopar.ir.capture import capture
+    from autopar.ir.rules import op_call
+    from autopar.ir.rules.ring import RING_BALANCED, edge_balanced, ring_axis
+    from autopar.models import make
+    from autopar.passes.search.strategies import search_strategies
+
+    model, args = make("llama", "tiny", batch=2, seq=16)
+    graph = capture(model, args)
+    mesh = autopar.Mesh({"dp": 2, "tp": 2}, device="h100")
+    weighed = {n.name: search_strategies(graph, n, mesh) for n in graph.nodes}
+    laid = [name for name, strats in weighed.items()
+            if any(isinstance(p, Z) for st in strats for sig in st for p in sig.inputs + sig.outputs)]
+    assert laid == []
+    fwd = next(n for n in graph.nodes if n.op == ATTN_FWD)
+    edges = [st for st in weighed[fwd.name] if edge_balanced(st)]
+    assert {ring_axis(st) for st in edges} == {(0, RING_BALANCED), (1, RING_BALANCED)}
+    call, hw, link = op_call(graph, fwd), mesh.hardware, mesh.link(1)
+    prec = get_precision("fp32", hw)
+    edge = next(st for st in edges if ring_axis(st) == (1, RING_BALANCED))
+    laid_out = tuple(sig if a != 1 else next(s for s in (st[1] for st in strategies(call, (2, 2)))
+                                             if s.tag == RING_BALANCED and isinstance(s.inputs[0], Z))
+                     for a, sig in enumerate(edge))
+    ins = [tuple(x // 2 if d == 2 else x for d, x in enumerate(s.shape)) for s in call.in_specs]
+    outs = [tuple(x // 2 if d == 2 else x for d, x in enumerate(s.shape)) for s in call.out_specs]
+    assert ring_time(call, edge, ins, outs, 2, link, hw, prec) > ring_time(call, laid_out, ins, outs, 2, link, hw, prec)
+
+
+def test_balanced_ring_on_contiguous_blocks_matches_one_device():
+    """The balanced ring as the search without ``Z`` weighs it (contiguous blocks, permuted at the
+    op's edges): a plan forcing it lays nothing out ``Z`` and trains as the model does."""
+    import inspect
+
+    from autopar.ir.rules.ring import RING_BALANCED, forced_form
+    from autopar.planner.intra import run_passes
+    from autopar.planner.options import PlanOptions
+    from autopar.planner.report import build_plan
+
+    from _parity import simulated_errors
+
+    model, args, _, tol = _family("llama")
+    mesh = autopar.Mesh({"dp": 2, "cp": 2}, device="cpu")
+    opts = PlanOptions(hints={"input:0": "cp=S(1)", "input:1": "cp=S(1)"}, deterministic_time=0.5, progress=False)
+    with forced_form(RING_BALANCED), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = build_plan(inspect.unwrap(run_passes)(model, mesh, args, None, opts))  # the search without Z
+    attn = [n for n in plan.nodes if "attention" in n["op"]]
+    assert attn and all(RING_BALANCED in n["tags"] for n in attn)
+    assert not any("Z(" in s for n in plan.nodes for s in n["strategy"])
+    loss_err, grad_errs = simulated_errors(model, plan, args)
+    assert loss_err <= tol and max(grad_errs.values()) <= 1e-8, (loss_err, grad_errs)

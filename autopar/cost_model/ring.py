@@ -19,7 +19,9 @@ Causal work per step, in units of ``c`` (one query chunk against one key chunk, 
 - balanced (``ring:balanced``, chunks ``r`` and ``2n-1-r``, a chunk = half a block): every device
   does the same work at every step, two chunk pairs = half a block (step 0: two diagonal chunks and
   one whole pair), ``n / 2`` blocks in all. Its tensors are laid out balanced (``Z``); converting
-  to and from that layout is a resharding, priced where it happens (``cost_model.balanced``).
+  to and from that layout is a resharding, priced where it happens (``cost_model.balanced``); on
+  contiguous blocks (``ir.rules.ring.edge_balanced``) the op's two half-block permutations of each
+  input and output at its edges are priced with it (not overlapped).
 
 Without a mask every device attends a whole block at every step in either layout.
 """
@@ -35,7 +37,7 @@ from autopar.cost_model.precision import Precision, element_bytes
 from autopar.ir.attention import ATTN_BWD, ATTN_FWD
 from autopar.ir.rules.base import OpCall
 from autopar.ir.rules.dimmap import Strategy
-from autopar.ir.rules.ring import RING_BALANCED, ring_axis
+from autopar.ir.rules.ring import RING_BALANCED, edge_balanced, ring_axis
 
 __all__ = ["causal_split_factor", "ring_inflight_bytes", "ring_time", "step_works"]
 
@@ -121,6 +123,11 @@ def ring_time(call: OpCall, strategy: Strategy, ins: Sequence[Shape], outs: Sequ
     total = sum(max(c, kv) for c in steps[:-1]) + steps[-1]
     if backward:
         total += _hop(kv_numel * 4, link)  # the accumulators' last pass, home
+    if edge_balanced(strategy):  # inputs in and outputs out, each as two half-block permutations
+        moved = [(shape, spec.dtype) for shape, spec in zip(ins, call.in_specs)]
+        moved += [(shape, spec.dtype) for shape, spec in zip(outs, call.out_specs) if shape is not None and spec]
+        total += sum(2 * _hop(_numel(shape) * element_bytes(dt, "activation", precision) / 2, link)
+                     for shape, dt in moved)
     return total
 
 

@@ -15,7 +15,9 @@ chunk after the key chunk attends to all of it, the same chunk runs the kernel w
 Layouts: ``contiguous`` (``S(2)``: device ``r`` holds chunk ``r`` of ``n``) and ``balanced``
 (``Z(2)``, ``ir.placement.Balanced``: ``2n`` chunks, device ``r`` holds chunks ``r`` and ``2n-1-r``,
 so every device has the same causal work). The blocks arrive in their layout; the masks follow from
-the chunk indices each device holds.
+the chunk indices each device holds. The balanced ring also runs on contiguous blocks, reaching its
+layout and back by two point-to-point permutations at the op's edges (``to_balanced`` /
+``from_balanced``): the form the search weighs where the balanced split is not offered around the op.
 
 The exchanges are ``permute(x, axis, dest)``: every device of the axis sends its ``x`` to device
 ``dest[rank]`` and returns what it received (a ``LocalCtx.permute``, which the program and the rule
@@ -30,7 +32,7 @@ import torch
 
 from autopar.ir.attention import attention, attention_backward
 
-__all__ = ["Permute", "Ring", "ring_backward", "ring_forward"]
+__all__ = ["Permute", "Ring", "from_balanced", "ring_backward", "ring_forward", "to_balanced"]
 
 #: ``permute(x, axis, dest)``: send ``x`` to the axis's device ``dest[rank]``; returns what arrived
 Permute = Callable[[torch.Tensor, int, Sequence[int]], torch.Tensor]
@@ -144,3 +146,37 @@ def ring_backward(ring: Ring, grad: torch.Tensor, q: torch.Tensor, k: torch.Tens
         dkv = ring.shift(dkv)  # n passes in all: each accumulator ends on its block's owner
     dq_out = torch.cat(dq, dim=2).to(q.dtype)
     return dq_out, dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype)
+
+
+# -- the balanced layout's edges ---------------------------------------------------------------
+
+def _owner(chunk: int, n: int) -> int:
+    """The device holding ``chunk`` (of ``2n``) in the balanced layout."""
+    return chunk if chunk < n else 2 * n - 1 - chunk
+
+
+def to_balanced(ring: Ring, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """This device's contiguous block of ``x`` along ``dim`` (chunks ``2r``, ``2r+1``) as its balanced
+    block (chunks ``r``, ``2n-1-r``): two permutations, the even chunks and the odd ones."""
+    n, r = ring.n, ring.rank
+    even, odd = x.chunk(2, dim=dim)
+    got_even = ring.permute(even.contiguous(), ring.axis, [_owner(2 * s, n) for s in range(n)])
+    got_odd = ring.permute(odd.contiguous(), ring.axis, [_owner(2 * s + 1, n) for s in range(n)])
+    # of the two chunks r and 2n-1-r (an odd sum), exactly one is even
+    front, back = (got_even, got_odd) if r % 2 == 0 else (got_odd, got_even)
+    return torch.cat([front, back], dim=dim)
+
+
+def from_balanced(ring: Ring, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The inverse of ``to_balanced``: this device's balanced block back to its contiguous block."""
+    n, r = ring.n, ring.rank
+    front, back = x.chunk(2, dim=dim)
+    even, odd = (front, back) if r % 2 == 0 else (back, front)
+
+    def dest(s: int, parity: int) -> int:  # where device s's chunk of that parity belongs
+        c = s if s % 2 == parity else 2 * n - 1 - s
+        return c // 2
+
+    got_even = ring.permute(even.contiguous(), ring.axis, [dest(s, 0) for s in range(n)])
+    got_odd = ring.permute(odd.contiguous(), ring.axis, [dest(s, 1) for s in range(n)])
+    return torch.cat([got_even, got_odd], dim=dim)

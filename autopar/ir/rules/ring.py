@@ -10,7 +10,10 @@ log-sum-exp (and, backward, the gradients) on the sequence, dim 2, over one mesh
   Balanced``: device ``r`` holds chunks ``r`` and ``2n-1-r`` of ``2n``), where every ring step costs
   every device the same causal work. The layout is a placement like any other: the ops around the
   attention take it as they take a split (``ir.rules.dimmap.balanced_signatures``), and the
-  conversions from and to other placements are reshardings, priced and lowered as such.
+  conversions from and to other placements are reshardings, priced and lowered as such. Where the
+  search does not offer ``Z`` around the op (``offer_balanced``), it weighs the balanced ring on
+  contiguous blocks instead (``edge_balanced``): the op permutes its blocks to the balanced layout
+  at its edges and back, priced with the op, so the ops around it see plain splits.
 
 A strategy may ring on one axis only, with no other axis splitting the sequence; the sequence must
 divide into equal blocks (``2n`` chunks for the balanced layout). Ring runs without a mask tensor
@@ -28,15 +31,15 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 from autopar.ir.attention import ATTN_BWD, ATTN_FWD
 from autopar.ir.placement import Balanced, Split
-from autopar.ir.ring_attention import Ring, ring_backward, ring_forward
+from autopar.ir.ring_attention import Ring, from_balanced, ring_backward, ring_forward, to_balanced
 from autopar.ir.rules.special import _check_attention_blocks  # (and the attention rules this module extends)
 from autopar.ir.rules.base import RULES, LocalCtx, OpCall
 from autopar.ir.rules.dimmap import DimMap, Signature, Strategy
 from autopar.ir.rules.shared_kv import TAG as KV_SHARED
 from autopar.ir.rules.shared_kv import composes as kv_shared_composes
 
-__all__ = ["FORMS", "RING", "RING_BALANCED", "asks_balanced", "balanced_lengths", "balanced_offered", "forced_form",
-           "offer_balanced", "ring_axis"]
+__all__ = ["FORMS", "RING", "RING_BALANCED", "asks_balanced", "balanced_lengths", "balanced_offered", "edge_balanced",
+           "forced_form", "offer_balanced", "ring_axis"]
 
 RING = "ring"
 RING_BALANCED = "ring:balanced"
@@ -135,9 +138,21 @@ def _ring_extra(call: OpCall, dm: DimMap) -> list[Signature]:
         return []
     n_out = len(call.out_specs)
     out = []
-    for tag, place in ((RING, Split(2)), (RING_BALANCED, Balanced(2))):
+    # ring:balanced twice: laid out balanced (Z), and on contiguous blocks permuting at its edges
+    # (``edge_balanced``), which the search weighs where it does not offer Z around the op
+    for tag, place in ((RING, Split(2)), (RING_BALANCED, Balanced(2)), (RING_BALANCED, Split(2))):
         out.append(Signature(tuple(place for _ in call.in_specs), tuple(place for _ in range(n_out)), tag))
     return out
+
+
+def edge_balanced(strategy: Strategy) -> bool:
+    """Whether ``strategy`` runs the balanced ring on contiguous sequence blocks (``S(2)``), reaching
+    the balanced layout and back by permutations inside the op, priced with it."""
+    found = ring_axis(strategy)
+    if found is None or found[1] != RING_BALANCED:
+        return False
+    sig = strategy[found[0]]
+    return not any(isinstance(p, Balanced) for p in sig.inputs)
 
 
 def _compose(call: OpCall, strats: list, mesh_shape: Sequence[int]) -> list:
@@ -193,8 +208,12 @@ def _wrap(op: str) -> None:
         q_index, causal_pos, _ = _layout(call)
         _check_ring_blocks(xs, q_index, op == ATTN_BWD, 2 if ring.balanced else 1)
         causal, scale = bool(call.arg(causal_pos, "is_causal", False)), call.kwargs.get("scale")
-        return (ring_backward(ring, *xs, causal, scale) if op == ATTN_BWD
-                else ring_forward(ring, *xs, causal, scale))
+        edges = edge_balanced(ctx.strategy)
+        if edges:
+            xs = [to_balanced(ring, x, 2) for x in xs]
+        res = (ring_backward(ring, *xs, causal, scale) if op == ATTN_BWD
+               else ring_forward(ring, *xs, causal, scale))
+        return tuple(from_balanced(ring, x, 2) for x in res) if edges else res
 
     def extra(call: OpCall, dm: DimMap) -> list[Signature]:
         return (before(call, dm) if before is not None else []) + _ring_extra(call, dm)

@@ -32,7 +32,8 @@ from autopar.ir.placement import (B, Balanced, Placement, PlacementError, Placem
 from autopar.ir.rules import op_call
 from autopar.ir.rules import strategies as rule_strategies
 from autopar.ir.rules.dimmap import Signature, Strategy
-from autopar.ir.rules.ring import RING_BALANCED, asks_balanced, balanced_lengths, balanced_offered, offer_balanced, ring_axis
+from autopar.ir.rules.ring import (RING_BALANCED, asks_balanced, balanced_lengths, balanced_offered, edge_balanced,
+                                   offer_balanced, ring_axis)
 
 
 def fits(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> bool:
@@ -73,9 +74,10 @@ def balanced_search(passes: Callable[..., Any]) -> Callable[..., Any]:
     """The planning passes (``planner.intra.run_passes``) weighing the balanced split ``Z`` of a
     causal sequence around the attention where the options ask for it (a hint placing something
     ``Z``, ``attention=`` naming ``ring:balanced``), and otherwise in a second search only when the
-    first runs some attention as balanced ring (converting to ``Z`` at its edges): the faster plan
-    that fits wins. Plans whose attention runs another form search once, with the strategies they
-    always had, so their plans and planning times stay as they were."""
+    first runs some attention as balanced ring (on contiguous blocks, permuting at the op's edges,
+    ``ir.rules.ring.edge_balanced``): the faster plan that fits wins, and either runs as planned.
+    The first search weighs no ``Z`` anywhere, so plans whose attention runs another form search
+    once, with the strategies they always had, and their plans and planning times stay as they were."""
 
     @functools.wraps(passes)
     def run(model, mesh: Mesh, example_inputs=(), example_kwargs=None, options=None):
@@ -133,17 +135,25 @@ def _replicated_on(strat: Strategy, axes: Sequence[int]) -> bool:
 
 
 def search_strategies(graph: Graph, node: Node, mesh: Mesh) -> list[Strategy]:
-    """The strategies the search weighs: ``node_strategies`` (the balanced split ``Z`` around the
-    attention only where it is offered, ``ir.rules.ring.offer_balanced``) less those that split or
-    leave partial any tensor on an axis of size 1 (a split there is the whole tensor, and a collective over one
-    device moves nothing, so such choices only list pointless collectives in the plan). Every
-    strategy, as before, where a node has none replicated on those axes."""
-    strats = node_strategies(graph, node, mesh, balanced=balanced_offered())
+    """The strategies the search weighs: ``node_strategies`` (the balanced split ``Z`` only where it
+    is offered, ``ir.rules.ring.offer_balanced``; elsewhere the balanced ring attention runs on
+    contiguous blocks, ``ir.rules.ring.edge_balanced``, and no strategy lays anything out ``Z``) less
+    those that split or leave partial any tensor on an axis of size 1 (a split there is the whole
+    tensor, and a collective over one device moves nothing, so such choices only list pointless
+    collectives in the plan). Every strategy, as before, where a node has none replicated on those axes."""
+    offered = balanced_offered()
+    strats = [s for s in node_strategies(graph, node, mesh, balanced=offered)
+              if (not edge_balanced(s) if offered else not _lays_balanced(s))]
     unit = [a for a, n in enumerate(mesh.shape) if n == 1]
     if not unit:
         return strats
     kept = [s for s in strats if _replicated_on(s, unit)]
     return kept or strats
+
+
+def _lays_balanced(strat: Strategy) -> bool:
+    """Whether some tensor of ``strat`` is laid out balanced (``Z``) on some axis."""
+    return any(isinstance(p, Balanced) for sig in strat for p in (*sig.inputs, *sig.outputs))
 
 
 def unit_replicated(placements: Placements, mesh_shape: Sequence[int]) -> Placements:
