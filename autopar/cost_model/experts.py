@@ -2,10 +2,11 @@
 all-to-alls of a grouped product whose experts split on a mesh axis, at the routing's expected load
 times an imbalance factor.
 
-Under an even split of the sorted rows each device sends about ``(n-1)/n`` of its rows away and
-receives as many, when every expert gets its share; the device that holds the busiest experts
-receives ``IMBALANCE`` times that, and every peer waits for it, so both the exchange and the
-grouped product are priced at the imbalanced size. ``IMBALANCE`` defaults to 1.25, the capacity
+The rows are sorted by expert, so what moves depends on where they sit (``expected_rows``): rows
+split over the experts' axis in mesh order already sit at their experts' device, rows split on an
+outer axis first all go, per outer group, to one member. The device that holds the busiest experts
+receives ``IMBALANCE`` times its share, and every peer waits for it, so both the exchange and the
+grouped product are priced at the busiest device's rows. ``IMBALANCE`` defaults to 1.25, the capacity
 factor Switch Transformer trains with (Fedus, Zoph and Shazeer, "Switch Transformers", JMLR 2022,
 section 2.2): the per-expert load over its mean that a router trained with a balance loss stays
 under for nearly all tokens. It is a stated assumption, settable here, not a measurement of the
@@ -97,6 +98,7 @@ def exchange_time(strategy, in_specs: Sequence, in_placements: Sequence, out_spe
     return secs, held / max(mean, 1.0)
 
 
+#: ``expected_rows`` per (strategy, shapes, placements, mesh, imbalance): alike layers share one count
 _ROWS: dict = {}
 
 
