@@ -16,7 +16,7 @@ step and memory then cover that depth only; say so when quoting). ``--imbalance`
 exchange's imbalance factor (``autopar.cost_model.experts.IMBALANCE``).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/moe_scale.py [--only qwen3_30b] [--layers 4]
-        [--batch 64] [--imbalance 1.25] [--json out.json]
+        [--batch 64] [--imbalance 1.25] [--mesh dp=32,tp=8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -70,11 +70,13 @@ def build(name: str, layers: int | None, batch: int | None = None):
     return model, {"input_ids": ids, "labels": ids}, axes
 
 
-def row(name: str, layers: int | None, batch: int | None = None) -> dict:
-    """Plan row ``name`` and report its figures (an ``error`` where no plan fits)."""
+def row(name: str, layers: int | None, batch: int | None = None, mesh: dict | None = None) -> dict:
+    """Plan row ``name`` (on ``mesh`` axes, if not the row's) and report its figures (an ``error``
+    where no plan fits)."""
     import autopar
 
     model, kwargs, axes = build(name, layers, batch)
+    axes = mesh or axes
     head = {"model": name, "layers": layers or MODELS[name][2]["num_hidden_layers"], "mesh": axes,
             "batch": list(kwargs["input_ids"].shape)}
     t = time.perf_counter()
@@ -98,6 +100,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default: the row's 256)")
     ap.add_argument("--imbalance", type=float, default=None)
+    ap.add_argument("--mesh", default=None, help="mesh axes, e.g. dp=32,tp=8 (default: the row's)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.imbalance is not None:
@@ -106,7 +109,8 @@ def main() -> None:
         experts.IMBALANCE = a.imbalance
     rows = []
     for name in a.only or sorted(MODELS):
-        r = row(name, a.layers, a.batch)
+        mesh = {k: int(v) for k, v in (x.split("=") for x in a.mesh.split(","))} if a.mesh else None
+        r = row(name, a.layers, a.batch, mesh)
         rows.append(r)
         print(json.dumps(r), flush=True)
     if a.json:

@@ -31,7 +31,7 @@ from autopar.cost_model.buckets import grad_time
 from autopar.cost_model.casting import cast_policy, transfer_bytes, transfer_role
 from autopar.cost_model.comm import reshard_time
 from autopar.cost_model.compute import compute_time, optimizer_time
-from autopar.cost_model.experts import IMBALANCE, exchange_time, expert_axis
+from autopar.cost_model.experts import exchange_time, expert_axis
 from autopar.cost_model.fusion import fused_ops
 from autopar.cost_model.gathers import gather_shares, gather_time
 from autopar.cost_model.memory import activation_bytes, param_state_bytes
@@ -146,9 +146,11 @@ def build_problem(
                                   * causal_split_factor(call, s, mesh.shape) if ring is None else
                                   ring_time(call, s, ins, outs, mesh.shape[ring[0]], mesh.link(ring[0]), hw, precision))
                 if expert_axis(s) is not None:  # dropless experts: the busiest device's rows, moved and run
-                    pn.compute[-1] *= IMBALANCE
                     eb = activation_bytes((1,), in_specs[0].dtype, (B,) * mesh.ndim, mesh, precision)
-                    step = exchange_time(s, ins, eb, mesh)
+                    step, grow = exchange_time(s, [sp.shape for sp in in_specs[:2]],
+                                               [input_placement(s, i) for i in range(2)],
+                                               n.outputs[0].shape, output_placement(s, 0), eb, mesh)
+                    pn.compute[-1] *= grow
                 for j, spec in enumerate(n.outputs):
                     r = Ref(n.name, j)
                     if spec is not None and r in users_backward and n.name not in views:
