@@ -30,7 +30,7 @@ def pinned():
 
 
 def test_pinned_pipeline_plan_says_what_it_chose(pinned):
-    _, _, _, plan = pinned
+    _, inputs, _, plan = pinned
     pl = plan.pipeline
     assert (pl.axis, pl.degree, pl.schedule, pl.microbatches, pl.virtual_stages) == ("pp", 2, "1F1B", 4, 1)
     assert pl.mesh_names == ["pp", "dp"] and pl.mesh_shape == [2, 2]
@@ -49,6 +49,10 @@ def test_pinned_pipeline_plan_says_what_it_chose(pinned):
     text = plan.summary()
     assert "pipeline on axis 'pp'" in text and "1F1B, 4 micro-batches" in text and "stage 1 (rank 1)" in text
     assert "pipeline stage 1 of 2" in plan.explain("blocks.3")
+    # throughput of the whole step (every micro-batch) over every device of the whole mesh
+    batch, seq = inputs[0].shape
+    assert plan.tokens_per_step == batch * seq
+    assert plan.tokens_per_second_per_device == pytest.approx(batch * seq / (plan.step_time * 4))
 
 
 def test_pipeline_plan_round_trips_and_older_plans_load_without_pipeline(pinned, tmp_path):

@@ -175,6 +175,9 @@ def build_plan(planned: "Planned", pipeline: Optional[PipelineDecision] = None):
     devices = mesh.size
     peak = mesh.hardware.flops(planned.precision.compute_dtype or "float32")
     step = cost.step_time
+    if pipeline is not None:  # the layer plan is one micro-batch's on the stage mesh: the step is the pipeline's
+        flops, tokens = flops * pipeline.microbatches, tokens * pipeline.microbatches
+        devices, step = pipeline.mesh.size, pipeline.price.step_time
     figures = (_pipeline_figures(pipeline) if pipeline is not None else
                dict(step_time=cost.step_time, compute_time=cost.compute_time, comm_time=cost.comm_time,
                     peak_memory=int(cost.peak_memory), memory={k: int(v) for k, v in cost.memory.items()},
