@@ -16,9 +16,8 @@ A parameter's gradient made as a partial sum (data-parallel weight gradients) co
 producer's placement too: its reduction waits for the end of the backward (``cost_model.liveness``),
 so every layer's unreduced gradient is alive there at once, beside the saved activations.
 A forward value the backward reads and a forward consumer reads resharded is kept resharded too
-(the lowering saves the forward's copy, and the backward reads it in place of the original): the
-edge's ``saved`` bytes, per target placement, are the copy's excess over the original. Beside it,
-per strategy, each op's transient bytes (``PNode.transient``: what it makes or reads that nothing saves), which the
+(the lowering saves the forward's copy): the edge's ``saved`` bytes, per target placement. Beside it, per strategy, each
+op's transient bytes (``PNode.transient``: what it makes or reads that nothing saves), which the
 memory-fitting search adds once a walked plan is over the budget (``passes.search.peak``).
 """
 
@@ -280,15 +279,11 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision,
                                       for p in places_out]
                 cost = matrices[mkey]
                 # a forward value the backward reads, resharded for a forward consumer: the lowering
-                # keeps the copy for the backward (``cost_model.liveness``), where the backward reads it
-                # at that placement in place of the original, which the producer's activation term
-                # already counts: what the copy adds is its excess over the original (a gather's
-                # growth; nothing for an all-to-all's same-sized copy)
+                # keeps the copy for the backward (``cost_model.liveness``)
                 kept = None
                 if kind == "activation" and ref in saved and graph.node(dst_name).phase == Phase.FORWARD:
-                    kept = [[max(0.0, float(activation_bytes(spec.shape, spec.dtype, q, mesh, precision)
-                                            - activation_bytes(spec.shape, spec.dtype, p, mesh, precision)))
-                             if c else 0.0 for q, c in zip(places_in, row)] for p, row in zip(places_out, cost)]
+                    kept = [[float(activation_bytes(spec.shape, spec.dtype, q, mesh, precision)) if c else 0.0
+                             for q, c in zip(places_in, row)] for row in cost]
                 built[key] = ([places_out.index(p) for p in src_p], [places_in.index(q) for q in dst_p],
                               places_out, places_in, cost, eb, kept)
             src_place, dst_place, places_out, places_in, cost, eb, kept = built[key]
