@@ -58,6 +58,8 @@ def solve_choice(merged: Merged, problem: Problem, choices: dict[str, list[int]]
         merged.problem.nodes, merged.problem.edges, merged.problem.groups, limit, merged.problem.overlap_slowdown,
         transients=budget and transients)
     warm_start = [start[i] for i in merged.keep]
+    if budget and surely_over(target):  # (what the solver would find after its search: nothing)
+        return None, None
     try:
         if edge_var_count(target) <= FULL_ILP_LIMIT or mesh.ndim == 1:
             solution = solve(target, warm_start, deterministic_time, time_limit)
@@ -154,6 +156,25 @@ def leanest(problem: Problem) -> float:
     return sum(n.mult * min(n.mem_total(s) for s in n.alive()) for n in problem.nodes)
 
 
+#: how far the least memory must exceed the budget for ``surely_over``: above the solvers' rounding
+#: of bytes and their feasibility tolerance, so that no plan a solver would accept is ruled out
+OVER_MARGIN = 1e-6
+
+
+def surely_over(problem: Problem) -> bool:
+    """Whether no choice can satisfy the memory row of ``problem``'s solve: its least memory
+    (``leanest``: the kept copies an edge adds are never negative), plus, where the row counts the
+    largest transient (``Problem.transients``), the largest of the nodes' least transients, is over
+    the budget. The solvers would search and find nothing (the lowered budgets of
+    ``solve_walked`` often ask for that); this answers at the cost of a sum."""
+    if problem.memory_budget == math.inf:
+        return False
+    need = leanest(problem)
+    if problem.transients:
+        need += max((min(n.transient[s] for s in n.alive()) for n in problem.nodes if n.transient), default=0.0)
+    return need > problem.memory_budget * (1 + OVER_MARGIN)
+
+
 def time_floor(problem: Problem) -> float:
     """A lower bound of every choice's step time on ``problem`` (any strategy, allowed or not):
     each node's cheapest compute and own communication. ``evaluate`` adds only what is never
@@ -161,4 +182,4 @@ def time_floor(problem: Problem) -> float:
     return sum(n.mult * min(c + m for c, m in zip(n.compute, n.comm)) for n in problem.nodes)
 
 
-__all__ = ["Solved", "leanest", "recompute_candidates", "solve_choice", "solve_walked", "time_floor", "trials"]
+__all__ = ["Solved", "leanest", "recompute_candidates", "solve_choice", "solve_walked", "surely_over", "time_floor", "trials"]
