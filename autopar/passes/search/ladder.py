@@ -156,9 +156,10 @@ def leanest(problem: Problem) -> float:
     return sum(n.mult * min(n.mem_total(s) for s in n.alive()) for n in problem.nodes)
 
 
-#: how far the least memory must exceed the budget for ``surely_over``: above the solvers' rounding
-#: of bytes and their feasibility tolerance, so that no plan a solver would accept is ruled out
-OVER_MARGIN = 1e-6
+#: how far the least memory must exceed the budget for ``surely_over`` (relative, plus bytes and half
+#: a byte per node): above the solvers' rounding of bytes (CP-SAT: each term to whole bytes) and
+#: their feasibility tolerance (HiGHS: its memory row in GB), so no plan a solver accepts is ruled out
+OVER_MARGIN, OVER_BYTES = 1e-6, 4096
 
 
 def surely_over(problem: Problem) -> bool:
@@ -172,7 +173,9 @@ def surely_over(problem: Problem) -> bool:
     need = leanest(problem)
     if problem.transients:
         need += max((min(n.transient[s] for s in n.alive()) for n in problem.nodes if n.transient), default=0.0)
-    return need > problem.memory_budget * (1 + OVER_MARGIN)
+    slack = OVER_MARGIN * abs(problem.memory_budget) + OVER_BYTES + 0.5 * len(problem.nodes)
+    # (with no memory at all the solvers write no memory row: any budget is met)
+    return need >= 1 and need > problem.memory_budget + slack
 
 
 def time_floor(problem: Problem) -> float:
