@@ -65,7 +65,7 @@ def test_skipping_levels_that_cannot_win_keeps_the_plan(monkeypatch, fraction):
 
 
 def _solved(problem, mesh) -> bool:
-    """Whether the full ILP and the by-axis descent each find a plan within ``problem``'s memory row."""
+    """Whether the full ILP or the by-axis descent finds a plan within ``problem``'s memory row."""
     found = []
     for solver in (lambda: solve(problem, None, 2.0), lambda: solve_by_axis(problem, leanest_choice(problem), 2)):
         try:
