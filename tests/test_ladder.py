@@ -5,14 +5,18 @@ byte-identical to solving every level."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 import autopar
 from autopar import models
 from autopar.ir.capture import capture
+from autopar.errors import InfeasibleError
 from autopar.passes.search import ladder
 from autopar.passes.search.problem import evaluate
+from autopar.passes.search.solve import solve
+from autopar.passes.search.solve_axis import leanest_choice, solve_by_axis
 from autopar.planner.intra import run_passes
 from autopar.planner.options import PlanOptions
 
@@ -58,3 +62,57 @@ def test_skipping_levels_that_cannot_win_keeps_the_plan(monkeypatch, fraction):
     assert '"checkpointing": {}' not in skipping  # the plan recomputes: the ladder chose it
     assert skipping == every
     assert solved <= solved_all
+
+
+def _solved(problem, mesh) -> bool:
+    """Whether the full ILP or the by-axis descent finds a plan within ``problem``'s memory row."""
+    found = []
+    for solver in (lambda: solve(problem, None, 2.0), lambda: solve_by_axis(problem, leanest_choice(problem), 2)):
+        try:
+            solver()
+            found.append(True)
+        except InfeasibleError:
+            found.append(False)
+    return any(found)
+
+
+@pytest.mark.parametrize("transients", [False, True])
+def test_surely_over_only_where_no_solver_finds_a_plan(transients):
+    model, inputs, graph, mesh, budget = _budgeted(0.8)
+    planned = run_passes(model, mesh, inputs, options=PlanOptions(graph=graph, memory_budget=budget,
+                                                                  deterministic_time=2.0, progress=False))
+    problem = planned.merged.problem
+    bound = ladder.leanest(problem) + (max(min(n.transient[s] for s in n.alive()) for n in problem.nodes
+                                           if n.transient) if transients else 0.0)
+    said, found = [], []
+    for f in (0.9, 0.99, 0.999999, 1.0, 1.01, 1.05, 1.1, 1.3, 2.0):  # (just below: within the solvers' slack)
+        at = replace(problem, memory_budget=int(bound * f), transients=transients)
+        over = ladder.surely_over(at)
+        said.append(over)
+        found.append(_solved(at, mesh))
+        assert not (over and found[-1]), f"the bound ruled out a plan a solver finds at {f} x the least memory"
+    assert said[:2] == [True, True] and not any(said[2:])
+    assert any(found)  # the budgets reach plans: a bound that ruled them out would fail above
+
+
+def test_solves_the_bound_skips_keep_the_plan(monkeypatch):
+    calls: list = []
+    surely_over = ladder.surely_over
+
+    def planned(fraction: float) -> tuple[str, int]:
+        model, inputs, graph, mesh, budget = _budgeted(fraction)
+        calls.clear()
+        try:
+            plan = autopar.plan(model, mesh, inputs, memory_budget=budget, progress=False, graph=graph,
+                                deterministic_time=2.0).to_json()
+        except InfeasibleError as e:  # (what no plan fits says is compared too)
+            plan = str(e)
+        return plan, sum(calls)
+
+    fractions = (0.8, 0.7, 0.6)
+    monkeypatch.setattr(ladder, "surely_over", lambda p: calls.append(surely_over(p)) or calls[-1])
+    bounded = [planned(f) for f in fractions]
+    monkeypatch.setattr(ladder, "surely_over", lambda p: calls.append(False) or False)  # every solve runs
+    every = [planned(f) for f in fractions]
+    assert [p for p, _ in bounded] == [p for p, _ in every]
+    assert sum(n for _, n in bounded) > 0  # the bound skipped solves

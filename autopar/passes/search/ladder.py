@@ -58,6 +58,8 @@ def solve_choice(merged: Merged, problem: Problem, choices: dict[str, list[int]]
         merged.problem.nodes, merged.problem.edges, merged.problem.groups, limit, merged.problem.overlap_slowdown,
         transients=budget and transients)
     warm_start = [start[i] for i in merged.keep]
+    if budget and surely_over(target):  # (what the solver would find after its search: nothing)
+        return None, None
     try:
         if edge_var_count(target) <= FULL_ILP_LIMIT or mesh.ndim == 1:
             solution = solve(target, warm_start, deterministic_time, time_limit)
@@ -154,6 +156,28 @@ def leanest(problem: Problem) -> float:
     return sum(n.mult * min(n.mem_total(s) for s in n.alive()) for n in problem.nodes)
 
 
+#: how far the least memory must exceed the budget for ``surely_over`` (relative, plus bytes and half
+#: a byte per node): above the solvers' rounding of bytes (CP-SAT: each term to whole bytes) and
+#: their feasibility tolerance (HiGHS: its memory row in GB), so no plan a solver accepts is ruled out
+OVER_MARGIN, OVER_BYTES = 1e-6, 4096
+
+
+def surely_over(problem: Problem) -> bool:
+    """Whether no choice can satisfy the memory row of ``problem``'s solve: its least memory
+    (``leanest``: the kept copies an edge adds are never negative), plus, where the row counts the
+    largest transient (``Problem.transients``), the largest of the nodes' least transients, is over
+    the budget. The solvers would search and find nothing (the lowered budgets of
+    ``solve_walked`` often ask for that); this answers at the cost of a sum."""
+    if problem.memory_budget == math.inf:
+        return False
+    need = leanest(problem)
+    if problem.transients:
+        need += max((min(n.transient[s] for s in n.alive()) for n in problem.nodes if n.transient), default=0.0)
+    slack = OVER_MARGIN * abs(problem.memory_budget) + OVER_BYTES + 0.5 * len(problem.nodes)
+    # (with no memory at all the solvers write no memory row: any budget is met)
+    return need >= 1 and need > problem.memory_budget + slack
+
+
 def time_floor(problem: Problem) -> float:
     """A lower bound of every choice's step time on ``problem`` (any strategy, allowed or not):
     each node's cheapest compute and own communication. ``evaluate`` adds only what is never
@@ -161,4 +185,4 @@ def time_floor(problem: Problem) -> float:
     return sum(n.mult * min(c + m for c, m in zip(n.compute, n.comm)) for n in problem.nodes)
 
 
-__all__ = ["Solved", "leanest", "recompute_candidates", "solve_choice", "solve_walked", "time_floor", "trials"]
+__all__ = ["Solved", "leanest", "recompute_candidates", "solve_choice", "solve_walked", "surely_over", "time_floor", "trials"]
