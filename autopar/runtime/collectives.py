@@ -15,7 +15,6 @@ mode, so it sees the collectives the program really issued.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from typing import Iterator, Optional, Sequence
 
@@ -259,7 +258,9 @@ class ThreadComm:
         self.executed = mesh.executed.setdefault(self.coords, [])
 
     def axis_size(self, axis) -> int:
-        return group_size(self.mesh.mesh_shape, axis if isinstance(axis, tuple) else (axis,))
+        if not isinstance(axis, tuple):
+            return self.mesh.mesh_shape[axis]
+        return group_size(self.mesh.mesh_shape, axis)
 
     def _exchange(self, axis) -> _Exchange:
         return self.mesh.exchange(axis, self.coords)
@@ -328,8 +329,12 @@ class ThreadComm:
 
 
 def group_size(mesh_shape: Sequence[int], axes: Sequence[int]) -> int:
-    """How many ranks the combined group of mesh ``axes`` has."""
-    return math.prod(mesh_shape[a] for a in axes)
+    """How many ranks the combined group of mesh ``axes`` has (a plain loop: compiled programs trace
+    it through ``ThreadComm.axis_size`` without a graph break)."""
+    n = 1
+    for a in axes:
+        n *= mesh_shape[a]
+    return n
 
 
 def group_rank(mesh_shape: Sequence[int], axes: Sequence[int], coords: Sequence[int]) -> int:
