@@ -4,6 +4,7 @@ byte-identical to solving every level."""
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import replace
 
@@ -21,13 +22,20 @@ from autopar.planner.intra import run_passes
 from autopar.planner.options import PlanOptions
 
 
-def _budgeted(fraction: float):
-    """A tiny GPT on (2, 2) whose budget is ``fraction`` of its plan's peak without one."""
+@functools.cache
+def _free():
+    """A tiny GPT on (2, 2), its graph and its plan's peak without a budget (made once)."""
     model, inputs = models.make("gpt", "tiny", batch=8, n_layer=8)
     graph = capture(model, inputs)
     mesh = autopar.Mesh({"dp": 2, "tp": 2}, device="cpu")
     free = autopar.plan(model, mesh, inputs, progress=False, graph=graph, deterministic_time=2.0)
-    return model, inputs, graph, mesh, int(free.peak_memory * fraction)
+    return model, inputs, graph, mesh, free.peak_memory
+
+
+def _budgeted(fraction: float):
+    """The tiny GPT of ``_free`` with a budget of ``fraction`` of its plan's peak without one."""
+    model, inputs, graph, mesh, peak = _free()
+    return model, inputs, graph, mesh, int(peak * fraction)
 
 
 def test_the_time_floor_is_below_every_choice():
@@ -43,7 +51,7 @@ def test_the_time_floor_is_below_every_choice():
         assert all(floor <= evaluate(problem, c).step_time for c in choices)
 
 
-@pytest.mark.parametrize("fraction", [0.8, 0.7])
+@pytest.mark.parametrize("fraction", [0.7])
 def test_skipping_levels_that_cannot_win_keeps_the_plan(monkeypatch, fraction):
     model, inputs, graph, mesh, budget = _budgeted(fraction)
     solves = []
@@ -76,7 +84,7 @@ def _solved(problem, mesh) -> bool:
     return any(found)
 
 
-@pytest.mark.parametrize("transients", [False, True])
+@pytest.mark.parametrize("transients", [True])
 def test_surely_over_only_where_no_solver_finds_a_plan(transients):
     model, inputs, graph, mesh, budget = _budgeted(0.8)
     planned = run_passes(model, mesh, inputs, options=PlanOptions(graph=graph, memory_budget=budget,
@@ -109,7 +117,7 @@ def test_solves_the_bound_skips_keep_the_plan(monkeypatch):
             plan = str(e)
         return plan, sum(calls)
 
-    fractions = (0.8, 0.7, 0.6)
+    fractions = (0.7, 0.6)
     monkeypatch.setattr(ladder, "surely_over", lambda p: calls.append(surely_over(p)) or calls[-1])
     bounded = [planned(f) for f in fractions]
     monkeypatch.setattr(ladder, "surely_over", lambda p: calls.append(False) or False)  # every solve runs
