@@ -38,10 +38,50 @@ def _budgeted(fraction: float):
     return model, inputs, graph, mesh, int(peak * fraction)
 
 
+@functools.cache
+def _passes(fraction: float):
+    """``run_passes`` on the tiny GPT at ``fraction`` of its free peak (made once: two tests read it)."""
+    model, inputs, graph, mesh, budget = _budgeted(fraction)
+    return run_passes(model, mesh, inputs, options=PlanOptions(graph=graph, memory_budget=budget,
+                                                               deterministic_time=2.0, progress=False))
+
+
+def _plan(fraction: float) -> str:
+    """The plan's JSON at ``fraction`` of the free peak, or what no plan fits says."""
+    model, inputs, graph, mesh, budget = _budgeted(fraction)
+    try:
+        return autopar.plan(model, mesh, inputs, memory_budget=budget, progress=False, graph=graph,
+                            deterministic_time=2.0).to_json()
+    except InfeasibleError as e:
+        return str(e)
+
+
+@functools.cache
+def _bounded(fraction: float) -> tuple[str, int, int]:
+    """The plan with the ladder's bounds as they are (made once: two tests compare it), with how
+    many walked solves ran and how many solves ``surely_over`` skipped; the counters only count."""
+    walked, over = ladder.solve_walked, ladder.surely_over
+    counts = {"solves": 0, "skipped": 0}
+
+    def counting_walked(*a, **k):
+        counts["solves"] += 1
+        return walked(*a, **k)
+
+    def counting_over(p):
+        said = over(p)
+        counts["skipped"] += said
+        return said
+
+    ladder.solve_walked, ladder.surely_over = counting_walked, counting_over
+    try:
+        plan = _plan(fraction)
+    finally:
+        ladder.solve_walked, ladder.surely_over = walked, over
+    return plan, counts["solves"], counts["skipped"]
+
+
 def test_the_time_floor_is_below_every_choice():
-    model, inputs, graph, mesh, budget = _budgeted(0.8)
-    planned = run_passes(model, mesh, inputs, options=PlanOptions(graph=graph, memory_budget=budget,
-                                                                  deterministic_time=2.0, progress=False))
+    planned = _passes(0.8)
     assert planned.recompute is not None and planned.recompute.any  # the ladder ran
     rng = random.Random(0)
     for problem in (planned.unscaled, planned.problem):
@@ -53,20 +93,12 @@ def test_the_time_floor_is_below_every_choice():
 
 @pytest.mark.parametrize("fraction", [0.7])
 def test_skipping_levels_that_cannot_win_keeps_the_plan(monkeypatch, fraction):
-    model, inputs, graph, mesh, budget = _budgeted(fraction)
+    skipping, solved, _ = _bounded(fraction)
     solves = []
     solve_walked = ladder.solve_walked
     monkeypatch.setattr(ladder, "solve_walked", lambda *a, **k: solves.append(1) or solve_walked(*a, **k))
-
-    def planned():
-        solves.clear()
-        plan = autopar.plan(model, mesh, inputs, memory_budget=budget, progress=False, graph=graph,
-                            deterministic_time=2.0)
-        return plan.to_json(), len(solves)
-
-    skipping, solved = planned()
     monkeypatch.setattr(ladder, "time_floor", lambda problem: 0.0)  # no bound: every level solved, modes in order
-    every, solved_all = planned()
+    every, solved_all = _plan(fraction), len(solves)
     assert '"checkpointing": {}' not in skipping  # the plan recomputes: the ladder chose it
     assert skipping == every
     assert solved <= solved_all
@@ -86,9 +118,8 @@ def _solved(problem, mesh) -> bool:
 
 @pytest.mark.parametrize("transients", [True])
 def test_surely_over_only_where_no_solver_finds_a_plan(transients):
-    model, inputs, graph, mesh, budget = _budgeted(0.8)
-    planned = run_passes(model, mesh, inputs, options=PlanOptions(graph=graph, memory_budget=budget,
-                                                                  deterministic_time=2.0, progress=False))
+    mesh = _free()[3]
+    planned = _passes(0.8)
     problem = planned.merged.problem
     bound = ladder.leanest(problem) + (max(min(n.transient[s] for s in n.alive()) for n in problem.nodes
                                            if n.transient) if transients else 0.0)
@@ -104,23 +135,9 @@ def test_surely_over_only_where_no_solver_finds_a_plan(transients):
 
 
 def test_solves_the_bound_skips_keep_the_plan(monkeypatch):
-    calls: list = []
-    surely_over = ladder.surely_over
-
-    def planned(fraction: float) -> tuple[str, int]:
-        model, inputs, graph, mesh, budget = _budgeted(fraction)
-        calls.clear()
-        try:
-            plan = autopar.plan(model, mesh, inputs, memory_budget=budget, progress=False, graph=graph,
-                                deterministic_time=2.0).to_json()
-        except InfeasibleError as e:  # (what no plan fits says is compared too)
-            plan = str(e)
-        return plan, sum(calls)
-
     fractions = (0.7, 0.6)
-    monkeypatch.setattr(ladder, "surely_over", lambda p: calls.append(surely_over(p)) or calls[-1])
-    bounded = [planned(f) for f in fractions]
-    monkeypatch.setattr(ladder, "surely_over", lambda p: calls.append(False) or False)  # every solve runs
-    every = [planned(f) for f in fractions]
-    assert [p for p, _ in bounded] == [p for p, _ in every]
-    assert sum(n for _, n in bounded) > 0  # the bound skipped solves
+    bounded = [_bounded(f) for f in fractions]
+    monkeypatch.setattr(ladder, "surely_over", lambda p: False)  # every solve runs
+    every = [_plan(f) for f in fractions]
+    assert [p for p, _, _ in bounded] == every
+    assert sum(n for _, _, n in bounded) > 0  # the bound skipped solves
