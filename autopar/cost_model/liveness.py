@@ -144,6 +144,14 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
             out_codes[rc] = got
         return got
 
+    in_codes: dict = {}  # id(strategy) -> its inputs' placement codes (``in_code`` of every position)
+
+    def in_codes_of(st, count: int) -> list:
+        got = in_codes.get(id(st))
+        if got is None or len(got) < count:
+            got = in_codes[id(st)] = [in_code(st, k) for k in range(count)]
+        return got
+
     sizes: dict = {}
 
     def nbytes(rc: int, pc: int, role: str = "activation") -> int:
@@ -217,11 +225,16 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
         name = n.name
         backward = rerun or in_back
         table = again if rerun else storage
-        st = strat(name)
+        st = strats.get(name)
+        if st is None:
+            st = strat(name)
+        wants = in_codes_of(st, len(ins))
         read_keys = []
         for k, rc, is_view in ins:
-            want = in_code(st, k)
-            have = out_code(rc)
+            want = wants[k]
+            have = out_codes.get(rc)
+            if have is None:
+                have = out_code(rc)
             src = again[rc] if backward and rc in again else storage.get(rc)
             if is_view and want != have:  # a parameter gather
                 phase = "b" if backward else "f"
@@ -237,7 +250,7 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
                     if flat in last and t > last[flat]:
                         last[flat] = t
             elif want == have:
-                if src is not None and src in last and t > last[src]:
+                if src is not None and t > last.get(src, t):
                     last[src] = t
                 read_keys.append(src)
                 continue
