@@ -397,7 +397,8 @@ def _grads(graph: Graph, walk: tuple, storage: dict, code: dict, places: list, o
     buckets: dict[int, list[str]] = defaultdict(list)
     for fqn, b in grad_buckets(graph, steps, stages).items():
         buckets[b].append(fqn)
-    alone = [f for f in steps if not any(f in m and len(m) > 1 for m in buckets.values())]
+    shared = {f for m in buckets.values() if len(m) > 1 for f in m}
+    alone = [f for f in steps if f not in shared]
     total = 0
     for fqn, rc in refs.items():
         key = storage.get(rc)
