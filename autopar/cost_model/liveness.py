@@ -289,7 +289,11 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
                 continue
             key = ("rc" if rerun else "v", rc)
             table[rc] = key
-            make(key, t, nbytes(rc, out_code(rc)), "activations" if rerun else None)
+            oc = out_codes.get(rc)
+            nb = sizes.get((rc, oc, "activation")) if oc is not None else None
+            if nb is None:
+                nb = nbytes(rc, out_code(rc))
+            make(key, t, nb, "activations" if rerun else None)
 
     def use(key, t: int) -> None:
         if key in last and t > last[key]:

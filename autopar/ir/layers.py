@@ -34,6 +34,7 @@ layer, then most nodes folded.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -43,8 +44,10 @@ from autopar.ir.agreement import Key, agreeing, group_by_key, is_accumulation, l
 from autopar.ir.graph import Graph, Node, Phase, Ref
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def layer_of(path: str) -> Optional[Key]:
-    """``"model.layers.3.attn"`` -> ``("model.layers", 3)``: the first numbered module on the path."""
+    """``"model.layers.3.attn"`` -> ``("model.layers", 3)``: the first numbered module on the path
+    (cached: every node of a module asks)."""
     parts = path.split(".")
     for i, p in enumerate(parts):
         if p.isdigit():
