@@ -106,8 +106,8 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
     saved_from = at(first_back, -1)
 
     strats: dict = {}  # node name -> its strategy (held: ids below stay theirs during the walk)
-    places: list = []  # placement code -> placements
-    interned: dict = {}
+    # placement codes and block bytes are the same in every walk on this mesh and precision: shared
+    places, interned, sizes = prog.sizes.setdefault((shape, precision), ([], {}, {}))
     by_id: dict = {}  # (id(strategy), "i"|"o", position) -> placement code
 
     def strat(name: str):
@@ -151,8 +151,6 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
         if got is None or len(got) < count:
             got = in_codes[id(st)] = [in_code(st, k) for k in range(count)]
         return got
-
-    sizes: dict = {}
 
     def nbytes(rc: int, pc: int, role: str = "activation") -> int:
         key = (rc, pc, role)
