@@ -13,6 +13,7 @@ program runs. Other gradient reshardings (an all-to-all, or a local step) run al
 
 from __future__ import annotations
 
+import weakref
 from typing import Mapping, Optional, Sequence
 
 from autopar.cost_model.comm import LOCAL_KINDS, Step, collective_time, reshard_steps
@@ -88,6 +89,21 @@ def _key(spec, steps: Sequence[Step]) -> Optional[tuple]:
     return bucket_key(steps, spec.dtype)
 
 
+#: per graph: (its node count when made, the graph position of each gradient's node)
+_POSITIONS: "weakref.WeakKeyDictionary[Graph, tuple[int, dict[str, int]]]" = weakref.WeakKeyDictionary()
+
+
+def _grad_positions(graph: Graph) -> dict[str, int]:
+    """Gradient node name -> its position in the graph, once per graph (every walk buckets)."""
+    got = _POSITIONS.get(graph)
+    if got is not None and got[0] == len(graph.nodes) and all(r.node in got[1] for r in graph.grads.values()):
+        return got[1]
+    wanted = {r.node for r in graph.grads.values()}
+    where = {n.name: i for i, n in enumerate(graph.nodes) if n.name in wanted}
+    _POSITIONS[graph] = (len(graph.nodes), where)
+    return where
+
+
 def grad_buckets(graph: Graph, steps: dict[str, Sequence[Step]],
                  stages: Optional[Mapping[str, frozenset]] = None) -> dict[str, int]:
     """``{fqn: bucket index}`` for the gradients (fqn -> their resharding steps) that can be
@@ -97,7 +113,7 @@ def grad_buckets(graph: Graph, steps: dict[str, Sequence[Step]],
     outside the numbered layers, fill ``BUCKET_SIZE`` buckets. With ``stages`` (a pipelined plan:
     fqn -> the stages that read it), gradients of different stages never share a bucket: each
     pipeline rank runs its own stages' reductions, as the pipeline price charges them."""
-    where = {n.name: i for i, n in enumerate(graph.nodes)}
+    where = _grad_positions(graph)
     keys = {fqn: _key(graph.spec(graph.grads[fqn]), st) for fqn, st in steps.items()}
     order = sorted((fqn for fqn, key in keys.items() if key is not None),
                    key=lambda f: (where[graph.grads[f].node], f))

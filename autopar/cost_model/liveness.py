@@ -106,8 +106,8 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
     saved_from = at(first_back, -1)
 
     strats: dict = {}  # node name -> its strategy (held: ids below stay theirs during the walk)
-    places: list = []  # placement code -> placements
-    interned: dict = {}
+    # placement codes and block bytes are the same in every walk on this mesh and precision: shared
+    places, interned, sizes = prog.sizes.setdefault((shape, precision), ([], {}, {}))
     by_id: dict = {}  # (id(strategy), "i"|"o", position) -> placement code
 
     def strat(name: str):
@@ -144,7 +144,13 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
             out_codes[rc] = got
         return got
 
-    sizes: dict = {}
+    in_codes: dict = {}  # id(strategy) -> its inputs' placement codes (``in_code`` of every position)
+
+    def in_codes_of(st, count: int) -> list:
+        got = in_codes.get(id(st))
+        if got is None or len(got) < count:
+            got = in_codes[id(st)] = [in_code(st, k) for k in range(count)]
+        return got
 
     def nbytes(rc: int, pc: int, role: str = "activation") -> int:
         key = (rc, pc, role)
@@ -217,11 +223,16 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
         name = n.name
         backward = rerun or in_back
         table = again if rerun else storage
-        st = strat(name)
+        st = strats.get(name)
+        if st is None:
+            st = strat(name)
+        wants = in_codes_of(st, len(ins))
         read_keys = []
         for k, rc, is_view in ins:
-            want = in_code(st, k)
-            have = out_code(rc)
+            want = wants[k]
+            have = out_codes.get(rc)
+            if have is None:
+                have = out_code(rc)
             src = again[rc] if backward and rc in again else storage.get(rc)
             if is_view and want != have:  # a parameter gather
                 phase = "b" if backward else "f"
@@ -237,7 +248,7 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
                     if flat in last and t > last[flat]:
                         last[flat] = t
             elif want == have:
-                if src is not None and src in last and t > last[src]:
+                if src is not None and t > last.get(src, t):
                     last[src] = t
                 read_keys.append(src)
                 continue
@@ -276,7 +287,11 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
                 continue
             key = ("rc" if rerun else "v", rc)
             table[rc] = key
-            make(key, t, nbytes(rc, out_code(rc)), "activations" if rerun else None)
+            oc = out_codes.get(rc)
+            nb = sizes.get((rc, oc, "activation")) if oc is not None else None
+            if nb is None:
+                nb = nbytes(rc, out_code(rc))
+            make(key, t, nb, "activations" if rerun else None)
 
     def use(key, t: int) -> None:
         if key in last and t > last[key]:
@@ -384,7 +399,8 @@ def _grads(graph: Graph, walk: tuple, storage: dict, code: dict, places: list, o
     buckets: dict[int, list[str]] = defaultdict(list)
     for fqn, b in grad_buckets(graph, steps, stages).items():
         buckets[b].append(fqn)
-    alone = [f for f in steps if not any(f in m and len(m) > 1 for m in buckets.values())]
+    shared = {f for m in buckets.values() if len(m) > 1 for f in m}
+    alone = [f for f in steps if f not in shared]
     total = 0
     for fqn, rc in refs.items():
         key = storage.get(rc)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from autopar.ir.graph import Graph, Phase, Ref
@@ -39,6 +39,9 @@ class Program:
     readers: dict  # node name -> the names of the nodes reading it
     code: dict  # Ref -> int
     refs: list  # int -> Ref
+    #: (mesh shape, precision) -> the walks' shared ``(placements by code, code by placements, bytes by
+    #: (ref code, placement code, role))``: every walk of a search prices the same blocks
+    sizes: dict = field(default_factory=dict)
 
 
 #: per graph: (its node count when made, its ``Program``)

@@ -93,16 +93,23 @@ def align(graph: Graph, ref: list[str], names: list[str]) -> Optional[tuple[int,
     return tuple(out)
 
 
-def agreeing(graph: Graph, by_key: dict[Key, list[str]], prefix: str
+def agreeing(graph: Graph, by_key: dict[Key, list[str]], prefix: str, seen: Optional[dict] = None
              ) -> tuple[list[list[int]], dict[int, tuple[int, ...]]]:
     """The instances of ``prefix`` grouped by their node sequences (agreeing instances together),
     and the positions of the instances that joined a group lacking accumulations (``align``,
-    against the group's first instance, which they follow in index order)."""
+    against the group's first instance, which they follow in index order). ``seen``: node
+    sequences -> their signatures, shared by calls on candidate memberships of one graph (an
+    instance most candidates draw alike is compared once)."""
     alike: dict[tuple, list[int]] = defaultdict(list)
+    memo = {} if seen is None else seen
     for i in sorted(i for p, i in by_key if p == prefix):
         names = by_key[(prefix, i)]
-        members = {n: k for k, n in enumerate(names)}
-        alike[tuple(signature(graph.node(n), members) for n in names)].append(i)
+        key = tuple(names)
+        sig = memo.get(key)
+        if sig is None:
+            members = {n: k for k, n in enumerate(names)}
+            sig = memo[key] = tuple(signature(graph.node(n), members) for n in names)
+        alike[sig].append(i)
     classes = list(alike.values())
     positions: dict[int, tuple[int, ...]] = {}
     if len(classes) < 2:

@@ -10,6 +10,8 @@ with other factors) or any dim that holds it.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterator, Mapping
 from typing import Hashable, Optional
 
 from autopar.ir.graph import Graph, Node, Ref
@@ -46,12 +48,18 @@ def spread(graph: Graph, seeds: dict[Key, Hashable], *, whole: bool,
     marks = dict(seeds)
     conflict: set[Key] = set()
     users = graph.users()
-    dms: dict[str, object] = {}
+    #: node name -> its tensors with each dim's factors (``_factors``), None without a DimMap: worked out
+    #: once per node, however many of its keys the worklist visits
+    tensors_of: dict[str, Optional[list]] = {}
 
-    def dm_of(node: Node):
-        if node.name not in dms:
-            dms[node.name] = None if node.is_placeholder else dimmap(op_call(graph, node))
-        return dms[node.name]
+    def tensors(node: Node) -> Optional[list]:
+        if node.name in tensors_of:
+            return tensors_of[node.name]
+        dm = None if node.is_placeholder else dimmap(op_call(graph, node))
+        got = None if dm is None else [(r, [_factors(dims, d, dm.sizes, whole) for d in range(len(dims))])
+                                       for r, dims in _tensor_dims(node, dm)]
+        tensors_of[node.name] = got
+        return got
 
     def mark(key: Key, value) -> None:
         if key in conflict:
@@ -63,33 +71,66 @@ def spread(graph: Graph, seeds: dict[Key, Hashable], *, whole: bool,
             conflict.add(key)
 
     order = {n.name: i for i, n in enumerate(graph.nodes)}
-    work = sorted(marks, key=lambda k: (order[k[0].node], k[0].index, k[1]))
+    work = deque(sorted(marks, key=lambda k: (order[k[0].node], k[0].index, k[1])))
     while work:
-        ref, d = work.pop(0)
+        ref, d = work.popleft()
         if (ref, d) in conflict:
             continue
         value = marks[(ref, d)]
         for other in (partners or {}).get(ref, []):
             mark((other, d), value)
         for node in [graph.node(ref.node)] + [graph.node(u) for u in users[ref.node]]:
-            dm = dm_of(node)
-            if dm is None:
+            held = tensors(node)
+            if held is None:
                 continue
-            tensors = _tensor_dims(node, dm)
-            for r, dims in tensors:
-                if r != ref or d >= len(dims):
+            for r, factors in held:
+                if r != ref or d >= len(factors):
                     continue
-                fs = _factors(dims, d, dm.sizes, whole)
+                fs = factors[d]
                 if not fs:
                     continue
-                for r2, dims2 in tensors:
-                    for d2 in range(len(dims2)):
-                        if (r2, d2) != (ref, d) and fs & _factors(dims2, d2, dm.sizes, whole):
+                for r2, factors2 in held:
+                    for d2, fs2 in enumerate(factors2):
+                        if (r2, d2) != (ref, d) and fs & fs2:
                             mark((r2, d2), value)
     return marks, conflict
 
 
-def linked_dims(graph: Graph) -> dict[Key, tuple[Key, ...]]:
+class Links(Mapping):
+    """``linked_dims``' answer: ``(tensor, dim)`` -> its component, the keys linked to it in graph order
+    (one tuple object per component). Keys are held as plain ``(node, output, dim)`` tuples and a
+    component's ``(Ref, dim)`` tuple is made when first asked for: a deep stack's residual stream
+    is one component of most of the graph, and the recipes ask for the parameters' few."""
+
+    def __init__(self, root: dict[tuple, tuple], members: dict[tuple, list[tuple]]):
+        self._root = root  # (node, output, dim) -> its component's root
+        self._members = members  # root -> its keys in graph order
+        self._made: dict[tuple, tuple[Key, ...]] = {}
+
+    def _component(self, root: tuple) -> tuple[Key, ...]:
+        got = self._made.get(root)
+        if got is None:
+            refs: dict[tuple, Ref] = {}
+            got = self._made[root] = tuple(
+                (refs.get((n, i)) or refs.setdefault((n, i), Ref(n, i)), d) for n, i, d in self._members[root])
+        return got
+
+    def __getitem__(self, key: Key) -> tuple[Key, ...]:
+        ref, d = key
+        root = self._root.get((ref.node, ref.index, d))
+        if root is None:
+            raise KeyError(key)
+        return self._component(root)
+
+    def __iter__(self) -> Iterator[Key]:
+        for root in self._members:
+            yield from self._component(root)
+
+    def __len__(self) -> int:
+        return len(self._root)
+
+
+def linked_dims(graph: Graph) -> Links:
     """For every ``(tensor, dim)`` that shares a factor with another, every key its property would
     reach (``spread`` from it alone with ``whole=False`` and one value: its connected component,
     since sharing a factor is symmetric), sorted in graph order. One pass over the graph: what
@@ -102,8 +143,13 @@ def linked_dims(graph: Graph) -> dict[Key, tuple[Key, ...]]:
     parent: dict[tuple, tuple] = {}
 
     def find(k: tuple) -> tuple:
-        root = k
-        while parent.setdefault(root, root) != root:
+        root = parent.get(k)
+        if root is None:
+            parent[k] = k
+            return k
+        if root == k:
+            return k
+        while parent[root] != root:
             root = parent[root]
         while parent[k] != root:  # path compression
             parent[k], k = root, parent[k]
@@ -119,23 +165,28 @@ def linked_dims(graph: Graph) -> dict[Key, tuple[Key, ...]]:
             links = patterns[sig] = _links(graph, node)
         if not links:
             continue
-        tensors = list(node.inputs) + [Ref(node.name, j) for j in range(len(node.outputs))]
+        ins, name = node.inputs, node.name
+        n_in = len(ins)
         for (sa, da), (sb, db) in links:
-            ra, rb = tensors[sa], tensors[sb]
-            a, b = find((ra.node, ra.index, da)), find((rb.node, rb.index, db))
+            ra = (ins[sa].node, ins[sa].index, da) if sa < n_in else (name, sa - n_in, da)
+            rb = (ins[sb].node, ins[sb].index, db) if sb < n_in else (name, sb - n_in, db)
+            a, b = find(ra), find(rb)
             if a != b:
                 parent[b] = a
-    order = {n.name: i for i, n in enumerate(graph.nodes)}
-    groups: dict[tuple, list[tuple]] = {}
+    by_node: dict[str, list[tuple]] = {}
     for k in parent:
-        groups.setdefault(find(k), []).append(k)
-    out: dict[Key, tuple[Key, ...]] = {}
-    for members in groups.values():
-        members.sort(key=lambda k: (order[k[0]], k[1], k[2]))
-        ordered = tuple((Ref(k[0], k[1]), k[2]) for k in members)
-        for k in ordered:
-            out[k] = ordered
-    return out
+        by_node.setdefault(k[0], []).append(k)
+    root: dict[tuple, tuple] = {}
+    members: dict[tuple, list[tuple]] = {}
+    for node in graph.nodes:  # graph order: each component's keys come out sorted
+        keys = by_node.get(node.name)
+        if keys is None:
+            continue
+        keys.sort()
+        for k in keys:
+            r = root[k] = find(k)
+            members.setdefault(r, []).append(k)
+    return Links(root, members)
 
 
 def _local_signature(graph: Graph, node: Node) -> tuple:

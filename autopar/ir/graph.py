@@ -9,6 +9,7 @@ keeps its fx node for lowering.
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -148,6 +149,10 @@ class Hint:
     module_path: str
 
 
+#: per graph: (its node list, its length, ``Graph.users()``) when made
+_USERS: "weakref.WeakKeyDictionary[Graph, tuple]" = weakref.WeakKeyDictionary()
+
+
 @dataclass(eq=False)
 class Graph:
     """A captured program: Nodes in topological order plus the meaning of its inputs and outputs."""
@@ -214,12 +219,18 @@ class Graph:
         return (n for n in self.nodes if not n.is_placeholder)
 
     def users(self) -> dict[str, list[str]]:
-        """Node name -> names of the nodes that read any of its outputs."""
+        """Node name -> names of the nodes that read any of its outputs. Made once per node list
+        (several passes ask): the answer is shared, callers read it and never change it."""
+        got = _USERS.get(self)
+        if got is not None and got[0] is self.nodes and got[1] == len(self.nodes):
+            return got[2]
         seen: dict[str, dict[str, None]] = {n.name: {} for n in self.nodes}  # (ordered sets: a wide fan-out stays linear)
         for n in self.nodes:
             for r in n.inputs:
                 seen[r.node][n.name] = None
-        return {k: list(v) for k, v in seen.items()}
+        out = {k: list(v) for k, v in seen.items()}
+        _USERS[self] = (self.nodes, len(self.nodes), out)
+        return out
 
     def op_names(self) -> list[str]:
         """Distinct op names, sorted."""

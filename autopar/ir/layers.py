@@ -34,6 +34,7 @@ layer, then most nodes folded.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -43,8 +44,10 @@ from autopar.ir.agreement import Key, agreeing, group_by_key, is_accumulation, l
 from autopar.ir.graph import Graph, Node, Phase, Ref
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def layer_of(path: str) -> Optional[Key]:
-    """``"model.layers.3.attn"`` -> ``("model.layers", 3)``: the first numbered module on the path."""
+    """``"model.layers.3.attn"`` -> ``("model.layers", 3)``: the first numbered module on the path
+    (cached: every node of a module asks)."""
     parts = path.split(".")
     for i, p in enumerate(parts):
         if p.isdigit():
@@ -351,6 +354,7 @@ def _find(graph: Graph) -> Layers:
     alike: dict[str, tuple[int, ...]] = {}
     positions: dict[Key, tuple[int, ...]] = {}
     owner: dict[str, Key] = {}
+    seen: dict[tuple, tuple] = {}  # an instance's node sequence -> its signatures (``agreeing``)
     for prefix in sorted({p for p, _ in fallback}):
         best, best_score, classes, where = fallback, None, [], {}
         for by_key in grouped:
@@ -361,7 +365,7 @@ def _find(graph: Graph) -> Layers:
             # a candidate that cannot beat the best so far is not compared node by node
             if best_score is not None and (max(lengths), (len(lengths) - 1) * max(lengths)) <= best_score:
                 continue
-            got_classes, got_where = agreeing(graph, by_key, prefix)
+            got_classes, got_where = agreeing(graph, by_key, prefix, seen)
             got = score(by_key, prefix, got_classes)
             if best_score is None or got > best_score:
                 best, best_score, classes, where = by_key, got, got_classes, got_where
@@ -371,7 +375,7 @@ def _find(graph: Graph) -> Layers:
             instances[key] = tuple(mine[key])
             owner.update((n, key) for n in mine[key])
         if any(len(mine[k]) != len(best[k]) for k in mine):
-            classes, where = agreeing(graph, mine, prefix)
+            classes, where = agreeing(graph, mine, prefix, seen)
         ix = largest(mine, prefix, classes)
         if ix:
             alike[prefix] = ix

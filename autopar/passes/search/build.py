@@ -230,9 +230,11 @@ def _edges(graph: Graph, mesh: Mesh, folding: Folding, nodes, index, precision,
         loc = folding.where.get(ref.node)
         feeds[(key[0], key[1], kind, phase)][-1 if loc is None else loc[1]].add(key)
 
+    rep = folding.representative
     for n in graph.nodes:
+        dst = rep(n.name) if n.inputs else None
         for slot, r in enumerate(n.inputs):
-            key = (folding.representative(r.node), r.index, folding.representative(n.name), slot)
+            key = (rep(r.node), r.index, dst, slot)
             kind = "param" if r.node in params else "activation"
             add(key, kind, r, n.phase if kind == "param" else None)
     for fqn, g in graph.grads.items():
