@@ -16,7 +16,7 @@ from autopar.cost_model.mesh import Mesh
 from autopar.errors import InfeasibleError
 from autopar.passes.search import checkpoint, peak
 from autopar.passes.search.merge import Merged, merge
-from autopar.passes.search.problem import Problem, evaluate
+from autopar.passes.search.problem import Problem, evaluate, least_transient
 from autopar.passes.search.solve import Solution, greedy, solve
 from autopar.passes.search.solve_axis import FULL_ILP_LIMIT, edge_var_count, solve_by_axis
 
@@ -172,7 +172,7 @@ def surely_over(problem: Problem) -> bool:
         return False
     need = leanest(problem)
     if problem.transients:
-        need += max((min(n.transient[s] for s in n.alive()) for n in problem.nodes if n.transient), default=0.0)
+        need += least_transient(problem)
     slack = OVER_MARGIN * abs(problem.memory_budget) + OVER_BYTES + 0.5 * len(problem.nodes)
     # (with no memory at all the solvers write no memory row: any budget is met)
     return need >= 1 and need > problem.memory_budget + slack
