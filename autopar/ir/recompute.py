@@ -45,6 +45,10 @@ ATTENTION = frozenset({
 _SCANS: "weakref.WeakKeyDictionary[Graph, tuple[int, tuple]]" = weakref.WeakKeyDictionary()
 
 
+#: per graph: (its node count, instance key, mode) -> the ops ``instance_plan`` re-runs (``recomputed_ops``)
+_PLANS: "weakref.WeakKeyDictionary[Graph, dict]" = weakref.WeakKeyDictionary()
+
+
 def _scan(graph: Graph) -> tuple[dict, dict, set]:
     """The graph's node order, readers and parameter views, made once per graph (every instance and
     mode the checkpointing search prices reads them; read only here)."""
@@ -118,6 +122,7 @@ def recomputed_ops(graph: Graph, checkpointing: dict[str, str]) -> frozenset[str
     paths = {(f"{prefix}.{i}" if prefix else str(i)): (prefix, i) for prefix, i in membership.instances}
     out: set[str] = set()
     _, users, views = _scan(graph)
+    plans = _PLANS.setdefault(graph, {})
     for path, mode in sorted(checkpointing.items()):
         if path not in paths:
             known = ", ".join(sorted(paths)[:4]) or "none"
@@ -125,7 +130,10 @@ def recomputed_ops(graph: Graph, checkpointing: dict[str, str]) -> frozenset[str
                              f"(instances: {known} ...)")
         if mode not in MODES:
             raise ValueError(f"the plan checkpoints {path!r} in mode {mode!r}: expected one of {MODES}")
-        out |= instance_plan(graph, membership, paths[path], mode, users=users, views=views)[1]
+        key = (len(graph.nodes), paths[path], mode)
+        if key not in plans:  # (a search walks many plans recomputing the same instances)
+            plans[key] = instance_plan(graph, membership, paths[path], mode, users=users, views=views)[1]
+        out |= plans[key]
     return frozenset(out)
 
 

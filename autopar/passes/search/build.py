@@ -97,6 +97,10 @@ def build_problem(
     # parameters' gradients as the backward makes them: a partial one is reduced after the backward's
     # ops (or held by its collective to their end), so every layer's unreduced block is alive at once
     unreduced = set(graph.grads.values())
+    # the layers' backward begins at the first backward op of a folded layer: before it (the
+    # forward, the loss) no layer gradient exists (``PNode.head``, ``PNode.deferred``)
+    layers_back = min((i for i, n in enumerate(graph.nodes) if n.phase == Phase.BACKWARD and n.name in folding.where),
+                      default=len(graph.nodes))
 
     # Overlap groups: (layer group or outside, phase). Parameter gathers for forward use run under
     # that phase's forward compute (issued a layer ahead); gradient reductions under the backward.
@@ -106,7 +110,7 @@ def build_problem(
         groups += [Group(f"{name} (forward)", mult), Group(f"{name} (backward)", mult)]
     nodes: list[PNode] = []
     index: dict[str, int] = {}
-    for n in graph.nodes:
+    for at, n in enumerate(graph.nodes):
         rep = folding.representative(n.name)
         if rep != n.name:
             continue
@@ -169,6 +173,9 @@ def build_problem(
             for k in MEMORY_KINDS:
                 pn.memory[k].append(mem[k])
         index[n.name] = len(nodes)
+        pn.head = n.phase == Phase.FORWARD or at < layers_back
+        if loc is not None and graph.training:  # a layer's gradients: made in the layers' backward
+            pn.deferred = [g + (pn.pending[s] if pn.pending else 0.0) for s, g in enumerate(pn.memory["grads"])]
         nodes.append(pn)
 
     _apply_constraints(graph, nodes, index, folding, constraints or [])

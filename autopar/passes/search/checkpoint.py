@@ -129,7 +129,8 @@ def with_checkpointing(problem: Problem, terms: list[GroupTerms], choice: Choice
             if scale != 1.0:
                 time_scale[i] = scale
                 kept_scale[i] = s_coef
-            nodes[i] = replace(pn, memory={**pn.memory, "activations": new_act},
+            # (a re-run op's transient is held again in the layers' backward: ``PNode.head``)
+            nodes[i] = replace(pn, memory={**pn.memory, "activations": new_act}, head=pn.head and scale == 1.0,
                                compute=[x * scale for x in pn.compute], comm=[x * scale for x in pn.comm])
     # a resharding feeding a recomputed op runs again with it (from the saved value: the lowering
     # never saves a resharded copy for a re-run op): the transfer's edges (one resharding per target

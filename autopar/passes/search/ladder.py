@@ -16,7 +16,7 @@ from autopar.cost_model.mesh import Mesh
 from autopar.errors import InfeasibleError
 from autopar.passes.search import checkpoint, peak
 from autopar.passes.search.merge import Merged, merge
-from autopar.passes.search.problem import Problem, evaluate
+from autopar.passes.search.problem import Problem, evaluate, least_transient
 from autopar.passes.search.solve import Solution, greedy, solve
 from autopar.passes.search.solve_axis import FULL_ILP_LIMIT, edge_var_count, solve_by_axis
 
@@ -37,22 +37,23 @@ def solve_walked(merged: Merged, problem: Problem, choices: dict[str, list[int]]
                  budget: float, peak_of):
     """``solve_choice`` with the budget, its linear memory budget lowered until the walked peak
     (``peak_of``) of its plan fits (``passes.search.peak.solve_fitting``)."""
-    return peak.solve_fitting(lambda lower, transients: solve_choice(merged, problem, choices, *search_args,
-                                                                     budget=True, lower=lower, transients=transients),
-                              peak_of, problem, budget)
+    return peak.solve_fitting(lambda lower, transients, start=None: solve_choice(
+        merged, problem, choices, *search_args, budget=True, lower=lower, transients=transients, start=start),
+        peak_of, problem, budget)
 
 
 def solve_choice(merged: Merged, problem: Problem, choices: dict[str, list[int]], mesh: Mesh,
                  deterministic_time: float, time_limit: Optional[float], budget: bool, lower: float = 0.0,
-                 transients: bool = False):
+                 transients: bool = False, start: Optional[list[int]] = None):
     """The search's plan of ``problem`` (``(solution, choice)``; ``(None, None)`` when the solver finds
     none), warm-started from the best recipe (the best that fits, with the budget), without the
     memory budget unless ``budget`` (lowered by ``lower`` bytes: the transient memory the linear
-    form does not see; ``transients``: the largest op's transient bytes beside the persistent memory)."""
+    form does not see; ``transients``: the largest op's transient bytes beside the persistent memory;
+    ``start``: a plan to start from instead, the fitting search's last, just over the budget)."""
     fitting = [n for n in choices if evaluate(problem, choices[n]).peak_memory <= problem.memory_budget]
     pool = fitting if budget and fitting else list(choices)
     starts = sorted(pool, key=lambda n: (evaluate(problem, choices[n]).step_time, n))
-    start = choices[starts[0]] if starts else greedy(problem)
+    start = start if start is not None else choices[starts[0]] if starts else greedy(problem)
     limit = merged.problem.memory_budget - lower if budget else math.inf
     target = merged.problem if budget and not lower and not transients else Problem(
         merged.problem.nodes, merged.problem.edges, merged.problem.groups, limit, merged.problem.overlap_slowdown,
@@ -172,7 +173,7 @@ def surely_over(problem: Problem) -> bool:
         return False
     need = leanest(problem)
     if problem.transients:
-        need += max((min(n.transient[s] for s in n.alive()) for n in problem.nodes if n.transient), default=0.0)
+        need += least_transient(problem)
     slack = OVER_MARGIN * abs(problem.memory_budget) + OVER_BYTES + 0.5 * len(problem.nodes)
     # (with no memory at all the solvers write no memory row: any budget is met)
     return need >= 1 and need > problem.memory_budget + slack

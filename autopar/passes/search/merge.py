@@ -98,7 +98,8 @@ def _copy(n: PNode) -> PNode:
     return PNode(n.name, list(n.strategies), n.mult, n.group, list(n.compute), list(n.comm),
                  {k: list(v) for k, v in n.memory.items()}, None if n.allowed is None else list(n.allowed),
                  None if n.transient is None else list(n.transient),
-                 None if n.pending is None else list(n.pending))
+                 None if n.pending is None else list(n.pending), n.head,
+                 None if n.deferred is None else list(n.deferred))
 
 
 def _follow_map(u: PNode, v: PNode, e: PEdge) -> list[int] | None:
@@ -114,6 +115,8 @@ def _follow_map(u: PNode, v: PNode, e: PEdge) -> list[int] | None:
 
 
 def _absorb(u: PNode, v: PNode, f: list[int]) -> None:
+    if v.transient and not v.head:  # the larger transient, held after the layers' backward began
+        u.head = False
     for s in range(len(u.strategies)):
         u.compute[s] += v.compute[f[s]]
         u.comm[s] += v.comm[f[s]]
@@ -122,6 +125,9 @@ def _absorb(u: PNode, v: PNode, f: list[int]) -> None:
         if v.pending:  # unreduced gradients: both are held
             u.pending = u.pending or [0.0] * len(u.strategies)
             u.pending[s] += v.pending[f[s]]
+        if v.deferred:  # (both are made in the layers' backward)
+            u.deferred = u.deferred or [0.0] * len(u.strategies)
+            u.deferred[s] += v.deferred[f[s]]
         if v.transient:  # the two run one after the other: the larger is what is held at once
             u.transient = u.transient or [0.0] * len(u.strategies)
             u.transient[s] = max(u.transient[s], v.transient[f[s]])

@@ -79,9 +79,10 @@ def peak_place(graph: Graph, peak: Optional[Peak]) -> str:
 
 
 def solve_fitting(solve, peak_of, problem: Problem, budget: float, tries: int = 4):
-    """``solve(lower, transients)`` (the ILP with its memory budget lowered by ``lower`` bytes, and
+    """``solve(lower, transients, start)`` (the ILP with its memory budget lowered by ``lower`` bytes,
     with ``transients`` the largest op's transient bytes added to its memory row,
-    ``Problem.transients``: ``(solution, choice)``, choice None when none is found) until the walked
+    ``Problem.transients``, started from the last plan, which was over: ``(solution, choice)``,
+    choice None when none is found) until the walked
     peak of its choice (``peak_of``) fits ``budget``. The first solve over it turns the transients
     on (a temporary the linear memory does not see may alone break the budget: lowering the budget
     would only squeeze the persistent state), then each lowers the budget by what the walk found
@@ -99,13 +100,13 @@ def solve_fitting(solve, peak_of, problem: Problem, budget: float, tries: int = 
         top = largest_transient(problem, choice) if seen or not tried else 0.0
         if not tried and top > 0:
             tried = True
-            found = solve(max(0.0, need - linear - top), True)
+            found = solve(max(0.0, need - linear - top), True, choice)
             if found[1] is not None:
                 (solution, choice), seen, lower = found, True, max(0.0, need - linear - top)
                 continue
             top = 0.0
         lower = max(lower + need - budget, need - linear - top)
-        solution, choice = solve(lower, seen)
+        solution, choice = solve(lower, seen, choice)
     return solution, choice
 
 

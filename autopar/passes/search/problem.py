@@ -68,6 +68,13 @@ class PNode:
     #: backward's end (its reduction comes after the backward's ops; ``build``); counted as "grads"
     #: by ``evaluate`` and the solver's memory row (None: none)
     pending: Optional[list[float]] = None
+    #: whether its transient is held before the layers' backward begins (a forward op nothing
+    #: re-runs, or a backward op ahead of every layer's: the loss), when no layer has made a
+    #: gradient yet (``build``; ``largest_transient``)
+    head: bool = False
+    #: bytes per strategy of its memory that no op before the layers' backward holds: a layer
+    #: parameter's gradient and a layer op's pending one (None: none)
+    deferred: Optional[list[float]] = None
 
     def mem_total(self, s: int) -> float:
         """Bytes per instance of strategy ``s``, all memory kinds together (and ``pending``)."""
@@ -254,8 +261,34 @@ def saved_copies(edges: Sequence[PEdge], choice: Sequence[int]) -> float:
 
 
 def largest_transient(problem: Problem, choice: Sequence[int]) -> float:
-    """The largest ``PNode.transient`` bytes of ``choice``: what one op holds beside the persistent memory."""
-    return max((n.transient[choice[i]] for i, n in enumerate(problem.nodes) if n.transient), default=0.0)
+    """What the memory row adds to ``choice``'s persistent memory for the op that holds the most
+    beside it (``PNode.transient``): the largest transient of the ops from the layers' backward on,
+    or that of the ops before it (``PNode.head``: the forward, the loss) less the layers' gradients,
+    which are not made yet then (``PNode.deferred``), whichever is more. Both are upper bounds of
+    what is alive while such an op runs; adding the loss's logits-sized temporaries to every
+    layer's unreduced gradient would count two moments of the step as one."""
+    late = head = 0.0
+    for i, n in enumerate(problem.nodes):
+        if n.transient:
+            t = n.transient[choice[i]]
+            if n.head:
+                head = max(head, t)
+            else:
+                late = max(late, t)
+    if head > late:
+        head -= sum(n.mult * n.deferred[choice[i]] for i, n in enumerate(problem.nodes) if n.deferred)
+    return max(late, head)
+
+
+def least_transient(problem: Problem) -> float:
+    """A lower bound of ``largest_transient`` over every choice allowed: per class (``PNode.head``)
+    the largest of the nodes' least transients, the head's less the most its gradients can defer."""
+    late = max((min(n.transient[s] for s in n.alive()) for n in problem.nodes if n.transient and not n.head),
+               default=0.0)
+    head = max((min(n.transient[s] for s in n.alive()) for n in problem.nodes if n.transient and n.head),
+               default=0.0)
+    deferred = sum(n.mult * max(n.deferred[s] for s in n.alive()) for n in problem.nodes if n.deferred)
+    return max(late, head - deferred)
 
 
 def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:

@@ -19,6 +19,8 @@ Variables and constraints, each family built in its own function below (``formul
 - memory (bytes per device):                               sum_n mult_n * mem_n(x) <= budget   -> ``_memory``
   and, where ``Problem.transients`` asks, ``top`` (>= 0) the largest op's transient bytes
   (``PNode.transient``) added to the sum:                 top >= transient_n(x) for every n
+  not ``PNode.head``; for the head's ops (before the layers' backward) a row of their own:
+  sum_n mult_n * (mem_n - deferred_n)(x) + top_head <= budget, top_head >= transient_n(x)
 
 where a transfer's cost is sum_{p, q} cost_e[p, q] y[e, p, q] for a lone edge and
 sum_{p, Q} cost_t[p, Q] z[t, p, Q] for a shared one (minimising pushes each z down to the OR of
@@ -426,25 +428,34 @@ def _memory(m, problem: Problem, x, kept: Sequence = ()) -> None:
                 terms.append((b, v))
     terms.extend((m.mem(b), v) for b, v in kept if m.mem(b))
     if problem.transients and problem.memory_budget < float("inf"):
-        _transients(m, problem, x, terms)
+        _transients(m, problem, x, terms, kept)
     if terms and problem.memory_budget < float("inf"):
         m.linear(terms, hi=m.mem_limit(problem.memory_budget))
 
 
-def _transients(m, problem: Problem, x, terms: list) -> None:
-    """Adds to the memory ``terms`` the largest transient of the choice (``PNode.transient``): one
-    variable at least every chosen strategy's transient bytes."""
-    rows = []
+def _transients(m, problem: Problem, x, terms: list, kept: Sequence = ()) -> None:
+    """Adds to the memory ``terms`` the largest transient of the choice from the layers' backward
+    on (``PNode.transient``; one variable at least every such chosen strategy's bytes), and a row
+    of its own for the ops before it (``PNode.head``): the persistent memory less what the layers'
+    backward makes (``PNode.deferred``) plus their largest transient (``largest_transient``)."""
+    late, head = [], []
     for i, n in enumerate(problem.nodes):
         row = [(m.mem(n.transient[s]), v) for s, v in x[i].items() if n.transient and m.mem(n.transient[s])]
         if row:
-            rows.append(row)
-    if not rows:
-        return
-    top = m.num(max(c for row in rows for c, _ in row) + 1, "transient")
-    for row in rows:
-        m.linear([(1, top)] + [(-c, v) for c, v in row], lo=0)
-    terms.append((1, top))
+            (head if n.head else late).append(row)
+    for rows, name in ((late, "transient"), (head, "transient_head")):
+        if not rows:
+            continue
+        top = m.num(max(c for row in rows for c, _ in row) + 1, name)
+        for row in rows:
+            m.linear([(1, top)] + [(-c, v) for c, v in row], lo=0)
+        if rows is late:
+            terms.append((1, top))
+            continue
+        before = [(m.mem(n.mult * (n.mem_total(s) - (n.deferred[s] if n.deferred else 0.0))), v)
+                  for i, n in enumerate(problem.nodes) for s, v in x[i].items()]
+        before = [(b, v) for b, v in before if b] + [(m.mem(b), v) for b, v in kept if m.mem(b)] + [(1, top)]
+        m.linear(before, hi=m.mem_limit(problem.memory_budget))
 
 
 def greedy(problem: Problem) -> list[int]:
