@@ -281,3 +281,19 @@ def test_fsdp_forward_gathers_transposed_weights_a_layer_ahead():
     inside the layer that uses it, and waited at once: no overlap with the previous layer)."""
     forward, _ = _fsdp_programs(Stack())
     assert _check_gathers_a_layer_ahead(forward, transposed=True) == {0, 1, 2}
+
+
+def test_fsdp_gradient_reduce_scatters_start_under_the_next_layers_backward():
+    """Each layer's bucketed gradient reduce-scatter is issued before the next layer's backward
+    starts (its buffer packed once the layer's last gradient is made: ``grads.pack_when_ready``),
+    not after the backward's last op, and waited for only at the end: the overlap the cost model
+    prices."""
+    _, backward = _fsdp_programs(Stack())
+    pos = {node: i for i, node in enumerate(backward.graph.nodes)}
+    spans = _layer_spans(backward)
+    scatters = [n for n in backward.graph.nodes if n.target is C.reduce_scatter]
+    assert len(scatters) == len(spans) == 3
+    for k, rs in enumerate(scatters[:-1]):
+        assert pos[rs] < spans[k + 1][0], (rs.name, k)
+    waits = [u for rs in scatters for u in rs.users if u.target is C.wait]
+    assert waits and all(pos[w] > spans[-1][1] for w in waits)

@@ -40,7 +40,7 @@ from autopar.ir.rules.dimmap import Strategy
 from autopar.ir.rules.random_attention import is_random_call, key_node
 from autopar.ir.views import param_views
 from autopar.passes.lower.gathers import grouped_gather, plan_groups
-from autopar.passes.lower.grads import bucketed_grads, pack_as_made
+from autopar.passes.lower.grads import bucketed_grads, pack_as_made, pack_when_ready
 from autopar.passes.lower.plain_local import Input, PlainCall, plain_call
 from autopar.passes.lower.reshard import reshard
 from autopar.passes.lower.resolve import Resolved, placeholder_key
@@ -365,6 +365,7 @@ class Emitter:
                 drop_identities(gm.graph)
                 if gm is backward:
                     pack_as_made(gm.graph)
+                    pack_when_ready(gm.graph)
                 schedule(gm.graph)
                 if gm is backward:
                     mark_recomputation(gm.graph)

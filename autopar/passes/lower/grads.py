@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -35,12 +36,13 @@ def bucketed_grads(em) -> dict[str, fx.Node]:
         if len(fqns) < 2:
             continue  # a bucket of one is the plain resharding
         steps = steps_of[fqns[0]][0]
+        mark = next(reversed(em.bg.nodes), None)  # the bucket's nodes come after it
         xs = [em.grad_source(f, steps_of[f][1]) for f in fqns]
         if all(st.kind == "all_reduce" for st in steps):
             results = bucket_all_reduce(em, xs, [g.grads[f] for f in fqns], steps)
         else:
             results = bucket_steps(em, xs, [g.grads[f] for f in fqns], [steps_of[f][1] for f in fqns],
-                                         [steps_of[f][2] for f in fqns], steps)
+                                         [steps_of[f][2] for f in fqns], steps, mark)
         for f, node in zip(fqns, results):
             out[f] = node
     return out
@@ -65,20 +67,23 @@ def bucket_all_reduce(em, xs, refs, steps) -> list[fx.Node]:
     return [call(operator.getitem, (parts, i)) for i in range(len(shapes))]
 
 
-def bucket_steps(em, xs, refs, srcs, dsts, steps) -> list[fx.Node]:
+def bucket_steps(em, xs, refs, srcs, dsts, steps, mark: Optional[fx.Node] = None) -> list[fx.Node]:
     """One collective per step for the whole bucket (reduce-scatters, all-gathers and
     all-reduces, in the steps' order). For a reduce-scatter or an all-gather, each gradient's
     changing dim is moved first and padded to equal pieces, laid out as ``[n, piece]`` rows
     (reduce-scatter) or one ``[1, piece]`` row (all-gather); the rows of every gradient side by
-    side run as one collective on dim 0, and each gradient is cut back out."""
+    side run as one collective on dim 0, and each gradient is cut back out. The nodes after
+    ``mark`` that make the first step's buffer are tagged for ``pack_when_ready``."""
     call, m, c = em.bg.call_function, em.mesh_shape, em.coords
     curs = [list(s) for s in srcs]
     specs = [em.g.spec(r).shape for r in refs]
-    for step in steps:
+    for k, step in enumerate(steps):
         a, n = step.axis, m[step.axis]
         haves = [list(local_shape(shape, cur, m, c)) for shape, cur in zip(specs, curs)]
         if step.kind == "all_reduce":
             buf = call(torch.ops.aten.cat.default, ([em.bg.call_method("reshape", (x, [-1])) for x in xs],))
+            if k == 0:
+                _tag_pack(em.bg, mark, buf)
             done = wait_for(call(C.all_reduce, (buf, a, step.reduce, True)), em.bg)  # a fresh buffer
             parts = call(torch.ops.aten.split_with_sizes.default, (done, [math.prod(h) for h in haves]))
             xs = [em.bg.call_method("reshape", (call(operator.getitem, (parts, i)), h)) for i, h in enumerate(haves)]
@@ -101,6 +106,8 @@ def bucket_steps(em, xs, refs, srcs, dsts, steps) -> list[fx.Node]:
                 keep = size if gather else chunk_range(size, n, c[a])[1]
                 metas.append((d, piece, rest, keep))
             buf = call(torch.ops.aten.cat.default, (rows, 1))
+            if k == 0:
+                _tag_pack(em.bg, mark, buf)
             if gather:
                 done = wait_for(call(C.all_gather, (buf, a, 0, n)), em.bg)
             else:
@@ -118,6 +125,39 @@ def bucket_steps(em, xs, refs, srcs, dsts, steps) -> list[fx.Node]:
             cur[a] = B if step.kind == "all_gather" else dst[a]
     assert all(tuple(cur) == tuple(dst) for cur, dst in zip(curs, dsts)), (curs, dsts)
     return xs
+
+
+def _tag_pack(graph: fx.Graph, mark: Optional[fx.Node], buf: fx.Node) -> None:
+    """Tag the nodes after ``mark`` up to ``buf`` (a bucket's first buffer and what makes it)."""
+    node = mark.next if mark is not None else next(iter(graph.nodes))
+    while True:
+        node.meta["autopar_bucket_pack"] = buf.name
+        if node is buf:
+            return
+        node = node.next
+
+
+def pack_when_ready(graph: fx.Graph) -> None:
+    """Move each bucket's first buffer, with the nodes that make it (casts, padding, the rows'
+    concatenation), to just after its last gradient is made: its collective (``schedule`` issues
+    it once its buffer exists) then runs under the rest of the backward, as the cost model prices
+    it, and not after the backward's last op."""
+    chains: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        tag = node.meta.get("autopar_bucket_pack")
+        if tag is not None:
+            chains.setdefault(tag, []).append(node)
+    last_input = max((n for n in graph.nodes if n.op == "placeholder"), default=None)
+    for chain in chains.values():
+        inside = set(chain)
+        sources = [a for n in chain for a in n.all_input_nodes if a not in inside]
+        after = max(sources, default=last_input)  # fx nodes compare by their place in the graph
+        if after.op == "placeholder":
+            after = last_input
+        for node in chain:  # in program order: each reads a source or an earlier one of the chain
+            if after.next is not node:
+                after.append(node)
+            after = node
 
 
 def pack_as_made(graph: fx.Graph) -> None:
