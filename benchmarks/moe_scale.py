@@ -19,7 +19,7 @@ factorization (the row then prints the chosen mesh, ``"chosen"``, and every shap
 not, ``"compared"``).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/moe_scale.py [--only qwen3_30b] [--layers 4]
-        [--batch 64] [--imbalance 1.25] [--mesh dp=32,tp=8 | --devices 64] [--json out.json]
+        [--batch 64] [--imbalance 1.25] [--mesh dp=32,tp=8 | --devices 64 [--tp 8]] [--json out.json]
 """
 
 from __future__ import annotations
@@ -74,16 +74,18 @@ def build(name: str, layers: int | None, batch: int | None = None):
 
 
 def row(name: str, layers: int | None, batch: int | None = None, mesh: dict | None = None,
-        devices: int | None = None) -> dict:
+        devices: int | None = None, tp: list | None = None) -> dict:
     """Plan row ``name`` (on ``mesh`` axes, if not the row's; on ``devices`` H100s whose factorization
-    ``Mesh.devices`` chooses, if given) and report its figures (an ``error`` where no plan fits)."""
+    ``Mesh.devices`` chooses, if given, with the tensor degrees ``tp`` if given) and report its
+    figures (an ``error`` where no plan fits)."""
     import autopar
 
     model, kwargs, axes = build(name, layers, batch)
     axes = mesh or axes
-    target = autopar.Mesh.devices(devices, device="h100") if devices else autopar.Mesh(axes, device="h100")
+    target = (autopar.Mesh.devices(devices, device="h100", tp=tp) if devices
+              else autopar.Mesh(axes, device="h100"))
     head = {"model": name, "layers": layers or MODELS[name][2]["num_hidden_layers"],
-            "mesh": {"devices": devices} if devices else axes, "batch": list(kwargs["input_ids"].shape)}
+            "mesh": {"devices": devices, "tp": tp} if devices else axes, "batch": list(kwargs["input_ids"].shape)}
     t, cpu = time.perf_counter(), time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -115,6 +117,7 @@ def main() -> None:
     ap.add_argument("--mesh", default=None, help="mesh axes, e.g. dp=32,tp=8 or pp=8,tp=8 (default: the row's)")
     ap.add_argument("--devices", type=int, default=None,
                     help="H100s whose factorization autopar.Mesh.devices chooses (in place of --mesh)")
+    ap.add_argument("--tp", default=None, help="with --devices: the tensor degrees allowed, e.g. 8 or 4,8")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.mesh and a.devices:
@@ -126,7 +129,8 @@ def main() -> None:
     rows = []
     for name in a.only or sorted(MODELS):
         mesh = {k: int(v) for k, v in (x.split("=") for x in a.mesh.split(","))} if a.mesh else None
-        r = row(name, a.layers, a.batch, mesh, a.devices)
+        tp = [int(x) for x in a.tp.split(",")] if a.tp else None
+        r = row(name, a.layers, a.batch, mesh, a.devices, tp)
         rows.append(r)
         print(json.dumps(r), flush=True)
     if a.json:
