@@ -35,8 +35,8 @@ A shape whose mesh is an earlier one's renamed (``pp=2 dp=4`` inside a node of 8
 tp=4``: ``renamed_key``) is not planned twice. A pipelined shape whose first intra-op solve shows
 that none of its pipelines could beat a fitting shape already found (priced without a memory budget,
 the other micro-batch counts by the driver's optimistic estimate) is not solved further
-(``pipelined.NotFaster``). The fastest candidate that fits wins; ``plan.mesh_search`` lists every candidate priced (or why it was
-not), and ``plan.phases["mesh_search"]`` the search's own wall time.
+(``pipelined.NotFaster``). The fastest candidate that fits wins; ``plan.mesh_search`` lists every
+candidate priced (or why it was not), and ``plan.phases["mesh_search"]`` the search's own wall time.
 """
 
 from __future__ import annotations

@@ -170,12 +170,12 @@ class _Solver:
                                 "as layers.0, layers.1, ...) into stages, and this model has none")
         return planned, segs
 
-    def priced(self, segs: ModelSegments, m: int, schedule=None, virtual=None, budget: Optional[float] = -1.0):
-        """Every schedule at ``m`` micro-batches priced on ``segs`` (within ``budget``: the solver's
-        unless given; None prices without one, recomputing nothing)."""
+    def priced(self, segs: ModelSegments, m: int, schedule=None, virtual=None, bounded: bool = True):
+        """Every schedule at ``m`` micro-batches priced on ``segs``: within the memory budget (ranks over
+        it recompute), or with ``bounded`` false without one (nothing recomputed)."""
         t = time.perf_counter()
         hop = p2p_time(segs.boundary_bytes, self.link) if self.link is not None else 0.0
-        out = best_pipelines(segs, self.pp, m, hop, schedule, virtual, self.budget if budget == -1.0 else budget)
+        out = best_pipelines(segs, self.pp, m, hop, schedule, virtual, self.budget if bounded else None)
         self.lap("split", t)
         return out
 
@@ -183,10 +183,11 @@ class _Solver:
         """The least step any pipeline of this shape could price at, from the fastest layer plan's
         ``segs`` at ``m`` micro-batches: priced without a budget (recomputation and the leaner layer
         plan only add time), the other ``counts`` by the optimistic estimate (``scaled``)."""
-        steps = [p.step_time for p, _ in self.priced(segs, m, schedule, virtual, None)]
+        steps = [p.step_time for p, _ in self.priced(segs, m, schedule, virtual, bounded=False)]
         for k in counts:
             if k != m:
-                steps += [p.step_time for p, _ in self.priced(scaled(segs, m / k), k, schedule, virtual, None)]
+                steps += [p.step_time
+                          for p, _ in self.priced(scaled(segs, m / k), k, schedule, virtual, bounded=False)]
         return min(steps, default=math.inf)
 
 
@@ -385,5 +386,5 @@ def _pp_recipe(solver: _Solver, m: int, order: int) -> tuple[dict, list[Staged]]
 
 
 __all__ = ["ACCUMULATION_COUNTS", "MICROBATCH_FACTORS", "PP_AXIS", "RECIPE", "UNPIPELINED_NOTE",
-           "Estimate", "NotFaster", "Staged", "batch_size", "check_pipeline", "micro_inputs", "plan_pipelined", "stage_mesh",
-           "wants_pipeline"]
+           "Estimate", "NotFaster", "Staged", "batch_size", "check_pipeline", "micro_inputs", "plan_pipelined",
+           "stage_mesh", "wants_pipeline"]
