@@ -13,10 +13,13 @@ default ``grouped_mm`` experts, as a user brings them, on H100 meshes.
 Each row prints the planned step time, tokens/s/GPU, MFU, peak memory, planning wall time, and
 which grouped products run expert-parallel (tag ``experts``). ``--layers`` plans fewer layers (the
 step and memory then cover that depth only; say so when quoting). ``--imbalance`` sets the expert
-exchange's imbalance factor (``autopar.cost_model.experts.IMBALANCE``).
+exchange's imbalance factor (``autopar.cost_model.experts.IMBALANCE``). ``--mesh`` pins the axes
+(a ``pp`` axis pipelines); ``--devices N`` has ``autopar.Mesh.devices(N, device="h100")`` choose the
+factorization (the row then prints the chosen mesh, ``"chosen"``, and every shape it priced or why
+not, ``"compared"``).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/moe_scale.py [--only qwen3_30b] [--layers 4]
-        [--batch 64] [--imbalance 1.25] [--mesh dp=32,tp=8] [--json out.json]
+        [--batch 64] [--imbalance 1.25] [--mesh dp=32,tp=8 | --devices 64 [--tp 8]] [--json out.json]
 """
 
 from __future__ import annotations
@@ -70,26 +73,37 @@ def build(name: str, layers: int | None, batch: int | None = None):
     return model, {"input_ids": ids, "labels": ids}, axes
 
 
-def row(name: str, layers: int | None, batch: int | None = None, mesh: dict | None = None) -> dict:
-    """Plan row ``name`` (on ``mesh`` axes, if not the row's) and report its figures (an ``error``
-    where no plan fits)."""
+def row(name: str, layers: int | None, batch: int | None = None, mesh: dict | None = None,
+        devices: int | None = None, tp: list | None = None) -> dict:
+    """Plan row ``name`` (on ``mesh`` axes, if not the row's; on ``devices`` H100s whose factorization
+    ``Mesh.devices`` chooses, if given, with the tensor degrees ``tp`` if given) and report its
+    figures (an ``error`` where no plan fits)."""
     import autopar
 
     model, kwargs, axes = build(name, layers, batch)
     axes = mesh or axes
-    head = {"model": name, "layers": layers or MODELS[name][2]["num_hidden_layers"], "mesh": axes,
-            "batch": list(kwargs["input_ids"].shape)}
-    t = time.perf_counter()
+    target = (autopar.Mesh.devices(devices, device="h100", tp=tp) if devices
+              else autopar.Mesh(axes, device="h100"))
+    head = {"model": name, "layers": layers or MODELS[name][2]["num_hidden_layers"],
+            "mesh": {"devices": devices, "tp": tp} if devices else axes, "batch": list(kwargs["input_ids"].shape)}
+    t, cpu = time.perf_counter(), time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            plan = autopar.plan(model, autopar.Mesh(axes, device="h100"), (), kwargs, progress=False)
+            plan = autopar.plan(model, target, (), kwargs, progress=False)
         except autopar.errors.InfeasibleError as e:
             return {**head, "plan_s": time.perf_counter() - t, "error": str(e)}
-    wall = time.perf_counter() - t
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+    if plan.mesh_search:
+        head.update(chosen=plan.mesh_search["chosen"], compared=plan.mesh_search["compared"])
+    if plan.pipeline is not None:
+        p = plan.pipeline
+        head["pipeline"] = {"schedule": p.schedule, "microbatches": p.microbatches, "virtual_stages": p.virtual_stages,
+                            "bubble": p.bubble, "mesh": dict(zip(p.mesh_names, p.mesh_shape))}
     tags = collections.Counter(tuple(n.get("tags", [])) for n in plan.nodes if n["name"].startswith("_grouped_mm"))
     return {**head, "step_s": plan.step_time, "tokens_per_s_per_gpu": plan.tokens_per_second_per_device, "mfu": plan.mfu,
             "peak_gib": plan.peak_memory / 2**30, "budget_gib": plan.memory_budget / 2**30, "plan_s": wall,
+            "plan_cpu_s": cpu,
             "grouped_mm_strategies": {", ".join(k): v for k, v in tags.items()},
             "baselines": {k: v.get("step_time") for k, v in plan.baselines.items()}}
 
@@ -100,9 +114,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default: the row's 256)")
     ap.add_argument("--imbalance", type=float, default=None)
-    ap.add_argument("--mesh", default=None, help="mesh axes, e.g. dp=32,tp=8 (default: the row's)")
+    ap.add_argument("--mesh", default=None, help="mesh axes, e.g. dp=32,tp=8 or pp=8,tp=8 (default: the row's)")
+    ap.add_argument("--devices", type=int, default=None,
+                    help="H100s whose factorization autopar.Mesh.devices chooses (in place of --mesh)")
+    ap.add_argument("--tp", default=None, help="with --devices: the tensor degrees allowed, e.g. 8 or 4,8")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if a.mesh and a.devices:
+        ap.error("give --mesh or --devices, not both")
     if a.imbalance is not None:
         from autopar.cost_model import experts
 
@@ -110,7 +129,8 @@ def main() -> None:
     rows = []
     for name in a.only or sorted(MODELS):
         mesh = {k: int(v) for k, v in (x.split("=") for x in a.mesh.split(","))} if a.mesh else None
-        r = row(name, a.layers, a.batch, mesh)
+        tp = [int(x) for x in a.tp.split(",")] if a.tp else None
+        r = row(name, a.layers, a.batch, mesh, a.devices, tp)
         rows.append(r)
         print(json.dumps(r), flush=True)
     if a.json:

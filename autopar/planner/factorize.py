@@ -31,8 +31,12 @@ re-shaped to each micro-batch size (``ir/rebatch.py``). The
 pipelined shapes are planned first; an unpipelined shape is first solved without a memory budget,
 and when that plan (the fastest it can have: recomputation only adds time) does not fit and is
 already slower than a fitting shape found, its budgeted search is skipped (listed with the reason).
-The fastest candidate that fits wins; ``plan.mesh_search`` lists every candidate priced (or why it was
-not), and ``plan.phases["mesh_search"]`` the search's own wall time.
+A shape whose mesh is an earlier one's renamed (``pp=2 dp=4`` inside a node of 8 is ``pp=2
+tp=4``: ``renamed_key``) is not planned twice. A pipelined shape whose first intra-op solve shows
+that none of its pipelines could beat a fitting shape already found (priced without a memory budget,
+the other micro-batch counts by the driver's optimistic estimate) is not solved further
+(``pipelined.NotFaster``). The fastest candidate that fits wins; ``plan.mesh_search`` lists every
+candidate priced (or why it was not), and ``plan.phases["mesh_search"]`` the search's own wall time.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from autopar.passes.search.strategies import runs_balanced
 from autopar.planner.captures import capture
 from autopar.planner.intra import prepare, run_passes, search_prepared, within
 from autopar.planner.options import PlanOptions
-from autopar.planner.pipelined import batch_size, plan_pipelined
+from autopar.planner.pipelined import NotFaster, batch_size, plan_pipelined
 from autopar.planner.report import build_plan
 
 
@@ -112,6 +116,20 @@ def expert_shapes(d: int, t: int, node_size: int, batch: int, experts: int) -> l
     return [{PP_AXIS: 1, DP_AXIS: d // e, EP_AXIS: e, TP_AXIS: t}
             for e in (2 ** k for k in range(1, d.bit_length()))
             if d % e == 0 and e < d and e * t <= node_size and node_size % (e * t) == 0 and e <= experts and d <= batch]
+
+
+def renamed_key(shape: dict[str, int]) -> tuple:
+    """What a shape's mesh is, names aside: its pipeline degree and the sizes of its other axes of
+    more than one device, in order (each axis's link follows from its size and the sizes inside it,
+    ``cost_model.mesh.axis_link``). Shapes with a ``cp`` or ``ep`` axis keep their names (those
+    axes are made for a split of their own)."""
+    if set(shape) - {PP_AXIS, DP_AXIS, TP_AXIS}:
+        return tuple(shape.items())
+    return (shape[PP_AXIS],) + tuple(v for k, v in shape.items() if k != PP_AXIS and v > 1)
+
+
+def _text(shape: dict[str, int]) -> str:
+    return " ".join(f"{k}={v}" for k, v in shape.items())
 
 
 def sequence_length(args: tuple, kwargs: dict) -> int:
@@ -175,12 +193,23 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
     # first without a budget: recomputing or leaner placements only add time, so when even that is
     # slower than a fitting shape already found, its budgeted search (the costly part) is skipped
     order = [s for s in shapes if s[PP_AXIS] > 1] + [s for s in shapes if s[PP_AXIS] == 1]
+    seen: dict[tuple, dict[str, int]] = {}
     for shape in order:
+        key = renamed_key(shape)
+        if key in seen:
+            rows.append({"shape": dict(shape), "error": f"not planned: the mesh of {_text(seen[key])} renamed (the "
+                         "same sizes on the same links; what each axis splits is the search's choice)"})
+            continue
+        seen[key] = shape
         sub = candidate_mesh(mesh, shape)
         best = min((p.step_time for p, _ in plans if p.fits), default=math.inf)
         try:
             if shape[PP_AXIS] > 1:
-                plan = plan_pipelined(model, sub, args, kwargs, fixed, mesh_search=True, graphs=graphs)
+                try:
+                    plan = plan_pipelined(model, sub, args, kwargs, fixed, mesh_search=True, graphs=graphs, beat=best)
+                except NotFaster as e:
+                    rows.append({"shape": dict(shape), "error": str(e)})
+                    continue
             else:
                 # (the passes before the search, and its solve without the budget, serve both searches)
                 with offer_balanced(asked):
@@ -203,7 +232,7 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
                      "fits": bool(plan.fits), "pipelined": plan.pipeline is not None})
     fitting = [(p, k) for p, k in plans if p.fits]
     if not fitting:
-        tried = "; ".join(" ".join(f"{a}={n}" for a, n in r["shape"].items()) + ": "
+        tried = "; ".join(_text(r["shape"]) + ": "
                           + (r["error"][:120] if "error" in r else f"{r['peak_memory'] / 2**30:.1f} GiB")
                           for r in rows)
         raise InfeasibleError(f"no factorization of {count} devices fits the memory budget: {tried}; use more devices, "
@@ -216,4 +245,5 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
     return best
 
 
-__all__ = ["CP_AXIS", "EP_AXIS", "candidate_mesh", "expert_shapes", "plan_mesh_search", "sequence_length", "shape_candidates"]
+__all__ = ["CP_AXIS", "EP_AXIS", "candidate_mesh", "expert_shapes", "plan_mesh_search", "renamed_key",
+           "sequence_length", "shape_candidates"]

@@ -135,6 +135,8 @@ class _Solver:
     options: PlanOptions
     graphs: dict
     phases: dict = field(default_factory=dict)
+    #: the step a pipeline must beat to matter (the factorization search's fastest fitting shape so far)
+    beat: float = math.inf
 
     def lap(self, name: str, since: float) -> float:
         now = time.perf_counter()
@@ -168,20 +170,40 @@ class _Solver:
                                 "as layers.0, layers.1, ...) into stages, and this model has none")
         return planned, segs
 
-    def priced(self, segs: ModelSegments, m: int, schedule=None, virtual=None):
+    def priced(self, segs: ModelSegments, m: int, schedule=None, virtual=None, bounded: bool = True):
+        """Every schedule at ``m`` micro-batches priced on ``segs``: within the memory budget (ranks over
+        it recompute), or with ``bounded`` false without one (nothing recomputed)."""
         t = time.perf_counter()
         hop = p2p_time(segs.boundary_bytes, self.link) if self.link is not None else 0.0
-        out = best_pipelines(segs, self.pp, m, hop, schedule, virtual, self.budget)
+        out = best_pipelines(segs, self.pp, m, hop, schedule, virtual, self.budget if bounded else None)
         self.lap("split", t)
         return out
 
+    def fastest(self, segs: ModelSegments, m: int, counts: list[int], schedule=None, virtual=None) -> float:
+        """The least step any pipeline of this shape could price at, from the fastest layer plan's
+        ``segs`` at ``m`` micro-batches: priced without a budget (recomputation and the leaner layer
+        plan only add time), the other ``counts`` by the optimistic estimate (``scaled``)."""
+        steps = [p.step_time for p, _ in self.priced(segs, m, schedule, virtual, bounded=False)]
+        for k in counts:
+            if k != m:
+                steps += [p.step_time
+                          for p, _ in self.priced(scaled(segs, m / k), k, schedule, virtual, bounded=False)]
+        return min(steps, default=math.inf)
+
+
+class NotFaster(Exception):
+    """Raised by ``plan_pipelined`` given ``beat``: no pipeline of this shape can be faster than that
+    (its message says what the fastest could be); the shape's remaining solves are not made."""
+
 
 def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, options: Optional[PlanOptions] = None,
-                   *, mesh_search: bool = False, graphs: Optional[dict] = None):
+                   *, mesh_search: bool = False, graphs: Optional[dict] = None, beat: float = math.inf):
     """The ``Plan`` for a mesh with a ``pp`` axis or a pinned ``options.pipeline`` (see the module
     docstring). ``mesh_search``: called by the factorization search, which compares the unpipelined
     shapes itself (the plan then carries no note that they were not planned); ``graphs`` (rows per
-    micro-batch -> a captured graph) shares captures across calls and is filled with this call's."""
+    micro-batch -> a captured graph) shares captures across calls and is filled with this call's;
+    ``beat``: the step time of a fitting plan found already (the search's), where ``NotFaster`` is
+    raised once the first solve shows no pipeline of this shape could beat it."""
     start = time.perf_counter()
     options = options if options is not None else PlanOptions()
     pin = dict(options.pipeline or {})  # (checked by ``planner.options.plan_options``)
@@ -192,7 +214,7 @@ def plan_pipelined(model, mesh: Mesh, example_inputs=(), example_kwargs=None, op
     kwargs = dict(example_kwargs or {})
     batch = batch_size(args, kwargs)
     solver = _Solver(model, sub, args, kwargs, batch, pp, mesh.link(PP_AXIS) if PP_AXIS in mesh.names else None,
-                     options.budget(mesh), options, {} if graphs is None else graphs)
+                     options.budget(mesh), options, {} if graphs is None else graphs, beat=beat)
     budget = solver.budget
     counts = _microbatch_counts(pin, batch, pp)
     # The pipelined recipe's count first when it is one of them: its shape is solved for the recipe
@@ -308,6 +330,12 @@ def _solve_counts(solver: _Solver, counts: list[int], first: int, pin: dict) -> 
                 planned, segs = solver.exact(m, bounded)
             except InfeasibleError:
                 planned = None
+            if planned is not None and not bounded and len(solved) == 1 and solver.beat < math.inf:
+                least = solver.fastest(segs, m, counts, schedule, virtual)
+                if least >= solver.beat:
+                    raise NotFaster(f"not planned further: its fastest pipeline without a memory budget "
+                                    f"({least * 1e3:.1f} ms, the layer plan at m={m}, other counts estimated) is "
+                                    f"already slower than a fitting shape")
             if planned is not None:
                 for price, ranges in solver.priced(segs, m, schedule, virtual):
                     found.append(Staged(price, ranges, m, planned, segs, len(found)))
@@ -358,5 +386,5 @@ def _pp_recipe(solver: _Solver, m: int, order: int) -> tuple[dict, list[Staged]]
 
 
 __all__ = ["ACCUMULATION_COUNTS", "MICROBATCH_FACTORS", "PP_AXIS", "RECIPE", "UNPIPELINED_NOTE",
-           "Estimate", "Staged", "batch_size", "check_pipeline", "micro_inputs", "plan_pipelined", "stage_mesh",
-           "wants_pipeline"]
+           "Estimate", "NotFaster", "Staged", "batch_size", "check_pipeline", "micro_inputs", "plan_pipelined",
+           "stage_mesh", "wants_pipeline"]

@@ -41,7 +41,7 @@ from autopar.cost_model.memory import activation_bytes
 from autopar.cost_model.pipeline_price import AFTER_STEP, PipelinePrice, Recompute, Segment, combine, price_pipeline
 from autopar.cost_model.precision import Precision
 from autopar.cost_model.schedules import SCHEDULES, check_schedule
-from autopar.ir.graph import Graph, Phase, Ref, Role
+from autopar.ir.graph import Graph, Phase, Role
 from autopar.ir.layers import layers
 from autopar.ir.placement import local_shape
 from autopar.ir.recompute import MODES
@@ -245,7 +245,8 @@ def _accumulators(graph: Graph, problem: Problem, folding: Folding, choice: Sequ
     the parameter, in place of its reduced gradient: a pipeline stage adds every micro-batch's
     gradient into it and reduces once per step (``runtime/pipeline``), so it is held through the
     step's micro-batches, and the reduced gradient is made only at the step's end, when they are
-    done. A gradient made at its parameter's placement is the reduced gradient itself."""
+    done. A gradient made at its parameter's placement needs no reduction, but its accumulator is
+    still in the compute dtype (under bf16-mixed half the float32 gradient made from it at the end)."""
 
     def placed(ref) -> tuple:
         i = problem.index[folding.representative(ref.node)]
@@ -260,8 +261,6 @@ def _accumulators(graph: Graph, problem: Problem, folding: Folding, choice: Sequ
         if ref is None or name is None:
             continue
         place = placed(ref)
-        if place == placed(Ref(name, 0)):
-            continue
         spec = graph.spec(ref)
         nbytes = activation_bytes(spec.shape, spec.dtype, place, mesh, precision)
         for r in regions_of(name):
