@@ -50,7 +50,7 @@ def test_beaten_only_below_the_optimum():
     assert not solver.beaten(problem, best * 1.03, 2.0)
 
 
-@pytest.mark.parametrize("fraction", [0.6])
+@pytest.mark.parametrize("fraction", [0.75])
 def test_the_cutoff_keeps_the_plan(monkeypatch, fraction):
     model, inputs, mesh, opts = _options(fraction)
     said = []

@@ -131,9 +131,11 @@ def recompute_candidates(problem: Problem, terms: list[checkpoint.GroupTerms], c
         fast as ``cap``: proved by CP-SAT on the full ILP, where that is the level's solver."""
         if cap == math.inf or not exact_solver(merged_at(mode, level).problem, mesh):
             return False
-        prob = at(mode, level)
-        if any(evaluate(prob, c).step_time <= cap * (1 + 1e-9) for c in choices.values()):
-            return False
+        prob, rc = at(mode, level), checkpoint.levels(terms, mode, level)
+        for c in choices.values():  # (a recipe that fits and is as fast would be a candidate)
+            if evaluate(prob, c).step_time <= cap * (1 + 1e-9) and (
+                    walk(prob, c, rc) if walk is not None else evaluate(prob, c)).peak_memory <= problem.memory_budget:
+                return False
         return solver.beaten(merged_at(mode, level).problem, cap, deterministic_time, time_limit)
 
     # recomputing the last instance saves nothing (its backward follows at once), so at most top - 1
