@@ -161,14 +161,7 @@ def beaten(problem: Problem, cap: float, deterministic_time: float = 30.0, time_
     built, _, primary, _ = formulate(problem, None, shared=True)
     built.linear(primary, hi=_ps(cap * (1 + 1e-9)) + len(primary) + 1)
     built.minimize(primary)
-    solver = _solver(deterministic_time, time_limit)
-    return solver.solve(built.model) == _cp_infeasible()
-
-
-def _cp_infeasible():
-    from ortools.sat.python import cp_model
-
-    return cp_model.INFEASIBLE
+    return _solver(deterministic_time, time_limit).solve(built.model) == built.cp_model.INFEASIBLE
 
 
 def _fits_better(problem: Problem, a: Sequence[int], b: Sequence[int]) -> bool:
