@@ -220,7 +220,8 @@ def plan_mesh_search(model, mesh: Mesh, example_inputs=(), example_kwargs=None,
                                      f"plan without one ({fast.cost.step_time * 1e3:.1f} ms) is already slower than "
                                      f"a fitting shape"})
                         continue
-                    planned = fast if budget == math.inf else search_prepared(within(prep, budget))
+                    # (recomputation levels that cannot beat the fastest fitting shape are not solved)
+                    planned = fast if budget == math.inf else search_prepared(within(prep, budget), best)
                 if not asked and runs_balanced(planned):  # the balanced split weighed in a second search
                     planned = run_passes(model, sub, args, kwargs, replace(at_batch, memory_budget=budget))
                 plan = build_plan(planned)

@@ -217,9 +217,11 @@ def _unbudgeted(prep: Prepared) -> tuple:
 
 
 @collector_paused()
-def search_prepared(prep: Prepared) -> Planned:
+def search_prepared(prep: Prepared, incumbent: float = math.inf) -> Planned:
     """``run_passes``' search of ``prep`` (or the recipe or propagation asked for), the chosen plan's
-    kept gathers and walked peak: the ``Planned``."""
+    kept gathers and walked peak: the ``Planned``. ``incumbent``: the step time of a plan the
+    caller has already (the factorization search: its fastest fitting shape); recomputation levels
+    that cannot beat it are not solved, and where nothing fits for that a ``Beaten`` error says so."""
     graph, mesh, opts, folding, prec, ops = prep.graph, prep.mesh, prep.opts, prep.folding, prep.precision, prep.ops
     problem, merged, walk, baselines, choices = prep.problem, prep.merged, prep.walk, prep.baselines, prep.choices
     budget = problem.memory_budget
@@ -245,8 +247,8 @@ def search_prepared(prep: Prepared) -> Planned:
         plain = Solved(recompute, problem, merged, None, None)
         # (the solve without the budget is ``prep``'s own unless a pinned recomputation re-priced it)
         candidates = _search(plain, choices, ops, clock, mesh, opts, terms if pin is None else [], walk,
-                             (lambda: _unbudgeted(prep)) if problem is prep.problem else None)
-        best = _choose(candidates, budget, graph, problem, unscaled, terms, pin is None)
+                             (lambda: _unbudgeted(prep)) if problem is prep.problem else None, incumbent)
+        best = _choose(candidates, budget, graph, problem, unscaled, terms, pin is None, incumbent)
         source, choice, solved = best.source, best.choice, best.solved
         recompute, problem, merged = solved.recompute, solved.problem, solved.merged
         # (a recipe that won keeps the solver's figures and the cost of the search's plan of its solve)
@@ -304,12 +306,13 @@ def _price_recipes(graph: Graph, mesh: Mesh, problem: Problem, merged: Merged, c
 
 def _search(plain: Solved, choices: dict[str, list[int]], ops: dict[str, str], clock: "_Clock", mesh: Mesh,
             opts: PlanOptions, terms: list[checkpoint.GroupTerms], walk: peak.Walker,
-            unbudgeted: Optional[Callable[[], tuple]] = None) -> list[Candidate]:
+            unbudgeted: Optional[Callable[[], tuple]] = None, incumbent: float = math.inf) -> list[Candidate]:
     """The search's solves of ``plain.problem`` and the recipes priced on each, as candidates. First
     without the budget: a plan that fits so is the best of every choice (recomputing only adds time),
     and the budgeted solve and the recomputation are skipped. Else within the budget (no solve when
     even the leanest plan is over it), then, with ``terms`` (recomputation not pinned), plans that
-    recompute (``passes.search.ladder.recompute_candidates``). ``unbudgeted()``: the solve without the
+    recompute (``passes.search.ladder.recompute_candidates``; those that cannot beat ``incumbent``
+    not solved). ``unbudgeted()``: the solve without the
     budget when already made or shared (``_unbudgeted``)."""
     problem, merged = plain.problem, plain.merged
     args = (mesh, opts.deterministic_time, opts.time_limit)
@@ -325,8 +328,7 @@ def _search(plain: Solved, choices: dict[str, list[int]], ops: dict[str, str], c
     if over and terms:
         # the fastest fitting plan so far (its walks are the candidates' below): what recomputing must beat
         plain_costs = [walk(problem, c, plain.recompute) for c in [searched, *choices.values()] if c is not None]
-        incumbent = min((c.step_time for c in plain_costs if c.peak_memory <= problem.memory_budget),
-                        default=math.inf)
+        incumbent = min([c.step_time for c in plain_costs if c.peak_memory <= problem.memory_budget] + [incumbent])
         found += recompute_candidates(problem, terms, choices, ops, clock.progress, *args, walk=walk,
                                       incumbent=incumbent)
     candidates = []
@@ -341,13 +343,23 @@ def _search(plain: Solved, choices: dict[str, list[int]], ops: dict[str, str], c
 
 
 def _choose(candidates: list[Candidate], budget: float, graph: Graph, problem: Problem, unscaled: Problem,
-            terms: list[checkpoint.GroupTerms], searched: bool) -> Candidate:
+            terms: list[checkpoint.GroupTerms], searched: bool, incumbent: float = math.inf) -> Candidate:
     """The fastest candidate that fits (``Candidate.key``); an ``InfeasibleError`` saying what the
-    leanest plan would need when none fits (``searched``: the recomputation was the search's to choose)."""
+    leanest plan would need when none fits (``searched``: the recomputation was the search's to choose),
+    or a ``Beaten`` one where the caller's ``incumbent`` kept the search from solving every level."""
     fits = [c for c in candidates if c.cost.peak_memory <= budget]
+    if not fits and incumbent < math.inf and terms and searched:
+        raise Beaten(f"no plan found within the memory budget of {human_bytes(budget)} as fast as "
+                     f"{incumbent * 1e3:.1f} ms (a plan already found): the recomputation levels that could "
+                     f"not beat it were not solved")
     if not fits:
         raise _infeasible(graph, problem, budget, terms, unscaled, searched)
     return min(fits, key=lambda c: c.key)
+
+
+class Beaten(InfeasibleError):
+    """No plan fits among those the search made, and the recomputation levels it did not solve
+    (``search_prepared``'s ``incumbent``) could not have been faster than the caller's plan."""
 
 
 def _keep(graph: Graph, folding: Folding, problem: Problem, choice: list[int], mesh: Mesh, prec: Precision,
@@ -459,4 +471,4 @@ def _infeasible(graph: Graph, problem: Problem, budget: float, terms: Optional[l
     )
 
 
-__all__ = ["Candidate", "Planned", "Prepared", "Solved", "prepare", "run_passes", "search_prepared", "within"]
+__all__ = ["Beaten", "Candidate", "Planned", "Prepared", "Solved", "prepare", "run_passes", "search_prepared", "within"]

@@ -14,7 +14,7 @@ from typing import Optional
 
 from autopar.cost_model.mesh import Mesh
 from autopar.errors import InfeasibleError
-from autopar.passes.search import checkpoint, peak
+from autopar.passes.search import checkpoint, peak, solve as solver
 from autopar.passes.search.merge import Merged, merge
 from autopar.passes.search.problem import Problem, evaluate, least_transient
 from autopar.passes.search.solve import Solution, greedy, solve
@@ -62,7 +62,7 @@ def solve_choice(merged: Merged, problem: Problem, choices: dict[str, list[int]]
     if budget and surely_over(target):  # (what the solver would find after its search: nothing)
         return None, None
     try:
-        if edge_var_count(target) <= FULL_ILP_LIMIT or mesh.ndim == 1:
+        if exact_solver(target, mesh):
             solution = solve(target, warm_start, deterministic_time, time_limit)
         else:
             solution = solve_by_axis(target, warm_start, mesh.ndim, 2, time_limit)
@@ -86,10 +86,15 @@ def recompute_candidates(problem: Problem, terms: list[checkpoint.GroupTerms], c
     first (the lowest ``time_floor`` of their first level), and a mode's remaining levels are not
     solved once no plan of any of them can be as fast as the fastest fitting plan found
     (``incumbent``: the caller's, then each fitting solve's): every plan they could add would lose
-    to that one, so the choice among the returned plans is the same as with every level solved."""
+    to that one, so the choice among the returned plans is the same as with every level solved.
+    Where the full ILP solves a level (``solve.beaten`` needs it), a level is also skipped when
+    CP-SAT proves that no plan within its memory budget is as fast as the incumbent and no recipe
+    is either; with no incumbent yet, a mode's last level (the leanest, the likeliest to fit) is
+    solved first to give one (``_first_incumbent``)."""
     top = max(t.count for t in terms)
     priced: dict[tuple[str, int], Problem] = {}
     floors: dict[tuple[str, int], float] = {}
+    merges: dict[tuple[str, int], Merged] = {}
 
     def at(mode: str, level: int) -> Problem:
         if (mode, level) not in priced:
@@ -101,44 +106,91 @@ def recompute_candidates(problem: Problem, terms: list[checkpoint.GroupTerms], c
             floors[mode, level] = time_floor(at(mode, level))
         return floors[mode, level]
 
+    def merged_at(mode: str, level: int) -> Merged:
+        if (mode, level) not in merges:
+            merges[mode, level] = merge(at(mode, level), ops)
+        return merges[mode, level]
+
+    def attempt(mode: str, level: int):
+        """The level's solve: ``(Solved, cost)``, or None when the solver finds no plan."""
+        prob, rc = at(mode, level), checkpoint.levels(terms, mode, level)
+        merged = merged_at(mode, level)
+        search_args = (mesh, deterministic_time, time_limit)
+        solution, chosen = (solve_walked(merged, prob, choices, search_args, problem.memory_budget,
+                                         lambda c: walk(prob, c, rc).peak_memory) if walk is not None else
+                            solve_choice(merged, prob, choices, *search_args, budget=True))
+        if chosen is None:
+            return None
+        cost = walk(prob, chosen, rc) if walk is not None else evaluate(prob, chosen)
+        if progress:
+            print(f"autopar: recompute {mode} {level}/{top}: {cost.step_time * 1e3:.1f} ms"
+                  f"{'' if cost.peak_memory <= problem.memory_budget else ' (over the budget)'}", file=sys.stderr)
+        return Solved(rc, prob, merged, solution, chosen), cost
+
+    def beaten(mode: str, level: int, cap: float) -> bool:
+        """Whether no candidate of the level (its solves' plans, the recipes priced on it) can be as
+        fast as ``cap``: proved by CP-SAT on the full ILP, where that is the level's solver."""
+        if cap == math.inf or not exact_solver(merged_at(mode, level).problem, mesh):
+            return False
+        prob, rc = at(mode, level), checkpoint.levels(terms, mode, level)
+        for c in choices.values():  # (a recipe that fits and is as fast would be a candidate)
+            if evaluate(prob, c).step_time <= cap * (1 + 1e-9) and (
+                    walk(prob, c, rc) if walk is not None else evaluate(prob, c)).peak_memory <= problem.memory_budget:
+                return False
+        return solver.beaten(merged_at(mode, level).problem, cap, deterministic_time, time_limit)
+
     # recomputing the last instance saves nothing (its backward follows at once), so at most top - 1
     ladders = {mode: [lv for lv in range(1, top) if leanest(at(mode, lv)) <= problem.memory_budget]
                for mode in checkpoint.MODES}
     walked = sorted((m for m in checkpoint.MODES if ladders[m]),
                     key=lambda m: (floor(m, ladders[m][0]), checkpoint.MODES.index(m)))
-    out: dict[str, list[Solved]] = {}
+    out: dict[str, list[tuple[int, Solved]]] = {}
     for mode in walked:
         ladder = ladders[mode]
         found = out.setdefault(mode, [])
         best_time, excess = math.inf, 0.0
         tried = trials(ladder[0], top - 1)
+        sampled, last = len(tried) < len(ladder), tried[-1]
+        if incumbent == math.inf and len(tried) > 1 and exact_solver(merged_at(mode, last).problem, mesh):
+            got = _first_incumbent(attempt(mode, last), problem.memory_budget)
+            found += [(last, got[0])] if got[0] is not None else []
+            incumbent, tried = got[1], tried[:-1]
         for n, level in enumerate(tried):
             if min(floor(mode, lv) for lv in tried[n:]) * (1 - 1e-9) > incumbent:
                 break  # no plan of this or a later level can win (ties go to an earlier mode: strictly slower)
-            if excess and level != tried[-1] and leanest(at(mode, level)) + excess > problem.memory_budget:
+            if excess and level != last and leanest(at(mode, level)) + excess > problem.memory_budget:
                 continue
-            prob, rc = at(mode, level), checkpoint.levels(terms, mode, level)
-            merged = merge(prob, ops)
-            search_args = (mesh, deterministic_time, time_limit)
-            solution, chosen = (solve_walked(merged, prob, choices, search_args, problem.memory_budget,
-                                             lambda c: walk(prob, c, rc).peak_memory) if walk is not None else
-                                solve_choice(merged, prob, choices, *search_args, budget=True))
-            if chosen is None:
+            if beaten(mode, level, incumbent):
+                continue  # (the plans it would add are slower than one found: none of them is chosen)
+            got = attempt(mode, level)
+            if got is None:
                 continue
-            cost = walk(prob, chosen, rc) if walk is not None else evaluate(prob, chosen)
-            fits = cost.peak_memory <= problem.memory_budget
-            found.append(Solved(rc, prob, merged, solution, chosen))
-            if progress:
-                print(f"autopar: recompute {mode} {level}/{top}: {cost.step_time * 1e3:.1f} ms"
-                      f"{'' if fits else ' (over the budget)'}", file=sys.stderr)
-            if not fits:  # recomputing more lowers the peak: a later level may fit
-                excess = max(excess, cost.peak_memory - evaluate(prob, chosen).peak_memory)
+            solved, cost = got
+            found.append((level, solved))
+            if cost.peak_memory > problem.memory_budget:  # recomputing more lowers the peak: a later level may fit
+                excess = max(excess, cost.peak_memory - evaluate(solved.problem, solved.choice).peak_memory)
                 continue
             incumbent = min(incumbent, cost.step_time)
-            if cost.step_time >= best_time and len(tried) < len(ladder):
+            if cost.step_time >= best_time and sampled:
                 break  # a sample of many levels: stop where recomputing more stops paying
             best_time = cost.step_time
-    return [s for mode in checkpoint.MODES for s in out.get(mode, [])]
+    return [s for mode in checkpoint.MODES for _, s in sorted(out.get(mode, []), key=lambda ls: ls[0])]
+
+
+def _first_incumbent(got, budget: float) -> tuple[Optional[Solved], float]:
+    """A mode's last level solved first (``recompute_candidates``): its plan (None: none found) and
+    its step time where it fits (an incumbent for the mode's other levels; else none, ``inf``).
+    Its walked excess is not carried to the other levels, as when it is solved after them."""
+    if got is None:
+        return None, math.inf
+    solved, cost = got
+    return solved, cost.step_time if cost.peak_memory <= budget else math.inf
+
+
+def exact_solver(problem: Problem, mesh: Mesh) -> bool:
+    """Whether ``solve_choice`` solves ``problem`` (merged) by the full ILP (CP-SAT) rather than
+    by mesh axis (``solve_axis``)."""
+    return edge_var_count(problem) <= FULL_ILP_LIMIT or mesh.ndim == 1
 
 
 def trials(first: int, last: int) -> list[int]:
@@ -186,4 +238,4 @@ def time_floor(problem: Problem) -> float:
     return sum(n.mult * min(c + m for c, m in zip(n.compute, n.comm)) for n in problem.nodes)
 
 
-__all__ = ["Solved", "leanest", "recompute_candidates", "solve_choice", "solve_walked", "surely_over", "time_floor", "trials"]
+__all__ = ["Solved", "exact_solver", "leanest", "recompute_candidates", "solve_choice", "solve_walked", "surely_over", "time_floor", "trials"]

@@ -154,6 +154,18 @@ def solve(
     return sol
 
 
+def beaten(problem: Problem, cap: float, deterministic_time: float = 30.0, time_limit: Optional[float] = None) -> bool:
+    """Whether CP-SAT proves that no choice within ``problem``'s memory row has a step time of at
+    most ``cap`` seconds (the exact model with the step time capped, minimised: the cap prunes
+    the search where the plain solve would go on to its optimum). False when it finds one, or
+    proves nothing within its limits. The cap is widened by a picosecond per objective term, above
+    the model's rounding of each term, so a plan ``evaluate`` prices at ``cap`` is never ruled out."""
+    built, _, primary, _ = formulate(problem, None, shared=True)
+    built.linear(primary, hi=_ps(cap * (1 + 1e-9)) + len(primary) + 1)
+    built.minimize(primary)
+    return _solver(deterministic_time, time_limit).solve(built.model) == built.cp_model.INFEASIBLE
+
+
 def _fits_better(problem: Problem, a: Sequence[int], b: Sequence[int]) -> bool:
     """Whether choice ``a`` is at least as good a start as ``b``: it fits the memory budget and
     is no slower, or ``b`` does not fit."""
