@@ -17,7 +17,7 @@ from autopar.planner.intra import run_passes
 from autopar.planner.options import PlanOptions
 from autopar.errors import InfeasibleError
 from autopar.passes.search.problem import Problem, evaluate
-from autopar.passes.search.solve import greedy
+from autopar.passes.search.local_search import greedy
 from autopar.passes.search.solve_axis import leanest_choice, solve_by_axis, within_budget
 
 STARTS = ("ddp", "fsdp", "megatron_tp", "greedy")

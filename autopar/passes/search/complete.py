@@ -21,7 +21,8 @@ from autopar.ir.placement import Split, format_placements
 from autopar.passes.search.merge import Merged
 from autopar.passes.search.problem import Problem, evaluate
 from autopar.passes.search.propagate import propagate
-from autopar.passes.search.solve import InfeasibleError, greedy, improve, solve
+from autopar.passes.search.local_search import greedy, improve
+from autopar.passes.search.solve import InfeasibleError, solve
 from autopar.passes.search.solve_axis import FULL_ILP_LIMIT, edge_var_count
 from autopar.passes.search.strategies import output_placement
 

@@ -17,7 +17,8 @@ from autopar.errors import InfeasibleError
 from autopar.passes.search import checkpoint, peak, solve as solver
 from autopar.passes.search.merge import Merged, merge
 from autopar.passes.search.problem import Problem, evaluate, least_transient
-from autopar.passes.search.solve import Solution, greedy, solve
+from autopar.passes.search.local_search import greedy
+from autopar.passes.search.solve import Solution, solve
 from autopar.passes.search.solve_axis import FULL_ILP_LIMIT, edge_var_count, solve_by_axis
 
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence
 
 from autopar.errors import InfeasibleError
-from autopar.passes.search.problem import Problem, evaluate, incident_transfers, local_cost
+from autopar.passes.search.problem import Problem, evaluate
 
 PS_PER_S = 1e12  # objective unit: picoseconds (integer costs; finer units keep rounding below any real difference)
 
@@ -468,43 +468,3 @@ def _transients(m, problem: Problem, x, terms: list, kept: Sequence = ()) -> Non
                   for i, n in enumerate(problem.nodes) for s, v in x[i].items()]
         before = [(b, v) for b, v in before if b] + [(m.mem(b), v) for b, v in kept if m.mem(b)] + [(1, top)]
         m.linear(before, hi=m.mem_limit(problem.memory_budget))
-
-
-def greedy(problem: Problem) -> list[int]:
-    """A quick choice: op nodes in order take the strategy that is cheapest given the nodes already
-    chosen (graph inputs not yet chosen cost nothing: they will follow), then every graph input
-    takes the placement its chosen consumers want most."""
-    choice = [-1] * len(problem.nodes)
-    incident = incident_transfers(problem)
-    inputs = {i for i, n in enumerate(problem.nodes) if all(len(st[0].inputs) == 0 for st in n.strategies)}
-    order = [i for i in range(len(problem.nodes)) if i not in inputs] + sorted(inputs)
-    for i in order:
-        n = problem.nodes[i]
-        best, best_cost = None, None
-        for s in n.alive():
-            c = local_cost(problem, incident, choice, i, s)
-            if best_cost is None or c < best_cost - 1e-15:  # near-ties keep the earlier strategy
-                best, best_cost = s, c
-        choice[i] = best  # type: ignore[assignment]
-    return choice
-
-
-def improve(problem: Problem, choice: Sequence[int], sweeps: int = 5) -> list[int]:
-    """Local search from ``choice``: each node in turn takes its best strategy with its neighbours
-    held (compute, sink communication, the transfers it touches, priced as ``evaluate`` does),
-    until a sweep changes nothing.
-    Cheap; used to complete recipes, where an exact ILP per recipe would cost more than it tells."""
-    choice = list(choice)
-    incident = incident_transfers(problem)
-    for _ in range(sweeps):
-        changed = False
-        for i, n in enumerate(problem.nodes):
-            options = n.alive()
-            cost = {s: local_cost(problem, incident, choice, i, s) for s in options}
-            best = min(options, key=lambda s: (cost[s], s != choice[i], s))
-            if best != choice[i] and cost[best] < cost[choice[i]] - 1e-15:
-                choice[i] = best
-                changed = True
-        if not changed:
-            break
-    return choice

@@ -35,7 +35,8 @@ from typing import Optional, Sequence
 from autopar.passes.search.collector import collector_paused
 from autopar.errors import InfeasibleError
 from autopar.passes.search.problem import Problem, evaluate, largest_transient
-from autopar.passes.search.solve import Solution, formulate, improve
+from autopar.passes.search.local_search import improve
+from autopar.passes.search.solve import Solution, formulate
 
 #: Above this many transport variables a multi-axis mesh's ILP is solved one mesh axis at a time
 #: (HiGHS rounds, this module). Measured: tiny GPT on a (2, 2) mesh (39k transport
