@@ -47,13 +47,22 @@ def pytest_configure(config):
         config.pluginmanager.register(_XdistReport(), "autopar-xdist-report")
 
 
+#: the modules that take longest (docs/benchmarks.md, "Suite time"), collected first: ``make test``
+#: hands whole modules to its two workers in collection order, and a long one taken last runs alone
+#: while the other worker idles (longest first is the classic makespan order)
+LONGEST_FIRST = ("test_ladder.py", "test_checkpoint_search.py", "test_compiled.py", "test_liveness_fast.py",
+                 "test_ladder_cutoff.py", "test_launch.py", "test_replan.py", "test_pipeline_context.py")
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Mark ``gloo`` every test that uses a fixture that starts processes."""
+    """Mark ``gloo`` every test that uses a fixture that starts processes; the longest modules first."""
     for item in items:
         starting = PROCESS_FIXTURES | frozenset(getattr(item.module, "PROCESS_FIXTURES", ()))
         if starting.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.gloo)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the others keep their order
 
 
 def _no_processes(config) -> bool:

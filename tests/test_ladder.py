@@ -11,15 +11,13 @@ from dataclasses import replace
 import pytest
 
 import autopar
-from autopar import models
+from autopar import api, models
 from autopar.ir.capture import capture
 from autopar.errors import InfeasibleError
 from autopar.passes.search import ladder
 from autopar.passes.search.problem import evaluate
 from autopar.passes.search.solve import solve
 from autopar.passes.search.solve_axis import leanest_choice, solve_by_axis
-from autopar.planner.intra import run_passes
-from autopar.planner.options import PlanOptions
 
 
 @functools.cache
@@ -38,14 +36,6 @@ def _budgeted(fraction: float):
     return model, inputs, graph, mesh, int(peak * fraction)
 
 
-@functools.cache
-def _passes(fraction: float):
-    """``run_passes`` on the tiny GPT at ``fraction`` of its free peak (made once: two tests read it)."""
-    model, inputs, graph, mesh, budget = _budgeted(fraction)
-    return run_passes(model, mesh, inputs, options=PlanOptions(graph=graph, memory_budget=budget,
-                                                               deterministic_time=2.0, progress=False))
-
-
 def _plan(fraction: float) -> str:
     """The plan's JSON at ``fraction`` of the free peak, or what no plan fits says."""
     model, inputs, graph, mesh, budget = _budgeted(fraction)
@@ -57,11 +47,13 @@ def _plan(fraction: float) -> str:
 
 
 @functools.cache
-def _bounded(fraction: float) -> tuple[str, int, int]:
-    """The plan with the ladder's bounds as they are (made once: two tests compare it), with how
-    many walked solves ran and how many solves ``surely_over`` skipped; the counters only count."""
-    walked, over = ladder.solve_walked, ladder.surely_over
+def _bounded(fraction: float):
+    """The plan with the ladder's bounds as they are (made once: every test reads it), how many
+    walked solves ran, how many solves ``surely_over`` skipped, and the ``Planned`` behind the plan
+    (None where none fits); the wrappers only count and keep."""
+    walked, over, passes = ladder.solve_walked, ladder.surely_over, api.run_passes
     counts = {"solves": 0, "skipped": 0}
+    kept: list = []
 
     def counting_walked(*a, **k):
         counts["solves"] += 1
@@ -72,16 +64,20 @@ def _bounded(fraction: float) -> tuple[str, int, int]:
         counts["skipped"] += said
         return said
 
-    ladder.solve_walked, ladder.surely_over = counting_walked, counting_over
+    def keeping(*a, **k):
+        kept.append(passes(*a, **k))
+        return kept[-1]
+
+    ladder.solve_walked, ladder.surely_over, api.run_passes = counting_walked, counting_over, keeping
     try:
         plan = _plan(fraction)
     finally:
-        ladder.solve_walked, ladder.surely_over = walked, over
-    return plan, counts["solves"], counts["skipped"]
+        ladder.solve_walked, ladder.surely_over, api.run_passes = walked, over, passes
+    return plan, counts["solves"], counts["skipped"], kept[-1] if kept else None
 
 
 def test_the_time_floor_is_below_every_choice():
-    planned = _passes(0.8)
+    planned = _bounded(0.7)[3]
     assert planned.recompute is not None and planned.recompute.any  # the ladder ran
     rng = random.Random(0)
     for problem in (planned.unscaled, planned.problem):
@@ -89,19 +85,6 @@ def test_the_time_floor_is_below_every_choice():
         choices = [planned.choice] + [[rng.randrange(len(n.strategies)) for n in problem.nodes] for _ in range(50)]
         assert floor > 0
         assert all(floor <= evaluate(problem, c).step_time for c in choices)
-
-
-@pytest.mark.parametrize("fraction", [0.7])
-def test_skipping_levels_that_cannot_win_keeps_the_plan(monkeypatch, fraction):
-    skipping, solved, _ = _bounded(fraction)
-    solves = []
-    solve_walked = ladder.solve_walked
-    monkeypatch.setattr(ladder, "solve_walked", lambda *a, **k: solves.append(1) or solve_walked(*a, **k))
-    monkeypatch.setattr(ladder, "time_floor", lambda problem: 0.0)  # no bound: every level solved, modes in order
-    every, solved_all = _plan(fraction), len(solves)
-    assert '"checkpointing": {}' not in skipping  # the plan recomputes: the ladder chose it
-    assert skipping == every
-    assert solved <= solved_all
 
 
 def _solved(problem, mesh) -> bool:
@@ -119,7 +102,7 @@ def _solved(problem, mesh) -> bool:
 @pytest.mark.parametrize("transients", [True])
 def test_surely_over_only_where_no_solver_finds_a_plan(transients):
     mesh = _free()[3]
-    planned = _passes(0.8)
+    planned = _bounded(0.7)[3]
     problem = planned.merged.problem
     bound = ladder.leanest(problem) + (max(min(n.transient[s] for s in n.alive()) for n in problem.nodes
                                            if n.transient) if transients else 0.0)
@@ -134,10 +117,22 @@ def test_surely_over_only_where_no_solver_finds_a_plan(transients):
     assert any(found)  # the budgets reach plans: a bound that ruled them out would fail above
 
 
-def test_solves_the_bound_skips_keep_the_plan(monkeypatch):
+def test_skipping_what_cannot_win_or_fit_keeps_the_plan(monkeypatch):
+    """The ladder's bounds (levels whose ``time_floor`` cannot beat the fastest fitting plan;
+    solves whose least memory is over their budget, ``surely_over``) leave the plan (or what no
+    plan fits says) byte-identical to solving every level, modes in order, with every solve run."""
     fractions = (0.7, 0.6)
     bounded = [_bounded(f) for f in fractions]
-    monkeypatch.setattr(ladder, "surely_over", lambda p: False)  # every solve runs
-    every = [_plan(f) for f in fractions]
-    assert [p for p, _, _ in bounded] == every
-    assert sum(n for _, _, n in bounded) > 0  # the bound skipped solves
+    solves = []
+    solve_walked = ladder.solve_walked
+    monkeypatch.setattr(ladder, "solve_walked", lambda *a, **k: solves.append(1) or solve_walked(*a, **k))
+    monkeypatch.setattr(ladder, "time_floor", lambda problem: 0.0)  # no time bound: every level solved
+    monkeypatch.setattr(ladder, "surely_over", lambda p: False)  # no memory bound: every solve runs
+    every = []
+    for f in fractions:
+        solves.clear()
+        every.append((_plan(f), len(solves)))
+    assert '"checkpointing": {}' not in bounded[0][0]  # the plan recomputes: the ladder chose it
+    assert [b[0] for b in bounded] == [p for p, _ in every]
+    assert bounded[0][1] <= every[0][1]
+    assert sum(b[2] for b in bounded) > 0  # the memory bound skipped solves

@@ -37,9 +37,15 @@ def _options(fraction: float) -> tuple:
                                             progress=False)
 
 
+@functools.cache
+def _alone(fraction: float):
+    """The search's plan at ``fraction`` of the free peak, with no incumbent (made once: two tests read it)."""
+    model, inputs, mesh, opts = _options(fraction)
+    return search_prepared(prepare(model, mesh, inputs, options=opts))
+
+
 def test_beaten_only_below_the_optimum():
-    model, inputs, mesh, opts = _options(0.6)
-    planned = search_prepared(prepare(model, mesh, inputs, options=opts))
+    planned = _alone(0.6)
     assert planned.recompute is not None and planned.recompute.any  # a recomputing level's problem
     problem = planned.merged.problem
     sol = solver.solve(problem, None, 2.0)
@@ -69,8 +75,7 @@ def _kwargs(opts: PlanOptions) -> dict:
 
 def test_a_callers_incumbent_keeps_ties_and_says_beaten():
     model, inputs, mesh, opts = _options(0.6)
-    prep = prepare(model, mesh, inputs, options=opts)
-    alone = search_prepared(prep)
+    alone = _alone(0.6)
     assert alone.recompute is not None and alone.recompute.any
     tied = search_prepared(prepare(model, mesh, inputs, options=opts), alone.cost.step_time)
     assert tied.choice == alone.choice and tied.recompute == alone.recompute
