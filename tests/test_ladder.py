@@ -23,7 +23,7 @@ from autopar.passes.search.solve_axis import leanest_choice, solve_by_axis
 @functools.cache
 def _free():
     """A tiny GPT on (2, 2), its graph and its plan's peak without a budget (made once)."""
-    model, inputs = models.make("gpt", "tiny", batch=8, n_layer=8)
+    model, inputs = models.make("gpt", "tiny", batch=8, n_layer=6)
     graph = capture(model, inputs)
     mesh = autopar.Mesh({"dp": 2, "tp": 2}, device="cpu")
     free = autopar.plan(model, mesh, inputs, progress=False, graph=graph, deterministic_time=2.0)
