@@ -29,7 +29,7 @@ from autopar.ir.views import param_views
 from autopar.passes.search.checkpoint import checkpointed_paths, group_figures
 from autopar.passes.search.forms import form_report
 from autopar.passes.search.kept import kept_figures, kept_reads
-from autopar.passes.search.peak import peak_place
+from autopar.passes.search.peak import peak_place, strategy_lookup
 from autopar.passes.search.problem import MEMORY_KINDS, Repricer, incident_transfers, local_cost
 from autopar.passes.search.strategies import input_placement, output_placement
 
@@ -140,9 +140,7 @@ def build_plan(planned: "Planned", pipeline: Optional[PipelineDecision] = None):
         checkpointing = dict(sorted(dict(own, **redo).items()))
         grad_stages = param_stages(g, pipeline.stages)
 
-    def strat(name: str):
-        i = prob.index[folding.representative(name)]
-        return prob.nodes[i].strategies[choice[i]]
+    strat = strategy_lookup(prob, folding, choice)
 
     placements = {}
     for fqn, node in list(g.params.items()) + list(g.buffers.items()) + list(g.inputs.items()):
@@ -152,15 +150,22 @@ def build_plan(planned: "Planned", pipeline: Optional[PipelineDecision] = None):
             placements[alias] = placements[canon]
 
     nodes = []
+    texts: dict[int, tuple] = {}  # problem node -> its texts: a folded instance's are its representative's
     for n in g.ops():
         st = strat(n.name)
         i = prob.index[folding.representative(n.name)]
+        got = texts.get(i)
+        if got is None:
+            got = texts[i] = (
+                [str(s) for s in st], [s.tag for s in st],
+                [format_placements(input_placement(st, k)) for k in range(len(n.inputs))],
+                [None if o is None else format_placements(output_placement(st, j)) for j, o in enumerate(n.outputs)],
+                prob.nodes[i].compute[choice[i]])
+        strategy, tags, inputs, outputs, compute = got
         nodes.append({
             "name": n.name, "op": n.op, "module": n.module_path, "phase": n.phase.value,
-            "strategy": [str(s) for s in st], "tags": [s.tag for s in st],
-            "inputs": [format_placements(input_placement(st, k)) for k in range(len(n.inputs))],
-            "outputs": [None if o is None else format_placements(output_placement(st, j)) for j, o in enumerate(n.outputs)],
-            "compute": prob.nodes[i].compute[choice[i]],
+            "strategy": list(strategy), "tags": list(tags), "inputs": list(inputs), "outputs": list(outputs),
+            "compute": compute,
         })
     carried, stage_of = {}, None  # a pipeline's boundary gradients, sent back as their activations are placed
     if pipeline is not None:
