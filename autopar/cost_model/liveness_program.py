@@ -42,6 +42,12 @@ class Program:
     #: (mesh shape, precision) -> the walks' shared ``(placements by code, code by placements, bytes by
     #: (ref code, placement code, role))``: every walk of a search prices the same blocks
     sizes: dict = field(default_factory=dict)
+    #: the node count of the program's order (its ``end`` moment is ``at(length, LAST)``)
+    length: int = 0
+    #: the placeholders: (node, its output's ref code), graph order
+    placeholders: list = field(default_factory=list)
+    #: what ``liveness_periodic`` finds of the graph and keeps per graph (its layer stack, its short programs)
+    periodic: dict = field(default_factory=dict)
 
 
 #: per graph: (its node count when made, its ``Program``)
@@ -68,17 +74,19 @@ def program(graph: Graph) -> Program:
             refs.append(r)
         return got
 
-    ops, readers = [], defaultdict(list)
+    ops, readers, held = [], defaultdict(list), []
     for i, n in enumerate(nodes):
         for r in n.inputs:
             readers[r.node].append(n.name)
         outs = tuple((j, c(Ref(n.name, j))) for j, spec in enumerate(n.outputs) if spec is not None)
         if n.is_placeholder:
+            if n.outputs[0] is not None:
+                held.append((n, code[Ref(n.name, 0)]))
             continue
         ins = tuple((k, c(r), r.node in views) for k, r in enumerate(n.inputs))
         ops.append((i, n, n.phase == Phase.BACKWARD, ins, outs, bool(n.op in ALIASES and n.inputs)))
     issue = {k: at(*v) for k, v in issue_times(nodes, order, first_back).items()}
-    prog = Program(order, first_back, views, ops, issue, dict(readers), code, refs)
+    prog = Program(order, first_back, views, ops, issue, dict(readers), code, refs, length=len(nodes), placeholders=held)
     _PROGRAMS[graph] = (len(nodes), prog)
     return prog
 

@@ -53,7 +53,8 @@ def choice_peak(graph: Graph, mesh: Mesh, precision: Precision, folding: Folding
     redo = recomputed_ops(graph, checkpointing) if checkpointing else frozenset()
     served = {k: (d.source, d.placed) for k, d in kept_reads(graph, strategy_of, kept, mesh, redo).items()} \
         if kept else {}
-    return step_peak(graph, strategy_of, mesh, precision, recomputed=redo, served=served, grad_stages=grad_stages)
+    return step_peak(graph, strategy_of, mesh, precision, recomputed=redo, served=served, grad_stages=grad_stages,
+                     alike=folding)
 
 
 def with_peak(cost: Cost, peak: Peak) -> Cost:

@@ -1,0 +1,364 @@
+"""A repeated layer stack walked once: the liveness walk (``cost_model.liveness.step_peak``) of a deep
+stack at the cost of a shallow one, with the same result as the walk of every op.
+
+In the walk's program order the forward runs the layer instances one after another and the backward
+in reverse. Where instances ``tau - 1 .. hi + 1`` are *shifts* of one another (below), the walk of
+the middle instances ``lo = tau + 1 .. hi`` (the *window*, ``n`` of them) is instance ``tau``'s
+walk moved in time:
+
+- the *short program* is the program without the window's ops (forward and backward), where
+  instance ``hi + 1`` reads instance ``tau``'s values in place of ``hi``'s, and ``tau`` reads
+  ``hi + 1``'s in place of ``lo``'s (the backward's gradient stream); it is the program of the same
+  stack with ``n`` fewer instances, and its gathers are issued and its recomputed ops run again by
+  the same rules (``liveness_program.issue_times``, ``rerun_times``) on its own order;
+- its walk gives every storage of the full walk (``Expanded``): those owned by instances outside
+  the window (keyed by their values) with their moments moved past the removed ops, and those
+  instance ``tau`` owns once per instance ``tau .. hi``, copy ``d`` with its forward moments
+  ``d * P`` ops later and its backward moments ``(n - d) * Q`` ops later than ``tau``'s own (``P``,
+  ``Q``: ops per instance and phase); the moments after the backward's ops stay at the end.
+
+*Shifts* (``stack``, once per graph): instance ``k + 1``'s nodes are instance ``k``'s node by node
+(op, outputs, phase; ``ir.layers``' agreement), each instance's forward and backward ops are
+contiguous with ``k + 1``'s forward ``P`` ops later and its backward ``Q`` ops earlier, every input
+is the shifted input (inside the stack: the same position in the instance one further; outside it:
+the same value), read only from the instance itself or its neighbours, no node outside the stack
+reads the instance, and the gathers are issued at the shifted moment. Per walk (``window``): the
+instances run the same strategies (``alike.representative``: equal representatives, equal
+strategies), recompute the same positions and read the same kept gathers. Where any of it fails, or
+a storage's moments lie outside the instances the proof covers (``Aperiodic`` while expanding), the
+walk is the walk of every op.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+import numpy as np
+
+from autopar.cost_model.liveness_program import W, Program, at, issue_times
+from autopar.ir.graph import Graph, Phase, Ref
+from autopar.ir.layers import layers
+
+#: the fewest instances worth a window (fewer: the walk of every op)
+MIN_WINDOW = 2
+
+
+class Aperiodic(Exception):
+    """A storage of the short program's walk that the window's proof does not cover."""
+
+
+@dataclass
+class Stack:
+    """A graph's layer stack as the walk sees it (``prefix``'s instances, ``ir.layers``)."""
+
+    inst: list  # instance k -> its node names in order
+    pos: dict  # node name -> (instance, position)
+    ok: list  # ok[k]: instance k + 1 is instance k shifted (see the module's docstring)
+    touched: set  # instances a node outside the stack reads (or the loss or an output is of)
+    fwd: list  # instance k -> the index of its first forward op
+    bwd: list  # instance k -> the index of its first backward op (-1 without a backward)
+    P: int  # forward ops per instance
+    Q: int  # backward ops per instance
+    folded: dict = field(default_factory=dict)  # id(alike) -> (alike, per pair: equal representatives)
+
+
+def stack(graph: Graph, prog: Program) -> Optional[Stack]:
+    """The graph's largest agreeing layer stack and which of its neighbouring instances are shifts
+    of each other, once per graph (None without one)."""
+    if "stack" not in prog.periodic:
+        prog.periodic["stack"] = _stack(graph, prog)
+    return prog.periodic["stack"]
+
+
+def _stack(graph: Graph, prog: Program) -> Optional[Stack]:
+    lay = layers(graph)
+    if not lay.alike:
+        return None
+    prefix = max(lay.alike, key=lambda p: (len(lay.alike[p]), p))
+    count = 1 + max(i for p, i in lay.instances if p == prefix)
+    inst = [lay.instances.get((prefix, k), ()) for k in range(count)]
+    pos = {name: (k, j) for k, names in enumerate(inst) for j, name in enumerate(names)}
+    order, nodes = prog.order, graph.nodes
+    fwd, bwd, sizes = [], [], []
+    for names in inst:
+        f = [order[x] for x in names if nodes[order[x]].phase == Phase.FORWARD and not nodes[order[x]].is_placeholder]
+        b = [order[x] for x in names if nodes[order[x]].phase == Phase.BACKWARD and not nodes[order[x]].is_placeholder]
+        contiguous = all(not xs or max(xs) - min(xs) + 1 == len(xs) for xs in (f, b))
+        fwd.append(min(f) if f else -1)
+        bwd.append(min(b) if b else -1)
+        sizes.append((len(f), len(b)) if contiguous and f else None)
+    P, Q = sizes[0] if sizes and sizes[0] else (0, 0)
+    alike = set(lay.alike[prefix])
+    ok = [k in alike and k + 1 in alike and sizes[k] == sizes[k + 1] == (P, Q) and P > 0
+          and (prefix, k) not in lay.positions and (prefix, k + 1) not in lay.positions
+          and fwd[k + 1] == fwd[k] + P and (Q == 0 or bwd[k] == bwd[k + 1] + Q)
+          for k in range(count - 1)]
+    for k in range(count - 1):
+        if ok[k]:
+            ok[k] = _shifted(graph, prog, inst, pos, k, P, Q)
+    touched: set = set()
+    for n in nodes:
+        if n.name not in pos:
+            touched.update(pos[r.node][0] for r in n.inputs if r.node in pos)
+    ends = [graph.loss] + list(graph.extras) + list(graph.outputs if not graph.training else [])
+    touched.update(pos[r.node][0] for r in ends if r is not None and r.node in pos)
+    return Stack(inst, pos, ok, touched, fwd, bwd, P, Q)
+
+
+def _shifted(graph: Graph, prog: Program, inst: list, pos: dict, k: int, P: int, Q: int) -> bool:
+    """Whether instance ``k + 1`` is instance ``k`` shifted (see the module's docstring)."""
+    views, issue, count = prog.views, prog.issue, len(inst)
+    for a_name, b_name in zip(inst[k], inst[k + 1]):
+        a, b = graph.node(a_name), graph.node(b_name)
+        if (a.op != b.op or a.phase != b.phase or a.is_placeholder != b.is_placeholder or a.outputs != b.outputs
+                or a.roles != b.roles or len(a.inputs) != len(b.inputs)):
+            return False
+        for ra, rb in zip(a.inputs, b.inputs):
+            at_a = pos.get(ra.node)
+            if at_a is None:
+                if rb != ra:
+                    return False
+                continue
+            ka, ja = at_a
+            if abs(ka - k) > 1 or ka + 1 >= count or rb != Ref(inst[ka + 1][ja], ra.index) \
+                    or (ra.node in views) != (rb.node in views):
+                return False
+        if not a.is_placeholder and any(r.node in views for r in a.inputs):  # it may gather
+            ph = "b" if a.phase == Phase.BACKWARD else "f"
+            step = -Q if ph == "b" else P
+            ia, ib = issue.get((a_name, ph)), issue.get((b_name, ph))
+            if ia is None or ib is None or ib - ia != step * W:
+                return False
+    return True
+
+
+@dataclass
+class Window:
+    """Instances ``lo .. hi`` walked as copies of instance ``tau = lo - 1`` (the module's docstring)."""
+
+    st: Stack
+    tau: int
+    hi: int
+    prog: Program  # the short program
+
+    @property
+    def n(self) -> int:
+        return self.hi - self.tau
+
+    def weight(self, name: str) -> int:
+        """How many instances a placeholder of the short program stands for: ``tau``'s, ``n + 1``; a
+        window instance's, none (0); any other, itself (1)."""
+        at_ = self.st.pos.get(name)
+        if at_ is None:
+            return 1
+        k = at_[0]
+        return self.n + 1 if k == self.tau else 0 if self.tau < k <= self.hi else 1
+
+
+def window(graph: Graph, prog: Program, alike, redo: frozenset, served) -> Optional[Window]:
+    """The window for one walk (strategies by ``alike``, recomputation ``redo``, kept gathers
+    ``served``), or None where no run of instances is long enough."""
+    st = stack(graph, prog)
+    if st is None or alike is None:
+        return None
+    got = st.folded.get(id(alike))
+    if got is None or got[0] is not alike:
+        rep = alike.representative
+        got = st.folded[id(alike)] = (alike, [ok and all(rep(a) == rep(b) for a, b in zip(st.inst[k], st.inst[k + 1]))
+                                              for k, ok in enumerate(st.ok)])
+    same = list(got[1])
+    sig: dict = defaultdict(set)
+    for name in redo:
+        at_ = st.pos.get(name)
+        if at_ is not None:
+            sig[at_[0]].add(at_[1])
+    pairs = served.items() if isinstance(served, Mapping) else ((s, s) for s in served)
+    for (r, want), (src, placed) in pairs:
+        at_r, at_s = st.pos.get(r.node), st.pos.get(src.node)
+        if at_r is None and at_s is None:
+            continue
+        if at_r is None or at_s is None or at_r[0] != at_s[0]:
+            return None
+        sig[at_r[0]].add((at_r[1], r.index, tuple(want), at_s[1], src.index, tuple(placed)))
+    best, x = (0, 0), None
+    for k in range(len(same) + 1):
+        good = k < len(same) and same[k] and sig.get(k) == sig.get(k + 1) \
+            and k not in st.touched and k + 1 not in st.touched
+        if good and x is None:
+            x = k
+        elif not good and x is not None:
+            best, x = max(best, (k - x, x)), None
+    span, x = best  # instances x .. x + span, each a shift of the one before
+    if span - 2 < MIN_WINDOW:
+        return None
+    tau, hi = x + 1, x + span - 1
+    key = ("short", tau, hi)
+    if key not in prog.periodic:
+        prog.periodic[key] = _short(graph, prog, st, tau, hi)
+    return Window(st, tau, hi, prog.periodic[key])
+
+
+def _short(graph: Graph, prog: Program, st: Stack, tau: int, hi: int) -> Program:
+    """The short program of window ``tau + 1 .. hi`` (the module's docstring)."""
+    n, P, Q = hi - tau, st.P, st.Q
+    f0, f1 = st.fwd[tau + 1], st.fwd[tau + 1] + n * P
+    b0, b1 = (st.bwd[hi], st.bwd[hi] + n * Q) if Q else (f1, f1)
+    nodes = [m for i, m in enumerate(graph.nodes) if not (f0 <= i < f1 or b0 <= i < b1)]
+    order = {m.name: i for i, m in enumerate(nodes)}
+    code, refs, inst, pos = prog.code, prog.refs, st.inst, st.pos
+
+    def moved(i: int) -> int:
+        return i if i < f0 else i - n * P if i < b0 else i - n * (P + Q)
+
+    ops, readers = [], defaultdict(list)
+    for i, m, back, ins, outs, alias in prog.ops:
+        if f0 <= i < f1 or b0 <= i < b1:
+            continue
+        if m.name in pos and tau < pos[m.name][0] <= hi:
+            raise AssertionError("a window op outside the window's ranges")  # (contiguity says not)
+        new = []
+        for k, rc, is_view in ins:
+            r = refs[rc]
+            at_ = pos.get(r.node)
+            if at_ is not None and tau < at_[0] <= hi:  # a window value: its stand-in
+                to = tau if at_[0] == hi else hi + 1 if at_[0] == tau + 1 else None
+                if to is None:
+                    raise AssertionError("a read across the window")  # (the shifts say not)
+                r = Ref(inst[to][at_[1]], r.index)
+                rc = code[r]
+            readers[r.node].append(m.name)
+            new.append((k, rc, is_view))
+        ops.append((moved(i), m, back, tuple(new), outs, alias))
+    back = [m for m in nodes if m.phase == Phase.BACKWARD and not m.is_placeholder] if graph.training else []
+    first_back = order[back[0].name] if back else len(nodes)
+    issue = {k: at(*v) for k, v in issue_times(nodes, order, first_back).items()}
+    return Program(order, first_back, prog.views, ops, issue, dict(readers), code, refs, sizes=prog.sizes,
+                   length=len(nodes), placeholders=prog.placeholders)
+
+
+@dataclass
+class Expanded:
+    """The full walk's storages from the short program's: ``start``, ``last``, ``size``, ``kinds``
+    and ``storage`` (keyed as the walk keys them; the window's gradients' storages too, which the
+    reduction of gradients reads and ends), and the other copies of instance ``tau``'s as arrays
+    (``s``, ``e``, ``nb`` and ``kind``: 0 activations, 1 temporaries)."""
+
+    start: dict
+    last: dict
+    size: dict
+    kinds: dict
+    storage: dict
+    s: np.ndarray
+    e: np.ndarray
+    nb: np.ndarray
+    kind: np.ndarray
+
+
+def expand(win: Window, graph: Graph, prog: Program, walk: tuple, storage: dict, saved_from: int) -> Expanded:
+    """The full walk's storages from the short program's walk ``walk`` (``(start, last, size,
+    kinds)``, moments of the short program; ``saved_from``: its backward's first moment) and its
+    ``storage`` (ref code -> key). Raises ``Aperiodic`` where a storage lies outside the proof."""
+    start, last, size, kinds = walk
+    st, sp, refs, pos = win.st, win.prog, prog.refs, win.st.pos
+    tau, hi, n, P, Q = win.tau, win.hi, win.n, st.P, st.Q
+    f0 = st.fwd[tau + 1]  # the short program's index of hi + 1's forward (tau's ends there)
+    fb, length = sp.first_back, sp.length
+    bt = st.bwd[tau] - n * (P + Q) if Q else length  # the short program's index of tau's backward
+    lo_f, hi_f = f0 - 2 * P, f0 + P  # tau's copies: forward moments within tau - 1 .. hi + 1
+    lo_b, hi_b = bt - Q, bt + 2 * Q  # backward within hi + 1 .. tau - 1
+    far = n * (P + Q)
+
+    def owner(key) -> Optional[int]:
+        tag = key[0]
+        name = key[1] if tag == "ring" else refs[key[2] if tag == "c" else key[1]].node
+        got = pos.get(name)
+        return None if got is None else got[0]
+
+    def outer(i: int) -> int:  # the full index of a short program index, for storages outside the window
+        return i if i < f0 else i + n * P if i < bt else i + far
+
+    def after(i: int) -> int:  # hi + 1's: its forward and its backward's reads stand after the window's
+        if i >= length:
+            return i + far
+        if i < lo_f + P or bt + Q <= i:
+            raise Aperiodic(i)
+        return i + n * P
+
+    grads = {storage.get(code) for code in (prog.code[r] for r in graph.grads.values())}
+    mine_g: list = []
+    mine: list = []
+    full_start, full_last = {}, {}
+    for key, t0 in start.items():
+        k = owner(key)
+        if k == tau:
+            (mine_g if key in grads else mine).append(key)
+            continue
+        move = after if k == hi + 1 else outer
+        t1 = last[key]
+        full_start[key] = move(t0 // W) * W + t0 % W
+        full_last[key] = move(t1 // W) * W + t1 % W
+
+    def region(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per short-program index of tau's storages: (shift of copy 0, shift per copy), in ops."""
+        fw, bw, end = idx < fb, (fb <= idx) & (idx < length), idx >= length
+        if np.any(fw & ((idx < lo_f) | (idx >= hi_f))) or np.any(bw & ((idx < lo_b) | (idx >= hi_b))):
+            raise Aperiodic("a storage of the template instance outside its neighbours")
+        base = np.where(fw, 0, far)
+        per = np.where(fw, P, np.where(bw, -Q, 0))
+        return base, per * (~end)
+
+    copies = np.arange(n + 1, dtype=np.int64)[:, None]
+
+    def moments(ts: list) -> np.ndarray:
+        t = np.asarray(ts, dtype=np.int64)
+        base, per = region(t // W)
+        return t[None, :] + (base[None, :] + copies * per[None, :]) * W
+
+    s = moments([start[k] for k in mine])
+    e = moments([last[k] for k in mine])
+    nb = np.tile(np.asarray([size[k] for k in mine], dtype=np.int64), n + 1)
+    crossing = [0 if (start[k] < saved_from <= last[k]) else 1 for k in mine]
+    kind = np.tile(np.asarray([{"activations": 0, "temporaries": 1}.get(kinds.get(k), c) if k in kinds else c
+                               for k, c in zip(mine, crossing)], dtype=np.int64), n + 1)
+    if any(k in kinds and kinds[k] not in ("activations", "temporaries") for k in mine):
+        raise Aperiodic("a storage of another kind")
+    out_kinds = {k: v for k, v in kinds.items() if owner(k) != tau}
+    out_size = {k: size[k] for k in full_start}
+    if mine_g:  # the gradients' storages: each copy a storage of its own (the reduction ends them)
+        gs, ge = moments([start[k] for k in mine_g]), moments([last[k] for k in mine_g])
+        for d in range(n + 1):
+            for j, key in enumerate(mine_g):
+                new = _renamed(key, d, st, prog)
+                full_start[new], full_last[new], out_size[new] = int(gs[d, j]), int(ge[d, j]), size[key]
+                if key in kinds:
+                    out_kinds[new] = kinds[key]
+    full_storage = dict(storage)
+    for fqn, r in graph.grads.items():
+        at_ = pos.get(r.node)
+        if at_ is None or not tau < at_[0] <= hi:
+            if at_ is None or at_[0] != tau:  # another's gradient in tau's storage: not a copy
+                key = storage.get(prog.code[r])
+                if key is not None and owner(key) == tau:
+                    raise Aperiodic(fqn)
+            continue
+        src = storage.get(prog.code[Ref(st.inst[tau][at_[1]], r.index)])
+        if src is not None and src not in mine_g:
+            raise Aperiodic(fqn)
+        full_storage[prog.code[r]] = None if src is None else _renamed(src, at_[0] - tau, st, prog)
+    return Expanded(full_start, full_last, out_size, out_kinds, full_storage, s.ravel(), e.ravel(), nb, kind)
+
+
+def _renamed(key: tuple, d: int, st: Stack, prog: Program) -> tuple:
+    """Storage ``key`` of instance ``tau``'s, for the instance ``d`` further (its refs moved)."""
+    if d == 0:
+        return key
+    i = 2 if key[0] == "c" else 1
+    r = prog.refs[key[i]]
+    k, j = st.pos[r.node]
+    moved = prog.code[Ref(st.inst[k + d][j], r.index)]
+    return key[:i] + (moved,) + key[i + 1:]
+
+
+__all__ = ["Aperiodic", "Expanded", "Stack", "Window", "expand", "stack", "window"]
