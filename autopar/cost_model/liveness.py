@@ -336,8 +336,8 @@ def _walk(graph: Graph, prog, strategy_of, mesh, precision: Precision, redo: fro
             if r is not None:
                 use(storage.get(code.get(r)), end)
     walk = (start, last, size, kinds, make, use)
-    grads_total = _grads(graph, walk, storage, code, places, out_code, nbytes, mesh, precision, grad_stages,
-                         end) if training else 0
+    grads_total = _grads(graph, walk, storage, prog.grads, places, out_code, nbytes, mesh, precision, grad_stages,
+                         end, win.like if win is not None else {}) if training else 0
 
     base = static["params"] + static["optimizer"]
     parts = {k: 0 for k in PEAK_KINDS}
@@ -410,15 +410,22 @@ def _moves(have, want) -> bool:
     return any(a != b and not (a == B) for a, b in zip(have, want))
 
 
-def _grads(graph: Graph, walk: tuple, storage: dict, code: dict, places: list, out_code, nbytes, mesh,
-           precision, stages, end: int) -> int:
+def _grads(graph: Graph, walk: tuple, storage: dict, grads: list, places: list, out_code, nbytes, mesh,
+           precision, stages, end: int, like: Mapping[str, str]) -> int:
     """Every gradient's reduction (see the module's docstring); the reduced gradients' bytes. ``walk``:
-    the walk's ``(start, last, size, kinds, make, use)``; refs and placements by their codes."""
+    the walk's ``(start, last, size, kinds, make, use)``; refs and placements by their codes (``grads``:
+    ``Program.grads``); ``like``: a gradient FQN -> one whose placements are its own (a window's)."""
     start, _, _, kinds, make, use = walk
     steps, src_of, dst_of, refs = {}, {}, {}, {}
-    for fqn, r in graph.grads.items():
-        rc = refs[fqn] = code[r]
-        src, dst = out_code(rc), out_code(code[Ref(graph.params[fqn], 0)])
+    for fqn, rc, pc in grads:
+        refs[fqn] = rc
+        base = like.get(fqn)  # a window's gradient: its template's placements and steps
+        if base is not None and base in src_of:
+            src_of[fqn], dst_of[fqn] = src_of[base], dst_of[base]
+            if base in steps:
+                steps[fqn] = steps[base]
+            continue
+        src, dst = out_code(rc), out_code(pc)
         src_of[fqn], dst_of[fqn] = src, dst
         if src != dst:
             steps[fqn] = grad_steps(graph, fqn, places[src], places[dst], mesh, precision)

@@ -61,6 +61,8 @@ class Stack:
     bwd: list  # instance k -> the index of its first backward op (-1 without a backward)
     P: int  # forward ops per instance
     Q: int  # backward ops per instance
+    outs: list  # instance k -> per position, its outputs' ref codes by output index (None: no output)
+    grads: list  # per gradient (``Program.grads``' order): (FQN, ref code, its node's (instance, position) or None)
     folded: dict = field(default_factory=dict)  # id(alike) -> (alike, per pair: equal representatives)
 
 
@@ -104,7 +106,11 @@ def _stack(graph: Graph, prog: Program) -> Optional[Stack]:
             touched.update(pos[r.node][0] for r in n.inputs if r.node in pos)
     ends = [graph.loss] + list(graph.extras) + list(graph.outputs if not graph.training else [])
     touched.update(pos[r.node][0] for r in ends if r is not None and r.node in pos)
-    return Stack(inst, pos, ok, touched, fwd, bwd, P, Q)
+    code = prog.code
+    outs = [[tuple(code.get(Ref(name, i)) for i in range(len(graph.node(name).outputs))) for name in names]
+            for names in inst]
+    grads = [(fqn, rc, pos.get(prog.refs[rc].node)) for fqn, rc, _ in prog.grads]
+    return Stack(inst, pos, ok, touched, fwd, bwd, P, Q, outs, grads)
 
 
 def _shifted(graph: Graph, prog: Program, inst: list, pos: dict, k: int, P: int, Q: int) -> bool:
@@ -142,6 +148,7 @@ class Window:
     tau: int
     hi: int
     prog: Program  # the short program
+    like: dict  # a window instance's gradient FQN -> instance tau's at its position
 
     @property
     def n(self) -> int:
@@ -196,8 +203,11 @@ def window(graph: Graph, prog: Program, alike, redo: frozenset, served) -> Optio
     tau, hi = x + 1, x + span - 1
     key = ("short", tau, hi)
     if key not in prog.periodic:
-        prog.periodic[key] = _short(graph, prog, st, tau, hi)
-    return Window(st, tau, hi, prog.periodic[key])
+        fqn_at = {(at_, prog.refs[rc].index): fqn for fqn, rc, at_ in st.grads if at_ is not None}
+        like = {fqn: fqn_at.get(((tau, at_[1]), prog.refs[rc].index)) for fqn, rc, at_ in st.grads
+                if at_ is not None and tau < at_[0] <= hi}
+        prog.periodic[key] = (_short(graph, prog, st, tau, hi), {k: v for k, v in like.items() if v is not None})
+    return Window(st, tau, hi, *prog.periodic[key])
 
 
 def _short(graph: Graph, prog: Program, st: Stack, tau: int, hi: int) -> Program:
@@ -286,7 +296,7 @@ def expand(win: Window, graph: Graph, prog: Program, walk: tuple, storage: dict,
             raise Aperiodic(i)
         return i + n * P
 
-    grads = {storage.get(code) for code in (prog.code[r] for r in graph.grads.values())}
+    grads = {storage.get(rc) for _, rc, _ in st.grads}
     mine_g: list = []
     mine: list = []
     full_start, full_last = {}, {}
@@ -335,18 +345,17 @@ def expand(win: Window, graph: Graph, prog: Program, walk: tuple, storage: dict,
                 if key in kinds:
                     out_kinds[new] = kinds[key]
     full_storage = dict(storage)
-    for fqn, r in graph.grads.items():
-        at_ = pos.get(r.node)
+    for fqn, rc, at_ in st.grads:
         if at_ is None or not tau < at_[0] <= hi:
             if at_ is None or at_[0] != tau:  # another's gradient in tau's storage: not a copy
-                key = storage.get(prog.code[r])
+                key = storage.get(rc)
                 if key is not None and owner(key) == tau:
                     raise Aperiodic(fqn)
             continue
-        src = storage.get(prog.code[Ref(st.inst[tau][at_[1]], r.index)])
+        src = storage.get(st.outs[tau][at_[1]][refs[rc].index])
         if src is not None and src not in mine_g:
             raise Aperiodic(fqn)
-        full_storage[prog.code[r]] = None if src is None else _renamed(src, at_[0] - tau, st, prog)
+        full_storage[rc] = None if src is None else _renamed(src, at_[0] - tau, st, prog)
     return Expanded(full_start, full_last, out_size, out_kinds, full_storage, s.ravel(), e.ravel(), nb, kind)
 
 
@@ -354,11 +363,12 @@ def _renamed(key: tuple, d: int, st: Stack, prog: Program) -> tuple:
     """Storage ``key`` of instance ``tau``'s, for the instance ``d`` further (its refs moved)."""
     if d == 0:
         return key
+    if key[0] == "ring":  # (no value's storage)
+        raise Aperiodic(key)
     i = 2 if key[0] == "c" else 1
     r = prog.refs[key[i]]
     k, j = st.pos[r.node]
-    moved = prog.code[Ref(st.inst[k + d][j], r.index)]
-    return key[:i] + (moved,) + key[i + 1:]
+    return key[:i] + (st.outs[k + d][j][r.index],) + key[i + 1:]
 
 
 __all__ = ["Aperiodic", "Expanded", "Stack", "Window", "expand", "stack", "window"]

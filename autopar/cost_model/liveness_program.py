@@ -48,6 +48,8 @@ class Program:
     placeholders: list = field(default_factory=list)
     #: what ``liveness_periodic`` finds of the graph and keeps per graph (its layer stack, its short programs)
     periodic: dict = field(default_factory=dict)
+    #: per gradient: (parameter FQN, its gradient's ref code, its parameter's ref code)
+    grads: list = field(default_factory=list)
 
 
 #: per graph: (its node count when made, its ``Program``)
@@ -86,7 +88,9 @@ def program(graph: Graph) -> Program:
         ins = tuple((k, c(r), r.node in views) for k, r in enumerate(n.inputs))
         ops.append((i, n, n.phase == Phase.BACKWARD, ins, outs, bool(n.op in ALIASES and n.inputs)))
     issue = {k: at(*v) for k, v in issue_times(nodes, order, first_back).items()}
-    prog = Program(order, first_back, views, ops, issue, dict(readers), code, refs, length=len(nodes), placeholders=held)
+    grads = [(fqn, code[r], code[Ref(graph.params[fqn], 0)]) for fqn, r in graph.grads.items()]
+    prog = Program(order, first_back, views, ops, issue, dict(readers), code, refs, length=len(nodes), placeholders=held,
+                   grads=grads)
     _PROGRAMS[graph] = (len(nodes), prog)
     return prog
 
