@@ -31,6 +31,7 @@ walk is the walk of every op.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
@@ -61,7 +62,7 @@ class Stack:
     bwd: list  # instance k -> the index of its first backward op (-1 without a backward)
     P: int  # forward ops per instance
     Q: int  # backward ops per instance
-    outs: list  # instance k -> per position, its outputs' ref codes by output index (None: no output)
+    outs: list  # instance k -> per position, its outputs' ``((output index, ref code), ...)``
     grads: list  # per gradient (``Program.grads``' order): (FQN, ref code, its node's (instance, position) or None)
     folded: dict = field(default_factory=dict)  # id(alike) -> (alike, per pair: equal representatives)
 
@@ -82,59 +83,99 @@ def _stack(graph: Graph, prog: Program) -> Optional[Stack]:
     count = 1 + max(i for p, i in lay.instances if p == prefix)
     inst = [lay.instances.get((prefix, k), ()) for k in range(count)]
     pos = {name: (k, j) for k, names in enumerate(inst) for j, name in enumerate(names)}
-    order, nodes = prog.order, graph.nodes
-    fwd, bwd, sizes = [], [], []
+    order, nodes, ops = prog.order, graph.nodes, prog.ops
+    starts = _op_starts(prog)
+    fwd, bwd, parts = [], [], []  # parts: per instance (its placeholders' outputs, forward ops, backward ops)
     for names in inst:
+        held = [x for x in names if nodes[order[x]].is_placeholder]
         f = [order[x] for x in names if nodes[order[x]].phase == Phase.FORWARD and not nodes[order[x]].is_placeholder]
         b = [order[x] for x in names if nodes[order[x]].phase == Phase.BACKWARD and not nodes[order[x]].is_placeholder]
-        contiguous = all(not xs or max(xs) - min(xs) + 1 == len(xs) for xs in (f, b))
         fwd.append(min(f) if f else -1)
         bwd.append(min(b) if b else -1)
-        sizes.append((len(f), len(b)) if contiguous and f else None)
-    P, Q = sizes[0] if sizes and sizes[0] else (0, 0)
+        got = None
+        if f and all(max(xs) - min(xs) + 1 == len(xs) for xs in (f, b) if xs):
+            fo, bo = _slice(ops, starts, f), _slice(ops, starts, b)
+            if [op[1].name for op in fo + bo] == list(names[len(held):]):  # graph order: the positions
+                got = ([prog.code[Ref(x, 0)] if nodes[order[x]].outputs[0] is not None else None for x in held],
+                       fo, bo)
+        parts.append(got)
+    P, Q = (len(parts[0][1]), len(parts[0][2])) if parts and parts[0] else (0, 0)
+    owner: dict = {}  # ref code -> the instance that makes it
+    for k, got in enumerate(parts):
+        if got is not None:
+            owner.update((rc, k) for rc in got[0] if rc is not None)
+            owner.update((rc, k) for op in got[1] + got[2] for _, rc in op[4])
     alike = set(lay.alike[prefix])
-    ok = [k in alike and k + 1 in alike and sizes[k] == sizes[k + 1] == (P, Q) and P > 0
+    ok = [k in alike and k + 1 in alike and parts[k] is not None and parts[k + 1] is not None
+          and (len(parts[k][1]), len(parts[k][2])) == (len(parts[k + 1][1]), len(parts[k + 1][2])) == (P, Q)
+          and len(parts[k][0]) == len(parts[k + 1][0]) and P > 0
           and (prefix, k) not in lay.positions and (prefix, k + 1) not in lay.positions
           and fwd[k + 1] == fwd[k] + P and (Q == 0 or bwd[k] == bwd[k + 1] + Q)
           for k in range(count - 1)]
+    nxt: dict = {}  # ref code of instance k -> the same position's of instance k + 1 (where ``ok[k]``)
     for k in range(count - 1):
         if ok[k]:
-            ok[k] = _shifted(graph, prog, inst, pos, k, P, Q)
+            a, b = parts[k], parts[k + 1]
+            nxt.update((x, y) for x, y in zip(a[0], b[0]) if x is not None)
+            for oa, ob in zip(a[1] + a[2], b[1] + b[2]):
+                if len(oa[4]) != len(ob[4]) or oa[1].op != ob[1].op:
+                    ok[k] = False
+                    break
+                nxt.update((x, y) for (_, x), (_, y) in zip(oa[4], ob[4]))
+    for k in range(count - 1):
+        if ok[k]:
+            ok[k] = _shifted(graph, prog, parts[k], parts[k + 1], k, owner, nxt, P, Q)
     touched: set = set()
-    for n in nodes:
-        if n.name not in pos:
-            touched.update(pos[r.node][0] for r in n.inputs if r.node in pos)
+    for op in ops:
+        if op[1].name not in pos:
+            touched.update(owner[rc] for _, rc, _ in op[3] if rc in owner)
     ends = [graph.loss] + list(graph.extras) + list(graph.outputs if not graph.training else [])
     touched.update(pos[r.node][0] for r in ends if r is not None and r.node in pos)
-    code = prog.code
-    outs = [[tuple(code.get(Ref(name, i)) for i in range(len(graph.node(name).outputs))) for name in names]
-            for names in inst]
+    outs = [None if got is None else [((0, rc),) if rc is not None else () for rc in got[0]]
+            + [op[4] for op in got[1] + got[2]] for got in parts]
     grads = [(fqn, rc, pos.get(prog.refs[rc].node)) for fqn, rc, _ in prog.grads]
     return Stack(inst, pos, ok, touched, fwd, bwd, P, Q, outs, grads)
 
 
-def _shifted(graph: Graph, prog: Program, inst: list, pos: dict, k: int, P: int, Q: int) -> bool:
-    """Whether instance ``k + 1`` is instance ``k`` shifted (see the module's docstring)."""
-    views, issue, count = prog.views, prog.issue, len(inst)
-    for a_name, b_name in zip(inst[k], inst[k + 1]):
-        a, b = graph.node(a_name), graph.node(b_name)
-        if (a.op != b.op or a.phase != b.phase or a.is_placeholder != b.is_placeholder or a.outputs != b.outputs
-                or a.roles != b.roles or len(a.inputs) != len(b.inputs)):
+def _op_starts(prog: Program) -> list:
+    """The node index of each op of ``prog`` (ops are in node order), once per program."""
+    if "starts" not in prog.periodic:
+        prog.periodic["starts"] = [op[0] for op in prog.ops]
+    return prog.periodic["starts"]
+
+
+def _slice(ops: list, starts: list, indices: list) -> list:
+    """The ops at the contiguous node indices ``indices``."""
+    i = bisect_left(starts, min(indices))
+    return ops[i:i + len(indices)]
+
+
+def _shifted(graph: Graph, prog: Program, a: tuple, b: tuple, k: int, owner: dict, nxt: dict, P: int, Q: int) -> bool:
+    """Whether instance ``k + 1`` (``b``: its placeholders' output codes, forward and backward ops) is
+    instance ``k`` (``a``) shifted (see the module's docstring); ``owner``: ref code -> instance,
+    ``nxt``: ref code -> the next instance's at its position."""
+    for x, y in zip(a[0], b[0]):
+        if (x is None) != (y is None) or (x is not None and graph.spec(prog.refs[x]) != graph.spec(prog.refs[y])):
             return False
-        for ra, rb in zip(a.inputs, b.inputs):
-            at_a = pos.get(ra.node)
-            if at_a is None:
-                if rb != ra:
-                    return False
-                continue
-            ka, ja = at_a
-            if abs(ka - k) > 1 or ka + 1 >= count or rb != Ref(inst[ka + 1][ja], ra.index) \
-                    or (ra.node in views) != (rb.node in views):
+    issue = prog.issue
+    for oa, ob in zip(a[1] + a[2], b[1] + b[2]):
+        ins_a, ins_b = oa[3], ob[3]
+        if len(ins_a) != len(ins_b) or oa[2] != ob[2] or oa[5] != ob[5]:
+            return False
+        gathers = False
+        for (_, x, va), (_, y, vb) in zip(ins_a, ins_b):
+            if va != vb:
                 return False
-        if not a.is_placeholder and any(r.node in views for r in a.inputs):  # it may gather
-            ph = "b" if a.phase == Phase.BACKWARD else "f"
-            step = -Q if ph == "b" else P
-            ia, ib = issue.get((a_name, ph)), issue.get((b_name, ph))
+            gathers = gathers or va
+            at_ = owner.get(x)
+            if at_ is None:
+                if y != x:
+                    return False
+            elif abs(at_ - k) > 1 or nxt.get(x) != y:
+                return False
+        if gathers:  # gathered at the shifted moment
+            ph, step = ("b", -Q) if oa[2] else ("f", P)
+            ia, ib = issue.get((oa[1].name, ph)), issue.get((ob[1].name, ph))
             if ia is None or ib is None or ib - ia != step * W:
                 return False
     return True
@@ -352,7 +393,7 @@ def expand(win: Window, graph: Graph, prog: Program, walk: tuple, storage: dict,
                 if key is not None and owner(key) == tau:
                     raise Aperiodic(fqn)
             continue
-        src = storage.get(st.outs[tau][at_[1]][refs[rc].index])
+        src = storage.get(_out(st, tau, at_[1], refs[rc].index))
         if src is not None and src not in mine_g:
             raise Aperiodic(fqn)
         full_storage[rc] = None if src is None else _renamed(src, at_[0] - tau, st, prog)
@@ -368,7 +409,15 @@ def _renamed(key: tuple, d: int, st: Stack, prog: Program) -> tuple:
     i = 2 if key[0] == "c" else 1
     r = prog.refs[key[i]]
     k, j = st.pos[r.node]
-    return key[:i] + (st.outs[k + d][j][r.index],) + key[i + 1:]
+    return key[:i] + (_out(st, k + d, j, r.index),) + key[i + 1:]
+
+
+def _out(st: Stack, k: int, j: int, index: int) -> int:
+    """The ref code of output ``index`` of instance ``k``'s node at position ``j``."""
+    for i, rc in st.outs[k][j]:
+        if i == index:
+            return rc
+    raise Aperiodic((k, j, index))
 
 
 __all__ = ["Aperiodic", "Expanded", "Stack", "Window", "expand", "stack", "window"]
