@@ -146,6 +146,8 @@ def _op_starts(prog: Program) -> list:
 
 def _slice(ops: list, starts: list, indices: list) -> list:
     """The ops at the contiguous node indices ``indices``."""
+    if not indices:
+        return []
     i = bisect_left(starts, min(indices))
     return ops[i:i + len(indices)]
 
@@ -214,8 +216,8 @@ def window(graph: Graph, prog: Program, alike, redo: frozenset, served) -> Optio
     got = st.folded.get(id(alike))
     if got is None or got[0] is not alike:
         rep = alike.representative
-        got = st.folded[id(alike)] = (alike, [ok and all(rep(a) == rep(b) for a, b in zip(st.inst[k], st.inst[k + 1]))
-                                              for k, ok in enumerate(st.ok)])
+        reps = [[rep(x) for x in names] for names in st.inst]
+        got = st.folded[id(alike)] = (alike, [ok and reps[k] == reps[k + 1] for k, ok in enumerate(st.ok)])
     same = list(got[1])
     sig: dict = defaultdict(set)
     for name in redo:
@@ -247,8 +249,11 @@ def window(graph: Graph, prog: Program, alike, redo: frozenset, served) -> Optio
         fqn_at = {(at_, prog.refs[rc].index): fqn for fqn, rc, at_ in st.grads if at_ is not None}
         like = {fqn: fqn_at.get(((tau, at_[1]), prog.refs[rc].index)) for fqn, rc, at_ in st.grads
                 if at_ is not None and tau < at_[0] <= hi}
-        prog.periodic[key] = (_short(graph, prog, st, tau, hi), {k: v for k, v in like.items() if v is not None})
-    return Window(st, tau, hi, *prog.periodic[key])
+        try:
+            prog.periodic[key] = (_short(graph, prog, st, tau, hi), {k: v for k, v in like.items() if v is not None})
+        except Aperiodic:
+            prog.periodic[key] = None
+    return Window(st, tau, hi, *prog.periodic[key]) if prog.periodic[key] is not None else None
 
 
 def _short(graph: Graph, prog: Program, st: Stack, tau: int, hi: int) -> Program:
@@ -256,27 +261,27 @@ def _short(graph: Graph, prog: Program, st: Stack, tau: int, hi: int) -> Program
     n, P, Q = hi - tau, st.P, st.Q
     f0, f1 = st.fwd[tau + 1], st.fwd[tau + 1] + n * P
     b0, b1 = (st.bwd[hi], st.bwd[hi] + n * Q) if Q else (f1, f1)
-    nodes = [m for i, m in enumerate(graph.nodes) if not (f0 <= i < f1 or b0 <= i < b1)]
+    every = graph.nodes
+    nodes = every[:f0] + every[f1:b0] + every[b1:]
     order = {m.name: i for i, m in enumerate(nodes)}
     code, refs, inst, pos = prog.code, prog.refs, st.inst, st.pos
+    starts = _op_starts(prog)
+    cuts = [bisect_left(starts, x) for x in (f0, f1, b0, b1)]
+    kept = prog.ops[:cuts[0]] + prog.ops[cuts[1]:cuts[2]] + prog.ops[cuts[3]:]
 
     def moved(i: int) -> int:
         return i if i < f0 else i - n * P if i < b0 else i - n * (P + Q)
 
     ops, readers = [], defaultdict(list)
-    for i, m, back, ins, outs, alias in prog.ops:
-        if f0 <= i < f1 or b0 <= i < b1:
-            continue
-        if m.name in pos and tau < pos[m.name][0] <= hi:
-            raise AssertionError("a window op outside the window's ranges")  # (contiguity says not)
+    for i, m, back, ins, outs, alias in kept:
         new = []
         for k, rc, is_view in ins:
             r = refs[rc]
             at_ = pos.get(r.node)
             if at_ is not None and tau < at_[0] <= hi:  # a window value: its stand-in
                 to = tau if at_[0] == hi else hi + 1 if at_[0] == tau + 1 else None
-                if to is None:
-                    raise AssertionError("a read across the window")  # (the shifts say not)
+                if to is None:  # (the shifts say not)
+                    raise Aperiodic("a read across the window")
                 r = Ref(inst[to][at_[1]], r.index)
                 rc = code[r]
             readers[r.node].append(m.name)
