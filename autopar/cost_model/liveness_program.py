@@ -77,16 +77,23 @@ def program(graph: Graph) -> Program:
         return got
 
     ops, readers, held = [], defaultdict(list), []
+    made: dict = {}  # node name -> {output index: ref code} (inputs found without hashing a Ref)
+    backward = Phase.BACKWARD
     for i, n in enumerate(nodes):
+        name = n.name
         for r in n.inputs:
-            readers[r.node].append(n.name)
-        outs = tuple((j, c(Ref(n.name, j))) for j, spec in enumerate(n.outputs) if spec is not None)
-        if n.is_placeholder:
+            readers[r.node].append(name)
+        outs = tuple((j, c(Ref(name, j))) for j, spec in enumerate(n.outputs) if spec is not None)
+        made[name] = dict(outs)
+        if n.op == "placeholder":
             if n.outputs[0] is not None:
-                held.append((n, code[Ref(n.name, 0)]))
+                held.append((n, outs[0][1]))
             continue
-        ins = tuple((k, c(r), r.node in views) for k, r in enumerate(n.inputs))
-        ops.append((i, n, n.phase == Phase.BACKWARD, ins, outs, bool(n.op in ALIASES and n.inputs)))
+        ins = []
+        for k, r in enumerate(n.inputs):
+            got = made.get(r.node, {}).get(r.index)
+            ins.append((k, c(r) if got is None else got, r.node in views))
+        ops.append((i, n, n.phase == backward, tuple(ins), outs, bool(n.op in ALIASES and n.inputs)))
     issue = {k: at(*v) for k, v in issue_times(nodes, order, first_back).items()}
     grads = [(fqn, code[r], code[Ref(graph.params[fqn], 0)]) for fqn, r in graph.grads.items()]
     prog = Program(order, first_back, views, ops, issue, dict(readers), code, refs, length=len(nodes), placeholders=held,
