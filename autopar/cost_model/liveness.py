@@ -26,6 +26,10 @@ op that makes it to its last reader:
 After the backward comes the optimizer step: parameters, gradients, optimizer state and its
 scratch. ``optimizer_scratch`` says what that scratch is assumed to be.
 The peak is the larger of the two; ``Peak`` says what it consists of and where it is.
+
+Given the folding (``alike``), a repeated layer stack is walked once: the walk of a short program
+without the middle instances, whose storages are then those of every op's walk
+(``liveness_periodic``); elsewhere, and wherever its proof fails, every op is walked.
 """
 
 from __future__ import annotations

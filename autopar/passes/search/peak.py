@@ -48,7 +48,8 @@ def choice_peak(graph: Graph, mesh: Mesh, precision: Precision, folding: Folding
                 choice: Sequence[int], checkpointing: Optional[dict] = None, kept: Sequence[str] = (),
                 grad_stages=None) -> Peak:
     """The walked peak of ``choice`` (one strategy per problem node) with the layer instances of
-    ``checkpointing`` (path -> mode) recomputed and those of ``kept`` keeping their gathers."""
+    ``checkpointing`` (path -> mode) recomputed and those of ``kept`` keeping their gathers (folded
+    instances run their representative's strategy: a repeated stack is walked once)."""
     strategy_of = strategy_lookup(problem, folding, choice)
     redo = recomputed_ops(graph, checkpointing) if checkpointing else frozenset()
     served = {k: (d.source, d.placed) for k, d in kept_reads(graph, strategy_of, kept, mesh, redo).items()} \
