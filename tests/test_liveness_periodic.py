@@ -182,3 +182,19 @@ def test_the_stack_is_found_once_per_graph():
     assert st.touched >= {0, DEPTH - 1}  # the embedding's and the final norm's neighbours
     assert all(st.ok[1:DEPTH - 2])
     assert periodic.stack(p.graph, program(p.graph)) is st
+
+
+def test_a_storage_outside_the_proof_falls_back_to_every_op(monkeypatch):
+    p, mesh = _planned(*CASES[0])
+    strategy_of = strategy_lookup(p.problem, p.folding, p.choice)
+    full = step_peak(p.graph, strategy_of, mesh, p.precision)
+    assert periodic.window(p.graph, program(p.graph), p.folding, frozenset(), {}) is not None
+    walks = []
+
+    def refuse(*args, **kwargs):
+        walks.append(args[0])
+        raise periodic.Aperiodic("refused")
+
+    monkeypatch.setattr(periodic, "expand", refuse)
+    got = step_peak(p.graph, strategy_of, mesh, p.precision, alike=p.folding)
+    assert walks and got == full and got.between == full.between

@@ -156,9 +156,15 @@ def _shifted(graph: Graph, prog: Program, a: tuple, b: tuple, k: int, owner: dic
     """Whether instance ``k + 1`` (``b``: its placeholders' output codes, forward and backward ops) is
     instance ``k`` (``a``) shifted (see the module's docstring); ``owner``: ref code -> instance,
     ``nxt``: ref code -> the next instance's at its position."""
-    for x, y in zip(a[0], b[0]):
-        if (x is None) != (y is None) or (x is not None and graph.spec(prog.refs[x]) != graph.spec(prog.refs[y])):
+    params = prog.periodic.setdefault("params", frozenset(graph.params.values()))
+    for x, y in zip(a[0], b[0]):  # the placeholders: their bytes are counted once per instance
+        if (x is None) != (y is None):
             return False
+        if x is not None:
+            na, nb = graph.node(prog.refs[x].node), graph.node(prog.refs[y].node)
+            if (graph.spec(prog.refs[x]) != graph.spec(prog.refs[y]) or na.roles != nb.roles
+                    or (na.name in params) != (nb.name in params)):
+                return False
     issue = prog.issue
     for oa, ob in zip(a[1] + a[2], b[1] + b[2]):
         ins_a, ins_b = oa[3], ob[3]
@@ -335,6 +341,16 @@ def expand(win: Window, graph: Graph, prog: Program, walk: tuple, storage: dict,
     def outer(i: int) -> int:  # the full index of a short program index, for storages outside the window
         return i if i < f0 else i + n * P if i < bt else i + far
 
+    def early(i: int) -> int:  # an instance's before tau: never between hi + 1's forward and tau's backward
+        if f0 <= i < bt:
+            raise Aperiodic(i)
+        return outer(i)
+
+    def late(i: int) -> int:  # an instance's after hi + 1: only there, or at the end
+        if i < f0 or bt <= i < length:
+            raise Aperiodic(i)
+        return outer(i)
+
     def after(i: int) -> int:  # hi + 1's: its forward and its backward's reads stand after the window's
         if i >= length:
             return i + far
@@ -351,7 +367,7 @@ def expand(win: Window, graph: Graph, prog: Program, walk: tuple, storage: dict,
         if k == tau:
             (mine_g if key in grads else mine).append(key)
             continue
-        move = after if k == hi + 1 else outer
+        move = outer if k is None else after if k == hi + 1 else early if k < tau else late
         t1 = last[key]
         full_start[key] = move(t0 // W) * W + t0 % W
         full_last[key] = move(t1 // W) * W + t1 % W
