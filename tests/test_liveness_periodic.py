@@ -1,5 +1,5 @@
 """A repeated layer stack walked once (``cost_model.liveness_periodic``): on stacks deep enough for a
-window (8 layers of the built-in LLaMA and GPT, of Hugging Face's LLaMA and of torchtitan's Llama 3),
+window (8 layers of the built-in LLaMA, GPT and MoE, of Hugging Face's LLaMA and of torchtitan's Llama 3),
 the walk of the short program, expanded, equals the plain op-by-op reference walk
 (``tests/_liveness_reference.py``) peak for peak (bytes, parts, phase, op, and the most temporaries
 at once), on every choice the planner prices, with and without recomputation and kept gathers, and
@@ -44,6 +44,12 @@ def _gpt():
     return model, args, None
 
 
+def _moe():
+    torch.manual_seed(0)
+    model, args = make("moe", "tiny", batch=8, n_layers=DEPTH)
+    return model, args, None
+
+
 def _corpus(name):
     return lambda: corpus_build(name, layers=DEPTH)
 
@@ -53,6 +59,7 @@ CASES = [
     ("gpt-inference", _gpt, {"dp": 2, "tp": 2}, {"training": False}),
     ("hf_llama", _corpus("hf_llama"), {"dp": 4}, {}),
     ("titan", _corpus("titan_llama"), {"dp": 2, "tp": 2}, {}),
+    ("moe", _moe, {"dp": 2, "ep": 2}, {}),
 ]
 
 _PLANNED: dict = {}
