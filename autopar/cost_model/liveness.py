@@ -41,8 +41,8 @@ from typing import Callable, Iterable, Mapping, Optional
 
 import numpy as np
 
-from autopar.cost_model.buckets import grad_buckets, grad_steps
 from autopar.cost_model import liveness_periodic as periodic
+from autopar.cost_model.buckets import grad_buckets, grad_steps
 from autopar.cost_model.liveness_program import LAST, W, at, program, rerun_times
 from autopar.cost_model.memory import local_numel
 from autopar.cost_model.precision import Precision, element_bytes
