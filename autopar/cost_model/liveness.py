@@ -204,7 +204,7 @@ def _walk(graph: Graph, prog, strategy_of, mesh, precision: Precision, redo: fro
     execs = [(at(i), op, False) for op in run.ops for i in (op[0],)]
     if training and redo:
         mine = redo if win is None else frozenset(x for x in redo if x in run.order)
-        reruns = rerun_times(graph, mine, run.order, run.readers)
+        reruns = rerun_times(graph, mine, run.order, run.reader_names())
         if reruns:
             byname = {op[1].name: op for op in run.ops}
             execs += [(at(t, -1), byname[name], True) for name, t in reruns.items()]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Optional
 
 from autopar.ir.graph import Graph, Phase, Ref
 from autopar.ir.layers import layer_key
@@ -36,7 +36,7 @@ class Program:
     #: ((output index, ref code), ...), a view op's)
     ops: list
     issue: dict
-    readers: dict  # node name -> the names of the nodes reading it
+    readers: Optional[dict]  # node name -> the names of the nodes reading it (``reader_names``)
     code: dict  # Ref -> int
     refs: list  # int -> Ref
     #: (mesh shape, precision) -> the walks' shared ``(placements by code, code by placements, bytes by
@@ -51,6 +51,16 @@ class Program:
     #: per gradient: (parameter FQN, its gradient's ref code, its parameter's ref code)
     grads: list = field(default_factory=list)
 
+    def reader_names(self) -> dict:
+        """Node name -> the names of the nodes reading it (made on first use: only recomputation asks)."""
+        if self.readers is None:
+            readers = defaultdict(list)
+            for _, n, _, ins, _, _ in self.ops:
+                for _, rc, _ in ins:
+                    readers[self.refs[rc].node].append(n.name)
+            self.readers = dict(readers)
+        return self.readers
+
 
 #: per graph: (its node count when made, its ``Program``)
 _PROGRAMS: "weakref.WeakKeyDictionary[Graph, tuple[int, Program]]" = weakref.WeakKeyDictionary()
@@ -64,8 +74,9 @@ def program(graph: Graph) -> Program:
     nodes = graph.nodes
     order = {n.name: i for i, n in enumerate(nodes)}
     views = param_views(graph)
-    back = [n for n in nodes if n.phase == Phase.BACKWARD and not n.is_placeholder] if graph.training else []
-    first_back = order[back[0].name] if back else len(nodes)
+    back = next((i for i, n in enumerate(nodes) if n.phase == Phase.BACKWARD and n.op != "placeholder"), None) \
+        if graph.training else None
+    first_back = len(nodes) if back is None else back
     code: dict = {}
     refs: list = []
 
@@ -76,13 +87,11 @@ def program(graph: Graph) -> Program:
             refs.append(r)
         return got
 
-    ops, readers, held = [], defaultdict(list), []
+    ops, held = [], []
     made: dict = {}  # node name -> {output index: ref code} (inputs found without hashing a Ref)
     backward = Phase.BACKWARD
     for i, n in enumerate(nodes):
         name = n.name
-        for r in n.inputs:
-            readers[r.node].append(name)
         outs = tuple((j, c(Ref(name, j))) for j, spec in enumerate(n.outputs) if spec is not None)
         made[name] = dict(outs)
         if n.op == "placeholder":
@@ -96,7 +105,7 @@ def program(graph: Graph) -> Program:
         ops.append((i, n, n.phase == backward, tuple(ins), outs, bool(n.op in ALIASES and n.inputs)))
     issue = {k: at(*v) for k, v in issue_times(nodes, order, first_back).items()}
     grads = [(fqn, code[r], code[Ref(graph.params[fqn], 0)]) for fqn, r in graph.grads.items()]
-    prog = Program(order, first_back, views, ops, issue, dict(readers), code, refs, length=len(nodes), placeholders=held,
+    prog = Program(order, first_back, views, ops, issue, None, code, refs, length=len(nodes), placeholders=held,
                    grads=grads)
     _PROGRAMS[graph] = (len(nodes), prog)
     return prog
