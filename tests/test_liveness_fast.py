@@ -85,5 +85,7 @@ def test_the_walk_equals_the_reference_walk(name, build, axes, options):
             fast = step_peak(p.graph, strategy_of, mesh, p.precision, recomputed=redo, served=served)
             ref = reference_peak(p.graph, strategy_of, mesh, p.precision, recomputed=redo, served=served)
             assert fast == ref, (name, paths, keep)
+            assert step_peak(p.graph, strategy_of, mesh, p.precision, recomputed=redo, served=served,
+                             alike=p.folding) == ref, (name, paths, keep)
             walked += 1
     assert walked >= 2

@@ -26,6 +26,10 @@ op that makes it to its last reader:
 After the backward comes the optimizer step: parameters, gradients, optimizer state and its
 scratch. ``optimizer_scratch`` says what that scratch is assumed to be.
 The peak is the larger of the two; ``Peak`` says what it consists of and where it is.
+
+Given the folding (``alike``), a repeated layer stack is walked once: the walk of a short program
+without the middle instances, whose storages are then those of every op's walk
+(``liveness_periodic``); elsewhere, and wherever its proof fails, every op is walked.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Callable, Iterable, Mapping, Optional
 
 import numpy as np
 
+from autopar.cost_model import liveness_periodic as periodic
 from autopar.cost_model.buckets import grad_buckets, grad_steps
 from autopar.cost_model.liveness_program import LAST, W, at, program, rerun_times
 from autopar.cost_model.memory import local_numel
@@ -88,22 +93,37 @@ def optimizer_scratch(numel: int, precision: Precision) -> int:
 
 def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision: Precision, *,
               recomputed: Iterable[str] = (), served: Iterable[tuple] = (),
-              grad_stages: Optional[Mapping[str, frozenset]] = None) -> Peak:
+              grad_stages: Optional[Mapping[str, frozenset]] = None, alike=None) -> Peak:
     """The peak of one step of ``graph`` with every node running ``strategy_of(name)`` (see the
     module's docstring). ``recomputed``: the forward ops the backward runs again; ``served``: the
     ``(parameter view ref, placements)`` the backward reads from the forward's kept gathers (a
-    mapping to the ``(ref, placements)`` of the forward gather that serves each).
+    mapping to the ``(ref, placements)`` of the forward gather that serves each). ``alike``: a
+    ``Folding`` (anything with ``representative(name)``) whose nodes of equal representatives run
+    equal strategies: with it a repeated layer stack is walked once (``liveness_periodic``).
 
     Refs and placements are int codes in the walk (placements interned by value, so equal codes are
     equal placements), moments ints (``liveness_program.at``), the sweep over the moments in numpy."""
     prog = program(graph)
     redo = frozenset(recomputed)
-    nodes, order, code, refs = graph.nodes, prog.order, prog.code, prog.refs
+    win = periodic.window(graph, prog, alike, redo, served) if alike is not None else None
+    if win is not None:
+        try:
+            return _walk(graph, prog, strategy_of, mesh, precision, redo, served, grad_stages, win)
+        except periodic.Aperiodic:
+            pass
+    return _walk(graph, prog, strategy_of, mesh, precision, redo, served, grad_stages, None)
+
+
+def _walk(graph: Graph, prog, strategy_of, mesh, precision: Precision, redo: frozenset, served, grad_stages,
+          win: Optional[periodic.Window]) -> Peak:
+    """``step_peak``'s walk: of every op (``win`` None), or of ``win``'s short program expanded."""
+    run = win.prog if win is not None else prog  # the program walked
+    nodes, code, refs = graph.nodes, prog.code, prog.refs
     shape = tuple(mesh.shape)
     training = graph.training
     first_back = prog.first_back
-    end = at(len(nodes), LAST)  # the backward's return (its buckets reduce before, ``_grads``)
-    saved_from = at(first_back, -1)
+    end = at(run.length, LAST)  # the backward's return (its buckets reduce before, ``_grads``)
+    saved_from = at(run.first_back, -1)
 
     strats: dict = {}  # node name -> its strategy (held: ids below stay theirs during the walk)
     # placement codes and block bytes are the same in every walk on this mesh and precision: shared
@@ -181,11 +201,12 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
         kept[(_code(code, refs, r), intern(tuple(want)))] = (_code(code, refs, src), intern(tuple(placed)))
 
     # the moments: every op at its index; a re-run op just before its first backward reader
-    execs = [(at(i), op, False) for op in prog.ops for i in (op[0],)]
+    execs = [(at(i), op, False) for op in run.ops for i in (op[0],)]
     if training and redo:
-        reruns = rerun_times(graph, redo, order, prog.readers)
+        mine = redo if win is None else frozenset(x for x in redo if x in run.order)
+        reruns = rerun_times(graph, mine, run.order, run.reader_names())
         if reruns:
-            byname = {op[1].name: op for op in prog.ops}
+            byname = {op[1].name: op for op in run.ops}
             execs += [(at(t, -1), byname[name], True) for name, t in reruns.items()]
             execs.sort(key=lambda e: (e[0], e[1][0]))
 
@@ -194,15 +215,15 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
     storage: dict = {}  # ref code -> its storage key (forward values; and the inputs)
     again: dict = {}  # ref code -> its storage key, made again in the backward (recomputed)
     param_nodes = set(graph.params.values())
-    for n in nodes:
-        if not n.is_placeholder or n.outputs[0] is None:
+    for n, rc in prog.placeholders:
+        times = win.weight(n.name) if win is not None else 1  # (a window's are copies of tau's)
+        if not times:
             continue
         r = Ref(n.name, 0)
-        rc = code[r]
         pc = out_code(rc)
         if n.name in param_nodes or n.roles[0] == Role.BUFFER:
             spec = graph.spec(r)
-            numel = local_numel(spec.shape, places[pc], shape)
+            numel = local_numel(spec.shape, places[pc], shape) * times
             role = "param" if n.roles[0] != Role.BUFFER else "activation"
             static["params"] += numel * element_bytes(spec.dtype, role, precision)
             if training and n.roles[0] != Role.BUFFER and spec.dtype.is_floating_point:
@@ -218,7 +239,7 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
                 last[("v", rc)] = end
 
     reshards: dict = {}  # (ref, placements, "f"|"b") -> key of the resharded copy
-    issue = prog.issue
+    issue = run.issue
     for t, (_, n, in_back, ins, outs, alias), rerun in execs:
         name = n.name
         backward = rerun or in_back
@@ -303,6 +324,12 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
         for key, t0 in start.items():
             if t0 < saved_from <= last[key] and key not in kinds:
                 last[key] = end
+    extra = None
+    if win is not None:  # the full walk's storages, from the short program's
+        full = periodic.expand(win, graph, prog, (start, last, size, kinds), storage, saved_from)
+        start, last, size, kinds, storage = full.start, full.last, full.size, full.kinds, full.storage
+        extra = (full.s, full.e, full.nb, full.kind)
+        end, saved_from = at(prog.length, LAST), at(first_back, -1)
     if training and graph.loss is not None:
         use(storage.get(code.get(graph.loss)), end)
     if training:  # the model's other outputs (``Graph.extras``) live until the step returns them
@@ -313,15 +340,15 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
             if r is not None:
                 use(storage.get(code.get(r)), end)
     walk = (start, last, size, kinds, make, use)
-    grads_total = _grads(graph, walk, storage, code, places, out_code, nbytes, mesh, precision, grad_stages,
-                         end) if training else 0
+    grads_total = _grads(graph, walk, storage, prog.grads, places, out_code, nbytes, mesh, precision, grad_stages,
+                         end, win.like if win is not None else {}) if training else 0
 
     base = static["params"] + static["optimizer"]
     parts = {k: 0 for k in PEAK_KINDS}
     parts["params"], parts["optimizer"] = static["params"], static["optimizer"]
     between = 0
-    if start:
-        best, best_at, found, between = _sweep(start, last, size, kinds, saved_from, base)
+    if start or extra is not None:
+        best, best_at, found, between = _sweep(start, last, size, kinds, saved_from, base, extra)
         for k, v in found.items():
             parts["temporaries" if k == UNREDUCED else k] += v
     else:
@@ -347,10 +374,11 @@ def _code(code: dict, refs: list, r: Ref) -> int:
     return got
 
 
-def _sweep(start: dict, last: dict, size: dict, kinds: dict, saved_from: int, base: int):
+def _sweep(start: dict, last: dict, size: dict, kinds: dict, saved_from: int, base: int, extra=None):
     """The bytes by kind alive at every moment: ``(the largest total, its moment, its bytes by kind, the
     most temporaries at any moment)``; the first moment of the largest. A storage with no kind is an
-    activation when it lives from the forward into the backward, else a temporary."""
+    activation when it lives from the forward into the backward, else a temporary. ``extra``: more
+    storages as arrays ``(start, last, bytes, kind: 0 activations, 1 temporaries)``."""
     keys = list(start)
     s = np.fromiter(start.values(), dtype=np.int64, count=len(keys))
     e = np.fromiter((last[k] for k in keys), dtype=np.int64, count=len(keys))
@@ -362,6 +390,8 @@ def _sweep(start: dict, last: dict, size: dict, kinds: dict, saved_from: int, ba
         got = kinds.get(k)
         if got is not None:
             kind[i] = ids[got]
+    if extra is not None:
+        s, e, nb, kind = (np.concatenate([a, b]) for a, b in zip((s, e, nb, kind), extra))
     times = np.unique(np.concatenate([s, e]))
     delta = np.zeros((len(names), len(times) + 1), dtype=np.int64)
     np.add.at(delta, (kind, np.searchsorted(times, s)), nb)
@@ -384,15 +414,22 @@ def _moves(have, want) -> bool:
     return any(a != b and not (a == B) for a, b in zip(have, want))
 
 
-def _grads(graph: Graph, walk: tuple, storage: dict, code: dict, places: list, out_code, nbytes, mesh,
-           precision, stages, end: int) -> int:
+def _grads(graph: Graph, walk: tuple, storage: dict, grads: list, places: list, out_code, nbytes, mesh,
+           precision, stages, end: int, like: Mapping[str, str]) -> int:
     """Every gradient's reduction (see the module's docstring); the reduced gradients' bytes. ``walk``:
-    the walk's ``(start, last, size, kinds, make, use)``; refs and placements by their codes."""
+    the walk's ``(start, last, size, kinds, make, use)``; refs and placements by their codes (``grads``:
+    ``Program.grads``); ``like``: a gradient FQN -> one whose placements are its own (a window's)."""
     start, _, _, kinds, make, use = walk
     steps, src_of, dst_of, refs = {}, {}, {}, {}
-    for fqn, r in graph.grads.items():
-        rc = refs[fqn] = code[r]
-        src, dst = out_code(rc), out_code(code[Ref(graph.params[fqn], 0)])
+    for fqn, rc, pc in grads:
+        refs[fqn] = rc
+        base = like.get(fqn)  # a window's gradient: its template's placements and steps
+        if base is not None and base in src_of:
+            src_of[fqn], dst_of[fqn] = src_of[base], dst_of[base]
+            if base in steps:
+                steps[fqn] = steps[base]
+            continue
+        src, dst = out_code(rc), out_code(pc)
         src_of[fqn], dst_of[fqn] = src, dst
         if src != dst:
             steps[fqn] = grad_steps(graph, fqn, places[src], places[dst], mesh, precision)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Optional
 
 from autopar.ir.graph import Graph, Phase, Ref
 from autopar.ir.layers import layer_key
@@ -36,12 +36,30 @@ class Program:
     #: ((output index, ref code), ...), a view op's)
     ops: list
     issue: dict
-    readers: dict  # node name -> the names of the nodes reading it
+    readers: Optional[dict]  # node name -> the names of the nodes reading it (``reader_names``)
     code: dict  # Ref -> int
     refs: list  # int -> Ref
     #: (mesh shape, precision) -> the walks' shared ``(placements by code, code by placements, bytes by
     #: (ref code, placement code, role))``: every walk of a search prices the same blocks
     sizes: dict = field(default_factory=dict)
+    #: the node count of the program's order (its ``end`` moment is ``at(length, LAST)``)
+    length: int = 0
+    #: the placeholders: (node, its output's ref code), graph order
+    placeholders: list = field(default_factory=list)
+    #: what ``liveness_periodic`` finds of the graph and keeps per graph (its layer stack, its short programs)
+    periodic: dict = field(default_factory=dict)
+    #: per gradient: (parameter FQN, its gradient's ref code, its parameter's ref code)
+    grads: list = field(default_factory=list)
+
+    def reader_names(self) -> dict:
+        """Node name -> the names of the nodes reading it (made on first use: only recomputation asks)."""
+        if self.readers is None:
+            readers = defaultdict(list)
+            for _, n, _, ins, _, _ in self.ops:
+                for _, rc, _ in ins:
+                    readers[self.refs[rc].node].append(n.name)
+            self.readers = dict(readers)
+        return self.readers
 
 
 #: per graph: (its node count when made, its ``Program``)
@@ -56,8 +74,9 @@ def program(graph: Graph) -> Program:
     nodes = graph.nodes
     order = {n.name: i for i, n in enumerate(nodes)}
     views = param_views(graph)
-    back = [n for n in nodes if n.phase == Phase.BACKWARD and not n.is_placeholder] if graph.training else []
-    first_back = order[back[0].name] if back else len(nodes)
+    back = next((i for i, n in enumerate(nodes) if n.phase == Phase.BACKWARD and n.op != "placeholder"), None) \
+        if graph.training else None
+    first_back = len(nodes) if back is None else back
     code: dict = {}
     refs: list = []
 
@@ -68,17 +87,26 @@ def program(graph: Graph) -> Program:
             refs.append(r)
         return got
 
-    ops, readers = [], defaultdict(list)
+    ops, held = [], []
+    made: dict = {}  # node name -> {output index: ref code} (inputs found without hashing a Ref)
+    backward = Phase.BACKWARD
     for i, n in enumerate(nodes):
-        for r in n.inputs:
-            readers[r.node].append(n.name)
-        outs = tuple((j, c(Ref(n.name, j))) for j, spec in enumerate(n.outputs) if spec is not None)
-        if n.is_placeholder:
+        name = n.name
+        outs = tuple((j, c(Ref(name, j))) for j, spec in enumerate(n.outputs) if spec is not None)
+        made[name] = dict(outs)
+        if n.op == "placeholder":
+            if n.outputs[0] is not None:
+                held.append((n, outs[0][1]))
             continue
-        ins = tuple((k, c(r), r.node in views) for k, r in enumerate(n.inputs))
-        ops.append((i, n, n.phase == Phase.BACKWARD, ins, outs, bool(n.op in ALIASES and n.inputs)))
+        ins = []
+        for k, r in enumerate(n.inputs):
+            got = made.get(r.node, {}).get(r.index)
+            ins.append((k, c(r) if got is None else got, r.node in views))
+        ops.append((i, n, n.phase == backward, tuple(ins), outs, bool(n.op in ALIASES and n.inputs)))
     issue = {k: at(*v) for k, v in issue_times(nodes, order, first_back).items()}
-    prog = Program(order, first_back, views, ops, issue, dict(readers), code, refs)
+    grads = [(fqn, code[r], code[Ref(graph.params[fqn], 0)]) for fqn, r in graph.grads.items()]
+    prog = Program(order, first_back, views, ops, issue, None, code, refs, length=len(nodes), placeholders=held,
+                   grads=grads)
     _PROGRAMS[graph] = (len(nodes), prog)
     return prog
 

@@ -48,12 +48,14 @@ def choice_peak(graph: Graph, mesh: Mesh, precision: Precision, folding: Folding
                 choice: Sequence[int], checkpointing: Optional[dict] = None, kept: Sequence[str] = (),
                 grad_stages=None) -> Peak:
     """The walked peak of ``choice`` (one strategy per problem node) with the layer instances of
-    ``checkpointing`` (path -> mode) recomputed and those of ``kept`` keeping their gathers."""
+    ``checkpointing`` (path -> mode) recomputed and those of ``kept`` keeping their gathers (folded
+    instances run their representative's strategy: a repeated stack is walked once)."""
     strategy_of = strategy_lookup(problem, folding, choice)
     redo = recomputed_ops(graph, checkpointing) if checkpointing else frozenset()
     served = {k: (d.source, d.placed) for k, d in kept_reads(graph, strategy_of, kept, mesh, redo).items()} \
         if kept else {}
-    return step_peak(graph, strategy_of, mesh, precision, recomputed=redo, served=served, grad_stages=grad_stages)
+    return step_peak(graph, strategy_of, mesh, precision, recomputed=redo, served=served, grad_stages=grad_stages,
+                     alike=folding)
 
 
 def with_peak(cost: Cost, peak: Peak) -> Cost:
