@@ -185,7 +185,10 @@ def _via_unsplit(src) -> tuple[Placement, ...]:
     return tuple(Broadcast() if isinstance(s, Split) else s for s in src)
 
 
-@functools.lru_cache(maxsize=1 << 18)
+# 2^19 entries (~400 B each): a 3-axis mesh's search prices ~500k distinct reshardings (measured: a
+# 3-layer tiny LLaMA on (2, 2, 2), 1.86M lookups), which 2^18 entries evicted and priced again
+# (745k misses): 2^19 holds them once, 18% less CPU in its planning, for ~200 MB more at most
+@functools.lru_cache(maxsize=1 << 19)
 def _best_steps(shape, src, dst, mesh_shape, links, elem_bytes) -> tuple[tuple[Step, ...], float]:
     changing = [a for a in range(len(mesh_shape)) if src[a] != dst[a]]
     best: tuple[tuple[Step, ...], float] | None = None
