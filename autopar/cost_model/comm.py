@@ -131,8 +131,15 @@ def step_valid(cur: Sequence[Placement], dst: Placement, axis: int) -> bool:
     a dim only while no later axis splits that dim too; otherwise the later axis's pieces would
     interleave. Such orders are skipped (the lowering could not run them as one collective).
     """
-    dims = {p.dim for p in (cur[axis], dst) if isinstance(p, Split)}
-    return not any(_splits_dim(cur[b], d) for d in dims for b in range(axis + 1, len(cur)))
+    dims = [p.dim for p in (cur[axis], dst) if isinstance(p, Split)]
+    if not dims:
+        return True
+    # (a loop, not nested generators: this runs for every step the search prices)
+    for b in range(axis + 1, len(cur)):
+        p = cur[b]
+        if isinstance(p, Split) and p.dim in dims:
+            return False
+    return True
 
 
 def step_bytes(shape: Sequence[int], cur: Sequence[Placement], dst: Placement, axis: int,
