@@ -365,7 +365,11 @@ def _balanced_steps():
 
 def _balanced(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
     """Whether either side has the balanced split ``Z`` (``ir.placement.Balanced``)."""
-    return any(type(p) is Balanced for p in src) or any(type(p) is Balanced for p in dst)
+    for side in (src, dst):  # (loops, not generators: asked for every resharding the search prices)
+        for p in side:
+            if type(p) is Balanced:
+                return True
+    return False
 
 
 def cache_info():
