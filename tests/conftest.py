@@ -50,8 +50,9 @@ def pytest_configure(config):
 #: the modules that take longest (docs/benchmarks.md, "Suite time"), collected first: ``make test``
 #: hands whole modules to its two workers in collection order, and a long one taken last runs alone
 #: while the other worker idles (longest first is the classic makespan order)
-LONGEST_FIRST = ("test_ladder.py", "test_checkpoint_search.py", "test_compiled.py", "test_liveness_fast.py",
-                 "test_ladder_cutoff.py", "test_launch.py", "test_replan.py", "test_pipeline_context.py")
+LONGEST_FIRST = ("test_ladder.py", "test_compiled.py", "test_liveness_fast.py", "test_ladder_cutoff.py",
+                 "test_launch.py", "test_replan.py", "test_dropless.py", "test_kept_gathers.py",
+                 "test_checkpoint_search.py", "test_pipeline_context.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker

@@ -4,6 +4,7 @@ the fastest plan does not fit, and ``checkpointing=`` pins the choice."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -21,21 +22,39 @@ def _gpt(layers: int = 4):
     return models.make("gpt", "tiny", batch=8, n_layer=layers)
 
 
+@functools.cache
+def _swept():
+    """The 4-layer GPT of ``_gpt`` on a 1-D mesh, its graph and its plan without a budget (made once:
+    the budget sweeps and the model-state error read them)."""
+    model, inputs = _gpt()
+    graph = capture(model, inputs)
+    mesh = autopar.Mesh({"dp": 2}, device="cpu")
+    return model, inputs, graph, mesh, autopar.plan(model, mesh, inputs, progress=False, graph=graph)
+
+
+@functools.cache
+def _at(fraction: float):
+    """The plan of ``_swept``'s model within ``fraction`` of its free peak, or the ``InfeasibleError``
+    where none fits (made once per budget: the two sweeps share their budgets)."""
+    model, inputs, graph, mesh, free = _swept()
+    try:
+        return autopar.plan(model, mesh, inputs, memory_budget=int(free.peak_memory * fraction), progress=False,
+                            graph=graph)
+    except InfeasibleError as e:
+        return e
+
+
 def test_a_budget_sweep_recomputes_only_when_needed_and_time_never_falls_as_memory_shrinks():
     """Solved exactly (CP-SAT, a 1-D mesh, every count of recomputed layers tried): each plan fits
     its budget, the largest budget recomputes nothing, the smallest feasible one recomputes, and
     the estimated step time never decreases as the budget shrinks."""
-    model, inputs = _gpt()
-    graph = capture(model, inputs)  # captured once for every budget
-    mesh = autopar.Mesh({"dp": 2}, device="cpu")
-    free = autopar.plan(model, mesh, inputs, progress=False, graph=graph)
+    free = _swept()[4]  # (captured once for every budget)
     assert free.checkpointing == {}
     rows = []
-    for fraction in (1.0, 0.95, 0.9, 0.85, 0.7, 0.5):  # (0.7: nothing fits any more)
+    for fraction in (1.0, 0.95, 0.9, 0.8, 0.7, 0.5):  # (0.7: nothing fits any more)
         budget = int(free.peak_memory * fraction)
-        try:
-            plan = autopar.plan(model, mesh, inputs, memory_budget=budget, progress=False, graph=graph)
-        except InfeasibleError:
+        plan = _at(fraction)
+        if isinstance(plan, InfeasibleError):
             break
         assert plan.peak_memory <= budget
         rows.append((fraction, plan.step_time, len(plan.checkpointing)))
@@ -92,9 +111,7 @@ def test_pins_by_module_path_glob_and_their_errors():
 
 
 def test_when_model_state_alone_exceeds_the_budget_the_error_says_recomputing_cannot_help():
-    model, inputs = _gpt()
-    mesh = autopar.Mesh({"dp": 2}, device="cpu")
-    free = autopar.plan(model, mesh, inputs, progress=False)
+    model, inputs, _, mesh, free = _swept()
     state = free.memory["params"] + free.memory["grads"] + free.memory["optimizer"]
     with pytest.raises(InfeasibleError, match=r"Recomputing activations cannot help: with every layer recomputed "
                                               r"the leanest plan needs .*, and the model state alone"):
@@ -105,16 +122,11 @@ def test_the_infeasible_headline_is_the_least_memory_with_the_recomputation_the_
     """"The leanest possible plan needs N" bounds every plan the planner can find from below, those
     that recompute included: a plan the search fits by recomputing needs at least N, and a budget
     under N is what no plan meets."""
-    model, inputs = _gpt()
-    graph = capture(model, inputs)
-    mesh = autopar.Mesh({"dp": 2}, device="cpu")
-    free = autopar.plan(model, mesh, inputs, progress=False, graph=graph)
+    model, inputs, graph, mesh, free = _swept()
     recomputing = None
     for fraction in (0.9, 0.8, 0.7, 0.6, 0.5):
-        try:
-            plan = autopar.plan(model, mesh, inputs, memory_budget=int(free.peak_memory * fraction), progress=False,
-                                graph=graph)
-        except InfeasibleError:
+        plan = _at(fraction)
+        if isinstance(plan, InfeasibleError):
             break
         if plan.checkpointing:
             recomputing = plan

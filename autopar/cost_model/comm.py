@@ -131,8 +131,15 @@ def step_valid(cur: Sequence[Placement], dst: Placement, axis: int) -> bool:
     a dim only while no later axis splits that dim too; otherwise the later axis's pieces would
     interleave. Such orders are skipped (the lowering could not run them as one collective).
     """
-    dims = {p.dim for p in (cur[axis], dst) if isinstance(p, Split)}
-    return not any(_splits_dim(cur[b], d) for d in dims for b in range(axis + 1, len(cur)))
+    dims = [p.dim for p in (cur[axis], dst) if isinstance(p, Split)]
+    if not dims:
+        return True
+    # (a loop, not nested generators: this runs for every step the search prices)
+    for b in range(axis + 1, len(cur)):
+        p = cur[b]
+        if isinstance(p, Split) and p.dim in dims:
+            return False
+    return True
 
 
 def step_bytes(shape: Sequence[int], cur: Sequence[Placement], dst: Placement, axis: int,
@@ -153,6 +160,18 @@ def step_bytes(shape: Sequence[int], cur: Sequence[Placement], dst: Placement, a
     return math.prod(block) * elem_bytes
 
 
+def _one_step(shape, cur, dst, a: int, mesh_shape, links, elem_bytes) -> tuple | None:
+    """The step that changes ``cur[a]`` to ``dst[a]``, as ``Step``'s fields (kind, axis, bytes,
+    seconds, reduce), or None where it would not act on contiguous blocks (``step_valid``)."""
+    kind = axis_step(cur[a], dst[a])
+    assert kind is not None
+    if not step_valid(cur, dst[a], a):
+        return None
+    nbytes = step_bytes(shape, cur, dst[a], a, mesh_shape, elem_bytes)
+    reduce = cur[a].reduce if isinstance(cur[a], Partial) else "sum"
+    return kind, a, nbytes, collective_time(kind, nbytes, mesh_shape[a], links[a]), reduce
+
+
 def _steps_in_order(shape, src, dst, mesh_shape, links, elem_bytes, order) -> tuple[list[Step], float] | None:
     cur = list(src)
     steps: list[Step] = []
@@ -167,17 +186,44 @@ def _steps_in_order(shape, src, dst, mesh_shape, links, elem_bytes, order) -> tu
             for b in a:
                 cur[b] = dst[b]
             continue
-        kind = axis_step(cur[a], dst[a])
-        assert kind is not None
-        if not step_valid(cur, dst[a], a):
+        one = _one_step(shape, cur, dst, a, mesh_shape, links, elem_bytes)
+        if one is None:
             return None
-        nbytes = step_bytes(shape, cur, dst[a], a, mesh_shape, elem_bytes)
-        t = collective_time(kind, nbytes, mesh_shape[a], links[a])
-        reduce = cur[a].reduce if isinstance(cur[a], Partial) else "sum"
-        steps.append(Step(kind, a, nbytes, t, reduce))
-        total += t
+        steps.append(Step(*one))
+        total += one[3]
         cur[a] = dst[a]
     return steps, total
+
+
+def _best_order(shape, src, dst, mesh_shape, links, elem_bytes, changing) -> tuple[tuple[Step, ...], float] | None:
+    """The cheapest valid order of one-axis steps over ``changing`` (permutations in lexicographic
+    order: the first of equal cost wins), each order priced as ``_steps_in_order`` prices it, or
+    None when no order is valid. A step depends only on which axes changed before it, so each is
+    priced once per (those axes, its axis) rather than once per order (12 steps instead of 18 on
+    three changing axes), and only the winner's become ``Step``s."""
+    priced: dict[tuple[int, int], tuple | None] = {}
+    best, best_total = None, 0.0
+    for order in itertools.permutations(changing):
+        total, done = 0.0, 0
+        for a in order:
+            one = priced.get((done, a), False)
+            if one is False:
+                cur = [dst[b] if done >> b & 1 else p for b, p in enumerate(src)]
+                one = priced[done, a] = _one_step(shape, cur, dst, a, mesh_shape, links, elem_bytes)
+            if one is None:
+                break
+            total += one[3]
+            done |= 1 << a
+        else:
+            if best is None or total < best_total:
+                best, best_total = order, total
+    if best is None:
+        return None
+    steps, done = [], 0
+    for a in best:
+        steps.append(Step(*priced[done, a]))
+        done |= 1 << a
+    return tuple(steps), best_total
 
 
 def _via_unsplit(src) -> tuple[Placement, ...]:
@@ -185,15 +231,14 @@ def _via_unsplit(src) -> tuple[Placement, ...]:
     return tuple(Broadcast() if isinstance(s, Split) else s for s in src)
 
 
-@functools.lru_cache(maxsize=1 << 18)
+# 2^19 entries (~400 B each): a 3-axis mesh's search prices ~500k distinct reshardings (measured: a
+# 3-layer tiny LLaMA on (2, 2, 2), 1.86M lookups), which 2^18 entries evicted and priced again
+# (745k misses): 2^19 holds them once, 18% less CPU in its planning, for ~200 MB more at most
+@functools.lru_cache(maxsize=1 << 19)
 def _best_steps(shape, src, dst, mesh_shape, links, elem_bytes) -> tuple[tuple[Step, ...], float]:
     changing = [a for a in range(len(mesh_shape)) if src[a] != dst[a]]
-    best: tuple[tuple[Step, ...], float] | None = None
     # permutations of a sorted list come in lexicographic order: the first of equal cost wins
-    for order in itertools.permutations(changing):
-        found = _steps_in_order(shape, src, dst, mesh_shape, links, elem_bytes, order)
-        if found is not None and (best is None or found[1] < best[1]):
-            best = (tuple(found[0]), found[1])
+    best = _best_order(shape, src, dst, mesh_shape, links, elem_bytes, changing)
     if best is None and changing:
         best = _best_joint(shape, src, dst, mesh_shape, links, elem_bytes, changing)
     if best is None and changing:
@@ -320,7 +365,11 @@ def _balanced_steps():
 
 def _balanced(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
     """Whether either side has the balanced split ``Z`` (``ir.placement.Balanced``)."""
-    return any(type(p) is Balanced for p in src) or any(type(p) is Balanced for p in dst)
+    for side in (src, dst):  # (loops, not generators: asked for every resharding the search prices)
+        for p in side:
+            if type(p) is Balanced:
+                return True
+    return False
 
 
 def cache_info():
