@@ -51,14 +51,26 @@ def spread(graph: Graph, seeds: dict[Key, Hashable], *, whole: bool,
     #: node name -> its tensors with each dim's factors (``_factors``), None without a DimMap: worked out
     #: once per node, however many of its keys the worklist visits
     tensors_of: dict[str, Optional[list]] = {}
+    #: the same as slots (an index into the node's inputs, then its outputs), per ``_local_signature``:
+    #: the alike ops of a deep stack's layers work out one DimMap
+    patterns: dict[tuple, Optional[list]] = {}
 
     def tensors(node: Node) -> Optional[list]:
         if node.name in tensors_of:
             return tensors_of[node.name]
-        dm = None if node.is_placeholder else dimmap(op_call(graph, node))
-        got = None if dm is None else [(r, [_factors(dims, d, dm.sizes, whole) for d in range(len(dims))])
-                                       for r, dims in _tensor_dims(node, dm)]
-        tensors_of[node.name] = got
+        if node.is_placeholder:
+            tensors_of[node.name] = None
+            return None
+        sig = _local_signature(graph, node)
+        if sig not in patterns:
+            dm = dimmap(op_call(graph, node))
+            slots = {r: k for k, r in enumerate(node.inputs)}
+            patterns[sig] = None if dm is None else [
+                (len(node.inputs) + r.index if r.node == node.name else slots[r],
+                 [_factors(dims, d, dm.sizes, whole) for d in range(len(dims))]) for r, dims in _tensor_dims(node, dm)]
+        held, n_in = patterns[sig], len(node.inputs)
+        got = tensors_of[node.name] = None if held is None else [
+            (node.inputs[s] if s < n_in else Ref(node.name, s - n_in), factors) for s, factors in held]
         return got
 
     def mark(key: Key, value) -> None:
