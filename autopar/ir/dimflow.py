@@ -51,7 +51,7 @@ def spread(graph: Graph, seeds: dict[Key, Hashable], *, whole: bool,
     #: node name -> its tensors with each dim's factors (``_factors``), None without a DimMap: worked out
     #: once per node, however many of its keys the worklist visits
     tensors_of: dict[str, Optional[list]] = {}
-    #: the same as slots (an index into the node's inputs, then its outputs), per ``_local_signature``:
+    #: the same as slots (an index into the node's inputs, then its outputs), per ``local_signature``:
     #: the alike ops of a deep stack's layers work out one DimMap
     patterns: dict[tuple, Optional[list]] = {}
 
@@ -61,7 +61,7 @@ def spread(graph: Graph, seeds: dict[Key, Hashable], *, whole: bool,
         if node.is_placeholder:
             tensors_of[node.name] = None
             return None
-        sig = _local_signature(graph, node)
+        sig = local_signature(graph, node)
         if sig not in patterns:
             dm = dimmap(op_call(graph, node))
             slots = {r: k for k, r in enumerate(node.inputs)}
@@ -171,7 +171,7 @@ def linked_dims(graph: Graph) -> Links:
     for node in graph.nodes:
         if node.is_placeholder:
             continue
-        sig = _local_signature(graph, node)
+        sig = local_signature(graph, node)
         links = patterns.get(sig)
         if links is None:
             links = patterns[sig] = _links(graph, node)
@@ -201,25 +201,32 @@ def linked_dims(graph: Graph) -> Links:
     return Links(root, members)
 
 
-def _local_signature(graph: Graph, node: Node) -> tuple:
-    """What an op's ``DimMap`` is made of, without the names of the tensors it reads: the op, its
-    non-tensor arguments (tensors as their input slot: repeats show), the specs of its inputs and
-    outputs."""
+def local_signature(graph: Graph, node: Node) -> tuple:
+    """What an op's ``DimMap`` (and so its strategies) is made of, without the names of the tensors
+    it reads: the op, its non-tensor arguments (tensors as their input slot: repeats show), the
+    specs of its inputs and outputs. Ops with one signature have one DimMap."""
     slot: dict[Ref, int] = {}
     for r in node.inputs:
         slot.setdefault(r, len(slot))
+    return (node.op, _plain(node.args, slot), _plain(node.kwargs, slot) if node.kwargs else ("<dict>",),
+            tuple(graph.spec(r) for r in node.inputs), tuple(node.outputs))
 
-    def plain(a):
-        if isinstance(a, Ref):
-            return ("<ref>", slot[a])
-        if isinstance(a, (list, tuple)):
-            return (type(a).__name__,) + tuple(plain(x) for x in a)
-        if isinstance(a, dict):
-            return ("<dict>",) + tuple((k, plain(v)) for k, v in a.items())
-        return (type(a).__name__, a) if isinstance(a, (int, float, bool, str, type(None))) else repr(a)
 
-    return (node.op, plain(node.args), plain(node.kwargs), tuple(graph.spec(r) for r in node.inputs),
-            tuple(node.outputs))
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _plain(a, slot: dict[Ref, int]):
+    """An argument as ``local_signature`` holds it: a tensor as its input slot, a scalar with its type."""
+    kind = type(a)
+    if kind is Ref:
+        return "<ref>", slot[a]
+    if kind in _SCALARS:
+        return kind.__name__, a
+    if isinstance(a, (list, tuple)):
+        return (kind.__name__,) + tuple(_plain(x, slot) for x in a)
+    if isinstance(a, dict):
+        return ("<dict>",) + tuple((k, _plain(v, slot)) for k, v in a.items())
+    return (kind.__name__, a) if isinstance(a, _SCALARS) else repr(a)
 
 
 def _links(graph: Graph, node: Node) -> tuple:
