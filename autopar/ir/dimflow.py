@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from typing import Hashable, Optional
 
 from autopar.ir.graph import Graph, Node, Ref
+from autopar.ir.layers import known_layers
 
 Key = tuple[Ref, int]  # (tensor, dim)
 
@@ -150,7 +151,9 @@ def linked_dims(graph: Graph) -> Links:
 
     Which dims of a node's tensors its op links depends only on what the op's ``DimMap`` sees (op,
     non-tensor arguments, tensor specs, which inputs are the same tensor): worked out once per such
-    signature (``_links``), so the alike ops of a deep stack's layers cost a lookup each."""
+    signature (``_links``), so the alike ops of a deep stack's layers cost a lookup each. Where the
+    graph's layers are known (``ir.layers``, made by the fold), an op of an agreeing instance that
+    reads only its own instance's values has its representative's links (``_alike_ops``)."""
     # keys as (node name, output, dim) while the sets are joined: plain tuples hash and compare in C
     parent: dict[tuple, tuple] = {}
 
@@ -168,13 +171,23 @@ def linked_dims(graph: Graph) -> Links:
         return root
 
     patterns: dict[tuple, tuple] = {}
+    alike, mine = _alike_ops(graph), {}  # an op -> its representative; a representative's links
+
+    def links_of(node: Node) -> tuple:
+        got = mine.get(node.name)
+        if got is None:
+            sig = local_signature(graph, node)
+            got = patterns.get(sig)
+            if got is None:
+                got = patterns[sig] = _links(graph, node)
+            mine[node.name] = got
+        return got
+
     for node in graph.nodes:
         if node.is_placeholder:
             continue
-        sig = local_signature(graph, node)
-        links = patterns.get(sig)
-        if links is None:
-            links = patterns[sig] = _links(graph, node)
+        rep = alike.get(node.name)
+        links = links_of(node if rep is None else graph.node(rep))
         if not links:
             continue
         ins, name = node.inputs, node.name
@@ -199,6 +212,29 @@ def linked_dims(graph: Graph) -> Links:
             r = root[k] = find(k)
             members.setdefault(r, []).append(k)
     return Links(root, members)
+
+
+def _alike_ops(graph: Graph) -> dict[str, str]:
+    """Op -> the op at its position in the first instance of its agreeing layer instances, for the
+    ops of the other instances (those lacking none of the first's nodes) that read only values of
+    their own instance; empty where the graph's layers are not known yet. Such an op and its
+    representative have one ``local_signature``: agreeing instances agree position by position in
+    op, outputs and non-tensor arguments (``agreement.signature``) and in their wiring, each input
+    made at the same position of its instance, where the ops agree too, so with the same spec; and
+    inputs are the same tensor in one where they are in the other."""
+    found = known_layers(graph)
+    out: dict[str, str] = {}
+    for prefix, ix in (found.alike.items() if found is not None else ()):
+        first = found.instances[(prefix, ix[0])]
+        for i in ix[1:]:
+            if (prefix, i) in found.positions:
+                continue
+            names = found.instances[(prefix, i)]
+            members = set(names)
+            for n, rep in zip(names, first):
+                if all(r.node in members for r in graph.node(n).inputs):
+                    out[n] = rep
+    return out
 
 
 def local_signature(graph: Graph, node: Node) -> tuple:
