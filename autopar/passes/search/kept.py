@@ -120,7 +120,10 @@ def kept_reads(graph: Graph, strategy_of: Callable[[str], Strategy], kept: Itera
                 if src != dst:
                     yield r, dst, src
 
-    ops = list(graph.ops())
+    # the ops that read a parameter view of a kept instance, in graph order (the only ones ``reads`` yields for)
+    users = graph.users()
+    readers = {u for v in views if path(v) in kept for u in users[v]}
+    ops = [n for n in graph.ops() if n.name in readers]
     gathered: dict[Ref, list[Placements]] = {}
     for r, dst, _ in reads(n for n in ops if n.phase == Phase.FORWARD):
         if dst not in gathered.setdefault(r, []):
