@@ -218,10 +218,11 @@ def _alike_ops(graph: Graph) -> dict[str, str]:
     """Op -> the op at its position in the first instance of its agreeing layer instances, for the
     ops of the other instances (those lacking none of the first's nodes) that read only values of
     their own instance; empty where the graph's layers are not known yet. Such an op and its
-    representative have one ``local_signature``: agreeing instances agree position by position in
-    op, outputs and non-tensor arguments (``agreement.signature``) and in their wiring, each input
-    made at the same position of its instance, where the ops agree too, so with the same spec; and
-    inputs are the same tensor in one where they are in the other."""
+    representative have what their ``DimMap`` is made of alike, so the same links: agreeing
+    instances agree position by position in op, outputs and non-tensor arguments (by their
+    ``repr``: the same values; ``agreement.signature``) and in their wiring, each input made at the
+    same position of its instance, where the ops agree too, so with the same spec; and inputs are
+    the same tensor in one where they are in the other."""
     found = known_layers(graph)
     out: dict[str, str] = {}
     for prefix, ix in (found.alike.items() if found is not None else ()):
