@@ -195,7 +195,17 @@ def linked_dims(graph: Graph) -> Links:
         for (sa, da), (sb, db) in links:
             ra = (ins[sa].node, ins[sa].index, da) if sa < n_in else (name, sa - n_in, da)
             rb = (ins[sb].node, ins[sb].index, db) if sb < n_in else (name, sb - n_in, db)
-            a, b = find(ra), find(rb)
+            # ``find`` inlined where it returns at once (a new key, or a root)
+            a = parent.get(ra)
+            if a is None:
+                parent[ra] = a = ra
+            elif a != ra:
+                a = find(ra)
+            b = parent.get(rb)
+            if b is None:
+                parent[rb] = b = rb
+            elif b != rb:
+                b = find(rb)
             if a != b:
                 parent[b] = a
     by_node: dict[str, list[tuple]] = {}
@@ -209,7 +219,7 @@ def linked_dims(graph: Graph) -> Links:
             continue
         keys.sort()
         for k in keys:
-            r = root[k] = find(k)
+            r = root[k] = k if parent[k] == k else find(k)
             members.setdefault(r, []).append(k)
     return Links(root, members)
 
