@@ -39,12 +39,18 @@ def signature(node: Node, members: dict[str, int]) -> tuple:
     non-tensor arguments, phase, and the wiring (an input made inside the instance by its position,
     one made outside as "outside")."""
     static = _STATIC.get(node)
-    if static is None:  # all but the wiring: the same whatever the membership (computed once)
-        args = map_aggregate(node.args, lambda a: "<tensor>" if isinstance(a, Ref) else a)
-        kwargs = map_aggregate(node.kwargs, lambda a: "<tensor>" if isinstance(a, Ref) else a)
-        static = _STATIC[node] = (node.op, tuple(node.outputs), repr(args), repr(kwargs), node.phase)
+    if static is None:
+        static = _static(node)
     wiring = tuple((members.get(r.node, -1), r.index) for r in node.inputs)
     return static, wiring
+
+
+def _static(node: Node) -> tuple:
+    """All of ``signature`` but the wiring: the same whatever the membership (computed once)."""
+    args = map_aggregate(node.args, lambda a: "<tensor>" if isinstance(a, Ref) else a)
+    kwargs = map_aggregate(node.kwargs, lambda a: "<tensor>" if isinstance(a, Ref) else a)
+    static = _STATIC[node] = (node.op, tuple(node.outputs), repr(args), repr(kwargs), node.phase)
+    return static
 
 
 def group_by_key(graph: Graph, owner: dict[str, Key]) -> dict[Key, list[str]]:
@@ -106,9 +112,15 @@ def agreeing(graph: Graph, by_key: dict[Key, list[str]], prefix: str, seen: Opti
         names = by_key[(prefix, i)]
         key = tuple(names)
         sig = memo.get(key)
-        if sig is None:
-            members = {n: k for k, n in enumerate(names)}
-            sig = memo[key] = tuple(signature(graph.node(n), members) for n in names)
+        if sig is None:  # ``signature`` of each node, inlined: an instance's nodes are many
+            get = {n: k for k, n in enumerate(names)}.get
+            sigs = []
+            for n in names:
+                node = graph.node(n)
+                static = _STATIC.get(node)
+                sigs.append((_static(node) if static is None else static,
+                             tuple([(get(r.node, -1), r.index) for r in node.inputs])))
+            sig = memo[key] = tuple(sigs)
         alike[sig].append(i)
     classes = list(alike.values())
     positions: dict[int, tuple[int, ...]] = {}

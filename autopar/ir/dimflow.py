@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from typing import Hashable, Optional
 
 from autopar.ir.graph import Graph, Node, Ref
+from autopar.ir.layers import known_layers
 
 Key = tuple[Ref, int]  # (tensor, dim)
 
@@ -51,14 +52,26 @@ def spread(graph: Graph, seeds: dict[Key, Hashable], *, whole: bool,
     #: node name -> its tensors with each dim's factors (``_factors``), None without a DimMap: worked out
     #: once per node, however many of its keys the worklist visits
     tensors_of: dict[str, Optional[list]] = {}
+    #: the same as slots (an index into the node's inputs, then its outputs), per ``local_signature``:
+    #: the alike ops of a deep stack's layers work out one DimMap
+    patterns: dict[tuple, Optional[list]] = {}
 
     def tensors(node: Node) -> Optional[list]:
         if node.name in tensors_of:
             return tensors_of[node.name]
-        dm = None if node.is_placeholder else dimmap(op_call(graph, node))
-        got = None if dm is None else [(r, [_factors(dims, d, dm.sizes, whole) for d in range(len(dims))])
-                                       for r, dims in _tensor_dims(node, dm)]
-        tensors_of[node.name] = got
+        if node.is_placeholder:
+            tensors_of[node.name] = None
+            return None
+        sig = local_signature(graph, node)
+        if sig not in patterns:
+            dm = dimmap(op_call(graph, node))
+            slots = {r: k for k, r in enumerate(node.inputs)}
+            patterns[sig] = None if dm is None else [
+                (len(node.inputs) + r.index if r.node == node.name else slots[r],
+                 [_factors(dims, d, dm.sizes, whole) for d in range(len(dims))]) for r, dims in _tensor_dims(node, dm)]
+        held, n_in = patterns[sig], len(node.inputs)
+        got = tensors_of[node.name] = None if held is None else [
+            (node.inputs[s] if s < n_in else Ref(node.name, s - n_in), factors) for s, factors in held]
         return got
 
     def mark(key: Key, value) -> None:
@@ -138,7 +151,9 @@ def linked_dims(graph: Graph) -> Links:
 
     Which dims of a node's tensors its op links depends only on what the op's ``DimMap`` sees (op,
     non-tensor arguments, tensor specs, which inputs are the same tensor): worked out once per such
-    signature (``_links``), so the alike ops of a deep stack's layers cost a lookup each."""
+    signature (``_links``), so the alike ops of a deep stack's layers cost a lookup each. Where the
+    graph's layers are known (``ir.layers``, made by the fold), an op of an agreeing instance that
+    reads only its own instance's values has its representative's links (``_alike_ops``)."""
     # keys as (node name, output, dim) while the sets are joined: plain tuples hash and compare in C
     parent: dict[tuple, tuple] = {}
 
@@ -156,13 +171,23 @@ def linked_dims(graph: Graph) -> Links:
         return root
 
     patterns: dict[tuple, tuple] = {}
+    alike, mine = _alike_ops(graph), {}  # an op -> its representative; a representative's links
+
+    def links_of(node: Node) -> tuple:
+        got = mine.get(node.name)
+        if got is None:
+            sig = local_signature(graph, node)
+            got = patterns.get(sig)
+            if got is None:
+                got = patterns[sig] = _links(graph, node)
+            mine[node.name] = got
+        return got
+
     for node in graph.nodes:
         if node.is_placeholder:
             continue
-        sig = _local_signature(graph, node)
-        links = patterns.get(sig)
-        if links is None:
-            links = patterns[sig] = _links(graph, node)
+        rep = alike.get(node.name)
+        links = links_of(node if rep is None else graph.node(rep))
         if not links:
             continue
         ins, name = node.inputs, node.name
@@ -170,7 +195,17 @@ def linked_dims(graph: Graph) -> Links:
         for (sa, da), (sb, db) in links:
             ra = (ins[sa].node, ins[sa].index, da) if sa < n_in else (name, sa - n_in, da)
             rb = (ins[sb].node, ins[sb].index, db) if sb < n_in else (name, sb - n_in, db)
-            a, b = find(ra), find(rb)
+            # ``find`` inlined where it returns at once (a new key, or a root)
+            a = parent.get(ra)
+            if a is None:
+                parent[ra] = a = ra
+            elif a != ra:
+                a = find(ra)
+            b = parent.get(rb)
+            if b is None:
+                parent[rb] = b = rb
+            elif b != rb:
+                b = find(rb)
             if a != b:
                 parent[b] = a
     by_node: dict[str, list[tuple]] = {}
@@ -184,30 +219,61 @@ def linked_dims(graph: Graph) -> Links:
             continue
         keys.sort()
         for k in keys:
-            r = root[k] = find(k)
+            r = root[k] = k if parent[k] == k else find(k)
             members.setdefault(r, []).append(k)
     return Links(root, members)
 
 
-def _local_signature(graph: Graph, node: Node) -> tuple:
-    """What an op's ``DimMap`` is made of, without the names of the tensors it reads: the op, its
-    non-tensor arguments (tensors as their input slot: repeats show), the specs of its inputs and
-    outputs."""
+def _alike_ops(graph: Graph) -> dict[str, str]:
+    """Op -> the op at its position in the first instance of its agreeing layer instances, for the
+    ops of the other instances (those lacking none of the first's nodes) that read only values of
+    their own instance; empty where the graph's layers are not known yet. Such an op and its
+    representative have what their ``DimMap`` is made of alike, so the same links: agreeing
+    instances agree position by position in op, outputs and non-tensor arguments (by their
+    ``repr``: the same values; ``agreement.signature``) and in their wiring, each input made at the
+    same position of its instance, where the ops agree too, so with the same spec; and inputs are
+    the same tensor in one where they are in the other."""
+    found = known_layers(graph)
+    out: dict[str, str] = {}
+    for prefix, ix in (found.alike.items() if found is not None else ()):
+        first = found.instances[(prefix, ix[0])]
+        for i in ix[1:]:
+            if (prefix, i) in found.positions:
+                continue
+            names = found.instances[(prefix, i)]
+            members = set(names)
+            for n, rep in zip(names, first):
+                if all(r.node in members for r in graph.node(n).inputs):
+                    out[n] = rep
+    return out
+
+
+def local_signature(graph: Graph, node: Node) -> tuple:
+    """What an op's ``DimMap`` (and so its strategies) is made of, without the names of the tensors
+    it reads: the op, its non-tensor arguments (tensors as their input slot: repeats show), the
+    specs of its inputs and outputs. Ops with one signature have one DimMap."""
     slot: dict[Ref, int] = {}
     for r in node.inputs:
         slot.setdefault(r, len(slot))
+    return (node.op, _plain(node.args, slot), _plain(node.kwargs, slot) if node.kwargs else ("<dict>",),
+            tuple(graph.spec(r) for r in node.inputs), tuple(node.outputs))
 
-    def plain(a):
-        if isinstance(a, Ref):
-            return ("<ref>", slot[a])
-        if isinstance(a, (list, tuple)):
-            return (type(a).__name__,) + tuple(plain(x) for x in a)
-        if isinstance(a, dict):
-            return ("<dict>",) + tuple((k, plain(v)) for k, v in a.items())
-        return (type(a).__name__, a) if isinstance(a, (int, float, bool, str, type(None))) else repr(a)
 
-    return (node.op, plain(node.args), plain(node.kwargs), tuple(graph.spec(r) for r in node.inputs),
-            tuple(node.outputs))
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _plain(a, slot: dict[Ref, int]):
+    """An argument as ``local_signature`` holds it: a tensor as its input slot, a scalar with its type."""
+    kind = type(a)
+    if kind is Ref:
+        return "<ref>", slot[a]
+    if kind in _SCALARS:
+        return kind.__name__, a
+    if isinstance(a, (list, tuple)):
+        return (kind.__name__,) + tuple(_plain(x, slot) for x in a)
+    if isinstance(a, dict):
+        return ("<dict>",) + tuple((k, _plain(v, slot)) for k, v in a.items())
+    return (kind.__name__, a) if isinstance(a, _SCALARS) else repr(a)
 
 
 def _links(graph: Graph, node: Node) -> tuple:

@@ -97,6 +97,11 @@ def layers(graph: Graph) -> Layers:
     return got
 
 
+def known_layers(graph: Graph) -> Optional[Layers]:
+    """The graph's layer membership where it is made already, else None (nothing is computed)."""
+    return _CACHE.get(graph)
+
+
 def layer_members(graph: Graph) -> frozenset[str]:
     """Every node of a layer instance, as ``fold`` groups them."""
     return layers(graph).members()
@@ -383,4 +388,4 @@ def _find(graph: Graph) -> Layers:
     return Layers(instances, alike, owner, positions)
 
 
-__all__ = ["Layers", "fewest_crossing_cut", "layer_key", "layer_members", "layer_of", "layers"]
+__all__ = ["Layers", "fewest_crossing_cut", "known_layers", "layer_key", "layer_members", "layer_of", "layers"]

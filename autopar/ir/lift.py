@@ -27,10 +27,7 @@ aten = torch.ops.aten
 def spec_of(val: Any) -> Optional[TensorSpec]:
     """The ``TensorSpec`` of a fake or real tensor value (None for a non-tensor)."""
     if isinstance(val, torch.Tensor):
-        shape = tuple(val.shape)  # static shapes: plain ints
-        if not all(type(s) is int for s in shape):
-            shape = tuple(int(s) for s in shape)
-        return TensorSpec(shape, val.dtype)
+        return TensorSpec(tuple(map(int, val.shape)), val.dtype)  # static shapes: plain ints
     return None
 
 
@@ -124,6 +121,7 @@ def lift(
     inputs: dict[str, str] = {}
     hints: list[Hint] = []
     out_node = None
+    op_names: dict[int, str] = {}  # id(target) -> its name (the targets live on through the call)
 
     for n in gm.graph.nodes:
         if n.op == "output":
@@ -174,7 +172,10 @@ def lift(
                 module_path = _common_module(
                     [by_name[r.node].module_path for r in ins if not by_name[r.node].is_placeholder]
                 )
-            node = Node(n.name, str(n.target), n.target, args, kwargs, ins, outputs, roles, _phase(n), module_path, n)
+            op = op_names.get(id(n.target))
+            if op is None:
+                op = op_names[id(n.target)] = str(n.target)
+            node = Node(n.name, op, n.target, args, kwargs, ins, outputs, roles, _phase(n), module_path, n)
             if n.target is hint_op:
                 hints.append(Hint(Ref(n.name, 0), n.args[1], module_path))
         elif n.op == "get_attr":  # a tensor constant created in forward (e.g. torch.tensor([...]))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from torch.fx.node import map_aggregate
+from torch.fx.node import map_arg
 
 from autopar import _torch_compat as tc
 from autopar._torch_compat.graph_module import lazy_graph_module
@@ -337,19 +337,22 @@ class _Replicator:
         graph = torch.fx.Graph()
         constants: dict[str, torch.Tensor] = {}  # tensor constants made in forward, by their new names
         env: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}
+        templates = {n: _number(n.name)[0] for n in self.nodes}
         for n, c in self.order(k):
             num0, seq0, dnum, dseq, lnum, lseq = self.steps[n]
-            name = _named(_number(n.name)[0], num0 + k * dnum + c * lnum)
-            args = map_aggregate(n.args, lambda a: self._input(a, n, c, k, env) if isinstance(a, torch.fx.Node) else a)
-            kwargs = map_aggregate(n.kwargs,
-                                   lambda a: self._input(a, n, c, k, env) if isinstance(a, torch.fx.Node) else a)
+            name = _named(templates[n], num0 + k * dnum + c * lnum)
             target = name if n.op in ("placeholder", "get_attr") else n.target
             if n.op == "get_attr":
                 constants[name] = getattr(self.gm, n.target)
-            new = graph.create_node(n.op, target, args, kwargs, name=name, type_expr=n.type)
+            # made bare, then wired: create_node's scan of arguments for symbolic values is most of its cost
+            new = graph.create_node(n.op, target, name=name, type_expr=n.type)
             if new.name != name:
                 raise _NoStack(f"the name {name} of a built node is taken twice")
-            new.meta = self._meta(n, c, k, seq0 + k * dseq + c * lseq)
+            if n.args:
+                new.args = map_arg(n.args, lambda a: self._input(a, n, c, k, env))
+            if n.kwargs:
+                new.kwargs = map_arg(n.kwargs, lambda a: self._input(a, n, c, k, env))
+            new.meta.update(self._meta(n, c, k, seq0 + k * dseq + c * lseq))
             env[(n, c)] = new
         outs, descs = [], []
         entries = list(zip(self.out.args[0], self.out.meta.get("desc") or [None] * len(self.out.args[0])))

@@ -41,9 +41,11 @@ from autopar.cost_model.memory import local_numel
 from autopar.cost_model.mesh import Mesh
 from autopar.cost_model.precision import Precision
 from autopar.errors import ArgumentError
+from autopar.ir.dimflow import local_signature
 from autopar.ir.graph import Graph, Phase, Ref
 from autopar.ir.layers import layers
 from autopar.ir.placement import Placements
+from autopar.ir.rules.base import has_rule
 from autopar.ir.rules.dimmap import Strategy
 from autopar.ir.views import param_views
 from autopar.passes.search.fold import Folding
@@ -108,33 +110,49 @@ def kept_reads(graph: Graph, strategy_of: Callable[[str], Strategy], kept: Itera
 
     def reads(nodes) -> Iterable[tuple[Ref, Placements]]:
         for node in nodes:
-            strat = strategy_of(node.name)
+            strat = None
             for slot, r in enumerate(node.inputs):
                 if r.node not in views or path(r.node) not in kept:
                     continue
+                if strat is None:
+                    strat = strategy_of(node.name)
                 src, dst = tuple(output_placement(strategy_of(r.node), r.index)), tuple(input_placement(strat, slot))
                 if src != dst:
                     yield r, dst, src
 
-    ops = list(graph.ops())
+    # the ops that read a parameter view of a kept instance, in graph order (the only ones ``reads`` yields for)
+    users = graph.users()
+    readers = {u for v in views if path(v) in kept for u in users[v]}
+    ops = [n for n in graph.ops() if n.name in readers]
     gathered: dict[Ref, list[Placements]] = {}
     for r, dst, _ in reads(n for n in ops if n.phase == Phase.FORWARD):
         if dst not in gathered.setdefault(r, []):
             gathered[r].append(dst)
     out: dict[tuple[Ref, Placements], Derived] = {}
     later = [n for n in ops if n.phase == Phase.BACKWARD] + [n for n in ops if n.name in recomputed]
+    known: dict[tuple, list[Strategy]] = {}  # the view ops' strategies, per local signature (alike layers: once)
+
+    def strategies(node) -> list[Strategy]:
+        # a node's strategies follow from what its DimMap is made of (and, for an op without a
+        # rule, its module path: the warning that says so names it)
+        key = (local_signature(graph, node), None if has_rule(node.op) else node.module_path)
+        if key not in known:
+            known[key] = node_strategies(graph, node, mesh)
+        return known[key]
+
     for r, want, src in reads(later):
         if (r, want) in out or not _moves(graph.spec(r).shape, src, want, mesh):
             continue
-        found = _derive(graph, r, want, gathered, mesh)
+        found = _derive(graph, r, want, gathered, mesh, strategies)
         if found is not None:
             out[(r, want)] = found
     return out
 
 
-def _derive(graph: Graph, r: Ref, want: Placements, gathered: dict, mesh: Mesh) -> Optional[Derived]:
+def _derive(graph: Graph, r: Ref, want: Placements, gathered: dict, mesh: Mesh,
+            strategies: Callable) -> Optional[Derived]:
     """How ``r`` at ``want`` comes from a forward-gathered block of itself or of a value it is a
-    view of (nearest first), or None."""
+    view of (nearest first), or None. ``strategies(node)``: the node's ``node_strategies``."""
     chain: list[str] = []  # view ops from the ancestor (exclusive) down to r (inclusive)
     at = r
     while True:
@@ -142,7 +160,7 @@ def _derive(graph: Graph, r: Ref, want: Placements, gathered: dict, mesh: Mesh) 
             cur, replay = placed, []
             for name in reversed(chain):
                 node = graph.node(name)
-                fits = [s for s in node_strategies(graph, node, mesh) if tuple(input_placement(s, 0)) == tuple(cur)]
+                fits = [s for s in strategies(node) if tuple(input_placement(s, 0)) == tuple(cur)]
                 if not fits:
                     break
                 replay.append((name, fits[0]))
