@@ -203,5 +203,41 @@ def test_a_storage_outside_the_proof_falls_back_to_every_op(monkeypatch):
         raise periodic.Aperiodic("refused")
 
     monkeypatch.setattr(periodic, "expand", refuse)
+    prog = program(p.graph)
+    win = periodic.window(p.graph, prog, p.folding, frozenset(), {})
     got = step_peak(p.graph, strategy_of, mesh, p.precision, alike=p.folding)
     assert walks and got == full and got.between == full.between
+    try:  # not tried again: the window is forgotten
+        assert periodic.window(p.graph, prog, p.folding, frozenset(), {}) is None
+        assert step_peak(p.graph, strategy_of, mesh, p.precision, alike=p.folding) == full and len(walks) == 1
+    finally:  # (the other tests share this graph)
+        del prog.periodic[("short", win.tau, win.hi)]
+
+
+def test_served_as_any_iterable_and_short_programs_held_few(monkeypatch):
+    p, mesh = _planned(*CASES[0])
+    prog = program(p.graph)
+    paths = [path for t in p.terms for path in t.paths]
+    strategy_of, kept = None, {}
+    for choice in [p.choice] + [p.recipe_choices[k] for k in sorted(p.recipe_choices)]:
+        strategy_of = strategy_lookup(p.problem, p.folding, choice)
+        kept = _served(p, mesh, strategy_of, paths, frozenset())
+        if kept:
+            break
+    assert kept
+    # a one-shot iterable of (ref, placements), each serving itself, read by the window and the walk alike
+    listed = reference_peak(p.graph, strategy_of, mesh, p.precision, served=list(kept))
+    assert step_peak(p.graph, strategy_of, mesh, p.precision, served=iter(list(kept)), alike=p.folding) == listed
+    # windows moved by recomputing the first or last k instances: few short programs held (here one),
+    # every walk exact
+    monkeypatch.setattr(periodic, "SHORTS_KEPT", 1)
+    made = set()
+    for k in range(1, len(paths) - 2):
+        for redo in (recomputed_ops(p.graph, {path: "full" for path in paths[:k]}),
+                     recomputed_ops(p.graph, {path: "full" for path in paths[-k:]})):
+            win = periodic.window(p.graph, prog, p.folding, redo, {})
+            made |= {(win.tau, win.hi)} if win is not None else set()
+            full = step_peak(p.graph, strategy_of, mesh, p.precision, recomputed=redo)
+            assert step_peak(p.graph, strategy_of, mesh, p.precision, recomputed=redo, alike=p.folding) == full, k
+    held = [key for key, v in prog.periodic.items() if isinstance(key, tuple) and key[0] == "short" and v is not None]
+    assert len(made) > periodic.SHORTS_KEPT and 1 <= len(held) <= periodic.SHORTS_KEPT, (made, held)

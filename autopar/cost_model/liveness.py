@@ -105,12 +105,13 @@ def step_peak(graph: Graph, strategy_of: Callable[[str], tuple], mesh, precision
     equal placements), moments ints (``liveness_program.at``), the sweep over the moments in numpy."""
     prog = program(graph)
     redo = frozenset(recomputed)
+    served = served if isinstance(served, Mapping) else tuple(served)  # (read by the window and the walk)
     win = periodic.window(graph, prog, alike, redo, served) if alike is not None else None
     if win is not None:
         try:
             return _walk(graph, prog, strategy_of, mesh, precision, redo, served, grad_stages, win)
         except periodic.Aperiodic:
-            pass
+            periodic.forget(prog, win)  # (not tried again on this graph: the walk of every op is exact)
     return _walk(graph, prog, strategy_of, mesh, precision, redo, served, grad_stages, None)
 
 

@@ -44,6 +44,8 @@ from autopar.ir.layers import layers
 
 #: the fewest instances worth a window (fewer: the walk of every op)
 MIN_WINDOW = 2
+#: short programs kept per graph (each nearly the program's size; a recomputation sweep moves the window)
+SHORTS_KEPT = 4
 
 
 class Aperiodic(Exception):
@@ -259,7 +261,16 @@ def window(graph: Graph, prog: Program, alike, redo: frozenset, served) -> Optio
             prog.periodic[key] = (_short(graph, prog, st, tau, hi), {k: v for k, v in like.items() if v is not None})
         except Aperiodic:
             prog.periodic[key] = None
+        held = [k for k, v in prog.periodic.items() if isinstance(k, tuple) and k[0] == "short" and v is not None]
+        for old in held[:-SHORTS_KEPT]:  # the oldest made again if asked for again
+            del prog.periodic[old]
     return Window(st, tau, hi, *prog.periodic[key]) if prog.periodic[key] is not None else None
+
+
+def forget(prog: Program, win: Window) -> None:
+    """No window ``win.tau .. win.hi`` on this graph from now on: its expansion met a storage its
+    proof does not cover (``Aperiodic``), as it would again."""
+    prog.periodic[("short", win.tau, win.hi)] = None
 
 
 def _short(graph: Graph, prog: Program, st: Stack, tau: int, hi: int) -> Program:
@@ -441,4 +452,4 @@ def _out(st: Stack, k: int, j: int, index: int) -> int:
     raise Aperiodic((k, j, index))
 
 
-__all__ = ["Aperiodic", "Expanded", "Stack", "Window", "expand", "stack", "window"]
+__all__ = ["Aperiodic", "Expanded", "Stack", "Window", "expand", "forget", "stack", "window"]
