@@ -38,7 +38,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from autopar.cost_model.liveness_program import W, Program, at, issue_times
+from autopar.cost_model.liveness_program import W, Program, at, first_backward, issue_times
 from autopar.ir.graph import Graph, Phase, Ref
 from autopar.ir.layers import layers
 
@@ -304,8 +304,7 @@ def _short(graph: Graph, prog: Program, st: Stack, tau: int, hi: int) -> Program
             readers[r.node].append(m.name)
             new.append((k, rc, is_view))
         ops.append((moved(i), m, back, tuple(new), outs, alias))
-    back = [m for m in nodes if m.phase == Phase.BACKWARD and not m.is_placeholder] if graph.training else []
-    first_back = order[back[0].name] if back else len(nodes)
+    first_back = first_backward(nodes, graph.training)
     issue = {k: at(*v) for k, v in issue_times(nodes, order, first_back).items()}
     return Program(order, first_back, prog.views, ops, issue, dict(readers), code, refs, sizes=prog.sizes,
                    length=len(nodes), placeholders=prog.placeholders)

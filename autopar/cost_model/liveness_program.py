@@ -74,9 +74,7 @@ def program(graph: Graph) -> Program:
     nodes = graph.nodes
     order = {n.name: i for i, n in enumerate(nodes)}
     views = param_views(graph)
-    back = next((i for i, n in enumerate(nodes) if n.phase == Phase.BACKWARD and n.op != "placeholder"), None) \
-        if graph.training else None
-    first_back = len(nodes) if back is None else back
+    first_back = first_backward(nodes, graph.training)
     code: dict = {}
     refs: list = []
 
@@ -124,6 +122,15 @@ def rerun_times(graph: Graph, redo: frozenset, order: dict, readers: Mapping[str
     return out
 
 
+def first_backward(nodes, training: bool) -> int:
+    """The index of the first backward op in ``nodes`` (``len(nodes)`` without one)."""
+    if training:
+        for i, n in enumerate(nodes):
+            if n.phase == Phase.BACKWARD and n.op != "placeholder":
+                return i
+    return len(nodes)
+
+
 def issue_times(nodes, order: dict, first_back: int) -> dict:
     """(node, "f"|"b") -> the moment a parameter gather for that node is issued: the start of the
     layer before the node's layer in its phase, or the phase's start for a node outside the layers
@@ -148,4 +155,4 @@ def issue_times(nodes, order: dict, first_back: int) -> dict:
     return out
 
 
-__all__ = ["LAST", "W", "Program", "at", "issue_times", "program", "rerun_times"]
+__all__ = ["LAST", "W", "Program", "at", "first_backward", "issue_times", "program", "rerun_times"]
